@@ -1,0 +1,171 @@
+//! The engine's public surface: what a front end (HTTP server, CLI, benchmark) submits and what
+//! comes back. Everything crosses threads by channel; nothing here touches the model.
+
+use crate::types::{RequestId, TokenId};
+
+/// Per-request sampling settings, validated by [`SamplingParams::validate`] before submission.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// 0 disables top-k.
+    pub top_k: usize,
+    /// 1.0 disables top-p.
+    pub top_p: f32,
+    /// 0.0 disables min-p.
+    pub min_p: f32,
+    /// 1.0 disables. Applied to tokens seen in prompt and output (HF/vLLM semantics).
+    pub repetition_penalty: f32,
+    /// 0.0 disables. Applied to tokens seen in the output (OpenAI semantics).
+    pub presence_penalty: f32,
+    /// 0.0 disables. Applied per occurrence in the output (OpenAI semantics).
+    pub frequency_penalty: f32,
+    /// Same seed + same request => same output, whatever else is in the batch.
+    pub seed: Option<u64>,
+    /// Maximum number of generated tokens.
+    pub max_tokens: usize,
+    /// Generation stops when the text contains one of these; the stop string is not returned.
+    pub stop: Vec<String>,
+    /// Generation stops when one of these tokens is sampled (in addition to EOS unless ignore_eos).
+    pub stop_token_ids: Vec<TokenId>,
+    pub ignore_eos: bool,
+    /// None: no logprobs. Some(k): the sampled token's logprob plus the top k alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// Why a sampling parameter was refused. `param` names the field as the OpenAI API spells it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidParam {
+    pub param: &'static str,
+    pub message: String,
+}
+
+impl SamplingParams {
+    pub fn greedy(max_tokens: usize) -> Self {
+        Self { temperature: 0.0, max_tokens, ..Self::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks every field's range; `max_logprobs` is the server's `--max-logprobs`.
+    pub fn validate(&self, max_logprobs: usize) -> Result<(), InvalidParam> {
+        let bad = |param: &'static str, message: String| Err(InvalidParam { param, message });
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature", format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(
+                "repetition_penalty",
+                format!("repetition_penalty must be > 0, got {}", self.repetition_penalty),
+            );
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad(
+                "presence_penalty",
+                format!("presence_penalty must be in [-2, 2], got {}", self.presence_penalty),
+            );
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad(
+                "frequency_penalty",
+                format!("frequency_penalty must be in [-2, 2], got {}", self.frequency_penalty),
+            );
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens", "max_tokens must be at least 1".to_string());
+        }
+        if let Some(k) = self.logprobs {
+            if k > max_logprobs {
+                return bad(
+                    "logprobs",
+                    format!("requested {k} logprobs but the server allows at most {max_logprobs} (--max-logprobs)"),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Log-probability of one emitted token and the top alternatives at that position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: TokenId,
+    pub logprob: f32,
+    /// Sorted by descending logprob; empty when the request asked for 0 alternatives.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// max_tokens or the model's context length reached.
+    Length,
+    /// The client went away or asked to cancel.
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What the engine streams back for one request, in order: zero or more `Delta`s then exactly one
+/// `Finished` or `Failed`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RequestEvent {
+    Delta {
+        /// Tokens emitted this step (one without speculation, up to 1 + k with it).
+        tokens: Vec<TokenId>,
+        /// Text those tokens completed; may be empty while a UTF-8 character is incomplete or a
+        /// possible stop string is being held back.
+        text: String,
+        /// One entry per token when logprobs were asked for, else empty.
+        logprobs: Vec<TokenLogprob>,
+    },
+    Finished { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
+    Failed { message: String },
+}
+
+/// One request as the engine receives it: already tokenized and validated.
+#[derive(Debug)]
+pub struct GenerateRequest {
+    pub id: RequestId,
+    pub prompt: Vec<TokenId>,
+    pub params: SamplingParams,
+    pub events: tokio::sync::mpsc::UnboundedSender<RequestEvent>,
+}
