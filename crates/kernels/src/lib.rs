@@ -1,1 +1,29 @@
+//! specula-kernels: the CPU hot loops of the engine — quantized matrix multiplication, paged
+//! attention, RMSNorm, RoPE, SiLU-mul, softmax. Knows nothing of requests or models.
+//!
+//! Every SIMD kernel has a scalar reference beside it and a test comparing the two. Every kernel
+//! reduces each output element in a fixed order that does not depend on the batch size or the
+//! thread count, which is what makes the engine batch-invariant.
 
+pub mod attention;
+pub mod cpu;
+pub mod dot;
+pub mod formats;
+pub mod matmul;
+pub mod ops;
+pub mod q8;
+pub mod weights;
+
+pub use formats::WeightFormat;
+pub use matmul::{matmul, matmul_many};
+pub use q8::{quantize_rows, BlockQ8, QuantizedActivations};
+pub use weights::{QMatrix, WeightBytes};
+
+/// Errors raised when weights or shapes handed to a kernel do not fit.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{what}: expected {expected} bytes, got {got}")]
+    ByteLength { what: String, expected: usize, got: usize },
+    #[error("{what}: {cols} columns is not a multiple of the {format:?} block size {block}")]
+    BlockMisaligned { what: String, format: WeightFormat, cols: usize, block: usize },
+}

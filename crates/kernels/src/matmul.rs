@@ -1,0 +1,199 @@
+//! `y = x W^T` for a batch of activation rows against one or several weight matrices that share
+//! the same input (q/k/v, gate/up), multi-threaded over weight rows on the current rayon pool.
+//!
+//! Work is split over *output rows* only: each output element is produced by one call of a dot
+//! kernel whose reduction order is fixed, so results are bitwise independent of the batch size,
+//! of which rows share the batch, and of the thread count.
+
+use crate::dot::{dot_f32, dot_q8_rows};
+use crate::q8::{quantize_rows, QuantizedActivations};
+use crate::weights::QMatrix;
+use rayon::prelude::*;
+
+/// Activations prepared once for every matrix that reads them.
+pub struct MatmulInput<'a> {
+    pub x: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    q8: Option<QuantizedActivations>,
+}
+
+impl<'a> MatmulInput<'a> {
+    /// `x` is `rows x cols` row-major. Quantizes to 8-bit blocks when any of `ws` uses the int8 path.
+    pub fn new(x: &'a [f32], cols: usize, ws: &[&QMatrix]) -> Self {
+        assert_eq!(x.len() % cols, 0, "activation length {} is not a multiple of {cols}", x.len());
+        let rows = x.len() / cols;
+        let q8 = ws.iter().any(|w| w.format.has_int8_dot()).then(|| quantize_parallel(x, cols));
+        Self { x, rows, cols, q8 }
+    }
+}
+
+fn quantize_parallel(x: &[f32], cols: usize) -> QuantizedActivations {
+    let rows = x.len() / cols;
+    if rows < 32 {
+        return quantize_rows(x, cols);
+    }
+    let parts: Vec<QuantizedActivations> = x.par_chunks(16 * cols).map(|c| quantize_rows(c, cols)).collect();
+    let mut out = QuantizedActivations { blocks: Vec::with_capacity(rows * cols / 32), rows, blocks_per_row: cols / 32 };
+    for p in parts {
+        out.blocks.extend_from_slice(&p.blocks);
+    }
+    out
+}
+
+/// Raw pointer to an output buffer that tasks write at disjoint indices.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32, usize);
+// SAFETY: every task writes a disjoint set of (batch row, weight row) elements.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn get(&self) -> (*mut f32, usize) {
+        (self.0, self.1)
+    }
+}
+
+const BATCH_TILE: usize = 64;
+
+/// `outs[m]` (shape `input.rows x ws[m].rows`) = input x ws[m]^T, for every m, in one parallel region.
+pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len());
+    for (w, o) in ws.iter().zip(outs.iter()) {
+        assert_eq!(w.cols, input.cols, "matmul: weight has {} columns, input {}", w.cols, input.cols);
+        assert_eq!(o.len(), input.rows * w.rows, "matmul: output buffer has the wrong size");
+    }
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr(), o.len())).collect();
+    let rows_per_task = if input.rows <= 4 { 16 } else { 32 };
+    let mut tasks = Vec::new();
+    for (m, w) in ws.iter().enumerate() {
+        let mut r = 0;
+        while r < w.rows {
+            let end = (r + rows_per_task).min(w.rows);
+            tasks.push((m, r, end));
+            r = end;
+        }
+    }
+    let run = |&(m, r0, r1): &(usize, usize, usize)| {
+        let w = ws[m];
+        let out = ptrs[m];
+        if w.format.has_int8_dot() {
+            let q = input.q8.as_ref().expect("int8 input prepared by MatmulInput::new");
+            int8_rows(w, q, r0, r1, out);
+        } else {
+            f32_rows(w, input, r0, r1, out);
+        }
+    };
+    if tasks.len() == 1 {
+        run(&tasks[0]);
+    } else {
+        tasks.par_iter().for_each(run);
+    }
+}
+
+pub fn matmul(input: &MatmulInput, w: &QMatrix, out: &mut [f32]) {
+    matmul_many(input, &[w], &mut [out]);
+}
+
+fn int8_rows(w: &QMatrix, q: &QuantizedActivations, r0: usize, r1: usize, out: OutPtr) {
+    let n = q.rows;
+    let mut b0 = 0;
+    while b0 < n {
+        let b1 = (b0 + BATCH_TILE).min(n);
+        for r in r0..r1 {
+            let wr = w.row(r);
+            let mut b = b0;
+            while b + 4 <= b1 {
+                let y = dot_q8_rows::<4>(w.format, wr, [q.row(b), q.row(b + 1), q.row(b + 2), q.row(b + 3)]);
+                for (i, v) in y.iter().enumerate() {
+                    store(out, (b + i) * w.rows + r, *v);
+                }
+                b += 4;
+            }
+            while b < b1 {
+                let y = dot_q8_rows::<1>(w.format, wr, [q.row(b)]);
+                store(out, b * w.rows + r, y[0]);
+                b += 1;
+            }
+        }
+        b0 = b1;
+    }
+}
+
+fn f32_rows(w: &QMatrix, input: &MatmulInput, r0: usize, r1: usize, out: OutPtr) {
+    let mut buf = vec![0f32; w.cols];
+    for r in r0..r1 {
+        w.dequantize_row_into(r, &mut buf);
+        for b in 0..input.rows {
+            let x = &input.x[b * input.cols..(b + 1) * input.cols];
+            store(out, b * w.rows + r, dot_f32(&buf, x));
+        }
+    }
+}
+
+#[inline]
+fn store(out: OutPtr, idx: usize, v: f32) {
+    let (ptr, len) = out.get();
+    assert!(idx < len);
+    // SAFETY: idx is in bounds (checked above) and no other task writes this (batch, row) element.
+    unsafe { *ptr.add(idx) = v }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::{quantize_row, WeightFormat};
+    use crate::weights::WeightBytes;
+    use rand::{Rng, SeedableRng};
+
+    fn random_matrix(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: usize) -> QMatrix {
+        let mut bytes = Vec::new();
+        for _ in 0..rows {
+            let row: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            bytes.extend(quantize_row(f, &row));
+        }
+        QMatrix::new(f, rows, cols, WeightBytes::owned(bytes), "test").unwrap()
+    }
+
+    #[test]
+    fn a_rows_result_is_bitwise_independent_of_batch_and_threads() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let cols = 128;
+        for f in [WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::F16, WeightFormat::F32] {
+            let w = random_matrix(&mut rng, f, 100, cols);
+            let x: Vec<f32> = (0..cols * 70).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+            let run = |xs: &[f32], threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| {
+                    let inp = MatmulInput::new(xs, cols, &[&w]);
+                    let mut out = vec![0f32; inp.rows * w.rows];
+                    matmul(&inp, &w, &mut out);
+                    out
+                })
+            };
+            let full = run(&x, 2);
+            // row 5 alone, with one thread
+            let alone = run(&x[5 * cols..6 * cols], 1);
+            assert_eq!(alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                       full[5 * 100..6 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{f:?}");
+            // row 69 (in the scalar tail of the 4-row tiling) inside a batch of 3
+            let three = run(&x[67 * cols..70 * cols], 2);
+            assert_eq!(three[2 * 100..3 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                       full[69 * 100..70 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn matmul_many_equals_separate_matmuls() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (a, b) = (random_matrix(&mut rng, WeightFormat::Q4_1, 40, 64), random_matrix(&mut rng, WeightFormat::Q8_0, 24, 64));
+        let x: Vec<f32> = (0..64 * 3).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let inp = MatmulInput::new(&x, 64, &[&a, &b]);
+        let (mut ya, mut yb) = (vec![0f32; 3 * 40], vec![0f32; 3 * 24]);
+        matmul_many(&inp, &[&a, &b], &mut [&mut ya, &mut yb]);
+        let (mut za, mut zb) = (vec![0f32; 3 * 40], vec![0f32; 3 * 24]);
+        matmul(&MatmulInput::new(&x, 64, &[&a]), &a, &mut za);
+        matmul(&MatmulInput::new(&x, 64, &[&b]), &b, &mut zb);
+        assert_eq!(ya, za);
+        assert_eq!(yb, zb);
+    }
+}

@@ -1,0 +1,124 @@
+//! Element-wise and per-row operations of a transformer layer: RMSNorm, rotary position
+//! embedding, SiLU-gated multiply, residual add, softmax. Row-local, so batch-invariant.
+
+/// out = x / rms(x) * weight, per row of `weight.len()` elements.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let n = weight.len();
+    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let ss = crate::dot::dot_f32(xr, xr);
+        let scale = 1.0 / (ss / n as f32 + eps).sqrt();
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// Rotary embedding parameters of a model.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    pub head_dim: usize,
+    /// Number of leading dimensions rotated (usually head_dim).
+    pub rot_dim: usize,
+    /// theta_i = pos / (base^(2i/rot_dim) * freq_factor_i), divided by linear `scale`.
+    inv_freq: Vec<f32>,
+    pub neox: bool,
+}
+
+impl Rope {
+    /// `freq_factors` (llama3-style per-dimension divisors) must have rot_dim/2 entries when given.
+    pub fn new(head_dim: usize, rot_dim: usize, base: f32, linear_scale: f32, freq_factors: Option<&[f32]>, neox: bool) -> Self {
+        let inv_freq = (0..rot_dim / 2)
+            .map(|i| {
+                let f = 1.0 / base.powf(2.0 * i as f32 / rot_dim as f32);
+                let ff = freq_factors.map_or(1.0, |v| v[i]);
+                f / ff / linear_scale
+            })
+            .collect();
+        Self { head_dim, rot_dim, inv_freq, neox }
+    }
+
+    /// Rotates every head (`x.len()` a multiple of head_dim) of one token at `pos` in place.
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        let half = self.rot_dim / 2;
+        let cs: Vec<(f32, f32)> = self.inv_freq.iter().map(|f| {
+            let t = pos as f32 * f;
+            (t.cos(), t.sin())
+        }).collect();
+        for head in x.chunks_exact_mut(self.head_dim) {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (a, b) = if self.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/// out[i] = silu(gate[i]) * up[i]
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+/// x += y
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// In-place numerically stable softmax.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_of_constant_row_is_the_weight() {
+        let mut out = [0f32; 4];
+        rms_norm(&[2.0; 4], &[1.0, 2.0, 3.0, 4.0], 0.0, &mut out);
+        assert_eq!(out, [1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity_and_preserves_norm() {
+        let r = Rope::new(4, 4, 10000.0, 1.0, None, false);
+        let mut x = [1.0, 2.0, 3.0, 4.0];
+        r.apply(&mut x, 0);
+        assert_eq!(x, [1.0, 2.0, 3.0, 4.0]);
+        r.apply(&mut x, 7);
+        let n: f32 = x.iter().map(|v| v * v).sum();
+        assert!((n - 30.0).abs() < 1e-4);
+        // first pair rotates by exactly pos radians (inv_freq[0] = 1)
+        let mut y = [1.0, 0.0, 0.0, 0.0];
+        r.apply(&mut y, 1);
+        assert!((y[0] - 1f32.cos()).abs() < 1e-6 && (y[1] - 1f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_handles_large_values() {
+        let mut x = [1000.0, 1000.0, -f32::INFINITY];
+        softmax(&mut x);
+        assert_eq!(x, [0.5, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn silu_mul_matches_definition() {
+        let mut o = [0f32; 2];
+        silu_mul(&[0.0, 1.0], &[3.0, 2.0], &mut o);
+        assert_eq!(o[0], 0.0);
+        assert!((o[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+    }
+}
