@@ -1,1 +1,42 @@
+//! specula-model: model configuration, weight loading (GGUF and Hugging Face safetensors
+//! folders, memory-mapped), tokenizer, chat template and the Llama-family forward pass over a
+//! flattened batch with a paged KV cache.
 
+pub mod chat;
+pub mod config;
+pub mod gguf;
+pub mod kv_store;
+pub mod llama;
+pub mod loader;
+pub mod safetensors_folder;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::ModelConfig;
+pub use kv_store::KvStore;
+pub use llama::{ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
+pub use loader::{load_model, LoadedModel};
+pub use tokenizer::{DecodeStream, Tokenizer};
+
+/// Everything that can go wrong loading or running a model, each naming what and where.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("cannot open {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path} is not a valid GGUF file: {message}")]
+    BadGguf { path: String, message: String },
+    #[error("{0}")]
+    MissingMetadata(String),
+    #[error("tensor '{name}' has type {dtype}, which specula does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)")]
+    UnsupportedTensorType { name: String, dtype: String },
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("tensor '{name}': {message}")]
+    BadTensor { name: String, message: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("{0}")]
+    BadInput(String),
+}

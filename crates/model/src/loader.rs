@@ -1,0 +1,124 @@
+//! Turns a path into a ready model: a `.gguf` file or a Hugging Face folder (config.json +
+//! *.safetensors + tokenizer.json). Reports how long loading took.
+
+use crate::chat::{ChatTemplate, CHATML};
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use crate::llama::{LayerWeights, LlamaModel};
+use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
+use crate::ModelError;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+pub struct LoadedModel {
+    pub model: LlamaModel,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub load_time: Duration,
+    /// Bytes of weights mapped.
+    pub weight_bytes: usize,
+    pub name: String,
+}
+
+pub fn load_model(path: &Path) -> Result<LoadedModel, ModelError> {
+    let start = Instant::now();
+    let mut loaded = if path.is_dir() {
+        crate::safetensors_folder::load(path)?
+    } else {
+        load_gguf(path)?
+    };
+    loaded.load_time = start.elapsed();
+    tracing::info!(model = %loaded.name, weights_mb = loaded.weight_bytes / 1_000_000, ms = loaded.load_time.as_millis() as u64, "model loaded");
+    Ok(loaded)
+}
+
+fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
+    let f = GgufFile::open(path)?;
+    let arch = f.meta_str("general.architecture")?.to_string();
+    if !matches!(arch.as_str(), "llama" | "mistral") {
+        return Err(ModelError::Unsupported(format!("architecture '{arch}' in {} is not supported (llama-family only)", f.path)));
+    }
+    let key = |k: &str| format!("{arch}.{k}");
+    let hidden = f.meta_u32(&key("embedding_length"))? as usize;
+    let n_heads = f.meta_u32(&key("attention.head_count"))? as usize;
+    let n_kv_heads = f.meta_u32(&key("attention.head_count_kv")).unwrap_or(n_heads as u32) as usize;
+    let head_dim = f.meta_u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads.max(1));
+    let embed = f.matrix("token_embd.weight")?;
+    let tied = !f.has_tensor("output.weight");
+    let linear_scale = match f.meta_str(&key("rope.scaling.type")) {
+        Ok("linear") => f.meta_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
+        Ok("none") | Err(_) => 1.0,
+        Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' is not supported"))),
+    };
+    let config = ModelConfig {
+        arch: arch.clone(),
+        vocab_size: embed.rows,
+        hidden_size: hidden,
+        intermediate_size: f.meta_u32(&key("feed_forward_length"))? as usize,
+        n_layers: f.meta_u32(&key("block_count"))? as usize,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        rms_eps: f.meta_f32(&key("attention.layer_norm_rms_epsilon"))?,
+        rope_theta: f.meta_f32(&key("rope.freq_base")).unwrap_or(10000.0),
+        rope_linear_scale: linear_scale,
+        rope_neox: false,
+        context_length: f.meta_u32(&key("context_length")).unwrap_or(2048) as usize,
+        tied_embeddings: tied,
+    };
+    if f.has_tensor("blk.0.ffn_gate_inp.weight") {
+        return Err(ModelError::Unsupported("mixture-of-experts GGUF models are not supported yet".into()));
+    }
+    let mut layers = Vec::with_capacity(config.n_layers);
+    for i in 0..config.n_layers {
+        let t = |n: &str| format!("blk.{i}.{n}.weight");
+        layers.push(LayerWeights {
+            attn_norm: f.vector(&t("attn_norm"))?,
+            wq: f.matrix(&t("attn_q"))?,
+            wk: f.matrix(&t("attn_k"))?,
+            wv: f.matrix(&t("attn_v"))?,
+            wo: f.matrix(&t("attn_output"))?,
+            ffn_norm: f.vector(&t("ffn_norm"))?,
+            w_gate: f.matrix(&t("ffn_gate"))?,
+            w_up: f.matrix(&t("ffn_up"))?,
+            w_down: f.matrix(&t("ffn_down"))?,
+        });
+    }
+    let lm_head = if tied { embed.clone() } else { f.matrix("output.weight")? };
+    let final_norm = f.vector("output_norm.weight")?;
+    let rope_freqs = if f.has_tensor("rope_freqs.weight") { Some(f.vector("rope_freqs.weight")?) } else { None };
+    let weight_bytes = f.content.tensor_infos.values().map(|i| i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()).sum();
+    let model = LlamaModel::new(config, embed, layers, final_norm, lm_head, rope_freqs)?;
+
+    let tokens = f.meta_strings("tokenizer.ggml.tokens")?;
+    let token_types = f.meta_i32s("tokenizer.ggml.token_type").unwrap_or_else(|_| vec![1; tokens.len()]);
+    let merges = f.meta_strings("tokenizer.ggml.merges").unwrap_or_default();
+    let bos = f.meta_u32("tokenizer.ggml.bos_token_id").ok();
+    let eos = f.meta_u32("tokenizer.ggml.eos_token_id").ok();
+    let tok_model = f.meta_str("tokenizer.ggml.model")?.to_string();
+    let pre = f.meta_str("tokenizer.ggml.pre").ok().map(str::to_string);
+    let mut tokenizer = Tokenizer::from_gguf(GgufTokenizerSpec {
+        model: &tok_model,
+        pre: pre.as_deref(),
+        tokens: tokens.clone(),
+        token_types,
+        merges,
+        bos,
+        eos,
+        add_bos: f.meta_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+    })?;
+    // ChatML models also end a turn with <|im_end|>.
+    if let Some(id) = tokenizer.token_to_id("<|im_end|>") {
+        if !tokenizer.eos.contains(&id) {
+            tokenizer.eos.push(id);
+        }
+    }
+    let tok_text = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize).cloned()).unwrap_or_default();
+    let chat_template = match f.meta_str("tokenizer.chat_template") {
+        Ok(src) => Some(ChatTemplate::new(src, &tok_text(bos), &tok_text(eos))?),
+        Err(_) if tokenizer.token_to_id("<|im_start|>").is_some() => Some(ChatTemplate::new(CHATML, "", "")?),
+        Err(_) => None,
+    };
+    let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
+    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
+}
