@@ -1,1 +1,41 @@
-fn main() {}
+//! The `specula` binary: clap CLI wiring the engine, server and benchmarks together.
+
+mod debug;
+mod fetch;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "specula", version, about = "Fast, lossless, observable speculative decoding; OpenAI-compatible serving")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Put the default model (SmolLM2-135M-Instruct Q4_1) in the cache.
+    FetchModel,
+    /// Machine-readable hooks for the test oracles.
+    #[command(subcommand, hide = true)]
+    Debug(debug::DebugCmd),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SPECULA_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::FetchModel => fetch::fetch(&fetch::default_model_path()),
+        Cmd::Debug(d) => debug::run(d),
+    }
+}

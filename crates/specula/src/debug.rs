@@ -1,0 +1,84 @@
+//! `specula debug ...`: machine-readable hooks for the Python oracles (tokenizer ids, logits).
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use specula_model::kv_store::KvStore;
+use specula_model::{load_model, ForwardBatch, SeqSpan};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Subcommand)]
+pub enum DebugCmd {
+    /// Tokenize a JSON list of strings: writes [{"ids": [...], "decoded": "..."}].
+    Tokenize(IoArgs),
+    /// Logits at every position of each prompt in {"prompts": [[ids]]}: little-endian f32.
+    Logits(IoArgs),
+}
+
+#[derive(Args)]
+pub struct IoArgs {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long)]
+    pub input: PathBuf,
+    #[arg(long)]
+    pub output: PathBuf,
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Prefill chunk size (tokens per forward pass); 0 = whole prompt at once.
+    #[arg(long, default_value_t = 0)]
+    pub chunk: usize,
+}
+
+pub fn run(cmd: DebugCmd) -> Result<()> {
+    match cmd {
+        DebugCmd::Tokenize(a) => {
+            let m = load_model(&crate::fetch::resolve_model(&a.model)?)?;
+            let texts: Vec<String> = serde_json::from_str(&std::fs::read_to_string(&a.input)?).context("input must be a JSON list of strings")?;
+            let mut out = Vec::new();
+            for t in texts {
+                let ids = m.tokenizer.encode(&t)?;
+                let decoded = m.tokenizer.decode(&ids, false)?;
+                out.push(serde_json::json!({"ids": ids, "decoded": decoded}));
+            }
+            std::fs::write(&a.output, serde_json::to_string(&out)?)?;
+        }
+        DebugCmd::Logits(a) => {
+            let m = load_model(&crate::fetch::resolve_model(&a.model)?)?;
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&a.input)?)?;
+            let prompts: Vec<Vec<u32>> = serde_json::from_value(v["prompts"].clone()).context("input must be {\"prompts\": [[ids]]}")?;
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(a.threads).build()?;
+            let mut f = std::io::BufWriter::new(std::fs::File::create(&a.output)?);
+            for p in prompts {
+                let logits = pool.install(|| all_position_logits(&m.model, &p, a.chunk))?;
+                for x in logits {
+                    f.write_all(&x.to_le_bytes())?;
+                }
+            }
+            f.flush()?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs one prompt through a private contiguous KV cache, `chunk` tokens per pass.
+pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], chunk: usize) -> Result<Vec<f32>> {
+    let c = &model.config;
+    let layout = specula_kernels::attention::KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+    let blocks = prompt.len().div_ceil(16).max(1);
+    let mut kv = KvStore::new(c.n_layers, layout, blocks);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let chunk = if chunk == 0 { prompt.len() } else { chunk };
+    let mut out = Vec::with_capacity(prompt.len() * c.vocab_size);
+    let mut done = 0;
+    while done < prompt.len() {
+        let n = chunk.min(prompt.len() - done);
+        let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: done + n, block_table: &table }];
+        let slots: Vec<usize> = (done..done + n).collect();
+        let rows: Vec<usize> = (0..n).collect();
+        let o = model.forward(&ForwardBatch { tokens: &prompt[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: false }, &mut kv)?;
+        out.extend_from_slice(&o.logits);
+        done += n;
+    }
+    Ok(out)
+}
