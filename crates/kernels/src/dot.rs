@@ -57,8 +57,13 @@ pub fn dot_q8_scalar(format: WeightFormat, w: &[u8], a: &[BlockQ8]) -> f32 {
 pub fn dot_q8_rows<const N: usize>(format: WeightFormat, w: &[u8], acts: [&[BlockQ8]; N]) -> [f32; N] {
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::cpu::features().avx2_fma {
-            // SAFETY: AVX2 and FMA were detected at run time.
+        let f = crate::cpu::features();
+        if f.avx512_vnni {
+            // SAFETY: AVX2, FMA, F16C and AVX-512 VNNI/VL were detected at run time.
+            return unsafe { avx2::dot_rows_vnni::<N>(format, w, acts) };
+        }
+        if f.avx2_fma {
+            // SAFETY: AVX2, FMA and F16C were detected at run time.
             return unsafe { avx2::dot_rows::<N>(format, w, acts) };
         }
     }
@@ -101,7 +106,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -110,61 +115,82 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_rows<const N: usize>(format: WeightFormat, w: &[u8], acts: [&[BlockQ8]; N]) -> [f32; N] {
-        let nb = acts[0].len();
-        let bb = format.block_bytes();
-        debug_assert!(w.len() >= nb * bb);
-        let m4 = _mm_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut sacc = [0f32; N];
-        let wp = w.as_ptr();
-        for b in 0..nb {
-            // SAFETY: b < nb and w holds nb blocks of bb bytes (checked by QMatrix::new).
-            let blk = wp.add(b * bb);
-            match format {
-                WeightFormat::Q4_1 | WeightFormat::Q4_0 => {
-                    let off = if format == WeightFormat::Q4_1 { 4 } else { 2 };
-                    let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
-                    let qs = _mm_loadu_si128(blk.add(off) as *const __m128i);
-                    let lo = _mm_and_si128(qs, m4);
-                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-                    let wq = _mm256_set_m128i(hi, lo);
-                    let m = if format == WeightFormat::Q4_1 {
-                        f16::from_bits(u16::from_le_bytes([*blk.add(2), *blk.add(3)])).to_f32()
-                    } else {
-                        -8.0 * d
-                    };
-                    for n in 0..N {
-                        let ab = acts[n].get_unchecked(b);
-                        let a = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, a), ones);
-                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[n]);
-                        sacc[n] += m * ab.s;
+    /// Generates one dot kernel per instruction set. `$mulsum(w_u8, a_i8)` returns the eight i32
+    /// sums of four u8*i8 products each; maddubs+madd (AVX2) and dpbusd (AVX-512 VNNI) give the
+    /// same integers, so both kernels produce bitwise-identical results.
+    macro_rules! dot_kernels {
+        ($name:ident, $features:literal, $mulsum:ident) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name<const N: usize>(format: WeightFormat, w: &[u8], acts: [&[BlockQ8]; N]) -> [f32; N] {
+                let nb = acts[0].len();
+                let bb = format.block_bytes();
+                debug_assert!(w.len() >= nb * bb);
+                let m4 = _mm_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); N];
+                let mut sacc = [0f32; N];
+                let wp = w.as_ptr();
+                match format {
+                    WeightFormat::Q4_1 | WeightFormat::Q4_0 => {
+                        let q4_1 = format == WeightFormat::Q4_1;
+                        let off = if q4_1 { 4 } else { 2 };
+                        for b in 0..nb {
+                            // SAFETY: b < nb and w holds nb blocks of bb bytes (checked by QMatrix::new).
+                            let blk = wp.add(b * bb);
+                            // d (and m for Q4_1) are the leading f16s of the block: convert both at once.
+                            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
+                            let d = _mm_cvtss_f32(dm);
+                            let m = if q4_1 { _mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1)) } else { -8.0 * d };
+                            let qs = _mm_loadu_si128(blk.add(off) as *const __m128i);
+                            let lo = _mm_and_si128(qs, m4);
+                            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+                            let wq = _mm256_set_m128i(hi, lo);
+                            for n in 0..N {
+                                let ab = acts[n].get_unchecked(b);
+                                let a = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+                                let p = $mulsum(wq, a);
+                                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[n]);
+                                sacc[n] += m * ab.s;
+                            }
+                        }
                     }
-                }
-                WeightFormat::Q8_0 => {
-                    let d = f16::from_bits(u16::from_le_bytes([*blk, *blk.add(1)])).to_f32();
-                    let wq = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                    let aw = _mm256_sign_epi8(wq, wq);
-                    for n in 0..N {
-                        let ab = acts[n].get_unchecked(b);
-                        let a = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
-                        let sa = _mm256_sign_epi8(a, wq);
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
-                        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[n]);
+                    WeightFormat::Q8_0 => {
+                        for b in 0..nb {
+                            // SAFETY: as above.
+                            let blk = wp.add(b * bb);
+                            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const u16).read_unaligned() as i32)));
+                            let wq = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                            let aw = _mm256_sign_epi8(wq, wq);
+                            for n in 0..N {
+                                let ab = acts[n].get_unchecked(b);
+                                let a = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+                                let p = $mulsum(aw, _mm256_sign_epi8(a, wq));
+                                acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab.d), _mm256_cvtepi32_ps(p), acc[n]);
+                            }
+                        }
                     }
+                    _ => unreachable!("{format:?} has no int8 dot path"),
                 }
-                _ => unreachable!("{format:?} has no int8 dot path"),
+                let mut out = [0f32; N];
+                for n in 0..N {
+                    out[n] = hsum(acc[n]) + sacc[n];
+                }
+                out
             }
-        }
-        let mut out = [0f32; N];
-        for n in 0..N {
-            out[n] = hsum(acc[n]) + sacc[n];
-        }
-        out
+        };
     }
+
+    #[inline(always)]
+    unsafe fn mulsum_avx2(w: __m256i, a: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
+    }
+
+    #[inline(always)]
+    unsafe fn mulsum_vnni(w: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a)
+    }
+
+    dot_kernels!(dot_rows, "avx2,fma,f16c", mulsum_avx2);
+    dot_kernels!(dot_rows_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", mulsum_vnni);
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -212,6 +238,24 @@ mod tests {
                     assert!((one - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{f:?}: {one} vs {reference}");
                 }
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_and_avx2_kernels_agree_bitwise() {
+        let f = crate::cpu::features();
+        if !(f.avx2_fma && f.avx512_vnni) {
+            eprintln!("skipping: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for fmt in [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0] {
+            let w = quantize_row(fmt, &rand_vec(&mut rng, 576));
+            let a = quantize_rows(&rand_vec(&mut rng, 576), 576);
+            // SAFETY: features checked above.
+            let (x, y) = unsafe { (avx2::dot_rows::<1>(fmt, &w, [a.row(0)]), avx2::dot_rows_vnni::<1>(fmt, &w, [a.row(0)])) };
+            assert_eq!(x[0].to_bits(), y[0].to_bits(), "{fmt:?}");
         }
     }
 

@@ -7,25 +7,36 @@ use std::sync::Arc;
 /// Bytes of one tensor: a window into a shared owner (usually a memory-mapped file).
 #[derive(Clone)]
 pub struct WeightBytes {
-    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
-    start: usize,
+    /// Keeps the memory alive; `ptr` points into it.
+    _owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    ptr: *const u8,
     len: usize,
 }
 
+// SAFETY: the bytes are immutable and owned by `_owner`, which is Send + Sync.
+unsafe impl Send for WeightBytes {}
+unsafe impl Sync for WeightBytes {}
+
 impl WeightBytes {
+    /// A window of `len` bytes at `start`; panics if it does not fit (a loader bug: loaders check
+    /// tensor extents against the file first).
     pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
-        debug_assert!(start + len <= (*owner).as_ref().len());
-        Self { owner, start, len }
+        let all = (*owner).as_ref();
+        assert!(start.checked_add(len).is_some_and(|e| e <= all.len()), "weight window outside its buffer");
+        let ptr = all[start..].as_ptr();
+        Self { _owner: owner, ptr, len }
     }
 
     pub fn owned(bytes: Vec<u8>) -> Self {
         let len = bytes.len();
-        Self { owner: Arc::new(bytes), start: 0, len }
+        Self::new(Arc::new(bytes), 0, len)
     }
 
     #[inline]
     pub fn as_slice(&self) -> &[u8] {
-        &(*self.owner).as_ref()[self.start..self.start + self.len]
+        // SAFETY: ptr/len were taken from the owner's slice, which lives as long as self and never moves
+        // (it is behind an Arc and immutable).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 

@@ -2,6 +2,7 @@
 
 mod debug;
 mod fetch;
+mod offline;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -17,9 +18,18 @@ struct Cli {
 enum Cmd {
     /// Put the default model (SmolLM2-135M-Instruct Q4_1) in the cache.
     FetchModel,
+    /// Benchmarks: engine throughput without HTTP, or load against a server.
+    #[command(subcommand)]
+    Bench(BenchCmd),
     /// Machine-readable hooks for the test oracles.
     #[command(subcommand, hide = true)]
     Debug(debug::DebugCmd),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Prefill and decode throughput of the engine, beside candle's quantized path.
+    Offline(offline::OfflineArgs),
 }
 
 fn main() {
@@ -37,5 +47,6 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::FetchModel => fetch::fetch(&fetch::default_model_path()),
         Cmd::Debug(d) => debug::run(d),
+        Cmd::Bench(BenchCmd::Offline(a)) => offline::run(a),
     }
 }

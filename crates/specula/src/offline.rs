@@ -1,0 +1,164 @@
+//! `specula bench offline`: engine throughput without HTTP — prefill tokens/s on a long prompt
+//! and decode tokens/s at several batch sizes and thread counts — printed beside candle's own
+//! quantized Llama (candle-transformers) on the same GGUF in the same run.
+
+use anyhow::{Context, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_llama::ModelWeights;
+use clap::Args;
+use specula_kernels::attention::KvLayout;
+use specula_model::kv_store::KvStore;
+use specula_model::{load_model, ForwardBatch, LlamaModel, SeqSpan};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct OfflineArgs {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Thread counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
+    /// Decode batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub batch: Vec<usize>,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_len: usize,
+    /// Decode steps per measurement.
+    #[arg(long, default_value_t = 64)]
+    pub decode_steps: usize,
+    /// Skip the candle baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+    #[arg(long)]
+    pub output_json: Option<PathBuf>,
+}
+
+struct Row {
+    what: String,
+    threads: usize,
+    ours: f64,
+    candle: Option<f64>,
+}
+
+pub fn run(args: OfflineArgs) -> Result<()> {
+    let path = crate::fetch::resolve_model(&args.model)?;
+    let loaded = load_model(&path)?;
+    let model = &loaded.model;
+    eprintln!("{}", specula_kernels::cpu::describe());
+    let prompt: Vec<u32> = (0..args.prefill_len).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
+    let mut rows = Vec::new();
+    for &threads in &args.threads {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+        let ours = pool.install(|| prefill_tps(model, &prompt))?;
+        let candle = if args.no_baseline { None } else { Some(pool.install(|| candle_prefill_tps(&path, &prompt))?) };
+        rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle });
+        for &b in &args.batch {
+            let ours = pool.install(|| decode_tps(model, b, args.decode_steps))?;
+            let candle = if args.no_baseline { None } else { Some(pool.install(|| candle_decode_tps(&path, b, args.decode_steps))?) };
+            rows.push(Row { what: format!("decode batch {b}"), threads, ours, candle });
+        }
+    }
+    println!("\nspecula bench offline — {} ({})", loaded.name, specula_kernels::cpu::describe());
+    println!("{:<22} {:>7} {:>14} {:>14} {:>8}", "measurement", "threads", "specula tok/s", "candle tok/s", "ratio");
+    for r in &rows {
+        let (c, ratio) = match r.candle {
+            Some(c) => (format!("{c:.1}"), format!("{:.2}x", r.ours / c)),
+            None => ("-".into(), "-".into()),
+        };
+        println!("{:<22} {:>7} {:>14.1} {:>14} {:>8}", r.what, r.threads, r.ours, c, ratio);
+    }
+    if let Some(p) = args.output_json {
+        let j: Vec<_> = rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle})).collect();
+        std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
+    }
+    Ok(())
+}
+
+fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> (KvStore, Vec<Vec<u32>>) {
+    let c = &model.config;
+    let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+    let per = tokens_per_seq.div_ceil(16);
+    let kv = KvStore::new(c.n_layers, layout, per * seqs);
+    let tables = (0..seqs).map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect()).collect();
+    (kv, tables)
+}
+
+fn prefill_tps(model: &LlamaModel, prompt: &[u32]) -> Result<f64> {
+    let (mut kv, tables) = kv_for(model, prompt.len(), 1);
+    let seqs = [SeqSpan { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &tables[0] }];
+    let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
+    let start = Instant::now();
+    model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt.len() - 1], want_hidden: false }, &mut kv)?;
+    Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {
+    let prompt_len = 16;
+    let (mut kv, tables) = kv_for(model, prompt_len + steps + 1, batch);
+    let vocab = model.config.vocab_size;
+    // prefill each sequence (different prompts) then decode in lockstep
+    let mut last = Vec::new();
+    for (s, table) in tables.iter().enumerate() {
+        let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 200 + i * 13 + s as u32).collect();
+        let seqs = [SeqSpan { q_start: 0, q_len: prompt_len, context_len: prompt_len, block_table: table }];
+        let slots: Vec<usize> = (0..prompt_len).map(|p| table[p / 16] as usize * 16 + p % 16).collect();
+        let o = model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt_len - 1], want_hidden: false }, &mut kv)?;
+        last.push(argmax(&o.logits));
+    }
+    let start = Instant::now();
+    for step in 0..steps {
+        let ctx = prompt_len + step + 1;
+        let seqs: Vec<SeqSpan> = tables.iter().enumerate().map(|(s, t)| SeqSpan { q_start: s, q_len: 1, context_len: ctx, block_table: t }).collect();
+        let slots: Vec<usize> = tables.iter().map(|t| t[(ctx - 1) / 16] as usize * 16 + (ctx - 1) % 16).collect();
+        let rows: Vec<usize> = (0..batch).collect();
+        let o = model.forward(&ForwardBatch { tokens: &last, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: false }, &mut kv)?;
+        last = o.logits.chunks_exact(vocab).map(argmax).collect();
+    }
+    Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
+}
+
+fn candle_model(path: &PathBuf) -> Result<ModelWeights> {
+    let mut f = std::fs::File::open(path)?;
+    let content = gguf_file::Content::read(&mut f).context("candle could not read the GGUF")?;
+    Ok(ModelWeights::from_gguf(content, &mut f, &Device::Cpu)?)
+}
+
+fn candle_prefill_tps(path: &PathBuf, prompt: &[u32]) -> Result<f64> {
+    let mut m = candle_model(path)?;
+    let x = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
+    let start = Instant::now();
+    m.forward(&x, 0)?;
+    Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
+}
+
+fn candle_decode_tps(path: &PathBuf, batch: usize, steps: usize) -> Result<f64> {
+    let mut m = candle_model(path)?;
+    let prompt_len = 16;
+    // candle's batched forward only handles one new position per sequence, so feed the prompt token by token
+    let mut next = Tensor::zeros((batch, 1), candle_core::DType::U32, &Device::Cpu)?;
+    for p in 0..prompt_len {
+        let col: Vec<u32> = (0..batch as u32).map(|s| 200 + p as u32 * 13 + s).collect();
+        let x = Tensor::new(col.as_slice(), &Device::Cpu)?.reshape((batch, 1))?;
+        let logits = m.forward(&x, p)?;
+        next = logits.argmax(candle_core::D::Minus1)?.reshape((batch, 1))?;
+    }
+    let start = Instant::now();
+    for step in 0..steps {
+        let logits = m.forward(&next, prompt_len + step)?;
+        next = logits.argmax(candle_core::D::Minus1)?.reshape((batch, 1))?;
+    }
+    Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
+}
