@@ -1,7 +1,11 @@
 //! The `specula` binary: clap CLI wiring the engine, server and benchmarks together.
 
+mod bench;
 mod debug;
+mod engine_args;
 mod fetch;
+mod generate;
+mod sampling_args;
 mod offline;
 
 use anyhow::Result;
@@ -18,6 +22,8 @@ struct Cli {
 enum Cmd {
     /// Put the default model (SmolLM2-135M-Instruct Q4_1) in the cache.
     FetchModel,
+    /// Generate text for one prompt, streaming it to stdout.
+    Generate(generate::GenerateArgs),
     /// Benchmarks: engine throughput without HTTP, or load against a server.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -47,6 +53,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::FetchModel => fetch::fetch(&fetch::default_model_path()),
         Cmd::Debug(d) => debug::run(d),
+        Cmd::Generate(a) => generate::run(a),
         Cmd::Bench(BenchCmd::Offline(a)) => offline::run(a),
     }
 }

@@ -1,0 +1,71 @@
+//! Engine configuration: one struct per concern, validated once at start-up.
+
+/// Scheduling and memory limits of one engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Most sequences in one step's batch.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes + draft tokens) in one step.
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + completion a request may have.
+    pub max_model_len: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_kv_blocks: usize,
+    pub enable_prefix_caching: bool,
+    /// Compute threads for the forward pass.
+    pub threads: usize,
+    /// Requests allowed to wait before submit answers "queue full".
+    pub max_waiting: usize,
+    /// How long shutdown lets in-flight requests run before aborting them.
+    pub shutdown_grace: std::time::Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 16,
+            max_num_batched_tokens: 512,
+            max_model_len: 2048,
+            block_size: 16,
+            num_kv_blocks: 2048,
+            enable_prefix_caching: true,
+            threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            max_waiting: 256,
+            shutdown_grace: std::time::Duration::from_secs(10),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Refuses configurations that could hang or fail later, with the flag to change.
+    pub fn validate(&self, model_context: usize) -> Result<(), String> {
+        if self.max_num_seqs == 0 {
+            return Err("--max-num-seqs must be at least 1".into());
+        }
+        if self.threads == 0 {
+            return Err("--threads must be at least 1".into());
+        }
+        if self.block_size == 0 || self.block_size % 8 != 0 && self.block_size != 1 {
+            return Err(format!("block size {} must be a positive multiple of 8", self.block_size));
+        }
+        if self.max_model_len == 0 {
+            return Err("--max-model-len must be at least 1".into());
+        }
+        if self.max_model_len > model_context {
+            return Err(format!("--max-model-len {} exceeds the model's context length {model_context}", self.max_model_len));
+        }
+        let capacity = self.num_kv_blocks * self.block_size;
+        if capacity < self.max_model_len {
+            return Err(format!(
+                "the KV cache holds {capacity} tokens but --max-model-len is {}; give it more memory (--kv-cache-tokens) or lower --max-model-len",
+                self.max_model_len
+            ));
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err("--max-num-batched-tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+}

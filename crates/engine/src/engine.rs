@@ -1,0 +1,373 @@
+//! The engine: one thread owns the model, the KV cache and the scheduler, and runs the step of
+//! DESIGN.md — schedule -> prepare -> execute -> sample -> update — for as long as there is
+//! work. Requests come in and events go out over channels (see `handle`).
+
+use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
+use crate::config::EngineConfig;
+use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
+use crate::kv_cache::KvCacheManager;
+use crate::runner::{execute, prepare, BatchInputs};
+use crate::sampling::{ranked_logprob, Sampler, StopCheck, TokenHistory};
+use crate::scheduler::{Scheduler, StepPlan};
+use crate::sequence::Sequence;
+use crate::types::{RequestId, SeqId, TokenId};
+use specula_kernels::attention::KvLayout;
+use specula_model::{KvStore, LlamaModel, Tokenizer};
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    #[error("cannot start the compute thread pool: {0}")]
+    ThreadPool(String),
+    #[error("cannot start the engine thread: {0}")]
+    Spawn(std::io::Error),
+}
+
+/// What one step did, for logs, benchmarks and tests.
+#[derive(Clone, Debug, Default)]
+pub struct StepStats {
+    pub num_seqs: usize,
+    pub num_tokens: usize,
+    pub num_emitted: usize,
+    pub has_prefill: bool,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    model: LlamaModel,
+    tokenizer: Arc<Tokenizer>,
+    kv_store: KvStore,
+    kv: KvCacheManager,
+    scheduler: Scheduler,
+    seqs: BTreeMap<SeqId, Sequence>,
+    by_request: BTreeMap<RequestId, SeqId>,
+    pool: rayon::ThreadPool,
+    sampler: Sampler,
+    counters: Arc<QueueCounters>,
+    next_seq: u64,
+}
+
+impl Engine {
+    pub fn new(model: LlamaModel, tokenizer: Arc<Tokenizer>, cfg: EngineConfig, counters: Arc<QueueCounters>) -> Result<Self, EngineError> {
+        cfg.validate(model.config.context_length).map_err(EngineError::Config)?;
+        let c = &model.config;
+        let layout = KvLayout { block_size: cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+        let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks);
+        let kv = KvCacheManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching).map_err(|e| EngineError::Config(e.to_string()))?;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads)
+            .thread_name(|i| format!("specula-compute-{i}"))
+            .build()
+            .map_err(|e| EngineError::ThreadPool(e.to_string()))?;
+        tracing::info!(
+            kv_tokens = cfg.num_kv_blocks * cfg.block_size,
+            kv_mb = KvStore::bytes_per_token(c.n_layers, &layout) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
+            threads = cfg.threads,
+            "{}",
+            specula_kernels::cpu::describe()
+        );
+        Ok(Self {
+            scheduler: Scheduler::new(cfg.clone()),
+            cfg,
+            model,
+            tokenizer,
+            kv_store,
+            kv,
+            seqs: BTreeMap::new(),
+            by_request: BTreeMap::new(),
+            pool,
+            sampler: Sampler::new(),
+            counters,
+            next_seq: 1,
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.num_free_blocks()
+    }
+    pub fn num_total_blocks(&self) -> usize {
+        self.kv.num_total_blocks()
+    }
+
+    /// Accepts a request, or fails it at once with a clear message.
+    pub fn add_request(&mut self, req: GenerateRequest) {
+        let fail = |req: &GenerateRequest, msg: String| {
+            let _ = req.events.send(RequestEvent::Failed { message: msg });
+        };
+        let n = req.prompt.len();
+        let problem = if n == 0 {
+            Some("the prompt is empty".to_string())
+        } else if n >= self.cfg.max_model_len {
+            Some(format!("prompt has {n} tokens but --max-model-len is {} (room is needed for at least one generated token)", self.cfg.max_model_len))
+        } else if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+            Some(format!("token id {t} is outside the vocabulary of {} tokens", self.model.config.vocab_size))
+        } else {
+            req.params.validate(usize::MAX).err().map(|e| e.message)
+        };
+        if let Some(msg) = problem {
+            self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+            fail(&req, msg);
+            return;
+        }
+        let id = SeqId(self.next_seq);
+        self.next_seq += 1;
+        self.by_request.insert(req.id, id);
+        self.seqs.insert(id, Sequence::new(id, req.id, req.prompt, req.params, req.events));
+        self.scheduler.add(id);
+    }
+
+    /// Cancels a request wherever it is; its blocks go back at once.
+    pub fn abort(&mut self, id: RequestId) {
+        if let Some(&seq) = self.by_request.get(&id) {
+            self.finish(seq, FinishReason::Abort);
+        }
+    }
+
+    /// Fails every live request with `message` (shutdown, fatal errors).
+    pub fn fail_all(&mut self, message: &str) {
+        let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+        for id in ids {
+            self.fail(id, message);
+        }
+    }
+
+    /// One engine step. Returns what it did; failures are reported to the affected requests.
+    pub fn step(&mut self) -> StepStats {
+        let _span = tracing::debug_span!("step").entered();
+        self.reap_disconnected();
+        let plan = {
+            let _s = tracing::trace_span!("schedule").entered();
+            self.scheduler.schedule(&mut self.seqs, &mut self.kv)
+        };
+        for _ in &plan.newly_admitted {
+            self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        let mut stats = StepStats { num_seqs: plan.seqs.len(), num_tokens: plan.total_tokens, has_prefill: plan.has_prefill(), ..Default::default() };
+        if !plan.is_empty() {
+            let result = catch_unwind(AssertUnwindSafe(|| self.run_plan(&plan)));
+            match result {
+                Ok(Ok(n)) => stats.num_emitted = n,
+                Ok(Err(msg)) => self.fail_plan(&plan, &msg),
+                Err(panic) => {
+                    let msg = panic_message(&panic);
+                    tracing::error!("engine step panicked: {msg}");
+                    self.fail_plan(&plan, &format!("internal error in engine step: {msg}"));
+                }
+            }
+        }
+        self.export_gauges();
+        stats
+    }
+
+    fn run_plan(&mut self, plan: &StepPlan) -> Result<usize, String> {
+        let inputs = {
+            let _s = tracing::trace_span!("prepare").entered();
+            prepare(plan, &self.seqs, &self.kv).map_err(|e| e.to_string())?
+        };
+        let out = {
+            let _s = tracing::trace_span!("execute").entered();
+            execute(&self.model, &mut self.kv_store, &self.pool, &inputs).map_err(|e| e.to_string())?
+        };
+        let sampled = {
+            let _s = tracing::trace_span!("sample").entered();
+            self.sample(&inputs, &out.logits)?
+        };
+        let _s = tracing::trace_span!("update").entered();
+        Ok(self.update(plan, sampled))
+    }
+
+    /// One token (and its logprobs when asked) per sampling sequence.
+    fn sample(&mut self, inputs: &BatchInputs, logits: &[f32]) -> Result<BTreeMap<SeqId, (TokenId, Option<TokenLogprob>)>, String> {
+        let vocab = self.model.config.vocab_size;
+        let mut out = BTreeMap::new();
+        for &(id, first, rows) in &inputs.sample_rows {
+            let s = self.seqs.get_mut(&id).ok_or("sequence vanished during the step")?;
+            let r = first + rows - 1;
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let history = TokenHistory { prompt: &s.tokens[..s.prompt_len], output: &s.tokens[s.prompt_len..] };
+            let tok = self.sampler.sample(row, &s.params, history, &mut s.rng).map_err(|e| e.to_string())?;
+            let lp = match s.params.logprobs {
+                Some(k) => Some(ranked_logprob(row, tok, k).map_err(|e| e.to_string())?.logprob),
+                None => None,
+            };
+            out.insert(id, (tok, lp));
+        }
+        Ok(out)
+    }
+
+    /// Advances every scheduled sequence, emits deltas and finishes what is done.
+    fn update(&mut self, plan: &StepPlan, mut sampled: BTreeMap<SeqId, (TokenId, Option<TokenLogprob>)>) -> usize {
+        let mut emitted = 0;
+        let mut finished = Vec::new();
+        for sch in &plan.seqs {
+            let Some(s) = self.seqs.get_mut(&sch.seq) else { continue };
+            s.num_computed = sch.start + sch.num_tokens;
+            let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed]);
+            let Some((tok, lp)) = sampled.remove(&sch.seq) else { continue };
+            emitted += 1;
+            if let Some(reason) = append_token(s, &self.tokenizer, tok, lp, self.cfg.max_model_len) {
+                finished.push((sch.seq, reason));
+            }
+        }
+        for (id, reason) in finished {
+            self.finish(id, reason);
+        }
+        emitted
+    }
+
+    fn fail_plan(&mut self, plan: &StepPlan, msg: &str) {
+        for s in &plan.seqs {
+            self.fail(s.seq, msg);
+        }
+    }
+
+    fn fail(&mut self, id: SeqId, message: &str) {
+        if let Some(s) = self.remove(id) {
+            s.send(RequestEvent::Failed { message: message.to_string() });
+        }
+    }
+
+    fn finish(&mut self, id: SeqId, reason: FinishReason) {
+        if let Some(s) = self.remove(id) {
+            // flush text held back for a possible stop string that never came
+            if s.text_sent < s.text.len() {
+                s.send_delta(vec![], s.text[s.text_sent..].to_string(), vec![]);
+            }
+            s.send(RequestEvent::Finished { reason, prompt_tokens: s.prompt_len, completion_tokens: s.output_len() });
+        }
+    }
+
+    /// Removes a sequence from every structure and returns its blocks to the pool.
+    fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        let s = self.seqs.remove(&id)?;
+        self.by_request.remove(&s.request);
+        self.scheduler.remove(id);
+        let _ = self.kv.free(id);
+        if !s.admitted {
+            self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        Some(s)
+    }
+
+    /// Aborts sequences whose client has gone away, freeing their blocks before the next step.
+    fn reap_disconnected(&mut self) {
+        let gone: Vec<SeqId> = self.seqs.values().filter(|s| s.events.is_closed()).map(|s| s.id).collect();
+        for id in gone {
+            tracing::debug!(seq = %id, "client disconnected; aborting");
+            self.finish(id, FinishReason::Abort);
+        }
+    }
+
+    fn export_gauges(&self) {
+        metrics::gauge!("specula:num_requests_running").set(self.scheduler.num_running() as f64);
+        metrics::gauge!("specula:num_requests_waiting").set(self.scheduler.num_waiting() as f64);
+        metrics::gauge!("specula:kv_cache_usage_perc").set(self.kv.usage() as f64);
+        let p = self.kv.prefix_cache_stats();
+        metrics::gauge!("specula:prefix_cache_queries").set(p.queried_tokens as f64);
+        metrics::gauge!("specula:prefix_cache_hits").set(p.hit_tokens as f64);
+    }
+
+    /// Runs until the command channel closes or a shutdown's grace period ends.
+    pub fn run(mut self, rx: Receiver<EngineCommand>) {
+        let mut shutdown_at: Option<Instant> = None;
+        loop {
+            if !self.has_work() && shutdown_at.is_none() {
+                match rx.recv() {
+                    Ok(cmd) => self.handle(cmd, &mut shutdown_at),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.handle(cmd, &mut shutdown_at);
+            }
+            if let Some(deadline) = shutdown_at {
+                if !self.has_work() {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    self.fail_all("the server is shutting down and the grace period for in-flight requests ended");
+                    break;
+                }
+            }
+            if self.has_work() {
+                self.step();
+            }
+        }
+        tracing::info!("engine stopped");
+    }
+
+    fn handle(&mut self, cmd: EngineCommand, shutdown_at: &mut Option<Instant>) {
+        match cmd {
+            EngineCommand::Submit(req) => {
+                if shutdown_at.is_some() {
+                    self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+                    let _ = req.events.send(RequestEvent::Failed { message: "the server is shutting down".into() });
+                } else {
+                    self.add_request(req);
+                }
+            }
+            EngineCommand::Abort(id) => self.abort(id),
+            EngineCommand::Shutdown => {
+                if shutdown_at.is_none() {
+                    *shutdown_at = Some(Instant::now() + self.cfg.shutdown_grace);
+                }
+            }
+        }
+    }
+}
+
+/// Appends one sampled token: detokenizes, applies stop rules, streams what can be released.
+/// Returns why the sequence finished, if it did.
+fn append_token(s: &mut Sequence, tok: &Tokenizer, id: TokenId, lp: Option<TokenLogprob>, max_model_len: usize) -> Option<FinishReason> {
+    s.tokens.push(id);
+    let logprobs: Vec<TokenLogprob> = lp.into_iter().collect();
+    let eos = !s.params.ignore_eos && tok.is_eos(id);
+    if eos || s.params.stop_token_ids.contains(&id) {
+        s.send_delta(vec![id], String::new(), logprobs);
+        return Some(FinishReason::Stop);
+    }
+    let piece = s.decode.step(tok, id).unwrap_or_default();
+    let new_len = piece.len();
+    s.text.push_str(&piece);
+    let mut finish = None;
+    let release = match s.stops.check(&s.text, new_len) {
+        StopCheck::Stopped { end } => {
+            s.text.truncate(end);
+            finish = Some(FinishReason::Stop);
+            end
+        }
+        StopCheck::Running { releasable } => releasable,
+    };
+    let text = if release > s.text_sent { s.text[s.text_sent..release].to_string() } else { String::new() };
+    s.text_sent = s.text_sent.max(release);
+    s.send_delta(vec![id], text, logprobs);
+    if finish.is_none() && (s.output_len() >= s.params.max_tokens || s.tokens.len() >= max_model_len) {
+        finish = Some(FinishReason::Length);
+    }
+    finish
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Starts an engine on its own thread; returns the handle front ends use and the thread.
+pub fn spawn_engine(model: LlamaModel, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Result<(EngineHandle, std::thread::JoinHandle<()>), EngineError> {
+    let (handle, rx, counters) = EngineHandle::channel(cfg.max_waiting);
+    let engine = Engine::new(model, tokenizer, cfg, counters)?;
+    let join = std::thread::Builder::new().name("specula-engine".into()).spawn(move || engine.run(rx)).map_err(EngineError::Spawn)?;
+    Ok((handle, join))
+}

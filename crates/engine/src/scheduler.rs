@@ -1,0 +1,169 @@
+//! Continuous batching. Each step: running sequences first (decodes and the rest of chunked
+//! prefills, so streams keep flowing), then waiting ones in arrival order while the token budget
+//! and `max_num_seqs` allow. When the KV pool runs dry the most recently admitted sequence is
+//! preempted (its blocks freed, recomputed later from its tokens): never an error, never a hang.
+
+use crate::config::EngineConfig;
+use crate::kv_cache::{KvCacheError, KvCacheManager};
+use crate::sequence::Sequence;
+use crate::types::SeqId;
+use std::collections::{BTreeMap, VecDeque};
+
+/// One sequence's share of a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub seq: SeqId,
+    /// Position of the first token computed this step (= tokens computed before it).
+    pub start: usize,
+    /// Tokens computed this step (a prefill chunk, 1 decode token, or 1 + k with drafts).
+    pub num_tokens: usize,
+    /// Draft tokens among them (the last `num_drafts` of the step's tokens).
+    pub num_drafts: usize,
+    /// Whether the step ends on the sequence's last known token, so logits are sampled.
+    pub sample: bool,
+}
+
+/// The scheduler's decision for one step. `seqs` sums to `total_tokens`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub seqs: Vec<ScheduledSeq>,
+    pub total_tokens: usize,
+    /// Sequences preempted while planning (already moved to the waiting queue).
+    pub preempted: Vec<SeqId>,
+    /// Sequences that left the waiting queue for the first time this step.
+    pub newly_admitted: Vec<SeqId>,
+}
+
+impl StepPlan {
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+    pub fn has_prefill(&self) -> bool {
+        self.seqs.iter().any(|s| s.num_tokens > 1 + s.num_drafts)
+    }
+}
+
+pub struct Scheduler {
+    cfg: EngineConfig,
+    /// Arrival order; preempted sequences go back to the front.
+    waiting: VecDeque<SeqId>,
+    /// Admission order (the last is the first preemption victim).
+    running: Vec<SeqId>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: EngineConfig) -> Self {
+        Self { cfg, waiting: VecDeque::new(), running: Vec::new() }
+    }
+
+    pub fn add(&mut self, id: SeqId) {
+        self.waiting.push_back(id);
+    }
+
+    /// Forgets a sequence wherever it is (finished or aborted). Its KV blocks are freed by the caller.
+    pub fn remove(&mut self, id: SeqId) {
+        self.waiting.retain(|&s| s != id);
+        self.running.retain(|&s| s != id);
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+    pub fn running(&self) -> &[SeqId] {
+        &self.running
+    }
+    pub fn waiting(&self) -> impl Iterator<Item = &SeqId> {
+        self.waiting.iter()
+    }
+
+    pub fn schedule(&mut self, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.cfg.max_num_batched_tokens;
+
+        // 1. running sequences, oldest first
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(s) = seqs.get_mut(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            if s.pending_tokens() > budget && !s.draft.is_empty() {
+                s.draft.clear(); // not enough room to verify: plain decode this step
+            }
+            let n = s.pending_tokens().min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let computed = s.num_computed;
+            let mut preempted_self = false;
+            while kv.ensure_capacity(id, computed + n).is_err() {
+                let victim = self.running.pop().expect("running holds at least this sequence");
+                if let Some(v) = seqs.get_mut(&victim) {
+                    Self::preempt(v, kv);
+                }
+                plan.preempted.push(victim);
+                self.waiting.push_front(victim);
+                if victim == id {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            let s = seqs.get_mut(&id).expect("present above");
+            let num_drafts = if s.num_computed + n == s.tokens.len() + s.draft.len() { s.draft.len() } else { 0 };
+            plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts, sample: s.num_computed + n >= s.tokens.len() });
+            budget -= n;
+            i += 1;
+        }
+
+        // 2. waiting sequences in arrival order (none if anything was preempted this step)
+        while plan.preempted.is_empty() && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(&id) = self.waiting.front() else { break };
+            let Some(s) = seqs.get_mut(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            s.draft.clear();
+            match kv.allocate_prompt(id, &s.tokens) {
+                Ok(cached) => s.num_computed = cached,
+                Err(KvCacheError::SeqExists(_)) => {}
+                Err(_) => break,
+            }
+            let n = (s.tokens.len() - s.num_computed).min(budget);
+            if kv.ensure_capacity(id, s.num_computed + n).is_err() {
+                let _ = kv.free(id);
+                s.num_computed = 0;
+                break;
+            }
+            self.waiting.pop_front();
+            self.running.push(id);
+            if !s.admitted {
+                s.admitted = true;
+                plan.newly_admitted.push(id);
+            }
+            plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts: 0, sample: s.num_computed + n == s.tokens.len() });
+            budget -= n;
+        }
+        plan.total_tokens = plan.seqs.iter().map(|s| s.num_tokens).sum();
+        plan
+    }
+
+    fn preempt(s: &mut Sequence, kv: &mut KvCacheManager) {
+        let _ = kv.free(s.id);
+        s.num_computed = 0;
+        s.draft.clear();
+        s.num_preemptions += 1;
+        metrics::counter!("specula:num_preemptions_total").increment(1);
+        tracing::debug!(seq = %s.id, "preempted (KV cache full); will recompute");
+    }
+}

@@ -1,0 +1,84 @@
+//! One sequence's state as the engine tracks it: its known tokens, how many of them have their
+//! keys/values computed, the request's sampling settings and random stream, and the streaming
+//! detokenizer. The single rule of the scheduler is "compute known - computed tokens".
+
+use crate::api::{RequestEvent, SamplingParams, TokenLogprob};
+use crate::sampling::{SeqRng, StopStrings};
+use crate::types::{RequestId, SeqId, TokenId};
+use specula_model::DecodeStream;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+pub struct Sequence {
+    pub id: SeqId,
+    pub request: RequestId,
+    /// Prompt followed by every accepted generated token.
+    pub tokens: Vec<TokenId>,
+    pub prompt_len: usize,
+    /// Tokens whose keys/values are in the KV cache (a prefix of `tokens`).
+    pub num_computed: usize,
+    /// Draft tokens proposed for verification in the next step (not yet accepted).
+    pub draft: Vec<TokenId>,
+    pub params: SamplingParams,
+    pub stops: StopStrings,
+    pub rng: SeqRng,
+    pub decode: DecodeStream,
+    /// Text generated so far (sent, plus any held back while a stop string may be forming).
+    pub text: String,
+    /// Bytes of `text` already sent to the client.
+    pub text_sent: usize,
+    pub events: UnboundedSender<RequestEvent>,
+    pub arrival: Instant,
+    /// Has been admitted to the running set at least once (left the waiting count).
+    pub admitted: bool,
+    pub num_preemptions: usize,
+}
+
+impl Sequence {
+    pub fn new(id: SeqId, request: RequestId, prompt: Vec<TokenId>, params: SamplingParams, events: UnboundedSender<RequestEvent>) -> Self {
+        let prompt_len = prompt.len();
+        let rng = SeqRng::new(params.seed, 0);
+        let decode = DecodeStream::with_context(&prompt);
+        Self {
+            id,
+            request,
+            tokens: prompt,
+            prompt_len,
+            num_computed: 0,
+            draft: Vec::new(),
+            stops: StopStrings::new(&params.stop),
+            params,
+            rng,
+            decode,
+            text: String::new(),
+            text_sent: 0,
+            events,
+            arrival: Instant::now(),
+            admitted: false,
+            num_preemptions: 0,
+        }
+    }
+
+    pub fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    pub fn output(&self) -> &[TokenId] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Tokens this sequence still needs computed, drafts included.
+    pub fn pending_tokens(&self) -> usize {
+        self.tokens.len() + self.draft.len() - self.num_computed
+    }
+
+    /// Sends an event; a closed channel means the client went away (the engine aborts on its own
+    /// schedule, so this is not an error here).
+    pub fn send(&self, ev: RequestEvent) -> bool {
+        self.events.send(ev).is_ok()
+    }
+
+    pub fn send_delta(&self, tokens: Vec<TokenId>, text: String, logprobs: Vec<TokenLogprob>) -> bool {
+        self.send(RequestEvent::Delta { tokens, text, logprobs })
+    }
+}

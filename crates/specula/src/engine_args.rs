@@ -1,0 +1,59 @@
+//! Engine flags shared by `serve`, `generate` and `bench offline` (vLLM names where one exists).
+
+use clap::Args;
+use specula_engine::EngineConfig;
+use std::path::PathBuf;
+
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// GGUF file or Hugging Face folder; default: the cached default model (fetched on first use).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[arg(long, default_value_t = 16)]
+    pub max_num_seqs: usize,
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + completion (default: the model's context length, capped at 8192).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// KV-cache size in tokens (default: max(16 x 2048, max-model-len) tokens).
+    #[arg(long)]
+    pub kv_cache_tokens: Option<usize>,
+    /// KV-cache size in MiB (alternative to --kv-cache-tokens).
+    #[arg(long)]
+    pub kv_cache_memory: Option<usize>,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Prefix caching (on by default; --enable-prefix-caching=false to disable).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_prefix_caching: bool,
+    /// Requests allowed to wait before the server answers 503.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+}
+
+impl EngineArgs {
+    pub fn to_config(&self, model: &specula_model::ModelConfig) -> anyhow::Result<EngineConfig> {
+        let max_model_len = self.max_model_len.unwrap_or(model.context_length.min(8192));
+        let bytes_per_token = 2 * model.n_layers * model.kv_width() * 4;
+        let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
+            (Some(t), _) => t,
+            (None, Some(mib)) => mib * 1024 * 1024 / bytes_per_token,
+            (None, None) => (16 * 2048).max(max_model_len),
+        };
+        Ok(EngineConfig {
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len,
+            block_size: self.block_size,
+            num_kv_blocks: kv_tokens.div_ceil(self.block_size),
+            enable_prefix_caching: self.enable_prefix_caching,
+            threads: self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
+            max_waiting: self.max_waiting,
+            shutdown_grace: std::time::Duration::from_secs(10),
+        })
+    }
+}
