@@ -1,0 +1,17 @@
+//! Benchmarks that talk to a running server over HTTP (`specula bench serve`).
+//!
+//! The client knows nothing of our engine: it speaks the OpenAI completions and chat-completions
+//! streaming protocol, so the same numbers can be taken against specula, llama.cpp's llama-server
+//! and vLLM and compared. Engine-only throughput (no HTTP) lives in `offline.rs`, not here.
+
+pub mod serve;
+
+mod report;
+mod request;
+mod spec;
+mod sse;
+mod stats;
+mod workload;
+
+#[cfg(test)]
+mod tests;
