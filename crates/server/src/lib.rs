@@ -1,1 +1,191 @@
+//! specula-server: the OpenAI-compatible HTTP front end. Routes (`/v1/completions`,
+//! `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`) turn requests into validated
+//! engine requests, submit them through an [`EngineHandle`], and stream the engine's events back
+//! as OpenAI JSON or SSE. It never touches the model; the engine loop runs elsewhere.
+//!
+//! ```ignore
+//! let state = AppState::new(engine_handle, tokenizer, Some(template), ServerConfig::new("smollm2"));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
+//! specula_server::serve(listener, state, async { tokio::signal::ctrl_c().await.ok(); }).await?;
+//! ```
 
+pub mod auth;
+pub mod error;
+pub mod extract;
+pub mod generate;
+pub mod metrics;
+pub mod routes;
+pub mod sse;
+pub mod types;
+pub mod validate;
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::Uri;
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use specula_engine::handle::EngineHandle;
+use specula_model::{ChatTemplate, Tokenizer};
+use std::future::Future;
+use std::sync::Arc;
+
+pub use error::ApiError;
+
+/// What the server needs to know about the deployment; built by the CLI from `specula serve`'s
+/// flags and checked once by [`ServerConfig::validate`] (which [`serve`] calls).
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// The only accepted `model` value; requests naming another get 404 `model_not_found`.
+    pub model_name: String,
+    /// Prompt + generated tokens per sequence (`--max-model-len`).
+    pub max_model_len: usize,
+    /// Largest `logprobs` / `top_logprobs` a request may ask for (`--max-logprobs`).
+    pub max_logprobs: usize,
+    /// When set, `/v1/*` requires `Authorization: Bearer <key>` (`--api-key`).
+    pub api_key: Option<String>,
+    /// Largest `n` (choices per prompt) a request may ask for.
+    pub max_n: usize,
+    /// Bodies above this are refused with 413.
+    pub max_body_bytes: usize,
+    /// `max_tokens` for `/v1/completions` when the request has none (OpenAI: 16), cut to the
+    /// context left. Chat requests without it get all the context left (vLLM's behaviour).
+    pub completions_default_max_tokens: usize,
+}
+
+impl ServerConfig {
+    /// Defaults for everything but the model's name.
+    pub fn new(model_name: impl Into<String>) -> Self {
+        Self {
+            model_name: model_name.into(),
+            max_model_len: 2048,
+            max_logprobs: 20,
+            api_key: None,
+            max_n: 16,
+            max_body_bytes: 4 * 1024 * 1024,
+            completions_default_max_tokens: 16,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ServeError> {
+        let bad = |msg: String| Err(ServeError::Config(msg));
+        if self.model_name.is_empty() {
+            return bad("the served model name is empty".into());
+        }
+        if self.max_model_len < 2 {
+            return bad(format!("--max-model-len is {} but must leave room for a prompt and one token (>= 2)", self.max_model_len));
+        }
+        if self.max_n == 0 {
+            return bad("max_n must be at least 1".into());
+        }
+        if self.max_body_bytes == 0 {
+            return bad("max_body_bytes must be at least 1".into());
+        }
+        if self.api_key.as_deref() == Some("") {
+            return bad("--api-key is empty; leave it out to disable auth".into());
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for ServerConfig {
+    /// Like the derived one, but never prints the API key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("model_name", &self.model_name)
+            .field("max_model_len", &self.max_model_len)
+            .field("max_logprobs", &self.max_logprobs)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .field("max_n", &self.max_n)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("completions_default_max_tokens", &self.completions_default_max_tokens)
+            .finish()
+    }
+}
+
+/// Everything a handler needs; cheap to clone (all shared).
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    /// None for a model without a template: chat requests then get a 400 that says so.
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    pub config: Arc<ServerConfig>,
+    /// The process-wide Prometheus recorder `/metrics` renders.
+    pub metrics: PrometheusHandle,
+    /// Unix seconds when this state was built (`created` in `/v1/models`).
+    pub started: u64,
+}
+
+impl AppState {
+    /// Installs the Prometheus recorder on first use in the process (see [`metrics::prometheus_handle`]);
+    /// call it before the engine thread starts so the engine's gauges land in the same recorder.
+    pub fn new(
+        engine: EngineHandle,
+        tokenizer: Arc<Tokenizer>,
+        chat_template: Option<Arc<ChatTemplate>>,
+        config: ServerConfig,
+    ) -> Self {
+        Self {
+            engine,
+            tokenizer,
+            chat_template,
+            config: Arc::new(config),
+            metrics: metrics::prometheus_handle(),
+            started: unix_now(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("server configuration: {0}")]
+    Config(String),
+    #[error("serving HTTP: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// All routes, with auth on `/v1/*`, the body limit, and OpenAI-shaped 404/405s.
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/completions", post(routes::completions::create))
+        .route("/v1/chat/completions", post(routes::chat::create))
+        .route("/v1/models", get(routes::models::list))
+        .route("/v1/models/{model}", get(routes::models::retrieve))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(routes::health))
+        .route("/metrics", get(metrics::render))
+        .fallback(|uri: Uri| async move { ApiError::route_not_found(uri.path()) })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .with_state(state)
+}
+
+/// Serves [`router`] on `listener` until `shutdown` resolves, then stops accepting and waits for
+/// open responses (streams included) to end. The caller shuts the engine down afterwards (or
+/// from `shutdown`, so streams finish).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    state.config.validate()?;
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, model = %state.config.model_name, "serving the OpenAI API");
+    }
+    // Streamed tokens are small writes; Nagle would hold each one back.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("cannot set TCP_NODELAY: {e}");
+        }
+    });
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await?;
+    Ok(())
+}
+
+/// Seconds since the Unix epoch (OpenAI's `created`).
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}

@@ -1,0 +1,161 @@
+//! Running choices on the engine: submit one engine request per choice, stream its events back,
+//! and make sure a choice nobody listens to any more is aborted. Shared by both generation routes;
+//! knows nothing of the OpenAI response shapes.
+//!
+//! Ownership does the bookkeeping: each [`ChoiceRun`] holds an [`AbortOnDrop`], so when the HTTP
+//! response (streaming body or handler future) is dropped because the client went away, every
+//! unfinished choice is aborted and its KV blocks go back, whatever path the drop took.
+
+use crate::error::ApiError;
+use crate::metrics::RequestTimer;
+use futures::stream::{SelectAll, Stream, StreamExt};
+use specula_engine::api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
+use specula_engine::handle::EngineHandle;
+use specula_engine::types::{RequestId, TokenId};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// Aborts the engine request when dropped, unless it was disarmed because the request ended.
+pub struct AbortOnDrop {
+    engine: EngineHandle,
+    id: RequestId,
+    armed: bool,
+}
+
+impl AbortOnDrop {
+    pub fn new(engine: EngineHandle, id: RequestId) -> Self {
+        Self { engine, id, armed: true }
+    }
+
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::debug!(request = %self.id, "client went away; aborting");
+            self.engine.abort(self.id);
+        }
+    }
+}
+
+/// One engine request to make: choice `index` of the response.
+pub struct ChoiceJob {
+    pub index: usize,
+    pub prompt: Vec<TokenId>,
+    pub params: SamplingParams,
+}
+
+/// A submitted choice: a stream of `(choice index, event)` that ends after the terminal event
+/// (`Finished` or `Failed`). An engine that drops the request without a terminal event shows up
+/// as `Failed`, so a stream never hangs on a stopped engine.
+pub struct ChoiceRun {
+    pub index: usize,
+    pub id: RequestId,
+    events: UnboundedReceiver<RequestEvent>,
+    guard: AbortOnDrop,
+    timer: RequestTimer,
+    done: bool,
+}
+
+impl Stream for ChoiceRun {
+    type Item = (usize, RequestEvent);
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let event = match self.events.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Some(event)) => event,
+            Poll::Ready(None) => {
+                RequestEvent::Failed { message: "the engine stopped before finishing this request".into() }
+            }
+        };
+        match &event {
+            RequestEvent::Delta { tokens, .. } => self.timer.on_tokens(tokens.len()),
+            RequestEvent::Finished { reason, prompt_tokens, completion_tokens } => {
+                self.timer.on_finished(*reason, *prompt_tokens, *completion_tokens);
+                self.guard.disarm();
+                self.done = true;
+            }
+            RequestEvent::Failed { message } => {
+                tracing::warn!(request = %self.id, "engine failed the request: {message}");
+                self.guard.disarm();
+                self.done = true;
+            }
+        }
+        Poll::Ready(Some((self.index, event)))
+    }
+}
+
+/// All choices of one HTTP request, events interleaved as they come.
+pub type ChoiceEvents = SelectAll<ChoiceRun>;
+
+/// Submits every job; if one is refused (queue full, engine stopping), the ones already
+/// submitted are aborted by their guards and the refusal is returned.
+pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant) -> Result<Vec<ChoiceRun>, ApiError> {
+    let mut runs = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let id = engine.next_request_id();
+        let (tx, rx) = unbounded_channel();
+        engine.submit(GenerateRequest { id, prompt: job.prompt, params: job.params, events: tx })?;
+        runs.push(ChoiceRun {
+            index: job.index,
+            id,
+            events: rx,
+            guard: AbortOnDrop::new(engine.clone(), id),
+            timer: RequestTimer::new(arrived),
+            done: false,
+        });
+    }
+    Ok(runs)
+}
+
+/// Everything one choice produced, for non-streaming responses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChoiceOutput {
+    pub index: usize,
+    pub text: String,
+    /// One entry per generated token when logprobs were asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish_reason: FinishReason,
+    pub completion_tokens: usize,
+}
+
+/// Waits for every choice to finish; the first failure fails the whole response (500) and the
+/// other choices are aborted. Outputs come back sorted by choice index.
+pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError> {
+    let mut outputs: Vec<ChoiceOutput> = runs
+        .iter()
+        .map(|r| ChoiceOutput {
+            index: r.index,
+            text: String::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Abort,
+            completion_tokens: 0,
+        })
+        .collect();
+    let slot: std::collections::HashMap<usize, usize> = runs.iter().enumerate().map(|(i, r)| (r.index, i)).collect();
+    let mut events: ChoiceEvents = futures::stream::select_all(runs);
+    while let Some((index, event)) = events.next().await {
+        let out = &mut outputs[slot[&index]];
+        match event {
+            RequestEvent::Delta { text, logprobs, .. } => {
+                out.text.push_str(&text);
+                out.logprobs.extend(logprobs);
+            }
+            RequestEvent::Finished { reason, completion_tokens, .. } => {
+                out.finish_reason = reason;
+                out.completion_tokens = completion_tokens;
+            }
+            RequestEvent::Failed { message } => return Err(ApiError::internal(message)),
+        }
+    }
+    outputs.sort_by_key(|o| o.index);
+    Ok(outputs)
+}

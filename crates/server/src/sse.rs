@@ -1,0 +1,109 @@
+//! Server-sent events for `stream: true`: drives the merged choice events through an endpoint's
+//! [`ChunkWriter`] and frames the result as `data: {...}` lines ending with `data: [DONE]`.
+//! An engine failure mid-stream becomes one `data: {"error": {...}}` event, then `[DONE]`.
+//! The response body owns the choices, so dropping it (client gone) aborts them.
+
+use crate::error::ApiError;
+use crate::generate::{ChoiceEvents, ChoiceRun};
+use crate::types::Usage;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::stream::{Stream, StreamExt};
+use serde::Serialize;
+use specula_engine::api::{FinishReason, RequestEvent, TokenLogprob};
+use specula_engine::types::TokenId;
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
+/// How one endpoint turns choice events into its chunk objects.
+pub trait ChunkWriter: Send + 'static {
+    /// Chunks sent before any engine event (chat: the `role` delta; completions: echoed prompts).
+    fn opening(&mut self) -> Vec<Event>;
+    /// A chunk for new tokens of choice `index`, or nothing when there is nothing to show yet.
+    fn delta(&mut self, index: usize, tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Option<Event>;
+    /// The chunk that carries choice `index`'s finish reason.
+    fn finished(&mut self, index: usize, reason: FinishReason) -> Event;
+    /// The last chunk when `include_usage` was asked for: no choices, only usage.
+    fn usage(&mut self, usage: Usage) -> Event;
+}
+
+/// A `data:` event holding `value` as JSON.
+pub fn json_event<T: Serialize>(value: &T) -> Event {
+    // Our response types serialize infallibly (string keys, no non-string map keys).
+    Event::default().data(serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"serialization_error\":\"{e}\"}}")))
+}
+
+pub fn done_event() -> Event {
+    Event::default().data("[DONE]")
+}
+
+pub fn error_event(e: &ApiError) -> Event {
+    json_event(&e.body())
+}
+
+struct Pump<W> {
+    choices: ChoiceEvents,
+    writer: W,
+    /// Events ready to go out, in order.
+    queue: VecDeque<Event>,
+    include_usage: bool,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    ended: bool,
+}
+
+/// The SSE response for `runs`; `prompt_tokens` is the request's usage prompt count.
+pub fn stream_response<W: ChunkWriter>(
+    runs: Vec<ChoiceRun>,
+    mut writer: W,
+    include_usage: bool,
+    prompt_tokens: usize,
+) -> Response {
+    let pump = Pump {
+        choices: futures::stream::select_all(runs),
+        queue: writer.opening().into(),
+        writer,
+        include_usage,
+        prompt_tokens,
+        completion_tokens: 0,
+        ended: false,
+    };
+    Sse::new(events(pump).map(Ok::<_, Infallible>)).into_response()
+}
+
+fn events<W: ChunkWriter>(pump: Pump<W>) -> impl Stream<Item = Event> + Send {
+    futures::stream::unfold(pump, |mut p| async move {
+        loop {
+            if let Some(event) = p.queue.pop_front() {
+                return Some((event, p));
+            }
+            if p.ended {
+                return None;
+            }
+            match p.choices.next().await {
+                Some((index, RequestEvent::Delta { tokens, text, logprobs })) => {
+                    p.queue.extend(p.writer.delta(index, &tokens, &text, &logprobs));
+                }
+                Some((index, RequestEvent::Finished { reason, completion_tokens, .. })) => {
+                    p.completion_tokens += completion_tokens;
+                    p.queue.push_back(p.writer.finished(index, reason));
+                }
+                Some((_, RequestEvent::Failed { message })) => {
+                    p.queue.push_back(error_event(&ApiError::internal(message)));
+                    p.queue.push_back(done_event());
+                    // Dropping the other choices aborts them.
+                    p.choices = futures::stream::select_all(Vec::new());
+                    p.ended = true;
+                }
+                None => {
+                    if p.include_usage {
+                        let usage = Usage::new(p.prompt_tokens, p.completion_tokens);
+                        p.queue.push_back(p.writer.usage(usage));
+                    }
+                    p.queue.push_back(done_event());
+                    p.ended = true;
+                }
+            }
+        }
+    })
+}

@@ -1,0 +1,332 @@
+//! The OpenAI wire format: request bodies as clients send them and response bodies as clients
+//! expect them. Plain data only; range checks live in `validate.rs`, the mapping from engine
+//! events in the routes. Unknown request fields are ignored (clients send extras such as `user`).
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+
+// ---------------------------------------------------------------------------------------------
+// Requests
+// ---------------------------------------------------------------------------------------------
+
+/// `POST /v1/completions`.
+#[derive(Debug, Default, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: Option<Prompt>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    /// Number of alternatives per position (0 = the sampled token's logprob only).
+    pub logprobs: Option<i64>,
+    /// Prepend the prompt's text to each choice's text.
+    pub echo: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Default, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: Option<String>,
+    pub messages: Option<Vec<RequestMessage>>,
+    pub max_tokens: Option<i64>,
+    /// The newer name for `max_tokens`; wins when both are given.
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    pub logprobs: Option<bool>,
+    /// Alternatives per position; needs `logprobs: true`.
+    pub top_logprobs: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+pub struct StreamOptions {
+    /// Send one last chunk with `usage` (and no choices) before `[DONE]`.
+    pub include_usage: Option<bool>,
+}
+
+/// The four shapes of `prompt`; each prompt (string or token list) gets its own `n` choices.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde_json::Value;
+        const EXPECTED: &str = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists";
+        let token = |v: &Value| v.as_u64().and_then(|t| u32::try_from(t).ok());
+        let value = Value::deserialize(d)?;
+        let items = match value {
+            Value::String(s) => return Ok(Prompt::Text(s)),
+            Value::Array(items) => items,
+            _ => return Err(D::Error::custom(EXPECTED)),
+        };
+        let Some(first) = items.first() else {
+            return Ok(Prompt::Texts(Vec::new()));
+        };
+        let parsed = match first {
+            Value::String(_) => items.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<_>>().map(Prompt::Texts),
+            Value::Number(_) => items.iter().map(token).collect::<Option<_>>().map(Prompt::Tokens),
+            Value::Array(_) => items
+                .iter()
+                .map(|list| list.as_array().and_then(|l| l.iter().map(token).collect::<Option<Vec<u32>>>()))
+                .collect::<Option<_>>()
+                .map(Prompt::TokenLists),
+            _ => None,
+        };
+        parsed.ok_or_else(|| D::Error::custom(EXPECTED))
+    }
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestMessage {
+    pub role: String,
+    /// Absent or null for e.g. an assistant turn that only called tools; rendered as "".
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+}
+
+/// A message's content: plain text, or a list of parts of which only `text` parts are supported.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Responses
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+/// `text_completion` object: the whole response, or one streamed chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    /// Non-streaming: always present. Streaming: absent, or (with `include_usage`) null on every
+    /// chunk but the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// The legacy completions logprobs layout: parallel arrays, one entry per token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    /// Token text -> logprob for the alternatives at each position (the sampled token included).
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    /// Character offset of each token in the choice's text.
+    pub text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    pub fn extend(&mut self, other: CompletionLogprobs) {
+        self.tokens.extend(other.tokens);
+        self.token_logprobs.extend(other.token_logprobs);
+        self.top_logprobs.extend(other.top_logprobs);
+        self.text_offset.extend(other.text_offset);
+    }
+}
+
+/// `chat.completion` (whole response).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: ResponseMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResponseMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// `chat.completion.chunk` (one streamed chunk).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    /// As in [`CompletionResponse::usage`] for streams.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: usize,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_accepts_the_four_shapes() {
+        let p = |s: &str| serde_json::from_str::<Prompt>(s);
+        assert_eq!(p(r#""hi""#).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(r#"["a","b"]"#).unwrap(), Prompt::Texts(vec!["a".into(), "b".into()]));
+        assert_eq!(p("[1,2]").unwrap(), Prompt::Tokens(vec![1, 2]));
+        assert_eq!(p("[[1],[2,3]]").unwrap(), Prompt::TokenLists(vec![vec![1], vec![2, 3]]));
+        assert_eq!(p("[]").unwrap(), Prompt::Texts(vec![]));
+        for bad in ["3", r#"["a",1]"#, "[-1]", "[1.5]", "[[1],\"a\"]", "{}"] {
+            assert!(p(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn streamed_usage_is_null_until_the_last_chunk() {
+        let chunk = |usage| CompletionResponse {
+            id: "cmpl-1".into(),
+            object: "text_completion",
+            created: 0,
+            model: "m".into(),
+            choices: vec![],
+            usage,
+        };
+        let v = serde_json::to_value(chunk(None)).unwrap();
+        assert!(v.get("usage").is_none());
+        let v = serde_json::to_value(chunk(Some(None))).unwrap();
+        assert!(v["usage"].is_null() && v.get("usage").is_some());
+        let v = serde_json::to_value(chunk(Some(Some(Usage::new(2, 3))))).unwrap();
+        assert_eq!(v["usage"]["total_tokens"], 5);
+    }
+}

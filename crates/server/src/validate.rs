@@ -1,0 +1,375 @@
+//! Turns what a client sent into what the engine accepts, or a 400 that names the field:
+//! the model name, the sampling fields (ranges via `SamplingParams::validate`), the prompt's
+//! tokens against the vocabulary and `--max-model-len`, and the `max_tokens` default.
+//! Knows nothing of HTTP beyond `ApiError`, and nothing of how requests are run.
+
+use crate::error::ApiError;
+use crate::types::{ChatCompletionRequest, CompletionRequest, MessageContent, RequestMessage, Stop};
+use crate::ServerConfig;
+use specula_engine::api::SamplingParams;
+use specula_engine::types::TokenId;
+use specula_model::ChatMessage;
+
+/// What `max_tokens` becomes when the client leaves it out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultMaxTokens {
+    /// Everything the context has left (vLLM's chat behaviour).
+    RemainingContext,
+    /// A fixed count (OpenAI's completions default is 16), cut to what the context has left.
+    Fixed(usize),
+}
+
+/// The sampling fields both endpoints share, as sent; each route fills it from its own request.
+#[derive(Debug, Default)]
+pub struct SamplingFields {
+    pub max_tokens: Option<i64>,
+    /// How the client spelled the max-tokens field, for error messages.
+    pub max_tokens_param: &'static str,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    pub logprobs: Option<i64>,
+    /// How the client spelled the logprobs count (`logprobs` or `top_logprobs`).
+    pub logprobs_param: &'static str,
+}
+
+impl From<&CompletionRequest> for SamplingFields {
+    fn from(r: &CompletionRequest) -> Self {
+        Self {
+            max_tokens: r.max_tokens,
+            max_tokens_param: "max_tokens",
+            temperature: r.temperature,
+            top_p: r.top_p,
+            top_k: r.top_k,
+            min_p: r.min_p,
+            seed: r.seed,
+            stop: r.stop.clone(),
+            stop_token_ids: r.stop_token_ids.clone(),
+            n: r.n,
+            presence_penalty: r.presence_penalty,
+            frequency_penalty: r.frequency_penalty,
+            repetition_penalty: r.repetition_penalty,
+            ignore_eos: r.ignore_eos,
+            logprobs: r.logprobs,
+            logprobs_param: "logprobs",
+        }
+    }
+}
+
+impl SamplingFields {
+    /// Chat spells logprobs as `logprobs: bool` + `top_logprobs: int`; the count is only valid
+    /// with `logprobs: true`.
+    pub fn from_chat(r: &ChatCompletionRequest) -> Result<Self, ApiError> {
+        let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
+            (true, k) => Some(k.unwrap_or(0)),
+            (false, Some(_)) => {
+                return Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs `logprobs: true`"))
+            }
+            (false, None) => None,
+        };
+        let (max_tokens, max_tokens_param) = match r.max_completion_tokens {
+            Some(m) => (Some(m), "max_completion_tokens"),
+            None => (r.max_tokens, "max_tokens"),
+        };
+        Ok(Self {
+            max_tokens,
+            max_tokens_param,
+            temperature: r.temperature,
+            top_p: r.top_p,
+            top_k: r.top_k,
+            min_p: r.min_p,
+            seed: r.seed,
+            stop: r.stop.clone(),
+            stop_token_ids: r.stop_token_ids.clone(),
+            n: r.n,
+            presence_penalty: r.presence_penalty,
+            frequency_penalty: r.frequency_penalty,
+            repetition_penalty: r.repetition_penalty,
+            ignore_eos: r.ignore_eos,
+            logprobs,
+            logprobs_param: "top_logprobs",
+        })
+    }
+}
+
+/// Validated sampling settings for one HTTP request, before the prompt is known.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingPlan {
+    /// Choices per prompt.
+    pub n: usize,
+    /// Every field final except `max_tokens` (per prompt) and `seed` (per choice).
+    pub base: SamplingParams,
+    /// `max_tokens` as the client asked, if it did.
+    pub requested_max_tokens: Option<usize>,
+    max_tokens_param: &'static str,
+}
+
+/// 404 unless the request names the served model; a missing `model` means the served one.
+pub fn check_model(requested: Option<&str>, config: &ServerConfig) -> Result<(), ApiError> {
+    match requested {
+        Some(m) if m != config.model_name => Err(ApiError::model_not_found(m, &config.model_name)),
+        _ => Ok(()),
+    }
+}
+
+/// Checks every prompt-independent field.
+pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize) -> Result<SamplingPlan, ApiError> {
+    let requested_max_tokens = match f.max_tokens {
+        Some(m) if m <= 0 => {
+            return Err(ApiError::invalid_param(
+                f.max_tokens_param,
+                format!("{} must be at least 1, got {m}", f.max_tokens_param),
+            ))
+        }
+        Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let n = match f.n.unwrap_or(1) {
+        n if n < 1 => return Err(ApiError::invalid_param("n", format!("n must be at least 1, got {n}"))),
+        n if n as u64 > config.max_n as u64 => {
+            return Err(ApiError::invalid_param("n", format!("n is {n} but this server allows at most {}", config.max_n)))
+        }
+        n => n as usize,
+    };
+    let top_k = match f.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k < 0 => return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (disabled) or positive, got {k}"))),
+        k => usize::try_from(k).unwrap_or(usize::MAX),
+    };
+    let logprobs = match f.logprobs {
+        Some(k) if k < 0 => {
+            return Err(ApiError::invalid_param(f.logprobs_param, format!("{} must be >= 0, got {k}", f.logprobs_param)))
+        }
+        Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let stop_token_ids = f.stop_token_ids.unwrap_or_default();
+    if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(ApiError::invalid_param(
+            "stop_token_ids",
+            format!("stop token id {bad} is outside the vocabulary (size {vocab_size})"),
+        ));
+    }
+    let defaults = SamplingParams::default();
+    let base = SamplingParams {
+        temperature: f.temperature.unwrap_or(defaults.temperature),
+        top_k,
+        top_p: f.top_p.unwrap_or(defaults.top_p),
+        min_p: f.min_p.unwrap_or(defaults.min_p),
+        repetition_penalty: f.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+        presence_penalty: f.presence_penalty.unwrap_or(defaults.presence_penalty),
+        frequency_penalty: f.frequency_penalty.unwrap_or(defaults.frequency_penalty),
+        // Negative seeds are accepted (OpenAI allows them) and wrap to the same 64 bits.
+        seed: f.seed.map(|s| s as u64),
+        max_tokens: requested_max_tokens.unwrap_or(1),
+        // An empty stop string would end every request at once; it means nothing, so drop it.
+        stop: f.stop.map(Stop::into_vec).unwrap_or_default().into_iter().filter(|s| !s.is_empty()).collect(),
+        stop_token_ids,
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        logprobs,
+    };
+    base.validate(config.max_logprobs).map_err(|e| {
+        let param = match e.param {
+            "logprobs" => f.logprobs_param,
+            "max_tokens" => f.max_tokens_param,
+            p => p,
+        };
+        ApiError::invalid_param(param, e.message.replace("max_tokens", f.max_tokens_param))
+    })?;
+    Ok(SamplingPlan { n, base, requested_max_tokens, max_tokens_param: f.max_tokens_param })
+}
+
+/// A prompt the engine can run: not empty, every id in the vocabulary, room left to generate.
+pub fn check_prompt(tokens: &[TokenId], param: &str, config: &ServerConfig, vocab_size: usize) -> Result<(), ApiError> {
+    if tokens.is_empty() {
+        return Err(ApiError::invalid_param(param, "the prompt is empty; send at least one token of text"));
+    }
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("prompt token id {bad} is outside the vocabulary (size {vocab_size})"),
+        ));
+    }
+    let (len, max) = (tokens.len(), config.max_model_len);
+    if len > max {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("prompt has {len} tokens but --max-model-len is {max}; shorten the prompt"),
+        ));
+    }
+    if len == max {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("prompt has {len} tokens and --max-model-len is {max}, which leaves no room to generate; shorten the prompt"),
+        ));
+    }
+    Ok(())
+}
+
+impl SamplingPlan {
+    /// The engine parameters for choice `choice` of a prompt of `prompt_len` tokens (already
+    /// checked by [`check_prompt`], so at least one token of room is left).
+    pub fn params_for(
+        &self,
+        prompt_len: usize,
+        choice: usize,
+        default: DefaultMaxTokens,
+        config: &ServerConfig,
+    ) -> Result<SamplingParams, ApiError> {
+        let room = config.max_model_len.saturating_sub(prompt_len);
+        let max_tokens = match (self.requested_max_tokens, default) {
+            (Some(m), _) if prompt_len.saturating_add(m) > config.max_model_len => {
+                return Err(ApiError::invalid_param(
+                    self.max_tokens_param,
+                    format!(
+                        "prompt ({prompt_len} tokens) + {} ({m}) exceeds --max-model-len {}; lower {} to at most {room}",
+                        self.max_tokens_param, config.max_model_len, self.max_tokens_param
+                    ),
+                ))
+            }
+            (Some(m), _) => m,
+            (None, DefaultMaxTokens::RemainingContext) => room,
+            (None, DefaultMaxTokens::Fixed(k)) => k.min(room),
+        };
+        let seed = self.base.seed.map(|s| s.wrapping_add(choice as u64));
+        Ok(SamplingParams { max_tokens: max_tokens.max(1), seed, ..self.base.clone() })
+    }
+}
+
+/// The conversation as the chat template wants it; content parts must all be text.
+pub fn chat_messages(messages: Option<&[RequestMessage]>) -> Result<Vec<ChatMessage>, ApiError> {
+    let messages = messages.unwrap_or_default();
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param("messages", "messages must hold at least one message"));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let content = match &m.content {
+                None => String::new(),
+                Some(MessageContent::Text(t)) => t.clone(),
+                Some(MessageContent::Parts(parts)) => {
+                    let mut texts = Vec::with_capacity(parts.len());
+                    for (j, part) in parts.iter().enumerate() {
+                        match (part.kind.as_str(), &part.text) {
+                            ("text", Some(t)) => texts.push(t.as_str()),
+                            ("text", None) => {
+                                return Err(ApiError::invalid_param(
+                                    &format!("messages[{i}].content[{j}].text"),
+                                    "a text content part needs a `text` field",
+                                ))
+                            }
+                            (other, _) => {
+                                return Err(ApiError::invalid_param(
+                                    &format!("messages[{i}].content[{j}].type"),
+                                    format!("content parts of type `{other}` are not supported; this model reads text only"),
+                                ))
+                            }
+                        }
+                    }
+                    texts.join("\n")
+                }
+            };
+            Ok(ChatMessage { role: m.role.clone(), content })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ServerConfig {
+        ServerConfig { max_model_len: 100, ..ServerConfig::new("m") }
+    }
+
+    fn plan(f: SamplingFields) -> Result<SamplingPlan, ApiError> {
+        sampling_plan(f, &config(), 300)
+    }
+
+    #[test]
+    fn defaults_are_engine_defaults() {
+        let p = plan(SamplingFields { max_tokens_param: "max_tokens", logprobs_param: "logprobs", ..Default::default() })
+            .unwrap();
+        assert_eq!(p.n, 1);
+        assert_eq!(p.requested_max_tokens, None);
+        assert_eq!(p.base.temperature, 1.0);
+        assert_eq!(p.base.logprobs, None);
+    }
+
+    #[test]
+    fn out_of_range_fields_name_their_param() {
+        let cases: Vec<(SamplingFields, &str)> = vec![
+            (SamplingFields { max_tokens: Some(0), ..Default::default() }, "max_tokens"),
+            (SamplingFields { max_tokens: Some(-3), ..Default::default() }, "max_tokens"),
+            (SamplingFields { temperature: Some(-0.5), ..Default::default() }, "temperature"),
+            (SamplingFields { top_p: Some(0.0), ..Default::default() }, "top_p"),
+            (SamplingFields { top_p: Some(1.5), ..Default::default() }, "top_p"),
+            (SamplingFields { top_k: Some(-2), ..Default::default() }, "top_k"),
+            (SamplingFields { n: Some(0), ..Default::default() }, "n"),
+            (SamplingFields { n: Some(17), ..Default::default() }, "n"),
+            (SamplingFields { logprobs: Some(21), ..Default::default() }, "logprobs"),
+            (SamplingFields { logprobs: Some(-1), ..Default::default() }, "logprobs"),
+            (SamplingFields { stop_token_ids: Some(vec![300]), ..Default::default() }, "stop_token_ids"),
+        ];
+        for (mut f, param) in cases {
+            f.max_tokens_param = "max_tokens";
+            f.logprobs_param = "logprobs";
+            let e = plan(f).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn max_tokens_default_and_limit() {
+        let f = || SamplingFields { max_tokens_param: "max_tokens", logprobs_param: "logprobs", ..Default::default() };
+        let cfg = config();
+        let p = plan(f()).unwrap();
+        assert_eq!(p.params_for(90, 0, DefaultMaxTokens::RemainingContext, &cfg).unwrap().max_tokens, 10);
+        assert_eq!(p.params_for(10, 0, DefaultMaxTokens::Fixed(16), &cfg).unwrap().max_tokens, 16);
+        assert_eq!(p.params_for(90, 0, DefaultMaxTokens::Fixed(16), &cfg).unwrap().max_tokens, 10);
+        let p = plan(SamplingFields { max_tokens: Some(11), ..f() }).unwrap();
+        let e = p.params_for(90, 0, DefaultMaxTokens::Fixed(16), &cfg).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(e.message.contains("at most 10"), "{}", e.message);
+        assert_eq!(p.params_for(89, 0, DefaultMaxTokens::Fixed(16), &cfg).unwrap().max_tokens, 11);
+    }
+
+    #[test]
+    fn choice_i_gets_seed_plus_i() {
+        let p = plan(SamplingFields { seed: Some(7), max_tokens_param: "max_tokens", ..Default::default() }).unwrap();
+        let cfg = config();
+        let seeds: Vec<_> =
+            (0..3).map(|i| p.params_for(5, i, DefaultMaxTokens::Fixed(16), &cfg).unwrap().seed).collect();
+        assert_eq!(seeds, vec![Some(7), Some(8), Some(9)]);
+    }
+
+    #[test]
+    fn prompt_checks() {
+        let cfg = config();
+        assert!(check_prompt(&[], "prompt", &cfg, 300).is_err());
+        assert!(check_prompt(&[300], "prompt", &cfg, 300).is_err());
+        let e = check_prompt(&[1; 101], "prompt", &cfg, 300).unwrap_err();
+        assert_eq!(e.message, "prompt has 101 tokens but --max-model-len is 100; shorten the prompt");
+        assert!(check_prompt(&[1; 100], "prompt", &cfg, 300).is_err());
+        assert!(check_prompt(&[1; 99], "prompt", &cfg, 300).is_ok());
+    }
+
+    #[test]
+    fn chat_top_logprobs_needs_logprobs() {
+        let r = ChatCompletionRequest { top_logprobs: Some(2), ..Default::default() };
+        assert_eq!(SamplingFields::from_chat(&r).unwrap_err().param.as_deref(), Some("top_logprobs"));
+        let r = ChatCompletionRequest { logprobs: Some(true), top_logprobs: Some(2), ..Default::default() };
+        assert_eq!(SamplingFields::from_chat(&r).unwrap().logprobs, Some(2));
+    }
+}

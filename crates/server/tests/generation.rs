@@ -1,0 +1,281 @@
+//! Successful requests against the fake engine (which echoes the prompt's tokens back, one per
+//! step): response shapes, parameters reaching the engine, SSE framing, and aborts on disconnect.
+//! In the test tokenizer "hello" is the two tokens "hell" + "o".
+
+mod common;
+
+use axum::http::StatusCode;
+use common::*;
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn parse_chunks(body: &str) -> Vec<Value> {
+    let data = sse_data(body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "stream ends with [DONE]: {data:?}");
+    data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect()
+}
+
+#[tokio::test]
+async fn completion_has_the_openai_shape() {
+    let s = server();
+    let (status, v) = s.post("/v1/completions", json!({"model": MODEL, "prompt": "hello", "max_tokens": 3, "user": "u1", "logit_bias": {}})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], MODEL);
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    assert_eq!(
+        v["choices"],
+        json!([{"index": 0, "text": "hellohell", "logprobs": null, "finish_reason": "length"}])
+    );
+    assert_eq!(v["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}));
+}
+
+#[tokio::test]
+async fn completion_parameters_reach_the_engine() {
+    let s = server();
+    let body = json!({"prompt": "hello", "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+        "seed": 42, "stop": "\n", "stop_token_ids": [260], "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "repetition_penalty": 1.1, "ignore_eos": true});
+    let (status, _) = s.post("/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, prompt, p) = s.submitted().pop().unwrap();
+    assert_eq!(prompt, s.tokenizer.encode("hello").unwrap());
+    assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p), (0.7, 0.9, 5, 0.1));
+    assert_eq!((p.seed, p.max_tokens, p.ignore_eos), (Some(42), 2, true));
+    assert_eq!(p.stop, vec!["\n".to_string()]);
+    assert_eq!(p.stop_token_ids, vec![260]);
+    assert_eq!((p.presence_penalty, p.frequency_penalty, p.repetition_penalty), (0.5, -0.5, 1.1));
+    assert_eq!(p.logprobs, None);
+}
+
+#[tokio::test]
+async fn completion_max_tokens_defaults_to_16_within_the_context() {
+    let s = server(); // max_model_len 64
+    s.post("/v1/completions", json!({"prompt": "hello"})).await;
+    s.post("/v1/completions", json!({"prompt": "x".repeat(60)})).await;
+    let max: Vec<usize> = s.submitted().iter().map(|(_, _, p)| p.max_tokens).collect();
+    assert_eq!(max, vec![16, 4]);
+}
+
+#[tokio::test]
+async fn echo_prepends_the_prompt() {
+    let s = server();
+    let (_, v) = s.post("/v1/completions", json!({"prompt": "hello", "max_tokens": 1, "echo": true})).await;
+    assert_eq!(v["choices"][0]["text"], "hellohell");
+    let (_, v) = s.post("/v1/completions", json!({"prompt": [104, 105], "max_tokens": 1, "echo": true})).await;
+    assert_eq!(v["choices"][0]["text"], "hih");
+}
+
+#[tokio::test]
+async fn prompt_lists_and_n_give_prompt_major_choices_with_seed_plus_i() {
+    let s = server();
+    let (status, v) = s.post("/v1/completions", json!({"prompt": ["ab", "cd"], "n": 2, "max_tokens": 1, "seed": 7})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let texts: Vec<(u64, &str)> =
+        v["choices"].as_array().unwrap().iter().map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap())).collect();
+    assert_eq!(texts, vec![(0, "a"), (1, "a"), (2, "c"), (3, "c")]);
+    // Each prompt counted once, each choice's tokens counted.
+    assert_eq!(v["usage"], json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}));
+    let mut seeds: Vec<(Vec<u32>, Option<u64>)> = s.submitted().into_iter().map(|(_, p, sp)| (p, sp.seed)).collect();
+    seeds.sort();
+    assert_eq!(seeds, vec![(vec![97, 98], Some(7)), (vec![97, 98], Some(8)), (vec![99, 100], Some(7)), (vec![99, 100], Some(8))]);
+    let (_, v) = s.post("/v1/completions", json!({"prompt": [[104], [105, 106]], "max_tokens": 2})).await;
+    assert_eq!(v["choices"][0]["text"], "hh");
+    assert_eq!(v["choices"][1]["text"], "ij");
+}
+
+#[tokio::test]
+async fn completion_logprobs_use_the_legacy_layout() {
+    let s = server();
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "hello", "max_tokens": 2, "logprobs": 1})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(s.submitted()[0].2.logprobs, Some(1));
+    // Fake engine: sampled token at -0.5, alternative (token + 1) % 256 at -1.
+    let hell = s.tokenizer.encode("hell").unwrap()[0];
+    let alt_hell = s.tokenizer.token_text((hell + 1) % 256);
+    assert_eq!(
+        v["choices"][0]["logprobs"],
+        json!({
+            "tokens": ["hell", "o"],
+            "token_logprobs": [-0.5, -0.5],
+            "top_logprobs": [{"hell": -0.5, alt_hell: -1.0}, {"o": -0.5, "p": -1.0}],
+            "text_offset": [0, 4],
+        })
+    );
+}
+
+#[tokio::test]
+async fn chat_renders_the_template_and_answers_as_assistant() {
+    let s = server();
+    let body = json!({"model": MODEL, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
+        "max_tokens": 2});
+    let (status, v) = s.post("/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["object"], "chat.completion");
+    let expected_prompt = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi\nthere<|im_end|>\n<|im_start|>assistant\n";
+    let (_, prompt, _) = s.submitted().pop().unwrap();
+    assert_eq!(prompt, s.tokenizer.encode(expected_prompt).unwrap());
+    assert_eq!(prompt[0], 259, "<|im_start|> is one control token");
+    assert_eq!(
+        v["choices"],
+        json!([{"index": 0, "message": {"role": "assistant", "content": "<|im_start|>s"}, "logprobs": null, "finish_reason": "length"}])
+    );
+    let n = prompt.len();
+    assert_eq!(v["usage"], json!({"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}));
+}
+
+#[tokio::test]
+async fn chat_max_tokens_defaults_to_the_rest_of_the_context() {
+    let s = server(); // max_model_len 64
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "n": 1})).await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, prompt, p) = s.submitted().pop().unwrap();
+    assert_eq!(p.max_tokens, 64 - prompt.len());
+}
+
+#[tokio::test]
+async fn chat_n_2_returns_2_choices() {
+    let s = server();
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 1})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!((choices[0]["index"].as_u64(), choices[1]["index"].as_u64()), (Some(0), Some(1)));
+    assert_eq!(s.submitted().len(), 2);
+    assert_eq!(v["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test]
+async fn chat_logprobs_use_the_content_layout() {
+    let s = server();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": true, "top_logprobs": 2});
+    let (status, v) = s.post("/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let entry = &v["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(entry["token"], "<|im_start|>");
+    assert_eq!(entry["logprob"], -0.5);
+    assert_eq!(entry["bytes"], json!("<|im_start|>".bytes().collect::<Vec<u8>>()));
+    let top = entry["top_logprobs"].as_array().unwrap();
+    assert_eq!(top.len(), 2);
+    assert_eq!(top[0]["logprob"], -1.0);
+    assert!(top[0]["token"].is_string() && top[0]["bytes"].is_array());
+}
+
+#[tokio::test]
+async fn streamed_completion_matches_the_whole_one() {
+    let s = server();
+    let resp = s.post_raw("/v1/completions", json!({"prompt": "hello", "max_tokens": 3, "stream": true}).to_string()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let chunks = parse_chunks(&text_of(resp).await);
+    let text: String = chunks.iter().map(|c| c["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(text, "hellohell");
+    for c in &chunks {
+        assert_eq!(c["object"], "text_completion");
+        assert!(c.get("usage").is_none(), "no usage without include_usage: {c}");
+    }
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+}
+
+#[tokio::test]
+async fn include_usage_adds_a_final_usage_chunk() {
+    let s = server();
+    let body = json!({"prompt": "hello", "max_tokens": 3, "stream": true, "stream_options": {"include_usage": true}, "echo": true});
+    let chunks = parse_chunks(&text_of(s.post_raw("/v1/completions", body.to_string()).await).await);
+    let (last, rest) = chunks.split_last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}));
+    for c in rest {
+        assert!(c["usage"].is_null() && c.get("usage").is_some(), "usage: null before the last chunk: {c}");
+    }
+    assert_eq!(rest[0]["choices"][0]["text"], "hello", "the echo comes first");
+}
+
+#[tokio::test]
+async fn streamed_chat_opens_with_the_role_and_ends_with_done() {
+    let s = server();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let chunks = parse_chunks(&text_of(s.post_raw("/v1/chat/completions", body.to_string()).await).await);
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]));
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    let content: String =
+        chunks[1..].iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(content, "<|im_start|>u");
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["delta"], json!({}));
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 2);
+}
+
+#[tokio::test]
+async fn streamed_n_2_carries_both_indexes() {
+    let s = server();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true, "n": 2});
+    let chunks = parse_chunks(&text_of(s.post_raw("/v1/chat/completions", body.to_string()).await).await);
+    let finished: Vec<u64> = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["finish_reason"] == "length")
+        .map(|c| c["choices"][0]["index"].as_u64().unwrap())
+        .collect();
+    let mut sorted = finished.clone();
+    sorted.sort();
+    assert_eq!(sorted, vec![0, 1]);
+}
+
+#[tokio::test]
+async fn disconnect_mid_stream_aborts_the_request() {
+    let s = server_with(Setup { tick: Duration::from_millis(20), ..Setup::default() });
+    let resp = s.post_raw("/v1/completions", json!({"prompt": "hello", "max_tokens": 40, "stream": true}).to_string()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let frame = body.frame().await.unwrap().unwrap();
+    let first = String::from_utf8(frame.into_data().unwrap().to_vec()).unwrap();
+    assert!(first.starts_with("data: {"), "{first:?}");
+    let id = s.submitted()[0].0;
+    assert!(!s.log.lock().unwrap().aborted.contains(&id));
+    drop(body); // the client goes away
+    assert!(s.wait_for_abort(id).await, "the engine saw no Abort for {id}");
+}
+
+#[tokio::test]
+async fn disconnect_while_waiting_for_a_whole_response_aborts_every_choice() {
+    let s = server_with(Setup { tick: Duration::from_millis(20), ..Setup::default() });
+    let router = s.router.clone();
+    let task = tokio::spawn(async move {
+        use tower::ServiceExt;
+        let req = axum::http::Request::post("/v1/completions")
+            .body(axum::body::Body::from(json!({"prompt": "hello", "max_tokens": 40, "n": 2}).to_string()))
+            .unwrap();
+        router.oneshot(req).await
+    });
+    for _ in 0..200 {
+        if s.submitted().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task.abort();
+    for (id, _, _) in s.submitted() {
+        assert!(s.wait_for_abort(id).await, "the engine saw no Abort for {id}");
+    }
+}
+
+#[tokio::test]
+async fn finished_requests_are_not_aborted() {
+    let s = server();
+    let (status, _) = s.post("/v1/completions", json!({"prompt": "hello", "max_tokens": 2, "n": 3})).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks = text_of(s.post_raw("/v1/completions", json!({"prompt": "hi", "max_tokens": 2, "stream": true}).to_string()).await).await;
+    assert!(chunks.ends_with("data: [DONE]\n\n"), "{chunks:?}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(s.log.lock().unwrap().aborted.is_empty());
+}
