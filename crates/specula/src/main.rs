@@ -6,6 +6,7 @@ mod engine_args;
 mod fetch;
 mod generate;
 mod sampling_args;
+mod serve;
 mod offline;
 
 use anyhow::Result;
@@ -22,6 +23,8 @@ struct Cli {
 enum Cmd {
     /// Put the default model (SmolLM2-135M-Instruct Q4_1) in the cache.
     FetchModel,
+    /// OpenAI-compatible HTTP server (default: the default model on 127.0.0.1:8000).
+    Serve(serve::ServeArgs),
     /// Generate text for one prompt, streaming it to stdout.
     Generate(generate::GenerateArgs),
     /// Benchmarks: engine throughput without HTTP, or load against a server.
@@ -36,6 +39,8 @@ enum Cmd {
 enum BenchCmd {
     /// Prefill and decode throughput of the engine, beside candle's quantized path.
     Offline(offline::OfflineArgs),
+    /// Load against an OpenAI-compatible server (specula, llama-server, vLLM).
+    Serve(bench::serve::BenchServeArgs),
 }
 
 fn main() {
@@ -55,5 +60,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Debug(d) => debug::run(d),
         Cmd::Generate(a) => generate::run(a),
         Cmd::Bench(BenchCmd::Offline(a)) => offline::run(a),
+        Cmd::Bench(BenchCmd::Serve(a)) => tokio::runtime::Runtime::new()?.block_on(bench::serve::run(a)),
+        Cmd::Serve(a) => serve::run(a),
     }
 }
