@@ -22,7 +22,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Put the default model (SmolLM2-135M-Instruct Q4_1) in the cache.
-    FetchModel,
+    FetchModel {
+        /// Only print where the default model is (or will be) cached.
+        #[arg(long)]
+        print_path: bool,
+    },
     /// OpenAI-compatible HTTP server (default: the default model on 127.0.0.1:8000).
     Serve(serve::ServeArgs),
     /// Generate text for one prompt, streaming it to stdout.
@@ -56,7 +60,11 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::FetchModel => fetch::fetch(&fetch::default_model_path()),
+        Cmd::FetchModel { print_path: true } => {
+            println!("{}", fetch::default_model_path().display());
+            Ok(())
+        }
+        Cmd::FetchModel { print_path: false } => fetch::fetch(&fetch::default_model_path()),
         Cmd::Debug(d) => debug::run(d),
         Cmd::Generate(a) => generate::run(a),
         Cmd::Bench(BenchCmd::Offline(a)) => offline::run(a),
