@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Independent NumPy reference forward pass for Llama-family GGUF models.
+
+It shares no code with the Rust engine: the GGUF is read with the `gguf` Python package
+(GGUFReader), every weight is dequantized with `gguf.quants.dequantize`, and the forward is
+written from the Llama definition:
+
+    h = embed[tokens]
+    for each layer:
+        x  = rmsnorm(h) * attn_norm
+        q, k, v = x Wq^T, x Wk^T, x Wv^T            (GQA: n_kv_heads < n_heads)
+        q, k = rope(q), rope(k)                      (llama.cpp "normal" mode, see below)
+        a  = softmax(q k^T / sqrt(d) + causal_mask) v
+        h += a Wo^T
+        x  = rmsnorm(h) * ffn_norm
+        h += (silu(x Wgate^T) * (x Wup^T)) Wdown^T
+    logits = (rmsnorm(h) * output_norm) Wout^T       (Wout = token_embd when tied)
+
+RoPE: the HF->GGUF converter permutes the rows of Wq / Wk so that the two halves that HF's
+`rotate_half` (NeoX style) pairs up become adjacent elements.  A GGUF llama model is therefore
+rotated in llama.cpp's "normal" mode: the pairs are (x[2i], x[2i+1]) with angle
+pos * theta^(-2i/head_dim).  (Using NeoX pairs (i, i + d/2) on GGUF weights gives garbage; the
+sanity test `tests/test_reference_sanity.py` catches that through " Paris".)
+
+Optional `act_quant="q8"` mimics what a llama.cpp-style engine does before integer dot
+products: the input of every weight matmul is rounded to 8-bit blocks of 32 values
+(d = max|x| / 127, q = round(x / d)), like ggml's Q8_0/Q8_1.  It is used to estimate how far
+an exact-arithmetic engine with quantized activations may legitimately drift from the exact
+float reference.
+
+CLI:
+    python3 python/reference_forward.py --model M.gguf --tokens 1,2,3 --out logits.npy
+writes a float32 [n_tokens, vocab] array (logits at every position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import gguf
+    from gguf import GGUFReader
+except ImportError as e:  # pragma: no cover
+    raise SystemExit("reference_forward.py needs the `gguf` package (pip install gguf)") from e
+
+
+# ----------------------------------------------------------------------------- GGUF reading
+
+
+def field_value(reader: GGUFReader, key: str, default=None):
+    """Scalar / string / array value of a GGUF metadata field (None-safe)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if hasattr(f, "contents"):
+        return f.contents()
+    # Older gguf versions: decode by hand.
+    if len(f.data) == 1:
+        part = f.parts[f.data[0]]
+        if f.types and f.types[0] == gguf.GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part.tolist()[0]
+    return [bytes(f.parts[i]).decode("utf-8") if f.types[-1] == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0] for i in f.data]
+
+
+@dataclass
+class Config:
+    arch: str
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    vocab: int
+    rope_theta: float
+    rms_eps: float
+
+
+def read_config(reader: GGUFReader) -> Config:
+    arch = field_value(reader, "general.architecture")
+    g = lambda k, d=None: field_value(reader, f"{arch}.{k}", d)  # noqa: E731
+    hidden = int(g("embedding_length"))
+    n_heads = int(g("attention.head_count"))
+    n_kv = int(g("attention.head_count_kv", n_heads))
+    head_dim = int(g("attention.key_length", hidden // n_heads))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
+    return Config(
+        arch=arch,
+        n_layers=int(g("block_count")),
+        hidden=hidden,
+        ffn=int(g("feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        rope_dim=int(g("rope.dimension_count", head_dim)),
+        vocab=vocab,
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+    )
+
+
+def dequant(t, dtype) -> np.ndarray:
+    """Tensor -> dense [rows, cols] (GGUF ne = [cols, rows], so rows = output features)."""
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+    ne = [int(x) for x in t.shape]  # ggml order: ne[0] is the contiguous (input) dimension
+    w = np.asarray(w).reshape(list(reversed(ne)) if len(ne) > 1 else ne)
+    return np.ascontiguousarray(w, dtype=dtype)
+
+
+class Weights:
+    def __init__(self, path: str, dtype=np.float32):
+        reader = GGUFReader(path)
+        self.cfg = read_config(reader)
+        self.dtype = dtype
+        t = {x.name: x for x in reader.tensors}
+        d = lambda name: dequant(t[name], dtype)  # noqa: E731
+        self.embd = d("token_embd.weight")  # [vocab, hidden]
+        self.output = d("output.weight") if "output.weight" in t else self.embd  # tied
+        self.output_norm = d("output_norm.weight")
+        self.layers = []
+        for i in range(self.cfg.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(
+                dict(
+                    attn_norm=d(p + "attn_norm.weight"),
+                    wq=d(p + "attn_q.weight"),
+                    wk=d(p + "attn_k.weight"),
+                    wv=d(p + "attn_v.weight"),
+                    wo=d(p + "attn_output.weight"),
+                    ffn_norm=d(p + "ffn_norm.weight"),
+                    gate=d(p + "ffn_gate.weight"),
+                    up=d(p + "ffn_up.weight"),
+                    down=d(p + "ffn_down.weight"),
+                )
+            )
+        c = self.cfg
+        assert self.embd.shape == (c.vocab, c.hidden), self.embd.shape
+        assert self.layers[0]["wq"].shape == (c.n_heads * c.head_dim, c.hidden)
+        assert self.layers[0]["wk"].shape == (c.n_kv_heads * c.head_dim, c.hidden)
+        assert self.layers[0]["down"].shape == (c.hidden, c.ffn)
+        # Bias tensors (qwen2-style) are not supported by this reference: refuse rather than be wrong.
+        assert not any(n.endswith(".bias") for n in t), "bias tensors not supported"
+
+
+def load_weights(path: str, dtype: str = "float32") -> Weights:
+    """Dequantized weights, cached per process (loading takes a few seconds)."""
+    return _load_weights(os.path.realpath(path), np.dtype(dtype).name)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_weights(path: str, dtype_name: str) -> Weights:
+    return Weights(path, np.dtype(dtype_name).type)
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def quantize_q8_blocks(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """Round-trip x (last axis a multiple of `block`) through ggml Q8_0/Q8_1 8-bit blocks."""
+    shape = x.shape
+    xb = x.reshape(-1, shape[-1] // block, block).astype(np.float32)
+    amax = np.abs(xb).max(axis=-1, keepdims=True)
+    d = amax / 127.0
+    # ggml stores d as fp16 (Q8_0) or fp16 d and s (Q8_1).
+    d16 = d.astype(np.float16).astype(np.float32)
+    inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
+    q = np.clip(np.round(xb * inv), -127, 127)
+    return (q * d16).reshape(shape).astype(x.dtype)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    return (x / np.sqrt(ms + eps)).astype(x.dtype) * w
+
+
+def rope_normal(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int) -> np.ndarray:
+    """llama.cpp normal-mode RoPE on [T, heads, head_dim]: rotates pairs (2i, 2i+1)."""
+    T = x.shape[0]
+    half = rope_dim // 2
+    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+    ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
+    cos = np.cos(ang)[:, None, :].astype(x.dtype)
+    sin = np.sin(ang)[:, None, :].astype(x.dtype)
+    out = x.copy()
+    x0 = x[..., 0:rope_dim:2]
+    x1 = x[..., 1:rope_dim:2]
+    out[..., 0:rope_dim:2] = x0 * cos - x1 * sin
+    out[..., 1:rope_dim:2] = x0 * sin + x1 * cos
+    assert out.shape[0] == T
+    return out
+
+
+def rope_neox(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int) -> np.ndarray:
+    """NeoX/HF rotate_half RoPE: pairs (i, i + rope_dim/2).  WRONG for GGUF llama weights."""
+    half = rope_dim // 2
+    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+    ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]
+    cos = np.cos(ang)[:, None, :].astype(x.dtype)
+    sin = np.sin(ang)[:, None, :].astype(x.dtype)
+    out = x.copy()
+    x0 = x[..., :half]
+    x1 = x[..., half:rope_dim]
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:rope_dim] = x0 * sin + x1 * cos
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def forward(
+    model_path: str,
+    tokens,
+    dtype: str = "float32",
+    act_quant: str | None = None,
+    last_only: bool = False,
+    rope: str = "normal",
+) -> np.ndarray:
+    """Logits [len(tokens), vocab] (or [1, vocab] with last_only) for one causal sequence.
+
+    rope="neox" exists only so the sanity test can show that it is the wrong pairing for GGUF.
+    """
+    W = load_weights(model_path, dtype)
+    c = W.cfg
+    tokens = np.asarray(list(tokens), dtype=np.int64)
+    if tokens.ndim != 1 or len(tokens) == 0:
+        raise ValueError("tokens must be a non-empty 1-D list of ids")
+    if tokens.min() < 0 or tokens.max() >= c.vocab:
+        raise ValueError(f"token id out of range [0, {c.vocab})")
+    T = len(tokens)
+    ft = W.dtype
+    if act_quant not in (None, "none", "q8"):
+        raise ValueError(f"unknown act_quant {act_quant!r}")
+    aq = quantize_q8_blocks if act_quant == "q8" else (lambda a: a)
+    rope_fn = {"normal": rope_normal, "neox": rope_neox}[rope]
+
+    def lin(x, w):
+        return aq(x) @ w.T
+
+    pos = np.arange(T)
+    group = c.n_heads // c.n_kv_heads
+    scale = 1.0 / np.sqrt(c.head_dim)
+    mask = np.triu(np.full((T, T), -np.inf, dtype=ft), k=1)
+
+    h = W.embd[tokens].astype(ft)  # [T, hidden]
+    for L in W.layers:
+        x = rmsnorm(h, L["attn_norm"], c.rms_eps)
+        q = lin(x, L["wq"]).reshape(T, c.n_heads, c.head_dim)
+        k = lin(x, L["wk"]).reshape(T, c.n_kv_heads, c.head_dim)
+        v = lin(x, L["wv"]).reshape(T, c.n_kv_heads, c.head_dim)
+        q = rope_fn(q, pos, c.rope_theta, c.rope_dim)
+        k = rope_fn(k, pos, c.rope_theta, c.rope_dim)
+        # GQA: query head j uses kv head j // group.
+        kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
+        vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
+        qh = q.transpose(1, 0, 2)  # [H, T, d]
+        s = (qh @ kh.transpose(0, 2, 1)) * ft(scale) + mask  # [H, T, T]
+        s = s - s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        a = (p @ vh).transpose(1, 0, 2).reshape(T, c.n_heads * c.head_dim)
+        h = h + lin(a, L["wo"])
+        x = rmsnorm(h, L["ffn_norm"], c.rms_eps)
+        g = silu(lin(x, L["gate"])) * lin(x, L["up"])
+        h = h + lin(g, L["down"])
+    if last_only:
+        h = h[-1:]
+    x = rmsnorm(h, W.output_norm, c.rms_eps)
+    return lin(x, W.output)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.environ.get("SPECULA_MODEL"), help="GGUF file (default $SPECULA_MODEL)")
+    ap.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    ap.add_argument("--out", required=True, help="output .npy: float32 [n_tokens, vocab]")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute precision")
+    ap.add_argument("--act-quant", default="none", choices=["none", "q8"], help="simulate 8-bit activation blocks")
+    ap.add_argument("--last-only", action="store_true", help="only the last position's logits")
+    a = ap.parse_args(argv)
+    if not a.model:
+        ap.error("--model (or $SPECULA_MODEL) is required")
+    toks = [int(t) for t in a.tokens.replace(" ", "").split(",") if t]
+    logits = forward(a.model, toks, dtype=a.dtype, act_quant=a.act_quant, last_only=a.last_only)
+    np.save(a.out, logits.astype(np.float32))
+    top = int(np.argmax(logits[-1]))
+    print(f"wrote {a.out}: shape {logits.shape}, last-position argmax {top}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
