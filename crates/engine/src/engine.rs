@@ -9,6 +9,8 @@ use crate::kv_cache::KvCacheManager;
 use crate::runner::{execute, prepare, BatchInputs};
 use crate::sampling::{ranked_logprob, Sampler, StopCheck, TokenHistory};
 use crate::scheduler::{Scheduler, StepPlan};
+use crate::spec::adaptive::{batch_allows_speculation, AcceptanceTracker};
+use crate::spec::{verify, DraftRequest, Proposer, SpecConfig, SpecMetrics};
 use crate::sequence::Sequence;
 use crate::types::{RequestId, SeqId, TokenId};
 use specula_kernels::attention::KvLayout;
@@ -52,6 +54,29 @@ pub struct Engine {
     sampler: Sampler,
     counters: Arc<QueueCounters>,
     next_seq: u64,
+    spec: Option<Speculation>,
+}
+
+/// Speculative decoding state of an engine.
+pub struct Speculation {
+    pub cfg: SpecConfig,
+    pub proposer: Box<dyn Proposer>,
+    pub metrics: SpecMetrics,
+    trackers: BTreeMap<SeqId, AcceptanceTracker>,
+}
+
+impl Speculation {
+    pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
+        let metrics = SpecMetrics::new(cfg.num_speculative_tokens);
+        Self { cfg, proposer, metrics, trackers: BTreeMap::new() }
+    }
+}
+
+/// The tokens one sequence emits this step, with their logprobs, and how many drafts it accepted.
+struct Emitted {
+    tokens: Vec<(TokenId, Option<TokenLogprob>)>,
+    num_drafts: usize,
+    num_accepted: usize,
 }
 
 impl Engine {
@@ -86,7 +111,25 @@ impl Engine {
             sampler: Sampler::new(),
             counters,
             next_seq: 1,
+            spec: None,
         })
+    }
+
+    /// Turns on speculative decoding with `proposer`.
+    pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Result<Self, EngineError> {
+        cfg.validate().map_err(EngineError::Config)?;
+        self.spec = Some(Speculation::new(cfg, proposer));
+        Ok(self)
+    }
+
+    /// Acceptance counters, when speculating.
+    pub fn spec_metrics(&self) -> Option<&SpecMetrics> {
+        self.spec.as_ref().map(|s| &s.metrics)
+    }
+
+    /// (free, total) blocks of the proposer's own KV cache, if it has one.
+    pub fn draft_kv_blocks(&self) -> Option<(usize, usize)> {
+        self.spec.as_ref().and_then(|s| s.proposer.kv_blocks())
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -189,43 +232,119 @@ impl Engine {
         Ok(self.update(plan, sampled))
     }
 
-    /// One token (and its logprobs when asked) per sampling sequence.
-    fn sample(&mut self, inputs: &BatchInputs, logits: &[f32]) -> Result<BTreeMap<SeqId, (TokenId, Option<TokenLogprob>)>, String> {
+    /// The tokens each sampling sequence emits: one sampled token, or, with drafts, the accepted
+    /// prefix plus one target token from the rejection sampler. Logprobs come from the raw target
+    /// logits of each emitted token's position.
+    fn sample(&mut self, inputs: &BatchInputs, logits: &[f32]) -> Result<BTreeMap<SeqId, Emitted>, String> {
         let vocab = self.model.config.vocab_size;
+        let force_accept = self.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
         let mut out = BTreeMap::new();
         for &(id, first, rows) in &inputs.sample_rows {
             let s = self.seqs.get_mut(&id).ok_or("sequence vanished during the step")?;
-            let r = first + rows - 1;
-            let row = &logits[r * vocab..(r + 1) * vocab];
-            let history = TokenHistory { prompt: &s.tokens[..s.prompt_len], output: &s.tokens[s.prompt_len..] };
-            let tok = self.sampler.sample(row, &s.params, history, &mut s.rng).map_err(|e| e.to_string())?;
-            let lp = match s.params.logprobs {
-                Some(k) => Some(ranked_logprob(row, tok, k).map_err(|e| e.to_string())?.logprob),
-                None => None,
+            let block = &logits[first * vocab..(first + rows) * vocab];
+            let num_drafts = rows - 1;
+            let toks: Vec<TokenId> = if num_drafts == 0 {
+                let history = TokenHistory { prompt: &s.tokens[..s.prompt_len], output: &s.tokens[s.prompt_len..] };
+                vec![self.sampler.sample(block, &s.params, history, &mut s.rng).map_err(|e| e.to_string())?]
+            } else {
+                let (prompt, output) = s.tokens.split_at(s.prompt_len);
+                verify(block, vocab, &s.draft, &s.params, prompt, output, &mut s.rng, force_accept).map_err(|e| e.to_string())?.tokens
             };
-            out.insert(id, (tok, lp));
+            let mut emitted = Vec::with_capacity(toks.len());
+            for (j, &tok) in toks.iter().enumerate() {
+                let lp = match s.params.logprobs {
+                    Some(k) => Some(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k).map_err(|e| e.to_string())?.logprob),
+                    None => None,
+                };
+                emitted.push((tok, lp));
+            }
+            out.insert(id, Emitted { num_accepted: toks.len() - 1, num_drafts, tokens: emitted });
         }
         Ok(out)
     }
 
-    /// Advances every scheduled sequence, emits deltas and finishes what is done.
-    fn update(&mut self, plan: &StepPlan, mut sampled: BTreeMap<SeqId, (TokenId, Option<TokenLogprob>)>) -> usize {
+    /// Advances every scheduled sequence (rolling back rejected draft slots), emits deltas,
+    /// finishes what is done, then asks the proposer for the next step's drafts.
+    fn update(&mut self, plan: &StepPlan, mut sampled: BTreeMap<SeqId, Emitted>) -> usize {
         let mut emitted = 0;
         let mut finished = Vec::new();
         for sch in &plan.seqs {
             let Some(s) = self.seqs.get_mut(&sch.seq) else { continue };
-            s.num_computed = sch.start + sch.num_tokens;
-            let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed]);
-            let Some((tok, lp)) = sampled.remove(&sch.seq) else { continue };
-            emitted += 1;
-            if let Some(reason) = append_token(s, &self.tokenizer, tok, lp, self.cfg.max_model_len) {
-                finished.push((sch.seq, reason));
+            let result = sampled.remove(&sch.seq);
+            let rejected = result.as_ref().map_or(0, |e| e.num_drafts - e.num_accepted);
+            s.num_computed = sch.start + sch.num_tokens - rejected;
+            s.draft = Default::default();
+            if rejected > 0 {
+                let _ = self.kv.truncate(sch.seq, s.num_computed);
             }
+            let Some(result) = result else {
+                let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed]);
+                continue;
+            };
+            if let Some(sp) = self.spec.as_mut() {
+                if result.num_drafts > 0 {
+                    sp.metrics.record(result.num_drafts, result.num_accepted);
+                    sp.trackers.entry(sch.seq).or_default().record(result.num_drafts, result.num_accepted);
+                    sp.proposer.rollback(sch.seq, s.num_computed);
+                }
+            }
+            for (tok, lp) in result.tokens {
+                emitted += 1;
+                if let Some(reason) = append_token(s, &self.tokenizer, tok, lp, self.cfg.max_model_len) {
+                    finished.push((sch.seq, reason));
+                    break;
+                }
+            }
+            // accepted draft tokens are now known tokens with computed KV
+            let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed.min(s.tokens.len())]);
         }
         for (id, reason) in finished {
             self.finish(id, reason);
         }
+        if let Err(e) = self.propose() {
+            tracing::warn!("speculative proposer failed; decoding without drafts this step: {e}");
+        }
         emitted
+    }
+
+    /// Drafts for every running sequence that decodes next step.
+    fn propose(&mut self) -> Result<(), String> {
+        let Some(sp) = self.spec.as_mut() else { return Ok(()) };
+        let decoding: Vec<SeqId> = self
+            .scheduler
+            .running()
+            .iter()
+            .copied()
+            .filter(|id| self.seqs.get(id).is_some_and(|s| s.num_computed + 1 == s.tokens.len()))
+            .collect();
+        if sp.cfg.adaptive && !batch_allows_speculation(decoding.len(), sp.cfg.max_batch_for_speculation) {
+            return Ok(());
+        }
+        let mut reqs = Vec::with_capacity(decoding.len());
+        for id in &decoding {
+            let s = &self.seqs[id];
+            let k = if sp.cfg.adaptive { sp.trackers.entry(*id).or_default().next_k(sp.cfg.num_speculative_tokens) } else { sp.cfg.num_speculative_tokens };
+            let room_tokens = s.params.max_tokens.saturating_sub(s.output_len() + 1);
+            let room_ctx = self.cfg.max_model_len.saturating_sub(s.tokens.len() + 1);
+            reqs.push(DraftRequest { seq: *id, tokens: &s.tokens, prompt_len: s.prompt_len, max_draft: k.min(room_tokens).min(room_ctx), params: &s.params, hidden: None });
+        }
+        if reqs.iter().all(|r| r.max_draft == 0) {
+            return Ok(());
+        }
+        let drafts = sp.proposer.propose(&reqs, &self.pool).map_err(|e| e.to_string())?;
+        drop(reqs);
+        for (id, mut d) in decoding.into_iter().zip(drafts) {
+            if let Some(s) = self.seqs.get_mut(&id) {
+                if d.tokens.iter().any(|&t| t as usize >= self.model.config.vocab_size) {
+                    continue; // a proposer bug must not crash verification
+                }
+                if d.tokens.is_empty() {
+                    d.probs = None;
+                }
+                s.draft = d;
+            }
+        }
+        Ok(())
     }
 
     fn fail_plan(&mut self, plan: &StepPlan, msg: &str) {
@@ -253,6 +372,10 @@ impl Engine {
     /// Removes a sequence from every structure and returns its blocks to the pool.
     fn remove(&mut self, id: SeqId) -> Option<Sequence> {
         let s = self.seqs.remove(&id)?;
+        if let Some(sp) = self.spec.as_mut() {
+            sp.proposer.remove(id);
+            sp.trackers.remove(&id);
+        }
         self.by_request.remove(&s.request);
         self.scheduler.remove(id);
         let _ = self.kv.free(id);
@@ -283,8 +406,15 @@ impl Engine {
     /// Runs until the command channel closes or a shutdown's grace period ends.
     pub fn run(mut self, rx: Receiver<EngineCommand>) {
         let mut shutdown_at: Option<Instant> = None;
+        // Engine metrics exist from the start (a counter such as num_preemptions_total would
+        // otherwise be missing from /metrics until its first increment).
+        metrics::counter!("specula:num_preemptions_total").increment(0);
+        self.export_gauges();
         loop {
             if !self.has_work() && shutdown_at.is_none() {
+                // Aborts and refused submits change the pool and queues without a step; publish
+                // that before going idle, or the gauges would show the last step's numbers forever.
+                self.export_gauges();
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd, &mut shutdown_at),
                     Err(_) => break,
@@ -365,9 +495,17 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Starts an engine on its own thread; returns the handle front ends use and the thread.
-pub fn spawn_engine(model: LlamaModel, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Result<(EngineHandle, std::thread::JoinHandle<()>), EngineError> {
+pub fn spawn_engine(
+    model: LlamaModel,
+    tokenizer: Arc<Tokenizer>,
+    cfg: EngineConfig,
+    spec: Option<(SpecConfig, Box<dyn Proposer>)>,
+) -> Result<(EngineHandle, std::thread::JoinHandle<()>), EngineError> {
     let (handle, rx, counters) = EngineHandle::channel(cfg.max_waiting);
-    let engine = Engine::new(model, tokenizer, cfg, counters)?;
+    let mut engine = Engine::new(model, tokenizer, cfg, counters)?;
+    if let Some((c, p)) = spec {
+        engine = engine.with_speculation(c, p)?;
+    }
     let join = std::thread::Builder::new().name("specula-engine".into()).spawn(move || engine.run(rx)).map_err(EngineError::Spawn)?;
     Ok((handle, join))
 }

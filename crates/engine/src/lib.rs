@@ -11,6 +11,7 @@ pub mod runner;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
+pub mod spec;
 pub mod types;
 
 pub use api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};

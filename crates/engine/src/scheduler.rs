@@ -94,8 +94,8 @@ impl Scheduler {
                 self.running.remove(i);
                 continue;
             };
-            if s.pending_tokens() > budget && !s.draft.is_empty() {
-                s.draft.clear(); // not enough room to verify: plain decode this step
+            if s.pending_tokens() > budget && !s.draft.tokens.is_empty() {
+                s.draft = Default::default(); // not enough room to verify: plain decode this step
             }
             let n = s.pending_tokens().min(budget);
             if n == 0 {
@@ -120,7 +120,7 @@ impl Scheduler {
                 break;
             }
             let s = seqs.get_mut(&id).expect("present above");
-            let num_drafts = if s.num_computed + n == s.tokens.len() + s.draft.len() { s.draft.len() } else { 0 };
+            let num_drafts = if s.num_computed + n == s.tokens.len() + s.draft.tokens.len() { s.draft.tokens.len() } else { 0 };
             plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts, sample: s.num_computed + n >= s.tokens.len() });
             budget -= n;
             i += 1;
@@ -133,7 +133,7 @@ impl Scheduler {
                 self.waiting.pop_front();
                 continue;
             };
-            s.draft.clear();
+            s.draft = Default::default();
             match kv.allocate_prompt(id, &s.tokens) {
                 Ok(cached) => s.num_computed = cached,
                 Err(KvCacheError::SeqExists(_)) => {}
@@ -161,7 +161,7 @@ impl Scheduler {
     fn preempt(s: &mut Sequence, kv: &mut KvCacheManager) {
         let _ = kv.free(s.id);
         s.num_computed = 0;
-        s.draft.clear();
+        s.draft = Default::default();
         s.num_preemptions += 1;
         metrics::counter!("specula:num_preemptions_total").increment(1);
         tracing::debug!(seq = %s.id, "preempted (KV cache full); will recompute");

@@ -4,6 +4,7 @@
 
 use crate::api::{RequestEvent, SamplingParams, TokenLogprob};
 use crate::sampling::{SeqRng, StopStrings};
+use crate::spec::Draft;
 use crate::types::{RequestId, SeqId, TokenId};
 use specula_model::DecodeStream;
 use std::time::Instant;
@@ -17,8 +18,8 @@ pub struct Sequence {
     pub prompt_len: usize,
     /// Tokens whose keys/values are in the KV cache (a prefix of `tokens`).
     pub num_computed: usize,
-    /// Draft tokens proposed for verification in the next step (not yet accepted).
-    pub draft: Vec<TokenId>,
+    /// Draft tokens (and their draft distributions) proposed for verification in the next step.
+    pub draft: Draft,
     pub params: SamplingParams,
     pub stops: StopStrings,
     pub rng: SeqRng,
@@ -45,7 +46,7 @@ impl Sequence {
             tokens: prompt,
             prompt_len,
             num_computed: 0,
-            draft: Vec::new(),
+            draft: Draft::default(),
             stops: StopStrings::new(&params.stop),
             params,
             rng,
@@ -69,7 +70,7 @@ impl Sequence {
 
     /// Tokens this sequence still needs computed, drafts included.
     pub fn pending_tokens(&self) -> usize {
-        self.tokens.len() + self.draft.len() - self.num_computed
+        self.tokens.len() + self.draft.tokens.len() - self.num_computed
     }
 
     /// Sends an event; a closed channel means the client went away (the engine aborts on its own

@@ -1,6 +1,7 @@
 //! Engine flags shared by `serve`, `generate` and `bench offline` (vLLM names where one exists).
 
 use clap::Args;
+use specula_engine::spec::{Proposer, SpecConfig, SpecMethod};
 use specula_engine::EngineConfig;
 use std::path::PathBuf;
 
@@ -33,6 +34,61 @@ pub struct EngineArgs {
     /// Requests allowed to wait before the server answers 503.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+}
+
+/// Speculative decoding flags.
+#[derive(Args, Debug, Clone)]
+pub struct SpecArgs {
+    /// ngram | draft | mtp (default: no speculation).
+    #[arg(long)]
+    pub speculative_method: Option<SpecMethod>,
+    /// Draft tokens proposed per sequence and step (upper bound; adaptive logic may use fewer).
+    #[arg(long, default_value_t = 3)]
+    pub num_speculative_tokens: usize,
+    /// Draft model (GGUF or HF folder) for --speculative-method draft, head file for mtp.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
+    /// Smallest n-gram the ngram method matches.
+    #[arg(long, default_value_t = 2)]
+    pub ngram_min: usize,
+    /// Largest n-gram the ngram method matches.
+    #[arg(long, default_value_t = 4)]
+    pub ngram_max: usize,
+    /// DEBUG/BENCHMARK ONLY: accept every draft token. This CHANGES THE OUTPUT.
+    #[arg(long)]
+    pub speculative_force_accept: bool,
+    /// Always propose k tokens (no adaptive k, no batch-size cut-off).
+    #[arg(long)]
+    pub no_speculative_adaptive: bool,
+    /// With adaptive speculation, no drafts in steps where more sequences decode than this.
+    #[arg(long, default_value_t = 4)]
+    pub speculative_max_batch: usize,
+}
+
+impl SpecArgs {
+    pub fn to_config(&self) -> Option<SpecConfig> {
+        let method = self.speculative_method?;
+        let mut c = SpecConfig::new(method, self.num_speculative_tokens);
+        c.ngram_min = self.ngram_min;
+        c.ngram_max = self.ngram_max;
+        c.draft_model = self.draft_model.clone();
+        c.force_accept = self.speculative_force_accept;
+        c.adaptive = !self.no_speculative_adaptive;
+        c.max_batch_for_speculation = self.speculative_max_batch;
+        Some(c)
+    }
+
+    /// The proposer for these flags, if speculation is on (errors name the bad flag).
+    pub fn build(&self, target: &specula_model::ModelConfig, engine: &EngineConfig) -> anyhow::Result<Option<(SpecConfig, Box<dyn Proposer>)>> {
+        let Some(cfg) = self.to_config() else { return Ok(None) };
+        if cfg.force_accept {
+            tracing::warn!("--speculative-force-accept is on: every draft token is accepted and the OUTPUT IS CHANGED (benchmarking only)");
+        }
+        let p = specula_engine::spec::build_proposer(&cfg, target, engine)?;
+        Ok(Some((cfg, p)))
+    }
 }
 
 impl EngineArgs {

@@ -42,7 +42,7 @@ pub fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheMa
         let q_start = b.tokens.len();
         let known = s.tokens.len();
         for pos in sch.start..sch.start + sch.num_tokens {
-            b.tokens.push(if pos < known { s.tokens[pos] } else { s.draft[pos - known] });
+            b.tokens.push(if pos < known { s.tokens[pos] } else { s.draft.tokens[pos - known] });
         }
         kv.extend_slot_mapping(sch.seq, sch.start, sch.num_tokens, &mut b.slots)?;
         b.spans.push(RowRange { q_start, q_len: sch.num_tokens, context_len: sch.start + sch.num_tokens });

@@ -1,0 +1,74 @@
+//! Speculative decoding settings, validated once at start-up.
+
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecMethod {
+    /// Prompt lookup over the sequence's own tokens.
+    Ngram,
+    /// A smaller model with the same vocabulary.
+    Draft,
+    /// A one-layer EAGLE/MTP-style head on the target's hidden state.
+    Mtp,
+}
+
+impl std::str::FromStr for SpecMethod {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ngram" => Ok(Self::Ngram),
+            "draft" => Ok(Self::Draft),
+            "mtp" => Ok(Self::Mtp),
+            other => Err(format!("unknown speculative method '{other}' (expected ngram, draft or mtp)")),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct SpecConfig {
+    pub method: SpecMethod,
+    /// Most draft tokens proposed per sequence per step.
+    pub num_speculative_tokens: usize,
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+    /// Draft model (GGUF or folder) for `draft`, head file for `mtp`.
+    pub draft_model: Option<PathBuf>,
+    /// Accept every draft token (upper-bound benchmarks only: CHANGES THE OUTPUT).
+    pub force_accept: bool,
+    /// Let the engine shrink k (or skip speculation) when the batch is large or acceptance low.
+    pub adaptive: bool,
+    /// With `adaptive`, no speculation when more sequences than this decode in a step.
+    pub max_batch_for_speculation: usize,
+}
+
+/// Largest k accepted: verification cost grows with k and acceptance decays geometrically.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+impl SpecConfig {
+    pub fn new(method: SpecMethod, k: usize) -> Self {
+        Self {
+            method,
+            num_speculative_tokens: k,
+            ngram_min: 2,
+            ngram_max: 4,
+            draft_model: None,
+            force_accept: false,
+            adaptive: true,
+            max_batch_for_speculation: 4,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let k = self.num_speculative_tokens;
+        if k == 0 || k > MAX_SPECULATIVE_TOKENS {
+            return Err(format!("--num-speculative-tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {k}"));
+        }
+        if self.ngram_min == 0 || self.ngram_min > self.ngram_max {
+            return Err(format!("n-gram sizes must satisfy 1 <= min ({}) <= max ({})", self.ngram_min, self.ngram_max));
+        }
+        if self.method == SpecMethod::Draft && self.draft_model.is_none() {
+            return Err("--speculative-method draft needs --draft-model PATH".into());
+        }
+        Ok(())
+    }
+}

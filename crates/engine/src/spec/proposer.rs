@@ -1,0 +1,43 @@
+//! The one interface every proposer implements, so the engine does not care which it runs.
+
+use super::SpecError;
+use crate::api::SamplingParams;
+use crate::types::{SeqId, TokenId};
+
+/// One sequence asking for drafts this step.
+pub struct DraftRequest<'a> {
+    pub seq: SeqId,
+    /// The sequence's known tokens (prompt + accepted output); the draft continues them.
+    pub tokens: &'a [TokenId],
+    pub prompt_len: usize,
+    /// Most tokens to propose (0 = none this step).
+    pub max_draft: usize,
+    pub params: &'a SamplingParams,
+    /// Final hidden state of the target at the last known token, when the proposer needs it (mtp).
+    pub hidden: Option<&'a [f32]>,
+}
+
+/// A proposal: `tokens.len()` draft tokens and, for stochastic proposers, the distribution each
+/// was drawn from (`probs[i]` over the target vocabulary). `None` means one-hot on the token.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Draft {
+    pub tokens: Vec<TokenId>,
+    pub probs: Option<Vec<Vec<f32>>>,
+}
+
+pub trait Proposer: Send {
+    /// Drafts for each request, in order (`max_draft` tokens at most each).
+    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError>;
+    /// The sequence now has `kept` tokens whose target KV is valid: drop any draft state past it.
+    fn rollback(&mut self, _seq: SeqId, _kept: usize) {}
+    /// The sequence ended: release its state.
+    fn remove(&mut self, _seq: SeqId) {}
+    /// Whether `DraftRequest::hidden` must be filled.
+    fn needs_hidden(&self) -> bool {
+        false
+    }
+    /// For leak checks: (free, total) blocks of a proposer-owned KV cache.
+    fn kv_blocks(&self) -> Option<(usize, usize)> {
+        None
+    }
+}
