@@ -7,7 +7,7 @@ use crate::config::EngineConfig;
 use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
 use crate::kv_cache::KvCacheManager;
 use crate::runner::{execute, prepare, BatchInputs};
-use crate::sampling::{ranked_logprob, Sampler, StopCheck, TokenHistory};
+use crate::sampling::{pack, ranked_logprob, unpack, PackedLogprobs, Sampler, StopCheck, TokenHistory};
 use crate::scheduler::{Scheduler, StepPlan};
 use crate::spec::adaptive::{batch_allows_speculation, AcceptanceTracker};
 use crate::spec::{verify, DraftRequest, Proposer, SpecConfig, SpecMetrics};
@@ -72,11 +72,24 @@ impl Speculation {
     }
 }
 
-/// The tokens one sequence emits this step, with their logprobs, and how many drafts it accepted.
+/// The tokens one sequence emits this step and how many drafts it accepted. Their logprobs, if
+/// asked for, are rows `lp_first..lp_first + tokens.len()` of the step's packed logprobs.
 struct Emitted {
-    tokens: Vec<(TokenId, Option<TokenLogprob>)>,
+    tokens: Vec<TokenId>,
+    lp_first: Option<usize>,
     num_drafts: usize,
     num_accepted: usize,
+}
+
+/// Message flags of the packed per-step logprobs buffer.
+const LOGPROBS_FLAG_PLAIN: u32 = 0;
+const LOGPROBS_FLAG_VERIFIED: u32 = 1;
+
+/// What the sample stage hands to update: emitted tokens per sequence and one packed buffer
+/// holding every emitted token's logprobs (the batch's largest top-k, computed once).
+struct SampleOutput {
+    emitted: BTreeMap<SeqId, Emitted>,
+    logprobs: Option<PackedLogprobs>,
 }
 
 impl Engine {
@@ -218,7 +231,9 @@ impl Engine {
     fn run_plan(&mut self, plan: &StepPlan) -> Result<usize, String> {
         let inputs = {
             let _s = tracing::trace_span!("prepare").entered();
-            prepare(plan, &self.seqs, &self.kv).map_err(|e| e.to_string())?
+            let mut inputs = prepare(plan, &self.seqs, &self.kv).map_err(|e| e.to_string())?;
+            inputs.want_hidden = self.spec.as_ref().is_some_and(|sp| sp.proposer.needs_hidden());
+            inputs
         };
         let out = {
             let _s = tracing::trace_span!("execute").entered();
@@ -226,19 +241,24 @@ impl Engine {
         };
         let sampled = {
             let _s = tracing::trace_span!("sample").entered();
-            self.sample(&inputs, &out.logits)?
+            self.sample(&inputs, &out.logits, &out.hidden)?
         };
         let _s = tracing::trace_span!("update").entered();
-        Ok(self.update(plan, sampled))
+        self.update(plan, sampled)
     }
 
     /// The tokens each sampling sequence emits: one sampled token, or, with drafts, the accepted
     /// prefix plus one target token from the rejection sampler. Logprobs come from the raw target
     /// logits of each emitted token's position.
-    fn sample(&mut self, inputs: &BatchInputs, logits: &[f32]) -> Result<BTreeMap<SeqId, Emitted>, String> {
+    fn sample(&mut self, inputs: &BatchInputs, logits: &[f32], hidden: &[f32]) -> Result<SampleOutput, String> {
+        let h = self.model.config.hidden_size;
         let vocab = self.model.config.vocab_size;
         let force_accept = self.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
-        let mut out = BTreeMap::new();
+        // only the largest top-k any sequence of this batch asked for is computed
+        let k_max = inputs.sample_rows.iter().filter_map(|(id, _, _)| self.seqs.get(id).and_then(|s| s.params.logprobs)).max();
+        let mut lp_rows = Vec::new();
+        let mut verified = false;
+        let mut emitted = BTreeMap::new();
         for &(id, first, rows) in &inputs.sample_rows {
             let s = self.seqs.get_mut(&id).ok_or("sequence vanished during the step")?;
             let block = &logits[first * vocab..(first + rows) * vocab];
@@ -247,25 +267,47 @@ impl Engine {
                 let history = TokenHistory { prompt: &s.tokens[..s.prompt_len], output: &s.tokens[s.prompt_len..] };
                 vec![self.sampler.sample(block, &s.params, history, &mut s.rng).map_err(|e| e.to_string())?]
             } else {
+                verified = true;
                 let (prompt, output) = s.tokens.split_at(s.prompt_len);
                 verify(block, vocab, &s.draft, &s.params, prompt, output, &mut s.rng, force_accept).map_err(|e| e.to_string())?.tokens
             };
-            let mut emitted = Vec::with_capacity(toks.len());
-            for (j, &tok) in toks.iter().enumerate() {
-                let lp = match s.params.logprobs {
-                    Some(k) => Some(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k).map_err(|e| e.to_string())?.logprob),
-                    None => None,
-                };
-                emitted.push((tok, lp));
+            let lp_first = match (s.params.logprobs, k_max) {
+                (Some(_), Some(k)) => {
+                    let start = lp_rows.len();
+                    for (j, &tok) in toks.iter().enumerate() {
+                        lp_rows.push(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k).map_err(|e| e.to_string())?);
+                    }
+                    Some(start)
+                }
+                _ => None,
+            };
+            if !hidden.is_empty() {
+                // the row that produced the last emitted token
+                let r = first + toks.len() - 1;
+                s.last_hidden.clear();
+                s.last_hidden.extend_from_slice(&hidden[r * h..(r + 1) * h]);
             }
-            out.insert(id, Emitted { num_accepted: toks.len() - 1, num_drafts, tokens: emitted });
+            emitted.insert(id, Emitted { num_accepted: toks.len() - 1, num_drafts, tokens: toks, lp_first });
         }
-        Ok(out)
+        let logprobs = match k_max {
+            Some(_) if !lp_rows.is_empty() => {
+                let cols = (lp_rows[0].logprob.top.len() + 1) as u32;
+                let flag = if verified { LOGPROBS_FLAG_VERIFIED } else { LOGPROBS_FLAG_PLAIN };
+                Some(pack(&lp_rows, cols, flag).map_err(|e| e.to_string())?)
+            }
+            _ => None,
+        };
+        Ok(SampleOutput { emitted, logprobs })
     }
 
     /// Advances every scheduled sequence (rolling back rejected draft slots), emits deltas,
     /// finishes what is done, then asks the proposer for the next step's drafts.
-    fn update(&mut self, plan: &StepPlan, mut sampled: BTreeMap<SeqId, Emitted>) -> usize {
+    fn update(&mut self, plan: &StepPlan, out: SampleOutput) -> Result<usize, String> {
+        let SampleOutput { emitted: mut sampled, logprobs } = out;
+        let lp_rows = match &logprobs {
+            Some(p) => unpack(p.words()).map_err(|e| format!("logprobs transfer: {e}"))?.rows,
+            None => Vec::new(),
+        };
         let mut emitted = 0;
         let mut finished = Vec::new();
         for sch in &plan.seqs {
@@ -288,7 +330,15 @@ impl Engine {
                     sp.proposer.rollback(sch.seq, s.num_computed);
                 }
             }
-            for (tok, lp) in result.tokens {
+            for (j, tok) in result.tokens.into_iter().enumerate() {
+                let lp = match (result.lp_first, s.params.logprobs) {
+                    (Some(first), Some(k)) => lp_rows.get(first + j).map(|r| {
+                        let mut l = r.logprob.clone();
+                        l.top.truncate(k);
+                        l
+                    }),
+                    _ => None,
+                };
                 emitted += 1;
                 if let Some(reason) = append_token(s, &self.tokenizer, tok, lp, self.cfg.max_model_len) {
                     finished.push((sch.seq, reason));
@@ -304,7 +354,7 @@ impl Engine {
         if let Err(e) = self.propose() {
             tracing::warn!("speculative proposer failed; decoding without drafts this step: {e}");
         }
-        emitted
+        Ok(emitted)
     }
 
     /// Drafts for every running sequence that decodes next step.
@@ -326,7 +376,8 @@ impl Engine {
             let k = if sp.cfg.adaptive { sp.trackers.entry(*id).or_default().next_k(sp.cfg.num_speculative_tokens) } else { sp.cfg.num_speculative_tokens };
             let room_tokens = s.params.max_tokens.saturating_sub(s.output_len() + 1);
             let room_ctx = self.cfg.max_model_len.saturating_sub(s.tokens.len() + 1);
-            reqs.push(DraftRequest { seq: *id, tokens: &s.tokens, prompt_len: s.prompt_len, max_draft: k.min(room_tokens).min(room_ctx), params: &s.params, hidden: None });
+            let hidden = (!s.last_hidden.is_empty()).then_some(s.last_hidden.as_slice());
+            reqs.push(DraftRequest { seq: *id, tokens: &s.tokens, prompt_len: s.prompt_len, max_draft: k.min(room_tokens).min(room_ctx), params: &s.params, hidden });
         }
         if reqs.iter().all(|r| r.max_draft == 0) {
             return Ok(());

@@ -9,6 +9,7 @@ pub mod kv_store;
 pub mod llama;
 pub mod loader;
 pub mod safetensors_folder;
+pub mod testing;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};

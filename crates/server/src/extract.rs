@@ -29,6 +29,13 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
 
 /// Parses a whole body; a type error names its field path (`messages[0].content`) as `param`.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    // serde's derived structs also accept a JSON array (fields by position), so `["m", "hi"]`
+    // would pass as a request; every body of this API is an object.
+    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => {}
+        Some(_) => return Err(ApiError::invalid(None, "the request body must be a JSON object")),
+        None => return Err(ApiError::invalid(None, "the request body is empty; send a JSON object")),
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(|err| {
         let path = err.path().to_string();
@@ -61,6 +68,15 @@ mod tests {
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.param.as_deref(), Some("temperature"));
         assert!(e.message.contains("invalid value for `temperature`"), "{}", e.message);
+    }
+
+    #[test]
+    fn only_objects_are_bodies() {
+        for body in [&b"[1, 2]"[..], b"[null, 0.5]", b"\"x\"", b"3", b"  "] {
+            let e = parse_json::<Req>(body).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (StatusCode::BAD_REQUEST, None), "{body:?}");
+        }
+        assert!(parse_json::<Req>(b" {\"temperature\": 0.5}").is_ok());
     }
 
     #[test]
