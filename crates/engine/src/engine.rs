@@ -42,19 +42,19 @@ pub struct StepStats {
 }
 
 pub struct Engine {
-    cfg: EngineConfig,
-    model: LlamaModel,
-    tokenizer: Arc<Tokenizer>,
-    kv_store: KvStore,
-    kv: KvCacheManager,
-    scheduler: Scheduler,
-    seqs: BTreeMap<SeqId, Sequence>,
-    by_request: BTreeMap<RequestId, SeqId>,
-    pool: rayon::ThreadPool,
-    sampler: Sampler,
-    counters: Arc<QueueCounters>,
-    next_seq: u64,
-    spec: Option<Speculation>,
+    pub(crate) cfg: EngineConfig,
+    pub(crate) model: LlamaModel,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) kv_store: KvStore,
+    pub(crate) kv: KvCacheManager,
+    pub(crate) scheduler: Scheduler,
+    pub(crate) seqs: BTreeMap<SeqId, Sequence>,
+    pub(crate) by_request: BTreeMap<RequestId, SeqId>,
+    pub(crate) pool: rayon::ThreadPool,
+    pub(crate) sampler: Sampler,
+    pub(crate) counters: Arc<QueueCounters>,
+    pub(crate) next_seq: u64,
+    pub(crate) spec: Option<Speculation>,
 }
 
 /// Speculative decoding state of an engine.
@@ -228,7 +228,7 @@ impl Engine {
         stats
     }
 
-    fn run_plan(&mut self, plan: &StepPlan) -> Result<usize, String> {
+    pub(crate) fn run_plan(&mut self, plan: &StepPlan) -> Result<usize, String> {
         let inputs = {
             let _s = tracing::trace_span!("prepare").entered();
             let mut inputs = prepare(plan, &self.seqs, &self.kv).map_err(|e| e.to_string())?;
