@@ -104,6 +104,9 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// How far ahead of the current weight block to prefetch (a few rows of a small matrix).
+    const PREFETCH_BYTES: usize = 2048;
+
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn hsum(v: __m256) -> f32 {
@@ -136,6 +139,8 @@ mod avx2 {
                         for b in 0..nb {
                             // SAFETY: b < nb and w holds nb blocks of bb bytes (checked by QMatrix::new).
                             let blk = wp.add(b * bb);
+                            // weights stream from memory once per step: fetch well ahead of use
+                            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
                             // d (and m for Q4_1) are the leading f16s of the block: convert both at once.
                             let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
                             let d = _mm_cvtss_f32(dm);
@@ -157,6 +162,7 @@ mod avx2 {
                         for b in 0..nb {
                             // SAFETY: as above.
                             let blk = wp.add(b * bb);
+                            _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES) as *const i8);
                             let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const u16).read_unaligned() as i32)));
                             let wq = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                             let aw = _mm256_sign_epi8(wq, wq);
