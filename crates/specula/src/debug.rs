@@ -13,6 +13,21 @@ pub enum DebugCmd {
     Tokenize(IoArgs),
     /// Logits at every position of each prompt in {"prompts": [[ids]]}: little-endian f32.
     Logits(IoArgs),
+    /// Dequantize raw ggml blocks (one row of --cols elements per row) to little-endian f32.
+    Dequant(DequantArgs),
+}
+
+#[derive(Args)]
+pub struct DequantArgs {
+    /// f32, f16, bf16, q4_0, q4_1, q8_0, q4_k, q6_k
+    #[arg(long)]
+    pub format: String,
+    #[arg(long)]
+    pub cols: usize,
+    #[arg(long)]
+    pub input: PathBuf,
+    #[arg(long)]
+    pub output: PathBuf,
 }
 
 #[derive(Args)]
@@ -56,6 +71,35 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 }
             }
             f.flush()?;
+        }
+        DebugCmd::Dequant(a) => {
+            use specula_kernels::WeightFormat as W;
+            let format = match a.format.as_str() {
+                "f32" => W::F32,
+                "f16" => W::F16,
+                "bf16" => W::BF16,
+                "q4_0" => W::Q4_0,
+                "q4_1" => W::Q4_1,
+                "q8_0" => W::Q8_0,
+                "q4_k" => W::Q4K,
+                "q6_k" => W::Q6K,
+                other => anyhow::bail!("unknown format '{other}'"),
+            };
+            if a.cols == 0 || a.cols % format.block_len() != 0 {
+                anyhow::bail!("--cols {} is not a multiple of the {format:?} block length {}", a.cols, format.block_len());
+            }
+            let raw = std::fs::read(&a.input)?;
+            let rb = format.row_bytes(a.cols);
+            if raw.len() % rb != 0 {
+                anyhow::bail!("{} bytes is not a whole number of {rb}-byte rows", raw.len());
+            }
+            let mut out = Vec::with_capacity(raw.len() / rb * a.cols * 4);
+            let mut row = vec![0f32; a.cols];
+            for r in raw.chunks_exact(rb) {
+                specula_kernels::formats::dequantize_row(format, r, &mut row);
+                row.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+            }
+            std::fs::write(&a.output, out)?;
         }
     }
     Ok(())

@@ -1,0 +1,56 @@
+"""Our dequantization of every supported ggml type against the `gguf` package's NumPy
+implementation, on random blocks (k-quants cannot be quantized by gguf-py, so we feed random
+bytes with sane f16 scales). Exact equality up to float rounding: both compute d * q - m."""
+import os
+import subprocess
+import numpy as np
+import pytest
+from gguf import quants, GGMLQuantizationType as T
+
+BIN = os.environ.get("SPECULA_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "target", "release", "specula"))
+
+# (name for specula, gguf type, block elements, block bytes, byte offsets of f16 scale fields)
+TYPES = [
+    ("q4_0", T.Q4_0, 32, 18, [0]),
+    ("q4_1", T.Q4_1, 32, 20, [0, 2]),
+    ("q8_0", T.Q8_0, 32, 34, [0]),
+    ("q4_k", T.Q4_K, 256, 144, [0, 2]),
+    ("q6_k", T.Q6_K, 256, 210, [208]),
+]
+
+
+def random_blocks(rng, n_blocks, block_bytes, scale_offsets):
+    raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    for off in scale_offsets:
+        scales = (rng.uniform(0.001, 0.05, size=n_blocks)).astype(np.float16)
+        raw[:, off:off + 2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    return raw
+
+
+@pytest.mark.parametrize("name,gtype,blk,nbytes,scales", TYPES)
+def test_dequantization_matches_gguf_py(tmp_path, name, gtype, blk, nbytes, scales):
+    if not os.path.exists(BIN):
+        if os.environ.get("CI"):
+            pytest.fail(f"specula binary missing at {BIN}")
+        pytest.skip(f"specula binary missing at {BIN}")
+    rng = np.random.default_rng(1234)
+    rows, blocks_per_row = 3, 2
+    raw = random_blocks(rng, rows * blocks_per_row, nbytes, scales)
+    src = tmp_path / "raw.bin"
+    out = tmp_path / "out.f32"
+    raw.tofile(src)
+    cols = blocks_per_row * blk
+    subprocess.run([BIN, "debug", "dequant", "--format", name, "--cols", str(cols), "--input", str(src), "--output", str(out)], check=True)
+    ours = np.fromfile(out, dtype="<f4").reshape(rows, cols)
+    want = quants.dequantize(raw.reshape(rows, blocks_per_row * nbytes), gtype).reshape(rows, cols)
+    np.testing.assert_allclose(ours, want, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_dequant_arguments_fail_cleanly(tmp_path):
+    if not os.path.exists(BIN):
+        pytest.skip("specula binary missing")
+    src = tmp_path / "raw.bin"
+    src.write_bytes(b"\x00" * 10)
+    r = subprocess.run([BIN, "debug", "dequant", "--format", "q4_k", "--cols", "256", "--input", str(src), "--output", str(tmp_path / "o")], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "row" in r.stderr and "panicked" not in r.stderr
