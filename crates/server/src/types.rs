@@ -4,7 +4,6 @@
 
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize};
-use std::collections::BTreeMap;
 
 // ---------------------------------------------------------------------------------------------
 // Requests
@@ -190,10 +189,24 @@ pub struct CompletionChoice {
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<f32>,
-    /// Token text -> logprob for the alternatives at each position (the sampled token included).
-    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    /// Token text -> logprob for the alternatives at each position (the sampled token included),
+    /// most likely first: sent as JSON objects whose keys keep that order, as OpenAI and vLLM do.
+    #[serde(serialize_with = "ordered_maps")]
+    pub top_logprobs: Vec<Vec<(String, f32)>>,
     /// Character offset of each token in the choice's text.
     pub text_offset: Vec<usize>,
+}
+
+/// Each inner list as one JSON object, keys in list order.
+#[allow(clippy::ptr_arg)]
+fn ordered_maps<S: serde::Serializer>(maps: &Vec<Vec<(String, f32)>>, s: S) -> Result<S::Ok, S::Error> {
+    struct Ordered<'a>(&'a [(String, f32)]);
+    impl Serialize for Ordered<'_> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
+        }
+    }
+    s.collect_seq(maps.iter().map(|m| Ordered(m)))
 }
 
 impl CompletionLogprobs {
@@ -310,6 +323,18 @@ mod tests {
         for bad in ["3", r#"["a",1]"#, "[-1]", "[1.5]", "[[1],\"a\"]", "{}"] {
             assert!(p(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn completion_top_logprobs_keep_their_order() {
+        let lp = CompletionLogprobs {
+            tokens: vec!["b".into()],
+            token_logprobs: vec![-0.1],
+            top_logprobs: vec![vec![("b".into(), -0.1), ("a".into(), -2.0), ("c".into(), -3.0)]],
+            text_offset: vec![0],
+        };
+        let s = serde_json::to_string(&lp).unwrap();
+        assert!(s.contains(r#""top_logprobs":[{"b":-0.1,"a":-2.0,"c":-3.0}]"#), "{s}");
     }
 
     #[test]

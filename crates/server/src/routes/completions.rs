@@ -108,10 +108,17 @@ fn completion_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob], offset: 
     let mut out = CompletionLogprobs::default();
     for entry in entries {
         let text = tokenizer.token_text(entry.token);
-        let mut top: std::collections::BTreeMap<String, f32> =
-            entry.top.iter().map(|&(id, lp)| (tokenizer.token_text(id), clamp(lp))).collect();
-        // vLLM and OpenAI always list the sampled token among the alternatives.
-        top.entry(text.clone()).or_insert(clamp(entry.logprob));
+        // Keyed by text, so two ids with the same text (byte pieces shown as U+FFFD) keep the
+        // more likely one; vLLM and OpenAI always list the sampled token among the alternatives.
+        let mut top: Vec<(String, f32)> = Vec::with_capacity(entry.top.len() + 1);
+        let alternatives = entry.top.iter().map(|&(id, lp)| (tokenizer.token_text(id), lp));
+        for (t, lp) in alternatives.chain(std::iter::once((text.clone(), entry.logprob))) {
+            if !top.iter().any(|(k, _)| *k == t) {
+                top.push((t, clamp(lp)));
+            }
+        }
+        // Most likely first (stable: ties keep the engine's order).
+        top.sort_by(|a, b| b.1.total_cmp(&a.1));
         out.text_offset.push(*offset);
         *offset += text.chars().count();
         out.tokens.push(text);
