@@ -1,0 +1,273 @@
+//! Drives `specula_engine::Engine` step by step on the tiny random model (written to a temporary
+//! folder), with one client per request that records every event and checks the event protocol:
+//! zero or more `Delta`s, then exactly one `Finished` or `Failed`, then nothing.
+
+#![allow(dead_code)]
+
+use specula_engine::handle::QueueCounters;
+use specula_engine::types::RequestId;
+use specula_engine::spec::{build_proposer, SpecConfig, SpecMethod};
+use specula_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
+use specula_model::testing::{write_tiny_llama, TinySpec};
+use specula_model::{load_model, Tokenizer};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// The tiny random model on disk (and a draft model beside it); the files go away with this value.
+pub struct TinyModel {
+    _dir: tempfile::TempDir,
+    pub path: PathBuf,
+    /// Another tiny model (other seed, one layer) with the same vocabulary: a poor draft, so
+    /// verification rejects often.
+    pub draft: PathBuf,
+}
+
+impl TinyModel {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("tiny.gguf");
+        write_tiny_llama(&path, &TinySpec { seed: 11, ..Default::default() }).expect("write tiny model");
+        let draft = dir.path().join("draft.gguf");
+        write_tiny_llama(&draft, &TinySpec { seed: 12, layers: 1, ..Default::default() }).expect("write draft model");
+        Self { _dir: dir, path, draft }
+    }
+}
+
+/// Speculative decoding for a test engine (never adaptive, so it always speculates).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spec {
+    None,
+    Ngram(usize),
+    /// The target itself as its own draft: every greedy draft token is accepted.
+    SelfDraft(usize),
+    /// The other tiny model as draft: most draft tokens are rejected.
+    OtherDraft(usize),
+}
+
+/// Small limits that make prefills chunk: 16 sequences, 64 tokens a step, 256-token context.
+pub fn tiny_config() -> EngineConfig {
+    EngineConfig {
+        max_num_seqs: 16,
+        max_num_batched_tokens: 64,
+        max_model_len: 256,
+        block_size: 16,
+        num_kv_blocks: 256,
+        enable_prefix_caching: true,
+        threads: 2,
+        ..Default::default()
+    }
+}
+
+pub struct Harness {
+    pub engine: Engine,
+    pub counters: Arc<QueueCounters>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub steps: usize,
+    /// Sum of `StepStats::num_tokens`: tokens actually run through the model.
+    pub tokens_computed: usize,
+    /// Most sequences seen in one step's batch.
+    pub max_batch_seqs: usize,
+    next_id: u64,
+    _model: Option<TinyModel>,
+}
+
+impl Harness {
+    /// An engine on a freshly written tiny model.
+    pub fn new(cfg: EngineConfig) -> Self {
+        let m = TinyModel::new();
+        let mut h = Self::on(&m, cfg, Spec::None);
+        h._model = Some(m);
+        h
+    }
+
+    /// An engine with speculative decoding on a freshly written tiny model.
+    pub fn speculating(cfg: EngineConfig, spec: Spec) -> Self {
+        let m = TinyModel::new();
+        let mut h = Self::on(&m, cfg, spec);
+        h._model = Some(m);
+        h
+    }
+
+    /// An engine on an already written model.
+    pub fn on(model: &TinyModel, cfg: EngineConfig, spec: Spec) -> Self {
+        let loaded = load_model(&model.path).expect("load tiny model");
+        let tokenizer = Arc::new(loaded.tokenizer);
+        let counters = Arc::new(QueueCounters::default());
+        let target_config = loaded.model.config.clone();
+        let mut engine = Engine::new(loaded.model, tokenizer.clone(), cfg.clone(), counters.clone()).expect("engine");
+        let spec_cfg = match spec {
+            Spec::None => None,
+            Spec::Ngram(k) => Some(SpecConfig { ngram_min: 1, ..SpecConfig::new(SpecMethod::Ngram, k) }),
+            Spec::SelfDraft(k) => Some(SpecConfig { draft_model: Some(model.path.clone()), ..SpecConfig::new(SpecMethod::Draft, k) }),
+            Spec::OtherDraft(k) => Some(SpecConfig { draft_model: Some(model.draft.clone()), ..SpecConfig::new(SpecMethod::Draft, k) }),
+        };
+        if let Some(sc) = spec_cfg {
+            let sc = SpecConfig { adaptive: false, ..sc };
+            let proposer = build_proposer(&sc, &target_config, &cfg).expect("proposer");
+            engine = engine.with_speculation(sc, proposer).expect("speculation");
+        }
+        Self { engine, counters, tokenizer, steps: 0, tokens_computed: 0, max_batch_seqs: 0, next_id: 1, _model: None }
+    }
+
+    /// Submits like `EngineHandle::submit` does (counting the request as waiting first).
+    pub fn submit(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Client {
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let (tx, rx) = unbounded_channel();
+        let prompt_len = prompt.len();
+        self.counters.waiting.fetch_add(1, Ordering::Relaxed);
+        self.engine.add_request(GenerateRequest { id, prompt, params, events: tx });
+        Client { id, prompt_len, rx: Some(rx), events: Vec::new(), submitted_at: self.steps, ended_at: None }
+    }
+
+    pub fn step(&mut self) {
+        let stats = self.engine.step();
+        self.steps += 1;
+        self.tokens_computed += stats.num_tokens;
+        self.max_batch_seqs = self.max_batch_seqs.max(stats.num_seqs);
+    }
+
+    /// Steps until the engine has no work (at most `max_steps`), collecting every client's events.
+    pub fn run(&mut self, clients: &mut [&mut Client], max_steps: usize) {
+        for c in clients.iter_mut() {
+            c.drain(self.steps);
+        }
+        let mut n = 0;
+        while self.engine.has_work() {
+            assert!(n < max_steps, "engine still busy after {max_steps} steps: a request is starving");
+            self.step();
+            n += 1;
+            for c in clients.iter_mut() {
+                c.drain(self.steps);
+            }
+        }
+    }
+
+    /// Every KV block is back in the pool and nothing is counted as waiting.
+    pub fn assert_idle_and_leak_free(&self) {
+        assert!(!self.engine.has_work(), "engine still has work");
+        assert_eq!(self.engine.num_free_blocks(), self.engine.num_total_blocks(), "KV blocks leaked");
+        if let Some((free, total)) = self.engine.draft_kv_blocks() {
+            assert_eq!(free, total, "draft-model KV blocks leaked");
+        }
+        assert_eq!(self.counters.waiting.load(Ordering::Relaxed), 0, "waiting counter out of balance");
+    }
+
+    pub fn text(&self, s: &str) -> Vec<u32> {
+        self.tokenizer.encode(s).unwrap()
+    }
+}
+
+/// One request's side: its receiver and everything received so far.
+pub struct Client {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    rx: Option<UnboundedReceiver<RequestEvent>>,
+    pub events: Vec<RequestEvent>,
+    pub submitted_at: usize,
+    /// Step count at which the terminal event was first seen.
+    pub ended_at: Option<usize>,
+}
+
+/// How a request ended, after the protocol checks.
+#[derive(Clone, Debug, PartialEq)]
+pub enum End {
+    Finished(FinishReason),
+    Failed(String),
+}
+
+impl Client {
+    pub fn drain(&mut self, step: usize) {
+        if let Some(rx) = self.rx.as_mut() {
+            while let Ok(ev) = rx.try_recv() {
+                self.events.push(ev);
+            }
+        }
+        if self.ended_at.is_none() && self.events.iter().any(is_terminal) {
+            self.ended_at = Some(step);
+        }
+    }
+
+    /// Drops the receiver, as a client that disconnects does.
+    pub fn disconnect(&mut self) {
+        self.rx = None;
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.events.iter().any(is_terminal)
+    }
+
+    /// Tokens streamed in deltas.
+    pub fn tokens(&self) -> Vec<u32> {
+        self.events
+            .iter()
+            .flat_map(|e| match e {
+                RequestEvent::Delta { tokens, .. } => tokens.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Text streamed in deltas.
+    pub fn text(&self) -> String {
+        self.events
+            .iter()
+            .map(|e| match e {
+                RequestEvent::Delta { text, .. } => text.as_str(),
+                _ => "",
+            })
+            .collect()
+    }
+
+    /// Checks the event protocol and returns how the request ended: deltas only before exactly
+    /// one terminal event, which is last; `Finished` counts match what was streamed.
+    pub fn end(&self) -> End {
+        let terminals: Vec<usize> = self.events.iter().enumerate().filter(|(_, e)| is_terminal(e)).map(|(i, _)| i).collect();
+        assert_eq!(terminals.len(), 1, "{}: expected exactly one Finished/Failed, got {:?}", self.id, self.events);
+        assert_eq!(terminals[0], self.events.len() - 1, "{}: events after the terminal one: {:?}", self.id, self.events);
+        match self.events.last().unwrap() {
+            RequestEvent::Finished { reason, prompt_tokens, completion_tokens } => {
+                assert_eq!(*prompt_tokens, self.prompt_len, "{}: prompt_tokens", self.id);
+                assert_eq!(*completion_tokens, self.tokens().len(), "{}: completion_tokens != tokens streamed", self.id);
+                End::Finished(*reason)
+            }
+            RequestEvent::Failed { message } => {
+                assert!(self.tokens().is_empty() || !message.is_empty(), "{}: failure without a message", self.id);
+                End::Failed(message.clone())
+            }
+            RequestEvent::Delta { .. } => unreachable!(),
+        }
+    }
+
+    /// The request's generated tokens, after checking it finished (not failed) for `reason`.
+    pub fn finished_tokens(&self, reason: FinishReason) -> Vec<u32> {
+        assert_eq!(self.end(), End::Finished(reason), "{}: events {:?}", self.id, self.events);
+        self.tokens()
+    }
+}
+
+fn is_terminal(e: &RequestEvent) -> bool {
+    matches!(e, RequestEvent::Finished { .. } | RequestEvent::Failed { .. })
+}
+
+/// Deterministic token ids in the byte range (no control tokens), different per `salt`.
+pub fn prompt(len: usize, salt: u64) -> Vec<u32> {
+    let mut state = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((state >> 33) % 256) as u32
+        })
+        .collect()
+}
+
+/// Greedy, EOS ignored: always exactly `max_tokens` tokens (unless the context fills).
+pub fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) }
+}
+
+pub fn seeded(max_tokens: usize, temperature: f32, seed: u64) -> SamplingParams {
+    SamplingParams { temperature, seed: Some(seed), max_tokens, ignore_eos: true, ..Default::default() }
+}

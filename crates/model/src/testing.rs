@@ -1,0 +1,228 @@
+//! Test support shared by every crate's tests: a tiny random Llama written as a real GGUF file
+//! (so tests exercise the same loader, tokenizer and kernels as production), and the one place
+//! that finds the real default model for the tests that need it. Not for production code paths.
+
+use crate::ModelError;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use std::path::{Path, PathBuf};
+
+pub use candle_core::quantized::GgmlDType;
+
+/// Id of `<|endoftext|>` in the tiny vocabulary (after the 256 byte tokens).
+pub const TINY_ENDOFTEXT: u32 = 256;
+/// Id of `<|im_start|>`: the tiny model's BOS.
+pub const TINY_IM_START: u32 = 257;
+/// Id of `<|im_end|>`: the tiny model's EOS.
+pub const TINY_IM_END: u32 = 258;
+/// 256 byte tokens + 3 control tokens.
+pub const TINY_VOCAB: usize = 259;
+
+/// Shape and numerics of a tiny random Llama. The vocabulary is fixed: token `b` (0..256) is the
+/// single byte `b` in GPT-2's byte-to-unicode spelling, so the byte-level BPE tokenizer needs no
+/// merges, followed by the three ChatML control tokens.
+#[derive(Clone, Debug)]
+pub struct TinySpec {
+    pub hidden: usize,
+    pub ffn: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub context_length: usize,
+    /// Format of the 2-D weights (norms are always F32).
+    pub weight_format: GgmlDType,
+    /// Per-tensor format overrides, e.g. `("blk.0.attn_q.weight", Q5_0)` to write an unsupported type.
+    pub tensor_formats: Vec<(String, GgmlDType)>,
+    /// Whether the output projection is the embedding (no `output.weight` tensor), as in SmolLM2.
+    pub tied_embeddings: bool,
+    /// Same seed, same file, byte for byte.
+    pub seed: u64,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        Self {
+            hidden: 64,
+            ffn: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            context_length: 512,
+            weight_format: GgmlDType::Q4_1,
+            tensor_formats: Vec::new(),
+            tied_embeddings: true,
+            seed: 0,
+        }
+    }
+}
+
+/// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to code points from 256 up.
+pub fn byte_token(b: u8) -> char {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    if printable(b) {
+        return b as char;
+    }
+    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + n).expect("code points 256..324 are valid")
+}
+
+/// Writes the tiny model described by `spec` to `path`.
+pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
+    let mut rng = Normal::new(spec.seed);
+    let (h, ff) = (spec.hidden, spec.ffn);
+    let head_dim = h / spec.heads.max(1);
+    let kvw = spec.kv_heads * head_dim;
+    let format_of = |name: &str| spec.tensor_formats.iter().find(|(n, _)| n == name).map(|(_, f)| *f).unwrap_or(spec.weight_format);
+
+    // name, shape [rows, cols] (or [n] for norms), std of the random values, mean (norms ~1)
+    let mut plan: Vec<(String, Vec<usize>, f32, f32)> = vec![("token_embd.weight".into(), vec![TINY_VOCAB, h], 0.2, 0.0)];
+    for i in 0..spec.layers {
+        let t = |n: &str| format!("blk.{i}.{n}.weight");
+        plan.push((t("attn_norm"), vec![h], 0.05, 1.0));
+        plan.push((t("attn_q"), vec![h, h], 0.15, 0.0));
+        plan.push((t("attn_k"), vec![kvw, h], 0.15, 0.0));
+        plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
+        plan.push((t("attn_output"), vec![h, h], 0.1, 0.0));
+        plan.push((t("ffn_norm"), vec![h], 0.05, 1.0));
+        plan.push((t("ffn_gate"), vec![ff, h], 0.15, 0.0));
+        plan.push((t("ffn_up"), vec![ff, h], 0.15, 0.0));
+        plan.push((t("ffn_down"), vec![h, ff], 0.1, 0.0));
+    }
+    plan.push(("output_norm.weight".into(), vec![h], 0.05, 1.0));
+    if !spec.tied_embeddings {
+        plan.push(("output.weight".into(), vec![TINY_VOCAB, h], 0.2, 0.0));
+    }
+
+    let mut tensors = Vec::with_capacity(plan.len());
+    for (name, shape, std, mean) in &plan {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = (0..n).map(|_| mean + std * rng.next()).collect();
+        let bad = |e: candle_core::Error| ModelError::BadTensor { name: name.clone(), message: e.to_string() };
+        let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).map_err(bad)?;
+        let dtype = if shape.len() == 1 { GgmlDType::F32 } else { format_of(name) };
+        tensors.push((name.clone(), QTensor::quantize(&t, dtype).map_err(bad)?));
+    }
+
+    let tokens: Vec<Value> = (0..=255u8)
+        .map(|b| Value::String(byte_token(b).to_string()))
+        .chain(["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(|s| Value::String(s.into())))
+        .collect();
+    let token_types: Vec<Value> = (0..TINY_VOCAB).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
+    let s = |x: &str| Value::String(x.into());
+    let metadata: Vec<(&str, Value)> = vec![
+        ("general.architecture", s("llama")),
+        ("general.name", s("tiny-random-llama")),
+        ("general.alignment", Value::U32(32)),
+        ("llama.context_length", Value::U32(spec.context_length as u32)),
+        ("llama.embedding_length", Value::U32(h as u32)),
+        ("llama.block_count", Value::U32(spec.layers as u32)),
+        ("llama.feed_forward_length", Value::U32(ff as u32)),
+        ("llama.attention.head_count", Value::U32(spec.heads as u32)),
+        ("llama.attention.head_count_kv", Value::U32(spec.kv_heads as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.rope.freq_base", Value::F32(10000.0)),
+        ("llama.rope.dimension_count", Value::U32(head_dim as u32)),
+        ("llama.vocab_size", Value::U32(TINY_VOCAB as u32)),
+        ("tokenizer.ggml.model", s("gpt2")),
+        ("tokenizer.ggml.pre", s("default")),
+        ("tokenizer.ggml.tokens", Value::Array(tokens)),
+        ("tokenizer.ggml.token_type", Value::Array(token_types)),
+        ("tokenizer.ggml.merges", Value::Array(Vec::new())),
+        ("tokenizer.ggml.bos_token_id", Value::U32(TINY_IM_START)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(TINY_IM_END)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+    ];
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+
+    let io = |e: std::io::Error| ModelError::Io { path: path.display().to_string(), source: e };
+    let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    gguf_file::write(&mut w, &md, &ts).map_err(|e| io(std::io::Error::other(e.to_string())))?;
+    std::io::Write::flush(&mut w).map_err(io)?;
+    Ok(())
+}
+
+/// Deterministic standard normal draws (SplitMix64 + Box-Muller): no dependency, same on every
+/// platform, so a seed names one model.
+struct Normal {
+    state: u64,
+    spare: Option<f32>,
+}
+
+impl Normal {
+    fn new(seed: u64) -> Self {
+        Self { state: seed ^ 0x5DEE_CE66_D1CE_4E5B, spare: None }
+    }
+
+    fn uniform(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64 // in (0, 1): ln never sees 0
+    }
+
+    fn next(&mut self) -> f32 {
+        if let Some(x) = self.spare.take() {
+            return x;
+        }
+        let (u1, u2) = (self.uniform(), self.uniform());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let a = 2.0 * std::f64::consts::PI * u2;
+        self.spare = Some((r * a.sin()) as f32);
+        (r * a.cos()) as f32
+    }
+}
+
+/// The real model for tests that need it, from `SPECULA_MODEL` (scripts/test.sh sets it).
+/// Unset: prints a skip note naming `test` and returns `None` so the test can return early —
+/// unless `CI` is set, where it panics, so that CI can never skip silently. Set but missing on
+/// disk: panics either way (a wrong path is a mistake, not a skip).
+pub fn model_for_tests(test: &str) -> Option<PathBuf> {
+    match std::env::var_os("SPECULA_MODEL").filter(|v| !v.is_empty()) {
+        Some(p) => {
+            let p = PathBuf::from(p);
+            assert!(p.exists(), "SPECULA_MODEL={} does not exist (run `specula fetch-model --print-path`)", p.display());
+            Some(p)
+        }
+        None if ci_is_set() => panic!("{test}: SPECULA_MODEL is not set and CI is: the model tests must run in CI (scripts/test.sh sets it)"),
+        None => {
+            eprintln!("skipping {test}: SPECULA_MODEL is not set (scripts/test.sh sets it; `specula fetch-model --print-path` prints it)");
+            None
+        }
+    }
+}
+
+fn ci_is_set() -> bool {
+    std::env::var("CI").map(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false")).unwrap_or(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_tokens_are_gpt2_bytes_to_unicode() {
+        assert_eq!(byte_token(b'a'), 'a');
+        assert_eq!(byte_token(b' '), '\u{120}'); // 'Ġ'
+        assert_eq!(byte_token(b'\n'), '\u{10A}'); // 'Ċ'
+        assert_eq!(byte_token(0), '\u{100}');
+        assert_eq!(byte_token(0xAD), '\u{143}'); // the last remapped byte
+        let all: std::collections::HashSet<char> = (0..=255u8).map(byte_token).collect();
+        assert_eq!(all.len(), 256);
+    }
+
+    #[test]
+    fn same_seed_writes_the_same_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b, c) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"), dir.path().join("c.gguf"));
+        write_tiny_llama(&a, &TinySpec { seed: 3, ..Default::default() }).unwrap();
+        write_tiny_llama(&b, &TinySpec { seed: 3, ..Default::default() }).unwrap();
+        write_tiny_llama(&c, &TinySpec { seed: 4, ..Default::default() }).unwrap();
+        let (a, b, c) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap(), std::fs::read(c).unwrap());
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+}

@@ -1,0 +1,44 @@
+//! DESIGN.md invariant 1: a sequence's logits do not depend on how its prompt is chunked, on
+//! which sequences share its batch, or on the thread count — bit for bit. On the tiny random model
+//! (always) and on the default model (when SPECULA_MODEL is set; required under CI).
+
+mod common;
+
+use specula_model::load_model;
+use specula_model::testing::{model_for_tests, write_tiny_llama, GgmlDType, TinySpec};
+
+#[test]
+fn tiny_model_chunked_prefill_is_bitwise_identical_to_one_shot() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_llama(&path, &TinySpec::default()).unwrap();
+    let m = load_model(&path).unwrap();
+    let prompt: Vec<u32> = "Once upon a time, in a land far away, there lived a small model.".bytes().map(u32::from).collect();
+    let one_shot = common::logits_alone(&m.model, &prompt, &[prompt.len()], 2);
+    for chunks in [&[1][..], &[3], &[7, 100], &[16], &[15, 1, 17]] {
+        let chunked = common::logits_alone(&m.model, &prompt, chunks, 2);
+        common::assert_bitwise_eq(&format!("chunks {chunks:?}"), &one_shot, &chunked, m.model.config.vocab_size);
+    }
+}
+
+#[test]
+fn tiny_model_is_batch_invariant_on_int8_and_f32_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::F32] {
+        let path = dir.path().join(format!("tiny-{f:?}.gguf"));
+        write_tiny_llama(&path, &TinySpec { weight_format: f, seed: 7, ..Default::default() }).unwrap();
+        let m = load_model(&path).unwrap();
+        let prompt: Vec<u32> = (0..75u32).map(|i| (i * 37 + 11) % 259).collect();
+        common::assert_batch_invariant(&m.model, &prompt);
+    }
+}
+
+#[test]
+fn default_model_is_batch_invariant() {
+    let Some(path) = model_for_tests("default_model_is_batch_invariant") else { return };
+    let m = load_model(&path).unwrap();
+    let text = "<|im_start|>user\nWrite a short poem about the sea, the wind and a lighthouse keeper who counts the waves.<|im_end|>\n<|im_start|>assistant\n";
+    let prompt = m.tokenizer.encode(text).unwrap();
+    assert!(prompt.len() > 24, "prompt of {} tokens is too short to chunk", prompt.len());
+    common::assert_batch_invariant(&m.model, &prompt);
+}
