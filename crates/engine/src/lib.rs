@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod config;
+pub mod dp;
 pub mod engine;
 pub mod handle;
 pub mod kv_cache;

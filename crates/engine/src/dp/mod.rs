@@ -1,0 +1,18 @@
+//! Data parallelism: N engine ranks behind one front end (DESIGN.md "Data parallel", invariant 6).
+//!
+//! - `communicator`: the collectives ranks use, with in-process (`local`) and, behind the `mpi`
+//!   feature, MPI implementations; `counting` wraps one to count calls in tests.
+//! - `metadata`: the one packed all-reduce per lockstep step, and the start-up configuration check.
+//!
+//! Not here: the model's own parallelism (tensor/expert parallel layers); an MoE layer would
+//! call `Communicator::all_to_all_f32` on buffers padded to `GlobalStep::max_tokens`.
+
+pub mod communicator;
+pub mod counting;
+pub mod local;
+pub mod metadata;
+
+pub use communicator::{CollectiveKind, Communicator, DpError};
+pub use counting::{CollectiveCounts, CountingComm};
+pub use local::{LocalComm, LocalGroup};
+pub use metadata::{agree, check_same_config, GlobalStep, StepMetadata};
