@@ -34,6 +34,9 @@ pub struct OfflineArgs {
     pub no_baseline: bool,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
+    /// Also print the cost of verifying 1 + k tokens (k = 0..=8) of one sequence relative to 1.
+    #[arg(long)]
+    pub verify_curve: bool,
 }
 
 struct Row {
@@ -69,6 +72,17 @@ pub fn run(args: OfflineArgs) -> Result<()> {
             None => ("-".into(), "-".into()),
         };
         println!("{:<22} {:>7} {:>14.1} {:>14} {:>8}", r.what, r.threads, r.ours, c, ratio);
+    }
+    if args.verify_curve {
+        println!("\nverify cost curve (one sequence, context 256): time of a 1 + k token step relative to a 1-token step");
+        println!("{:>3} {:>8} {:>10} {:>8}", "k", "threads", "step ms", "relative");
+        for &threads in &args.threads {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+            let times = pool.install(|| verify_curve(model, 8))?;
+            for (k, t) in times.iter().enumerate() {
+                println!("{:>3} {:>8} {:>10.2} {:>8.2}", k, threads, t * 1e3, t / times[0]);
+            }
+        }
     }
     if let Some(p) = args.output_json {
         let j: Vec<_> = rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle})).collect();
@@ -161,4 +175,29 @@ fn candle_decode_tps(path: &PathBuf, batch: usize, steps: usize) -> Result<f64> 
         next = logits.argmax(candle_core::D::Minus1)?.reshape((batch, 1))?;
     }
     Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Seconds per step of one sequence at context 256 computing 1 + k new tokens, k = 0..=max_k.
+fn verify_curve(model: &LlamaModel, max_k: usize) -> Result<Vec<f64>> {
+    let ctx = 256;
+    let (mut kv, tables) = kv_for(model, ctx + max_k + 1, 1);
+    let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7).collect();
+    let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &tables[0] }];
+    let slots: Vec<usize> = (0..ctx).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
+    model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[ctx - 1], want_hidden: false }, &mut kv)?;
+    let mut out = Vec::new();
+    for k in 0..=max_k {
+        let n = k + 1;
+        let toks: Vec<u32> = (0..n as u32).map(|i| 300 + i).collect();
+        let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: ctx + n, block_table: &tables[0] }];
+        let slots: Vec<usize> = (ctx..ctx + n).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
+        let rows: Vec<usize> = (0..n).collect();
+        let reps = 8;
+        let start = Instant::now();
+        for _ in 0..reps {
+            model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: false }, &mut kv)?;
+        }
+        out.push(start.elapsed().as_secs_f64() / reps as f64);
+    }
+    Ok(out)
 }
