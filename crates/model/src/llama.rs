@@ -56,6 +56,15 @@ pub struct ForwardOutput {
     pub hidden: Vec<f32>,
 }
 
+/// A norm weight must have one entry per hidden unit: `rms_norm` takes its row length from the
+/// weight, so a wrong length would silently normalise the wrong spans.
+fn check_norm(v: &[f32], hidden: usize, what: &str) -> Result<(), ModelError> {
+    if v.len() != hidden {
+        return Err(ModelError::BadTensor { name: what.into(), message: format!("{} entries but the config needs {hidden}", v.len()) });
+    }
+    Ok(())
+}
+
 impl LlamaModel {
     pub fn new(config: ModelConfig, embed: QMatrix, layers: Vec<LayerWeights>, final_norm: Vec<f32>, lm_head: QMatrix, rope_freqs: Option<Vec<f32>>) -> Result<Self, ModelError> {
         config.validate()?;
@@ -77,7 +86,10 @@ impl LlamaModel {
             check(&l.w_gate, c.intermediate_size, c.hidden_size, &format!("layer {i} ffn_gate"))?;
             check(&l.w_up, c.intermediate_size, c.hidden_size, &format!("layer {i} ffn_up"))?;
             check(&l.w_down, c.hidden_size, c.intermediate_size, &format!("layer {i} ffn_down"))?;
+            check_norm(&l.attn_norm, c.hidden_size, &format!("layer {i} attn_norm"))?;
+            check_norm(&l.ffn_norm, c.hidden_size, &format!("layer {i} ffn_norm"))?;
         }
+        check_norm(&final_norm, c.hidden_size, "output norm")?;
         if layers.len() != c.n_layers {
             return Err(ModelError::BadTensor { name: "layers".into(), message: format!("found {} layers, config says {}", layers.len(), c.n_layers) });
         }
