@@ -137,10 +137,12 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
     };
     let bos = id_of(cfg.get("bos_token_id")).first().copied();
     let eos = id_of(cfg.get("eos_token_id"));
-    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), bos, eos)?;
+    let mut tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), bos, eos)?;
     let tc = dir.join("tokenizer_config.json");
     let chat_template = if tc.exists() {
         let t = read_json(&tc)?;
+        // Llama-2/3 style folders ask for BOS here; encode() itself never adds it.
+        tokenizer.add_bos = t.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false);
         let tok_str = |k: &str| match t.get(k) {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).unwrap_or("").to_string(),
