@@ -560,3 +560,11 @@ pub fn spawn_engine(
     let join = std::thread::Builder::new().name("specula-engine".into()).spawn(move || engine.run(rx)).map_err(EngineError::Spawn)?;
     Ok((handle, join))
 }
+
+/// Step pieces the data-parallel loops (`dp::lockstep`) need: they run `step`'s phases with an
+/// agreement between schedule and execute, and fail a step's requests the way `step` does.
+impl Engine {
+    pub(crate) fn fail_request(&mut self, seq: SeqId, message: &str) {
+        self.fail(seq, message);
+    }
+}

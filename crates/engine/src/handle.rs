@@ -1,7 +1,9 @@
 //! The front end's side of the engine: a cheap, cloneable handle that submits requests and
-//! aborts them over a channel to the engine thread. Holds no engine state.
+//! aborts them over a channel to the engine thread (or, with data parallelism, through a router
+//! to the rank's thread). Holds no engine state.
 
 use crate::api::GenerateRequest;
+use crate::dp::ReplicaRouter;
 use crate::types::RequestId;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -33,10 +35,17 @@ pub struct QueueCounters {
 
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: Sender<EngineCommand>,
-    counters: Arc<QueueCounters>,
+    target: Target,
     next_id: Arc<AtomicU64>,
-    max_waiting: usize,
+}
+
+/// Where commands go.
+#[derive(Clone)]
+enum Target {
+    /// One engine thread's channel.
+    Engine { tx: Sender<EngineCommand>, counters: Arc<QueueCounters>, max_waiting: usize },
+    /// Data-parallel ranks behind a router (each rank has its own `Engine` target).
+    Ranks(Arc<ReplicaRouter>),
 }
 
 impl EngineHandle {
@@ -44,8 +53,13 @@ impl EngineHandle {
     pub fn channel(max_waiting: usize) -> (Self, Receiver<EngineCommand>, Arc<QueueCounters>) {
         let (tx, rx) = std::sync::mpsc::channel();
         let counters = Arc::new(QueueCounters::default());
-        let h = Self { tx, counters: counters.clone(), next_id: Arc::new(AtomicU64::new(1)), max_waiting };
+        let h = Self { target: Target::Engine { tx, counters: counters.clone(), max_waiting }, next_id: Arc::new(AtomicU64::new(1)) };
         (h, rx, counters)
+    }
+
+    /// A handle that routes over data-parallel ranks (`dp::ReplicaRouter`).
+    pub fn routed(router: Arc<ReplicaRouter>) -> Self {
+        Self { target: Target::Ranks(router), next_id: Arc::new(AtomicU64::new(1)) }
     }
 
     pub fn next_request_id(&self) -> RequestId {
@@ -54,27 +68,44 @@ impl EngineHandle {
 
     /// Queues a request; refuses at once when the waiting queue is full.
     pub fn submit(&self, req: GenerateRequest) -> Result<(), SubmitError> {
-        let waiting = self.counters.waiting.load(Ordering::Relaxed);
-        if waiting >= self.max_waiting {
-            return Err(SubmitError::QueueFull { waiting, limit: self.max_waiting });
+        let (tx, counters, max_waiting) = match &self.target {
+            Target::Engine { tx, counters, max_waiting } => (tx, counters, *max_waiting),
+            Target::Ranks(router) => return router.submit(req),
+        };
+        let waiting = counters.waiting.load(Ordering::Relaxed);
+        if waiting >= max_waiting {
+            return Err(SubmitError::QueueFull { waiting, limit: max_waiting });
         }
-        self.counters.waiting.fetch_add(1, Ordering::Relaxed);
-        self.tx.send(EngineCommand::Submit(req)).map_err(|_| {
-            self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+        counters.waiting.fetch_add(1, Ordering::Relaxed);
+        tx.send(EngineCommand::Submit(req)).map_err(|_| {
+            counters.waiting.fetch_sub(1, Ordering::Relaxed);
             SubmitError::Closed
         })
     }
 
     /// Cancels a request; harmless if it already finished.
     pub fn abort(&self, id: RequestId) {
-        let _ = self.tx.send(EngineCommand::Abort(id));
+        match &self.target {
+            Target::Engine { tx, .. } => {
+                let _ = tx.send(EngineCommand::Abort(id));
+            }
+            Target::Ranks(router) => router.abort(id),
+        }
     }
 
     pub fn shutdown(&self) {
-        let _ = self.tx.send(EngineCommand::Shutdown);
+        match &self.target {
+            Target::Engine { tx, .. } => {
+                let _ = tx.send(EngineCommand::Shutdown);
+            }
+            Target::Ranks(router) => router.shutdown(),
+        }
     }
 
     pub fn waiting(&self) -> usize {
-        self.counters.waiting.load(Ordering::Relaxed)
+        match &self.target {
+            Target::Engine { counters, .. } => counters.waiting.load(Ordering::Relaxed),
+            Target::Ranks(router) => router.waiting(),
+        }
     }
 }

@@ -47,8 +47,8 @@ impl CollectiveKind {
 pub enum DpError {
     #[error("data-parallel rank {rank} left the group, so no collective can complete; stopping this rank too")]
     PeerGone { rank: usize },
-    #[error("data-parallel rank {rank} hit a fatal error and the group stopped: {message}")]
-    PeerFailed { rank: usize, message: String },
+    #[error("the data-parallel group stopped because a rank hit a fatal error: {0}")]
+    RankFailed(String),
     #[error("data-parallel ranks called different collectives: {0}")]
     Mismatch(String),
     #[error("data-parallel ranks disagree on their configuration: {0}")]

@@ -268,6 +268,7 @@ mod tests {
 
     #[test]
     fn many_rounds_back_to_back_stay_in_step() {
+        let started = Instant::now();
         let out = on_ranks(3, |c| {
             let mut total = 0;
             for i in 0..2000i64 {
@@ -279,6 +280,7 @@ mod tests {
             total
         });
         assert!(out.iter().all(|&t| t == out[0]));
+        eprintln!("3 in-process ranks: {:.1} us per all-reduce round", started.elapsed().as_secs_f64() * 1e6 / 2000.0);
     }
 
     #[test]
