@@ -7,6 +7,8 @@ pub mod adaptive;
 pub mod config;
 pub mod draft_model;
 pub mod metrics;
+pub mod mtp;
+pub mod mtp_format;
 pub mod ngram;
 pub mod proposer;
 pub mod rejection;
@@ -28,19 +30,59 @@ pub enum SpecError {
     Kv(#[from] crate::kv_cache::KvCacheError),
     #[error("sampling: {0}")]
     Sampling(#[from] crate::sampling::SamplingError),
+    /// The mtp head file is unreadable, malformed or made for another target.
+    #[error("mtp head {path}: {message}")]
+    Head { path: String, message: String },
+}
+
+/// What `build_proposer` knows of the target: its shape always, its weights when the caller has
+/// them loaded (the mtp head uses the target's token embedding and checks its fingerprint).
+#[derive(Clone, Copy)]
+pub enum ProposerTarget<'a> {
+    Config(&'a specula_model::ModelConfig),
+    Model(&'a specula_model::LlamaModel),
+}
+
+impl ProposerTarget<'_> {
+    pub fn config(&self) -> &specula_model::ModelConfig {
+        match self {
+            Self::Config(c) => c,
+            Self::Model(m) => &m.config,
+        }
+    }
+}
+
+impl<'a> From<&'a specula_model::ModelConfig> for ProposerTarget<'a> {
+    fn from(c: &'a specula_model::ModelConfig) -> Self {
+        Self::Config(c)
+    }
+}
+
+impl<'a> From<&'a specula_model::LlamaModel> for ProposerTarget<'a> {
+    fn from(m: &'a specula_model::LlamaModel) -> Self {
+        Self::Model(m)
+    }
 }
 
 /// Builds the proposer a configuration names. The draft model is loaded here, and checked
-/// against the target's vocabulary.
-pub fn build_proposer(cfg: &SpecConfig, target: &specula_model::ModelConfig, engine: &crate::config::EngineConfig) -> Result<Box<dyn Proposer>, SpecError> {
+/// against the target's vocabulary. `target` is the target's config or, for `mtp`, the loaded
+/// target model itself.
+pub fn build_proposer<'a>(cfg: &SpecConfig, target: impl Into<ProposerTarget<'a>>, engine: &crate::config::EngineConfig) -> Result<Box<dyn Proposer>, SpecError> {
     cfg.validate().map_err(SpecError::Config)?;
+    let target = target.into();
     match cfg.method {
         SpecMethod::Ngram => Ok(Box::new(ngram::NgramProposer::new(cfg.ngram_min, cfg.ngram_max))),
         SpecMethod::Draft => {
             let path = cfg.draft_model.as_ref().ok_or_else(|| SpecError::Config("--speculative-method draft needs --draft-model PATH".into()))?;
             let loaded = specula_model::load_model(path)?;
-            Ok(Box::new(draft_model::DraftModelProposer::new(loaded.model, target.vocab_size, engine.num_kv_blocks, engine.block_size)?))
+            Ok(Box::new(draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?))
         }
-        SpecMethod::Mtp => Err(SpecError::Config("the mtp method needs a head file (not available yet in this build)".into())),
+        SpecMethod::Mtp => {
+            let path = cfg.draft_model.as_ref().ok_or_else(|| SpecError::Config("--speculative-method mtp needs --draft-model HEAD.safetensors (an mtp head trained for this target)".into()))?;
+            let ProposerTarget::Model(model) = target else {
+                return Err(SpecError::Config("the mtp proposer reads the target's weights: build it from the loaded target model, not only its config".into()));
+            };
+            Ok(Box::new(mtp::MtpProposer::load(path, model)?))
+        }
     }
 }

@@ -1,0 +1,513 @@
+//! The mtp proposer (docs/mtp-head-format.md): a one-layer head file checked against its target
+//! at load with clear errors, drafts that only ever use the pruned vocabulary and that match a
+//! naive reference forward of the head, and greedy output through the whole engine that is token
+//! for token the output without speculation (DESIGN.md invariant 1).
+
+mod spec_support;
+
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+use spec_support::{spec_config, tiny_model, End, Rig};
+use specula_engine::spec::mtp::{MtpHead, MtpProposer};
+use specula_engine::spec::mtp_format::{self as fmt, random_head, save_head, write_random_head, HeadConfig, HeadFile, HeadWeightsF32, StoredDtype};
+use specula_engine::spec::{build_proposer, Draft, DraftRequest, Proposer, SpecError, SpecMethod};
+use specula_engine::types::SeqId;
+use specula_engine::{EngineConfig, SamplingParams};
+use specula_model::testing::{write_tiny_llama, TinySpec, TINY_VOCAB};
+use specula_model::{load_model, LlamaModel};
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+fn target(path: &Path) -> LlamaModel {
+    load_model(path).expect("load tiny target").model
+}
+
+fn pool() -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap()
+}
+
+fn tiny_config() -> EngineConfig {
+    EngineConfig { max_num_seqs: 8, max_num_batched_tokens: 128, max_model_len: 256, block_size: 16, num_kv_blocks: 64, enable_prefix_caching: true, threads: 2, ..Default::default() }
+}
+
+/// Deterministic pseudo-random hidden states of the size the target produces.
+fn hidden(h: usize, seed: u64) -> Vec<f32> {
+    let mut rng = spec_support::Rng(seed);
+    (0..h).map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0).collect()
+}
+
+fn request<'a>(seq: u64, tokens: &'a [u32], max_draft: usize, params: &'a SamplingParams, hidden: Option<&'a [f32]>) -> DraftRequest<'a> {
+    DraftRequest { seq: SeqId(seq), tokens, prompt_len: tokens.len().min(2), max_draft, params, hidden }
+}
+
+fn load_err(path: &Path, target: &LlamaModel) -> String {
+    match MtpHead::load(path, target) {
+        Ok(_) => panic!("{} loaded but should have been refused", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Copies the head file at `src` to `dst`, dropping tensor `drop`, replacing the bytes of the
+/// tensors in `replace` (same dtype and shape), and editing the metadata.
+fn rewrite(src: &Path, dst: &Path, drop: Option<&str>, replace: &[(&str, Vec<u8>)], edit: impl FnOnce(&mut HashMap<String, String>)) {
+    let bytes = std::fs::read(src).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+    let mut md = header.metadata().clone().unwrap();
+    edit(&mut md);
+    let mut views = Vec::new();
+    for (name, v) in st.tensors() {
+        if Some(name.as_str()) == drop {
+            continue;
+        }
+        let data = replace.iter().find(|(n, _)| *n == name).map_or(v.data(), |(_, b)| b.as_slice());
+        views.push((name, TensorView::new(v.dtype(), v.shape().to_vec(), data).unwrap()));
+    }
+    safetensors::serialize_to_file(views, &Some(md), dst).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vocabulary maps
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn d2t_and_t2d_round_trip_through_the_head_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&tiny_model(dir.path(), 1));
+    let path = dir.path().join("head.safetensors");
+    write_random_head(&path, &t, 40, 7).unwrap();
+
+    let head = MtpHead::load(&path, &t).unwrap();
+    let vocab = head.vocab();
+    assert_eq!((vocab.draft_vocab(), vocab.target_vocab()), (40, TINY_VOCAB));
+    for d in 0..40 {
+        let tok = vocab.d2t(d).unwrap();
+        assert_eq!(vocab.t2d(tok), Some(d), "draft id {d} -> target {tok} -> back");
+        assert!(head.covers(tok));
+    }
+    let d2t: HashSet<u32> = vocab.d2t_slice().iter().copied().collect();
+    assert_eq!(d2t.len(), 40, "d2t ids are distinct");
+    assert_ne!(vocab.d2t_slice(), (0..40).collect::<Vec<u32>>().as_slice(), "the seeded subset is not simply the first ids");
+    for tok in (0..TINY_VOCAB as u32).filter(|t| !d2t.contains(t)) {
+        assert_eq!(vocab.t2d(tok), None, "target token {tok} is outside the pruned vocabulary");
+        assert!(!head.covers(tok));
+    }
+
+    // the stored t2d is exactly the inverse, and the trainer's label mapping reads it
+    let file = HeadFile::open(&path).unwrap();
+    let t2d: Vec<i32> = file.ids(fmt::T2D, TINY_VOCAB).unwrap().into_iter().map(|v| v as i32).collect();
+    assert_eq!(t2d, fmt::t2d_from_d2t(vocab.d2t_slice(), TINY_VOCAB));
+    let all: Vec<u32> = (0..TINY_VOCAB as u32).collect();
+    let labels = fmt::map_targets(&t2d, &all);
+    assert_eq!(labels, all.iter().map(|&tok| vocab.t2d(tok)).collect::<Vec<_>>());
+    assert_eq!(labels.iter().filter(|l| l.is_some()).count(), 40);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Proposals
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn tokens_outside_the_pruned_vocabulary_are_never_proposed() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&tiny_model(dir.path(), 2));
+    let path = dir.path().join("head.safetensors");
+    write_random_head(&path, &t, 24, 3).unwrap();
+    let mut p = MtpProposer::load(&path, &t).unwrap();
+    let allowed: HashSet<u32> = p.head().vocab().d2t_slice().iter().copied().collect();
+    let greedy = SamplingParams::greedy(64);
+    let sampled = SamplingParams { temperature: 1.5, seed: Some(5), repetition_penalty: 1.3, ..SamplingParams::default() };
+    let h = t.config.hidden_size;
+    let mut proposed = 0;
+    for round in 0..20u64 {
+        // last tokens mostly outside the pruned vocabulary: the head still reads their embedding
+        let toks: Vec<Vec<u32>> = (0..4).map(|i| vec![10, 20, (round * 13 + i * 61) as u32 % TINY_VOCAB as u32]).collect();
+        let hs: Vec<Vec<f32>> = (0..4).map(|i| hidden(h, round * 4 + i)).collect();
+        let reqs: Vec<DraftRequest> =
+            (0..4).map(|i| request(i as u64, &toks[i], 1 + (i + round as usize) % 4, if i % 2 == 0 { &greedy } else { &sampled }, Some(&hs[i]))).collect();
+        let drafts = p.propose(&reqs, &pool()).unwrap();
+        for (r, d) in reqs.iter().zip(&drafts) {
+            assert_eq!(d.tokens.len(), r.max_draft, "a head always has a token to propose");
+            proposed += d.tokens.len();
+            for (j, tok) in d.tokens.iter().enumerate() {
+                assert!(allowed.contains(tok), "proposed token {tok} is outside the pruned vocabulary");
+                if let Some(q) = &d.probs {
+                    assert_eq!(q[j].len(), TINY_VOCAB);
+                    assert!(q[j][*tok as usize] > 0.0, "the proposed token has probability 0 under its own q");
+                    assert!(q[j].iter().enumerate().all(|(x, &v)| v == 0.0 || allowed.contains(&(x as u32))), "q puts mass outside the pruned vocabulary");
+                    assert!((q[j].iter().sum::<f32>() - 1.0).abs() < 1e-4);
+                }
+            }
+            assert_eq!(d.probs.is_none(), r.params.is_greedy(), "greedy drafts are one-hot (probs None), sampled ones carry q");
+        }
+    }
+    assert!(proposed > 100);
+}
+
+#[test]
+fn no_hidden_state_or_no_room_means_no_proposal() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&tiny_model(dir.path(), 3));
+    let path = dir.path().join("head.safetensors");
+    write_random_head(&path, &t, 64, 1).unwrap();
+    let mut p = MtpProposer::load(&path, &t).unwrap();
+    assert!(p.needs_hidden());
+    let params = SamplingParams::greedy(16);
+    let toks = [1u32, 2, 3];
+    let h = hidden(t.config.hidden_size, 9);
+    let reqs = [request(1, &toks, 3, &params, None), request(2, &toks, 0, &params, Some(&h)), request(3, &toks, 3, &params, Some(&h))];
+    let drafts = p.propose(&reqs, &pool()).unwrap();
+    assert_eq!(drafts[0], Draft::default());
+    assert_eq!(drafts[1], Draft::default());
+    assert_eq!(drafts[2].tokens.len(), 3);
+}
+
+/// A sequence's drafts depend on its own tokens and hidden state only, not on its batch.
+#[test]
+fn a_sequences_drafts_do_not_depend_on_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&tiny_model(dir.path(), 4));
+    let path = dir.path().join("head.safetensors");
+    write_random_head(&path, &t, 100, 2).unwrap();
+    let mut p = MtpProposer::load(&path, &t).unwrap();
+    let params = SamplingParams::greedy(16);
+    let h: Vec<Vec<f32>> = (0..6).map(|i| hidden(t.config.hidden_size, 100 + i)).collect();
+    let toks: Vec<Vec<u32>> = (0..6).map(|i| vec![40 + i as u32, 7 * i as u32]).collect();
+    let alone = p.propose(&[request(0, &toks[0], 5, &params, Some(&h[0]))], &pool()).unwrap();
+    let reqs: Vec<DraftRequest> = (0..6).map(|i| request(i as u64, &toks[i], 5 - i % 3, &params, Some(&h[i]))).collect();
+    let batched = p.propose(&reqs, &pool()).unwrap();
+    assert_eq!(alone[0], batched[0]);
+}
+
+/// The head computed plainly, one sequence at a time, with every weight in f32 (the semantics a
+/// trainer must reproduce): step j feeds concat(embed(token), hidden) through fc, one pre-norm
+/// decoder layer attending over chain positions 0..=j (RoPE rotate-half at position j), the
+/// output norm and lm_head; the argmax draft id maps through d2t and the layer's output is the
+/// next step's hidden state.
+fn reference_greedy_chain(t: &LlamaModel, cfg: &HeadConfig, w: &HeadWeightsF32, last: u32, h0: &[f32], k: usize) -> Vec<u32> {
+    let (h, hd, nh, nkv) = (cfg.target_hidden, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
+    let matvec = |m: &[f32], x: &[f32]| -> Vec<f32> { m.chunks_exact(x.len()).map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum()).collect() };
+    let norm = |x: &[f32], wt: &[f32]| -> Vec<f32> {
+        let s = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + cfg.rms_eps).sqrt();
+        x.iter().zip(wt).map(|(v, g)| v / s * g).collect()
+    };
+    let rope = |x: &mut [f32], pos: usize| {
+        for head in x.chunks_exact_mut(hd) {
+            for i in 0..hd / 2 {
+                let a = pos as f32 / cfg.rope_theta.powf(2.0 * i as f32 / hd as f32);
+                let (x0, x1) = (head[i], head[i + hd / 2]);
+                head[i] = x0 * a.cos() - x1 * a.sin();
+                head[i + hd / 2] = x0 * a.sin() + x1 * a.cos();
+            }
+        }
+    };
+    let (mut tok, mut hid, mut ks, mut vs, mut out) = (last, h0.to_vec(), Vec::<Vec<f32>>::new(), Vec::<Vec<f32>>::new(), Vec::new());
+    for pos in 0..k {
+        let mut inp = vec![0f32; 2 * h];
+        t.embed_into(tok, &mut inp[..h]);
+        inp[h..].copy_from_slice(&hid);
+        let mut x = matvec(&w.fc, &inp);
+        let xn = norm(&x, &w.attn_norm);
+        let (mut q, mut kk) = (matvec(&w.attn_q, &xn), matvec(&w.attn_k, &xn));
+        rope(&mut q, pos);
+        rope(&mut kk, pos);
+        ks.push(kk);
+        vs.push(matvec(&w.attn_v, &xn));
+        let mut attn = vec![0f32; nh * hd];
+        for head in 0..nh {
+            let g = head / (nh / nkv);
+            let qh = &q[head * hd..(head + 1) * hd];
+            let scores: Vec<f32> = ks.iter().map(|kv| qh.iter().zip(&kv[g * hd..(g + 1) * hd]).map(|(a, b)| a * b).sum::<f32>() / (hd as f32).sqrt()).collect();
+            let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f32 = e.iter().sum();
+            for (p, v) in e.iter().zip(&vs) {
+                for d in 0..hd {
+                    attn[head * hd + d] += p / z * v[g * hd + d];
+                }
+            }
+        }
+        x.iter_mut().zip(matvec(&w.attn_output, &attn)).for_each(|(a, b)| *a += b);
+        let xn = norm(&x, &w.ffn_norm);
+        let act: Vec<f32> = matvec(&w.ffn_gate, &xn).iter().zip(matvec(&w.ffn_up, &xn)).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+        x.iter_mut().zip(matvec(&w.ffn_down, &act)).for_each(|(a, b)| *a += b);
+        let logits = matvec(&w.lm_head, &norm(&x, &w.norm));
+        let d = logits.iter().enumerate().fold(0, |best, (i, &v)| if v > logits[best] { i } else { best });
+        tok = w.d2t[d];
+        out.push(tok);
+        hid = x;
+    }
+    out
+}
+
+#[test]
+fn greedy_drafts_match_a_naive_reference_forward_of_the_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&tiny_model(dir.path(), 5));
+    let (cfg, w) = random_head(&t, 120, 11).unwrap();
+    let path = dir.path().join("head.safetensors");
+    save_head(&path, &w, &cfg, StoredDtype::F32).unwrap();
+    let mut p = MtpProposer::load(&path, &t).unwrap();
+    let params = SamplingParams::greedy(16);
+    let k = 6;
+    let hs: Vec<Vec<f32>> = (0..5).map(|i| hidden(cfg.target_hidden, 300 + i)).collect();
+    let toks: Vec<Vec<u32>> = (0..5).map(|i| vec![3, 90 + 31 * i as u32]).collect();
+    let reqs: Vec<DraftRequest> = (0..5).map(|i| request(i as u64, &toks[i], k, &params, Some(&hs[i]))).collect();
+    let drafts = p.propose(&reqs, &pool()).unwrap();
+    let mut distinct = HashSet::new();
+    for (i, d) in drafts.iter().enumerate() {
+        let want = reference_greedy_chain(&t, &cfg, &w, toks[i][1], &hs[i], k);
+        assert_eq!(d.tokens, want, "sequence {i}");
+        distinct.extend(want);
+    }
+    assert!(distinct.len() > 3, "the chains should not all collapse onto one token: {distinct:?}");
+}
+
+#[test]
+fn f16_and_bf16_heads_load_and_draft_like_the_f32_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&tiny_model(dir.path(), 6));
+    let (cfg, w) = random_head(&t, 80, 4).unwrap();
+    let params = SamplingParams::greedy(16);
+    let hs: Vec<Vec<f32>> = (0..8).map(|i| hidden(cfg.target_hidden, 500 + i)).collect();
+    let toks: Vec<Vec<u32>> = (0..8).map(|i| vec![5, 17 * i as u32]).collect();
+    let reqs: Vec<DraftRequest> = (0..8).map(|i| request(i as u64, &toks[i], 1, &params, Some(&hs[i]))).collect();
+    let mut first = Vec::new();
+    for (dtype, name) in [(StoredDtype::F32, "f32"), (StoredDtype::F16, "f16"), (StoredDtype::BF16, "bf16")] {
+        let path = dir.path().join(format!("head-{name}.safetensors"));
+        save_head(&path, &w, &cfg, dtype).unwrap();
+        let drafts = MtpProposer::load(&path, &t).unwrap().propose(&reqs, &pool()).unwrap();
+        first.push(drafts.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>());
+    }
+    // rounding may flip a near tie, not most first drafts
+    for (i, other) in first[1..].iter().enumerate() {
+        let same = first[0].iter().zip(other).filter(|(a, b)| a == b).count();
+        assert!(same >= 6, "dtype {i}: {:?} vs f32 {:?}", other, first[0]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Through the engine
+// ---------------------------------------------------------------------------------------------
+
+/// Records every proposed token (to check them against the pruned vocabulary afterwards).
+struct Recording {
+    inner: Box<dyn Proposer>,
+    seen: Arc<Mutex<Vec<u32>>>,
+}
+
+impl Proposer for Recording {
+    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+        let drafts = self.inner.propose(reqs, pool)?;
+        self.seen.lock().unwrap().extend(drafts.iter().flat_map(|d| d.tokens.iter().copied()));
+        Ok(drafts)
+    }
+    fn rollback(&mut self, seq: SeqId, kept: usize) {
+        self.inner.rollback(seq, kept)
+    }
+    fn remove(&mut self, seq: SeqId) {
+        self.inner.remove(seq)
+    }
+    fn needs_hidden(&self) -> bool {
+        self.inner.needs_hidden()
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    ["hello hello hello hello", "abcabcabcabc", "The quick brown fox", "1 2 3 4 5 6", "zzzz"].iter().map(|s| s.bytes().map(u32::from).collect()).collect()
+}
+
+#[test]
+fn greedy_with_mtp_speculation_is_token_for_token_greedy_without() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 7);
+    let t = target(&model);
+    let head = dir.path().join("head.safetensors");
+    write_random_head(&head, &t, 64, 5).unwrap();
+    let allowed: HashSet<u32> = MtpHead::load(&head, &t).unwrap().vocab().d2t_slice().iter().copied().collect();
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(40) };
+    let reqs: Vec<(Vec<u32>, SamplingParams)> = prompts().into_iter().map(|p| (p, params.clone())).collect();
+
+    let plain = Rig::new(&model, tiny_config(), None).run_batch(&reqs);
+    let cfg = spec_config(SpecMethod::Mtp, 4, Some(&head));
+    let inner = build_proposer(&cfg, &t, &tiny_config()).expect("the production build_proposer loads the head");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut rig = Rig::with_proposer(&model, tiny_config(), Some((cfg, Box::new(Recording { inner, seen: seen.clone() }))));
+    let spec = rig.run_batch(&reqs);
+    rig.assert_no_leaks();
+
+    let mut outside = 0;
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert!(matches!(a.end, End::Finished(_)), "prompt {i}: {:?}", a.end);
+        assert_eq!(a.tokens, b.tokens, "prompt {i}: greedy tokens differ with mtp speculation");
+        assert_eq!(a.end, b.end);
+        outside += a.tokens.iter().filter(|t| !allowed.contains(t)).count();
+    }
+    assert!(outside > 0, "the target emitted only pruned-vocabulary tokens: the test proves less than it says");
+    let seen = seen.lock().unwrap();
+    assert!(seen.iter().all(|t| allowed.contains(t)), "a token outside the pruned vocabulary was proposed");
+    let m = rig.engine.spec_metrics().expect("speculation is on");
+    assert!(m.num_draft_tokens > 0, "the mtp proposer never drafted: {m:?}");
+    assert_eq!(m.num_draft_tokens as usize, seen.len(), "every proposed token was verified");
+}
+
+#[test]
+fn seeded_sampling_with_mtp_is_reproducible_and_returns_every_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 8);
+    let t = target(&model);
+    let head = dir.path().join("head.safetensors");
+    write_random_head(&head, &t, TINY_VOCAB, 6).unwrap();
+    let params = SamplingParams { temperature: 0.7, seed: Some(42), ignore_eos: true, max_tokens: 30, ..SamplingParams::default() };
+    let reqs: Vec<(Vec<u32>, SamplingParams)> = prompts().into_iter().map(|p| (p, params.clone())).collect();
+    let run = || {
+        let cfg = spec_config(SpecMethod::Mtp, 3, Some(&head));
+        let p = build_proposer(&cfg, &t, &tiny_config()).unwrap();
+        let mut rig = Rig::with_proposer(&model, tiny_config(), Some((cfg, p)));
+        let out = rig.run_batch(&reqs);
+        rig.assert_no_leaks();
+        assert!(rig.engine.spec_metrics().unwrap().num_draft_tokens > 0);
+        out.into_iter().map(|o| o.tokens).collect::<Vec<_>>()
+    };
+    let a = run();
+    assert!(a.iter().all(|t| t.len() == 30));
+    assert_eq!(a, run());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Refusals with clear errors
+// ---------------------------------------------------------------------------------------------
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    dir: PathBuf,
+    target: LlamaModel,
+    head: PathBuf,
+}
+
+fn fixture(seed: u64) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let target = target(&tiny_model(dir.path(), seed));
+    let head = dir.path().join("head.safetensors");
+    write_random_head(&head, &target, 32, 1).unwrap();
+    Fixture { dir: dir.path().to_path_buf(), _dir: dir, target, head }
+}
+
+#[test]
+fn a_corrupt_or_truncated_head_file_is_refused() {
+    let f = fixture(10);
+    let garbage = f.dir.join("garbage.safetensors");
+    std::fs::write(&garbage, b"this is not a safetensors file at all").unwrap();
+    let e = load_err(&garbage, &f.target);
+    assert!(e.contains("garbage.safetensors") && e.contains("not a valid safetensors file"), "{e}");
+
+    let bytes = std::fs::read(&f.head).unwrap();
+    let truncated = f.dir.join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 100]).unwrap();
+    let e = load_err(&truncated, &f.target);
+    assert!(e.contains("corrupt or truncated"), "{e}");
+
+    let e = load_err(&f.dir.join("absent.safetensors"), &f.target);
+    assert!(e.contains("cannot read"), "{e}");
+
+    let foreign = f.dir.join("foreign.safetensors");
+    rewrite(&f.head, &foreign, None, &[], |md| {
+        md.insert("format".into(), "eagle3".into());
+    });
+    let e = load_err(&foreign, &f.target);
+    assert!(e.contains("metadata format is 'eagle3', expected 'specula-mtp-v1'"), "{e}");
+
+    let no_key = f.dir.join("no-key.safetensors");
+    rewrite(&f.head, &no_key, None, &[], |md| {
+        md.remove("rope_theta");
+    });
+    assert!(load_err(&no_key, &f.target).contains("metadata key 'rope_theta' is missing"));
+}
+
+#[test]
+fn a_missing_or_misshapen_tensor_is_named() {
+    let f = fixture(11);
+    for name in [fmt::FFN_UP, fmt::LM_HEAD, fmt::T2D, fmt::D2T] {
+        let p = f.dir.join("missing.safetensors");
+        rewrite(&f.head, &p, Some(name), &[], |_| {});
+        let e = load_err(&p, &f.target);
+        assert!(e.contains(&format!("tensor '{name}' is missing")), "{e}");
+    }
+    let p = f.dir.join("misshapen.safetensors");
+    rewrite(&f.head, &p, None, &[], |md| {
+        md.insert("ffn".into(), "96".into());
+    });
+    let e = load_err(&p, &f.target);
+    assert!(e.contains("tensor 'layer.ffn_gate.weight' has shape [128, 64], expected [96, 64]"), "{e}");
+}
+
+#[test]
+fn a_head_of_another_hidden_size_is_refused() {
+    let f = fixture(12);
+    let small = f.dir.join("small.gguf");
+    write_tiny_llama(&small, &TinySpec { hidden: 32, heads: 2, kv_heads: 1, ffn: 64, ..Default::default() }).unwrap();
+    let small_head = f.dir.join("small-head.safetensors");
+    write_random_head(&small_head, &target(&small), 32, 1).unwrap();
+    let e = load_err(&small_head, &f.target);
+    assert!(e.contains("head hidden size 32 does not match the target's 64"), "{e}");
+}
+
+#[test]
+fn a_head_trained_for_another_target_is_refused() {
+    let f = fixture(13);
+    let other = target(&tiny_model(&f.dir, 14)); // same shapes, other weights
+    let e = load_err(&f.head, &other);
+    assert!(e.contains("this head was trained for a different target model"), "{e}");
+    // a head may list several accepted fingerprints
+    let both = f.dir.join("both.safetensors");
+    let fp = fmt::target_fingerprint(&other);
+    rewrite(&f.head, &both, None, &[], |md| {
+        let own = md["target_fingerprint"].clone();
+        md.insert("target_fingerprint".into(), format!("{own}, {fp}"));
+    });
+    MtpHead::load(&both, &other).expect("listed fingerprint");
+    MtpHead::load(&both, &f.target).expect("own fingerprint");
+    assert_eq!(fmt::target_fingerprint(&f.target), fmt::target_fingerprint(&target(&tiny_model(&f.dir, 13))), "the fingerprint is a function of the weights");
+    assert_eq!(fp.len(), 64);
+}
+
+#[test]
+fn out_of_range_d2t_and_inconsistent_t2d_are_refused() {
+    let f = fixture(15);
+    let file = HeadFile::open(&f.head).unwrap();
+    let d2t = file.ids(fmt::D2T, 32).unwrap();
+    let t2d = file.ids(fmt::T2D, TINY_VOCAB).unwrap();
+
+    let mut bad = d2t.clone();
+    bad[3] = 9999;
+    let p = f.dir.join("bad-d2t.safetensors");
+    rewrite(&f.head, &p, None, &[(fmt::D2T, bad.iter().flat_map(|v| v.to_le_bytes()).collect())], |_| {});
+    let e = load_err(&p, &f.target);
+    assert!(e.contains("d2t[3] = 9999 is outside the target vocabulary of 259 tokens"), "{e}");
+
+    let mut dup = d2t.clone();
+    dup[1] = dup[0];
+    rewrite(&f.head, &p, None, &[(fmt::D2T, dup.iter().flat_map(|v| v.to_le_bytes()).collect())], |_| {});
+    assert!(load_err(&p, &f.target).contains("d2t maps two draft ids"));
+
+    let outside = (0..TINY_VOCAB).find(|&t| t2d[t] == -1).unwrap();
+    let mut bad = t2d.clone();
+    bad[outside] = 0;
+    rewrite(&f.head, &p, None, &[(fmt::T2D, bad.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect())], |_| {});
+    let e = load_err(&p, &f.target);
+    assert!(e.contains(&format!("t2d is inconsistent with d2t: t2d[{outside}] = 0 but d2t gives -1")), "{e}");
+}
+
+#[test]
+fn build_proposer_explains_what_mtp_needs() {
+    let f = fixture(16);
+    let no_head = spec_config(SpecMethod::Mtp, 3, None);
+    let e = build_proposer(&no_head, &f.target, &tiny_config()).err().unwrap().to_string();
+    assert!(e.contains("--speculative-method mtp needs --draft-model"), "{e}");
+    let cfg = spec_config(SpecMethod::Mtp, 3, Some(&f.head));
+    let e = build_proposer(&cfg, &f.target.config, &tiny_config()).err().unwrap().to_string();
+    assert!(e.contains("build it from the loaded target model"), "{e}");
+    let p = build_proposer(&cfg, &f.target, &tiny_config()).unwrap();
+    assert!(p.needs_hidden());
+}
