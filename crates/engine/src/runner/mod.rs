@@ -2,8 +2,10 @@
 //! positions via spans, slot mapping, block tables, logits rows) from the plan and the KV
 //! manager; `execute` runs the forward pass on the compute pool.
 
+pub mod async_runner;
 mod prepare;
 
+pub use async_runner::{AsyncRunner, AsyncRunnerError};
 pub use prepare::{prepare, BatchInputs, RowRange};
 
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
