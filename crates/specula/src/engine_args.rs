@@ -81,7 +81,7 @@ impl SpecArgs {
     }
 
     /// The proposer for these flags, if speculation is on (errors name the bad flag).
-    pub fn build(&self, target: &specula_model::ModelConfig, engine: &EngineConfig) -> anyhow::Result<Option<(SpecConfig, Box<dyn Proposer>)>> {
+    pub fn build(&self, target: &specula_model::LlamaModel, engine: &EngineConfig) -> anyhow::Result<Option<(SpecConfig, Box<dyn Proposer>)>> {
         let Some(cfg) = self.to_config() else { return Ok(None) };
         if cfg.force_accept {
             tracing::warn!("--speculative-force-accept is on: every draft token is accepted and the OUTPUT IS CHANGED (benchmarking only)");

@@ -46,7 +46,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let _ = specula_server::metrics::prometheus_handle();
     let tokenizer = Arc::new(loaded.tokenizer);
     let chat = loaded.chat_template.map(Arc::new);
-    let spec = args.engine.spec.build(&loaded.model.config, &cfg)?;
+    let spec = args.engine.spec.build(&loaded.model, &cfg)?;
     let (engine, join) = spawn_engine(loaded.model, tokenizer.clone(), cfg, spec)?;
     let state = AppState::new(engine.clone(), tokenizer, chat, server_cfg);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
