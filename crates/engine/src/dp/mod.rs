@@ -1,7 +1,7 @@
 //! Data parallelism: N engine ranks behind one front end (DESIGN.md "Data parallel", invariant 6).
 //!
 //! - `communicator`: the collectives ranks use, with in-process (`local`) and, behind the `mpi`
-//!   feature, MPI implementations; `counting` wraps one to count calls in tests.
+//!   feature, MPI (`mpi`) implementations; `counting` wraps one to count calls in tests.
 //! - `metadata`: the one packed all-reduce per lockstep step, and the start-up configuration check.
 //! - `router`: the front end routing requests over ranks (least outstanding tokens, prefix
 //!   affinity, aborts to the owner); `EngineHandle::routed` wraps it.
@@ -17,6 +17,8 @@ pub mod group;
 pub mod local;
 pub mod lockstep;
 pub mod metadata;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod rank;
 pub mod router;
 
