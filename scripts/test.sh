@@ -14,6 +14,12 @@ export SPECULA_BIN="$PWD/target/release/specula"
 
 cargo test --release --workspace
 
+# MPI data parallelism across processes (needs Open MPI, and libclang for the mpi crate's
+# bindings; .ci/run installs both)
+if command -v mpirun >/dev/null && ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
+  cargo test --release -p specula-engine --features mpi --test dp_mpi
+fi
+
 if [ "${SPECULA_SKIP_PY:-0}" != "1" ]; then
   python3 -m pytest -q python/tests
 fi
