@@ -31,6 +31,16 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_secs: u64,
+    /// Engine ranks (each with its own KV cache; --threads is split across them).
+    #[arg(long, default_value_t = 1)]
+    pub data_parallel_size: usize,
+    /// replica: independent engines behind a least-outstanding-tokens router (dense models);
+    /// lockstep: ranks agree on every step with one packed all-reduce and idle ranks run dummy batches.
+    #[arg(long, default_value = "replica", value_parser = ["replica", "lockstep"])]
+    pub data_parallel_mode: String,
+    /// local: ranks are threads of this process; mpi: ranks are processes launched by mpirun.
+    #[arg(long, default_value = "local", value_parser = ["local", "mpi"])]
+    pub data_parallel_backend: String,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -46,8 +56,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let _ = specula_server::metrics::prometheus_handle();
     let tokenizer = Arc::new(loaded.tokenizer);
     let chat = loaded.chat_template.map(Arc::new);
-    let spec = args.engine.spec.build(&loaded.model, &cfg)?;
-    let (engine, join) = spawn_engine(loaded.model, tokenizer.clone(), cfg, spec)?;
+    let (engine, join) = if args.data_parallel_size > 1 || args.data_parallel_backend == "mpi" {
+        let group = spawn_dp_group(&args, &path, loaded.model, tokenizer.clone(), cfg)?;
+        let handle = group.handle.clone();
+        (handle, EngineJoin::Group(group))
+    } else {
+        let spec = args.engine.spec.build(&loaded.model, &cfg)?;
+        let (h, j) = spawn_engine(loaded.model, tokenizer.clone(), cfg, spec)?;
+        (h, EngineJoin::Single(j))
+    };
     let state = AppState::new(engine.clone(), tokenizer, chat, server_cfg);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let grace = Duration::from_secs(args.shutdown_grace_secs);
@@ -82,8 +99,74 @@ pub fn run(args: ServeArgs) -> Result<()> {
     })?;
     engine.shutdown();
     drop(engine);
-    let _ = join.join();
+    join.join();
     Ok(())
+}
+
+/// The engine threads behind the server: one engine, or a data-parallel group.
+enum EngineJoin {
+    Single(std::thread::JoinHandle<()>),
+    Group(specula_engine::dp::DpGroup),
+}
+
+impl EngineJoin {
+    fn join(self) {
+        match self {
+            EngineJoin::Single(j) => {
+                let _ = j.join();
+            }
+            EngineJoin::Group(g) => {
+                g.shutdown();
+                for (rank, r) in g.join().into_iter().enumerate() {
+                    if let Err(e) = r {
+                        eprintln!("data-parallel rank {rank} ended with an error: {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Loads one model per rank (weights are memory-mapped, so ranks share the page cache) and
+/// starts the group.
+fn spawn_dp_group(
+    args: &ServeArgs,
+    path: &std::path::Path,
+    first: specula_model::LlamaModel,
+    tokenizer: Arc<specula_model::Tokenizer>,
+    cfg: specula_engine::EngineConfig,
+) -> Result<specula_engine::dp::DpGroup> {
+    use specula_engine::dp::{spawn_lockstep, spawn_replicas, LocalGroup, RankSetup};
+    let n = args.data_parallel_size;
+    if n == 0 {
+        anyhow::bail!("--data-parallel-size must be at least 1");
+    }
+    if args.data_parallel_backend == "mpi" {
+        anyhow::bail!(
+            "--data-parallel-backend mpi: the MPI collectives exist (cargo feature `mpi`), but serving over MPI ranks is not wired into `specula serve` in this build; use --data-parallel-backend local"
+        );
+    }
+    let rank_cfg = specula_engine::dp::group::rank_config(&cfg, n);
+    let mut ranks = Vec::with_capacity(n);
+    let mut models = vec![first];
+    for _ in 1..n {
+        models.push(load_model(path)?.model);
+    }
+    for model in models {
+        let spec = args.engine.spec.build(&model, &rank_cfg)?;
+        let mut r = RankSetup::new(model);
+        if let Some((c, p)) = spec {
+            r = r.with_speculation(c, p);
+        }
+        ranks.push(r);
+    }
+    eprintln!("data parallel: {n} {} ranks, {} compute thread(s) each", args.data_parallel_mode, rank_cfg.threads);
+    let group = if args.data_parallel_mode == "lockstep" {
+        spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg)?
+    } else {
+        spawn_replicas(ranks, tokenizer, cfg)?
+    };
+    Ok(group)
 }
 
 async fn wait_for_signal() {
