@@ -63,7 +63,8 @@ pub fn verify(
         }
         let q_x = draft.probs.as_ref().map_or(1.0, |q| q[i][x as usize]);
         let u = rng.uniform();
-        let accept = force_accept || (q_x > 0.0 && (u as f32) < (p[x as usize] / q_x).min(1.0)) || (p[x as usize] >= 1.0);
+        // compared in f64: rounding u to f32 could turn u < 1 into 1.0 and reject a p >= q token
+        let accept = force_accept || (q_x > 0.0 && u < (p[x as usize] as f64 / q_x as f64).min(1.0)) || (p[x as usize] >= 1.0);
         if accept {
             tokens.push(x);
             hist_output.push(x);
