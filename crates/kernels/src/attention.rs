@@ -91,7 +91,10 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
         // SAFETY: (row, h) is unique to this task and within `out` (asserted above).
         unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), optr.get().add(row * qw + h * hd), hd) };
     };
-    if tasks.len() < 8 {
+    // Waking the pool costs more than a small attention (a decode step at short context): only
+    // go parallel when there are enough query-key products to share.
+    let work: usize = seqs.iter().map(|s| s.q_len * s.context_len).sum::<usize>() * layout.n_heads;
+    if tasks.len() < 8 || work < 16 * 1024 {
         tasks.iter().for_each(run);
     } else {
         tasks.par_iter().for_each(run);
