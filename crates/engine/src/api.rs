@@ -161,6 +161,17 @@ pub enum RequestEvent {
     Failed { message: String },
 }
 
+/// All tokens carried by the `Delta` events of a request's stream, in order.
+pub fn streamed_tokens(events: &[RequestEvent]) -> Vec<TokenId> {
+    events
+        .iter()
+        .flat_map(|e| match e {
+            RequestEvent::Delta { tokens, .. } => tokens.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
 /// One request as the engine receives it: already tokenized and validated.
 #[derive(Debug)]
 pub struct GenerateRequest {

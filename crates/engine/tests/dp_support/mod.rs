@@ -121,13 +121,7 @@ impl Stream {
     }
 
     pub fn tokens(&self) -> Vec<u32> {
-        self.events
-            .iter()
-            .flat_map(|e| match e {
-                RequestEvent::Delta { tokens, .. } => tokens.clone(),
-                _ => Vec::new(),
-            })
-            .collect()
+        specula_engine::api::streamed_tokens(&self.events)
     }
 }
 
