@@ -5,7 +5,6 @@
 //! independent of which other sequences share the batch or how a prompt was chunked.
 
 use crate::dot::dot_f32;
-use rayon::prelude::*;
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
@@ -97,7 +96,7 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
     if tasks.len() < 8 || work < 16 * 1024 {
         tasks.iter().for_each(run);
     } else {
-        tasks.par_iter().for_each(run);
+        crate::pool::parallel_for(tasks.len(), &|i| run(&tasks[i]));
     }
 }
 

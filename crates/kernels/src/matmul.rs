@@ -83,11 +83,7 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
             f32_rows(w, input, r0, r1, out);
         }
     };
-    if tasks.len() == 1 {
-        run(&tasks[0]);
-    } else {
-        tasks.par_iter().for_each(run);
-    }
+    crate::pool::parallel_for(tasks.len(), &|i| run(&tasks[i]));
 }
 
 pub fn matmul(input: &MatmulInput, w: &QMatrix, out: &mut [f32]) {
