@@ -149,7 +149,8 @@ impl FinishReason {
 #[derive(Clone, Debug, PartialEq)]
 pub enum RequestEvent {
     Delta {
-        /// Tokens emitted this step (one without speculation, up to 1 + k with it).
+        /// The token(s) this event carries: the engine sends one event per emitted token, also
+        /// when a speculative step emits several (so clients see one delta per token).
         tokens: Vec<TokenId>,
         /// Text those tokens completed; may be empty while a UTF-8 character is incomplete or a
         /// possible stop string is being held back.

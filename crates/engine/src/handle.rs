@@ -72,11 +72,11 @@ impl EngineHandle {
             Target::Engine { tx, counters, max_waiting } => (tx, counters, *max_waiting),
             Target::Ranks(router) => return router.submit(req),
         };
-        let waiting = counters.waiting.load(Ordering::Relaxed);
-        if waiting >= max_waiting {
-            return Err(SubmitError::QueueFull { waiting, limit: max_waiting });
-        }
-        counters.waiting.fetch_add(1, Ordering::Relaxed);
+        // reserve a waiting slot atomically, so concurrent submits cannot overshoot the limit
+        counters
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |w| (w < max_waiting).then_some(w + 1))
+            .map_err(|waiting| SubmitError::QueueFull { waiting, limit: max_waiting })?;
         tx.send(EngineCommand::Submit(req)).map_err(|_| {
             counters.waiting.fetch_sub(1, Ordering::Relaxed);
             SubmitError::Closed
