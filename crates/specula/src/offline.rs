@@ -109,14 +109,9 @@ fn prefill_tps(model: &LlamaModel, prompt: &[u32]) -> Result<f64> {
     Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
 }
 
+/// The engine's greedy choice (lowest id on ties); 0 for an all-NaN row.
 fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
-        }
-    }
-    best as u32
+    specula_engine::sampling::argmax(x).unwrap_or(0)
 }
 
 fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {

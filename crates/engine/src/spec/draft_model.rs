@@ -88,8 +88,8 @@ impl Proposer for DraftModelProposer {
             }
             let logits = self.run(&items, pool)?;
             let mut next_items = Vec::new();
-            for (j, (seq, feed, start)) in items.iter().enumerate() {
-                let i = *active.iter().find(|&&i| reqs[i].seq == *seq).expect("active request");
+            let mut next_active = Vec::new();
+            for (j, ((seq, feed, start), &i)) in items.iter().zip(&active).enumerate() {
                 let r = &reqs[i];
                 let row = &logits[j * vocab..(j + 1) * vocab];
                 let mut output: Vec<TokenId> = r.tokens[r.prompt_len..].to_vec();
@@ -104,9 +104,11 @@ impl Proposer for DraftModelProposer {
                 }
                 if step + 1 < r.max_draft {
                     next_items.push((*seq, vec![tok], start + feed.len()));
+                    next_active.push(i);
                 }
             }
             items = next_items;
+            active = next_active;
         }
         Ok(drafts)
     }
