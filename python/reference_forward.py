@@ -13,7 +13,10 @@ written from the Llama definition:
         a  = softmax(q k^T / sqrt(d) + causal_mask) v
         h += a Wo^T
         x  = rmsnorm(h) * ffn_norm
-        h += (silu(x Wgate^T) * (x Wup^T)) Wdown^T
+        h += (silu(x Wgate^T) * (x Wup^T)) Wdown^T      (dense), or for a mixture of experts:
+        p  = softmax(x Wrouter^T); S = top-k experts of p (ties: lower index)
+        w  = p[S] / sum(p[S])  (expert_weights_norm, default on: Mixtral's softmax over the k)
+        h += sum_{e in S} w_e * FFN_e(x)  [+ sigmoid(x . g_sh) * FFN_shared(x), Qwen2-MoE]
     logits = (rmsnorm(h) * output_norm) Wout^T       (Wout = token_embd when tied)
 
 RoPE: the HF->GGUF converter permutes the rows of Wq / Wk so that the two halves that HF's
@@ -82,6 +85,9 @@ class Config:
     vocab: int
     rope_theta: float
     rms_eps: float
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_weights_norm: bool = True
 
 
 def read_config(reader: GGUFReader) -> Config:
@@ -105,6 +111,9 @@ def read_config(reader: GGUFReader) -> Config:
         vocab=vocab,
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        n_experts=int(g("expert_count", 0)),
+        n_experts_used=int(g("expert_used_count", 0)),
+        expert_weights_norm=bool(g("expert_weights_norm", True)),
     )
 
 
@@ -129,24 +138,39 @@ class Weights:
         self.layers = []
         for i in range(self.cfg.n_layers):
             p = f"blk.{i}."
-            self.layers.append(
-                dict(
-                    attn_norm=d(p + "attn_norm.weight"),
-                    wq=d(p + "attn_q.weight"),
-                    wk=d(p + "attn_k.weight"),
-                    wv=d(p + "attn_v.weight"),
-                    wo=d(p + "attn_output.weight"),
-                    ffn_norm=d(p + "ffn_norm.weight"),
-                    gate=d(p + "ffn_gate.weight"),
-                    up=d(p + "ffn_up.weight"),
-                    down=d(p + "ffn_down.weight"),
-                )
+            layer = dict(
+                attn_norm=d(p + "attn_norm.weight"),
+                wq=d(p + "attn_q.weight"),
+                wk=d(p + "attn_k.weight"),
+                wv=d(p + "attn_v.weight"),
+                wo=d(p + "attn_output.weight"),
+                ffn_norm=d(p + "ffn_norm.weight"),
             )
+            if self.cfg.n_experts:
+                E = self.cfg.n_experts
+                layer["router"] = d(p + "ffn_gate_inp.weight")  # [E, hidden]
+                # 3-D stacks: ggml ne = [cols, rows, E] -> [E, rows, cols]
+                layer["gate_exps"] = d(p + "ffn_gate_exps.weight")
+                layer["up_exps"] = d(p + "ffn_up_exps.weight")
+                layer["down_exps"] = d(p + "ffn_down_exps.weight")
+                assert layer["router"].shape == (E, self.cfg.hidden), layer["router"].shape
+                assert layer["gate_exps"].shape[0] == E and layer["gate_exps"].shape[2] == self.cfg.hidden
+                assert layer["down_exps"].shape[0] == E and layer["down_exps"].shape[1] == self.cfg.hidden
+                if p + "ffn_up_shexp.weight" in t:
+                    layer["gate_sh"] = d(p + "ffn_gate_shexp.weight")
+                    layer["up_sh"] = d(p + "ffn_up_shexp.weight")
+                    layer["down_sh"] = d(p + "ffn_down_shexp.weight")
+                    if p + "ffn_gate_inp_shexp.weight" in t:
+                        layer["gate_inp_sh"] = d(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+            else:
+                layer.update(gate=d(p + "ffn_gate.weight"), up=d(p + "ffn_up.weight"), down=d(p + "ffn_down.weight"))
+            self.layers.append(layer)
         c = self.cfg
         assert self.embd.shape == (c.vocab, c.hidden), self.embd.shape
         assert self.layers[0]["wq"].shape == (c.n_heads * c.head_dim, c.hidden)
         assert self.layers[0]["wk"].shape == (c.n_kv_heads * c.head_dim, c.hidden)
-        assert self.layers[0]["down"].shape == (c.hidden, c.ffn)
+        if not c.n_experts:
+            assert self.layers[0]["down"].shape == (c.hidden, c.ffn)
         # Bias tensors (qwen2-style) are not supported by this reference: refuse rather than be wrong.
         assert not any(n.endswith(".bias") for n in t), "bias tensors not supported"
 
@@ -218,6 +242,35 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def moe_ffn(x: np.ndarray, L: dict, c: Config, lin, margins=None) -> np.ndarray:
+    """Mixture-of-experts FFN on [T, hidden], one token at a time, written from the definition.
+
+    `margins` (optional [T] array) is lowered to each token's router margin: the gap between
+    its k-th and (k+1)-th largest logit, i.e. how close the routing was to a different choice.
+    """
+    logits = lin(x, L["router"]).astype(np.float64)  # [T, E]
+    out = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        if margins is not None and c.n_experts_used < c.n_experts:
+            srt = np.sort(logits[i])[::-1]
+            margins[i] = min(margins[i], srt[c.n_experts_used - 1] - srt[c.n_experts_used])
+        p = np.exp(logits[i] - logits[i].max())
+        p /= p.sum()
+        chosen = sorted(range(c.n_experts), key=lambda e: (-logits[i, e], e))[: c.n_experts_used]
+        w = p[chosen] / p[chosen].sum() if c.expert_weights_norm else p[chosen]
+        xi = x[i : i + 1]
+        for e, we in zip(chosen, w):
+            g = silu(lin(xi, L["gate_exps"][e])) * lin(xi, L["up_exps"][e])
+            out[i] += (we * lin(g, L["down_exps"][e])[0]).astype(x.dtype)
+    if "up_sh" in L:
+        g = silu(lin(x, L["gate_sh"])) * lin(x, L["up_sh"])
+        y = lin(g, L["down_sh"])
+        if "gate_inp_sh" in L:
+            y = y * (1.0 / (1.0 + np.exp(-(lin(x, L["gate_inp_sh"][None, :]))))).astype(x.dtype)
+        out += y
+    return out
+
+
 def forward(
     model_path: str,
     tokens,
@@ -225,8 +278,12 @@ def forward(
     act_quant: str | None = None,
     last_only: bool = False,
     rope: str = "normal",
+    moe_margins: np.ndarray | None = None,
 ) -> np.ndarray:
     """Logits [len(tokens), vocab] (or [1, vocab] with last_only) for one causal sequence.
+
+    moe_margins: optional float64 [len(tokens)] array, lowered to each token's smallest router
+    margin over the layers (see `moe_ffn`).
 
     rope="neox" exists only so the sanity test can show that it is the wrong pairing for GGUF.
     """
@@ -271,8 +328,11 @@ def forward(
         a = (p @ vh).transpose(1, 0, 2).reshape(T, c.n_heads * c.head_dim)
         h = h + lin(a, L["wo"])
         x = rmsnorm(h, L["ffn_norm"], c.rms_eps)
-        g = silu(lin(x, L["gate"])) * lin(x, L["up"])
-        h = h + lin(g, L["down"])
+        if c.n_experts:
+            h = h + moe_ffn(x, L, c, lin, moe_margins)
+        else:
+            g = silu(lin(x, L["gate"])) * lin(x, L["up"])
+            h = h + lin(g, L["down"])
     if last_only:
         h = h[-1:]
     x = rmsnorm(h, W.output_norm, c.rms_eps)

@@ -21,6 +21,25 @@ pub struct ModelConfig {
     pub context_length: usize,
     /// Output projection shares the token embedding.
     pub tied_embeddings: bool,
+    /// Mixture-of-experts feed-forward (every layer); `None`: dense FFN of `intermediate_size`.
+    pub moe: Option<MoeConfig>,
+}
+
+/// Shape and routing of a mixture-of-experts feed-forward (Mixtral, Qwen-MoE style).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per layer (`{arch}.expert_count`).
+    pub n_experts: usize,
+    /// Experts each token is routed to (`{arch}.expert_used_count`, top-k).
+    pub n_used: usize,
+    /// Hidden width of each expert's gate/up projections.
+    pub expert_ffn: usize,
+    /// Renormalise the chosen experts' softmax probabilities to sum to 1 (Mixtral, where it
+    /// equals a softmax over the chosen k logits; Qwen-MoE's `norm_topk_prob`). Off: the chosen
+    /// experts keep their probabilities over all experts (Qwen1.5/Qwen2-MoE).
+    pub norm_topk: bool,
+    /// Hidden width of the shared expert every token also goes through (Qwen2-MoE), if any.
+    pub shared_ffn: Option<usize>,
 }
 
 impl ModelConfig {
@@ -45,6 +64,14 @@ impl ModelConfig {
                 "hidden size {} and FFN size {} must be multiples of 32 for the quantized kernels",
                 self.hidden_size, self.intermediate_size
             ));
+        }
+        if let Some(m) = &self.moe {
+            if m.n_used == 0 || m.n_used > m.n_experts {
+                return bad(format!("{} experts used per token out of {} experts", m.n_used, m.n_experts));
+            }
+            if m.expert_ffn % 32 != 0 || m.shared_ffn.is_some_and(|f| f % 32 != 0) {
+                return bad(format!("expert FFN size {} (shared {:?}) must be a multiple of 32 for the quantized kernels", m.expert_ffn, m.shared_ffn));
+            }
         }
         Ok(())
     }

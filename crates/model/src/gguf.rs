@@ -118,6 +118,33 @@ impl GgufFile {
             .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
     }
 
+    /// A 3-D stack of `[n x rows x cols]` weight matrices (llama.cpp's `ffn_*_exps` expert
+    /// tensors) as `n` matrices over the memory map, expert 0 first.
+    pub fn matrix_stack(&self, name: &str, n: usize) -> Result<Vec<QMatrix>, ModelError> {
+        let info = self.content.tensor_infos.get(name).ok_or_else(|| ModelError::BadTensor {
+            name: name.to_string(),
+            message: format!("missing from {}", self.path),
+        })?;
+        let format = weight_format(name, info.ggml_dtype)?;
+        let dims = info.shape.dims();
+        let (count, rows, cols) = match dims {
+            [e, r, c] => (*e, *r, *c),
+            _ => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 3 dimensions [experts, rows, cols], got shape {dims:?}") }),
+        };
+        if count != n {
+            return Err(ModelError::BadTensor { name: name.into(), message: format!("stacks {count} experts but the metadata says {n}") });
+        }
+        let start = (self.content.tensor_data_offset + info.offset) as usize;
+        let len = rows * format.row_bytes(cols);
+        (0..n)
+            .map(|e| {
+                let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
+                QMatrix::new(format, rows, cols, WeightBytes::new(owner, start + e * len, len), name)
+                    .map_err(|er| ModelError::BadTensor { name: name.into(), message: er.to_string() })
+            })
+            .collect()
+    }
+
     /// A 1-D tensor (norm weights) as f32, whatever its stored type.
     pub fn vector(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let m = self.matrix(name)?;

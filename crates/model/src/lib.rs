@@ -8,14 +8,16 @@ pub mod gguf;
 pub mod kv_store;
 pub mod llama;
 pub mod loader;
+pub mod moe;
 pub mod safetensors_folder;
 pub mod testing;
 pub mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate};
-pub use config::ModelConfig;
+pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
-pub use llama::{ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
+pub use llama::{FeedForward, ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
+pub use moe::{DenseFfn, ExpertExchange, MoeFfn};
 pub use loader::{load_model, LoadedModel};
 pub use tokenizer::{DecodeStream, Tokenizer};
 
@@ -40,4 +42,6 @@ pub enum ModelError {
     ChatTemplate(String),
     #[error("{0}")]
     BadInput(String),
+    #[error("expert-parallel exchange failed: {0}")]
+    Exchange(String),
 }

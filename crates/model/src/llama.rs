@@ -4,11 +4,13 @@
 
 use crate::config::ModelConfig;
 use crate::kv_store::KvStore;
+use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
 use crate::ModelError;
 use specula_kernels::attention::{paged_attention, write_kv};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
 use specula_kernels::QMatrix;
+use std::sync::Arc;
 
 pub use specula_kernels::attention::SeqSpan;
 
@@ -22,9 +24,13 @@ pub struct LayerWeights {
     pub wv: QMatrix,
     pub wo: QMatrix,
     pub ffn_norm: Vec<f32>,
-    pub w_gate: QMatrix,
-    pub w_up: QMatrix,
-    pub w_down: QMatrix,
+    pub ffn: FeedForward,
+}
+
+/// A layer's feed-forward block: one SwiGLU MLP, or a routed mixture of them.
+pub enum FeedForward {
+    Dense(DenseFfn),
+    Moe(MoeFfn),
 }
 
 pub struct LlamaModel {
@@ -35,6 +41,8 @@ pub struct LlamaModel {
     /// The output projection (the embedding matrix itself when tied).
     pub lm_head: QMatrix,
     pub rope: Rope,
+    /// The rank group's collectives when the experts are spread over ranks (expert parallel).
+    expert_exchange: Option<Arc<dyn ExpertExchange>>,
 }
 
 /// One step's flattened input. Token i of sequence s sits at row `s.q_start + i`, position
@@ -83,9 +91,12 @@ impl LlamaModel {
             check(&l.wk, c.kv_width(), c.hidden_size, &format!("layer {i} attn_k"))?;
             check(&l.wv, c.kv_width(), c.hidden_size, &format!("layer {i} attn_v"))?;
             check(&l.wo, c.hidden_size, c.q_width(), &format!("layer {i} attn_output"))?;
-            check(&l.w_gate, c.intermediate_size, c.hidden_size, &format!("layer {i} ffn_gate"))?;
-            check(&l.w_up, c.intermediate_size, c.hidden_size, &format!("layer {i} ffn_up"))?;
-            check(&l.w_down, c.hidden_size, c.intermediate_size, &format!("layer {i} ffn_down"))?;
+            match (&l.ffn, &c.moe) {
+                (FeedForward::Dense(f), None) => f.check(c.hidden_size, c.intermediate_size, &format!("layer {i} ffn"))?,
+                (FeedForward::Moe(m), Some(mc)) => m.check(c.hidden_size, mc, i)?,
+                (FeedForward::Dense(_), Some(_)) => return Err(ModelError::BadTensor { name: format!("layer {i} ffn"), message: "dense FFN in a mixture-of-experts model".into() }),
+                (FeedForward::Moe(_), None) => return Err(ModelError::BadTensor { name: format!("layer {i} ffn"), message: "mixture of experts in a dense model".into() }),
+            }
             check_norm(&l.attn_norm, c.hidden_size, &format!("layer {i} attn_norm"))?;
             check_norm(&l.ffn_norm, c.hidden_size, &format!("layer {i} ffn_norm"))?;
         }
@@ -99,7 +110,62 @@ impl LlamaModel {
             }
         }
         let rope = Rope::new(c.head_dim, c.head_dim, c.rope_theta, c.rope_linear_scale, rope_freqs.as_deref(), c.rope_neox);
-        Ok(Self { config, embed, layers, final_norm, lm_head, rope })
+        Ok(Self { config, embed, layers, final_norm, lm_head, rope, expert_exchange: None })
+    }
+
+    /// Spreads the experts over the ranks of `exchange`'s group: this rank keeps experts
+    /// `[r*E/N, (r+1)*E/N)` only (the others are released) and every MoE layer exchanges tokens
+    /// with the peers. Fails, before any collective, for a dense model or when N does not divide
+    /// the expert count (the same on every rank, so every rank fails).
+    pub fn enable_expert_parallel(&mut self, exchange: Arc<dyn ExpertExchange>) -> Result<(), ModelError> {
+        let (r, n) = (exchange.rank(), exchange.size());
+        let Some(moe) = &self.config.moe else {
+            return Err(ModelError::Unsupported("--enable-expert-parallel needs a mixture-of-experts model; this one is dense".into()));
+        };
+        if n == 0 || r >= n || moe.n_experts % n != 0 {
+            return Err(ModelError::Unsupported(format!(
+                "expert parallel over {n} ranks: the model's {} experts per layer cannot be split evenly (use a data-parallel size that divides {})",
+                moe.n_experts, moe.n_experts
+            )));
+        }
+        let per = moe.n_experts / n;
+        for l in &mut self.layers {
+            if let FeedForward::Moe(m) = &mut l.ffn {
+                for (e, x) in m.experts.iter_mut().enumerate() {
+                    if e / per != r {
+                        *x = None;
+                    }
+                }
+            }
+        }
+        self.expert_exchange = Some(exchange);
+        Ok(())
+    }
+
+    /// The expert-parallel exchange, when enabled.
+    pub fn expert_exchange(&self) -> Option<&Arc<dyn ExpertExchange>> {
+        self.expert_exchange.as_ref()
+    }
+
+    /// Collectives one forward pass makes through the expert exchange (0 without one).
+    pub fn exchanges_per_forward(&self) -> usize {
+        match self.expert_exchange {
+            Some(_) => 2 * self.layers.iter().filter(|l| matches!(l.ffn, FeedForward::Moe(_))).count(),
+            None => 0,
+        }
+    }
+
+    /// Joins every exchange of one forward pass with no rows, for a rank whose step ended before
+    /// its forward pass reached them (so the peers are not left waiting). No-op without expert
+    /// parallelism.
+    pub fn join_expert_exchanges_idle(&self) -> Result<(), ModelError> {
+        let Some(ex) = self.expert_exchange.as_deref() else { return Ok(()) };
+        for l in &self.layers {
+            if let FeedForward::Moe(m) = &l.ffn {
+                m.forward(&[], &[], Some(ex), &mut [])?;
+            }
+        }
+        Ok(())
     }
 
     /// Embedding of one token (dequantized row of the embedding table).
@@ -108,11 +174,43 @@ impl LlamaModel {
     }
 
     /// Runs the whole batch through the model. Call inside the thread pool that should do the work.
+    /// With expert parallelism every rank must call this once per lockstep step (see
+    /// `ExpertExchange`); it joins every exchange even when the batch is rejected.
     pub fn forward(&self, batch: &ForwardBatch, kv: &mut KvStore) -> Result<ForwardOutput, ModelError> {
         let _span = tracing::trace_span!("forward", tokens = batch.tokens.len()).entered();
+        let Some(ex) = self.expert_exchange.as_deref() else {
+            self.check_batch(batch, kv)?;
+            return self.forward_inner(batch, kv);
+        };
+        // a panic mid-way must fail the peers' exchanges rather than leave them waiting
+        struct AbortOnUnwind<'a>(&'a dyn ExpertExchange);
+        impl Drop for AbortOnUnwind<'_> {
+            fn drop(&mut self) {
+                if std::thread::panicking() {
+                    self.0.abort();
+                }
+            }
+        }
+        let _guard = AbortOnUnwind(ex);
+        let (t, p) = (batch.tokens.len(), ex.step_rows());
+        let checked = self.check_batch(batch, kv).and_then(|()| match t > p {
+            true => Err(ModelError::BadInput(format!("batch of {t} tokens exceeds the {p} rows agreed for this expert-parallel step"))),
+            false => Ok(()),
+        });
+        if let Err(e) = checked {
+            self.join_expert_exchanges_idle()?;
+            return Err(e);
+        }
+        self.forward_inner(batch, kv)
+    }
+
+    fn forward_inner(&self, batch: &ForwardBatch, kv: &mut KvStore) -> Result<ForwardOutput, ModelError> {
         let c = &self.config;
         let (t, h, qw, kvw, ff) = (batch.tokens.len(), c.hidden_size, c.q_width(), c.kv_width(), c.intermediate_size);
-        self.check_batch(batch, kv)?;
+        // Rows that write no KV and give no logits (dummy-batch padding) have no visible effect:
+        // the experts skip them.
+        let mut active: Vec<bool> = batch.slots.iter().map(|&s| s != NO_SLOT).collect();
+        batch.logits_rows.iter().for_each(|&r| active[r] = true);
         let mut positions = vec![0usize; t];
         for s in batch.seqs {
             for i in 0..s.q_len {
@@ -126,7 +224,8 @@ impl LlamaModel {
         }
         let (mut xn, mut o, mut down) = (vec![0f32; t * h], vec![0f32; t * h], vec![0f32; t * h]);
         let (mut q, mut k, mut v, mut attn) = (vec![0f32; t * qw], vec![0f32; t * kvw], vec![0f32; t * kvw], vec![0f32; t * qw]);
-        let (mut gate, mut up, mut act) = (vec![0f32; t * ff], vec![0f32; t * ff], vec![0f32; t * ff]);
+        let ff_bufs = if c.moe.is_some() { 0 } else { t * ff };
+        let (mut gate, mut up, mut act) = (vec![0f32; ff_bufs], vec![0f32; ff_bufs], vec![0f32; ff_bufs]);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
 
         for (li, l) in self.layers.iter().enumerate() {
@@ -147,10 +246,15 @@ impl LlamaModel {
 
             // feed-forward block
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
-            let inp = MatmulInput::new(&xn, h, &[&l.w_gate, &l.w_up]);
-            matmul_many(&inp, &[&l.w_gate, &l.w_up], &mut [&mut gate, &mut up]);
-            silu_mul(&gate, &up, &mut act);
-            matmul(&MatmulInput::new(&act, ff, &[&l.w_down]), &l.w_down, &mut down);
+            match &l.ffn {
+                FeedForward::Dense(f) => {
+                    let inp = MatmulInput::new(&xn, h, &[&f.gate, &f.up]);
+                    matmul_many(&inp, &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
+                    silu_mul(&gate, &up, &mut act);
+                    matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut down);
+                }
+                FeedForward::Moe(m) => m.forward(&xn, &active, self.expert_exchange.as_deref(), &mut down)?,
+            }
             add_assign(&mut x, &down);
         }
 

@@ -2,9 +2,10 @@
 //! *.safetensors + tokenizer.json). Reports how long loading took.
 
 use crate::chat::{ChatTemplate, CHATML};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, MoeConfig};
 use crate::gguf::GgufFile;
-use crate::llama::{LayerWeights, LlamaModel};
+use crate::llama::{FeedForward, LayerWeights, LlamaModel};
+use crate::moe::{DenseFfn, MoeFfn, SharedExpert};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
 use std::path::Path;
@@ -65,13 +66,15 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         rope_neox: false,
         context_length: f.meta_u32(&key("context_length")).unwrap_or(2048) as usize,
         tied_embeddings: tied,
+        moe: moe_config(&f, &arch)?,
     };
-    if f.has_tensor("blk.0.ffn_gate_inp.weight") {
-        return Err(ModelError::Unsupported("mixture-of-experts GGUF models are not supported yet".into()));
-    }
     let mut layers = Vec::with_capacity(config.n_layers);
     for i in 0..config.n_layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
+        let ffn = match &config.moe {
+            None => FeedForward::Dense(DenseFfn { gate: f.matrix(&t("ffn_gate"))?, up: f.matrix(&t("ffn_up"))?, down: f.matrix(&t("ffn_down"))? }),
+            Some(m) => FeedForward::Moe(moe_layer(&f, i, m)?),
+        };
         layers.push(LayerWeights {
             attn_norm: f.vector(&t("attn_norm"))?,
             wq: f.matrix(&t("attn_q"))?,
@@ -79,9 +82,7 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
             wv: f.matrix(&t("attn_v"))?,
             wo: f.matrix(&t("attn_output"))?,
             ffn_norm: f.vector(&t("ffn_norm"))?,
-            w_gate: f.matrix(&t("ffn_gate"))?,
-            w_up: f.matrix(&t("ffn_up"))?,
-            w_down: f.matrix(&t("ffn_down"))?,
+            ffn,
         });
     }
     let lm_head = if tied { embed.clone() } else { f.matrix("output.weight")? };
@@ -121,4 +122,54 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     };
     let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
     Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
+}
+
+/// The MoE shape from `{arch}.expert_count` / `expert_used_count` (None for a dense model).
+fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let n_experts = match f.meta_u32(&key("expert_count")) {
+        Ok(n) if n > 0 => n as usize,
+        _ if f.has_tensor("blk.0.ffn_gate_inp.weight") => {
+            return Err(ModelError::MissingMetadata(format!("{} has expert router tensors (blk.0.ffn_gate_inp.weight) but no {} in its metadata", f.path, key("expert_count"))))
+        }
+        _ => return Ok(None),
+    };
+    let n_used = f.meta_u32(&key("expert_used_count"))? as usize;
+    let expert_ffn = match f.meta_u32(&key("expert_feed_forward_length")) {
+        Ok(n) => n as usize,
+        Err(_) => f.meta_u32(&key("feed_forward_length"))? as usize,
+    };
+    let shared_ffn = match f.has_tensor("blk.0.ffn_up_shexp.weight") {
+        true => Some(f.matrix("blk.0.ffn_up_shexp.weight")?.rows),
+        false => None,
+    };
+    let norm_topk = f.meta_bool(&key("expert_weights_norm")).unwrap_or(true);
+    Ok(Some(MoeConfig { n_experts, n_used, expert_ffn, norm_topk, shared_ffn }))
+}
+
+/// One layer's router and experts: the 3-D `ffn_{gate,up,down}_exps` stacks, or (older GGUF
+/// files) one `ffn_{gate,up,down}.{e}` tensor per expert; plus the shared expert if present.
+fn moe_layer(f: &GgufFile, i: usize, m: &MoeConfig) -> Result<MoeFfn, ModelError> {
+    let t = |n: &str| format!("blk.{i}.{n}.weight");
+    let experts: Vec<DenseFfn> = if f.has_tensor(&t("ffn_gate_exps")) || !f.has_tensor(&format!("blk.{i}.ffn_gate.0.weight")) {
+        let gate = f.matrix_stack(&t("ffn_gate_exps"), m.n_experts)?;
+        let up = f.matrix_stack(&t("ffn_up_exps"), m.n_experts)?;
+        let down = f.matrix_stack(&t("ffn_down_exps"), m.n_experts)?;
+        gate.into_iter().zip(up).zip(down).map(|((gate, up), down)| DenseFfn { gate, up, down }).collect()
+    } else {
+        (0..m.n_experts)
+            .map(|e| {
+                let te = |n: &str| format!("blk.{i}.{n}.{e}.weight");
+                Ok(DenseFfn { gate: f.matrix(&te("ffn_gate"))?, up: f.matrix(&te("ffn_up"))?, down: f.matrix(&te("ffn_down"))? })
+            })
+            .collect::<Result<_, ModelError>>()?
+    };
+    let shared = match m.shared_ffn {
+        None => None,
+        Some(_) => Some(SharedExpert {
+            ffn: DenseFfn { gate: f.matrix(&t("ffn_gate_shexp"))?, up: f.matrix(&t("ffn_up_shexp"))?, down: f.matrix(&t("ffn_down_shexp"))? },
+            gate: if f.has_tensor(&t("ffn_gate_inp_shexp")) { Some(f.matrix(&t("ffn_gate_inp_shexp"))?) } else { None },
+        }),
+    };
+    Ok(MoeFfn { router: f.matrix(&t("ffn_gate_inp"))?, experts: experts.into_iter().map(Some).collect(), n_used: m.n_used, norm_topk: m.norm_topk, shared })
 }

@@ -3,7 +3,8 @@
 
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
-use crate::llama::{LayerWeights, LlamaModel};
+use crate::llama::{FeedForward, LayerWeights, LlamaModel};
+use crate::moe::DenseFfn;
 use crate::loader::LoadedModel;
 use crate::tokenizer::Tokenizer;
 use crate::ModelError;
@@ -63,6 +64,7 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
         rope_neox: true,
         context_length: get("max_position_embeddings").unwrap_or(2048),
         tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+        moe: None,
     };
 
     let mut entries: HashMap<String, Entry> = HashMap::new();
@@ -119,9 +121,7 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
             wv: matrix(&p("self_attn.v_proj"))?,
             wo: matrix(&p("self_attn.o_proj"))?,
             ffn_norm: vector(&p("post_attention_layernorm"))?,
-            w_gate: matrix(&p("mlp.gate_proj"))?,
-            w_up: matrix(&p("mlp.up_proj"))?,
-            w_down: matrix(&p("mlp.down_proj"))?,
+            ffn: FeedForward::Dense(DenseFfn { gate: matrix(&p("mlp.gate_proj"))?, up: matrix(&p("mlp.up_proj"))?, down: matrix(&p("mlp.down_proj"))? }),
         });
     }
     let embed = matrix("model.embed_tokens.weight")?;

@@ -38,6 +38,29 @@ pub struct TinySpec {
     pub tied_embeddings: bool,
     /// Same seed, same file, byte for byte.
     pub seed: u64,
+    /// Mixture-of-experts FFN in every layer instead of the dense one (`write_tiny_moe`).
+    pub moe: Option<TinyMoe>,
+}
+
+/// The MoE part of a tiny model, written with llama.cpp's tensor names: `ffn_gate_inp`
+/// (router, F32 as llama.cpp's quantizer keeps it), `ffn_{gate,up,down}_exps` stacks in the
+/// model's weight format, optional `*_shexp` shared expert.
+#[derive(Clone, Debug)]
+pub struct TinyMoe {
+    pub experts: usize,
+    pub used: usize,
+    /// Width of each expert (also written as `feed_forward_length`, as Mixtral files do).
+    pub expert_ffn: usize,
+    /// Width of a Qwen2-MoE style shared expert (with its sigmoid gate), if any.
+    pub shared_ffn: Option<usize>,
+    /// Written as `llama.expert_weights_norm` when set (absent: renormalise, the Mixtral rule).
+    pub norm_topk: Option<bool>,
+}
+
+impl Default for TinyMoe {
+    fn default() -> Self {
+        Self { experts: 4, used: 2, expert_ffn: 64, shared_ffn: None, norm_topk: None }
+    }
 }
 
 impl Default for TinySpec {
@@ -53,6 +76,7 @@ impl Default for TinySpec {
             tensor_formats: Vec::new(),
             tied_embeddings: true,
             seed: 0,
+            moe: None,
         }
     }
 }
@@ -67,10 +91,18 @@ pub fn byte_token(b: u8) -> char {
     char::from_u32(256 + n).expect("code points 256..324 are valid")
 }
 
+/// Writes a tiny random mixture-of-experts model: `spec` with its `moe` (default: 4 experts,
+/// top-2, when `spec.moe` is `None`).
+pub fn write_tiny_moe(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
+    let spec = TinySpec { moe: Some(spec.moe.clone().unwrap_or_default()), ..spec.clone() };
+    write_tiny_llama(path, &spec)
+}
+
 /// Writes the tiny model described by `spec` to `path`.
 pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> {
     let mut rng = Normal::new(spec.seed);
-    let (h, ff) = (spec.hidden, spec.ffn);
+    let h = spec.hidden;
+    let ff = spec.moe.as_ref().map_or(spec.ffn, |m| m.expert_ffn);
     let head_dim = h / spec.heads.max(1);
     let kvw = spec.kv_heads * head_dim;
     let format_of = |name: &str| spec.tensor_formats.iter().find(|(n, _)| n == name).map(|(_, f)| *f).unwrap_or(spec.weight_format);
@@ -85,9 +117,26 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
         plan.push((t("attn_output"), vec![h, h], 0.1, 0.0));
         plan.push((t("ffn_norm"), vec![h], 0.05, 1.0));
-        plan.push((t("ffn_gate"), vec![ff, h], 0.15, 0.0));
-        plan.push((t("ffn_up"), vec![ff, h], 0.15, 0.0));
-        plan.push((t("ffn_down"), vec![h, ff], 0.1, 0.0));
+        match &spec.moe {
+            None => {
+                plan.push((t("ffn_gate"), vec![ff, h], 0.15, 0.0));
+                plan.push((t("ffn_up"), vec![ff, h], 0.15, 0.0));
+                plan.push((t("ffn_down"), vec![h, ff], 0.1, 0.0));
+            }
+            Some(m) => {
+                let e = m.experts;
+                plan.push((t("ffn_gate_inp"), vec![e, h], 0.15, 0.0));
+                plan.push((t("ffn_gate_exps"), vec![e, ff, h], 0.15, 0.0));
+                plan.push((t("ffn_up_exps"), vec![e, ff, h], 0.15, 0.0));
+                plan.push((t("ffn_down_exps"), vec![e, h, ff], 0.1, 0.0));
+                if let Some(sf) = m.shared_ffn {
+                    plan.push((t("ffn_gate_inp_shexp"), vec![h], 0.15, 0.0));
+                    plan.push((t("ffn_gate_shexp"), vec![sf, h], 0.15, 0.0));
+                    plan.push((t("ffn_up_shexp"), vec![sf, h], 0.15, 0.0));
+                    plan.push((t("ffn_down_shexp"), vec![h, sf], 0.1, 0.0));
+                }
+            }
+        }
     }
     plan.push(("output_norm.weight".into(), vec![h], 0.05, 1.0));
     if !spec.tied_embeddings {
@@ -100,7 +149,8 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         let data: Vec<f32> = (0..n).map(|_| mean + std * rng.next()).collect();
         let bad = |e: candle_core::Error| ModelError::BadTensor { name: name.clone(), message: e.to_string() };
         let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).map_err(bad)?;
-        let dtype = if shape.len() == 1 { GgmlDType::F32 } else { format_of(name) };
+        let router = name.ends_with("ffn_gate_inp.weight");
+        let dtype = if shape.len() == 1 || router { GgmlDType::F32 } else { format_of(name) };
         tensors.push((name.clone(), QTensor::quantize(&t, dtype).map_err(bad)?));
     }
 
@@ -110,9 +160,9 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         .collect();
     let token_types: Vec<Value> = (0..TINY_VOCAB).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
     let s = |x: &str| Value::String(x.into());
-    let metadata: Vec<(&str, Value)> = vec![
+    let mut metadata: Vec<(&str, Value)> = vec![
         ("general.architecture", s("llama")),
-        ("general.name", s("tiny-random-llama")),
+        ("general.name", s(if spec.moe.is_some() { "tiny-random-moe" } else { "tiny-random-llama" })),
         ("general.alignment", Value::U32(32)),
         ("llama.context_length", Value::U32(spec.context_length as u32)),
         ("llama.embedding_length", Value::U32(h as u32)),
@@ -133,6 +183,13 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         ("tokenizer.ggml.eos_token_id", Value::U32(TINY_IM_END)),
         ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
     ];
+    if let Some(m) = &spec.moe {
+        metadata.push(("llama.expert_count", Value::U32(m.experts as u32)));
+        metadata.push(("llama.expert_used_count", Value::U32(m.used as u32)));
+        if let Some(n) = m.norm_topk {
+            metadata.push(("llama.expert_weights_norm", Value::Bool(n)));
+        }
+    }
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
 

@@ -15,6 +15,34 @@ pub enum DebugCmd {
     Logits(IoArgs),
     /// Dequantize raw ggml blocks (one row of --cols elements per row) to little-endian f32.
     Dequant(DequantArgs),
+    /// Write a tiny random mixture-of-experts GGUF (tests and oracles).
+    WriteTinyMoe(TinyMoeArgs),
+}
+
+#[derive(Args)]
+pub struct TinyMoeArgs {
+    #[arg(long)]
+    pub output: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    pub experts: usize,
+    #[arg(long, default_value_t = 2)]
+    pub experts_used: usize,
+    /// Width of each expert.
+    #[arg(long, default_value_t = 64)]
+    pub expert_ffn: usize,
+    /// Width of a shared expert (Qwen2-MoE style); none by default.
+    #[arg(long)]
+    pub shared_ffn: Option<usize>,
+    /// Written as llama.expert_weights_norm (absent: renormalise over the chosen experts).
+    #[arg(long)]
+    pub norm_topk: Option<bool>,
+    /// f32, f16, q4_0, q4_1, q8_0
+    #[arg(long, default_value = "q8_0")]
+    pub format: String,
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 #[derive(Args)]
@@ -71,6 +99,19 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 }
             }
             f.flush()?;
+        }
+        DebugCmd::WriteTinyMoe(a) => {
+            use specula_model::testing::{write_tiny_moe, GgmlDType, TinyMoe, TinySpec};
+            let format = match a.format.as_str() {
+                "f32" => GgmlDType::F32,
+                "f16" => GgmlDType::F16,
+                "q4_0" => GgmlDType::Q4_0,
+                "q4_1" => GgmlDType::Q4_1,
+                "q8_0" => GgmlDType::Q8_0,
+                other => anyhow::bail!("unknown format '{other}' (f32, f16, q4_0, q4_1, q8_0)"),
+            };
+            let moe = TinyMoe { experts: a.experts, used: a.experts_used, expert_ffn: a.expert_ffn, shared_ffn: a.shared_ffn, norm_topk: a.norm_topk };
+            write_tiny_moe(&a.output, &TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), ..Default::default() })?;
         }
         DebugCmd::Dequant(a) => {
             use specula_kernels::WeightFormat as W;

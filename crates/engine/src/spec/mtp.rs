@@ -14,7 +14,8 @@ use specula_kernels::attention::{paged_attention, write_kv, KvLayout, SeqSpan};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
 use specula_kernels::QMatrix;
-use specula_model::llama::LayerWeights;
+use specula_model::llama::{FeedForward, LayerWeights};
+use specula_model::DenseFfn;
 use specula_model::LlamaModel;
 use std::collections::HashMap;
 use std::path::Path;
@@ -70,9 +71,7 @@ impl MtpHead {
             wv: file.matrix(fmt::ATTN_V, kvw, h)?,
             wo: file.matrix(fmt::ATTN_OUTPUT, h, qw)?,
             ffn_norm: file.vector(fmt::FFN_NORM, h)?,
-            w_gate: file.matrix(fmt::FFN_GATE, ff, h)?,
-            w_up: file.matrix(fmt::FFN_UP, ff, h)?,
-            w_down: file.matrix(fmt::FFN_DOWN, h, ff)?,
+            ffn: FeedForward::Dense(DenseFfn { gate: file.matrix(fmt::FFN_GATE, ff, h)?, up: file.matrix(fmt::FFN_UP, ff, h)?, down: file.matrix(fmt::FFN_DOWN, h, ff)? }),
         };
         let norm = file.vector(fmt::NORM, h)?;
         let lm_head = file.matrix(fmt::LM_HEAD, k, h)?;
@@ -143,9 +142,10 @@ impl MtpHead {
 
         let (mut gate, mut up, mut act) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
         rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
-        matmul_many(&MatmulInput::new(&xn, h, &[&l.w_gate, &l.w_up]), &[&l.w_gate, &l.w_up], &mut [&mut gate, &mut up]);
+        let FeedForward::Dense(f) = &l.ffn else { unreachable!("the MTP head's FFN is built dense in MtpHead::load") };
+        matmul_many(&MatmulInput::new(&xn, h, &[&f.gate, &f.up]), &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
         silu_mul(&gate, &up, &mut act);
-        matmul(&MatmulInput::new(&act, ff, &[&l.w_down]), &l.w_down, &mut o);
+        matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut o);
         add_assign(&mut x, &o);
 
         rms_norm(&x, &self.norm, c.rms_eps, &mut xn);

@@ -1,0 +1,321 @@
+//! The mixture-of-experts feed-forward (Mixtral, Qwen-MoE style) and its expert-parallel form.
+//!
+//! Each token's normalised hidden state goes through a router (`[n_experts x hidden]`), the
+//! softmax over all experts picks the top k (ties: the lower expert index), and the chosen
+//! experts' SwiGLU outputs are summed with those probabilities (renormalised over the k when
+//! `norm_topk`). The sum always runs in ascending expert index, and every expert output is a
+//! row-independent matmul, so a token's result depends neither on the batch nor on which rank
+//! computed which expert: DP=1 and any expert partition give the same bits.
+//!
+//! Expert parallel: rank r of N holds experts `[r*E/N, (r+1)*E/N)`. Per layer, two collectives
+//! through an [`ExpertExchange`] (implemented by the engine over its communicator): an
+//! all-gather of every rank's rows (hidden state + chosen expert ids, padded to the step's
+//! agreed row count) and an all-to-all that returns each expert output to the rank that owns
+//! the token. Not here: choosing the padded size or the group (the engine's lockstep loop).
+
+use crate::ModelError;
+use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
+use specula_kernels::ops::silu_mul;
+use specula_kernels::QMatrix;
+
+/// The collectives an expert-parallel MoE layer makes, implemented by whoever owns the rank
+/// group (the engine's lockstep data parallelism). Every rank calls every method in the same
+/// order with equal lengths; a failure must reach every rank (no rank may be left waiting).
+pub trait ExpertExchange: Send + Sync {
+    /// This rank, in `0..size()`.
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// The lockstep loop's agreed row count for the step about to run (at least every rank's
+    /// batch size); each rank contributes exactly this many rows to each exchange.
+    fn begin_step(&self, rows: usize);
+    /// The row count set by the last `begin_step`.
+    fn step_rows(&self) -> usize;
+    /// Exchanges made since the last `begin_step` (a complete forward pass makes
+    /// [`crate::LlamaModel::exchanges_per_forward`]).
+    fn exchanges_this_step(&self) -> usize;
+    /// `out[r * local.len()..][..local.len()]` receives rank r's `local`.
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), String>;
+    /// `send` holds `size()` equal chunks, chunk j for rank j; `recv` receives chunk i from rank i.
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String>;
+    /// This rank cannot finish the exchanges of its forward pass (it panicked mid-way): every
+    /// peer's pending and later exchanges must fail instead of waiting for it.
+    fn abort(&self);
+}
+
+/// One SwiGLU feed-forward: `down(silu(gate x) * up x)`. A dense layer's FFN and each expert.
+pub struct DenseFfn {
+    /// `[ffn x hidden]`
+    pub gate: QMatrix,
+    /// `[ffn x hidden]`
+    pub up: QMatrix,
+    /// `[hidden x ffn]`
+    pub down: QMatrix,
+}
+
+impl DenseFfn {
+    /// `out` (`rows x hidden`) = the FFN of `x` (`rows x hidden`).
+    pub fn forward(&self, x: &[f32], out: &mut [f32]) {
+        let (h, ff) = (self.gate.cols, self.gate.rows);
+        let n = x.len() / h;
+        let (mut gate, mut up, mut act) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
+        let inp = MatmulInput::new(x, h, &[&self.gate, &self.up]);
+        matmul_many(&inp, &[&self.gate, &self.up], &mut [&mut gate, &mut up]);
+        silu_mul(&gate, &up, &mut act);
+        matmul(&MatmulInput::new(&act, ff, &[&self.down]), &self.down, out);
+    }
+
+    pub(crate) fn check(&self, hidden: usize, ffn: usize, what: &str) -> Result<(), ModelError> {
+        check_shape(&self.gate, ffn, hidden, &format!("{what} gate"))?;
+        check_shape(&self.up, ffn, hidden, &format!("{what} up"))?;
+        check_shape(&self.down, hidden, ffn, &format!("{what} down"))
+    }
+}
+
+/// Qwen2-MoE's shared expert: every token goes through it, scaled by `sigmoid(gate . x)`.
+pub struct SharedExpert {
+    pub ffn: DenseFfn,
+    /// `[1 x hidden]`; absent: scale 1.
+    pub gate: Option<QMatrix>,
+}
+
+/// One layer's mixture of experts.
+pub struct MoeFfn {
+    /// `[n_experts x hidden]`
+    pub router: QMatrix,
+    /// By expert index; `None` for experts another rank holds (expert parallel).
+    pub experts: Vec<Option<DenseFfn>>,
+    /// Experts per token (top-k).
+    pub n_used: usize,
+    /// Renormalise the chosen probabilities to sum to 1.
+    pub norm_topk: bool,
+    pub shared: Option<SharedExpert>,
+}
+
+/// Each row's chosen experts, ascending by expert index, and their weights; `k` per row.
+/// Inactive rows hold id -1 (no expert runs for them, their output is zero).
+struct Routes {
+    k: usize,
+    ids: Vec<i32>,
+    weights: Vec<f32>,
+}
+
+/// Where the expert outputs of one rank's rows are computed: all here (no exchange) or spread
+/// over the group.
+enum Placement<'a> {
+    Local,
+    Parallel(&'a dyn ExpertExchange),
+}
+
+fn check_shape(m: &QMatrix, rows: usize, cols: usize, what: &str) -> Result<(), ModelError> {
+    if m.rows != rows || m.cols != cols {
+        return Err(ModelError::BadTensor { name: what.into(), message: format!("shape [{}, {}] but the config needs [{rows}, {cols}]", m.rows, m.cols) });
+    }
+    Ok(())
+}
+
+fn exchange_err(what: &str, e: String) -> ModelError {
+    ModelError::Exchange(format!("{what}: {e}"))
+}
+
+impl MoeFfn {
+    pub fn n_experts(&self) -> usize {
+        self.experts.len()
+    }
+
+    /// Shapes against the config (every expert present, as loaded).
+    pub(crate) fn check(&self, hidden: usize, cfg: &crate::config::MoeConfig, layer: usize) -> Result<(), ModelError> {
+        check_shape(&self.router, cfg.n_experts, hidden, &format!("blk.{layer}.ffn_gate_inp (router)"))?;
+        if self.experts.len() != cfg.n_experts {
+            return Err(ModelError::BadTensor { name: format!("blk.{layer} experts"), message: format!("{} experts, the config says {}", self.experts.len(), cfg.n_experts) });
+        }
+        for (e, x) in self.experts.iter().enumerate() {
+            if let Some(x) = x {
+                x.check(hidden, cfg.expert_ffn, &format!("blk.{layer} expert {e}"))?;
+            }
+        }
+        match (&self.shared, cfg.shared_ffn) {
+            (Some(s), Some(ff)) => {
+                s.ffn.check(hidden, ff, &format!("blk.{layer} shared expert"))?;
+                if let Some(g) = &s.gate {
+                    check_shape(g, 1, hidden, &format!("blk.{layer}.ffn_gate_inp_shexp"))?;
+                }
+            }
+            (None, None) => {}
+            _ => return Err(ModelError::BadTensor { name: format!("blk.{layer} shared expert"), message: "present in some layers only".into() }),
+        }
+        Ok(())
+    }
+
+    /// `out` (`rows x hidden`, overwritten) = this layer's MoE output for `xn` (`rows x hidden`,
+    /// the normalised hidden states). Rows with `active[r] == false` (padding of dummy batches:
+    /// no KV write, no logits) get zeros and cost no expert work. With an exchange, every rank
+    /// must call this for every MoE layer of every step, whatever its batch (0 rows included).
+    pub fn forward(&self, xn: &[f32], active: &[bool], exchange: Option<&dyn ExpertExchange>, out: &mut [f32]) -> Result<(), ModelError> {
+        let h = self.router.cols;
+        let t = active.len();
+        debug_assert_eq!(xn.len(), t * h);
+        debug_assert_eq!(out.len(), t * h);
+        let routes = self.route(xn, active);
+        let k = routes.k;
+        let mut y = vec![0f32; t * k * h];
+        match exchange.map_or(Placement::Local, Placement::Parallel) {
+            Placement::Local => self.run_experts(0..self.n_experts(), xn, &routes.ids, k, &mut y)?,
+            Placement::Parallel(ex) => self.exchange_experts(xn, &routes, ex, &mut y)?,
+        }
+        // weighted sum in ascending expert index (the slot order)
+        out.fill(0.0);
+        for r in 0..t {
+            let o = &mut out[r * h..(r + 1) * h];
+            for j in 0..k {
+                if routes.ids[r * k + j] < 0 {
+                    continue;
+                }
+                let w = routes.weights[r * k + j];
+                for (a, &b) in o.iter_mut().zip(&y[(r * k + j) * h..(r * k + j + 1) * h]) {
+                    *a += w * b;
+                }
+            }
+        }
+        if let Some(s) = &self.shared {
+            self.add_shared(s, xn, active, out);
+        }
+        Ok(())
+    }
+
+    /// Top-k of the router's softmax per active row, sorted by expert index.
+    fn route(&self, xn: &[f32], active: &[bool]) -> Routes {
+        let (h, e, k) = (self.router.cols, self.router.rows, self.n_used);
+        let t = active.len();
+        let mut logits = vec![0f32; t * e];
+        if t > 0 {
+            matmul(&MatmulInput::new(xn, h, &[&self.router]), &self.router, &mut logits);
+        }
+        let mut ids = vec![-1i32; t * k];
+        let mut weights = vec![0f32; t * k];
+        let mut order: Vec<usize> = Vec::with_capacity(e);
+        for r in (0..t).filter(|&r| active[r]) {
+            let l = &logits[r * e..(r + 1) * e];
+            let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let p: Vec<f32> = l.iter().map(|&x| (x - max).exp()).collect();
+            let sum: f32 = p.iter().sum();
+            order.clear();
+            order.extend(0..e);
+            // descending logit, ties to the lower index (a stable sort keeps index order)
+            order.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).unwrap_or(std::cmp::Ordering::Equal));
+            let chosen = &mut order[..k];
+            chosen.sort_unstable();
+            let norm = if self.norm_topk { chosen.iter().map(|&x| p[x]).sum::<f32>() } else { sum };
+            for (j, &x) in chosen.iter().enumerate() {
+                ids[r * k + j] = x as i32;
+                weights[r * k + j] = p[x] / norm;
+            }
+        }
+        Routes { k, ids, weights }
+    }
+
+    /// Runs experts `range` (in index order) over the rows routed to them: `x` is `rows x hidden`,
+    /// `ids` its `rows x k` chosen experts; the output for row r, slot j lands at
+    /// `y[(r * k + j) * hidden..]`. Rows routed to experts outside `range` are left alone.
+    fn run_experts(&self, range: std::ops::Range<usize>, x: &[f32], ids: &[i32], k: usize, y: &mut [f32]) -> Result<(), ModelError> {
+        let h = self.router.cols;
+        for e in range {
+            let picks: Vec<usize> = ids.iter().enumerate().filter(|&(_, &id)| id == e as i32).map(|(i, _)| i).collect();
+            if picks.is_empty() {
+                continue;
+            }
+            let Some(expert) = &self.experts[e] else {
+                return Err(ModelError::Exchange(format!("tokens were routed to expert {e}, which this rank does not hold")));
+            };
+            let mut xs = Vec::with_capacity(picks.len() * h);
+            picks.iter().for_each(|&i| xs.extend_from_slice(&x[(i / k) * h..(i / k + 1) * h]));
+            let mut ys = vec![0f32; picks.len() * h];
+            expert.forward(&xs, &mut ys);
+            for (n, &i) in picks.iter().enumerate() {
+                y[i * h..(i + 1) * h].copy_from_slice(&ys[n * h..(n + 1) * h]);
+            }
+        }
+        Ok(())
+    }
+
+    /// The expert-parallel path: gather every rank's rows, run the local experts on the rows
+    /// routed to them, send each output back to the rank owning the row.
+    fn exchange_experts(&self, xn: &[f32], routes: &Routes, ex: &dyn ExpertExchange, y: &mut [f32]) -> Result<(), ModelError> {
+        let (h, k, n) = (self.router.cols, routes.k, ex.size());
+        let t = routes.ids.len() / k;
+        let p = ex.step_rows();
+        let per_rank = self.n_experts() / n;
+        // A batch larger than the agreed size is a caller bug; still join both exchanges (with
+        // no rows) so the peers are not left waiting, then fail.
+        let too_big = t > p;
+        let width = h + k;
+        let mut send = vec![0f32; p * width];
+        for r in 0..p {
+            let row = &mut send[r * width..(r + 1) * width];
+            if r < t && !too_big {
+                row[..h].copy_from_slice(&xn[r * h..(r + 1) * h]);
+                for j in 0..k {
+                    row[h + j] = routes.ids[r * k + j] as f32;
+                }
+            } else {
+                row[h..].fill(-1.0);
+            }
+        }
+        let mut gathered = vec![0f32; n * p * width];
+        ex.all_gather(&send, &mut gathered).map_err(|e| exchange_err("all-gather of expert inputs", e))?;
+        drop(send);
+        let mut xs = vec![0f32; n * p * h];
+        let mut ids = vec![-1i32; n * p * k];
+        for row in 0..n * p {
+            let g = &gathered[row * width..(row + 1) * width];
+            xs[row * h..(row + 1) * h].copy_from_slice(&g[..h]);
+            for j in 0..k {
+                ids[row * k + j] = g[h + j] as i32;
+            }
+        }
+        drop(gathered);
+        let mut back = vec![0f32; n * p * k * h];
+        let me = ex.rank();
+        let computed = self.run_experts(me * per_rank..(me + 1) * per_rank, &xs, &ids, k, &mut back);
+        // join the second exchange even when the experts failed, then report
+        let mut recv = vec![0f32; n * p * k * h];
+        ex.all_to_all(&back, &mut recv).map_err(|e| exchange_err("all-to-all of expert outputs", e))?;
+        computed?;
+        if too_big {
+            return Err(ModelError::Exchange(format!("batch of {t} rows exceeds the step's agreed {p} rows")));
+        }
+        for r in 0..t {
+            for j in 0..k {
+                let id = routes.ids[r * k + j];
+                if id < 0 {
+                    continue;
+                }
+                let owner = id as usize / per_rank;
+                let src = ((owner * p + r) * k + j) * h;
+                y[(r * k + j) * h..(r * k + j + 1) * h].copy_from_slice(&recv[src..src + h]);
+            }
+        }
+        Ok(())
+    }
+
+    fn add_shared(&self, s: &SharedExpert, xn: &[f32], active: &[bool], out: &mut [f32]) {
+        let h = self.router.cols;
+        let live: Vec<usize> = (0..active.len()).filter(|&r| active[r]).collect();
+        if live.is_empty() {
+            return;
+        }
+        let mut xs = Vec::with_capacity(live.len() * h);
+        live.iter().for_each(|&r| xs.extend_from_slice(&xn[r * h..(r + 1) * h]));
+        let mut ys = vec![0f32; live.len() * h];
+        s.ffn.forward(&xs, &mut ys);
+        let mut scale = vec![1f32; live.len()];
+        if let Some(g) = &s.gate {
+            matmul(&MatmulInput::new(&xs, h, &[g]), g, &mut scale);
+            scale.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+        }
+        for (i, &r) in live.iter().enumerate() {
+            for (a, &b) in out[r * h..(r + 1) * h].iter_mut().zip(&ys[i * h..(i + 1) * h]) {
+                *a += scale[i] * b;
+            }
+        }
+    }
+}
