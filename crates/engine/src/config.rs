@@ -20,6 +20,11 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// How long shutdown lets in-flight requests run before aborting them.
     pub shutdown_grace: std::time::Duration,
+    /// Schedule and prepare step N+1 while step N computes (`--async-scheduling`).
+    pub async_scheduling: bool,
+    /// Test-only switch: make one step's compute job fail or panic.
+    #[doc(hidden)]
+    pub fault_injection: Option<crate::runner::job::FaultInjection>,
 }
 
 impl Default for EngineConfig {
@@ -34,6 +39,8 @@ impl Default for EngineConfig {
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             max_waiting: 256,
             shutdown_grace: std::time::Duration::from_secs(10),
+            async_scheduling: false,
+            fault_injection: None,
         }
     }
 }

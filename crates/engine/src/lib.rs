@@ -17,5 +17,5 @@ pub mod types;
 
 pub use api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 pub use config::EngineConfig;
-pub use engine::{spawn_engine, Engine, EngineError, StepStats};
+pub use engine::{spawn_engine, Engine, EngineError, StepStats, StepTimings};
 pub use handle::{EngineCommand, EngineHandle, SubmitError};

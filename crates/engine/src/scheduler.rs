@@ -21,6 +21,19 @@ pub struct ScheduledSeq {
     pub num_drafts: usize,
     /// Whether the step ends on the sequence's last known token, so logits are sampled.
     pub sample: bool,
+    /// Scheduled ahead (async scheduling) while the step before was still running: `start`,
+    /// `num_tokens` and `num_drafts` are the worst case reserved (KV slots and token budget) and are
+    /// finalized from that step's output just before this one executes.
+    pub provisional: bool,
+}
+
+/// What a submitted step that has not been applied yet does to one of its sequences: the KV is
+/// computed up to `end` at most (drafts may still be rejected), and when it samples, new tokens
+/// (1 + up to k drafts) follow that the scheduler cannot see yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InFlight {
+    pub end: usize,
+    pub sample: bool,
 }
 
 /// The scheduler's decision for one step. `seqs` sums to `total_tokens`.
@@ -66,6 +79,14 @@ impl Scheduler {
         self.running.retain(|&s| s != id);
     }
 
+    /// Sends every running sequence back to the front of the waiting queue, in admission order
+    /// (their KV is gone and they recompute from their tokens).
+    pub fn requeue_all(&mut self) {
+        for id in self.running.drain(..).rev() {
+            self.waiting.push_front(id);
+        }
+    }
+
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
@@ -83,6 +104,15 @@ impl Scheduler {
     }
 
     pub fn schedule(&mut self, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager) -> StepPlan {
+        self.schedule_ahead(seqs, kv, &BTreeMap::new(), 0)
+    }
+
+    /// Plans the next step while the step described by `in_flight` still runs (async scheduling;
+    /// with nothing in flight this is [`Self::schedule`]). A sequence that samples in the running
+    /// step gets a provisional decode of `1 + spec_reserve` tokens, its KV reserved for the worst
+    /// case (every in-flight draft accepted); the engine finalizes it from the running step's
+    /// output and releases the unused slots.
+    pub fn schedule_ahead(&mut self, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager, in_flight: &BTreeMap<SeqId, InFlight>, spec_reserve: usize) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
 
@@ -94,17 +124,23 @@ impl Scheduler {
                 self.running.remove(i);
                 continue;
             };
-            if s.pending_tokens() > budget && !s.draft.tokens.is_empty() {
-                s.draft = Default::default(); // not enough room to verify: plain decode this step
-            }
-            let n = s.pending_tokens().min(budget);
+            let flight = in_flight.get(&id).copied();
+            let provisional = flight.is_some_and(|f| f.sample);
+            let base = flight.map_or(s.num_computed, |f| f.end);
+            let n = if provisional {
+                if 1 + spec_reserve <= budget { 1 + spec_reserve } else { 1 }
+            } else {
+                if s.pending_tokens() > budget && !s.draft.tokens.is_empty() {
+                    s.draft = Default::default(); // not enough room to verify: plain decode this step
+                }
+                (s.tokens.len() + s.draft.tokens.len()).saturating_sub(base).min(budget)
+            };
             if n == 0 {
                 i += 1;
                 continue;
             }
-            let computed = s.num_computed;
             let mut preempted_self = false;
-            while kv.ensure_capacity(id, computed + n).is_err() {
+            while kv.ensure_capacity(id, base + n).is_err() {
                 let victim = self.running.pop().expect("running holds at least this sequence");
                 if let Some(v) = seqs.get_mut(&victim) {
                     Self::preempt(v, kv);
@@ -120,8 +156,13 @@ impl Scheduler {
                 break;
             }
             let s = seqs.get_mut(&id).expect("present above");
-            let num_drafts = if s.num_computed + n == s.tokens.len() + s.draft.tokens.len() { s.draft.tokens.len() } else { 0 };
-            plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts, sample: s.num_computed + n >= s.tokens.len() });
+            let sch = if provisional {
+                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, provisional: true }
+            } else {
+                let num_drafts = if base + n == s.tokens.len() + s.draft.tokens.len() { s.draft.tokens.len() } else { 0 };
+                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts, sample: base + n >= s.tokens.len(), provisional: false }
+            };
+            plan.seqs.push(sch);
             budget -= n;
             i += 1;
         }
@@ -151,7 +192,7 @@ impl Scheduler {
                 s.admitted = true;
                 plan.newly_admitted.push(id);
             }
-            plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts: 0, sample: s.num_computed + n == s.tokens.len() });
+            plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts: 0, sample: s.num_computed + n == s.tokens.len(), provisional: false });
             budget -= n;
         }
         plan.total_tokens = plan.seqs.iter().map(|s| s.num_tokens).sum();

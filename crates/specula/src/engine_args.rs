@@ -34,6 +34,9 @@ pub struct EngineArgs {
     /// Requests allowed to wait before the server answers 503.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
+    /// Schedule and prepare step N+1 on a worker while step N computes (outputs are identical).
+    #[arg(long)]
+    pub async_scheduling: bool,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
@@ -110,6 +113,8 @@ impl EngineArgs {
             threads: self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
             max_waiting: self.max_waiting,
             shutdown_grace: std::time::Duration::from_secs(10),
+            async_scheduling: self.async_scheduling,
+            ..Default::default()
         })
     }
 }

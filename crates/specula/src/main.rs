@@ -8,6 +8,7 @@ mod generate;
 mod sampling_args;
 mod serve;
 mod offline;
+mod offline_async;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

@@ -37,6 +37,16 @@ pub struct OfflineArgs {
     /// Also print the cost of verifying 1 + k tokens (k = 0..=8) of one sequence relative to 1.
     #[arg(long)]
     pub verify_curve: bool,
+    /// Instead of the kernel-level table: the engine decoding --async-batch copy-passage requests
+    /// with n-gram speculation, with and without --async-scheduling, per-phase step times.
+    #[arg(long)]
+    pub async_compare: bool,
+    #[arg(long, default_value_t = 8)]
+    pub async_batch: usize,
+    #[arg(long, default_value_t = 128)]
+    pub async_max_tokens: usize,
+    #[arg(long, default_value_t = 3)]
+    pub async_k: usize,
 }
 
 struct Row {
@@ -48,6 +58,22 @@ struct Row {
 
 pub fn run(args: OfflineArgs) -> Result<()> {
     let path = crate::fetch::resolve_model(&args.model)?;
+    if args.async_compare {
+        let rows = crate::offline_async::run(&path, &args.threads, args.async_batch, args.async_max_tokens, args.async_k)?;
+        if let Some(p) = args.output_json {
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            let j: Vec<_> = rows
+                .iter()
+                .map(|r| {
+                    let m = &r.mean;
+                    serde_json::json!({"threads": r.threads, "async_scheduling": r.async_scheduling, "output_tok_s": r.output_tok_s, "decode_steps": r.steps,
+                        "ms": {"schedule": ms(m.schedule), "prepare": ms(m.prepare), "forward": ms(m.forward), "sample": ms(m.sample), "propose": ms(m.propose), "update": ms(m.update), "gap": ms(m.gap.unwrap_or_default()), "step": ms(r.step_wall)}})
+                })
+                .collect();
+            std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
+        }
+        return Ok(());
+    }
     let loaded = load_model(&path)?;
     let model = &loaded.model;
     eprintln!("{}", specula_kernels::cpu::describe());

@@ -3,6 +3,7 @@
 //! manager; `execute` runs the forward pass on the compute pool.
 
 pub mod async_runner;
+pub mod job;
 mod prepare;
 
 pub use async_runner::{AsyncRunner, AsyncRunnerError};

@@ -86,3 +86,25 @@ pub fn build_proposer<'a>(cfg: &SpecConfig, target: impl Into<ProposerTarget<'a>
         }
     }
 }
+
+/// Speculative decoding state of an engine: the proposer, the counters and each sequence's
+/// acceptance history (adaptive k). It travels with the step's compute job.
+pub struct Speculation {
+    pub cfg: SpecConfig,
+    pub proposer: Box<dyn Proposer>,
+    pub metrics: SpecMetrics,
+    pub(crate) trackers: std::collections::BTreeMap<crate::types::SeqId, adaptive::AcceptanceTracker>,
+}
+
+impl Speculation {
+    pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
+        let metrics = SpecMetrics::new(cfg.num_speculative_tokens);
+        Self { cfg, proposer, metrics, trackers: std::collections::BTreeMap::new() }
+    }
+
+    /// Forgets a sequence that ended.
+    pub(crate) fn remove(&mut self, seq: crate::types::SeqId) {
+        self.proposer.remove(seq);
+        self.trackers.remove(&seq);
+    }
+}

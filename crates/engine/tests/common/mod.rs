@@ -44,6 +44,8 @@ pub enum Spec {
     SelfDraft(usize),
     /// The other tiny model as draft: most draft tokens are rejected.
     OtherDraft(usize),
+    /// A random mtp head (pruned vocabulary of 64 tokens) written beside the model.
+    Mtp(usize),
 }
 
 /// Small limits that make prefills chunk: 16 sequences, 64 tokens a step, 256-token context.
@@ -102,10 +104,21 @@ impl Harness {
             Spec::Ngram(k) => Some(SpecConfig { ngram_min: 1, ..SpecConfig::new(SpecMethod::Ngram, k) }),
             Spec::SelfDraft(k) => Some(SpecConfig { draft_model: Some(model.path.clone()), ..SpecConfig::new(SpecMethod::Draft, k) }),
             Spec::OtherDraft(k) => Some(SpecConfig { draft_model: Some(model.draft.clone()), ..SpecConfig::new(SpecMethod::Draft, k) }),
+            Spec::Mtp(k) => Some(SpecConfig { draft_model: Some(model.path.with_file_name("head.safetensors")), ..SpecConfig::new(SpecMethod::Mtp, k) }),
         };
         if let Some(sc) = spec_cfg {
             let sc = SpecConfig { adaptive: false, ..sc };
-            let proposer = build_proposer(&sc, &target_config, &cfg).expect("proposer");
+            let proposer = if let Spec::Mtp(_) = spec {
+                // the mtp head reads the target's embedding: build it over a second copy
+                let target = load_model(&model.path).expect("load tiny model").model;
+                let head = model.path.with_file_name("head.safetensors");
+                if !head.exists() {
+                    specula_engine::spec::mtp_format::write_random_head(&head, &target, 64, 5).expect("write head");
+                }
+                build_proposer(&sc, &target, &cfg).expect("proposer")
+            } else {
+                build_proposer(&sc, &target_config, &cfg).expect("proposer")
+            };
             engine = engine.with_speculation(sc, proposer).expect("speculation");
         }
         Self { engine, counters, tokenizer, steps: 0, tokens_computed: 0, max_batch_seqs: 0, next_id: 1, _model: None }

@@ -1,0 +1,280 @@
+//! One step's compute job: the forward pass, sampling (or verification) of every sampled row, and
+//! the next step's draft proposals. Everything after the forward pass that the next forward pass
+//! depends on is here, and nothing else: detokenizing, stop strings and streaming stay on the
+//! engine thread. The job owns what it touches (the KV tensors, the sampler, the proposer, each
+//! sampled sequence's random stream, history and draft), so the engine runs it inline
+//! (synchronous scheduling) or on the [`AsyncRunner`](super::AsyncRunner) while it schedules the
+//! next step, with the same code and therefore the same tokens.
+
+use super::{execute, BatchInputs};
+use crate::api::{FinishReason, SamplingParams};
+use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
+use crate::spec::adaptive::batch_allows_speculation;
+use crate::spec::{verify, Draft, DraftRequest, Speculation};
+use crate::types::{SeqId, TokenId};
+use specula_model::{KvStore, LlamaModel, Tokenizer};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Message flags of the packed per-step logprobs buffer.
+pub(crate) const LOGPROBS_FLAG_PLAIN: u32 = 0;
+pub(crate) const LOGPROBS_FLAG_VERIFIED: u32 = 1;
+
+/// The read-only things a job needs, shared with the engine thread.
+#[derive(Clone)]
+pub(crate) struct JobContext {
+    pub model: Arc<LlamaModel>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub pool: Arc<rayon::ThreadPool>,
+    pub max_model_len: usize,
+}
+
+/// The mutable compute state a job takes from the engine and hands back with its result.
+pub(crate) struct ComputeState {
+    pub kv_store: KvStore,
+    pub sampler: Sampler,
+    pub spec: Option<Speculation>,
+}
+
+/// A sequence whose logits are sampled this step, with the state sampling and drafting need.
+pub(crate) struct SampleItem {
+    pub seq: SeqId,
+    /// Its rows among the step's logits rows (`1 + draft.tokens.len()`).
+    pub first_row: usize,
+    pub rows: usize,
+    /// Position of its first token in this step and how many it computes (for proposer rollback).
+    pub start: usize,
+    pub num_tokens: usize,
+    pub params: SamplingParams,
+    /// Prompt followed by the accepted output, before this step's tokens.
+    pub tokens: Vec<TokenId>,
+    pub prompt_len: usize,
+    pub rng: SeqRng,
+    pub draft: Draft,
+}
+
+/// A test-only switch that makes one step's job fail (see `EngineConfig::fault_injection`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    Error,
+    Panic,
+}
+
+/// Fails the job of engine step `step` (steps count submitted jobs from 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaultInjection {
+    pub step: u64,
+    pub kind: FaultKind,
+}
+
+pub(crate) struct StepJob {
+    pub step: u64,
+    pub inputs: BatchInputs,
+    pub items: Vec<SampleItem>,
+    pub fault: Option<FaultKind>,
+}
+
+/// What one sampled sequence got this step.
+pub(crate) struct SeqResult {
+    /// Emitted tokens: the accepted drafts then one token from the target.
+    pub tokens: Vec<TokenId>,
+    pub num_drafts: usize,
+    /// Rows `lp_first..lp_first + tokens.len()` of the step's packed logprobs, when asked for.
+    pub lp_first: Option<usize>,
+    pub rng: SeqRng,
+    /// Drafts for the next step (empty if none).
+    pub next_draft: Draft,
+}
+
+impl SeqResult {
+    pub fn num_accepted(&self) -> usize {
+        self.tokens.len() - 1
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct JobTimings {
+    pub forward_start: Instant,
+    pub forward_end: Instant,
+    pub sample: Duration,
+    pub propose: Duration,
+}
+
+pub(crate) struct JobOutput {
+    pub results: Vec<(SeqId, SeqResult)>,
+    /// Every emitted token's logprobs (the batch's largest top-k, computed once), packed.
+    pub logprobs: Option<PackedLogprobs>,
+    pub timings: JobTimings,
+}
+
+/// A finished job: the compute state always comes back, whatever happened to the step.
+pub(crate) struct JobDone {
+    pub state: ComputeState,
+    pub outcome: Result<JobOutput, String>,
+}
+
+/// Why a sequence stops at token `id`, judged from tokens alone (stop strings need the text and
+/// are checked when the engine streams). The engine's update and the job's drafting both use it,
+/// so a sequence the job keeps drafting for is exactly one the engine keeps running.
+pub(crate) fn token_finish(params: &SamplingParams, tokenizer: &Tokenizer, id: TokenId, output_len: usize, total_len: usize, max_model_len: usize) -> Option<FinishReason> {
+    if is_stop_token(params, tokenizer, id) {
+        Some(FinishReason::Stop)
+    } else if output_len >= params.max_tokens || total_len >= max_model_len {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
+/// EOS (unless ignored) or one of the request's stop token ids: emitted without text.
+pub(crate) fn is_stop_token(params: &SamplingParams, tokenizer: &Tokenizer, id: TokenId) -> bool {
+    (!params.ignore_eos && tokenizer.is_eos(id)) || params.stop_token_ids.contains(&id)
+}
+
+/// Runs `job`, catching a panic anywhere in it so the compute state is never lost; the error
+/// names the step.
+pub(crate) fn run_job(ctx: &JobContext, mut state: ComputeState, job: StepJob) -> JobDone {
+    let step = job.step;
+    let outcome = match catch_unwind(AssertUnwindSafe(|| run_job_inner(ctx, &mut state, job))) {
+        Ok(Ok(out)) => Ok(out),
+        Ok(Err(msg)) => Err(format!("step {step} failed: {msg}")),
+        Err(panic) => {
+            let msg = panic_message(&panic);
+            tracing::error!("step {step} panicked: {msg}");
+            Err(format!("internal error: step {step} panicked: {msg}"))
+        }
+    };
+    JobDone { state, outcome }
+}
+
+fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob) -> Result<JobOutput, String> {
+    match job.fault {
+        Some(FaultKind::Error) => return Err("injected fault (test switch)".into()),
+        Some(FaultKind::Panic) => panic!("injected panic (test switch)"),
+        None => {}
+    }
+    let mut inputs = job.inputs;
+    inputs.want_hidden = state.spec.as_ref().is_some_and(|sp| sp.proposer.needs_hidden());
+    let forward_start = Instant::now();
+    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs).map_err(|e| e.to_string())?;
+    let forward_end = Instant::now();
+    let mut items = job.items;
+    let (results, logprobs) = sample(ctx, state, &mut items, &out.logits)?;
+    let sample_end = Instant::now();
+    let results = propose(ctx, state, items, results, &out.hidden)?;
+    let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
+    Ok(JobOutput { results, logprobs, timings })
+}
+
+/// Per item: one sampled token, or with drafts the accepted prefix plus one token from the
+/// rejection sampler; logprobs of every emitted token from the raw target logits of its row.
+/// Appends the emitted tokens to each item's history for drafting.
+fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], logits: &[f32]) -> Result<(Vec<SeqResult>, Option<PackedLogprobs>), String> {
+    let vocab = ctx.model.config.vocab_size;
+    let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
+    // only the largest top-k any sequence of this batch asked for is computed
+    let k_max = items.iter().filter_map(|it| it.params.logprobs).max();
+    let mut lp_rows: Vec<RankedLogprob> = Vec::new();
+    let mut verified = false;
+    let mut results = Vec::with_capacity(items.len());
+    for it in items.iter_mut() {
+        let block = logits.get(it.first_row * vocab..(it.first_row + it.rows) * vocab).ok_or("logits rows out of range")?;
+        let num_drafts = it.rows - 1;
+        let mut rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
+        let toks: Vec<TokenId> = if num_drafts == 0 {
+            let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
+            vec![state.sampler.sample(block, &it.params, history, &mut rng).map_err(|e| e.to_string())?]
+        } else {
+            verified = true;
+            let (prompt, output) = it.tokens.split_at(it.prompt_len);
+            verify(block, vocab, &it.draft, &it.params, prompt, output, &mut rng, force_accept).map_err(|e| e.to_string())?.tokens
+        };
+        let lp_first = match (it.params.logprobs, k_max) {
+            (Some(_), Some(k)) => {
+                let start = lp_rows.len();
+                for (j, &tok) in toks.iter().enumerate() {
+                    lp_rows.push(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k).map_err(|e| e.to_string())?);
+                }
+                Some(start)
+            }
+            _ => None,
+        };
+        if num_drafts > 0 {
+            if let Some(sp) = state.spec.as_mut() {
+                let accepted = toks.len() - 1;
+                sp.metrics.record(num_drafts, accepted);
+                sp.trackers.entry(it.seq).or_default().record(num_drafts, accepted);
+                sp.proposer.rollback(it.seq, it.start + it.num_tokens - (num_drafts - accepted));
+            }
+        }
+        it.tokens.extend_from_slice(&toks);
+        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, next_draft: Draft::default() });
+    }
+    let logprobs = match k_max {
+        Some(_) if !lp_rows.is_empty() => {
+            let cols = (lp_rows[0].logprob.top.len() + 1) as u32;
+            let flag = if verified { LOGPROBS_FLAG_VERIFIED } else { LOGPROBS_FLAG_PLAIN };
+            Some(pack(&lp_rows, cols, flag).map_err(|e| e.to_string())?)
+        }
+        _ => None,
+    };
+    Ok((results, logprobs))
+}
+
+/// Drafts for the next step of every sequence that goes on decoding (not one that just emitted a
+/// stop token or reached its length), from its history including this step's tokens.
+fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, mut results: Vec<SeqResult>, hidden: &[f32]) -> Result<Vec<(SeqId, SeqResult)>, String> {
+    let h = ctx.model.config.hidden_size;
+    let vocab = ctx.model.config.vocab_size;
+    let continuing: Vec<bool> = items
+        .iter()
+        .zip(&results)
+        .map(|(it, r)| {
+            let base = it.tokens.len() - r.tokens.len();
+            !r.tokens.iter().enumerate().any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some())
+        })
+        .collect();
+    if let Some(sp) = state.spec.as_mut() {
+        let decoding = continuing.iter().filter(|&&c| c).count();
+        if decoding > 0 && (!sp.cfg.adaptive || batch_allows_speculation(decoding, sp.cfg.max_batch_for_speculation)) {
+            let mut reqs = Vec::with_capacity(decoding);
+            let mut which = Vec::with_capacity(decoding);
+            // hidden rows follow the logits rows: the row that produced an item's last token
+            for (i, it) in items.iter().enumerate() {
+                if !continuing[i] {
+                    continue;
+                }
+                let k = if sp.cfg.adaptive { sp.trackers.entry(it.seq).or_default().next_k(sp.cfg.num_speculative_tokens) } else { sp.cfg.num_speculative_tokens };
+                let output_len = it.tokens.len() - it.prompt_len;
+                let room_tokens = it.params.max_tokens.saturating_sub(output_len + 1);
+                let room_ctx = ctx.max_model_len.saturating_sub(it.tokens.len() + 1);
+                let r = it.first_row + results[i].tokens.len() - 1;
+                let hidden = hidden.get(r * h..(r + 1) * h);
+                reqs.push(DraftRequest { seq: it.seq, tokens: &it.tokens, prompt_len: it.prompt_len, max_draft: k.min(room_tokens).min(room_ctx), params: &it.params, hidden });
+                which.push(i);
+            }
+            if reqs.iter().any(|r| r.max_draft > 0) {
+                match sp.proposer.propose(&reqs, &ctx.pool) {
+                    Ok(drafts) => {
+                        for (i, mut d) in which.into_iter().zip(drafts) {
+                            if d.tokens.iter().any(|&t| t as usize >= vocab) {
+                                continue; // a proposer bug must not crash verification
+                            }
+                            if d.tokens.is_empty() {
+                                d.probs = None;
+                            }
+                            results[i].next_draft = d;
+                        }
+                    }
+                    Err(e) => tracing::warn!("speculative proposer failed; decoding without drafts next step: {e}"),
+                }
+            }
+        }
+    }
+    Ok(items.iter().map(|it| it.seq).zip(results).collect())
+}
+
+pub(crate) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
+}

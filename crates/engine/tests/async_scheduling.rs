@@ -1,0 +1,264 @@
+//! Async scheduling (`EngineConfig::async_scheduling`): step N+1 is scheduled and prepared while
+//! step N's compute job runs on the async runner. Checked here:
+//! - token-for-token identical outputs with it on and off, greedy and seeded sampling, with no
+//!   speculation and with each proposer (ngram, draft model, mtp head), on 20 requests arriving
+//!   staggered, some aborted mid-stream, some with logprobs and penalties;
+//! - the same under KV pressure (preemption) and with prefix-cache hits, greedy;
+//! - an error or a panic injected into one step's job fails exactly that step's requests, with a
+//!   clear message, and the engine keeps serving (through the engine thread, under a timeout);
+//! - every KV block comes back after aborts, failures and a shutdown with a job in flight.
+
+mod common;
+
+use common::*;
+use specula_engine::api::RequestEvent;
+use specula_engine::runner::job::{FaultInjection, FaultKind};
+use specula_engine::{spawn_engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams};
+use specula_model::load_model;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Room for every decode's drafts in each step's token budget and no KV pressure, so the drafts a
+/// sequence gets (and so a seeded sequence's random draws) do not depend on the schedule.
+fn roomy(async_scheduling: bool) -> EngineConfig {
+    EngineConfig { max_num_seqs: 8, max_num_batched_tokens: 256, max_model_len: 256, num_kv_blocks: 256, async_scheduling, ..tiny_config() }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Greedy,
+    Seeded,
+}
+
+/// What each of the 20 requests produced: its tokens and how it ended.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    tokens: Vec<u32>,
+    end: End,
+    logprobs: Vec<Vec<(u32, u32)>>,
+}
+
+fn params(mode: Mode, i: usize) -> SamplingParams {
+    let max_tokens = 12 + (i * 7) % 20;
+    let mut p = match mode {
+        Mode::Greedy => greedy(max_tokens),
+        Mode::Seeded => seeded(max_tokens, 0.8, 1000 + i as u64),
+    };
+    if i % 4 == 1 {
+        p.logprobs = Some(3);
+    }
+    if i % 5 == 2 {
+        p.frequency_penalty = 0.5;
+        p.repetition_penalty = 1.2;
+    }
+    if i % 6 == 3 {
+        p.top_k = 20;
+        p.top_p = 0.9;
+    }
+    p
+}
+
+/// 20 requests: a few at the start, then one every other step; requests 5 and 13 are aborted a
+/// few steps after they arrive (an abort command and a client disconnect). Prompts repeat a motif
+/// so the n-gram proposer finds matches.
+fn scenario(model: &TinyModel, spec: Spec, mode: Mode, async_scheduling: bool, cfg: EngineConfig) -> (Vec<Outcome>, usize) {
+    let mut h = Harness::on(model, EngineConfig { async_scheduling, ..cfg }, spec);
+    let mut clients = Vec::new();
+    let mut next = 0;
+    let mut steps = 0;
+    while next < 20 || h.engine.has_work() {
+        assert!(steps < 2000, "scenario did not finish");
+        while next < 20 && (next < 4 || steps >= 2 * next) {
+            let motif = prompt(6, next as u64 % 3);
+            let mut p: Vec<u32> = motif.iter().cycle().take(12 + next % 5).copied().collect();
+            p.extend(prompt(4 + next % 9, next as u64));
+            clients.push(h.submit(p, params(mode, next)));
+            next += 1;
+        }
+        h.step();
+        steps += 1;
+        for c in clients.iter_mut() {
+            c.drain(h.steps);
+        }
+        if clients.len() > 5 && steps == 2 * 5 + 3 {
+            let id = clients[5].id;
+            h.engine.abort(id);
+        }
+        if clients.len() > 13 && steps == 2 * 13 + 2 {
+            clients[13].disconnect();
+        }
+    }
+    h.assert_idle_and_leak_free();
+    let outcomes = clients
+        .iter()
+        .map(|c| {
+            let logprobs = c
+                .events
+                .iter()
+                .flat_map(|e| match e {
+                    RequestEvent::Delta { logprobs, .. } => logprobs.clone(),
+                    _ => vec![],
+                })
+                .map(|l| std::iter::once((l.token, l.logprob.to_bits())).chain(l.top.iter().map(|t| (t.0, t.1.to_bits()))).collect())
+                .collect();
+            let end = if c.is_done() { c.end() } else { End::Failed("disconnected".into()) };
+            Outcome { tokens: c.tokens(), end, logprobs }
+        })
+        .collect();
+    (outcomes, steps)
+}
+
+/// Sync and async runs agree on every request. Aborted requests stop at a point that depends on
+/// timing, so for those only "a prefix of the same tokens" is required.
+fn assert_identical(spec: Spec, mode: Mode) {
+    let model = TinyModel::new();
+    let (sync, sync_steps) = scenario(&model, spec, mode, false, roomy(false));
+    let (asyn, async_steps) = scenario(&model, spec, mode, true, roomy(true));
+    assert!(sync_steps > 20 && async_steps > 20);
+    let mut compared = 0;
+    for (i, (a, b)) in sync.iter().zip(&asyn).enumerate() {
+        if i == 5 || i == 13 {
+            let n = a.tokens.len().min(b.tokens.len());
+            assert_eq!(a.tokens[..n], b.tokens[..n], "{spec:?} {mode:?}: aborted request {i} diverged");
+            continue;
+        }
+        assert_eq!(a.end, End::Finished(FinishReason::Length), "{spec:?} {mode:?} request {i}");
+        assert_eq!(a, b, "{spec:?} {mode:?}: request {i} differs between sync and async scheduling");
+        if i % 4 == 1 {
+            assert_eq!(a.logprobs.len(), a.tokens.len(), "request {i} asked for logprobs");
+        }
+        compared += 1;
+    }
+    assert_eq!(compared, 18);
+}
+
+#[test]
+fn async_equals_sync_greedy_no_speculation() {
+    assert_identical(Spec::None, Mode::Greedy);
+}
+
+#[test]
+fn async_equals_sync_seeded_no_speculation() {
+    assert_identical(Spec::None, Mode::Seeded);
+}
+
+#[test]
+fn async_equals_sync_ngram() {
+    assert_identical(Spec::Ngram(3), Mode::Greedy);
+    assert_identical(Spec::Ngram(3), Mode::Seeded);
+}
+
+#[test]
+fn async_equals_sync_draft_model() {
+    assert_identical(Spec::SelfDraft(3), Mode::Greedy);
+    assert_identical(Spec::OtherDraft(2), Mode::Seeded);
+}
+
+#[test]
+fn async_equals_sync_mtp_head() {
+    assert_identical(Spec::Mtp(3), Mode::Greedy);
+    assert_identical(Spec::Mtp(2), Mode::Seeded);
+}
+
+/// Under KV pressure (preemption by recompute) and chunked prefill, with prefix-cache hits from
+/// shared prompts: greedy outputs still match, nothing leaks.
+#[test]
+fn async_equals_sync_under_preemption_and_chunking() {
+    let model = TinyModel::new();
+    for spec in [Spec::None, Spec::Ngram(2)] {
+        let cfg = EngineConfig { max_num_seqs: 8, max_num_batched_tokens: 48, num_kv_blocks: 24, ..tiny_config() };
+        let (sync, _) = scenario(&model, spec, Mode::Greedy, false, cfg.clone());
+        let (asyn, _) = scenario(&model, spec, Mode::Greedy, true, cfg);
+        for (i, (a, b)) in sync.iter().zip(&asyn).enumerate() {
+            if i == 5 || i == 13 {
+                continue;
+            }
+            assert_eq!(a, b, "{spec:?}: request {i} differs under preemption");
+        }
+    }
+}
+
+/// With async scheduling, a job that fails (error or panic) at step `at` fails the requests of
+/// that step only; requests waiting outside it, and requests submitted later, complete.
+fn fault_case(kind: FaultKind) {
+    let model = TinyModel::new();
+    let loaded = load_model(&model.path).unwrap();
+    let tok = Arc::new(loaded.tokenizer);
+    // two requests run per step; the third waits until a slot frees
+    let cfg = EngineConfig { max_num_seqs: 2, async_scheduling: true, fault_injection: Some(FaultInjection { step: 4, kind }), ..tiny_config() };
+    let (handle, join) = spawn_engine(loaded.model, tok, cfg, None).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let deadline = Duration::from_secs(60);
+        let collect = |mut rx: tokio::sync::mpsc::UnboundedReceiver<RequestEvent>| async move {
+            let mut evs = Vec::new();
+            while let Some(e) = rx.recv().await {
+                let end = matches!(e, RequestEvent::Finished { .. } | RequestEvent::Failed { .. });
+                evs.push(e);
+                if end {
+                    break;
+                }
+            }
+            evs
+        };
+        let submit = |p: Vec<u32>, params: SamplingParams| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: p, params, events: tx }).unwrap();
+            rx
+        };
+        let a = submit(prompt(10, 1), greedy(30));
+        let b = submit(prompt(10, 2), greedy(30));
+        let c = submit(prompt(10, 3), greedy(5));
+        let (ea, eb, ec) = tokio::time::timeout(deadline, async { tokio::join!(collect(a), collect(b), collect(c)) }).await.expect("engine hung after an injected fault");
+        for evs in [&ea, &eb] {
+            match evs.last() {
+                Some(RequestEvent::Failed { message }) => {
+                    assert!(message.contains("step 4"), "message names the step: {message}");
+                    assert!(message.contains(if kind == FaultKind::Panic { "panicked" } else { "injected fault" }), "{message}");
+                }
+                other => panic!("a request of the failed step did not fail: {other:?}"),
+            }
+        }
+        assert!(matches!(ec.last(), Some(RequestEvent::Finished { reason: FinishReason::Length, .. })), "the waiting request must survive: {ec:?}");
+        // the engine still serves
+        let d = submit(prompt(12, 4), greedy(6));
+        let ed = tokio::time::timeout(deadline, collect(d)).await.expect("engine hung");
+        assert!(matches!(ed.last(), Some(RequestEvent::Finished { reason: FinishReason::Length, completion_tokens: 6, .. })), "{ed:?}");
+    });
+    handle.shutdown();
+    drop(handle);
+    join.join().unwrap();
+}
+
+#[test]
+fn injected_error_fails_only_that_step() {
+    fault_case(FaultKind::Error);
+}
+
+#[test]
+fn injected_panic_fails_only_that_step() {
+    fault_case(FaultKind::Panic);
+}
+
+/// Failing everything with a job in flight, then waiting for it: every block is back, and the
+/// engine (with its runner thread) drops promptly.
+#[test]
+fn fail_all_with_a_job_in_flight_leaks_nothing() {
+    let model = TinyModel::new();
+    let mut h = Harness::on(&model, roomy(true), Spec::Ngram(3));
+    let mut clients: Vec<Client> = (0..6).map(|i| h.submit(prompt(30, i), greedy(40))).collect();
+    for _ in 0..5 {
+        h.step();
+    }
+    assert!(h.engine.has_work());
+    h.engine.fail_all("shutting down");
+    h.engine.discard_in_flight();
+    for c in clients.iter_mut() {
+        c.drain(h.steps);
+        assert!(matches!(c.end(), End::Failed(_)));
+    }
+    h.assert_idle_and_leak_free();
+    let t = Instant::now();
+    drop(h);
+    assert!(t.elapsed() < Duration::from_secs(5));
+}

@@ -1,0 +1,151 @@
+//! `specula bench offline --async-compare`: the engine (no HTTP) decoding a batch of requests with
+//! synchronous and with async scheduling, in the same run, and where each step's time goes
+//! (schedule, prepare, forward, sample, propose, update, and the compute gap between consecutive
+//! forward passes). The workload is the copy-this-passage prompts of `bench/copy_passages.jsonl`
+//! with n-gram speculation (non-adaptive, so it speculates at every batch size), greedy.
+
+use anyhow::{Context, Result};
+use specula_engine::handle::QueueCounters;
+use specula_engine::spec::{build_proposer, SpecConfig, SpecMethod};
+use specula_engine::types::RequestId;
+use specula_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StepTimings};
+use specula_model::{load_model, ChatMessage};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Per-step means of one run.
+pub struct AsyncRow {
+    pub threads: usize,
+    pub async_scheduling: bool,
+    pub output_tok_s: f64,
+    pub steps: usize,
+    pub mean: StepTimings,
+    /// Mean wall time of a decode step (all phases plus the waits between them).
+    pub step_wall: Duration,
+}
+
+const PASSAGES: &str = include_str!("../../../bench/copy_passages.jsonl");
+
+fn passages(n: usize) -> Result<Vec<String>> {
+    let all: Vec<String> = PASSAGES
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| -> Result<String> {
+            let v: serde_json::Value = serde_json::from_str(l)?;
+            Ok(v["prompt"].as_str().context("copy_passages.jsonl: a line without \"prompt\"")?.to_string())
+        })
+        .collect::<Result<_>>()?;
+    Ok(all.into_iter().cycle().take(n).collect())
+}
+
+/// One run: `batch` requests decoding together; timings averaged over the steps without prefill.
+fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usize, async_scheduling: bool) -> Result<AsyncRow> {
+    let loaded = load_model(path)?;
+    let tokenizer = Arc::new(loaded.tokenizer);
+    let template = loaded.chat_template.context("the model has no chat template")?;
+    let cfg = EngineConfig { max_num_seqs: batch, max_num_batched_tokens: 2048, max_model_len: 2048, threads, async_scheduling, ..Default::default() };
+    let counters = Arc::new(QueueCounters::default());
+    let spec = SpecConfig { adaptive: false, ..SpecConfig::new(SpecMethod::Ngram, k) };
+    let proposer = build_proposer(&spec, &loaded.model.config, &cfg)?;
+    let mut engine = Engine::new(loaded.model, tokenizer.clone(), cfg, counters)?.with_speculation(spec, proposer)?;
+    let mut rxs = Vec::new();
+    for (i, p) in passages(batch)?.into_iter().enumerate() {
+        let text = template.render(&[ChatMessage { role: "user".into(), content: p }], true)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
+        engine.add_request(GenerateRequest { id: RequestId(i as u64 + 1), prompt: tokenizer.encode(&text)?, params, events: tx });
+        rxs.push(rx);
+    }
+    let mut sum = StepTimings::default();
+    let mut gaps = Duration::ZERO;
+    let (mut steps, mut gap_steps, mut tokens) = (0usize, 0usize, 0usize);
+    let mut wall = Duration::ZERO;
+    while engine.has_work() {
+        let t = Instant::now();
+        let s = engine.step();
+        let dt = t.elapsed();
+        for rx in rxs.iter_mut() {
+            while rx.try_recv().is_ok() {}
+        }
+        if !s.ran_forward || s.has_prefill {
+            continue;
+        }
+        steps += 1;
+        wall += dt;
+        tokens += s.num_emitted;
+        sum.schedule += s.timings.schedule;
+        sum.prepare += s.timings.prepare;
+        sum.forward += s.timings.forward;
+        sum.sample += s.timings.sample;
+        sum.propose += s.timings.propose;
+        sum.update += s.timings.update;
+        if let Some(g) = s.timings.gap {
+            gaps += g;
+            gap_steps += 1;
+        }
+    }
+    let n = steps.max(1) as u32;
+    let mean = StepTimings {
+        schedule: sum.schedule / n,
+        prepare: sum.prepare / n,
+        forward: sum.forward / n,
+        sample: sum.sample / n,
+        propose: sum.propose / n,
+        update: sum.update / n,
+        gap: Some(gaps / gap_steps.max(1) as u32),
+    };
+    Ok(AsyncRow { threads, async_scheduling, output_tok_s: tokens as f64 / wall.as_secs_f64(), steps, mean, step_wall: wall / n })
+}
+
+pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: usize) -> Result<Vec<AsyncRow>> {
+    let mut rows = Vec::new();
+    for &t in threads {
+        // interleaved, so drift in machine load hits both modes alike
+        for async_scheduling in [false, true] {
+            rows.push(run_once(path, t, batch, max_tokens, k, async_scheduling)?);
+        }
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!("\nasync scheduling — batch {batch} decode, ngram k={k} (non-adaptive), greedy, {max_tokens} tokens each; per decode step, ms");
+    println!(
+        "{:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10}",
+        "threads", "mode", "tok/s", "schedule", "prepare", "forward", "sample", "propose", "update", "gap", "step", "host share"
+    );
+    for r in &rows {
+        let m = &r.mean;
+        let host = 1.0 - ms(m.forward) / ms(r.step_wall);
+        println!(
+            "{:>7} {:>6} {:>9.1} {:>8.3} {:>8.3} {:>8.2} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.2} {:>9.1}%",
+            r.threads,
+            if r.async_scheduling { "async" } else { "sync" },
+            r.output_tok_s,
+            ms(m.schedule),
+            ms(m.prepare),
+            ms(m.forward),
+            ms(m.sample),
+            ms(m.propose),
+            ms(m.update),
+            ms(m.gap.unwrap_or_default()),
+            ms(r.step_wall),
+            100.0 * host
+        );
+    }
+    for pair in rows.chunks(2) {
+        if let [s, a] = pair {
+            let (gs, ga) = (ms(s.mean.gap.unwrap_or_default()), ms(a.mean.gap.unwrap_or_default()));
+            println!(
+                "threads {}: gap {:.3} -> {:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} ({:+.1}%)",
+                s.threads,
+                gs,
+                ga,
+                100.0 * (ga - gs) / gs.max(1e-9),
+                s.output_tok_s,
+                a.output_tok_s,
+                100.0 * (a.output_tok_s / s.output_tok_s - 1.0)
+            );
+        }
+    }
+    println!("(host share: the part of a step's wall time not spent in the forward pass; with async scheduling the schedule/prepare/update columns overlap the next forward pass)");
+    Ok(rows)
+}
