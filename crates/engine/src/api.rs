@@ -2,9 +2,11 @@
 //! comes back. Everything crosses threads by channel; nothing here touches the model.
 
 use crate::types::{RequestId, TokenId};
+use serde::{Deserialize, Serialize};
 
 /// Per-request sampling settings, validated by [`SamplingParams::validate`] before submission.
-#[derive(Clone, Debug, PartialEq)]
+/// Serializable so MPI ranks can receive requests (`dp::bridge`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy (argmax).
     pub temperature: f32,
@@ -70,6 +72,12 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
+    /// Greedy with no penalty: the token is the argmax of the raw logits (the sampler's and the
+    /// rejection sampler's fast path, which skips building the distribution).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy() && self.repetition_penalty == 1.0 && self.presence_penalty == 0.0 && self.frequency_penalty == 0.0
+    }
+
     /// Checks every field's range; `max_logprobs` is the server's `--max-logprobs`.
     pub fn validate(&self, max_logprobs: usize) -> Result<(), InvalidParam> {
         let bad = |param: &'static str, message: String| Err(InvalidParam { param, message });
@@ -116,7 +124,7 @@ impl SamplingParams {
 }
 
 /// Log-probability of one emitted token and the top alternatives at that position.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TokenLogprob {
     pub token: TokenId,
     pub logprob: f32,
@@ -124,7 +132,7 @@ pub struct TokenLogprob {
     pub top: Vec<(TokenId, f32)>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {
     /// EOS, a stop token or a stop string.
     Stop,
@@ -145,8 +153,8 @@ impl FinishReason {
 }
 
 /// What the engine streams back for one request, in order: zero or more `Delta`s then exactly one
-/// `Finished` or `Failed`.
-#[derive(Clone, Debug, PartialEq)]
+/// `Finished` or `Failed`. Serializable so MPI ranks can send them back (`dp::bridge`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum RequestEvent {
     Delta {
         /// The token(s) this event carries: the engine sends one event per emitted token, also

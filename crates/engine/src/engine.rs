@@ -50,9 +50,13 @@ pub struct StepTimings {
     pub propose: Duration,
     /// Applying the sampled tokens and streaming them (detokenize, stop strings, deltas).
     pub update: Duration,
-    /// Compute idle between the end of the previous forward pass and the start of this one
-    /// (`None` for the first forward pass after the engine was idle).
+    /// Time between the end of the previous forward pass and the start of this one (`None` for
+    /// the first forward pass after the engine was idle). Includes sampling, which the next
+    /// forward pass waits for whatever the scheduling.
     pub gap: Option<Duration>,
+    /// Time between the end of the previous compute job (forward, sample, propose) and the start
+    /// of this forward pass: the compute side waiting on host work.
+    pub host_gap: Option<Duration>,
 }
 
 /// What one step did, for logs, benchmarks and tests.
@@ -90,6 +94,7 @@ pub struct Engine {
     /// Sequences that ended while the proposer was away in a job; forgotten when it returns.
     spec_removals: Vec<SeqId>,
     last_forward_end: Option<Instant>,
+    last_job_end: Option<Instant>,
     /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
     /// scheduled ahead.
     spec_k: usize,
@@ -159,6 +164,7 @@ impl Engine {
             in_flight: None,
             spec_removals: Vec::new(),
             last_forward_end: None,
+            last_job_end: None,
             spec_k: 0,
         })
     }
@@ -276,9 +282,15 @@ impl Engine {
                 }
             }
         } else {
-            self.last_forward_end = None;
+            self.idle();
         }
         stats
+    }
+
+    /// No step follows at once: the next forward pass starts no gap.
+    fn idle(&mut self) {
+        self.last_forward_end = None;
+        self.last_job_end = None;
     }
 
     /// Runs a scheduled plan to the end: prepare, the compute job inline, update. The data-parallel
@@ -378,7 +390,7 @@ impl Engine {
             stats.timings.update += t.elapsed();
         }
         if !self.has_work() {
-            self.last_forward_end = None;
+            self.idle();
         }
         stats
     }
@@ -517,7 +529,9 @@ impl Engine {
         stats.timings.sample = t.sample;
         stats.timings.propose = t.propose;
         stats.timings.gap = self.last_forward_end.map(|end| t.forward_start.saturating_duration_since(end));
+        stats.timings.host_gap = self.last_job_end.map(|end| t.forward_start.saturating_duration_since(end));
         self.last_forward_end = Some(t.forward_end);
+        self.last_job_end = Some(t.forward_end + t.sample + t.propose);
     }
 
     /// Applies a step's output to its sequences: KV bookkeeping (computed tokens, rejected draft
@@ -680,7 +694,7 @@ impl Engine {
                 // Aborts and refused submits change the pool and queues without a step; publish
                 // that before going idle, or the gauges would show the last step's numbers forever.
                 self.export_gauges();
-                self.last_forward_end = None;
+                self.idle();
                 match rx.recv() {
                     Ok(cmd) => self.handle(cmd, &mut shutdown_at),
                     Err(_) => break,
@@ -759,6 +773,9 @@ fn record_timings(t: &StepTimings) {
     }
     if let Some(g) = t.gap {
         metrics::histogram!("specula:forward_gap_seconds").record(g.as_secs_f64());
+    }
+    if let Some(g) = t.host_gap {
+        metrics::histogram!("specula:compute_idle_gap_seconds").record(g.as_secs_f64());
     }
 }
 

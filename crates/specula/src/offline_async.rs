@@ -58,7 +58,7 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
         rxs.push(rx);
     }
     let mut sum = StepTimings::default();
-    let mut gaps = Duration::ZERO;
+    let (mut gaps, mut host_gaps) = (Duration::ZERO, Duration::ZERO);
     let (mut steps, mut gap_steps, mut tokens) = (0usize, 0usize, 0usize);
     let mut wall = Duration::ZERO;
     while engine.has_work() {
@@ -80,8 +80,9 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
         sum.sample += s.timings.sample;
         sum.propose += s.timings.propose;
         sum.update += s.timings.update;
-        if let Some(g) = s.timings.gap {
+        if let (Some(g), Some(h)) = (s.timings.gap, s.timings.host_gap) {
             gaps += g;
+            host_gaps += h;
             gap_steps += 1;
         }
     }
@@ -94,6 +95,7 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
         propose: sum.propose / n,
         update: sum.update / n,
         gap: Some(gaps / gap_steps.max(1) as u32),
+        host_gap: Some(host_gaps / gap_steps.max(1) as u32),
     };
     Ok(AsyncRow { threads, async_scheduling, output_tok_s: tokens as f64 / wall.as_secs_f64(), steps, mean, step_wall: wall / n })
 }
@@ -109,14 +111,14 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!("\nasync scheduling — batch {batch} decode, ngram k={k} (non-adaptive), greedy, {max_tokens} tokens each; per decode step, ms");
     println!(
-        "{:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10}",
-        "threads", "mode", "tok/s", "schedule", "prepare", "forward", "sample", "propose", "update", "gap", "step", "host share"
+        "{:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>10}",
+        "threads", "mode", "tok/s", "schedule", "prepare", "forward", "sample", "propose", "update", "gap", "idle gap", "step", "host share"
     );
     for r in &rows {
         let m = &r.mean;
         let host = 1.0 - ms(m.forward) / ms(r.step_wall);
         println!(
-            "{:>7} {:>6} {:>9.1} {:>8.3} {:>8.3} {:>8.2} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>8.2} {:>9.1}%",
+            "{:>7} {:>6} {:>9.1} {:>8.3} {:>8.3} {:>8.2} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>9.3} {:>8.2} {:>9.1}%",
             r.threads,
             if r.async_scheduling { "async" } else { "sync" },
             r.output_tok_s,
@@ -127,6 +129,7 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
             ms(m.propose),
             ms(m.update),
             ms(m.gap.unwrap_or_default()),
+            ms(m.host_gap.unwrap_or_default()),
             ms(r.step_wall),
             100.0 * host
         );
@@ -134,18 +137,22 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
     for pair in rows.chunks(2) {
         if let [s, a] = pair {
             let (gs, ga) = (ms(s.mean.gap.unwrap_or_default()), ms(a.mean.gap.unwrap_or_default()));
+            let (hs, ha) = (ms(s.mean.host_gap.unwrap_or_default()), ms(a.mean.host_gap.unwrap_or_default()));
             println!(
-                "threads {}: gap {:.3} -> {:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} ({:+.1}%)",
+                "threads {}: forward-to-forward gap {:.3} -> {:.3} ms ({:+.0}%), compute idle gap {:.3} -> {:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} ({:+.1}%)",
                 s.threads,
                 gs,
                 ga,
                 100.0 * (ga - gs) / gs.max(1e-9),
+                hs,
+                ha,
+                100.0 * (ha - hs) / hs.max(1e-9),
                 s.output_tok_s,
                 a.output_tok_s,
                 100.0 * (a.output_tok_s / s.output_tok_s - 1.0)
             );
         }
     }
-    println!("(host share: the part of a step's wall time not spent in the forward pass; with async scheduling the schedule/prepare/update columns overlap the next forward pass)");
+    println!("(gap: end of one forward pass to the start of the next, sampling included; idle gap: end of one compute job (forward + sample + propose) to the next forward pass, i.e. compute waiting on host work; host share: the part of a step's wall time not spent in the forward pass; with async scheduling the schedule/update columns overlap the next forward pass)");
     Ok(rows)
 }

@@ -19,7 +19,7 @@ pub use packing::{
 };
 pub use processors::{probabilities, probabilities_in_place, TokenHistory};
 pub use rng::SeqRng;
-pub use sampler::{argmax, sample_from_probs, Sampler};
+pub use sampler::{argmax, greedy_argmax, sample_from_probs, Sampler};
 pub use stop::{StopCheck, StopStrings};
 
 use crate::types::TokenId;

@@ -24,6 +24,36 @@ pub fn argmax(row: &[f32]) -> Option<TokenId> {
     best.map(|(i, _)| i as TokenId)
 }
 
+/// The greedy token of a raw logits row, exactly what the greedy path of
+/// `probabilities_in_place` picks after `sanitize` (NaN as -inf, +inf as f32::MAX; ties to the
+/// lowest id), in two branch-free passes instead of building the one-hot distribution: the
+/// maximum (vectorizes), then its first index. `None` for an empty row or one with no finite or
+/// +inf value.
+pub fn greedy_argmax(row: &[f32]) -> Option<TokenId> {
+    #[inline(always)]
+    fn clean(x: f32) -> f32 {
+        if x.is_nan() {
+            f32::NEG_INFINITY
+        } else if x > f32::MAX {
+            f32::MAX
+        } else {
+            x
+        }
+    }
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| {
+        let v = clean(x);
+        if v > m {
+            v
+        } else {
+            m
+        }
+    });
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    row.iter().position(|&x| clean(x) == max).map(|i| i as TokenId)
+}
+
 /// Inverse CDF: the first token (ascending id) at which the running mass exceeds `u` times the
 /// total mass. Only tokens with positive probability can be chosen; `u` is clamped to [0, 1]
 /// (NaN reads as 0).
@@ -77,6 +107,12 @@ impl Sampler {
         rng: &mut SeqRng,
     ) -> Result<TokenId, SamplingError> {
         let u = rng.uniform();
+        if params.is_plain_greedy() {
+            if logits.is_empty() {
+                return Err(SamplingError::EmptyRow);
+            }
+            return greedy_argmax(logits).ok_or(SamplingError::NoFiniteLogits);
+        }
         let probs = self.probabilities(logits, params, history)?;
         sample_from_probs(probs, u).ok_or(SamplingError::NoFiniteLogits)
     }
@@ -99,6 +135,27 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The plain-greedy fast path picks the token the one-hot distribution of the general
+        /// greedy path holds, NaN / infinities / ties included.
+        #[test]
+        fn greedy_argmax_matches_the_greedy_distribution(row in proptest::collection::vec(prop_oneof![
+            8 => (-3i32..3).prop_map(|v| v as f32),
+            1 => Just(f32::NAN),
+            1 => Just(f32::INFINITY),
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(f32::MAX),
+        ], 1..40)) {
+            let mut p = row.clone();
+            let general = probabilities_in_place(&mut p, &SamplingParams::greedy(1), TokenHistory { prompt: &[], output: &[] })
+                .ok()
+                .and_then(|_| p.iter().position(|&x| x == 1.0))
+                .map(|i| i as TokenId);
+            prop_assert_eq!(greedy_argmax(&row), general);
+        }
+    }
 
     fn ln(ps: &[f32]) -> Vec<f32> {
         ps.iter().map(|p| p.ln()).collect()

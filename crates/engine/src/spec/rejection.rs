@@ -11,7 +11,7 @@
 use super::proposer::Draft;
 use super::SpecError;
 use crate::api::SamplingParams;
-use crate::sampling::{probabilities, sample_from_probs, SamplingError, SeqRng, TokenHistory};
+use crate::sampling::{greedy_argmax, probabilities, sample_from_probs, SamplingError, SeqRng, TokenHistory};
 use crate::types::TokenId;
 
 /// What verification kept.
@@ -45,6 +45,25 @@ pub fn verify(
             return Err(SamplingError::ShapeMismatch { what: "draft distributions [k, vocab]", expected: k * vocab, got: q.iter().map(Vec::len).sum() }.into());
         }
     }
+    if params.is_plain_greedy() && !force_accept {
+        return verify_plain_greedy(logits, vocab, draft, rng);
+    }
+    verify_general(logits, vocab, draft, params, prompt, output, rng, force_accept)
+}
+
+/// `verify` by building each row's processed distribution (any parameters).
+#[allow(clippy::too_many_arguments)]
+fn verify_general(
+    logits: &[f32],
+    vocab: usize,
+    draft: &Draft,
+    params: &SamplingParams,
+    prompt: &[TokenId],
+    output: &[TokenId],
+    rng: &mut SeqRng,
+    force_accept: bool,
+) -> Result<Verdict, SpecError> {
+    let k = draft.tokens.len();
     let mut hist_output: Vec<TokenId> = output.to_vec();
     let mut p = Vec::with_capacity(vocab);
     let mut tokens = Vec::with_capacity(k + 1);
@@ -89,9 +108,71 @@ pub fn verify(
     Ok(Verdict { tokens, num_accepted })
 }
 
+/// `verify` for plain greedy (no penalties), without building distributions: the target's
+/// distribution at each row is one-hot on its argmax, so a draft token is accepted exactly when it
+/// is that argmax, and the first mismatch (or the bonus row) emits the argmax. Draws the same
+/// uniforms as the general path (one per tested draft, one more on rejection, one for the bonus),
+/// so the sequence's stream advances identically.
+fn verify_plain_greedy(logits: &[f32], vocab: usize, draft: &Draft, rng: &mut SeqRng) -> Result<Verdict, SpecError> {
+    let k = draft.tokens.len();
+    let mut tokens = Vec::with_capacity(k + 1);
+    for i in 0..=k {
+        let best = greedy_argmax(&logits[i * vocab..(i + 1) * vocab]).ok_or(SamplingError::NoFiniteLogits)?;
+        if i < k && draft.tokens[i] as usize >= vocab {
+            return Err(SamplingError::TokenOutOfVocab { token: draft.tokens[i], vocab }.into());
+        }
+        let _ = rng.uniform();
+        if i < k && best == draft.tokens[i] {
+            tokens.push(draft.tokens[i]);
+            continue;
+        }
+        if i < k {
+            let _ = rng.uniform();
+        }
+        tokens.push(best);
+        break;
+    }
+    let num_accepted = tokens.len() - 1;
+    Ok(Verdict { tokens, num_accepted })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The greedy fast path emits what building the one-hot distributions emits, and leaves the
+        /// random stream at the same place, on rows with ties, NaN and infinities.
+        #[test]
+        fn plain_greedy_fast_path_matches_the_general_path(
+            rows in proptest::collection::vec(proptest::collection::vec(prop_oneof![
+                8 => (-4i32..4).prop_map(|v| v as f32),
+                1 => Just(f32::NAN),
+                1 => Just(f32::INFINITY),
+                1 => Just(f32::NEG_INFINITY),
+            ], 6), 1..5),
+            draft_seed in proptest::collection::vec(0u32..6, 4),
+            seed in 0u64..1000,
+        ) {
+            let vocab = 6;
+            let k = rows.len() - 1;
+            let logits: Vec<f32> = rows.concat();
+            let draft = Draft { tokens: draft_seed[..k].to_vec(), probs: None };
+            let params = SamplingParams::greedy(10);
+            let (mut r1, mut r2) = (SeqRng::new(Some(seed), 0), SeqRng::new(Some(seed), 0));
+            let fast = verify_plain_greedy(&logits, vocab, &draft, &mut r1);
+            let general = verify_general(&logits, vocab, &draft, &params, &[1], &[], &mut r2, false);
+            match (fast, general) {
+                (Ok(a), Ok(b)) => {
+                    prop_assert_eq!(a, b);
+                    prop_assert_eq!(r1.uniform(), r2.uniform());
+                }
+                (Err(_), Err(_)) => {}
+                (a, b) => prop_assert!(false, "fast {:?} vs general {:?}", a, b),
+            }
+        }
+    }
 
     fn logits_from_probs(p: &[f32]) -> Vec<f32> {
         p.iter().map(|x| if *x > 0.0 { x.ln() } else { f32::NEG_INFINITY }).collect()
