@@ -1,15 +1,21 @@
-//! `specula serve`: the OpenAI-compatible server over one engine. SIGINT/SIGTERM stop accepting
-//! connections, give in-flight requests a bounded grace period, then abort what is left with a
-//! clear error and exit 0.
+//! `specula serve`: the OpenAI-compatible server over one engine, over data-parallel ranks in
+//! this process, or (`--data-parallel-backend mpi`, cargo feature `mpi`) over one rank per MPI
+//! process (`serve_mpi.rs`). SIGINT/SIGTERM stop accepting connections, give in-flight requests
+//! a bounded grace period, then abort what is left with a clear error and exit 0.
 
 use crate::engine_args::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
-use specula_engine::spawn_engine;
+use specula_engine::{spawn_engine, EngineHandle};
 use specula_model::load_model;
 use specula_server::{AppState, ServerConfig};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+
+#[cfg(feature = "mpi")]
+#[path = "serve_mpi.rs"]
+mod mpi_ranks;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -31,33 +37,37 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_secs: u64,
-    /// Engine ranks (each with its own KV cache; --threads is split across them).
-    #[arg(long, default_value_t = 1)]
-    pub data_parallel_size: usize,
+    /// Engine ranks (each with its own KV cache; --threads is split across in-process ranks).
+    /// Default: 1, or with --data-parallel-backend mpi the number of processes mpirun started.
+    #[arg(long)]
+    pub data_parallel_size: Option<usize>,
     /// replica: independent engines behind a least-outstanding-tokens router (dense models);
     /// lockstep: ranks agree on every step with one packed all-reduce and idle ranks run dummy batches.
     #[arg(long, default_value = "replica", value_parser = ["replica", "lockstep"])]
     pub data_parallel_mode: String,
-    /// local: ranks are threads of this process; mpi: ranks are processes launched by mpirun.
+    /// local: ranks are threads of this process; mpi: ranks are processes launched by
+    /// `mpirun -np N` (rank 0 serves HTTP; --threads is per process; needs a build with the cargo
+    /// feature `mpi`).
     #[arg(long, default_value = "local", value_parser = ["local", "mpi"])]
     pub data_parallel_backend: String,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
+    if args.data_parallel_backend == "mpi" {
+        return run_mpi(args);
+    }
     let path = crate::fetch::resolve_model(&args.engine.model)?;
     let loaded = load_model(&path)?;
     let mut cfg = args.engine.to_config(&loaded.model.config)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
-    let mut server_cfg = ServerConfig::new(args.served_model_name.clone().unwrap_or_else(|| loaded.name.clone()));
-    server_cfg.max_model_len = cfg.max_model_len;
-    server_cfg.max_logprobs = args.max_logprobs;
-    server_cfg.api_key = args.api_key.clone();
+    let server_cfg = server_config(&args, &cfg, &loaded.name);
     // the metrics recorder must exist before the engine records anything
     let _ = specula_server::metrics::prometheus_handle();
     let tokenizer = Arc::new(loaded.tokenizer);
     let chat = loaded.chat_template.map(Arc::new);
-    let (engine, join) = if args.data_parallel_size > 1 || args.data_parallel_backend == "mpi" {
-        let group = spawn_dp_group(&args, &path, loaded.model, tokenizer.clone(), cfg)?;
+    let dp_size = args.data_parallel_size.unwrap_or(1);
+    let (engine, join) = if dp_size > 1 {
+        let group = spawn_dp_group(&args, dp_size, &path, loaded.model, tokenizer.clone(), cfg)?;
         let handle = group.handle.clone();
         (handle, EngineJoin::Group(group))
     } else {
@@ -66,18 +76,50 @@ pub fn run(args: ServeArgs) -> Result<()> {
         (h, EngineJoin::Single(j))
     };
     let state = AppState::new(engine.clone(), tokenizer, chat, server_cfg);
+    serve_http(&args, state, engine.clone(), &loaded.name, std::future::pending())?;
+    engine.shutdown();
+    drop(engine);
+    join.join();
+    Ok(())
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(args: ServeArgs) -> Result<()> {
+    mpi_ranks::run(args)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_args: ServeArgs) -> Result<()> {
+    anyhow::bail!(
+        "--data-parallel-backend mpi: this specula was built without MPI support; rebuild with `cargo build --release -p specula --features mpi` (needs Open MPI and libclang: apt-get install openmpi-bin libopenmpi-dev libclang-dev) and launch it with `mpirun -np N specula serve --data-parallel-backend mpi ...`"
+    )
+}
+
+fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_name: &str) -> ServerConfig {
+    let mut server_cfg = ServerConfig::new(args.served_model_name.clone().unwrap_or_else(|| model_name.to_string()));
+    server_cfg.max_model_len = cfg.max_model_len;
+    server_cfg.max_logprobs = args.max_logprobs;
+    server_cfg.api_key = args.api_key.clone();
+    server_cfg
+}
+
+/// Serves HTTP on the calling thread until SIGINT/SIGTERM or `engine_stopped` completes (the
+/// engine behind `engine` ended on its own); then asks the engine to shut down and waits (within
+/// the grace period) for open connections.
+fn serve_http(args: &ServeArgs, state: AppState, engine: EngineHandle, model_name: &str, engine_stopped: impl Future<Output = ()> + Send + 'static) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let grace = Duration::from_secs(args.shutdown_grace_secs);
-    let engine_in_rt = engine.clone();
     rt.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        eprintln!("specula serving {} on http://{addr} (OpenAI API under /v1)", loaded.name);
+        eprintln!("specula serving {model_name} on http://{addr} (OpenAI API under /v1)");
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
-            wait_for_signal().await;
-            eprintln!("shutting down: no new connections; in-flight requests have {}s to finish", grace.as_secs());
-            engine_in_rt.shutdown();
+            tokio::select! {
+                _ = wait_for_signal() => eprintln!("shutting down: no new connections; in-flight requests have {}s to finish", grace.as_secs()),
+                _ = engine_stopped => eprintln!("shutting down: the engine stopped"),
+            }
+            engine.shutdown();
             let _ = stop_tx.send(true);
         });
         let mut stop_server = stop_rx.clone();
@@ -96,11 +138,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             _ = hard_stop => eprintln!("some connections did not close in time; exiting anyway"),
         }
         anyhow::Ok(())
-    })?;
-    engine.shutdown();
-    drop(engine);
-    join.join();
-    Ok(())
+    })
 }
 
 /// The engine threads behind the server: one engine, or a data-parallel group.
@@ -131,20 +169,15 @@ impl EngineJoin {
 /// starts the group.
 fn spawn_dp_group(
     args: &ServeArgs,
+    n: usize,
     path: &std::path::Path,
     first: specula_model::LlamaModel,
     tokenizer: Arc<specula_model::Tokenizer>,
     cfg: specula_engine::EngineConfig,
 ) -> Result<specula_engine::dp::DpGroup> {
     use specula_engine::dp::{spawn_lockstep, spawn_replicas, LocalGroup, RankSetup};
-    let n = args.data_parallel_size;
     if n == 0 {
         anyhow::bail!("--data-parallel-size must be at least 1");
-    }
-    if args.data_parallel_backend == "mpi" {
-        anyhow::bail!(
-            "--data-parallel-backend mpi: the MPI collectives exist (cargo feature `mpi`), but serving over MPI ranks is not wired into `specula serve` in this build; use --data-parallel-backend local"
-        );
     }
     let rank_cfg = specula_engine::dp::group::rank_config(&cfg, n);
     let mut ranks = Vec::with_capacity(n);

@@ -110,6 +110,26 @@ pub fn describe_config(cfg: &EngineConfig, model: &specula_model::ModelConfig, s
     .join("\n")
 }
 
+/// One rank's engine and command channel, built but not running yet.
+pub struct BuiltRank {
+    pub engine: Engine,
+    pub rx: Receiver<EngineCommand>,
+    /// The rank's own handle (from `EngineHandle::channel`).
+    pub handle: EngineHandle,
+}
+
+/// Builds one rank with `cfg` as its own configuration (the caller has already shared out the
+/// threads). An MPI process builds its rank this way before the start-up check, so that a
+/// configuration error reaches every rank instead of leaving them waiting.
+pub fn build_rank(setup: RankSetup, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<BuiltRank, EngineError> {
+    let (handle, rx, counters) = EngineHandle::channel(cfg.max_waiting);
+    let mut engine = Engine::new(setup.model, tokenizer, cfg.clone(), counters)?;
+    if let Some((c, p)) = setup.spec {
+        engine = engine.with_speculation(c, p)?;
+    }
+    Ok(BuiltRank { engine, rx, handle })
+}
+
 /// Builds each rank's engine (on the calling thread, so configuration errors come back here)
 /// and its channel.
 fn build_engines(ranks: Vec<RankSetup>, tokenizer: &Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Vec<(Engine, Receiver<EngineCommand>, EngineHandle)>, EngineError> {
@@ -120,14 +140,7 @@ fn build_engines(ranks: Vec<RankSetup>, tokenizer: &Arc<Tokenizer>, cfg: &Engine
     let rank_cfg = rank_config(cfg, n);
     ranks
         .into_iter()
-        .map(|setup| {
-            let (handle, rx, counters) = EngineHandle::channel(rank_cfg.max_waiting);
-            let mut engine = Engine::new(setup.model, tokenizer.clone(), rank_cfg.clone(), counters)?;
-            if let Some((c, p)) = setup.spec {
-                engine = engine.with_speculation(c, p)?;
-            }
-            Ok((engine, rx, handle))
-        })
+        .map(|setup| build_rank(setup, tokenizer.clone(), &rank_cfg).map(|b| (b.engine, b.rx, b.handle)))
         .collect()
 }
 
@@ -193,6 +206,14 @@ fn run_replica(mut engine: Engine, rx: Receiver<EngineCommand>, rank: usize, sta
     }
     metrics.publish(&engine, stats);
     tracing::info!(rank, "data-parallel replica stopped");
+}
+
+/// Runs a built rank as an independent replica on its own thread, publishing its metrics under
+/// `rank` (an MPI process runs one rank of a larger group). The thread ends after a shutdown and
+/// its grace period, or once every handle is gone.
+pub fn spawn_replica_rank(built: BuiltRank, rank: usize, stats: Arc<RankStats>) -> Result<JoinHandle<()>, EngineError> {
+    let BuiltRank { engine, rx, .. } = built;
+    std::thread::Builder::new().name(format!("specula-dp-{rank}")).spawn(move || run_replica(engine, rx, rank, &stats)).map_err(EngineError::Spawn)
 }
 
 /// Starts a lockstep group over `comms` (rank r's communicator at index r, e.g. from

@@ -7,10 +7,14 @@
 //!   affinity, aborts to the owner); `EngineHandle::routed` wraps it.
 //! - `lockstep`: the per-rank loop that steps with its peers (dummy batches, agreed shutdown);
 //!   `group`: starting replica or lockstep groups in this process; `rank`: what both share.
+//! - `bridge` (feature `mpi`): serving over MPI processes: rank 0's router reaches the other
+//!   ranks through MPI messages (requests, aborts, shutdown down; events and metrics up).
 //!
 //! Not here: the model's own parallelism (tensor/expert parallel layers); an MoE layer would
 //! call `Communicator::all_to_all_f32` on buffers padded to `GlobalStep::max_tokens`.
 
+#[cfg(feature = "mpi")]
+pub mod bridge;
 pub mod communicator;
 pub mod counting;
 pub mod group;
@@ -26,7 +30,7 @@ pub use communicator::{CollectiveKind, Communicator, DpError};
 pub use counting::{CollectiveCounts, CountingComm};
 pub use local::{LocalComm, LocalGroup};
 pub use metadata::{agree, check_same_config, GlobalStep, StepMetadata};
-pub use group::{spawn_lockstep, spawn_replicas, DpGroup, DpMode, RankSetup};
+pub use group::{build_rank, spawn_lockstep, spawn_replica_rank, spawn_replicas, BuiltRank, DpGroup, DpMode, RankSetup};
 pub use lockstep::{LockstepRank, IDLE_POLL};
-pub use rank::RankStats;
+pub use rank::{RankMetrics, RankSnapshot, RankStats};
 pub use router::ReplicaRouter;

@@ -1,12 +1,15 @@
 //! Ranks as MPI processes (`mpirun -np N specula ...`): the `Communicator` over MPI_COMM_WORLD,
-//! through the `mpi` crate on the system's Open MPI. One rank per process; all calls from the
-//! thread that created the communicator. MPI's default error handler aborts the whole job on a
-//! failed collective, and mpirun ends the job when a process exits early, so a broken rank
-//! never leaves its peers waiting. Built only with the `mpi` feature.
+//! through the `mpi` crate on the system's Open MPI. One rank per process; the communicator's
+//! calls come from one thread (the rank loop), while a server's `bridge` thread talks over its
+//! own duplicate of the world (`init_threaded` asks for MPI_THREAD_MULTIPLE). MPI's default
+//! error handler aborts the whole job on a failed collective, and mpirun ends the job when a
+//! process exits early, so a broken rank never leaves its peers waiting. Built only with the
+//! `mpi` feature.
 
 use super::communicator::{check_all_to_all_shape, check_gather_shape, check_root, Communicator, DpError};
 use mpi::collective::SystemOperation;
-use mpi::environment::{Threading, Universe};
+use mpi::environment::Universe;
+pub use mpi::environment::Threading;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
 
@@ -18,29 +21,67 @@ pub fn launched_by_mpirun() -> bool {
     LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some())
 }
 
-/// This process's rank in MPI_COMM_WORLD. Owns the MPI environment: dropping it finalizes MPI,
-/// so drop it only after the group agreed to stop.
+/// This process's rank in MPI_COMM_WORLD. From `init` it owns the MPI environment (dropping it
+/// finalizes MPI, so drop it only after the group agreed to stop); from `init_threaded` the
+/// returned `MpiEnv` owns it instead.
 pub struct MpiComm {
     world: SimpleCommunicator,
     rank: usize,
     size: usize,
+    _universe: Option<Universe>,
+}
+
+/// The MPI environment of a process whose MPI is used by several threads (`init_threaded`).
+/// Dropping it finalizes MPI: drop it last, after every thread that uses MPI has ended.
+pub struct MpiEnv {
     _universe: Universe,
+}
+
+/// MPI thread-support levels in increasing order (the `mpi` crate's enum has no order).
+fn threading_level(t: Threading) -> u8 {
+    match t {
+        Threading::Single => 0,
+        Threading::Funneled => 1,
+        Threading::Serialized => 2,
+        Threading::Multiple => 3,
+    }
 }
 
 impl MpiComm {
     /// Initializes MPI (once per process) and joins MPI_COMM_WORLD. Refuses, with the command to
     /// use, when the process was not started by mpirun (MPI would silently make it a group of one).
     pub fn init() -> Result<Self, DpError> {
+        let (universe, _) = Self::initialize(Threading::Funneled)?;
+        Ok(Self::over_world(Some(universe)))
+    }
+
+    /// Initializes MPI for a process where several threads make MPI calls at once (the engine
+    /// rank's collectives and `bridge`'s messages), asking for `needed` and failing clearly when
+    /// the MPI library provides less. The communicator goes to the rank loop; the environment
+    /// stays with the caller, to be dropped after every MPI thread has ended.
+    pub fn init_threaded(needed: Threading) -> Result<(MpiEnv, Self), DpError> {
+        let (universe, provided) = Self::initialize(needed)?;
+        if threading_level(provided) < threading_level(needed) {
+            return Err(DpError::Mpi(format!(
+                "this MPI library provides thread support {provided:?} but serving over MPI needs {needed:?} (a bridge thread passes requests while the rank computes); use an MPI built with MPI_THREAD_MULTIPLE (Debian's Open MPI is)"
+            )));
+        }
+        Ok((MpiEnv { _universe: universe }, Self::over_world(None)))
+    }
+
+    fn initialize(threading: Threading) -> Result<(Universe, Threading), DpError> {
         if !launched_by_mpirun() {
             return Err(DpError::Config(
                 "--data-parallel-backend mpi needs the processes started by MPI: run `mpirun -np N specula serve ... --data-parallel-backend mpi` (or use the default in-process backend)".into(),
             ));
         }
-        let (universe, _) = mpi::initialize_with_threading(Threading::Funneled)
-            .ok_or_else(|| DpError::Mpi("MPI was already initialized in this process".into()))?;
-        let world = universe.world();
+        mpi::initialize_with_threading(threading).ok_or_else(|| DpError::Mpi("MPI was already initialized in this process".into()))
+    }
+
+    fn over_world(universe: Option<Universe>) -> Self {
+        let world = SimpleCommunicator::world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        Ok(Self { world, rank, size, _universe: universe })
+        Self { world, rank, size, _universe: universe }
     }
 
     /// Fails on every rank when mpirun started a different number of processes than asked for.
