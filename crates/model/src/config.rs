@@ -40,6 +40,9 @@ pub struct MoeConfig {
     pub norm_topk: bool,
     /// Hidden width of the shared expert every token also goes through (Qwen2-MoE), if any.
     pub shared_ffn: Option<usize>,
+    /// Ranks the experts are spread over (1: every expert on this rank); set by
+    /// `LlamaModel::enable_expert_parallel`, and part of the configuration ranks must agree on.
+    pub expert_parallel_size: usize,
 }
 
 impl ModelConfig {

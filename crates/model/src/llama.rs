@@ -138,6 +138,9 @@ impl LlamaModel {
                 }
             }
         }
+        if let Some(m) = &mut self.config.moe {
+            m.expert_parallel_size = n;
+        }
         self.expert_exchange = Some(exchange);
         Ok(())
     }

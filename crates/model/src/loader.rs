@@ -144,7 +144,7 @@ fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError>
         false => None,
     };
     let norm_topk = f.meta_bool(&key("expert_weights_norm")).unwrap_or(true);
-    Ok(Some(MoeConfig { n_experts, n_used, expert_ffn, norm_topk, shared_ffn }))
+    Ok(Some(MoeConfig { n_experts, n_used, expert_ffn, norm_topk, shared_ffn, expert_parallel_size: 1 }))
 }
 
 /// One layer's router and experts: the 3-D `ffn_{gate,up,down}_exps` stacks, or (older GGUF

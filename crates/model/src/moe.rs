@@ -33,6 +33,10 @@ pub trait ExpertExchange: Send + Sync {
     /// Exchanges made since the last `begin_step` (a complete forward pass makes
     /// [`crate::LlamaModel::exchanges_per_forward`]).
     fn exchanges_this_step(&self) -> usize;
+    /// Time spent inside the exchanges so far, in nanoseconds (metrics; 0 if not measured).
+    fn exchange_nanos(&self) -> u64 {
+        0
+    }
     /// `out[r * local.len()..][..local.len()]` receives rank r's `local`.
     fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), String>;
     /// `send` holds `size()` equal chunks, chunk j for rank j; `recv` receives chunk i from rank i.

@@ -37,6 +37,11 @@ impl<C: Communicator> CountingComm<C> {
         Self { inner, counts: Arc::new(CollectiveCounts::default()) }
     }
 
+    /// The wrapped communicator.
+    pub fn inner(&self) -> &C {
+        &self.inner
+    }
+
     /// The counters, readable while the communicator is in use on another thread.
     pub fn counts(&self) -> Arc<CollectiveCounts> {
         self.counts.clone()

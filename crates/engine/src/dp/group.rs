@@ -106,6 +106,7 @@ pub fn describe_config(cfg: &EngineConfig, model: &specula_model::ModelConfig, s
         format!("enable_prefix_caching={}", cfg.enable_prefix_caching),
         format!("speculative={spec}"),
         format!("model={} vocab={} hidden={} layers={} heads={}/{}", model.arch, model.vocab_size, model.hidden_size, model.n_layers, model.n_heads, model.n_kv_heads),
+        format!("moe={:?}", model.moe),
     ]
     .join("\n")
 }
@@ -150,6 +151,9 @@ fn routed(rank_handles: &[EngineHandle], cfg: &EngineConfig) -> Result<Arc<Repli
 
 /// Starts `ranks.len()` independent engine replicas behind one router.
 pub fn spawn_replicas(ranks: Vec<RankSetup>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Result<DpGroup, EngineError> {
+    if ranks.iter().any(|r| r.model.expert_exchange().is_some()) {
+        return Err(EngineError::Config("--enable-expert-parallel needs --data-parallel-mode lockstep (replicas step independently, so their expert exchanges could never meet)".into()));
+    }
     let engines = build_engines(ranks, &tokenizer, &cfg)?;
     let rank_handles: Vec<EngineHandle> = engines.iter().map(|(_, _, h)| h.clone()).collect();
     let router = routed(&rank_handles, &cfg)?;

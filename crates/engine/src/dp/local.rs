@@ -211,14 +211,22 @@ impl Communicator for LocalComm {
     }
 }
 
-impl Drop for LocalComm {
-    /// Leaving poisons the group: whoever waits now, or calls later, gets `PeerGone`.
-    fn drop(&mut self) {
+impl LocalComm {
+    /// Leaves the group without being dropped (a rank that cannot finish the collectives it
+    /// started): whoever waits now, or calls later, gets `PeerGone`.
+    pub fn leave(&self) {
         let mut st = self.shared.lock();
         if st.gone.is_none() {
             st.gone = Some(self.rank);
         }
         self.shared.wake.notify_all();
+    }
+}
+
+impl Drop for LocalComm {
+    /// Leaving poisons the group: whoever waits now, or calls later, gets `PeerGone`.
+    fn drop(&mut self) {
+        self.leave();
     }
 }
 

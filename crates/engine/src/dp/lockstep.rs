@@ -14,6 +14,7 @@
 //! collective fail (`DpError::PeerGone`) instead of hanging.
 
 use super::communicator::{Communicator, DpError};
+use super::expert;
 use super::metadata::{agree, GlobalStep, StepMetadata};
 use super::rank::{panic_message, reap_disconnected, Commands, RankMetrics, RankStats};
 use crate::engine::Engine;
@@ -48,12 +49,14 @@ pub struct LockstepRank<C: Communicator> {
     fatal: Option<String>,
     /// No rank had tokens at the last agreement: wait for commands before the next one.
     all_idle: bool,
+    /// Expert-exchange time already added to the stats (the exchange keeps a running total).
+    expert_nanos_seen: u64,
 }
 
 impl<C: Communicator> LockstepRank<C> {
     pub fn new(engine: Engine, comm: C, rx: Receiver<EngineCommand>, stats: Arc<RankStats>) -> Self {
         let metrics = RankMetrics::new(comm.rank());
-        Self { engine, comm, rx, stats, metrics, commands: Commands::default(), step: 0, channel_closed: false, fatal: None, all_idle: true }
+        Self { engine, comm, rx, stats, metrics, commands: Commands::default(), step: 0, channel_closed: false, fatal: None, all_idle: true, expert_nanos_seen: 0 }
     }
 
     /// Runs until the group agrees to stop (Ok) or the group fails (Err, on every rank). Either
@@ -158,10 +161,36 @@ impl<C: Communicator> LockstepRank<C> {
 
     /// Runs this rank's share of the agreed step.
     fn execute(&mut self, plan: &StepPlan, global: &GlobalStep) {
+        if global.max_tokens > 0 {
+            // An expert-parallel model pads its exchanges to the agreed size (dense layers need
+            // no padding: only collectives inside the model care).
+            expert::begin_step(&self.engine.model, global.max_tokens);
+        }
+        self.run_batch(plan, global);
+        if global.max_tokens > 0 {
+            self.finish_expert_step();
+        }
+    }
+
+    /// After the step's forward pass: makes sure this rank joined every MoE exchange of the
+    /// step, and counts the exchange time as collective time.
+    fn finish_expert_step(&mut self) {
+        if let Err(msg) = expert::finish_step(&self.engine.model) {
+            tracing::error!(rank = self.comm.rank(), "{msg}");
+            self.fatal.get_or_insert(msg);
+        }
+        if let Some(x) = self.engine.model.expert_exchange() {
+            let total = x.exchange_nanos();
+            let delta = total.saturating_sub(self.expert_nanos_seen);
+            self.expert_nanos_seen = total;
+            RankStats::add(&self.stats.collective_nanos, delta);
+            // (also inside specula:dp_collective_seconds_total, which counts every collective)
+            metrics::gauge!("specula:dp_expert_exchange_seconds_total", "rank" => self.comm.rank().to_string()).increment(delta as f64 * 1e-9);
+        }
+    }
+
+    fn run_batch(&mut self, plan: &StepPlan, global: &GlobalStep) {
         if !plan.is_empty() {
-            // Dense layers need no padding: the padded size only matters to collectives inside
-            // the model. Extension point: an expert-parallel MoE layer pads its all_to_all
-            // buffers to `global.max_tokens` rows here (rows past `plan.total_tokens` are zeros).
             self.run_plan(plan);
             RankStats::add(&self.stats.steps, 1);
             RankStats::add(&self.stats.tokens, plan.total_tokens as u64);

@@ -9,14 +9,16 @@
 //!   `group`: starting replica or lockstep groups in this process; `rank`: what both share.
 //! - `bridge` (feature `mpi`): serving over MPI processes: rank 0's router reaches the other
 //!   ranks through MPI messages (requests, aborts, shutdown down; events and metrics up).
+//! - `expert`: expert parallelism for MoE models in lockstep mode: the model's `ExpertExchange`
+//!   over a communicator, padded to `GlobalStep::max_tokens` each step.
 //!
-//! Not here: the model's own parallelism (tensor/expert parallel layers); an MoE layer would
-//! call `Communicator::all_to_all_f32` on buffers padded to `GlobalStep::max_tokens`.
+//! Not here: the MoE math itself (specula_model::moe).
 
 #[cfg(feature = "mpi")]
 pub mod bridge;
 pub mod communicator;
 pub mod counting;
+pub mod expert;
 pub mod group;
 pub mod local;
 pub mod lockstep;
