@@ -95,6 +95,9 @@ pub struct Engine {
     spec_removals: Vec<SeqId>,
     last_forward_end: Option<Instant>,
     last_job_end: Option<Instant>,
+    /// How long the last compute job took, and when the one in flight should end by that measure.
+    last_job_time: Option<Duration>,
+    job_expected_end: Option<Instant>,
     /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
     /// scheduled ahead.
     spec_k: usize,
@@ -165,6 +168,8 @@ impl Engine {
             spec_removals: Vec::new(),
             last_forward_end: None,
             last_job_end: None,
+            last_job_time: None,
+            job_expected_end: None,
             spec_k: 0,
         })
     }
@@ -335,7 +340,12 @@ impl Engine {
 
         let mut applied = None;
         if let Some(plan) = self.in_flight.take() {
-            let synced = self.runner.as_mut().expect("async engine has a runner").sync();
+            let runner = self.runner.as_mut().expect("async engine has a runner");
+            // with a core to spare, be awake when the job ends instead of waiting to be woken
+            let synced = match self.job_expected_end {
+                Some(end) if self.cfg.threads < available_cores() => runner.sync_near(end, Duration::from_micros(600)),
+                _ => runner.sync(),
+            };
             stats.num_seqs = plan.seqs.len();
             stats.num_tokens = plan.total_tokens;
             stats.has_prefill = plan.has_prefill();
@@ -374,7 +384,10 @@ impl Engine {
                     let step = job.step;
                     let submitted = self.runner.as_mut().expect("async engine has a runner").submit(step, move || Ok(run_job(&ctx, state, job)));
                     match submitted {
-                        Ok(()) => self.in_flight = Some(next),
+                        Ok(()) => {
+                            self.in_flight = Some(next);
+                            self.job_expected_end = self.last_job_time.map(|d| Instant::now() + d);
+                        }
                         Err(e) => self.compute_state_lost(&next, &e.to_string()),
                     }
                 }
@@ -532,6 +545,7 @@ impl Engine {
         stats.timings.host_gap = self.last_job_end.map(|end| t.forward_start.saturating_duration_since(end));
         self.last_forward_end = Some(t.forward_end);
         self.last_job_end = Some(t.forward_end + t.sample + t.propose);
+        self.last_job_time = Some(t.forward_end - t.forward_start + t.sample + t.propose);
     }
 
     /// Applies a step's output to its sequences: KV bookkeeping (computed tokens, rejected draft
@@ -763,6 +777,10 @@ fn stream_token(s: &mut Sequence, tok: &Tokenizer, id: TokenId, lp: Option<Token
     s.text_sent = s.text_sent.max(release);
     s.send_delta(vec![id], text, logprobs);
     stopped
+}
+
+fn available_cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// Per-phase step times and the compute gap, as Prometheus histograms.

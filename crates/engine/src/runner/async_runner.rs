@@ -7,7 +7,8 @@
 use std::any::Any;
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::time::{Duration, Instant};
 use std::thread::{self, JoinHandle};
 
 /// What can go wrong with an [`AsyncRunner`]; every message names the runner (its thread name).
@@ -139,6 +140,35 @@ impl<T: Send + 'static> AsyncRunner<T> {
         }
     }
 
+    /// Like `sync` for a job expected to end at about `expected_end`: waits in the channel until
+    /// shortly before then and polls from there on, so the caller is running (not waiting to be
+    /// woken by the OS) when the result arrives. Spends at most `spin` polling before falling back
+    /// to a blocking wait. Use it only where the caller's core would otherwise sit idle.
+    pub fn sync_near(&mut self, expected_end: Instant, spin: Duration) -> Result<T, AsyncRunnerError> {
+        self.check_running()?;
+        if self.pending.is_none() {
+            return Err(AsyncRunnerError::NothingSubmitted { name: self.name.clone() });
+        }
+        let wake = expected_end.checked_sub(spin / 2).unwrap_or(expected_end);
+        let now = Instant::now();
+        if now < wake {
+            match self.results.recv_timeout(wake - now) {
+                Ok(done) => return self.collect(done),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return Err(self.stop()),
+            }
+        }
+        let give_up = Instant::now() + spin;
+        loop {
+            match self.results.try_recv() {
+                Ok(done) => return self.collect(done),
+                Err(TryRecvError::Disconnected) => return Err(self.stop()),
+                Err(TryRecvError::Empty) if Instant::now() >= give_up => return self.sync(),
+                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+            }
+        }
+    }
+
     /// Like `sync` but never blocks: `Ok(None)` while the job is still running.
     pub fn try_sync(&mut self) -> Result<Option<T>, AsyncRunnerError> {
         self.check_running()?;
@@ -217,7 +247,8 @@ impl<T: Send + 'static> fmt::Debug for AsyncRunner<T> {
 
 /// The worker loop: runs jobs in order until the job channel closes or the runner is gone.
 fn work<T>(name: &str, jobs: Receiver<Message<T>>, results: Sender<Done<T>>) {
-    while let Ok(message) = jobs.recv() {
+    let mut pending: Option<Message<T>> = None;
+    while let Some(message) = pending.take().or_else(|| jobs.recv().ok()) {
         let job = match message {
             Message::Run(job) => job,
             #[cfg(test)]
@@ -231,8 +262,24 @@ fn work<T>(name: &str, jobs: Receiver<Message<T>>, results: Sender<Done<T>>) {
         if results.send(Done { step: job.step, outcome }).is_err() {
             return; // the runner is gone; nobody will read another result
         }
+        // The next job usually follows within a fraction of a millisecond (async scheduling):
+        // poll briefly so it starts without waiting for the OS to wake this thread.
+        let until = Instant::now() + NEXT_JOB_SPIN;
+        while Instant::now() < until {
+            match jobs.try_recv() {
+                Ok(message) => {
+                    pending = Some(message);
+                    break;
+                }
+                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                Err(TryRecvError::Disconnected) => return,
+            }
+        }
     }
 }
+
+/// How long the worker polls for the next job after finishing one.
+const NEXT_JOB_SPIN: Duration = Duration::from_micros(500);
 
 /// Runs one job, turning a panic into `Failure::Panic` with the payload's text.
 fn run_job<T>(run: Box<dyn FnOnce() -> Result<T, String> + Send>) -> Result<T, Failure> {
