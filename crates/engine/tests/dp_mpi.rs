@@ -133,3 +133,113 @@ fn mpi_lockstep_with_one_request_on_rank_one_finishes_and_both_ranks_stop() {
     eprintln!("rank stats: {steps} steps, {dummy} dummy steps, {:.2?} in collectives", stats.collective_time());
     assert!(steps + dummy >= 25, "rank joined every step");
 }
+
+/// Greedy tokens of `reqs` from one plain engine holding every expert (computed by each process
+/// on its own before MPI is involved): the reference for the expert-parallel run.
+fn moe_single_engine(path: &std::path::Path, reqs: &[(Vec<u32>, specula_engine::SamplingParams)]) -> Vec<Vec<u32>> {
+    let loaded = load_model(path).unwrap();
+    let cfg = EngineConfig { num_kv_blocks: 64, threads: 1, ..common::tiny_config() };
+    let (h, join) = specula_engine::spawn_engine(loaded.model, Arc::new(loaded.tokenizer), cfg, None).unwrap();
+    let mut rxs = Vec::new();
+    for (p, params) in reqs {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        h.submit(GenerateRequest { id: h.next_request_id(), prompt: p.clone(), params: params.clone(), events: tx }).unwrap();
+        rxs.push(rx);
+    }
+    let out = rxs.into_iter().map(collect_tokens).collect();
+    h.shutdown();
+    drop(h);
+    join.join().unwrap();
+    out
+}
+
+/// Reads a request's events to the end; its tokens (panics unless it finished by length).
+fn collect_tokens(mut events: tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    loop {
+        match events.blocking_recv() {
+            Some(RequestEvent::Delta { tokens: t, .. }) => tokens.extend(t),
+            Some(RequestEvent::Finished { reason, .. }) => {
+                assert_eq!(reason, FinishReason::Length);
+                return tokens;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn mpi_lockstep_expert_parallel_moe_gives_the_single_engine_tokens() {
+    use specula_engine::dp::mpi::Threading;
+    use specula_engine::dp::mpi_expert::enable_mpi_expert_parallel;
+    use specula_model::testing::{write_tiny_moe, GgmlDType, TinyMoe, TinySpec};
+    if !launched_by_mpirun() {
+        return relaunch_under_mpirun("mpi_lockstep_expert_parallel_moe_gives_the_single_engine_tokens", 2);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("moe.gguf");
+    // same seed on every rank: the same model, byte for byte
+    let spec = TinySpec { seed: 21, weight_format: GgmlDType::Q4_1, moe: Some(TinyMoe { experts: 8, used: 2, ..Default::default() }), ..Default::default() };
+    write_tiny_moe(&path, &spec).unwrap();
+    let all: Vec<_> = (0..3).map(|i| (prompt(12 + 21 * i, 90 + i as u64), greedy(10 + 4 * i))).collect();
+    let expected = moe_single_engine(&path, &all);
+
+    let (_env, comm) = MpiComm::init_threaded(Threading::Serialized).expect("MPI");
+    let rank = comm.rank();
+    let mut loaded = load_model(&path).unwrap();
+    let enabled = enable_mpi_expert_parallel(&mut loaded.model);
+    let desc = format!("{:?}", loaded.model.config.moe);
+    let err = enabled.err().map(|e| e.to_string());
+    check_same_config(&comm, err.as_deref().map_or(Ok(desc.as_str()), Err)).expect("same configuration");
+    let cfg = EngineConfig { num_kv_blocks: 64, threads: 1, ..common::tiny_config() };
+    let (handle, rx, counters) = EngineHandle::channel(cfg.max_waiting);
+    let engine = Engine::new(loaded.model, Arc::new(loaded.tokenizer), cfg, counters).unwrap();
+    // rank 0 gets request 0, rank 1 requests 1 and 2, all submitted before the ranks start (a
+    // shutdown is agreed group-wide: a rank shuts down once its own requests are done, and the
+    // others' in-flight requests finish within the grace period)
+    let mine: Vec<usize> = if rank == 0 { vec![0] } else { vec![1, 2] };
+    let streams: Vec<_> = mine
+        .into_iter()
+        .map(|i| {
+            let (tx, events) = tokio::sync::mpsc::unbounded_channel();
+            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: all[i].0.clone(), params: all[i].1.clone(), events: tx }).unwrap();
+            (i, events)
+        })
+        .collect();
+    let h = handle.clone();
+    let watcher = std::thread::spawn(move || {
+        for (i, events) in streams {
+            assert_eq!(collect_tokens(events), expected[i], "rank {rank}: request {i} differs from the single engine");
+        }
+        h.shutdown();
+    });
+    drop(handle);
+    let stats = Arc::new(RankStats::default());
+    LockstepRank::new(engine, comm, rx, stats.clone()).run().expect("rank stops cleanly");
+    watcher.join().expect("requests finished with the single-engine tokens");
+    let (steps, dummy) = (RankStats::get(&stats.steps), RankStats::get(&stats.dummy_steps));
+    eprintln!("rank {rank}: {steps} steps, {dummy} dummy steps, {:.2?} in collectives (metadata + expert exchanges)", stats.collective_time());
+    if rank == 0 {
+        assert!(dummy > 0, "rank 0 ran dummy batches while rank 1 worked alone");
+    }
+}
+
+#[test]
+fn mpi_expert_parallel_over_a_size_that_does_not_divide_the_experts_fails_on_every_rank() {
+    use specula_engine::dp::mpi::Threading;
+    use specula_engine::dp::mpi_expert::enable_mpi_expert_parallel;
+    use specula_model::testing::{write_tiny_moe, TinyMoe, TinySpec};
+    if !launched_by_mpirun() {
+        return relaunch_under_mpirun("mpi_expert_parallel_over_a_size_that_does_not_divide_the_experts_fails_on_every_rank", 2);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("moe.gguf");
+    write_tiny_moe(&path, &TinySpec { moe: Some(TinyMoe { experts: 3, used: 2, ..Default::default() }), ..Default::default() }).unwrap();
+    let (_env, comm) = MpiComm::init_threaded(Threading::Serialized).expect("MPI");
+    let mut m = load_model(&path).unwrap().model;
+    let e = enable_mpi_expert_parallel(&mut m).unwrap_err();
+    assert!(e.to_string().contains("3 experts") && e.to_string().contains("2 ranks"), "{e}");
+    // the start-up check carries the error to every rank (no rank waits in a collective)
+    let checked = check_same_config(&comm, Err(&e.to_string()));
+    assert!(checked.is_err());
+}

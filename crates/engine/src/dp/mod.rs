@@ -25,6 +25,8 @@ pub mod lockstep;
 pub mod metadata;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "mpi")]
+pub mod mpi_expert;
 mod rank;
 pub mod router;
 

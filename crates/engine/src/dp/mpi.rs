@@ -135,7 +135,10 @@ impl Communicator for MpiComm {
         let mut len = [buf.len() as u64];
         root_process.broadcast_into(&mut len[..]);
         buf.resize(len[0] as usize, 0);
-        root_process.broadcast_into(&mut buf[..]);
+        // every rank skips alike (same len): Open MPI rejects an empty Rust slice's dangling pointer
+        if !buf.is_empty() {
+            root_process.broadcast_into(&mut buf[..]);
+        }
         Ok(())
     }
 
