@@ -18,6 +18,13 @@ cargo test --release --workspace
 # bindings; .ci/run installs both)
 if command -v mpirun >/dev/null && ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
   cargo test --release -p specula-engine --features mpi --test dp_mpi
+  # the MPI-enabled binary for python/tests/test_server_mpi.py (only the engine, server and
+  # binary crates build again with the feature), kept beside the plain one, which goes back in
+  # place (both builds stay cached, so that is a copy, not a rebuild)
+  cargo build --release -p specula --features mpi
+  cp target/release/specula target/release/specula-mpi
+  cargo build --release -p specula
+  export SPECULA_MPI_BIN="$PWD/target/release/specula-mpi"
 fi
 
 if [ "${SPECULA_SKIP_PY:-0}" != "1" ]; then
