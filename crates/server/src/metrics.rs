@@ -26,6 +26,12 @@ const TPOT_BUCKETS: &[f64] =
     &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 const E2E_BUCKETS: &[f64] =
     &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0];
+/// Engine step phases and the gaps between forward passes (async scheduling): 10 µs to 10 s.
+pub const STEP_PHASE: &str = "specula:step_phase_seconds";
+pub const FORWARD_GAP: &str = "specula:forward_gap_seconds";
+pub const COMPUTE_IDLE_GAP: &str = "specula:compute_idle_gap_seconds";
+const STEP_BUCKETS: &[f64] =
+    &[0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0];
 
 /// How often histograms are folded into their rendered form (bounds memory between scrapes).
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -39,7 +45,14 @@ pub fn prometheus_handle() -> PrometheusHandle {
 }
 
 fn install() -> PrometheusHandle {
-    let builder = [(TIME_TO_FIRST_TOKEN, TTFT_BUCKETS), (TIME_PER_OUTPUT_TOKEN, TPOT_BUCKETS), (E2E_REQUEST_LATENCY, E2E_BUCKETS)]
+    let builder = [
+        (TIME_TO_FIRST_TOKEN, TTFT_BUCKETS),
+        (TIME_PER_OUTPUT_TOKEN, TPOT_BUCKETS),
+        (E2E_REQUEST_LATENCY, E2E_BUCKETS),
+        (STEP_PHASE, STEP_BUCKETS),
+        (FORWARD_GAP, STEP_BUCKETS),
+        (COMPUTE_IDLE_GAP, STEP_BUCKETS),
+    ]
         .into_iter()
         .try_fold(PrometheusBuilder::new(), |b, (name, buckets)| b.set_buckets_for_metric(Matcher::Full(name.into()), buckets))
         .expect("bucket lists are non-empty constants");
@@ -70,6 +83,9 @@ fn describe() {
     describe_histogram!(TIME_TO_FIRST_TOKEN, Unit::Seconds, "Time from request arrival to its first generated token.");
     describe_histogram!(TIME_PER_OUTPUT_TOKEN, Unit::Seconds, "Mean time between generated tokens, per request.");
     describe_histogram!(E2E_REQUEST_LATENCY, Unit::Seconds, "Time from request arrival to its last event.");
+    describe_histogram!(STEP_PHASE, Unit::Seconds, "Engine step time by phase (schedule, prepare, forward, sample, propose, update).");
+    describe_histogram!(FORWARD_GAP, Unit::Seconds, "Time from the end of one forward pass to the start of the next (sampling included).");
+    describe_histogram!(COMPUTE_IDLE_GAP, Unit::Seconds, "Time the compute side waits on host work between steps (job end to next forward pass).");
 }
 
 /// Timings of one engine request (one choice), recorded as its events arrive.
