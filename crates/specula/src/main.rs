@@ -7,6 +7,7 @@ mod fetch;
 mod generate;
 mod sampling_args;
 mod serve;
+mod train_head;
 mod offline;
 mod offline_async;
 
@@ -35,6 +36,9 @@ enum Cmd {
     /// Benchmarks: engine throughput without HTTP, or load against a server.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Train the mtp draft head: distillation data, then the fit.
+    #[command(subcommand)]
+    TrainHead(train_head::TrainHeadCmd),
     /// Machine-readable hooks for the test oracles.
     #[command(subcommand, hide = true)]
     Debug(debug::DebugCmd),
@@ -71,5 +75,6 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Offline(a)) => offline::run(a),
         Cmd::Bench(BenchCmd::Serve(a)) => tokio::runtime::Runtime::new()?.block_on(bench::serve::run(a)),
         Cmd::Serve(a) => serve::run(a),
+        Cmd::TrainHead(c) => train_head::run(c),
     }
 }

@@ -1,0 +1,216 @@
+//! `specula train-head data`: self-distillation data for the mtp head. The target answers each
+//! prompt (chat template applied) through the engine, batched, with temperature sampling for the
+//! training split and greedy for the held-out split; then one teacher-forced pass over
+//! prompt + answer records, for every answer position, exactly what the mtp proposer receives at
+//! inference: the target's final hidden state (before the output norm), the token that follows,
+//! and the target's top tokens and probabilities there (the training labels).
+//!
+//! Output: `DIR/{train,heldout}-NNNN.safetensors` shards (resumable: a finished shard is kept),
+//! `DIR/heldout-prompts.txt`. Shard tensors, R rows, S sequences:
+//! `hidden [R, H] F16`, `next_token [R] I32` (-1 on each sequence's last row), `top_ids [R, T] I32`,
+//! `top_probs [R, T] F32`, `seq_offsets [S + 1] I64` (row ranges of the sequences).
+
+use super::shard::{Shard, TOP_K};
+use super::prompts::{self, Split};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use specula_engine::{spawn_engine, EngineConfig, GenerateRequest, RequestEvent, SamplingParams};
+use specula_kernels::attention::{KvLayout, SeqSpan};
+use specula_model::{load_model, ChatMessage, ForwardBatch, KvStore, LlamaModel};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct DataArgs {
+    /// Target model (default: the cached default model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Output folder for the shards.
+    #[arg(long, default_value = "target/mtp-data")]
+    pub out: PathBuf,
+    /// Training prompts (the split has over 1000; the shipped head used 448).
+    #[arg(long, default_value_t = 448)]
+    pub num_prompts: usize,
+    /// Held-out prompts answered greedily (the evaluation set).
+    #[arg(long, default_value_t = 96)]
+    pub num_heldout: usize,
+    /// Most answer tokens per prompt.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature of the training answers (held-out answers are greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Prompts per shard (and per engine batch).
+    #[arg(long, default_value_t = 64)]
+    pub shard_size: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+pub fn run(a: DataArgs) -> Result<()> {
+    let path = crate::fetch::resolve_model(&a.model)?;
+    let loaded = load_model(&path)?;
+    let template = loaded.chat_template.context("the target has no chat template; the head is distilled on chat answers")?;
+    let tokenizer = Arc::new(loaded.tokenizer);
+    // the engine takes its model by value; the teacher-forced pass uses a second (mapped) copy
+    let teacher = load_model(&path)?.model;
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
+    let fingerprint = specula_engine::spec::mtp_format::target_fingerprint(&teacher);
+
+    let render = |p: &str| -> Result<Vec<u32>> {
+        let text = template.render(&[ChatMessage { role: "user".into(), content: p.to_string() }], true)?;
+        Ok(tokenizer.encode(&text)?)
+    };
+    let train = prompts::prompts(Split::Train, a.num_prompts, a.seed);
+    let held = prompts::prompts(Split::HeldOut, a.num_heldout, a.seed);
+    if train.len() < a.num_prompts {
+        tracing::warn!("the training split has only {} prompts (asked for {})", train.len(), a.num_prompts);
+    }
+    std::fs::write(a.out.join("heldout-prompts.txt"), held.iter().map(|p| format!("{}\n", p.replace('\n', " "))).collect::<String>())?;
+
+    let cfg = EngineConfig {
+        max_num_seqs: a.shard_size.max(1),
+        max_num_batched_tokens: 2048,
+        max_model_len: 2048,
+        block_size: 16,
+        num_kv_blocks: (a.shard_size.max(1) * 512).div_ceil(16),
+        enable_prefix_caching: true,
+        threads,
+        max_waiting: a.shard_size.max(1) * 2,
+        shutdown_grace: std::time::Duration::from_secs(1),
+        ..Default::default()
+    };
+    let (handle, join) = spawn_engine(loaded.model, tokenizer.clone(), cfg, None)?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+
+    let jobs: Vec<(Split, usize, &[String])> = held
+        .chunks(a.shard_size.max(1))
+        .enumerate()
+        .map(|(i, c)| (Split::HeldOut, i, c))
+        .chain(train.chunks(a.shard_size.max(1)).enumerate().map(|(i, c)| (Split::Train, i, c)))
+        .collect();
+    let bar = ProgressBar::new(jobs.iter().map(|j| j.2.len() as u64).sum());
+    bar.set_style(ProgressStyle::with_template("{msg} [{elapsed_precise}] {wide_bar} {pos}/{len} prompts (eta {eta})")?);
+    for (split, index, batch) in jobs {
+        let name = shard_path(&a.out, split, index);
+        if name.exists() && Shard::read(&name).is_ok() {
+            bar.inc(batch.len() as u64);
+            continue;
+        }
+        bar.set_message(format!("{} shard {index}", split_name(split)));
+        let first_prompt = index * a.shard_size.max(1);
+        let mut rxs = Vec::new();
+        let mut prompts_tok = Vec::new();
+        for (j, p) in batch.iter().enumerate() {
+            let prompt = render(p)?;
+            let params = SamplingParams {
+                temperature: if split == Split::Train { a.temperature } else { 0.0 },
+                seed: Some(a.seed.wrapping_mul(1_000_003).wrapping_add((first_prompt + j) as u64)),
+                max_tokens: a.max_tokens,
+                ..Default::default()
+            };
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt.clone(), params, events: tx })?;
+            rxs.push(rx);
+            prompts_tok.push(prompt);
+        }
+        let mut shard = Shard::new(teacher.config.hidden_size);
+        for (prompt, mut rx) in prompts_tok.into_iter().zip(rxs) {
+            let answer = collect_answer(&mut rx)?;
+            if answer.len() >= 2 {
+                let (hidden, top) = pool.install(|| teacher_forced(&teacher, &prompt, &answer))?;
+                shard.push_sequence(&hidden, &answer, &top);
+            }
+            bar.inc(1);
+        }
+        shard.write(&name, &fingerprint, split_name(split))?;
+        // a line per shard also when stderr is a log file (the bar only draws on a terminal)
+        bar.suspend(|| eprintln!("wrote {} ({} sequences, {} rows)", name.display(), shard.num_sequences(), shard.rows()));
+    }
+    bar.finish_with_message("done");
+    drop(handle);
+    let _ = join.join();
+    eprintln!("wrote shards to {}", a.out.display());
+    Ok(())
+}
+
+pub fn split_name(s: Split) -> &'static str {
+    match s {
+        Split::Train => "train",
+        Split::HeldOut => "heldout",
+    }
+}
+
+pub fn shard_path(dir: &Path, split: Split, index: usize) -> PathBuf {
+    dir.join(format!("{}-{index:04}.safetensors", split_name(split)))
+}
+
+fn collect_answer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) -> Result<Vec<u32>> {
+    let mut answer = Vec::new();
+    loop {
+        match rx.blocking_recv() {
+            Some(RequestEvent::Delta { tokens, .. }) => answer.extend(tokens),
+            Some(RequestEvent::Finished { .. }) => return Ok(answer),
+            Some(RequestEvent::Failed { message }) => bail!("generation failed: {message}"),
+            None => bail!("the engine stopped unexpectedly"),
+        }
+    }
+}
+
+/// One pass over prompt + answer: for rows p-1 ..= L-1 (every position that produced an answer
+/// token, and the last), the final hidden state before the output norm and the target's top
+/// tokens with their probabilities (temperature 1).
+fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32]) -> Result<(Vec<f32>, Vec<[(u32, f32); TOP_K]>)> {
+    let c = &model.config;
+    let tokens: Vec<u32> = prompt.iter().chain(answer).copied().collect();
+    let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
+    let blocks = tokens.len().div_ceil(16);
+    let mut kv = KvStore::new(c.n_layers, layout, blocks);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let seqs = [SeqSpan { q_start: 0, q_len: tokens.len(), context_len: tokens.len(), block_table: &table }];
+    let slots: Vec<usize> = (0..tokens.len()).collect();
+    let rows: Vec<usize> = (prompt.len() - 1..tokens.len()).collect();
+    let out = model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: true }, &mut kv)?;
+    let v = c.vocab_size;
+    let top = out.logits.chunks_exact(v).map(top_probs).collect();
+    Ok((out.hidden, top))
+}
+
+/// The `TOP_K` most probable tokens of one logits row under softmax (temperature 1).
+fn top_probs(row: &[f32]) -> [(u32, f32); TOP_K] {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&l| f64::from((l - max).exp())).sum();
+    let mut best = [(0u32, f32::NEG_INFINITY); TOP_K];
+    for (i, &l) in row.iter().enumerate() {
+        if l > best[TOP_K - 1].1 {
+            let mut j = TOP_K - 1;
+            while j > 0 && l > best[j - 1].1 {
+                best[j] = best[j - 1];
+                j -= 1;
+            }
+            best[j] = (i as u32, l);
+        }
+    }
+    best.map(|(i, l)| (i, ((l - max).exp() as f64 / sum) as f32))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_probs_are_sorted_softmax_values() {
+        let row = [0.0f32, 2.0, 1.0, -1.0, 3.0, 0.5, 0.25, 1.5, -2.0, 0.1];
+        let top = top_probs(&row);
+        let z: f64 = row.iter().map(|&l| (l as f64).exp()).sum();
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>()[..4], [4, 1, 7, 2]);
+        for (i, p) in top {
+            assert!((p as f64 - (row[i as usize] as f64).exp() / z).abs() < 1e-6);
+        }
+    }
+}

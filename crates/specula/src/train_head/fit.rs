@@ -1,0 +1,543 @@
+//! `specula train-head fit`: trains the mtp head on `train-head data` shards with candle's autograd
+//! and AdamW (CPU). The graph is exactly what `spec::mtp` runs at inference (docs/mtp-head-format.md,
+//! "What the head computes"): fc over concat(embedding, hidden), one decoder layer whose attention
+//! spans this draft chain only (RoPE at the chain position), the final norm, a pruned lm_head. The
+//! head is unrolled `--unroll` steps: step j is fed its own hidden output of step j-1 and the
+//! sequence's token, exactly the accepted path at inference. Labels are the target's top tokens
+//! with their probabilities (soft cross-entropy over the pruned vocabulary). After every epoch the
+//! head is written (F16) and the held-out greedy acceptance is measured.
+
+use super::shard::{Shard, TOP_K};
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor, Var, D};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use specula_engine::spec::mtp_format::{self as fmt, HeadConfig, HeadWeightsF32, StoredDtype};
+use specula_model::{load_model, LlamaModel};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct FitArgs {
+    /// Target model (default: the cached default model); must be the one the data came from.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Folder written by `specula train-head data`.
+    #[arg(long, default_value = "target/mtp-data")]
+    pub data: PathBuf,
+    /// Where the head is written (each epoch's head goes beside it as NAME.epochN.safetensors;
+    /// the final file is the epoch with the best held-out acceptance).
+    #[arg(long, default_value = "target/mtp-head.safetensors")]
+    pub out: PathBuf,
+    /// Size K of the pruned vocabulary (the K most frequent target tokens of the training data).
+    #[arg(long, default_value_t = 6144)]
+    pub draft_vocab: usize,
+    #[arg(long, default_value_t = 3)]
+    pub epochs: usize,
+    /// Chains per optimiser step (candle's CPU matmuls want wide batches: 256 runs about twice
+    /// as many samples per second as 64).
+    #[arg(long, default_value_t = 256)]
+    pub batch_size: usize,
+    /// Peak learning rate (linear warm-up, cosine decay to a tenth).
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// Draft steps unrolled in training (the head runs on its own hidden state after step 0).
+    #[arg(long, default_value_t = 3)]
+    pub unroll: usize,
+    /// Loss weight of step j is decay^j.
+    #[arg(long, default_value_t = 0.8)]
+    pub step_decay: f64,
+    /// Draft steps measured on the held-out data.
+    #[arg(long, default_value_t = 4)]
+    pub eval_k: usize,
+    /// Stop an epoch after this many batches (0 = the whole data; for quick runs).
+    #[arg(long, default_value_t = 0)]
+    pub max_batches: usize,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// The trainable tensors, in `HeadWeightsF32` order.
+struct Params {
+    fc: Var,
+    attn_norm: Var,
+    wq: Var,
+    wk: Var,
+    wv: Var,
+    wo: Var,
+    ffn_norm: Var,
+    w_gate: Var,
+    w_up: Var,
+    w_down: Var,
+    norm: Var,
+    lm_head: Var,
+}
+
+impl Params {
+    fn new(w: &HeadWeightsF32, c: &HeadConfig) -> Result<Self> {
+        let (h, qw, kvw, ff, k) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn, w.d2t.len());
+        let v = |data: &[f32], shape: &[usize]| -> Result<Var> { Ok(Var::from_tensor(&Tensor::from_slice(data, shape, &Device::Cpu)?)?) };
+        Ok(Self {
+            fc: v(&w.fc, &[h, 2 * h])?,
+            attn_norm: v(&w.attn_norm, &[h])?,
+            wq: v(&w.attn_q, &[qw, h])?,
+            wk: v(&w.attn_k, &[kvw, h])?,
+            wv: v(&w.attn_v, &[kvw, h])?,
+            wo: v(&w.attn_output, &[h, qw])?,
+            ffn_norm: v(&w.ffn_norm, &[h])?,
+            w_gate: v(&w.ffn_gate, &[ff, h])?,
+            w_up: v(&w.ffn_up, &[ff, h])?,
+            w_down: v(&w.ffn_down, &[h, ff])?,
+            norm: v(&w.norm, &[h])?,
+            lm_head: v(&w.lm_head, &[k, h])?,
+        })
+    }
+
+    fn vars(&self) -> Vec<Var> {
+        [&self.fc, &self.attn_norm, &self.wq, &self.wk, &self.wv, &self.wo, &self.ffn_norm, &self.w_gate, &self.w_up, &self.w_down, &self.norm, &self.lm_head]
+            .into_iter()
+            .cloned()
+            .collect()
+    }
+
+    fn to_weights(&self, d2t: &[u32]) -> Result<HeadWeightsF32> {
+        let f = |v: &Var| -> Result<Vec<f32>> { Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?) };
+        Ok(HeadWeightsF32 {
+            fc: f(&self.fc)?,
+            attn_norm: f(&self.attn_norm)?,
+            attn_q: f(&self.wq)?,
+            attn_k: f(&self.wk)?,
+            attn_v: f(&self.wv)?,
+            attn_output: f(&self.wo)?,
+            ffn_norm: f(&self.ffn_norm)?,
+            ffn_gate: f(&self.w_gate)?,
+            ffn_up: f(&self.w_up)?,
+            ffn_down: f(&self.w_down)?,
+            norm: f(&self.norm)?,
+            lm_head: f(&self.lm_head)?,
+            d2t: d2t.to_vec(),
+        })
+    }
+}
+
+/// The head's computation in candle, one chain step at a time (the same as `MtpHead::step`).
+struct HeadGraph<'a> {
+    p: &'a Params,
+    c: &'a HeadConfig,
+    /// Per chain position: `[head_dim]` cos and sin of the rotate-half RoPE.
+    rope: Vec<(Tensor, Tensor)>,
+}
+
+impl<'a> HeadGraph<'a> {
+    fn new(p: &'a Params, c: &'a HeadConfig, max_steps: usize) -> Result<Self> {
+        let hd = c.head_dim;
+        let mut rope = Vec::new();
+        for pos in 0..max_steps {
+            let (mut cos, mut sin) = (vec![0f32; hd], vec![0f32; hd]);
+            for i in 0..hd / 2 {
+                let angle = pos as f64 / f64::from(c.rope_theta).powf(2.0 * i as f64 / hd as f64);
+                cos[i] = angle.cos() as f32;
+                cos[i + hd / 2] = cos[i];
+                sin[i] = angle.sin() as f32;
+                sin[i + hd / 2] = sin[i];
+            }
+            rope.push((Tensor::from_vec(cos, hd, &Device::Cpu)?, Tensor::from_vec(sin, hd, &Device::Cpu)?));
+        }
+        Ok(Self { p, c, rope })
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &Var) -> Result<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let r = (ms + f64::from(self.c.rms_eps))?.sqrt()?.recip()?;
+        Ok(x.broadcast_mul(&r)?.broadcast_mul(w.as_tensor())?)
+    }
+
+    /// Rotate-half RoPE at chain position `pos` on `[B, heads, hd]`.
+    fn rope(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        let hd = self.c.head_dim;
+        let (cos, sin) = &self.rope[pos];
+        let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+        let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
+    }
+
+    /// One chain step. `emb`, `hidden`: `[B, H]`; `kv`: the chain's keys/values so far
+    /// (`[B, nkv, hd]` each, extended here). Returns the new hidden `[B, H]` and logits `[B, K]`.
+    fn step(&self, emb: &Tensor, hidden: &Tensor, pos: usize, kv: &mut Vec<(Tensor, Tensor)>) -> Result<(Tensor, Tensor)> {
+        let (c, p) = (self.c, self.p);
+        let b = emb.dim(0)?;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let mut x = Tensor::cat(&[emb, hidden], 1)?.matmul(&p.fc.t()?)?;
+        let xn = self.rms_norm(&x, &p.attn_norm)?;
+        let q = self.rope(&xn.matmul(&p.wq.t()?)?.reshape((b, nh, hd))?, pos)?;
+        let k = self.rope(&xn.matmul(&p.wk.t()?)?.reshape((b, nkv, hd))?, pos)?;
+        let v = xn.matmul(&p.wv.t()?)?.reshape((b, nkv, hd))?;
+        kv.push((k, v));
+        let keys = Tensor::stack(&kv.iter().map(|(k, _)| k).collect::<Vec<_>>(), 2)?; // [B, nkv, j+1, hd]
+        let values = Tensor::stack(&kv.iter().map(|(_, v)| v).collect::<Vec<_>>(), 2)?;
+        let q = q.reshape((b, nkv, nh / nkv, hd))?; // head i reads KV head i / (nh / nkv)
+        let scores = (q.matmul(&keys.transpose(2, 3)?.contiguous()?)? / (hd as f64).sqrt())?; // [B, nkv, g, j+1]
+        let att = softmax_last(&scores)?;
+        let o = att.matmul(&values.contiguous()?)?.reshape((b, nh * hd))?;
+        x = (x + o.matmul(&p.wo.t()?)?)?;
+        let xn = self.rms_norm(&x, &p.ffn_norm)?;
+        let act = (xn.matmul(&p.w_gate.t()?)?.silu()? * xn.matmul(&p.w_up.t()?)?)?;
+        x = (x + act.matmul(&p.w_down.t()?)?)?;
+        let logits = self.rms_norm(&x, &p.norm)?.matmul(&p.lm_head.t()?)?;
+        Ok((x, logits))
+    }
+}
+
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&m)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
+    let m = x.max_keepdim(D::Minus1)?.detach();
+    let z = x.broadcast_sub(&m)?;
+    Ok(z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)?)
+}
+
+/// Everything a batch needs, gathered from the shards.
+struct Data {
+    shard: Shard,
+    /// Rows that start a chain (followed by a known token).
+    starts: Vec<u32>,
+}
+
+impl Data {
+    fn load(dir: &Path, prefix: &str, fingerprint: &str) -> Result<Self> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("cannot read {} (run `specula train-head data` first)", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix) && n.ends_with(".safetensors")))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("no {prefix}-*.safetensors shards in {}", dir.display());
+        }
+        let mut shard: Option<Shard> = None;
+        for f in &files {
+            let s = Shard::read(f)?;
+            if s.fingerprint != fingerprint {
+                bail!("{} was made by another target (fingerprint {}, this target {fingerprint})", f.display(), s.fingerprint);
+            }
+            match shard.as_mut() {
+                None => shard = Some(s),
+                Some(all) => all.extend(&s),
+            }
+        }
+        let shard = shard.expect("at least one file");
+        let starts = (0..shard.rows() as u32).filter(|&r| shard.next_token[r as usize] >= 0).collect();
+        Ok(Self { shard, starts })
+    }
+
+    /// Token fed at chain step j from start row r, if the sequence goes that far.
+    fn token(&self, r: usize, j: usize) -> Option<u32> {
+        self.shard.next_token.get(r + j).and_then(|&t| u32::try_from(t).ok())
+    }
+}
+
+/// Inputs of one batch for `steps` chain steps (masked where a sequence ends).
+struct Batch {
+    hidden: Tensor,
+    emb: Vec<Tensor>,
+    /// Per step: label draft ids `[B, TOP_K]` and weights `[B, TOP_K]` (0 where masked or the
+    /// token is outside the pruned vocabulary).
+    labels: Vec<(Tensor, Tensor)>,
+    /// Per step: positions with a label.
+    counts: Vec<f64>,
+}
+
+fn make_batch(data: &Data, rows: &[u32], steps: usize, embed: &specula_kernels::QMatrix, t2d: &[i32]) -> Result<Batch> {
+    let s = &data.shard;
+    let (b, h) = (rows.len(), s.hidden_size);
+    let mut hidden = vec![0f32; b * h];
+    for (i, &r) in rows.iter().enumerate() {
+        for (o, v) in hidden[i * h..(i + 1) * h].iter_mut().zip(&s.hidden[r as usize * h..(r as usize + 1) * h]) {
+            *o = v.to_f32();
+        }
+    }
+    let (mut emb, mut labels, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+    for j in 0..steps {
+        let mut e = vec![0f32; b * h];
+        let (mut ids, mut ws) = (vec![0u32; b * TOP_K], vec![0f32; b * TOP_K]);
+        let mut count = 0.0;
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            // every earlier step must have had a token too (the chain is contiguous)
+            if (0..=j).any(|jj| data.token(r, jj).is_none()) {
+                continue;
+            }
+            let tok = data.token(r, j).expect("checked above");
+            embed.dequantize_row_into(tok as usize, &mut e[i * h..(i + 1) * h]);
+            let label_row = r + j + 1;
+            count += 1.0;
+            for t in 0..TOP_K {
+                let target = s.top_ids[label_row * TOP_K + t];
+                if let Some(&d) = t2d.get(target as usize).filter(|&&d| d >= 0) {
+                    ids[i * TOP_K + t] = d as u32;
+                    ws[i * TOP_K + t] = s.top_probs[label_row * TOP_K + t];
+                }
+            }
+        }
+        emb.push(Tensor::from_vec(e, (b, h), &Device::Cpu)?);
+        labels.push((Tensor::from_vec(ids, (b, TOP_K), &Device::Cpu)?, Tensor::from_vec(ws, (b, TOP_K), &Device::Cpu)?));
+        counts.push(count);
+    }
+    Ok(Batch { hidden: Tensor::from_vec(hidden, (b, h), &Device::Cpu)?, emb, labels, counts })
+}
+
+/// The K most frequent target tokens of the training answers (ties: lower id first), most
+/// frequent first. Counts the sampled tokens and the target's top-1 at every position.
+fn pruned_vocab(data: &Data, k: usize, target_vocab: usize) -> Vec<u32> {
+    let mut freq = vec![0u64; target_vocab];
+    for &t in data.shard.next_token.iter().filter(|&&t| t >= 0) {
+        freq[t as usize] += 1;
+    }
+    for r in 0..data.shard.rows() {
+        freq[data.shard.top_ids[r * TOP_K] as usize] += 1;
+    }
+    let mut ids: Vec<u32> = (0..target_vocab as u32).collect();
+    ids.sort_by_key(|&t| (std::cmp::Reverse(freq[t as usize]), t));
+    ids.truncate(k);
+    ids
+}
+
+/// Held-out greedy acceptance, as speculative decoding would see it on greedy answers: from each
+/// start row the head drafts `k` tokens on the accepted path; position j is accepted when it and
+/// every earlier draft equal the target's argmax. Returns (accepted rate per position, soft loss
+/// of step 0).
+fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::QMatrix, d2t: &[u32], t2d: &[i32]) -> Result<(Vec<f64>, f64)> {
+    let s = &data.shard;
+    let starts: Vec<u32> = data.starts.iter().copied().filter(|&r| (0..k).all(|j| data.token(r as usize, j).is_some())).collect();
+    let mut accepted = vec![0u64; k];
+    let (mut loss, mut loss_n) = (0.0, 0.0);
+    for rows in starts.chunks(256) {
+        let batch = make_batch(data, rows, k, embed, t2d)?;
+        let mut kv = Vec::new();
+        let mut hidden = batch.hidden.clone();
+        let mut alive = vec![true; rows.len()];
+        for j in 0..k {
+            let (x, logits) = graph.step(&batch.emb[j], &hidden, j, &mut kv)?;
+            if j == 0 {
+                let (ids, ws) = &batch.labels[0];
+                let lp = log_softmax_last(&logits)?.gather(ids, 1)?;
+                loss -= (lp * ws)?.sum_all()?.to_scalar::<f32>()? as f64;
+                loss_n += batch.counts[0];
+            }
+            let best = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            for (i, &r) in rows.iter().enumerate() {
+                let target_top1 = s.top_ids[(r as usize + j + 1) * TOP_K] as u32;
+                alive[i] = alive[i] && d2t[best[i] as usize] == target_top1;
+                if alive[i] {
+                    accepted[j] += 1;
+                }
+            }
+            hidden = x;
+        }
+    }
+    let n = starts.len().max(1) as f64;
+    Ok((accepted.iter().map(|&a| a as f64 / n).collect(), loss / loss_n.max(1.0)))
+}
+
+pub fn run(a: FitArgs) -> Result<()> {
+    if a.unroll == 0 || a.eval_k == 0 || a.batch_size == 0 {
+        bail!("--unroll, --eval-k and --batch-size must be at least 1");
+    }
+    let path = crate::fetch::resolve_model(&a.model)?;
+    let target: LlamaModel = load_model(&path)?.model;
+    let fingerprint = fmt::target_fingerprint(&target);
+    let train = Data::load(&a.data, "train-", &fingerprint)?;
+    let held = Data::load(&a.data, "heldout-", &fingerprint)?;
+    eprintln!(
+        "training rows {} ({} sequences), held-out rows {} ({} sequences)",
+        train.starts.len(),
+        train.shard.num_sequences(),
+        held.starts.len(),
+        held.shard.num_sequences()
+    );
+    let v = target.config.vocab_size;
+    let d2t = pruned_vocab(&train, a.draft_vocab.min(v), v);
+    let t2d = fmt::t2d_from_d2t(&d2t, v);
+    let covered = train.shard.next_token.iter().filter(|&&t| t >= 0 && t2d[t as usize] >= 0).count() as f64 / train.starts.len().max(1) as f64;
+    eprintln!("pruned vocabulary: {} tokens cover {:.2}% of the training answer tokens", d2t.len(), 100.0 * covered);
+
+    // start from the seeded random head, then put the chosen vocabulary and the target's own
+    // lm_head rows for it in place
+    let (cfg, mut w) = fmt::random_head(&target, 1, a.seed)?;
+    let h = cfg.target_hidden;
+    w.d2t = d2t.clone();
+    w.lm_head = vec![0f32; d2t.len() * h];
+    for (d, &t) in d2t.iter().enumerate() {
+        target.lm_head.dequantize_row_into(t as usize, &mut w.lm_head[d * h..(d + 1) * h]);
+    }
+    let params = Params::new(&w, &cfg)?;
+    let graph = HeadGraph::new(&params, &cfg, a.unroll.max(a.eval_k))?;
+    let mut opt = AdamW::new(params.vars(), ParamsAdamW { lr: a.lr, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 })?;
+
+    let batches_per_epoch = {
+        let n = train.starts.len().div_ceil(a.batch_size);
+        if a.max_batches > 0 {
+            n.min(a.max_batches)
+        } else {
+            n
+        }
+    };
+    let total = batches_per_epoch * a.epochs;
+    let warmup = (total / 20).max(1);
+    let lr_at = |step: usize| -> f64 {
+        if step < warmup {
+            a.lr * (step + 1) as f64 / warmup as f64
+        } else {
+            let t = (step - warmup) as f64 / (total - warmup).max(1) as f64;
+            a.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()))
+        }
+    };
+    let (acc0, loss0) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
+    report_eval(0, &acc0, loss0, None);
+
+    let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
+    let mut order = train.starts.clone();
+    let mut best: Option<(f64, PathBuf)> = None;
+    let mut step = 0;
+    for epoch in 1..=a.epochs {
+        let started = Instant::now();
+        order.shuffle(&mut rng);
+        let bar = ProgressBar::new(batches_per_epoch as u64);
+        bar.set_style(ProgressStyle::with_template("epoch {msg} [{elapsed_precise}] {wide_bar} {pos}/{len} batches (eta {eta})")?);
+        bar.set_message(epoch.to_string());
+        let (mut sum, mut n) = (0.0, 0usize);
+        for rows in order.chunks(a.batch_size).take(batches_per_epoch) {
+            opt.set_learning_rate(lr_at(step));
+            let batch = make_batch(&train, rows, a.unroll, &target.embed, &t2d)?;
+            let mut kv = Vec::new();
+            let mut hidden = batch.hidden.clone();
+            let mut loss: Option<Tensor> = None;
+            for j in 0..a.unroll {
+                let (x, logits) = graph.step(&batch.emb[j], &hidden, j, &mut kv)?;
+                let (ids, ws) = &batch.labels[j];
+                let lp = log_softmax_last(&logits)?.gather(ids, 1)?;
+                let lj = ((lp * ws)?.sum_all()?.neg()? * (a.step_decay.powi(j as i32) / batch.counts[j].max(1.0)))?;
+                loss = Some(match loss {
+                    None => lj,
+                    Some(l) => (l + lj)?,
+                });
+                hidden = x;
+            }
+            let loss = loss.expect("unroll >= 1");
+            opt.backward_step(&loss)?;
+            sum += loss.to_scalar::<f32>()? as f64;
+            n += 1;
+            step += 1;
+            bar.inc(1);
+            if n % 50 == 0 {
+                eprintln!("epoch {epoch} batch {n}/{batches_per_epoch}: loss {:.4} lr {:.2e}", sum / n as f64, lr_at(step));
+            }
+        }
+        bar.finish_and_clear();
+        let (acc, held_loss) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
+        report_eval(epoch, &acc, held_loss, Some((sum / n.max(1) as f64, started.elapsed().as_secs_f64())));
+        let file = epoch_path(&a.out, epoch);
+        fmt::save_head(&file, &params.to_weights(&d2t)?, &cfg, StoredDtype::F16)?;
+        eprintln!("wrote {}", file.display());
+        let score = 1.0 + acc.iter().take(3).sum::<f64>();
+        if best.as_ref().is_none_or(|(b, _)| score > *b) {
+            std::fs::copy(&file, &a.out).with_context(|| format!("cannot write {}", a.out.display()))?;
+            best = Some((score, file));
+        }
+    }
+    if let Some((score, file)) = best {
+        eprintln!("{} <- {} (held-out tokens per verify step at k=3: {score:.3})", a.out.display(), file.display());
+    }
+    Ok(())
+}
+
+fn epoch_path(out: &Path, epoch: usize) -> PathBuf {
+    let stem = out.file_stem().and_then(|s| s.to_str()).unwrap_or("head");
+    let stem = stem.strip_suffix(".safetensors").unwrap_or(stem);
+    out.with_file_name(format!("{stem}.epoch{epoch}.safetensors"))
+}
+
+/// One line per epoch: train loss, held-out loss, acceptance per position, tokens per verify step.
+fn report_eval(epoch: usize, acc: &[f64], held_loss: f64, train: Option<(f64, f64)>) {
+    let per_k: Vec<String> = (1..=acc.len()).map(|k| format!("k={k}: {:.3}", 1.0 + acc[..k].iter().sum::<f64>())).collect();
+    let pos: Vec<String> = acc.iter().map(|a| format!("{a:.3}")).collect();
+    let train = train.map_or("-".to_string(), |(l, s)| format!("{l:.4} ({s:.0} s)"));
+    eprintln!("EPOCH {epoch} | train loss {train} | held-out loss(step0) {held_loss:.4} | accepted per position [{}] | tokens per verify step {}", pos.join(", "), per_k.join(", "));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_files_sit_beside_the_output() {
+        assert_eq!(epoch_path(Path::new("heads/h.safetensors"), 2), PathBuf::from("heads/h.epoch2.safetensors"));
+    }
+
+    /// The graph trained here must be the computation `spec::mtp` runs: with temperature 1 the
+    /// proposer's draft distributions are softmax(logits), so they must equal the graph's, step
+    /// by step along the same chain (the graph fed the proposer's own draws).
+    #[test]
+    fn the_training_graph_computes_what_the_mtp_proposer_runs() {
+        use specula_engine::spec::mtp::MtpProposer;
+        use specula_engine::spec::{DraftRequest, Proposer};
+        use specula_engine::types::SeqId;
+        use specula_engine::SamplingParams;
+        use specula_model::testing::{write_tiny_llama, TinySpec};
+
+        let dir = tempfile::tempdir().unwrap();
+        let model_path = dir.path().join("tiny.gguf");
+        write_tiny_llama(&model_path, &TinySpec { seed: 5, ..Default::default() }).unwrap();
+        let target = load_model(&model_path).unwrap().model;
+        let (cfg, w) = fmt::random_head(&target, 40, 9).unwrap();
+        let head_path = dir.path().join("head.safetensors");
+        fmt::save_head(&head_path, &w, &cfg, StoredDtype::F32).unwrap();
+        let mut proposer = MtpProposer::load(&head_path, &target).unwrap();
+        let h = cfg.target_hidden;
+        let hidden: Vec<f32> = (0..h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.4).collect();
+        let tokens = [1u32, 5, w.d2t[3]];
+        let sampling = SamplingParams { temperature: 1.0, seed: Some(3), max_tokens: 100, ..Default::default() };
+        let req = DraftRequest { seq: SeqId(1), tokens: &tokens, prompt_len: 2, max_draft: 3, params: &sampling, hidden: Some(&hidden) };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let draft = proposer.propose(&[req], &pool).unwrap().remove(0);
+        assert_eq!(draft.tokens.len(), 3);
+        let probs = draft.probs.expect("sampled drafts carry their distributions");
+
+        let params = Params::new(&w, &cfg).unwrap();
+        let graph = HeadGraph::new(&params, &cfg, 3).unwrap();
+        let (mut token, mut hid) = (tokens[2], Tensor::from_vec(hidden, (1, h), &Device::Cpu).unwrap());
+        let mut kv = Vec::new();
+        for j in 0..3 {
+            let mut e = vec![0f32; h];
+            target.embed.dequantize_row_into(token as usize, &mut e);
+            let (x, logits) = graph.step(&Tensor::from_vec(e, (1, h), &Device::Cpu).unwrap(), &hid, j, &mut kv).unwrap();
+            let ours = softmax_last(&logits).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for (d, &t) in w.d2t.iter().enumerate() {
+                let theirs = probs[j][t as usize];
+                assert!((ours[d] - theirs).abs() < 1e-4 * (1.0 + theirs), "step {j}, draft id {d}: graph {} proposer {theirs}", ours[d]);
+            }
+            token = draft.tokens[j];
+            hid = x;
+        }
+    }
+
+    #[test]
+    fn softmaxes_match_a_direct_computation() {
+        let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, -1.0, 0.0, 1.0], (2, 3), &Device::Cpu).unwrap();
+        let p = softmax_last(&x).unwrap().to_vec2::<f32>().unwrap();
+        let lp = log_softmax_last(&x).unwrap().to_vec2::<f32>().unwrap();
+        let z0: f32 = [1f32, 2.0, 3.0].iter().map(|v| v.exp()).sum();
+        let z1: f32 = [-1f32, 0.0, 1.0].iter().map(|v| v.exp()).sum();
+        assert!((p[0][2] - 3f32.exp() / z0).abs() < 1e-6);
+        assert!((lp[1][0] - ((-1f32).exp() / z1).ln()).abs() < 1e-5);
+    }
+}

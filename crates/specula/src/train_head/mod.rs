@@ -1,0 +1,25 @@
+//! `specula train-head`: distil and train the mtp draft head for a target (docs/mtp-head-format.md).
+//! `data` has the target answer a built-in prompt set and records what the head sees at inference;
+//! `fit` trains the head on it with candle (CPU) and writes a head file per epoch.
+
+pub mod data;
+pub mod fit;
+pub mod prompts;
+pub mod shard;
+
+use clap::Subcommand;
+
+#[derive(Subcommand, Debug)]
+pub enum TrainHeadCmd {
+    /// Self-distillation data: the target's answers, hidden states and top tokens, as shards.
+    Data(data::DataArgs),
+    /// Train the head on those shards (candle, CPU); writes a head file per epoch.
+    Fit(fit::FitArgs),
+}
+
+pub fn run(cmd: TrainHeadCmd) -> anyhow::Result<()> {
+    match cmd {
+        TrainHeadCmd::Data(a) => data::run(a),
+        TrainHeadCmd::Fit(a) => fit::run(a),
+    }
+}
