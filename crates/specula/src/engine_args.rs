@@ -34,6 +34,11 @@ pub struct EngineArgs {
     /// Requests allowed to wait before the server answers 503.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
+    /// Spread each mixture-of-experts layer's experts over the data-parallel ranks (rank r of N
+    /// holds experts [r*E/N, (r+1)*E/N) and tokens are exchanged every MoE layer). Needs
+    /// --data-parallel-mode lockstep and an N that divides the expert count.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
     /// Schedule and prepare step N+1 on a worker while step N computes (outputs are identical).
     #[arg(long)]
     pub async_scheduling: bool,
@@ -95,6 +100,33 @@ impl SpecArgs {
 }
 
 impl EngineArgs {
+    /// `--enable-expert-parallel` for in-process ranks: spreads the experts of `ranks` (rank r at
+    /// index r) over them. Call before `spawn_lockstep`; errors name the flag to change.
+    pub fn setup_expert_parallel(&self, ranks: &mut [specula_engine::dp::RankSetup], lockstep: bool) -> anyhow::Result<()> {
+        if !self.enable_expert_parallel {
+            return Ok(());
+        }
+        if !lockstep {
+            anyhow::bail!("--enable-expert-parallel needs --data-parallel-mode lockstep");
+        }
+        specula_engine::dp::expert::enable_local_expert_parallel(ranks)?;
+        Ok(())
+    }
+
+    /// `--enable-expert-parallel` for this MPI process's rank: call before describing the
+    /// configuration for `check_same_config`, and pass an error to it so every rank stops.
+    #[cfg(feature = "mpi")]
+    pub fn setup_expert_parallel_mpi(&self, model: &mut specula_model::LlamaModel, lockstep: bool) -> anyhow::Result<()> {
+        if !self.enable_expert_parallel {
+            return Ok(());
+        }
+        if !lockstep {
+            anyhow::bail!("--enable-expert-parallel needs --data-parallel-mode lockstep");
+        }
+        specula_engine::dp::mpi_expert::enable_mpi_expert_parallel(model)?;
+        Ok(())
+    }
+
     pub fn to_config(&self, model: &specula_model::ModelConfig) -> anyhow::Result<EngineConfig> {
         let max_model_len = self.max_model_len.unwrap_or(model.context_length.min(8192));
         let bytes_per_token = 2 * model.n_layers * model.kv_width() * 4;
