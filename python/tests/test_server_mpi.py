@@ -248,3 +248,61 @@ def test_a_size_mismatch_and_a_missing_mpirun_are_clear_errors():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
     r = subprocess.run(serve, capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
     assert r.returncode != 0 and "mpirun -np N" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Lockstep ranks with a mixture-of-experts model spread over them (--enable-expert-parallel)
+# ---------------------------------------------------------------------------------------------
+
+MOE_PROMPTS = ["hello world", "The quick brown fox jumps over", "MoE", "0123456789 abcdefghij 0123456789 abcdefghij"]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    """A tiny random MoE GGUF (4 experts, 2 used; byte-level vocabulary) written by the binary."""
+    srv = MpiServer()
+    path = tmp_path_factory.mktemp("moe") / "tiny-moe.gguf"
+    subprocess.run([str(srv.binary), "debug", "write-tiny-moe", "--output", str(path), "--experts", "4", "--experts-used", "2"],
+                   check=True, capture_output=True, timeout=60)
+    return path
+
+
+def moe_logprobs(srv: SpeculaServer, prompt: str) -> list[float]:
+    """The greedy continuation's token logprobs: a fingerprint of the tokens (the byte-level
+    vocabulary's text is mostly incomplete UTF-8) and of the numerics behind them."""
+    r = srv.client().completions.create(model=srv.model_name, prompt=prompt, max_tokens=16, temperature=0, logprobs=1,
+                                        extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+    return r.choices[0].logprobs.token_logprobs
+
+
+def test_lockstep_expert_parallel_moe_equals_a_single_engine_and_stops_on_sigterm(tiny_moe):
+    single = SpeculaServer(threads=1)
+    single.model = tiny_moe
+    single.start()
+    try:
+        want = [moe_logprobs(single, p) for p in MOE_PROMPTS]
+    finally:
+        single.stop()
+    srv = MpiServer("--data-parallel-mode", "lockstep", "--enable-expert-parallel", "--shutdown-grace-secs", "5")
+    srv.model = tiny_moe
+    srv.start(timeout=120)
+    try:
+        with ThreadPoolExecutor(len(MOE_PROMPTS)) as pool:
+            got = list(pool.map(lambda p: moe_logprobs(srv, p), MOE_PROMPTS))
+        for prompt, w, g in zip(MOE_PROMPTS, want, got):
+            assert g == pytest.approx(w, abs=1e-4), f"{prompt!r}: expert-parallel logprobs {g} differ from the single engine's {w}"
+        m = srv.metrics()
+        agreements, tokens = by_rank(m, "specula:dp_agreements_total"), by_rank(m, "specula:dp_tokens_total")
+        assert set(agreements) == {0, 1} and all(a > 0 for a in agreements.values()), agreements
+        assert sum(tokens.values()) > 0, tokens
+        ranks = srv.rank_pids()
+        assert len(ranks) == RANKS, ranks
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(20)
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(p) for p in ranks), f"rank processes still running after mpirun exited: {ranks}"
+    finally:
+        srv.stop()

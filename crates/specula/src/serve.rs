@@ -66,6 +66,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let tokenizer = Arc::new(loaded.tokenizer);
     let chat = loaded.chat_template.map(Arc::new);
     let dp_size = args.data_parallel_size.unwrap_or(1);
+    if args.engine.enable_expert_parallel && dp_size < 2 {
+        anyhow::bail!("--enable-expert-parallel spreads the experts over data-parallel ranks: pass --data-parallel-size N (N > 1) --data-parallel-mode lockstep, or run with mpirun and --data-parallel-backend mpi");
+    }
     let (engine, join) = if dp_size > 1 {
         let group = spawn_dp_group(&args, dp_size, &path, loaded.model, tokenizer.clone(), cfg)?;
         let handle = group.handle.clone();
@@ -193,6 +196,7 @@ fn spawn_dp_group(
         }
         ranks.push(r);
     }
+    args.engine.setup_expert_parallel(&mut ranks, args.data_parallel_mode == "lockstep")?;
     eprintln!("data parallel: {n} {} ranks, {} compute thread(s) each", args.data_parallel_mode, rank_cfg.threads);
     let group = if args.data_parallel_mode == "lockstep" {
         spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg)?

@@ -4,7 +4,9 @@
 //! start makes every rank exit with the reason). Rank 0 then serves HTTP and routes requests
 //! (least outstanding tokens, prefix affinity) to its own engine or, through the MPI bridge
 //! (`dp::bridge`), to the other ranks'. Replica ranks step independently; lockstep ranks agree on
-//! every step over MPI_COMM_WORLD. SIGINT/SIGTERM on any rank start the agreed shutdown.
+//! every step over MPI_COMM_WORLD, and with --enable-expert-parallel each holds 1/N of a MoE
+//! model's experts and exchanges tokens with the others every MoE layer (`dp::mpi_expert`).
+//! SIGINT/SIGTERM on any rank start the agreed shutdown.
 //!
 //! mpirun sends SIGTERM to the ranks one second after it gets one itself and SIGKILL a second
 //! later (`odls_base_sigkill_timeout`); for a longer grace period than that, raise it:
@@ -67,13 +69,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
 /// Loads the model and builds this process's engine rank.
 fn build(args: &ServeArgs, mode: DpMode, size: usize) -> Result<Built> {
     let path = crate::fetch::resolve_model(&args.engine.model)?;
-    let loaded = load_model(&path)?;
+    let mut loaded = load_model(&path)?;
     let mut cfg = args.engine.to_config(&loaded.model.config)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     if args.engine.threads.is_none() {
         cfg.threads = default_threads();
     }
     let spec = args.engine.spec.build(&loaded.model, &cfg)?;
+    // this process keeps its 1/N of the experts (fails alike on every rank for a bad N)
+    args.engine.setup_expert_parallel_mpi(&mut loaded.model, mode == DpMode::Lockstep)?;
     let desc = format!(
         "specula_version={}\n{}",
         env!("CARGO_PKG_VERSION"),

@@ -43,7 +43,7 @@ const TAG_UP: mpi::Tag = 2;
 /// Longest sleep of an idle bridge between two polls.
 const MAX_IDLE_SLEEP: Duration = Duration::from_millis(1);
 /// How often a rank sends its metrics snapshot to rank 0 (when it changed).
-const STATS_INTERVAL: Duration = Duration::from_millis(200);
+const STATS_INTERVAL: Duration = Duration::from_millis(50);
 
 /// Rank 0 to rank r.
 #[derive(Debug, Serialize, Deserialize)]
