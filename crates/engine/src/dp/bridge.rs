@@ -17,7 +17,8 @@
 //! Ending: rank 0 sends `Shutdown` (on SIGTERM, or once its handles are gone); each rank's engine
 //! finishes in-flight work within its grace period and the rank reports `Stopped`; once every
 //! rank has, rank 0 sends `Done`. Only then do the bridges end and MPI finalize, so no message is
-//! left in flight and no rank waits for one that will never come.
+//! left in flight and no rank waits for one that will never come. A bridge that fails (a message
+//! it cannot decode, a panic) aborts the MPI job, for the same reason.
 
 use super::communicator::DpError;
 use super::rank::{RankMetrics, RankSnapshot, RankStats};
@@ -152,7 +153,15 @@ where
         .spawn(move || {
             let link = Link::open();
             let _ = ready_tx.send(());
-            body(link)
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(link)))
+                .unwrap_or_else(|p| Err(DpError::Mpi(format!("the MPI bridge thread panicked: {}", super::rank::panic_message(&p)))));
+            if let Err(e) = &result {
+                // the peers' bridges would wait for this one's messages forever: end the job
+                tracing::error!("{e}; aborting the MPI job");
+                eprintln!("error: {e}; aborting the MPI job");
+                SimpleCommunicator::world().abort(1);
+            }
+            result
         })
         .map_err(|e| DpError::Mpi(format!("cannot start the MPI bridge thread: {e}")))?;
     ready_rx.recv().map_err(|_| DpError::Mpi("the MPI bridge thread ended during start-up".into()))?;
@@ -160,7 +169,7 @@ where
 }
 
 fn join_bridge(join: JoinHandle<Result<(), DpError>>) -> Result<(), DpError> {
-    join.join().unwrap_or_else(|p| Err(DpError::Mpi(format!("the MPI bridge thread panicked: {}", super::rank::panic_message(&p)))))
+    join.join().unwrap_or_else(|_| Err(DpError::Mpi("the MPI bridge thread ended abnormally".into())))
 }
 
 // ---------------------------------------------------------------------------------------------
