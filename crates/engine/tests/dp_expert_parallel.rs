@@ -75,13 +75,17 @@ fn greedy_tokens_are_the_same_at_dp1_dp2_dp4_with_expert_parallel() {
     assert!(expected.iter().any(|t| t.iter().collect::<std::collections::HashSet<_>>().len() > 3), "degenerate outputs prove nothing");
     for n in [1, 2, 4] {
         let group = expert_parallel(&m.path, n);
+        let started = std::time::Instant::now();
         // all at once through the router: batches mix prefill and decode on every rank
         let mut streams: Vec<_> = reqs.iter().map(|(p, params)| submit(&group.handle, p.clone(), params.clone())).collect();
         for (i, (s, want)) in streams.iter_mut().zip(&expected).enumerate() {
             assert_eq!(&s.finished(FinishReason::Length), want, "DP={n}: request {i} differs from the single engine");
         }
+        let wall = started.elapsed();
         let stats = group.stats.clone();
         assert!(shutdown_and_join(group).iter().all(|r| r.is_ok()), "DP={n}: a rank failed");
+        let in_collectives: Vec<String> = stats.iter().map(|s| format!("{:.0}%", 100.0 * s.collective_time().as_secs_f64() / wall.as_secs_f64())).collect();
+        eprintln!("DP={n} expert parallel: 6 requests in {wall:.2?}; time in collectives (step agreement + MoE exchanges, waiting for the slowest rank included) per rank: {in_collectives:?}");
         let busy = stats.iter().filter(|s| RankStats::get(&s.steps) > 0).count();
         assert!(busy >= n.min(2), "DP={n}: the router should have used several ranks ({busy} busy)");
     }
