@@ -8,9 +8,9 @@
 //! model's experts and exchanges tokens with the others every MoE layer (`dp::mpi_expert`).
 //! SIGINT/SIGTERM on any rank start the agreed shutdown.
 //!
-//! mpirun sends SIGTERM to the ranks one second after it gets one itself and SIGKILL a second
-//! later (`odls_base_sigkill_timeout`); for a longer grace period than that, raise it:
-//! `mpirun --mca odls_base_sigkill_timeout 15 ...`.
+//! SIGTERM to mpirun reaches the ranks `odls_base_sigkill_timeout` seconds later (default 1) and
+//! mpirun sends SIGKILL as long again after that; for a longer grace period raise it
+//! (`mpirun --mca odls_base_sigkill_timeout 15 ...`) or signal rank 0 itself.
 
 use super::{serve_http, server_config, wait_for_signal, ServeArgs};
 use anyhow::{anyhow, Context, Result};
