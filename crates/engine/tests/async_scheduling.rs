@@ -262,3 +262,40 @@ fn fail_all_with_a_job_in_flight_leaks_nothing() {
     drop(h);
     assert!(t.elapsed() < Duration::from_secs(5));
 }
+
+/// Shutdown through the engine thread while steps are in flight (grace 0): the thread returns
+/// within a bounded time (its `Drop` joins the async runner's worker, so no thread outlives it)
+/// and every request gets its terminal event.
+#[test]
+fn shutdown_with_a_job_in_flight_is_bounded_and_ends_every_request() {
+    let model = TinyModel::new();
+    let loaded = load_model(&model.path).unwrap();
+    let tok = Arc::new(loaded.tokenizer);
+    let cfg = EngineConfig { async_scheduling: true, shutdown_grace: Duration::ZERO, ..roomy(true) };
+    let (handle, join) = spawn_engine(loaded.model, tok, cfg, None).unwrap();
+    let mut rxs = Vec::new();
+    for i in 0..6 {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt(20, i), params: greedy(200), events: tx }).unwrap();
+        rxs.push(rx);
+    }
+    // wait until tokens flow, so steps are being pipelined
+    let t = Instant::now();
+    let mut first = rxs[0].blocking_recv();
+    while !matches!(first, Some(RequestEvent::Delta { .. })) {
+        assert!(t.elapsed() < Duration::from_secs(30), "no tokens: {first:?}");
+        first = rxs[0].blocking_recv();
+    }
+    let t = Instant::now();
+    handle.shutdown();
+    drop(handle);
+    join.join().expect("engine thread panicked");
+    assert!(t.elapsed() < Duration::from_secs(10), "shutdown took {:?}", t.elapsed());
+    for mut rx in rxs {
+        let mut last = None;
+        while let Ok(e) = rx.try_recv() {
+            last = Some(e);
+        }
+        assert!(matches!(last, Some(RequestEvent::Failed { .. } | RequestEvent::Finished { .. })), "{last:?}");
+    }
+}
