@@ -45,25 +45,10 @@ pub fn verify(
             return Err(SamplingError::ShapeMismatch { what: "draft distributions [k, vocab]", expected: k * vocab, got: q.iter().map(Vec::len).sum() }.into());
         }
     }
-    if params.is_plain_greedy() && !force_accept {
+    if params.is_plain_greedy() && !force_accept && !general_path_forced() {
         return verify_plain_greedy(logits, vocab, draft, rng);
     }
-    verify_general(logits, vocab, draft, params, prompt, output, rng, force_accept)
-}
-
-/// `verify` by building each row's processed distribution (any parameters).
-#[allow(clippy::too_many_arguments)]
-fn verify_general(
-    logits: &[f32],
-    vocab: usize,
-    draft: &Draft,
-    params: &SamplingParams,
-    prompt: &[TokenId],
-    output: &[TokenId],
-    rng: &mut SeqRng,
-    force_accept: bool,
-) -> Result<Verdict, SpecError> {
-    let k = draft.tokens.len();
+    // the general path: each row's processed distribution (any parameters)
     let mut hist_output: Vec<TokenId> = output.to_vec();
     let mut p = Vec::with_capacity(vocab);
     let mut tokens = Vec::with_capacity(k + 1);
@@ -106,6 +91,22 @@ fn verify_general(
     }
     let num_accepted = tokens.len() - 1;
     Ok(Verdict { tokens, num_accepted })
+}
+
+#[cfg(not(test))]
+fn general_path_forced() -> bool {
+    false
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests compare the fast path with the general one on the same inputs.
+    static FORCE_GENERAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+fn general_path_forced() -> bool {
+    FORCE_GENERAL.with(|f| f.get())
 }
 
 /// `verify` for plain greedy (no penalties), without building distributions: the target's
@@ -162,7 +163,9 @@ mod tests {
             let params = SamplingParams::greedy(10);
             let (mut r1, mut r2) = (SeqRng::new(Some(seed), 0), SeqRng::new(Some(seed), 0));
             let fast = verify_plain_greedy(&logits, vocab, &draft, &mut r1);
-            let general = verify_general(&logits, vocab, &draft, &params, &[1], &[], &mut r2, false);
+            FORCE_GENERAL.with(|f| f.set(true));
+            let general = verify(&logits, vocab, &draft, &params, &[1], &[], &mut r2, false);
+            FORCE_GENERAL.with(|f| f.set(false));
             match (fast, general) {
                 (Ok(a), Ok(b)) => {
                     prop_assert_eq!(a, b);
