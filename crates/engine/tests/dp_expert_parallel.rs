@@ -179,3 +179,69 @@ fn bad_expert_parallel_configurations_fail_at_start_up() {
     let e = spawn_lockstep(ranks, LocalGroup::new(2), tokenizer, dp_config(2)).err().expect("refused").to_string();
     assert!(e.contains("disagree"), "{e}");
 }
+
+/// Forwards to a real exchange but panics inside the `panic_at`-th all-gather (counted over the
+/// rank's life): a rank failing half-way through its forward pass.
+struct PanickingExchange {
+    inner: CommExchange<specula_engine::dp::LocalComm>,
+    gathers: std::sync::atomic::AtomicUsize,
+    panic_at: usize,
+}
+
+impl specula_model::ExpertExchange for PanickingExchange {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn begin_step(&self, rows: usize) {
+        self.inner.begin_step(rows)
+    }
+    fn step_rows(&self) -> usize {
+        self.inner.step_rows()
+    }
+    fn exchanges_this_step(&self) -> usize {
+        self.inner.exchanges_this_step()
+    }
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), String> {
+        if self.gathers.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == self.panic_at {
+            panic!("injected failure inside an expert exchange");
+        }
+        self.inner.all_gather(local, out)
+    }
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+        self.inner.all_to_all(send, recv)
+    }
+    fn abort(&self) {
+        self.inner.abort()
+    }
+}
+
+#[test]
+fn a_rank_panicking_inside_an_expert_exchange_stops_the_group_without_a_hang() {
+    use specula_engine::dp::Communicator as _;
+    let _serial = serial();
+    let m = tiny_moe();
+    let n = 2;
+    let (mut ranks, tokenizer) = setups(&m.path, n);
+    for (r, c) in ranks.iter_mut().zip(LocalGroup::new(n)) {
+        // rank 1 panics in the second layer's all-gather of the 6th forward pass (2 MoE layers)
+        let panic_at = if c.rank() == 1 { 2 * 5 + 2 } else { usize::MAX };
+        let x = PanickingExchange { inner: CommExchange::new(c), gathers: 0.into(), panic_at };
+        r.model.enable_expert_parallel(Arc::new(x)).unwrap();
+    }
+    let group = spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, dp_config(n)).unwrap();
+    let mut a = submit(&group.rank_handles[0], prompt(20, 1), greedy(40));
+    let mut b = submit(&group.rank_handles[1], prompt(9, 2), greedy(40));
+    for s in [&mut a, &mut b] {
+        match s.wait_end() {
+            specula_engine::RequestEvent::Failed { message } => assert!(!message.is_empty()),
+            other => panic!("{}: expected a failure, got {other:?}", s.id),
+        }
+        assert!(s.tokens().len() < 40);
+    }
+    // every rank leaves the loop with an error, within the deadline
+    let results = join_within(group);
+    assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+}
