@@ -264,7 +264,8 @@ impl FrontLoop {
                 let cmd = match self.remotes[i].rx.try_recv() {
                     Ok(cmd) => cmd,
                     Err(TryRecvError::Empty) => break,
-                    // every handle is gone: nothing can come any more
+                    // every handle is gone: nothing can come any more (not busy: keep backing off)
+                    Err(TryRecvError::Disconnected) if self.remotes[i].shutdown_sent => break,
                     Err(TryRecvError::Disconnected) => EngineCommand::Shutdown,
                 };
                 busy = true;
