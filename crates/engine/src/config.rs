@@ -22,6 +22,10 @@ pub struct EngineConfig {
     pub shutdown_grace: std::time::Duration,
     /// Schedule and prepare step N+1 while step N computes (`--async-scheduling`).
     pub async_scheduling: bool,
+    /// Publish the unlabeled engine gauges (running, waiting, KV usage, prefix cache) after each
+    /// step. Off for data-parallel ranks, whose labeled per-rank gauges and their aggregate are
+    /// published by the rank loop (two writers would make a scrape see one rank's numbers).
+    pub publish_gauges: bool,
     /// Test-only switch: make one step's compute job fail or panic.
     #[doc(hidden)]
     pub fault_injection: Option<crate::runner::job::FaultInjection>,
@@ -40,6 +44,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             shutdown_grace: std::time::Duration::from_secs(10),
             async_scheduling: false,
+            publish_gauges: true,
             fault_injection: None,
         }
     }

@@ -688,6 +688,9 @@ impl Engine {
     }
 
     fn export_gauges(&self) {
+        if !self.cfg.publish_gauges {
+            return;
+        }
         metrics::gauge!("specula:num_requests_running").set(self.scheduler.num_running() as f64);
         metrics::gauge!("specula:num_requests_waiting").set(self.scheduler.num_waiting() as f64);
         metrics::gauge!("specula:kv_cache_usage_perc").set(self.kv.usage() as f64);

@@ -89,7 +89,7 @@ impl DpGroup {
 
 /// The engine configuration of one rank of `n`: the compute threads are shared out.
 pub fn rank_config(cfg: &EngineConfig, n: usize) -> EngineConfig {
-    EngineConfig { threads: (cfg.threads / n.max(1)).max(1), ..cfg.clone() }
+    EngineConfig { threads: (cfg.threads / n.max(1)).max(1), publish_gauges: false, ..cfg.clone() }
 }
 
 /// `key=value` lines every rank must agree on (thread counts may differ between hosts).
