@@ -511,3 +511,139 @@ fn build_proposer_explains_what_mtp_needs() {
     let p = build_proposer(&cfg, &f.target, &tiny_config()).unwrap();
     assert!(p.needs_hidden());
 }
+
+// ---------------------------------------------------------------------------------------------
+// The head shipped for the default model (heads/README.md)
+// ---------------------------------------------------------------------------------------------
+
+fn shipped_head() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../heads/smollm2-135m-instruct-q4_1.mtp.safetensors")
+}
+
+/// The first `n` held-out prompts (heads/heldout-prompts.txt, one per line: topics the head
+/// never saw in training), chat template applied.
+fn heldout_prompts(model: &Path, n: usize) -> Vec<Vec<u32>> {
+    let loaded = load_model(model).expect("load default model");
+    let template = loaded.chat_template.expect("the default model ships a chat template");
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../heads/heldout-prompts.txt")).expect("heads/heldout-prompts.txt");
+    let prompts: Vec<Vec<u32>> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(n)
+        .map(|line| {
+            let msgs = [specula_model::ChatMessage { role: "user".into(), content: line.into() }];
+            loaded.tokenizer.encode(&template.render(&msgs, true).expect("render chat")).expect("encode")
+        })
+        .collect();
+    assert_eq!(prompts.len(), n, "heads/heldout-prompts.txt has too few prompts");
+    prompts
+}
+
+fn default_model_config() -> EngineConfig {
+    EngineConfig { max_num_seqs: 32, max_num_batched_tokens: 1024, max_model_len: 512, block_size: 16, num_kv_blocks: 320, enable_prefix_caching: true, threads: 2, ..Default::default() }
+}
+
+struct ShippedRuns {
+    plain: Vec<spec_support::Outcome>,
+    mtp: Vec<spec_support::Outcome>,
+    metrics: specula_engine::spec::SpecMetrics,
+    /// Every token the head proposed.
+    proposed: Vec<u32>,
+    pruned: HashSet<u32>,
+}
+
+/// 20 held-out prompts, greedy with top-5 logprobs, without speculation and with the shipped head
+/// (k = 3, adaptive off so every step drafts): shared by the tests below.
+fn shipped_runs() -> Option<&'static ShippedRuns> {
+    static RUNS: std::sync::OnceLock<Option<ShippedRuns>> = std::sync::OnceLock::new();
+    RUNS.get_or_init(|| {
+        let model = specula_model::testing::model_for_tests("mtp_head (shipped head)")?;
+        let params = SamplingParams { logprobs: Some(5), ..SamplingParams::greedy(48) };
+        let reqs: Vec<(Vec<u32>, SamplingParams)> = heldout_prompts(&model, 20).into_iter().map(|p| (p, params.clone())).collect();
+        let plain = Rig::new(&model, default_model_config(), None).run_batch(&reqs);
+        let t = target(&model);
+        let cfg = spec_config(SpecMethod::Mtp, 3, Some(&shipped_head()));
+        let inner = build_proposer(&cfg, &t, &default_model_config()).expect("the shipped head loads for the default model");
+        let pruned: HashSet<u32> = MtpHead::load(&shipped_head(), &t).unwrap().vocab().d2t_slice().iter().copied().collect();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut rig = Rig::with_proposer(&model, default_model_config(), Some((cfg, Box::new(Recording { inner, seen: seen.clone() }))));
+        let mtp = rig.run_batch(&reqs);
+        rig.assert_no_leaks();
+        let metrics = rig.engine.spec_metrics().expect("speculation is on").clone();
+        let proposed = std::mem::take(&mut *seen.lock().unwrap());
+        Some(ShippedRuns { plain, mtp, metrics, proposed, pruned })
+    })
+    .as_ref()
+}
+
+#[test]
+fn greedy_with_the_shipped_head_is_token_for_token_greedy_without_on_20_heldout_prompts() {
+    let Some(r) = shipped_runs() else { return };
+    let total: usize = r.plain.iter().map(|o| o.tokens.len()).sum();
+    assert!(total >= 20 * 20, "only {total} tokens generated: the comparison proves little");
+    for (i, (a, b)) in r.plain.iter().zip(&r.mtp).enumerate() {
+        assert!(matches!(a.end, End::Finished(_)), "prompt {i} without speculation: {:?}", a.end);
+        assert_eq!(a.tokens, b.tokens, "held-out prompt {i}: greedy tokens differ with the shipped mtp head");
+        assert_eq!(a.end, b.end);
+    }
+    assert!(r.mtp.iter().any(|o| o.step_sizes.iter().any(|&n| n > 1)), "no step emitted verified drafts");
+}
+
+/// The shipped head is trained: on prompts it never saw, with k = 3 drafted every step, about 15%
+/// of its draft tokens are accepted (a random head's: about 1%), and it proposes only from its
+/// pruned vocabulary while the target still emits tokens outside it (verification alone produces
+/// those).
+#[test]
+fn the_shipped_head_is_trained_and_drafts_only_its_pruned_vocabulary() {
+    let Some(r) = shipped_runs() else { return };
+    let m = &r.metrics;
+    assert_eq!(m.num_draft_tokens as usize, r.proposed.len(), "every proposed token was verified");
+    let rate = m.num_accepted_tokens as f64 / m.num_draft_tokens.max(1) as f64;
+    assert!(rate > 0.1, "the shipped head's acceptance rate is {rate:.3} on held-out prompts: is it trained? {m:?}");
+    assert!(r.proposed.iter().all(|t| r.pruned.contains(t)), "a token outside the pruned vocabulary was proposed");
+    let outside: usize = r.plain.iter().map(|o| o.tokens.iter().filter(|t| !r.pruned.contains(t)).count()).sum();
+    eprintln!("acceptance rate {rate:.3}; {outside} emitted tokens lie outside the pruned vocabulary ({m:?})");
+}
+
+#[test]
+fn logprobs_with_the_shipped_head_equal_logprobs_without() {
+    let Some(r) = shipped_runs() else { return };
+    let mut verified = 0;
+    for (i, (a, b)) in r.plain.iter().zip(&r.mtp).enumerate() {
+        assert_eq!((a.logprobs.len(), b.logprobs.len()), (a.tokens.len(), b.tokens.len()), "prompt {i}: one logprob entry per token");
+        verified += b.step_sizes.iter().filter(|&&n| n > 1).sum::<usize>();
+        for (j, (x, y)) in a.logprobs.iter().zip(&b.logprobs).enumerate() {
+            let at = format!("prompt {i}, token {j}");
+            assert_eq!(x.token, y.token, "{at}");
+            assert!((x.logprob - y.logprob).abs() <= 1e-5, "{at}: logprob {} vs {}", x.logprob, y.logprob);
+            for ((ta, la), (tb, lb)) in x.top.iter().zip(&y.top) {
+                assert_eq!(ta, tb, "{at}: top-5 ids {:?} vs {:?}", x.top, y.top);
+                assert!((la - lb).abs() <= 1e-5, "{at}: top-5 logprobs {:?} vs {:?}", x.top, y.top);
+            }
+        }
+    }
+    assert!(verified > 50, "only {verified} tokens came from verification steps");
+}
+
+/// The shipped file refused with a clear error when it does not fit: another target (a tiny model
+/// of another shape), a fingerprint that is not the target's, a damaged file.
+#[test]
+fn the_shipped_head_refuses_a_mismatched_target_or_a_damaged_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = target(&tiny_model(dir.path(), 15));
+    let e = load_err(&shipped_head(), &tiny);
+    assert!(e.contains("head hidden size 576 does not match the target's 64"), "{e}");
+    let Some(model) = specula_model::testing::model_for_tests("mtp_head (shipped head, refusals)") else { return };
+    let t = target(&model);
+    let other = dir.path().join("other.safetensors");
+    rewrite(&shipped_head(), &other, None, &[], |md| {
+        md.insert("target_fingerprint".into(), "0".repeat(64));
+    });
+    let e = load_err(&other, &t);
+    assert!(e.contains("this head was trained for a different target model"), "{e}");
+    let bytes = std::fs::read(shipped_head()).unwrap();
+    let cut = dir.path().join("cut.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(&cut, &t);
+    assert!(e.contains("cut.safetensors"), "the error names the file: {e}");
+}

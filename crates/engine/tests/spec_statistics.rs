@@ -6,15 +6,17 @@
 //! with a two-sample chi-square test against plain sampling. A deliberately biased acceptance
 //! rule (`force_accept`) must fail the same check, which shows the check has power.
 //!
-//! Tiny random models written by the test (259-token vocabulary). Every request is seeded from a
-//! fixed list, so the test is deterministic.
+//! Tiny random models written by the test (259-token vocabulary), and the default model with the
+//! mtp head shipped for it (heads/). Every request is seeded from a fixed list, so the test is
+//! deterministic.
 
 mod spec_support;
 
 use spec_support::{spec_config, tiny_model, End, Rig};
 use specula_engine::spec::{SpecConfig, SpecMethod};
 use specula_engine::{EngineConfig, FinishReason, SamplingParams};
-use specula_model::testing::{write_tiny_llama, TinySpec, TINY_VOCAB};
+use specula_model::testing::{model_for_tests, write_tiny_llama, TinySpec, TINY_VOCAB};
+use specula_model::{load_model, ChatMessage};
 use std::path::{Path, PathBuf};
 
 /// Draft tokens per step.
@@ -35,6 +37,11 @@ fn config() -> EngineConfig {
         threads: 1,
         ..Default::default()
     }
+}
+
+/// The default model is ~500x the tiny one's compute: both cores.
+fn default_model_config() -> EngineConfig {
+    EngineConfig { threads: 2, ..config() }
 }
 
 /// Every token once (control tokens too), in a scrambled order: whatever token the target samples
@@ -58,6 +65,9 @@ fn self_repeating_prompt(target: &Path) -> Vec<u32> {
 /// One sample: `n` requests for `prompt` at `temperature`, seeded `first_seed..`, on an engine
 /// speculating with `spec` (or not).
 struct Arm<'a> {
+    /// Target vocabulary size (histogram bins).
+    vocab: usize,
+    engine: EngineConfig,
     n: u64,
     prompt: &'a [u32],
     temperature: f32,
@@ -67,9 +77,10 @@ struct Arm<'a> {
 
 /// Token histograms of an arm, one per output position.
 fn histograms(target: &Path, arm: Arm) -> Vec<Vec<u64>> {
-    let always_drafts = arm.spec.as_ref().is_some_and(|s| s.method == SpecMethod::Draft) || arm.prompt.len() == TINY_VOCAB;
-    let mut rig = Rig::new(target, config(), arm.spec);
-    let mut hist = vec![vec![0u64; TINY_VOCAB]; MAX_TOKENS];
+    // the draft model and the mtp head always propose; so does the n-gram on the all-tokens prompt
+    let always_drafts = arm.spec.as_ref().is_some_and(|s| matches!(s.method, SpecMethod::Draft | SpecMethod::Mtp)) || arm.prompt.len() == TINY_VOCAB;
+    let mut rig = Rig::new(target, arm.engine.clone(), arm.spec);
+    let mut hist = vec![vec![0u64; arm.vocab]; MAX_TOKENS];
     let n = arm.n;
     let seeds: Vec<u64> = (arm.first_seed..arm.first_seed + n).collect();
     for chunk in seeds.chunks(BATCH) {
@@ -178,7 +189,7 @@ fn draft_model_speculation_samples_the_target_distribution() {
     // 10 000 requests per arm: enough to see a sampler that, on rejection, draws from p instead
     // of the residual max(0, p - q) (chi-square about 440 against a critical value of 334 at
     // position 1, measured); 3 000 are not.
-    let arm = |spec: Option<SpecConfig>, first_seed| Arm { n: 10_000, prompt: &prompt, temperature: 1.0, spec, first_seed };
+    let arm = |spec: Option<SpecConfig>, first_seed| Arm { vocab: TINY_VOCAB, engine: config(), n: 10_000, prompt: &prompt, temperature: 1.0, spec, first_seed };
     let plain = histograms(&target, arm(None, 0));
     let spec = spec_config(SpecMethod::Draft, K, Some(&draft));
     let lossless = histograms(&target, arm(Some(spec.clone()), 1_000_000));
@@ -192,7 +203,7 @@ fn ngram_speculation_samples_the_target_distribution() {
     let (_dir, target, _) = models();
     let spec = SpecConfig { ngram_min: 1, ..spec_config(SpecMethod::Ngram, K, None) };
     let bytes = all_tokens_prompt();
-    let arm = |spec: Option<SpecConfig>, first_seed| Arm { n: 3000, prompt: &bytes, temperature: 1.0, spec, first_seed };
+    let arm = |spec: Option<SpecConfig>, first_seed| Arm { vocab: TINY_VOCAB, engine: config(), n: 3000, prompt: &bytes, temperature: 1.0, spec, first_seed };
     let plain = histograms(&target, arm(None, 0));
     let lossless = histograms(&target, arm(Some(spec.clone()), 3_000_000));
     assert_lossless("ngram, all-tokens prompt", &compare(&plain, &lossless));
@@ -202,8 +213,32 @@ fn ngram_speculation_samples_the_target_distribution() {
     let run = self_repeating_prompt(&target);
     // here the same mistake (drawing from p, x not removed, on rejection) is plain to see with
     // 3 000 requests: chi-square about 167 against 82 at position 1, measured
-    let arm = |spec: Option<SpecConfig>, first_seed| Arm { n: 3000, prompt: &run, temperature: 0.7, spec, first_seed };
+    let arm = |spec: Option<SpecConfig>, first_seed| Arm { vocab: TINY_VOCAB, engine: config(), n: 3000, prompt: &run, temperature: 0.7, spec, first_seed };
     let plain = histograms(&target, arm(None, 5_000_000));
     let lossless = histograms(&target, arm(Some(spec), 6_000_000));
     assert_lossless("ngram, self-repeating prompt", &compare(&plain, &lossless));
+}
+
+/// The head shipped for the default model (heads/README.md), trained on its own answers: its q is
+/// close to the target's p, so most drafts are accepted and this checks the acceptance branch
+/// with a real, stochastic q over a pruned vocabulary (tokens outside it only ever come from the
+/// residual). Forcing acceptance must show up: the head's q is not the target's p.
+#[test]
+fn mtp_speculation_with_the_shipped_head_samples_the_target_distribution() {
+    let Some(model) = model_for_tests("spec_statistics (shipped mtp head)") else { return };
+    let head = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../heads/smollm2-135m-instruct-q4_1.mtp.safetensors");
+    let loaded = load_model(&model).expect("load default model");
+    let template = loaded.chat_template.expect("the default model ships a chat template");
+    let msgs = [ChatMessage { role: "user".into(), content: "Write a short poem about the sea.".into() }];
+    let prompt = loaded.tokenizer.encode(&template.render(&msgs, true).expect("render chat")).expect("encode");
+    let vocab = loaded.model.config.vocab_size;
+    let spec = spec_config(SpecMethod::Mtp, K, Some(&head));
+    // 600 requests per arm (the default model is costly): measured chi-square 10.9 against a
+    // critical value of 31.4 at position 1 for the real sampler, 288 against 39 with force-accept
+    let arm = |spec: Option<SpecConfig>, first_seed| Arm { vocab, engine: default_model_config(), n: 600, prompt: &prompt, temperature: 1.0, spec, first_seed };
+    let plain = histograms(&model, arm(None, 7_000_000));
+    let lossless = histograms(&model, arm(Some(spec.clone()), 8_000_000));
+    assert_lossless("mtp (shipped head)", &compare(&plain, &lossless));
+    let forced = histograms(&model, arm(Some(SpecConfig { force_accept: true, ..spec }), 9_000_000));
+    assert_biased("mtp (shipped head), force_accept", &compare(&plain, &forced));
 }

@@ -55,7 +55,8 @@ pub struct SpecArgs {
     /// Draft tokens proposed per sequence and step (upper bound; adaptive logic may use fewer).
     #[arg(long, default_value_t = 3)]
     pub num_speculative_tokens: usize,
-    /// Draft model (GGUF or HF folder) for --speculative-method draft, head file for mtp.
+    /// Draft model (GGUF or HF folder) for --speculative-method draft, head file for mtp
+    /// (default for mtp: the head built in for the default model, heads/README.md).
     #[arg(long)]
     pub draft_model: Option<PathBuf>,
     /// Smallest n-gram the ngram method matches.
@@ -90,11 +91,27 @@ impl SpecArgs {
 
     /// The proposer for these flags, if speculation is on (errors name the bad flag).
     pub fn build(&self, target: &specula_model::LlamaModel, engine: &EngineConfig) -> anyhow::Result<Option<(SpecConfig, Box<dyn Proposer>)>> {
-        let Some(cfg) = self.to_config() else { return Ok(None) };
+        let Some(mut cfg) = self.to_config() else { return Ok(None) };
         if cfg.force_accept {
             tracing::warn!("--speculative-force-accept is on: every draft token is accepted and the OUTPUT IS CHANGED (benchmarking only)");
         }
-        let p = specula_engine::spec::build_proposer(&cfg, target, engine)?;
+        // mtp with no --draft-model: the head shipped for the default model (the loader checks
+        // that the target is the one it was trained for)
+        let shipped = cfg.method == SpecMethod::Mtp && cfg.draft_model.is_none();
+        if shipped {
+            cfg.draft_model = Some(crate::train_head::shipped::materialise()?);
+        }
+        let p = specula_engine::spec::build_proposer(&cfg, target, engine).map_err(|e| {
+            let e = anyhow::Error::from(e);
+            if shipped {
+                e.context(format!(
+                    "--speculative-method mtp without --draft-model uses the built-in head, trained for {}; for another model pass --draft-model HEAD.safetensors (see `specula train-head`)",
+                    crate::train_head::shipped::TARGET
+                ))
+            } else {
+                e
+            }
+        })?;
         Ok(Some((cfg, p)))
     }
 }

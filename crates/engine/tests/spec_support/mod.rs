@@ -42,7 +42,8 @@ impl Rig {
     pub fn new(path: &Path, cfg: EngineConfig, spec: Option<SpecConfig>) -> Self {
         let proposer = spec.as_ref().map(|s| {
             let target = load_model(path).expect("load model");
-            build_proposer(s, &target.model.config, &cfg).expect("build proposer")
+            // the loaded target, not only its config: the mtp proposer reads its weights
+            build_proposer(s, &target.model, &cfg).expect("build proposer")
         });
         Self::with_proposer(path, cfg, spec.zip(proposer))
     }

@@ -54,6 +54,18 @@ pub struct FitArgs {
     /// Draft steps measured on the held-out data.
     #[arg(long, default_value_t = 4)]
     pub eval_k: usize,
+    /// Start from this head file (its weights and pruned vocabulary) instead of a fresh head:
+    /// continues a run from one of its epoch files. The optimiser state starts afresh.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Label = (1 - w) * target probabilities + w * one-hot(target argmax): w > 0 leans the head
+    /// towards the target's greedy choice (what greedy verification accepts).
+    #[arg(long, default_value_t = 0.0)]
+    pub top1_weight: f32,
+    /// Train fc on inputs scaled to unit RMS (see `Params`); `false` trains on the raw inputs,
+    /// as the first run of the shipped head did (heads/README.md).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub input_scale: bool,
     /// Stop an epoch after this many batches (0 = the whole data; for quick runs).
     #[arg(long, default_value_t = 0)]
     pub max_batches: usize,
@@ -61,9 +73,14 @@ pub struct FitArgs {
     pub seed: u64,
 }
 
-/// The trainable tensors, in `HeadWeightsF32` order.
+/// The trainable tensors, in `HeadWeightsF32` order. `fc` is trained on scaled inputs: the
+/// target's hidden state is ~300x larger than a token embedding (RMS ~30 with outlier dimensions
+/// near 1000, against ~0.1), which would drown the next token's embedding. `in_scale` (fixed,
+/// one factor per input column) brings both to unit RMS; the file's fc is `fc * diag(in_scale)`,
+/// so inference computes exactly the same thing without knowing about it.
 struct Params {
     fc: Var,
+    in_scale: Tensor,
     attn_norm: Var,
     wq: Var,
     wk: Var,
@@ -78,11 +95,13 @@ struct Params {
 }
 
 impl Params {
-    fn new(w: &HeadWeightsF32, c: &HeadConfig) -> Result<Self> {
+    fn new(w: &HeadWeightsF32, c: &HeadConfig, in_scale: &[f32]) -> Result<Self> {
         let (h, qw, kvw, ff, k) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn, w.d2t.len());
         let v = |data: &[f32], shape: &[usize]| -> Result<Var> { Ok(Var::from_tensor(&Tensor::from_slice(data, shape, &Device::Cpu)?)?) };
+        let fc: Vec<f32> = w.fc.iter().enumerate().map(|(i, &x)| x / in_scale[i % (2 * h)]).collect();
         Ok(Self {
-            fc: v(&w.fc, &[h, 2 * h])?,
+            fc: v(&fc, &[h, 2 * h])?,
+            in_scale: Tensor::from_slice(in_scale, 2 * h, &Device::Cpu)?,
             attn_norm: v(&w.attn_norm, &[h])?,
             wq: v(&w.attn_q, &[qw, h])?,
             wk: v(&w.attn_k, &[kvw, h])?,
@@ -107,7 +126,7 @@ impl Params {
     fn to_weights(&self, d2t: &[u32]) -> Result<HeadWeightsF32> {
         let f = |v: &Var| -> Result<Vec<f32>> { Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?) };
         Ok(HeadWeightsF32 {
-            fc: f(&self.fc)?,
+            fc: self.fc.as_tensor().broadcast_mul(&self.in_scale)?.flatten_all()?.to_vec1::<f32>()?,
             attn_norm: f(&self.attn_norm)?,
             attn_q: f(&self.wq)?,
             attn_k: f(&self.wk)?,
@@ -172,7 +191,7 @@ impl<'a> HeadGraph<'a> {
         let (c, p) = (self.c, self.p);
         let b = emb.dim(0)?;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let mut x = Tensor::cat(&[emb, hidden], 1)?.matmul(&p.fc.t()?)?;
+        let mut x = Tensor::cat(&[emb, hidden], 1)?.broadcast_mul(&p.in_scale)?.matmul(&p.fc.t()?)?;
         let xn = self.rms_norm(&x, &p.attn_norm)?;
         let q = self.rope(&xn.matmul(&p.wq.t()?)?.reshape((b, nh, hd))?, pos)?;
         let k = self.rope(&xn.matmul(&p.wk.t()?)?.reshape((b, nkv, hd))?, pos)?;
@@ -256,7 +275,7 @@ struct Batch {
     counts: Vec<f64>,
 }
 
-fn make_batch(data: &Data, rows: &[u32], steps: usize, embed: &specula_kernels::QMatrix, t2d: &[i32]) -> Result<Batch> {
+fn make_batch(data: &Data, rows: &[u32], steps: usize, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32) -> Result<Batch> {
     let s = &data.shard;
     let (b, h) = (rows.len(), s.hidden_size);
     let mut hidden = vec![0f32; b * h];
@@ -284,7 +303,8 @@ fn make_batch(data: &Data, rows: &[u32], steps: usize, embed: &specula_kernels::
                 let target = s.top_ids[label_row * TOP_K + t];
                 if let Some(&d) = t2d.get(target as usize).filter(|&&d| d >= 0) {
                     ids[i * TOP_K + t] = d as u32;
-                    ws[i * TOP_K + t] = s.top_probs[label_row * TOP_K + t];
+                    let one_hot = if t == 0 { 1.0 } else { 0.0 };
+                    ws[i * TOP_K + t] = (1.0 - top1_weight) * s.top_probs[label_row * TOP_K + t] + top1_weight * one_hot;
                 }
             }
         }
@@ -321,7 +341,7 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
     let mut accepted = vec![0u64; k];
     let (mut loss, mut loss_n) = (0.0, 0.0);
     for rows in starts.chunks(256) {
-        let batch = make_batch(data, rows, k, embed, t2d)?;
+        let batch = make_batch(data, rows, k, embed, t2d, 0.0)?;
         let mut kv = Vec::new();
         let mut hidden = batch.hidden.clone();
         let mut alive = vec![true; rows.len()];
@@ -365,21 +385,16 @@ pub fn run(a: FitArgs) -> Result<()> {
         held.shard.num_sequences()
     );
     let v = target.config.vocab_size;
-    let d2t = pruned_vocab(&train, a.draft_vocab.min(v), v);
+    let (cfg, w) = match &a.init {
+        Some(path) => load_head_weights(path, &target)?,
+        None => fresh_head(&train, &target, a.draft_vocab.min(v), a.seed)?,
+    };
+    let d2t = w.d2t.clone();
     let t2d = fmt::t2d_from_d2t(&d2t, v);
     let covered = train.shard.next_token.iter().filter(|&&t| t >= 0 && t2d[t as usize] >= 0).count() as f64 / train.starts.len().max(1) as f64;
     eprintln!("pruned vocabulary: {} tokens cover {:.2}% of the training answer tokens", d2t.len(), 100.0 * covered);
-
-    // start from the seeded random head, then put the chosen vocabulary and the target's own
-    // lm_head rows for it in place
-    let (cfg, mut w) = fmt::random_head(&target, 1, a.seed)?;
-    let h = cfg.target_hidden;
-    w.d2t = d2t.clone();
-    w.lm_head = vec![0f32; d2t.len() * h];
-    for (d, &t) in d2t.iter().enumerate() {
-        target.lm_head.dequantize_row_into(t as usize, &mut w.lm_head[d * h..(d + 1) * h]);
-    }
-    let params = Params::new(&w, &cfg)?;
+    let in_scale = if a.input_scale { input_scale(&train, &target.embed) } else { vec![1.0; 2 * cfg.target_hidden] };
+    let params = Params::new(&w, &cfg, &in_scale)?;
     let graph = HeadGraph::new(&params, &cfg, a.unroll.max(a.eval_k))?;
     let mut opt = AdamW::new(params.vars(), ParamsAdamW { lr: a.lr, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 })?;
 
@@ -417,7 +432,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         let (mut sum, mut n) = (0.0, 0usize);
         for rows in order.chunks(a.batch_size).take(batches_per_epoch) {
             opt.set_learning_rate(lr_at(step));
-            let batch = make_batch(&train, rows, a.unroll, &target.embed, &t2d)?;
+            let batch = make_batch(&train, rows, a.unroll, &target.embed, &t2d, a.top1_weight)?;
             let mut kv = Vec::new();
             let mut hidden = batch.hidden.clone();
             let mut loss: Option<Tensor> = None;
@@ -458,6 +473,75 @@ pub fn run(a: FitArgs) -> Result<()> {
         eprintln!("{} <- {} (held-out tokens per verify step at k=3: {score:.3})", a.out.display(), file.display());
     }
     Ok(())
+}
+
+/// Per input column of fc, 1 / RMS over the training data: one factor for the embedding half
+/// (over the embeddings of the answer tokens) and one per dimension of the hidden half.
+fn input_scale(train: &Data, embed: &specula_kernels::QMatrix) -> Vec<f32> {
+    let (s, h) = (&train.shard, train.shard.hidden_size);
+    let mut sq = vec![0f64; h];
+    for row in s.hidden.chunks_exact(h) {
+        for (a, v) in sq.iter_mut().zip(row) {
+            *a += f64::from(v.to_f32()).powi(2);
+        }
+    }
+    let rows = s.rows().max(1) as f64;
+    let mut e = vec![0f32; h];
+    let (mut esq, mut n) = (0f64, 0usize);
+    for &t in s.next_token.iter().filter(|&&t| t >= 0).take(4096) {
+        embed.dequantize_row_into(t as usize, &mut e);
+        esq += e.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>();
+        n += h;
+    }
+    let e_scale = (1.0 / (esq / n.max(1) as f64 + 1e-12).sqrt()) as f32;
+    std::iter::repeat_n(e_scale, h).chain(sq.iter().map(|&q| (1.0 / (q / rows + 1e-6).sqrt()) as f32)).collect()
+}
+
+/// A fresh head: the seeded random layer, the K most frequent training tokens as its vocabulary,
+/// the target's own lm_head rows for them and its output norm.
+fn fresh_head(train: &Data, target: &LlamaModel, k: usize, seed: u64) -> Result<(HeadConfig, HeadWeightsF32)> {
+    let d2t = pruned_vocab(train, k, target.config.vocab_size);
+    let (cfg, mut w) = fmt::random_head(target, 1, seed)?;
+    let h = cfg.target_hidden;
+    w.d2t = d2t;
+    w.lm_head = vec![0f32; w.d2t.len() * h];
+    for (d, &t) in w.d2t.iter().enumerate() {
+        target.lm_head.dequantize_row_into(t as usize, &mut w.lm_head[d * h..(d + 1) * h]);
+    }
+    Ok((cfg, w))
+}
+
+/// The weights and vocabulary of an existing head file for `target` (checked like at serving).
+fn load_head_weights(path: &Path, target: &LlamaModel) -> Result<(HeadConfig, HeadWeightsF32)> {
+    specula_engine::spec::mtp::MtpHead::load(path, target)?;
+    let file = fmt::HeadFile::open(path)?;
+    let c = file.config.clone();
+    let (h, qw, kvw, ff) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn);
+    let k = file.len_of(fmt::D2T).context("d2t is missing")?;
+    let m = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
+        let q = file.matrix(name, rows, cols)?;
+        let mut out = vec![0f32; rows * cols];
+        for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+            q.dequantize_row_into(r, row);
+        }
+        Ok(out)
+    };
+    let w = HeadWeightsF32 {
+        fc: m(fmt::FC, h, 2 * h)?,
+        attn_norm: file.vector(fmt::ATTN_NORM, h)?,
+        attn_q: m(fmt::ATTN_Q, qw, h)?,
+        attn_k: m(fmt::ATTN_K, kvw, h)?,
+        attn_v: m(fmt::ATTN_V, kvw, h)?,
+        attn_output: m(fmt::ATTN_OUTPUT, h, qw)?,
+        ffn_norm: file.vector(fmt::FFN_NORM, h)?,
+        ffn_gate: m(fmt::FFN_GATE, ff, h)?,
+        ffn_up: m(fmt::FFN_UP, ff, h)?,
+        ffn_down: m(fmt::FFN_DOWN, h, ff)?,
+        norm: file.vector(fmt::NORM, h)?,
+        lm_head: m(fmt::LM_HEAD, k, h)?,
+        d2t: file.ids(fmt::D2T, k)?.into_iter().map(|t| t as u32).collect(),
+    };
+    Ok((c, w))
 }
 
 fn epoch_path(out: &Path, epoch: usize) -> PathBuf {
@@ -512,7 +596,9 @@ mod tests {
         assert_eq!(draft.tokens.len(), 3);
         let probs = draft.probs.expect("sampled drafts carry their distributions");
 
-        let params = Params::new(&w, &cfg).unwrap();
+        // a non-trivial input scale: folded into fc on the way out, it must not change the graph
+        let in_scale: Vec<f32> = (0..2 * h).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
+        let params = Params::new(&w, &cfg, &in_scale).unwrap();
         let graph = HeadGraph::new(&params, &cfg, 3).unwrap();
         let (mut token, mut hid) = (tokens[2], Tensor::from_vec(hidden, (1, h), &Device::Cpu).unwrap());
         let mut kv = Vec::new();

@@ -6,6 +6,7 @@ pub mod data;
 pub mod fit;
 pub mod prompts;
 pub mod shard;
+pub mod shipped;
 
 use clap::Subcommand;
 

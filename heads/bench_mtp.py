@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Benchmark of the shipped mtp head (heads/README.md): `specula bench serve` against `specula serve`
+on the held-out chat prompts, with no speculation, n-gram and mtp, at concurrency 1 and 8 and
+k = 1..4. Prints a markdown table (output tok/s, acceptance per position, mean tokens per verify
+step) and writes every run's JSON under --out. Not a test: timings depend on the machine's load.
+
+    python3 heads/bench_mtp.py --specula target/release/specula --num-prompts 16
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def metrics(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    per_pos, totals = {}, {}
+    for line in text.splitlines():
+        if line.startswith("#") or "spec_decode_" not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        m = re.search(r'accepted_tokens_per_pos[a-z_]*\{.*position="(\d+)"', name)
+        if m:
+            per_pos[int(m.group(1))] = per_pos.get(int(m.group(1)), 0.0) + float(value)
+            continue
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if re.search(rf"spec_decode_{key}(_total)?(\{{|$)", name):
+                totals[key] = totals.get(key, 0.0) + float(value)
+    return per_pos, totals
+
+
+def wait_ready(port, proc, timeout=120):
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except Exception:
+            time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--specula", default="target/release/specula")
+    ap.add_argument("--prompts", default=os.path.join(HERE, "heldout-prompts.jsonl"))
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--methods", default="none,ngram,mtp")
+    ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="target/bench-mtp")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    configs = []
+    for method in a.methods.split(","):
+        if method == "none":
+            configs.append((method, 0))
+        else:
+            configs.extend((method, int(k)) for k in a.ks.split(","))
+    for method, k in configs:
+        cmd = [a.specula, "serve", "--port", str(a.port)]
+        if a.threads:
+            cmd += ["--threads", str(a.threads)]
+        if method != "none":
+            # adaptive k stays on (the shipped default): it drafts at most k, and nothing when
+            # more than --speculative-max-batch sequences decode
+            cmd += ["--speculative-method", method, "--num-speculative-tokens", str(k)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_ready(a.port, proc)
+            for c in a.concurrency.split(","):
+                before = metrics(a.port)
+                label = f"{method}-k{k}-c{c}"
+                out_json = os.path.join(a.out, f"{label}.json")
+                bench = [a.specula, "bench", "serve", "--base-url", f"http://127.0.0.1:{a.port}", "--endpoint", "/v1/chat/completions",
+                         "--dataset", "file", "--dataset-path", a.prompts, "--num-prompts", str(a.num_prompts), "--max-concurrency", c,
+                         "--temperature", "0", "--output-json", out_json, "--label", label, "--no-progress"]
+                subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+                after = metrics(a.port)
+                r = json.load(open(out_json))
+                r = r[0] if isinstance(r, list) else r
+                r = r.get("runs", [r])[0] if isinstance(r.get("runs"), list) else r
+                pos = {p: after[0].get(p, 0) - before[0].get(p, 0) for p in after[0]}
+                tot = {key: after[1].get(key, 0) - before[1].get(key, 0) for key in after[1]}
+                drafts = tot.get("num_drafts", 0)
+                per_pos = [pos[p] / drafts for p in sorted(pos)] if drafts else []
+                mean_len = 1 + tot.get("num_accepted_tokens", 0) / drafts if drafts else None
+                rows.append((method, k, int(c), r, per_pos, mean_len, tot))
+                tps = find(r, "output_throughput")
+                print(f"{label}: {tps:.1f} output tok/s, per position {[round(x, 3) for x in per_pos]}, tokens per verify step {mean_len}", file=sys.stderr)
+        finally:
+            proc.terminate()
+            proc.wait()
+    print("| method | k | concurrency | output tok/s | accepted per position | tokens per verify step | drafts |")
+    print("|---|---|---|---|---|---|---|")
+    for method, k, c, r, per_pos, mean_len, tot in rows:
+        pp = ", ".join(f"{x:.2f}" for x in per_pos) or "-"
+        ml = f"{mean_len:.2f}" if mean_len else "-"
+        print(f"| {method} | {k or '-'} | {c} | {find(r, 'output_throughput'):.1f} | {pp} | {ml} | {int(tot.get('num_drafts', 0))} |")
+
+
+def find(obj, key):
+    """First value of `key` anywhere in a JSON tree."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            x = find(v, key)
+            if x is not None:
+                return x
+    elif isinstance(obj, list):
+        for v in obj:
+            x = find(v, key)
+            if x is not None:
+                return x
+    return None
+
+
+if __name__ == "__main__":
+    main()
