@@ -165,7 +165,7 @@ fn collect_answer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) -
 /// One pass over prompt + answer: for rows p-1 ..= L-1 (every position that produced an answer
 /// token, and the last), the final hidden state before the output norm and the target's top
 /// tokens with their probabilities (temperature 1).
-fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32]) -> Result<(Vec<f32>, Vec<[(u32, f32); TOP_K]>)> {
+fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32]) -> Result<(Vec<f32>, Vec<TopTokens>)> {
     let c = &model.config;
     let tokens: Vec<u32> = prompt.iter().chain(answer).copied().collect();
     let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
@@ -181,8 +181,11 @@ fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32]) -> Result<
     Ok((out.hidden, top))
 }
 
+/// One position's labels: (target id, probability), most probable first.
+type TopTokens = [(u32, f32); TOP_K];
+
 /// The `TOP_K` most probable tokens of one logits row under softmax (temperature 1).
-fn top_probs(row: &[f32]) -> [(u32, f32); TOP_K] {
+fn top_probs(row: &[f32]) -> TopTokens {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = row.iter().map(|&l| f64::from((l - max).exp())).sum();
     let mut best = [(0u32, f32::NEG_INFINITY); TOP_K];

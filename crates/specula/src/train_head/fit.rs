@@ -345,8 +345,8 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
         let mut kv = Vec::new();
         let mut hidden = batch.hidden.clone();
         let mut alive = vec![true; rows.len()];
-        for j in 0..k {
-            let (x, logits) = graph.step(&batch.emb[j], &hidden, j, &mut kv)?;
+        for (j, (emb, acc)) in batch.emb.iter().zip(accepted.iter_mut()).enumerate() {
+            let (x, logits) = graph.step(emb, &hidden, j, &mut kv)?;
             if j == 0 {
                 let (ids, ws) = &batch.labels[0];
                 let lp = log_softmax_last(&logits)?.gather(ids, 1)?;
@@ -358,7 +358,7 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
                 let target_top1 = s.top_ids[(r as usize + j + 1) * TOP_K] as u32;
                 alive[i] = alive[i] && d2t[best[i] as usize] == target_top1;
                 if alive[i] {
-                    accepted[j] += 1;
+                    *acc += 1;
                 }
             }
             hidden = x;

@@ -288,7 +288,7 @@ fn candidates(split: Split, rng: &mut ChaCha8Rng) -> Vec<String> {
 /// `n` prompts of `split` (fewer if the split has fewer), deterministic in `seed`. The list is
 /// shuffled so any prefix mixes every kind of prompt.
 pub fn prompts(split: Split, n: usize, seed: u64) -> Vec<String> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ if split == Split::Train { 0x7472_6169_6E } else { 0x6865_6C64 });
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ if split == Split::Train { 0x0074_7261_696E } else { 0x6865_6C64 });
     let mut all = candidates(split, &mut rng);
     all.sort();
     all.dedup();
