@@ -244,7 +244,9 @@ def test_a_size_mismatch_and_a_missing_mpirun_are_clear_errors():
     serve = [str(srv.binary), "serve", "--model", str(srv.model), "--data-parallel-backend", "mpi", "--port", "0"]
     r = run_mpirun(["-np", "2", *serve, "--data-parallel-size", "3"])
     assert r.returncode != 0
-    assert (r.stdout + r.stderr).count("mpirun started 2 processes but --data-parallel-size is 3") == 2, r.stderr
+    # each rank checks and exits with the reason; mpirun may kill the second rank before it prints
+    # (it aborts the job once one process exits non-zero), so at least one copy is guaranteed
+    assert (r.stdout + r.stderr).count("mpirun started 2 processes but --data-parallel-size is 3") >= 1, r.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
     r = subprocess.run(serve, capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
     assert r.returncode != 0 and "mpirun -np N" in r.stderr, r.stderr
