@@ -343,7 +343,7 @@ impl Engine {
             let runner = self.runner.as_mut().expect("async engine has a runner");
             // with a core to spare, be awake when the job ends instead of waiting to be woken
             let synced = match self.job_expected_end {
-                Some(end) if self.cfg.threads < available_cores() => runner.sync_near(end, Duration::from_micros(600)),
+                Some(end) if self.cfg.threads < available_cores() => runner.sync_near(end, Duration::from_millis(6)),
                 _ => runner.sync(),
             };
             stats.num_seqs = plan.seqs.len();

@@ -164,7 +164,7 @@ impl<T: Send + 'static> AsyncRunner<T> {
                 Ok(done) => return self.collect(done),
                 Err(TryRecvError::Disconnected) => return Err(self.stop()),
                 Err(TryRecvError::Empty) if Instant::now() >= give_up => return self.sync(),
-                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                Err(TryRecvError::Empty) => std::thread::yield_now(),
             }
         }
     }
@@ -271,15 +271,16 @@ fn work<T>(name: &str, jobs: Receiver<Message<T>>, results: Sender<Done<T>>) {
                     pending = Some(message);
                     break;
                 }
-                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                Err(TryRecvError::Empty) => std::thread::yield_now(),
                 Err(TryRecvError::Disconnected) => return,
             }
         }
     }
 }
 
-/// How long the worker polls for the next job after finishing one.
-const NEXT_JOB_SPIN: Duration = Duration::from_micros(500);
+/// How long the worker polls (yielding) for the next job after finishing one: long enough to
+/// cover the engine's apply/finalize/prepare even when its own wake-up was late.
+const NEXT_JOB_SPIN: Duration = Duration::from_millis(2);
 
 /// Runs one job, turning a panic into `Failure::Panic` with the payload's text.
 fn run_job<T>(run: Box<dyn FnOnce() -> Result<T, String> + Send>) -> Result<T, Failure> {
