@@ -2,7 +2,7 @@
 //! straight from a memory map (no copy). Every failure names the file and the key or tensor.
 
 use crate::ModelError;
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::quantized::GgmlDType;
 use memmap2::Mmap;
 use specula_kernels::{QMatrix, WeightBytes, WeightFormat};
@@ -98,12 +98,13 @@ impl GgufFile {
         self.content.tensor_infos.contains_key(name)
     }
 
+    fn tensor_info(&self, name: &str) -> Result<&TensorInfo, ModelError> {
+        self.content.tensor_infos.get(name).ok_or_else(|| ModelError::BadTensor { name: name.to_string(), message: format!("missing from {}", self.path) })
+    }
+
     /// A 2-D tensor as a weight matrix over the memory map.
     pub fn matrix(&self, name: &str) -> Result<QMatrix, ModelError> {
-        let info = self.content.tensor_infos.get(name).ok_or_else(|| ModelError::BadTensor {
-            name: name.to_string(),
-            message: format!("missing from {}", self.path),
-        })?;
+        let info = self.tensor_info(name)?;
         let format = weight_format(name, info.ggml_dtype)?;
         let dims = info.shape.dims();
         let (rows, cols) = match dims {
@@ -121,10 +122,7 @@ impl GgufFile {
     /// A 3-D stack of `[n x rows x cols]` weight matrices (llama.cpp's `ffn_*_exps` expert
     /// tensors) as `n` matrices over the memory map, expert 0 first.
     pub fn matrix_stack(&self, name: &str, n: usize) -> Result<Vec<QMatrix>, ModelError> {
-        let info = self.content.tensor_infos.get(name).ok_or_else(|| ModelError::BadTensor {
-            name: name.to_string(),
-            message: format!("missing from {}", self.path),
-        })?;
+        let info = self.tensor_info(name)?;
         let format = weight_format(name, info.ggml_dtype)?;
         let dims = info.shape.dims();
         let (count, rows, cols) = match dims {
