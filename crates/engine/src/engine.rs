@@ -12,7 +12,7 @@ use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
 use crate::config::EngineConfig;
 use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
 use crate::kv_cache::KvCacheManager;
-use crate::runner::job::{is_stop_token, panic_message, run_job, token_finish, ComputeState, JobContext, JobDone, JobOutput, SampleItem, StepJob};
+use crate::runner::job::{is_stop_token, panic_message, run_job, token_finish, ComputeState, JobContext, JobDone, JobOutput, JobTimings, SampleItem, StepJob};
 use crate::runner::{prepare, AsyncRunner};
 use crate::sampling::{unpack, RankedLogprob, Sampler, SeqRng, StopCheck};
 use crate::scheduler::{InFlight, Scheduler, StepPlan};
@@ -93,10 +93,10 @@ pub struct Engine {
     in_flight: Option<StepPlan>,
     /// Sequences that ended while the proposer was away in a job; forgotten when it returns.
     spec_removals: Vec<SeqId>,
-    last_forward_end: Option<Instant>,
-    last_job_end: Option<Instant>,
-    /// How long the last compute job took, and when the one in flight should end by that measure.
-    last_job_time: Option<Duration>,
+    /// The timings of the last compute job collected, while steps follow each other (the gaps
+    /// before the next forward pass are measured from it); `None` after the engine went idle.
+    last_job: Option<JobTimings>,
+    /// When the job in flight should end, judging by the last one's duration.
     job_expected_end: Option<Instant>,
     /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
     /// scheduled ahead.
@@ -166,9 +166,7 @@ impl Engine {
             runner,
             in_flight: None,
             spec_removals: Vec::new(),
-            last_forward_end: None,
-            last_job_end: None,
-            last_job_time: None,
+            last_job: None,
             job_expected_end: None,
             spec_k: 0,
         })
@@ -294,8 +292,7 @@ impl Engine {
 
     /// No step follows at once: the next forward pass starts no gap.
     fn idle(&mut self) {
-        self.last_forward_end = None;
-        self.last_job_end = None;
+        self.last_job = None;
     }
 
     /// Runs a scheduled plan to the end: prepare, the compute job inline, update. The data-parallel
@@ -386,7 +383,7 @@ impl Engine {
                     match submitted {
                         Ok(()) => {
                             self.in_flight = Some(next);
-                            self.job_expected_end = self.last_job_time.map(|d| Instant::now() + d);
+                            self.job_expected_end = self.last_job.map(|j| Instant::now() + j.duration());
                         }
                         Err(e) => self.compute_state_lost(&next, &e.to_string()),
                     }
@@ -512,13 +509,9 @@ impl Engine {
     fn compute_state_lost(&mut self, plan: &StepPlan, msg: &str) {
         tracing::error!("async step runner failed; rebuilding the KV cache: {msg}");
         self.fail_plan(plan, &format!("internal error: {msg}"));
-        if let Some(r) = self.runner.take() {
-            drop(r);
-        }
+        // the old runner's Drop joins its dead worker
         self.runner = AsyncRunner::new("specula-step").ok();
-        let c = &self.model.config;
-        let layout = KvLayout { block_size: self.cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        self.kv_store = KvStore::new(c.n_layers, layout, self.cfg.num_kv_blocks);
+        self.kv_store = KvStore::new(self.model.config.n_layers, self.kv_store.layout, self.cfg.num_kv_blocks);
         if let Ok(kv) = KvCacheManager::new(self.cfg.num_kv_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching) {
             self.kv = kv;
         }
@@ -541,11 +534,9 @@ impl Engine {
         stats.timings.forward = t.forward_end - t.forward_start;
         stats.timings.sample = t.sample;
         stats.timings.propose = t.propose;
-        stats.timings.gap = self.last_forward_end.map(|end| t.forward_start.saturating_duration_since(end));
-        stats.timings.host_gap = self.last_job_end.map(|end| t.forward_start.saturating_duration_since(end));
-        self.last_forward_end = Some(t.forward_end);
-        self.last_job_end = Some(t.forward_end + t.sample + t.propose);
-        self.last_job_time = Some(t.forward_end - t.forward_start + t.sample + t.propose);
+        stats.timings.gap = self.last_job.map(|j| t.forward_start.saturating_duration_since(j.forward_end));
+        stats.timings.host_gap = self.last_job.map(|j| t.forward_start.saturating_duration_since(j.end()));
+        self.last_job = Some(*t);
     }
 
     /// Applies a step's output to its sequences: KV bookkeeping (computed tokens, rejected draft

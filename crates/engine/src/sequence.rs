@@ -33,9 +33,6 @@ pub struct Sequence {
     /// Has been admitted to the running set at least once (left the waiting count).
     pub admitted: bool,
     pub num_preemptions: usize,
-    /// Final hidden state (before the output norm) of the position that produced the last token;
-    /// kept only when the proposer needs it (mtp).
-    pub last_hidden: Vec<f32>,
 }
 
 impl Sequence {
@@ -60,7 +57,6 @@ impl Sequence {
             arrival: Instant::now(),
             admitted: false,
             num_preemptions: 0,
-            last_hidden: Vec::new(),
         }
     }
 

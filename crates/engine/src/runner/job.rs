@@ -101,6 +101,18 @@ pub(crate) struct JobTimings {
     pub propose: Duration,
 }
 
+impl JobTimings {
+    /// When the job's work ended (its forward pass, sampling and proposals).
+    pub fn end(&self) -> Instant {
+        self.forward_end + self.sample + self.propose
+    }
+
+    /// How long the job's work took.
+    pub fn duration(&self) -> Duration {
+        self.end() - self.forward_start
+    }
+}
+
 pub(crate) struct JobOutput {
     pub results: Vec<(SeqId, SeqResult)>,
     /// Every emitted token's logprobs (the batch's largest top-k, computed once), packed.
