@@ -4,6 +4,7 @@
 //! forward passes). The workload is the copy-this-passage prompts of `bench/copy_passages.jsonl`
 //! with n-gram speculation (non-adaptive, so it speculates at every batch size), greedy.
 
+use crate::bench::workload::parse_prompts;
 use anyhow::{Context, Result};
 use specula_engine::handle::QueueCounters;
 use specula_engine::spec::{build_proposer, SpecConfig, SpecMethod};
@@ -27,18 +28,6 @@ pub struct AsyncRow {
 
 const PASSAGES: &str = include_str!("../../../bench/copy_passages.jsonl");
 
-fn passages(n: usize) -> Result<Vec<String>> {
-    let all: Vec<String> = PASSAGES
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| -> Result<String> {
-            let v: serde_json::Value = serde_json::from_str(l)?;
-            Ok(v["prompt"].as_str().context("copy_passages.jsonl: a line without \"prompt\"")?.to_string())
-        })
-        .collect::<Result<_>>()?;
-    Ok(all.into_iter().cycle().take(n).collect())
-}
-
 /// One run: `batch` requests decoding together; timings averaged over the steps without prefill.
 fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usize, async_scheduling: bool) -> Result<AsyncRow> {
     let loaded = load_model(path)?;
@@ -50,8 +39,8 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
     let proposer = build_proposer(&spec, &loaded.model.config, &cfg)?;
     let mut engine = Engine::new(loaded.model, tokenizer.clone(), cfg, counters)?.with_speculation(spec, proposer)?;
     let mut rxs = Vec::new();
-    for (i, p) in passages(batch)?.into_iter().enumerate() {
-        let text = template.render(&[ChatMessage { role: "user".into(), content: p }], true)?;
+    for (i, p) in parse_prompts(PASSAGES, "bench/copy_passages.jsonl", batch, max_tokens)?.into_iter().enumerate() {
+        let text = template.render(&[ChatMessage { role: "user".into(), content: p.text }], true)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
         engine.add_request(GenerateRequest { id: RequestId(i as u64 + 1), prompt: tokenizer.encode(&text)?, params, events: tx });

@@ -11,7 +11,7 @@ mod request;
 mod spec;
 mod sse;
 mod stats;
-mod workload;
+pub(crate) mod workload;
 
 #[cfg(test)]
 mod tests;

@@ -71,12 +71,17 @@ fn jitter(rng: &mut StdRng, len: usize, ratio: f64) -> usize {
 /// goes round the file again when it has fewer.
 pub fn file_prompts(path: &Path, n: usize, default_max_tokens: usize) -> Result<Vec<Prompt>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --dataset-path {}", path.display()))?;
+    parse_prompts(&text, &path.display().to_string(), n, default_max_tokens)
+}
+
+/// [`file_prompts`] on text already read; `source` names it in errors.
+pub fn parse_prompts(text: &str, source: &str, n: usize, default_max_tokens: usize) -> Result<Vec<Prompt>> {
     let mut lines = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let at = || format!("{}:{}", path.display(), i + 1);
+        let at = || format!("{source}:{}", i + 1);
         let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: not a JSON object", at()))?;
         let Some(prompt) = v.get("prompt").and_then(|p| p.as_str()) else {
             bail!("{}: expected {{\"prompt\": \"...\", \"max_tokens\": N}} (max_tokens optional), found {line:.80}", at());
@@ -88,7 +93,7 @@ pub fn file_prompts(path: &Path, n: usize, default_max_tokens: usize) -> Result<
         lines.push(Prompt { text: prompt.to_string(), max_tokens, approx_tokens: prompt.split_whitespace().count() });
     }
     if lines.is_empty() {
-        bail!("--dataset-path {} has no prompts", path.display());
+        bail!("--dataset-path {source} has no prompts");
     }
     Ok(lines.iter().cycle().take(n).cloned().collect())
 }
