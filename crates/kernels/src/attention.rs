@@ -4,7 +4,7 @@
 //! many values. Each (query token, head) pair is reduced over its context positions in order,
 //! independent of which other sequences share the batch or how a prompt was chunked.
 
-use crate::dot::dot_f32;
+use crate::dot::{axpy_f32, dot_f32};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
@@ -41,7 +41,7 @@ pub fn write_kv(k_cache: &mut [f32], v_cache: &mut [f32], layout: &KvLayout, slo
 
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own (token, head) slice of the output.
+// SAFETY: each task writes only its own (token, head) slices of the output.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 impl OutPtr {
@@ -50,7 +50,16 @@ impl OutPtr {
     }
 }
 
+/// Query rows per task: long prompts are split so both cores share their attention.
+const Q_CHUNK: usize = 16;
+
 /// `q`: [tokens, n_heads * head_dim]; `out`: same shape.
+///
+/// One task per (sequence, KV head, chunk of query rows): each key and value row is read once for
+/// every query head that shares it (grouped-query attention) and every query row of the chunk.
+/// Each (query row, head) is still reduced exactly as on its own — scores `dot(q, k) * scale` in
+/// position order, softmax over its own context, values accumulated in position order — so the
+/// grouping never changes a result.
 pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f32], layout: &KvLayout, seqs: &[SeqSpan], scale: f32) {
     let hd = layout.head_dim;
     let qw = layout.n_heads * hd;
@@ -58,42 +67,63 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
     let kvw = layout.kv_width();
     let mut tasks = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
-        for t in 0..s.q_len {
-            for h in 0..layout.n_heads {
-                tasks.push((si, t, h));
+        for kvh in 0..layout.n_kv_heads {
+            let mut t0 = 0;
+            while t0 < s.q_len {
+                let t1 = (t0 + Q_CHUNK).min(s.q_len);
+                tasks.push((si, kvh, t0, t1));
+                t0 = t1;
             }
         }
     }
     assert!(out.len() >= q.len());
     let optr = OutPtr(out.as_mut_ptr());
-    let run = |&(si, t, h): &(usize, usize, usize)| {
+    let run = |&(si, kvh, t0, t1): &(usize, usize, usize, usize)| {
         let s = &seqs[si];
-        let row = s.q_start + t;
-        let pos = s.context_len - s.q_len + t;
-        let qv = &q[row * qw + h * hd..row * qw + (h + 1) * hd];
-        let kvh = h / group;
-        let mut scores = Vec::with_capacity(pos + 1);
-        for p in 0..=pos {
-            let slot = s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size;
-            let k = &k_cache[slot * kvw + kvh * hd..slot * kvw + (kvh + 1) * hd];
-            scores.push(dot_f32(qv, k) * scale);
-        }
-        crate::ops::softmax(&mut scores);
-        let mut acc = vec![0f32; hd];
-        for (p, &w) in scores.iter().enumerate() {
-            let slot = s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size;
-            let v = &v_cache[slot * kvw + kvh * hd..slot * kvw + (kvh + 1) * hd];
-            for (a, &x) in acc.iter_mut().zip(v) {
-                *a += w * x;
+        // query row t sits at position base + t and sees positions 0..=base + t
+        let base = s.context_len - s.q_len;
+        let ctx = base + t1;
+        let nq = (t1 - t0) * group;
+        let slot = |p: usize| s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size;
+        // queries of this task, j = (t - t0) * group + (h - kvh * group)
+        let qrow = |j: usize| {
+            let (t, h) = (t0 + j / group, kvh * group + j % group);
+            let row = s.q_start + t;
+            &q[row * qw + h * hd..row * qw + (h + 1) * hd]
+        };
+        // the first query (in j order) that sees position p
+        let first_j = |p: usize| p.saturating_sub(base).max(t0).saturating_sub(t0) * group;
+        let mut scores = vec![0f32; nq * ctx];
+        for p in 0..ctx {
+            let sl = slot(p);
+            let k = &k_cache[sl * kvw + kvh * hd..sl * kvw + (kvh + 1) * hd];
+            for j in first_j(p)..nq {
+                scores[j * ctx + p] = dot_f32(qrow(j), k) * scale;
             }
         }
-        // SAFETY: (row, h) is unique to this task and within `out` (asserted above).
-        unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), optr.get().add(row * qw + h * hd), hd) };
+        for j in 0..nq {
+            let len = base + t0 + j / group + 1;
+            crate::ops::softmax(&mut scores[j * ctx..j * ctx + len]);
+        }
+        let mut acc = vec![0f32; nq * hd];
+        for p in 0..ctx {
+            let sl = slot(p);
+            let v = &v_cache[sl * kvw + kvh * hd..sl * kvw + (kvh + 1) * hd];
+            for j in first_j(p)..nq {
+                axpy_f32(&mut acc[j * hd..(j + 1) * hd], scores[j * ctx + p], v);
+            }
+        }
+        for j in 0..nq {
+            let (t, h) = (t0 + j / group, kvh * group + j % group);
+            let row = s.q_start + t;
+            // SAFETY: (row, h) belongs to this task only and is within `out` (asserted above).
+            unsafe { std::ptr::copy_nonoverlapping(acc[j * hd..].as_ptr(), optr.get().add(row * qw + h * hd), hd) };
+        }
     };
     // Waking the pool costs more than a small attention (a decode step at short context): only
     // go parallel when there are enough query-key products to share.
     let work: usize = seqs.iter().map(|s| s.q_len * s.context_len).sum::<usize>() * layout.n_heads;
-    if tasks.len() < 8 || work < 16 * 1024 {
+    if tasks.len() < 2 || work < 16 * 1024 {
         tasks.iter().for_each(run);
     } else {
         crate::pool::parallel_for(tasks.len(), &|i| run(&tasks[i]));
@@ -147,6 +177,38 @@ mod tests {
                     assert!((a - b).abs() < 1e-5, "token {t} head {h}: {a} vs {b}");
                 }
             }
+        }
+    }
+
+    /// A query's output is bitwise the same whatever else shares its task: alone, with the other
+    /// rows of its prompt, or split across chunks (and with GQA groups of 3 heads).
+    #[test]
+    fn a_querys_result_does_not_depend_on_its_neighbours() {
+        let layout = KvLayout { block_size: 4, n_heads: 6, n_kv_heads: 2, head_dim: 8 };
+        let ctx = 40;
+        let table: Vec<u32> = (0..10).rev().collect();
+        let kvw = layout.kv_width();
+        let mut kc = vec![0f32; 10 * 4 * kvw];
+        let mut vc = kc.clone();
+        for p in 0..ctx {
+            let k: Vec<f32> = (0..kvw).map(|i| ((p * kvw + i) as f32 * 0.37).sin()).collect();
+            let v: Vec<f32> = (0..kvw).map(|i| ((p * kvw + i) as f32 * 0.53).cos()).collect();
+            let slot = table[p / 4] as usize * 4 + p % 4;
+            write_kv(&mut kc, &mut vc, &layout, slot, &k, &v);
+        }
+        let qw = layout.n_heads * layout.head_dim;
+        let q: Vec<f32> = (0..ctx * qw).map(|i| (i as f32 * 0.013).cos()).collect();
+        // all 40 positions as one prompt (three chunks of 16)
+        let mut all = vec![0f32; ctx * qw];
+        let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &table }];
+        paged_attention(&q, &mut all, &kc, &vc, &layout, &seqs, 0.3);
+        // every position alone, as a decode step
+        for t in [0, 15, 16, 17, 39] {
+            let mut one = vec![0f32; qw];
+            let seqs = [SeqSpan { q_start: 0, q_len: 1, context_len: t + 1, block_table: &table }];
+            paged_attention(&q[t * qw..(t + 1) * qw], &mut one, &kc, &vc, &layout, &seqs, 0.3);
+            assert_eq!(one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                       all[t * qw..(t + 1) * qw].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "position {t}");
         }
     }
 }

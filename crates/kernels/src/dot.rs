@@ -84,6 +84,23 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     dot_f32_scalar(a, b)
 }
 
+/// `acc += w * x`, element by element (a multiply then an add, no fused rounding, so every path
+/// gives the scalar loop's bits).
+#[inline]
+pub fn axpy_f32(acc: &mut [f32], w: f32, x: &[f32]) {
+    assert_eq!(acc.len(), x.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::cpu::features().avx2_fma {
+            // SAFETY: AVX2 was detected at run time; the lengths are equal (asserted).
+            return unsafe { avx2::axpy_f32(acc, w, x) };
+        }
+    }
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += w * v;
+    }
+}
+
 pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let n8 = a.len() / 8 * 8;
@@ -198,6 +215,24 @@ mod avx2 {
     dot_kernels!(dot_rows, "avx2,fma,f16c", mulsum_avx2);
     dot_kernels!(dot_rows_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", mulsum_vnni);
 
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn axpy_f32(acc: &mut [f32], w: f32, x: &[f32]) {
+        let n = acc.len();
+        let n8 = n / 8 * 8;
+        let wv = _mm256_set1_ps(w);
+        let (pa, px) = (acc.as_mut_ptr(), x.as_ptr());
+        let mut i = 0;
+        while i < n8 {
+            // SAFETY: i + 8 <= n8 <= both lengths.
+            let v = _mm256_add_ps(_mm256_loadu_ps(pa.add(i)), _mm256_mul_ps(wv, _mm256_loadu_ps(px.add(i))));
+            _mm256_storeu_ps(pa.add(i), v);
+            i += 8;
+        }
+        for j in n8..n {
+            acc[j] += w * x[j];
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
@@ -279,6 +314,20 @@ mod tests {
             // activation quantization error: |x_i - q_i| <= amax/254 per element
             let bound = wd.iter().map(|v| v.abs()).sum::<f32>() * 2.0 / 254.0;
             assert!((exact - got).abs() <= bound, "{f:?}: {exact} vs {got} (bound {bound})");
+        }
+    }
+
+    #[test]
+    fn axpy_equals_the_scalar_loop_bitwise() {
+        for n in [1, 8, 13, 64] {
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.77).sin()).collect();
+            let mut fast: Vec<f32> = (0..n).map(|i| (i as f32 * 0.31).cos()).collect();
+            let mut slow = fast.clone();
+            axpy_f32(&mut fast, 0.173, &x);
+            for (a, v) in slow.iter_mut().zip(&x) {
+                *a += 0.173 * v;
+            }
+            assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         }
     }
 

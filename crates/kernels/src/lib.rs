@@ -11,6 +11,7 @@ pub mod dot;
 pub mod formats;
 pub mod matmul;
 pub mod ops;
+pub mod packed;
 pub mod pool;
 pub mod q8;
 pub mod weights;

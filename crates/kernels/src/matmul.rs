@@ -5,7 +5,8 @@
 //! kernel whose reduction order is fixed, so results are bitwise independent of the batch size,
 //! of which rows share the batch, and of the thread count.
 
-use crate::dot::{dot_f32, dot_q8_rows};
+use crate::dot::dot_f32;
+use crate::packed::{PackedInt8, GROUP_ROWS, MAX_ACTS};
 use crate::q8::{quantize_rows, QuantizedActivations};
 use crate::weights::QMatrix;
 use rayon::prelude::*;
@@ -63,6 +64,7 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
         assert_eq!(o.len(), input.rows * w.rows, "matmul: output buffer has the wrong size");
     }
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr(), o.len())).collect();
+    // a multiple of the packed kernels' 8-row groups
     let rows_per_task = if input.rows <= 4 { 16 } else { 32 };
     let mut tasks = Vec::new();
     for (m, w) in ws.iter().enumerate() {
@@ -76,9 +78,9 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
     let run = |&(m, r0, r1): &(usize, usize, usize)| {
         let w = ws[m];
         let out = ptrs[m];
-        if w.format.has_int8_dot() {
+        if let Some(p) = w.packed() {
             let q = input.q8.as_ref().expect("int8 input prepared by MatmulInput::new");
-            int8_rows(w, q, r0, r1, out);
+            int8_rows(p, q, r0, r1, out);
         } else {
             f32_rows(w, input, r0, r1, out);
         }
@@ -90,25 +92,40 @@ pub fn matmul(input: &MatmulInput, w: &QMatrix, out: &mut [f32]) {
     matmul_many(input, &[w], &mut [out]);
 }
 
-fn int8_rows(w: &QMatrix, q: &QuantizedActivations, r0: usize, r1: usize, out: OutPtr) {
+/// Rows `r0..r1` (`r0` a multiple of 8) of a packed matrix against every activation row, eight
+/// weight rows and up to four activation rows per kernel call.
+fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out: OutPtr) {
+    debug_assert_eq!(r0 % GROUP_ROWS, 0);
     let n = q.rows;
+    let rows = p.rows();
+    let put = |b: usize, g: usize, y: &[f32; GROUP_ROWS]| {
+        let base = g * GROUP_ROWS;
+        let valid = (rows - base).min(GROUP_ROWS);
+        store_run(out, b * rows + base, &y[..valid]);
+    };
     let mut b0 = 0;
     while b0 < n {
         let b1 = (b0 + BATCH_TILE).min(n);
-        for r in r0..r1 {
-            let wr = w.row(r);
+        for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
             let mut b = b0;
-            while b + 4 <= b1 {
-                let y = dot_q8_rows::<4>(w.format, wr, [q.row(b), q.row(b + 1), q.row(b + 2), q.row(b + 3)]);
-                for (i, v) in y.iter().enumerate() {
-                    store(out, (b + i) * w.rows + r, *v);
+            while b + MAX_ACTS <= b1 {
+                let y = p.dot_group::<4>(g, [q.row(b), q.row(b + 1), q.row(b + 2), q.row(b + 3)]);
+                for (i, y) in y.iter().enumerate() {
+                    put(b + i, g, y);
                 }
-                b += 4;
+                b += MAX_ACTS;
             }
-            while b < b1 {
-                let y = dot_q8_rows::<1>(w.format, wr, [q.row(b)]);
-                store(out, b * w.rows + r, y[0]);
-                b += 1;
+            match b1 - b {
+                3 => {
+                    let y = p.dot_group::<3>(g, [q.row(b), q.row(b + 1), q.row(b + 2)]);
+                    y.iter().enumerate().for_each(|(i, y)| put(b + i, g, y));
+                }
+                2 => {
+                    let y = p.dot_group::<2>(g, [q.row(b), q.row(b + 1)]);
+                    y.iter().enumerate().for_each(|(i, y)| put(b + i, g, y));
+                }
+                1 => put(b, g, &p.dot_group::<1>(g, [q.row(b)])[0]),
+                _ => {}
             }
         }
         b0 = b1;
@@ -124,6 +141,15 @@ fn f32_rows(w: &QMatrix, input: &MatmulInput, r0: usize, r1: usize, out: OutPtr)
             store(out, b * w.rows + r, dot_f32(&buf, x));
         }
     }
+}
+
+/// Writes `vals` at `idx..idx + vals.len()`.
+#[inline]
+fn store_run(out: OutPtr, idx: usize, vals: &[f32]) {
+    let (ptr, len) = out.get();
+    assert!(idx + vals.len() <= len);
+    // SAFETY: the run is in bounds (checked above) and no other task writes these (batch, row) elements.
+    unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), ptr.add(idx), vals.len()) }
 }
 
 #[inline]

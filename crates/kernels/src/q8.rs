@@ -40,19 +40,72 @@ pub fn quantize_rows(x: &[f32], cols: usize) -> QuantizedActivations {
     QuantizedActivations { blocks, rows, blocks_per_row: bpr }
 }
 
+/// Quantizes one block of 32 (the fastest path this CPU has; every path gives the same bits).
 #[inline]
 fn quantize_block(xs: &[f32], b: &mut BlockQ8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::cpu::features().avx2_fma {
+            // SAFETY: AVX2 and FMA were detected at run time; xs holds QK values.
+            return unsafe { x86::quantize_block(xs, b) };
+        }
+    }
+    quantize_block_scalar(xs, b)
+}
+
+/// Scalar reference: `d = max|x| / 127`, `q = round_half_even(x / d)`.
+pub fn quantize_block_scalar(xs: &[f32], b: &mut BlockQ8) {
     let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let mut sum = 0i32;
     for (q, &v) in b.qs.iter_mut().zip(xs) {
-        let r = (v * id).round() as i32;
+        let r = (v * id).round_ties_even() as i32;
         *q = r as i8;
         sum += r;
     }
     b.d = d;
     b.s = d * sum as f32;
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// AVX2 quantization of one block (the scalar loop called libm's roundf per element and was a
+    /// tenth of a batched decode step).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn quantize_block(xs: &[f32], b: &mut BlockQ8) {
+        assert!(xs.len() >= QK);
+        let p = xs.as_ptr();
+        let sign = _mm256_set1_ps(-0.0);
+        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
+        let mut m = _mm256_andnot_ps(sign, v[0]);
+        for x in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *x));
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let idv = _mm256_set1_ps(id);
+        let r = v.map(|x| _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, idv))));
+        // the sum of the 32 integers
+        let s8 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01)));
+        // i32 -> i8 (values are within +-127), packs interleave 128-bit lanes: undo with a permute
+        let a = _mm256_packs_epi32(r[0], r[1]);
+        let c = _mm256_packs_epi32(r[2], r[3]);
+        let bytes = _mm256_packs_epi16(a, c);
+        let ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(b.qs.as_mut_ptr() as *mut __m256i, ordered);
+        b.d = d;
+        b.s = d * sum as f32;
+    }
 }
 
 #[cfg(test)]
@@ -72,6 +125,24 @@ mod tests {
                 sum += b.qs[j] as i32;
             }
             assert_eq!(b.s, b.d * sum as f32);
+        }
+    }
+
+    #[test]
+    fn simd_quantization_equals_the_scalar_reference_bitwise() {
+        let mut x: Vec<f32> = (0..32 * 64).map(|i| ((i as f32 * 0.731).sin() * 5.0) * if i % 97 == 0 { 40.0 } else { 1.0 }).collect();
+        // exact halves (ties) and zeros
+        for (i, v) in x[0..32].iter_mut().enumerate() {
+            *v = i as f32 - 15.5;
+        }
+        x[32..64].fill(0.0);
+        for (i, block) in x.chunks_exact(QK).enumerate() {
+            let mut fast = BlockQ8::default();
+            let mut slow = BlockQ8::default();
+            quantize_block(block, &mut fast);
+            quantize_block_scalar(block, &mut slow);
+            assert_eq!(fast.qs, slow.qs, "block {i}");
+            assert_eq!((fast.d.to_bits(), fast.s.to_bits()), (slow.d.to_bits(), slow.s.to_bits()), "block {i}");
         }
     }
 

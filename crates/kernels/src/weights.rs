@@ -1,7 +1,7 @@
 //! A weight matrix as the kernels see it: a format, a shape and bytes that may live in a memory
 //! map (the loader's) or in an owned buffer (tests, converted tensors).
 
-use crate::{formats::WeightFormat, KernelError};
+use crate::{formats::WeightFormat, packed::PackedInt8, KernelError};
 use std::sync::Arc;
 
 /// Bytes of one tensor: a window into a shared owner (usually a memory-mapped file).
@@ -53,6 +53,9 @@ pub struct QMatrix {
     pub rows: usize,
     pub cols: usize,
     bytes: WeightBytes,
+    /// The int8-dot formats repacked eight rows at a time for the matmul kernel (the ggml bytes
+    /// above stay for row lookups such as embeddings).
+    packed: Option<Arc<PackedInt8>>,
 }
 
 impl QMatrix {
@@ -64,7 +67,14 @@ impl QMatrix {
         if bytes.as_slice().len() != expected {
             return Err(KernelError::ByteLength { what: what.to_string(), expected, got: bytes.as_slice().len() });
         }
-        Ok(Self { format, rows, cols, bytes })
+        let packed = PackedInt8::pack(format, rows, cols, bytes.as_slice()).map(Arc::new);
+        Ok(Self { format, rows, cols, bytes, packed })
+    }
+
+    /// The repacked form, for Q4_0 / Q4_1 / Q8_0.
+    #[inline]
+    pub fn packed(&self) -> Option<&PackedInt8> {
+        self.packed.as_deref()
     }
 
     #[inline]

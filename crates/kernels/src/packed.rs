@@ -1,0 +1,476 @@
+//! Int8-dot weights repacked eight rows at a time, and the matmul micro-kernel that reads them.
+//!
+//! GGUF stores a Q4_0 / Q4_1 / Q8_0 matrix row by row, so a dot kernel that reads it produces one
+//! output per pass and spends most of its instructions on per-block bookkeeping (unpack the nibbles,
+//! convert the scales, fold eight partial lanes) for a single 32-element product. Here each block
+//! index holds the same block of eight consecutive rows, interleaved so that 32-bit lane `r` of a
+//! vector holds four weights of row `r`: one broadcast of four activation bytes and one
+//! `dpbusd` (or `maddubs` + add) then advance eight rows at once, the eight float results are
+//! already in the lanes of the output vector, and each unpacked weight vector serves up to
+//! `MAX_ACTS` activation rows. candle has no such kernel for these formats; this one is ours.
+//!
+//! Layout of one *group block* (eight rows, one block index; rows past the matrix's end are zero):
+//! - Q4_1: `d[8]` f16, `m[8]` f16, then 4 vectors of 32 bytes. Byte `t` of lane `r` of vector `v`
+//!   is byte `4v + t` of row `r`'s ggml block: its low nibble is element `4v + t`, its high
+//!   nibble element `16 + 4v + t`. So vector `v` unpacks to element groups `v` and `v + 4`.
+//! - Q4_0: `d[8]` f16, then the same 4 vectors (the offset 8 is folded in as `m = -8 d`).
+//! - Q8_0: `d[8]` f16, then 8 vectors; lane `r` of vector `g` is elements `4g..4g+4` of row `r`.
+//!
+//! Arithmetic (identical on every path, so AVX2, AVX-512 VNNI and the scalar reference give the
+//! same bits, and a row's result never depends on the batch or the thread split): for each block
+//! in index order, the exact integer sum `s` of the 32 products, then
+//! `acc = fma(d_w * d_a, s, acc)` and, for Q4_0/Q4_1, `acc = fma(m_w, s_a, acc)` where
+//! `s_a = d_a * sum(q_a)`.
+
+use crate::formats::{WeightFormat, QK};
+use crate::q8::BlockQ8;
+use half::f16;
+
+/// Rows per group: the lanes of one 256-bit vector of f32.
+pub const GROUP_ROWS: usize = 8;
+/// Activation rows one kernel call processes (more are handled by further calls).
+pub const MAX_ACTS: usize = 4;
+
+/// A matrix of an int8-dot format repacked into groups of eight rows.
+#[derive(Clone, Debug)]
+pub struct PackedInt8 {
+    format: WeightFormat,
+    rows: usize,
+    /// Blocks of 32 per row.
+    blocks: usize,
+    bytes: Vec<u8>,
+}
+
+/// Bytes of one group block (eight rows, one block index) of `format`.
+fn group_block_bytes(format: WeightFormat) -> usize {
+    GROUP_ROWS * format.block_bytes()
+}
+
+/// Where the quants start inside a group block.
+fn quants_offset(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::Q4_1 => 4 * GROUP_ROWS,
+        _ => 2 * GROUP_ROWS,
+    }
+}
+
+impl PackedInt8 {
+    /// Repacks `rows` rows of ggml blocks (`raw.len() == rows * format.row_bytes(cols)`).
+    /// Returns `None` for formats without an integer dot path.
+    pub fn pack(format: WeightFormat, rows: usize, cols: usize, raw: &[u8]) -> Option<Self> {
+        if !format.has_int8_dot() {
+            return None;
+        }
+        let bb = format.block_bytes();
+        let blocks = cols / QK;
+        let row_bytes = blocks * bb;
+        assert_eq!(raw.len(), rows * row_bytes, "pack: byte length does not match the shape");
+        let groups = rows.div_ceil(GROUP_ROWS);
+        let gbb = group_block_bytes(format);
+        let qoff = quants_offset(format);
+        let scales = if format == WeightFormat::Q4_1 { 4 } else { 2 };
+        let mut bytes = vec![0u8; groups * blocks * gbb];
+        for r in 0..rows {
+            let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
+            for b in 0..blocks {
+                let src = &raw[r * row_bytes + b * bb..r * row_bytes + (b + 1) * bb];
+                let dst = &mut bytes[(g * blocks + b) * gbb..(g * blocks + b + 1) * gbb];
+                // d (and m): lane r of the f16 arrays
+                dst[2 * lane..2 * lane + 2].copy_from_slice(&src[0..2]);
+                if scales == 4 {
+                    dst[2 * GROUP_ROWS + 2 * lane..2 * GROUP_ROWS + 2 * lane + 2].copy_from_slice(&src[2..4]);
+                }
+                // quants: four bytes at a time, vector v holds bytes 4v..4v+4 of the block's quants
+                let qs = &src[scales..];
+                for (v, chunk) in qs.chunks_exact(4).enumerate() {
+                    let at = qoff + v * 32 + lane * 4;
+                    dst[at..at + 4].copy_from_slice(chunk);
+                }
+            }
+        }
+        Some(Self { format, rows, blocks, bytes })
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP_ROWS)
+    }
+
+    /// The bytes of row group `g` (all its block indices, in order).
+    #[inline]
+    fn group(&self, g: usize) -> &[u8] {
+        let len = self.blocks * group_block_bytes(self.format);
+        &self.bytes[g * len..(g + 1) * len]
+    }
+
+    /// Results of the eight rows of group `g` against each of `N` (1..=MAX_ACTS) activation rows:
+    /// `out[n][lane]` = row `8g + lane` dot activation `n` (lanes past the last row are 0).
+    #[inline]
+    pub fn dot_group<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N]) -> [[f32; GROUP_ROWS]; N] {
+        debug_assert!((1..=MAX_ACTS).contains(&N));
+        for a in &acts {
+            assert_eq!(a.len(), self.blocks, "activation row has the wrong number of blocks");
+        }
+        let group = self.group(g);
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = crate::cpu::features();
+            if f.avx512_vnni {
+                // SAFETY: AVX2, FMA, F16C and AVX-512 VNNI/VL were detected at run time; `group`
+                // holds `blocks` group blocks and every activation row `blocks` blocks.
+                return unsafe { x86::group_vnni::<N>(self.format, group, self.blocks, acts) };
+            }
+            if f.avx2_fma {
+                // SAFETY: AVX2, FMA and F16C were detected at run time; sizes as above.
+                return unsafe { x86::group_avx2::<N>(self.format, group, self.blocks, acts) };
+            }
+        }
+        acts.map(|a| dot_group_scalar(self.format, group, self.blocks, a))
+    }
+}
+
+#[inline]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Scalar reference of the kernel (same arithmetic, so the same bits): one activation row
+/// against the eight rows of a group.
+pub fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize, a: &[BlockQ8]) -> [f32; GROUP_ROWS] {
+    let gbb = group_block_bytes(format);
+    let qoff = quants_offset(format);
+    let mut acc = [0f32; GROUP_ROWS];
+    for (b, ab) in a.iter().enumerate().take(blocks) {
+        let blk = &group[b * gbb..(b + 1) * gbb];
+        for (lane, acc) in acc.iter_mut().enumerate() {
+            let d = f16_at(blk, 2 * lane);
+            let mut s = 0i32;
+            match format {
+                WeightFormat::Q4_0 | WeightFormat::Q4_1 => {
+                    for v in 0..4 {
+                        for t in 0..4 {
+                            let q = blk[qoff + v * 32 + lane * 4 + t];
+                            s += (q & 0xF) as i32 * ab.qs[4 * v + t] as i32;
+                            s += (q >> 4) as i32 * ab.qs[16 + 4 * v + t] as i32;
+                        }
+                    }
+                }
+                WeightFormat::Q8_0 => {
+                    for g in 0..8 {
+                        for t in 0..4 {
+                            s += (blk[qoff + g * 32 + lane * 4 + t] as i8) as i32 * ab.qs[4 * g + t] as i32;
+                        }
+                    }
+                }
+                _ => unreachable!("{format:?} has no int8 dot path"),
+            }
+            *acc = (d * ab.d).mul_add(s as f32, *acc);
+            match format {
+                WeightFormat::Q4_1 => *acc = f16_at(blk, 2 * GROUP_ROWS + 2 * lane).mul_add(ab.s, *acc),
+                WeightFormat::Q4_0 => *acc = (d * -8.0).mul_add(ab.s, *acc),
+                _ => {}
+            }
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// How far ahead of the current group block to prefetch: weights stream from memory once per step.
+    const PREFETCH_BYTES: usize = 1024;
+
+    /// Integer partial sums of one activation row. AVX2 keeps the Q4 partial sums in i16 lanes
+    /// (8 groups x 2 products x 15 x 127 = 30480 < 32767, so no overflow) and widens once per block.
+    trait IntDot {
+        /// acc += per-lane sums of four u8 x i8 products (Q4 quants, i16 partials on AVX2).
+        unsafe fn q4(acc: __m256i, w: __m256i, a: __m256i) -> __m256i;
+        /// Turns a Q4 accumulator into eight i32 sums.
+        unsafe fn q4_finish(acc: __m256i) -> __m256i;
+        /// acc (i32) += per-lane sums of four |w| x sign(a, w) products (Q8 quants).
+        unsafe fn q8(acc: __m256i, aw: __m256i, sa: __m256i) -> __m256i;
+    }
+
+    struct Avx2;
+    struct Vnni;
+
+    impl IntDot for Avx2 {
+        #[inline(always)]
+        unsafe fn q4(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, a))
+        }
+        #[inline(always)]
+        unsafe fn q4_finish(acc: __m256i) -> __m256i {
+            _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+        }
+        #[inline(always)]
+        unsafe fn q8(acc: __m256i, aw: __m256i, sa: __m256i) -> __m256i {
+            // |w| <= 128 and |a| <= 127: a pair sums to at most 32512, inside i16
+            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), _mm256_set1_epi16(1)))
+        }
+    }
+
+    impl IntDot for Vnni {
+        #[inline(always)]
+        unsafe fn q4(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(acc, w, a)
+        }
+        #[inline(always)]
+        unsafe fn q4_finish(acc: __m256i) -> __m256i {
+            acc
+        }
+        #[inline(always)]
+        unsafe fn q8(acc: __m256i, aw: __m256i, sa: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(acc, aw, sa)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn bcast4(p: *const i8) -> __m256i {
+        _mm256_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q8_0: u8 = 2;
+
+    /// The kernel for one format (a const parameter, so no format test runs inside the loop).
+    #[inline(always)]
+    unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(
+        group: &[u8],
+        blocks: usize,
+        acts: [&[BlockQ8]; N],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        let format = match F {
+            Q4_0 => WeightFormat::Q4_0,
+            Q4_1 => WeightFormat::Q4_1,
+            _ => WeightFormat::Q8_0,
+        };
+        let gbb = group_block_bytes(format);
+        let qoff = quants_offset(format);
+        debug_assert!(group.len() >= blocks * gbb);
+        let gp = group.as_ptr();
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
+            // every activation row `blocks` blocks (checked by the caller).
+            let blk = gp.add(b * gbb);
+            // every cache line of the group block PREFETCH_BYTES ahead
+            let mut line = 0;
+            while line < gbb {
+                _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES + line) as *const i8);
+                line += 64;
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+            let q = blk.add(qoff);
+            let mut isum = [_mm256_setzero_si256(); N];
+            match F {
+                Q4_0 | Q4_1 => {
+                    for v in 0..4 {
+                        let raw = _mm256_loadu_si256(q.add(32 * v) as *const __m256i);
+                        let lo = _mm256_and_si256(raw, m4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                        for n in 0..N {
+                            let ap = acts[n].get_unchecked(b).qs.as_ptr();
+                            isum[n] = D::q4(isum[n], lo, bcast4(ap.add(4 * v)));
+                            isum[n] = D::q4(isum[n], hi, bcast4(ap.add(16 + 4 * v)));
+                        }
+                    }
+                    for s in isum.iter_mut() {
+                        *s = D::q4_finish(*s);
+                    }
+                }
+                _ => {
+                    for g in 0..8 {
+                        let w = _mm256_loadu_si256(q.add(32 * g) as *const __m256i);
+                        let aw = _mm256_sign_epi8(w, w);
+                        for n in 0..N {
+                            let ap = acts[n].get_unchecked(b).qs.as_ptr();
+                            isum[n] = D::q8(isum[n], aw, _mm256_sign_epi8(bcast4(ap.add(4 * g)), w));
+                        }
+                    }
+                }
+            }
+            let m = match F {
+                Q4_1 => Some(_mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP_ROWS) as *const __m128i))),
+                Q4_0 => Some(_mm256_mul_ps(d, _mm256_set1_ps(-8.0))),
+                _ => None,
+            };
+            for n in 0..N {
+                let ab = acts[n].get_unchecked(b);
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab.d));
+                acc[n] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[n]), acc[n]);
+                if let Some(m) = m {
+                    acc[n] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc[n]);
+                }
+            }
+        }
+        let mut out = [[0f32; GROUP_ROWS]; N];
+        for n in 0..N {
+            _mm256_storeu_ps(out[n].as_mut_ptr(), acc[n]);
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_avx2<const N: usize>(
+        format: WeightFormat,
+        group: &[u8],
+        blocks: usize,
+        acts: [&[BlockQ8]; N],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        match format {
+            WeightFormat::Q4_0 => group_impl::<Avx2, Q4_0, N>(group, blocks, acts),
+            WeightFormat::Q4_1 => group_impl::<Avx2, Q4_1, N>(group, blocks, acts),
+            WeightFormat::Q8_0 => group_impl::<Avx2, Q8_0, N>(group, blocks, acts),
+            _ => unreachable!("{format:?} has no int8 dot path"),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(super) unsafe fn group_vnni<const N: usize>(
+        format: WeightFormat,
+        group: &[u8],
+        blocks: usize,
+        acts: [&[BlockQ8]; N],
+    ) -> [[f32; GROUP_ROWS]; N] {
+        match format {
+            WeightFormat::Q4_0 => group_impl::<Vnni, Q4_0, N>(group, blocks, acts),
+            WeightFormat::Q4_1 => group_impl::<Vnni, Q4_1, N>(group, blocks, acts),
+            WeightFormat::Q8_0 => group_impl::<Vnni, Q8_0, N>(group, blocks, acts),
+            _ => unreachable!("{format:?} has no int8 dot path"),
+        }
+    }
+
+    #[cfg(test)]
+    pub(super) fn both<const N: usize>(
+        p: &PackedInt8,
+        g: usize,
+        acts: [&[BlockQ8]; N],
+    ) -> Option<([[f32; GROUP_ROWS]; N], [[f32; GROUP_ROWS]; N])> {
+        let f = crate::cpu::features();
+        if !(f.avx2_fma && f.avx512_vnni) {
+            return None;
+        }
+        // SAFETY: features checked above; sizes as in dot_group.
+        unsafe { Some((group_avx2::<N>(p.format, p.group(g), p.blocks, acts), group_vnni::<N>(p.format, p.group(g), p.blocks, acts))) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::{dequantize_row, quantize_row};
+    use crate::q8::quantize_rows;
+    use rand::{Rng, SeedableRng};
+
+    fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
+    }
+
+    fn random_raw(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: usize) -> Vec<u8> {
+        (0..rows).flat_map(|_| quantize_row(f, &rand_vec(rng, cols))).collect()
+    }
+
+    const FORMATS: [WeightFormat; 3] = [WeightFormat::Q4_0, WeightFormat::Q4_1, WeightFormat::Q8_0];
+
+    #[test]
+    fn simd_equals_the_scalar_reference_bitwise_for_any_number_of_activations() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for f in FORMATS {
+            for (rows, cols) in [(8, 32), (13, 64), (24, 576)] {
+                let p = PackedInt8::pack(f, rows, cols, &random_raw(&mut rng, f, rows, cols)).unwrap();
+                let acts: Vec<_> = (0..4).map(|_| quantize_rows(&rand_vec(&mut rng, cols), cols)).collect();
+                for g in 0..p.groups() {
+                    let four = p.dot_group::<4>(g, [acts[0].row(0), acts[1].row(0), acts[2].row(0), acts[3].row(0)]);
+                    let two = p.dot_group::<2>(g, [acts[2].row(0), acts[3].row(0)]);
+                    for (n, a) in acts.iter().enumerate() {
+                        let one = p.dot_group::<1>(g, [a.row(0)])[0];
+                        let reference = dot_group_scalar(f, p.group(g), p.blocks, a.row(0));
+                        assert_eq!(one.map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {rows}x{cols}");
+                        assert_eq!(four[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?}: 4-row path differs");
+                        if n >= 2 {
+                            assert_eq!(two[n - 2].map(f32::to_bits), reference.map(f32::to_bits), "{f:?}: 2-row path differs");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vnni_and_avx2_agree_bitwise() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for f in FORMATS {
+            let p = PackedInt8::pack(f, 16, 576, &random_raw(&mut rng, f, 16, 576)).unwrap();
+            // extreme activations: every element at +-127 after quantization
+            let x: Vec<f32> = (0..576).map(|i| if i % 3 == 0 { -1.0 } else { 1.0 }).collect();
+            let (a, b) = (quantize_rows(&rand_vec(&mut rng, 576), 576), quantize_rows(&x, 576));
+            let Some((x2, vn)) = x86::both::<2>(&p, 1, [a.row(0), b.row(0)]) else {
+                eprintln!("skipping: this CPU has no AVX-512 VNNI");
+                return;
+            };
+            assert_eq!(x2.map(|r| r.map(f32::to_bits)), vn.map(|r| r.map(f32::to_bits)), "{f:?}");
+        }
+    }
+
+    /// Independent oracle: the float dot of the dequantized ggml row with the dequantized
+    /// activations, within the error the 8-bit activations allow.
+    #[test]
+    fn packed_dot_approximates_the_float_dot_of_dequantized_weights() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (rows, cols) = (11, 576);
+        let x = rand_vec(&mut rng, cols);
+        let q = quantize_rows(&x, cols);
+        for f in FORMATS {
+            let raw = random_raw(&mut rng, f, rows, cols);
+            let p = PackedInt8::pack(f, rows, cols, &raw).unwrap();
+            for r in 0..rows {
+                let mut wd = vec![0f32; cols];
+                dequantize_row(f, &raw[r * f.row_bytes(cols)..(r + 1) * f.row_bytes(cols)], &mut wd);
+                let exact: f32 = wd.iter().zip(&x).map(|(a, b)| a * b).sum();
+                let got = p.dot_group::<1>(r / GROUP_ROWS, [q.row(0)])[0][r % GROUP_ROWS];
+                // activation quantization error: |x_i - q_i| <= amax/254 per element
+                let bound = wd.iter().map(|v| v.abs()).sum::<f32>() * 2.0 / 254.0 + 1e-4;
+                assert!((exact - got).abs() <= bound, "{f:?} row {r}: {exact} vs {got} (bound {bound})");
+            }
+            // the padding lanes of the last group are zero
+            let last = p.dot_group::<1>(p.groups() - 1, [q.row(0)])[0];
+            assert!(last[rows % GROUP_ROWS..].iter().all(|&v| v == 0.0));
+        }
+    }
+
+    #[test]
+    fn extreme_weights_do_not_overflow_the_integer_sums() {
+        // every weight at the top of its range (nibble 15 / byte +-127) against activations all at 127:
+        // the largest integer sums there are, checked against the scalar reference's i32 sums
+        let cols = 64;
+        let x = vec![1.0f32; cols];
+        let q = quantize_rows(&x, cols);
+        let w: Vec<f32> = (0..cols).map(|i| if i % 32 == 0 { -1.0 } else { 1.0 }).collect();
+        for f in FORMATS {
+            let row = quantize_row(f, &w);
+            let mut wd = vec![0f32; cols];
+            dequantize_row(f, &row, &mut wd);
+            let expected: f32 = wd.iter().sum();
+            let raw: Vec<u8> = (0..8).flat_map(|_| row.clone()).collect();
+            let p = PackedInt8::pack(f, 8, cols, &raw).unwrap();
+            let got = p.dot_group::<1>(0, [q.row(0)])[0];
+            let reference = dot_group_scalar(f, p.group(0), p.blocks, q.row(0));
+            assert_eq!(got.map(f32::to_bits), reference.map(f32::to_bits), "{f:?}");
+            assert!(got.iter().all(|v| (v - expected).abs() < 1e-3 * expected), "{f:?}: {got:?} vs {expected}");
+        }
+    }
+}
