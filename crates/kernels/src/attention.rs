@@ -4,7 +4,7 @@
 //! many values. Each (query token, head) pair is reduced over its context positions in order,
 //! independent of which other sequences share the batch or how a prompt was chunked.
 
-use crate::dot::{axpy_f32, dot_f32};
+use crate::dot::{dot_f32, weighted_rows_sum};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
@@ -84,34 +84,32 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
         let base = s.context_len - s.q_len;
         let ctx = base + t1;
         let nq = (t1 - t0) * group;
-        let slot = |p: usize| s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size;
+        // where position p's keys (and values) for this KV head start
+        let offsets: Vec<usize> = (0..ctx)
+            .map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd)
+            .collect();
         // queries of this task, j = (t - t0) * group + (h - kvh * group)
         let qrow = |j: usize| {
             let (t, h) = (t0 + j / group, kvh * group + j % group);
             let row = s.q_start + t;
             &q[row * qw + h * hd..row * qw + (h + 1) * hd]
         };
-        // the first query (in j order) that sees position p
+        // the first query (in j order) that sees position p, and how many positions query j sees
         let first_j = |p: usize| p.saturating_sub(base).max(t0).saturating_sub(t0) * group;
+        let seen = |j: usize| base + t0 + j / group + 1;
         let mut scores = vec![0f32; nq * ctx];
-        for p in 0..ctx {
-            let sl = slot(p);
-            let k = &k_cache[sl * kvw + kvh * hd..sl * kvw + (kvh + 1) * hd];
+        for (p, &o) in offsets.iter().enumerate() {
+            let k = &k_cache[o..o + hd];
             for j in first_j(p)..nq {
                 scores[j * ctx + p] = dot_f32(qrow(j), k) * scale;
             }
         }
-        for j in 0..nq {
-            let len = base + t0 + j / group + 1;
-            crate::ops::softmax(&mut scores[j * ctx..j * ctx + len]);
-        }
         let mut acc = vec![0f32; nq * hd];
-        for p in 0..ctx {
-            let sl = slot(p);
-            let v = &v_cache[sl * kvw + kvh * hd..sl * kvw + (kvh + 1) * hd];
-            for j in first_j(p)..nq {
-                axpy_f32(&mut acc[j * hd..(j + 1) * hd], scores[j * ctx + p], v);
-            }
+        for j in 0..nq {
+            let len = seen(j);
+            let sc = &mut scores[j * ctx..j * ctx + len];
+            crate::ops::softmax(sc);
+            weighted_rows_sum(&mut acc[j * hd..(j + 1) * hd], sc, v_cache, &offsets[..len]);
         }
         for j in 0..nq {
             let (t, h) = (t0 + j / group, kvh * group + j % group);
@@ -123,7 +121,7 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
     // Waking the pool costs more than a small attention (a decode step at short context): only
     // go parallel when there are enough query-key products to share.
     let work: usize = seqs.iter().map(|s| s.q_len * s.context_len).sum::<usize>() * layout.n_heads;
-    if tasks.len() < 2 || work < 16 * 1024 {
+    if tasks.len() < 2 || work < 2 * 1024 {
         tasks.iter().for_each(run);
     } else {
         crate::pool::parallel_for(tasks.len(), &|i| run(&tasks[i]));

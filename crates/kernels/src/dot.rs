@@ -32,6 +32,25 @@ pub fn axpy_f32(acc: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
+/// `acc[i] += ws[p] * rows[offsets[p] + i]` for every `p` in order (a multiply then an add per
+/// term, as `axpy_f32` does row by row, so the result has the same bits): attention's weighted
+/// sum of value rows, with the accumulator kept in registers across all rows.
+pub fn weighted_rows_sum(acc: &mut [f32], ws: &[f32], rows: &[f32], offsets: &[usize]) {
+    assert_eq!(ws.len(), offsets.len());
+    let n = acc.len();
+    assert!(offsets.iter().all(|&o| o + n <= rows.len()), "weighted_rows_sum: a row is out of bounds");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::cpu::features().avx2_fma && n % 8 == 0 {
+            // SAFETY: AVX2 was detected at run time; every row is in bounds (asserted).
+            return unsafe { avx2::weighted_rows_sum(acc, ws, rows, offsets) };
+        }
+    }
+    for (&w, &o) in ws.iter().zip(offsets) {
+        axpy_f32(acc, w, &rows[o..o + n]);
+    }
+}
+
 pub fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let n8 = a.len() / 8 * 8;
@@ -60,6 +79,33 @@ mod avx2 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn weighted_rows_sum(acc: &mut [f32], ws: &[f32], rows: &[f32], offsets: &[usize]) {
+        const R: usize = 8; // registers of 8 floats per pass: 64 columns
+        let n = acc.len();
+        let pr = rows.as_ptr();
+        let mut c0 = 0;
+        while c0 < n {
+            let regs = ((n - c0) / 8).min(R);
+            let mut a = [_mm256_setzero_ps(); R];
+            for (r, a) in a.iter_mut().enumerate().take(regs) {
+                *a = _mm256_loadu_ps(acc.as_ptr().add(c0 + 8 * r));
+            }
+            for (&w, &o) in ws.iter().zip(offsets) {
+                let wv = _mm256_set1_ps(w);
+                let row = pr.add(o + c0);
+                for (r, a) in a.iter_mut().enumerate().take(regs) {
+                    // SAFETY: o + n <= rows.len() (checked by the caller) and c0 + 8r + 8 <= n.
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * r))));
+                }
+            }
+            for (r, a) in a.iter().enumerate().take(regs) {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(c0 + 8 * r), *a);
+            }
+            c0 += 8 * regs;
+        }
     }
 
     #[target_feature(enable = "avx2")]
@@ -114,6 +160,24 @@ mod tests {
                 *a += 0.173 * v;
             }
             assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn weighted_rows_sum_equals_row_by_row_axpy() {
+        let rows: Vec<f32> = (0..10 * 80).map(|i| (i as f32 * 0.19).sin()).collect();
+        let offsets = [0usize, 160, 80, 720, 400];
+        let ws = [0.3f32, -0.2, 0.05, 0.7, 0.15];
+        for n in [8usize, 64, 80] {
+            let mut fast: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+            let mut slow = fast.clone();
+            weighted_rows_sum(&mut fast, &ws, &rows, &offsets);
+            for (w, o) in ws.iter().zip(offsets) {
+                for (i, a) in slow.iter_mut().enumerate() {
+                    *a += w * rows[o + i];
+                }
+            }
+            assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n}");
         }
     }
 

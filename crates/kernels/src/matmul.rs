@@ -93,7 +93,7 @@ pub fn matmul(input: &MatmulInput, w: &QMatrix, out: &mut [f32]) {
 }
 
 /// Rows `r0..r1` (`r0` a multiple of 8) of a packed matrix against every activation row, eight
-/// weight rows and up to four activation rows per kernel call.
+/// weight rows and up to eight (AVX-512 VNNI) or four activation rows per kernel call.
 fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out: OutPtr) {
     debug_assert_eq!(r0 % GROUP_ROWS, 0);
     let n = q.rows;
@@ -103,17 +103,26 @@ fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out
         let valid = (rows - base).min(GROUP_ROWS);
         store_run(out, b * rows + base, &y[..valid]);
     };
+    let wide = MAX_ACTS >= 8 && crate::cpu::features().avx512_vnni;
     let mut b0 = 0;
     while b0 < n {
         let b1 = (b0 + BATCH_TILE).min(n);
         for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
             let mut b = b0;
-            while b + MAX_ACTS <= b1 {
+            // eight activation rows per weight pass where there are 32 vector registers
+            while wide && b + 8 <= b1 {
+                let y = p.dot_group::<8>(g, std::array::from_fn(|i| q.row(b + i)));
+                for (i, y) in y.iter().enumerate() {
+                    put(b + i, g, y);
+                }
+                b += 8;
+            }
+            while b + 4 <= b1 {
                 let y = p.dot_group::<4>(g, [q.row(b), q.row(b + 1), q.row(b + 2), q.row(b + 3)]);
                 for (i, y) in y.iter().enumerate() {
                     put(b + i, g, y);
                 }
-                b += MAX_ACTS;
+                b += 4;
             }
             match b1 - b {
                 3 => {

@@ -29,7 +29,7 @@ use half::f16;
 /// Rows per group: the lanes of one 256-bit vector of f32.
 pub const GROUP_ROWS: usize = 8;
 /// Activation rows one kernel call processes (more are handled by further calls).
-pub const MAX_ACTS: usize = 4;
+pub const MAX_ACTS: usize = 8;
 
 /// A matrix of an int8-dot format repacked into groups of eight rows.
 #[derive(Clone, Debug)]
@@ -394,12 +394,14 @@ mod tests {
                 let acts: Vec<_> = (0..4).map(|_| quantize_rows(&rand_vec(&mut rng, cols), cols)).collect();
                 for g in 0..p.groups() {
                     let four = p.dot_group::<4>(g, [acts[0].row(0), acts[1].row(0), acts[2].row(0), acts[3].row(0)]);
+                    let eight = p.dot_group::<8>(g, std::array::from_fn(|i| acts[i % 4].row(0)));
                     let two = p.dot_group::<2>(g, [acts[2].row(0), acts[3].row(0)]);
                     for (n, a) in acts.iter().enumerate() {
                         let one = p.dot_group::<1>(g, [a.row(0)])[0];
                         let reference = dot_group_scalar(f, p.group(g), p.blocks, a.row(0));
                         assert_eq!(one.map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {rows}x{cols}");
                         assert_eq!(four[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?}: 4-row path differs");
+                        assert_eq!(eight[n + 4].map(f32::to_bits), reference.map(f32::to_bits), "{f:?}: 8-row path differs");
                         if n >= 2 {
                             assert_eq!(two[n - 2].map(f32::to_bits), reference.map(f32::to_bits), "{f:?}: 2-row path differs");
                         }

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Serving benchmark (not a test): `specula bench serve` against `specula serve` and, when
+# LLAMA_SERVER points at a llama.cpp `llama-server` binary, against it with the same model, threads
+# and parallel slots, one after the other in the same run. Prints each bench serve table.
+#
+#   scripts/bench_serve_vs_llama.sh [OUTDIR]
+#   LLAMA_SERVER=/path/to/llama-server THREADS=2 CONCURRENCY=1,4,8 NUM_PROMPTS=16 scripts/bench_serve_vs_llama.sh
+#   WORKLOAD=copy  SPEC="none ngram" ...   # the input-grounded chat workload (bench/copy_passages.jsonl)
+#
+# WORKLOAD=random: 128-token prompts, 128 output tokens (ignore_eos). SPEC lists specula's
+# speculative methods to run (none, ngram, mtp); K is --num-speculative-tokens.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-target/bench-serve}
+mkdir -p "$OUT"
+BIN=${SPECULA_BIN:-$PWD/target/release/specula}
+MODEL=${SPECULA_MODEL:-$("$BIN" fetch-model --print-path)}
+THREADS=${THREADS:-2}
+CONC=${CONCURRENCY:-1,4,8}
+N=${NUM_PROMPTS:-16}
+SPEC=${SPEC:-none}
+K=${K:-3}
+WORKLOAD=${WORKLOAD:-random}
+PORT=${PORT:-18566}
+case "$WORKLOAD" in
+  random) LOAD=(--random-input-len 128 --random-output-len 128 --ignore-eos) ;;
+  copy) LOAD=(--endpoint /v1/chat/completions --dataset file --dataset-path bench/copy_passages.jsonl) ;;
+  *) echo "WORKLOAD must be random or copy" >&2; exit 2 ;;
+esac
+BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --max-concurrency "$CONC" "${LOAD[@]}" --no-progress)
+
+wait_up() {
+  for _ in $(seq 1 900); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    sleep 0.2
+  done
+  return 1
+}
+
+one() {
+  local name=$1; shift
+  echo "== $name (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+  "$@" >"$OUT/$name.server.log" 2>&1 &
+  local pid=$!
+  if ! wait_up; then echo "   server did not come up (see $OUT/$name.server.log)"; kill "$pid"; wait "$pid"; return; fi
+  "${BENCH[@]}" --num-prompts 4 --seed 1 >/dev/null 2>&1 # warm-up
+  "${BENCH[@]}" --num-prompts "$N" --seed 0 --label "$name" --output-json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.bench.txt"
+  kill -INT "$pid"; wait "$pid"
+}
+
+for m in $SPEC; do
+  if [ "$m" = none ]; then
+    one "specula" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8
+  else
+    one "specula-$m-k$K" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 \
+      --speculative-method "$m" --num-speculative-tokens "$K"
+  fi
+done
+if [ -n "${LLAMA_SERVER:-}" ]; then
+  one "llama-server" "$LLAMA_SERVER" -m "$MODEL" --port "$PORT" -t "$THREADS" --parallel 8 -c 16384 --no-webui
+fi
