@@ -4,7 +4,7 @@
 //! many values. Each (query token, head) pair is reduced over its context positions in order,
 //! independent of which other sequences share the batch or how a prompt was chunked.
 
-use crate::dot::{dot_f32, weighted_rows_sum};
+use crate::dot::{scaled_dots, weighted_rows_sum};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
@@ -55,8 +55,8 @@ const Q_CHUNK: usize = 16;
 
 /// `q`: [tokens, n_heads * head_dim]; `out`: same shape.
 ///
-/// One task per (sequence, KV head, chunk of query rows): each key and value row is read once for
-/// every query head that shares it (grouped-query attention) and every query row of the chunk.
+/// One task per (sequence, KV head, chunk of query rows): the query heads that share a KV head
+/// (grouped-query attention) and the rows of the chunk reuse its key and value rows from cache.
 /// Each (query row, head) is still reduced exactly as on its own — scores `dot(q, k) * scale` in
 /// position order, softmax over its own context, values accumulated in position order — so the
 /// grouping never changes a result.
@@ -94,20 +94,14 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
             let row = s.q_start + t;
             &q[row * qw + h * hd..row * qw + (h + 1) * hd]
         };
-        // the first query (in j order) that sees position p, and how many positions query j sees
-        let first_j = |p: usize| p.saturating_sub(base).max(t0).saturating_sub(t0) * group;
+        // how many positions query j sees
         let seen = |j: usize| base + t0 + j / group + 1;
         let mut scores = vec![0f32; nq * ctx];
-        for (p, &o) in offsets.iter().enumerate() {
-            let k = &k_cache[o..o + hd];
-            for j in first_j(p)..nq {
-                scores[j * ctx + p] = dot_f32(qrow(j), k) * scale;
-            }
-        }
         let mut acc = vec![0f32; nq * hd];
         for j in 0..nq {
             let len = seen(j);
             let sc = &mut scores[j * ctx..j * ctx + len];
+            scaled_dots(sc, qrow(j), k_cache, &offsets[..len], scale);
             crate::ops::softmax(sc);
             weighted_rows_sum(&mut acc[j * hd..(j + 1) * hd], sc, v_cache, &offsets[..len]);
         }

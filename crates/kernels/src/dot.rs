@@ -32,6 +32,25 @@ pub fn axpy_f32(acc: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
+/// `out[p] = dot_f32(q, rows[offsets[p]..]) * scale` for every `p`, with the same bits as that
+/// expression: attention's scores, eight keys at a time (the eight horizontal sums share one
+/// transpose instead of one shuffle chain each).
+pub fn scaled_dots(out: &mut [f32], q: &[f32], rows: &[f32], offsets: &[usize], scale: f32) {
+    assert_eq!(out.len(), offsets.len());
+    let n = q.len();
+    assert!(offsets.iter().all(|&o| o + n <= rows.len()), "scaled_dots: a row is out of bounds");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::cpu::features().avx2_fma && n % 8 == 0 {
+            // SAFETY: AVX2 and FMA were detected at run time; every row is in bounds (asserted).
+            return unsafe { avx2::scaled_dots(out, q, rows, offsets, scale) };
+        }
+    }
+    for (o, &off) in out.iter_mut().zip(offsets) {
+        *o = dot_f32(q, &rows[off..off + n]) * scale;
+    }
+}
+
 /// `acc[i] += ws[p] * rows[offsets[p] + i]` for every `p` in order (a multiply then an add per
 /// term, as `axpy_f32` does row by row, so the result has the same bits): attention's weighted
 /// sum of value rows, with the accumulator kept in registers across all rows.
@@ -79,6 +98,45 @@ mod avx2 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
+    }
+
+    /// Eight keys per pass; each key's accumulator and horizontal sum follow `dot_f32` exactly
+    /// (lanes added as (x0 + x2) + (x1 + x3) after folding the two halves).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scaled_dots(out: &mut [f32], q: &[f32], rows: &[f32], offsets: &[usize], scale: f32) {
+        let n = q.len();
+        let (pq, pr) = (q.as_ptr(), rows.as_ptr());
+        let keys = offsets.len();
+        let mut k0 = 0;
+        while k0 + 8 <= keys {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            let mut c = 0;
+            while c < n {
+                let qv = _mm256_loadu_ps(pq.add(c));
+                for (k, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: offsets[k0 + k] + n <= rows.len() (checked by the caller), c + 8 <= n.
+                    *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(pr.add(*offsets.get_unchecked(k0 + k) + c)), *a);
+                }
+                c += 8;
+            }
+            let x = acc.map(|a| _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
+            let sums = |x0: __m128, x1: __m128, x2: __m128, x3: __m128| {
+                let (t0, t1) = (_mm_unpacklo_ps(x0, x1), _mm_unpacklo_ps(x2, x3));
+                let (t2, t3) = (_mm_unpackhi_ps(x0, x1), _mm_unpackhi_ps(x2, x3));
+                let (r0, r1) = (_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0));
+                let (r2, r3) = (_mm_movelh_ps(t2, t3), _mm_movehl_ps(t3, t2));
+                _mm_add_ps(_mm_add_ps(r0, r2), _mm_add_ps(r1, r3))
+            };
+            let lo = sums(x[0], x[1], x[2], x[3]);
+            let hi = sums(x[4], x[5], x[6], x[7]);
+            let v = _mm256_mul_ps(_mm256_set_m128(hi, lo), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(out.as_mut_ptr().add(k0), v);
+            k0 += 8;
+        }
+        for k in k0..keys {
+            let o = offsets[k];
+            out[k] = dot_f32(q, &rows[o..o + n]) * scale;
+        }
     }
 
     #[target_feature(enable = "avx2")]
@@ -160,6 +218,18 @@ mod tests {
                 *a += 0.173 * v;
             }
             assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn scaled_dots_equal_dot_f32_bitwise() {
+        let rows: Vec<f32> = (0..40 * 64).map(|i| (i as f32 * 0.23).sin() * 3.0).collect();
+        let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.41).cos()).collect();
+        let offsets: Vec<usize> = (0..19).map(|k| (k * 7 % 39) * 64).collect();
+        let mut fast = vec![0f32; offsets.len()];
+        scaled_dots(&mut fast, &q, &rows, &offsets, 0.125);
+        for (k, &o) in offsets.iter().enumerate() {
+            assert_eq!(fast[k].to_bits(), (dot_f32(&q, &rows[o..o + 64]) * 0.125).to_bits(), "key {k}");
         }
     }
 

@@ -98,12 +98,26 @@ fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out
     debug_assert_eq!(r0 % GROUP_ROWS, 0);
     let n = q.rows;
     let rows = p.rows();
-    let put = |b: usize, g: usize, y: &[f32; GROUP_ROWS]| {
-        let base = g * GROUP_ROWS;
-        let valid = (rows - base).min(GROUP_ROWS);
-        store_run(out, b * rows + base, &y[..valid]);
-    };
+    let (optr, olen) = out.get();
+    assert!(n * rows <= olen);
     let wide = MAX_ACTS >= 8 && crate::cpu::features().avx512_vnni;
+    // Runs the kernel for group g and activation rows b..b+N: full groups write straight into the
+    // output, the last group of a matrix whose rows are not a multiple of 8 goes through a buffer.
+    fn call<const N: usize>(p: &PackedInt8, q: &QuantizedActivations, g: usize, b: usize, optr: *mut f32, rows: usize) {
+        let base = g * GROUP_ROWS;
+        let acts = std::array::from_fn(|i| q.row(b + i));
+        if base + GROUP_ROWS <= rows {
+            // SAFETY: (b + i) * rows + base + 8 <= n * rows <= olen (asserted by the caller), and
+            // this task alone writes rows base..base + 8 of every activation row.
+            unsafe { p.dot_group_to::<N>(g, acts, std::array::from_fn(|i| optr.add((b + i) * rows + base))) };
+        } else {
+            let y = p.dot_group::<N>(g, acts);
+            for (i, y) in y.iter().enumerate() {
+                // SAFETY: as above, for the rows - base valid lanes.
+                unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add((b + i) * rows + base), rows - base) };
+            }
+        }
+    }
     let mut b0 = 0;
     while b0 < n {
         let b1 = (b0 + BATCH_TILE).min(n);
@@ -111,29 +125,17 @@ fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out
             let mut b = b0;
             // eight activation rows per weight pass where there are 32 vector registers
             while wide && b + 8 <= b1 {
-                let y = p.dot_group::<8>(g, std::array::from_fn(|i| q.row(b + i)));
-                for (i, y) in y.iter().enumerate() {
-                    put(b + i, g, y);
-                }
+                call::<8>(p, q, g, b, optr, rows);
                 b += 8;
             }
             while b + 4 <= b1 {
-                let y = p.dot_group::<4>(g, [q.row(b), q.row(b + 1), q.row(b + 2), q.row(b + 3)]);
-                for (i, y) in y.iter().enumerate() {
-                    put(b + i, g, y);
-                }
+                call::<4>(p, q, g, b, optr, rows);
                 b += 4;
             }
             match b1 - b {
-                3 => {
-                    let y = p.dot_group::<3>(g, [q.row(b), q.row(b + 1), q.row(b + 2)]);
-                    y.iter().enumerate().for_each(|(i, y)| put(b + i, g, y));
-                }
-                2 => {
-                    let y = p.dot_group::<2>(g, [q.row(b), q.row(b + 1)]);
-                    y.iter().enumerate().for_each(|(i, y)| put(b + i, g, y));
-                }
-                1 => put(b, g, &p.dot_group::<1>(g, [q.row(b)])[0]),
+                3 => call::<3>(p, q, g, b, optr, rows),
+                2 => call::<2>(p, q, g, b, optr, rows),
+                1 => call::<1>(p, q, g, b, optr, rows),
                 _ => {}
             }
         }
@@ -150,15 +152,6 @@ fn f32_rows(w: &QMatrix, input: &MatmulInput, r0: usize, r1: usize, out: OutPtr)
             store(out, b * w.rows + r, dot_f32(&buf, x));
         }
     }
-}
-
-/// Writes `vals` at `idx..idx + vals.len()`.
-#[inline]
-fn store_run(out: OutPtr, idx: usize, vals: &[f32]) {
-    let (ptr, len) = out.get();
-    assert!(idx + vals.len() <= len);
-    // SAFETY: the run is in bounds (checked above) and no other task writes these (batch, row) elements.
-    unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), ptr.add(idx), vals.len()) }
 }
 
 #[inline]

@@ -112,8 +112,20 @@ impl PackedInt8 {
 
     /// Results of the eight rows of group `g` against each of `N` (1..=MAX_ACTS) activation rows:
     /// `out[n][lane]` = row `8g + lane` dot activation `n` (lanes past the last row are 0).
-    #[inline]
     pub fn dot_group<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N]) -> [[f32; GROUP_ROWS]; N] {
+        let mut out = [[0f32; GROUP_ROWS]; N];
+        // SAFETY: each pointer addresses one row of `out`: eight writable floats.
+        unsafe { self.dot_group_to(g, acts, out.each_mut().map(|r| r.as_mut_ptr())) };
+        out
+    }
+
+    /// As `dot_group`, writing activation `n`'s eight results at `dst[n]` (the matmul writes them
+    /// straight into its output rows).
+    ///
+    /// # Safety
+    /// Every `dst[n]` must be valid for writes of eight `f32`, and no other thread may access them.
+    #[inline]
+    pub unsafe fn dot_group_to<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         debug_assert!((1..=MAX_ACTS).contains(&N));
         for a in &acts {
             assert_eq!(a.len(), self.blocks, "activation row has the wrong number of blocks");
@@ -124,15 +136,19 @@ impl PackedInt8 {
             let f = crate::cpu::features();
             if f.avx512_vnni {
                 // SAFETY: AVX2, FMA, F16C and AVX-512 VNNI/VL were detected at run time; `group`
-                // holds `blocks` group blocks and every activation row `blocks` blocks.
-                return unsafe { x86::group_vnni::<N>(self.format, group, self.blocks, acts) };
+                // holds `blocks` group blocks and every activation row `blocks` blocks; dst as promised.
+                return x86::group_vnni::<N>(self.format, group, self.blocks, acts, dst);
             }
             if f.avx2_fma {
-                // SAFETY: AVX2, FMA and F16C were detected at run time; sizes as above.
-                return unsafe { x86::group_avx2::<N>(self.format, group, self.blocks, acts) };
+                // SAFETY: AVX2, FMA and F16C were detected at run time; sizes and dst as above.
+                return x86::group_avx2::<N>(self.format, group, self.blocks, acts, dst);
             }
         }
-        acts.map(|a| dot_group_scalar(self.format, group, self.blocks, a))
+        for (a, d) in acts.iter().zip(dst) {
+            let y = dot_group_scalar(self.format, group, self.blocks, a);
+            // SAFETY: d is valid for eight writes (the caller's promise).
+            std::ptr::copy_nonoverlapping(y.as_ptr(), d, GROUP_ROWS);
+        }
     }
 }
 
@@ -250,7 +266,8 @@ mod x86 {
         group: &[u8],
         blocks: usize,
         acts: [&[BlockQ8]; N],
-    ) -> [[f32; GROUP_ROWS]; N] {
+        dst: [*mut f32; N],
+    ) {
         let format = match F {
             Q4_0 => WeightFormat::Q4_0,
             Q4_1 => WeightFormat::Q4_1,
@@ -316,11 +333,10 @@ mod x86 {
                 }
             }
         }
-        let mut out = [[0f32; GROUP_ROWS]; N];
         for n in 0..N {
-            _mm256_storeu_ps(out[n].as_mut_ptr(), acc[n]);
+            // SAFETY: the caller gives N pointers to eight writable floats each.
+            _mm256_storeu_ps(dst[n], acc[n]);
         }
-        out
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -329,11 +345,12 @@ mod x86 {
         group: &[u8],
         blocks: usize,
         acts: [&[BlockQ8]; N],
-    ) -> [[f32; GROUP_ROWS]; N] {
+        dst: [*mut f32; N],
+    ) {
         match format {
-            WeightFormat::Q4_0 => group_impl::<Avx2, Q4_0, N>(group, blocks, acts),
-            WeightFormat::Q4_1 => group_impl::<Avx2, Q4_1, N>(group, blocks, acts),
-            WeightFormat::Q8_0 => group_impl::<Avx2, Q8_0, N>(group, blocks, acts),
+            WeightFormat::Q4_0 => group_impl::<Avx2, Q4_0, N>(group, blocks, acts, dst),
+            WeightFormat::Q4_1 => group_impl::<Avx2, Q4_1, N>(group, blocks, acts, dst),
+            WeightFormat::Q8_0 => group_impl::<Avx2, Q8_0, N>(group, blocks, acts, dst),
             _ => unreachable!("{format:?} has no int8 dot path"),
         }
     }
@@ -344,11 +361,12 @@ mod x86 {
         group: &[u8],
         blocks: usize,
         acts: [&[BlockQ8]; N],
-    ) -> [[f32; GROUP_ROWS]; N] {
+        dst: [*mut f32; N],
+    ) {
         match format {
-            WeightFormat::Q4_0 => group_impl::<Vnni, Q4_0, N>(group, blocks, acts),
-            WeightFormat::Q4_1 => group_impl::<Vnni, Q4_1, N>(group, blocks, acts),
-            WeightFormat::Q8_0 => group_impl::<Vnni, Q8_0, N>(group, blocks, acts),
+            WeightFormat::Q4_0 => group_impl::<Vnni, Q4_0, N>(group, blocks, acts, dst),
+            WeightFormat::Q4_1 => group_impl::<Vnni, Q4_1, N>(group, blocks, acts, dst),
+            WeightFormat::Q8_0 => group_impl::<Vnni, Q8_0, N>(group, blocks, acts, dst),
             _ => unreachable!("{format:?} has no int8 dot path"),
         }
     }
@@ -363,8 +381,13 @@ mod x86 {
         if !(f.avx2_fma && f.avx512_vnni) {
             return None;
         }
-        // SAFETY: features checked above; sizes as in dot_group.
-        unsafe { Some((group_avx2::<N>(p.format, p.group(g), p.blocks, acts), group_vnni::<N>(p.format, p.group(g), p.blocks, acts))) }
+        let (mut a, mut b) = ([[0f32; GROUP_ROWS]; N], [[0f32; GROUP_ROWS]; N]);
+        // SAFETY: features checked above; sizes as in dot_group; a and b hold N x 8 floats.
+        unsafe {
+            group_avx2::<N>(p.format, p.group(g), p.blocks, acts, a.each_mut().map(|r| r.as_mut_ptr()));
+            group_vnni::<N>(p.format, p.group(g), p.blocks, acts, b.each_mut().map(|r| r.as_mut_ptr()));
+        }
+        Some((a, b))
     }
 }
 
