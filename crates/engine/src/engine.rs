@@ -176,7 +176,7 @@ impl Engine {
     pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Result<Self, EngineError> {
         cfg.validate().map_err(EngineError::Config)?;
         self.spec_k = cfg.num_speculative_tokens;
-        self.spec = Some(Speculation::new(cfg, proposer));
+        self.spec = Some(Speculation::new(cfg, proposer, &self.model.config));
         Ok(self)
     }
 

@@ -12,6 +12,7 @@ pub mod formats;
 pub mod matmul;
 pub mod ops;
 pub mod packed;
+pub mod packed_float;
 pub mod pool;
 pub mod q8;
 pub mod weights;

@@ -7,6 +7,7 @@
 
 use crate::dot::dot_f32;
 use crate::packed::{PackedInt8, GROUP_ROWS, MAX_ACTS};
+use crate::packed_float::PackedFloat;
 use crate::q8::{quantize_rows, QuantizedActivations};
 use crate::weights::QMatrix;
 use rayon::prelude::*;
@@ -81,6 +82,8 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
         if let Some(p) = w.packed() {
             let q = input.q8.as_ref().expect("int8 input prepared by MatmulInput::new");
             int8_rows(p, q, r0, r1, out);
+        } else if let Some(p) = w.packed_float() {
+            float_rows(p, input, r0, r1, out);
         } else {
             f32_rows(w, input, r0, r1, out);
         }
@@ -140,6 +143,42 @@ fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out
             }
         }
         b0 = b1;
+    }
+}
+
+/// Rows `r0..r1` (`r0` a multiple of 8) of a packed float matrix against every activation row.
+fn float_rows(p: &PackedFloat, input: &MatmulInput, r0: usize, r1: usize, out: OutPtr) {
+    let (n, rows) = (input.rows, p.rows());
+    let (optr, olen) = out.get();
+    assert!(n * rows <= olen);
+    fn call<const N: usize>(p: &PackedFloat, input: &MatmulInput, g: usize, b: usize, optr: *mut f32, rows: usize) {
+        let cols = input.cols;
+        let base = g * GROUP_ROWS;
+        let xs = std::array::from_fn(|i| &input.x[(b + i) * cols..(b + i + 1) * cols]);
+        if base + GROUP_ROWS <= rows {
+            // SAFETY: (b + i) * rows + base + 8 <= n * rows <= olen, and this task alone writes
+            // rows base..base + 8.
+            unsafe { p.dot_group_to::<N>(g, xs, std::array::from_fn(|i| optr.add((b + i) * rows + base))) };
+        } else {
+            let y = p.dot_group::<N>(g, xs);
+            for (i, y) in y.iter().enumerate() {
+                // SAFETY: as above, for the rows - base valid lanes.
+                unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add((b + i) * rows + base), rows - base) };
+            }
+        }
+    }
+    for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
+        let mut b = 0;
+        while b + 4 <= n {
+            call::<4>(p, input, g, b, optr, rows);
+            b += 4;
+        }
+        match n - b {
+            3 => call::<3>(p, input, g, b, optr, rows),
+            2 => call::<2>(p, input, g, b, optr, rows),
+            1 => call::<1>(p, input, g, b, optr, rows),
+            _ => {}
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! A weight matrix as the kernels see it: a format, a shape and bytes that may live in a memory
 //! map (the loader's) or in an owned buffer (tests, converted tensors).
 
-use crate::{formats::WeightFormat, packed::PackedInt8, KernelError};
+use crate::{formats::WeightFormat, packed::PackedInt8, packed_float::PackedFloat, KernelError};
 use std::sync::Arc;
 
 /// Bytes of one tensor: a window into a shared owner (usually a memory-mapped file).
@@ -56,6 +56,8 @@ pub struct QMatrix {
     /// The int8-dot formats repacked eight rows at a time for the matmul kernel (the ggml bytes
     /// above stay for row lookups such as embeddings).
     packed: Option<Arc<PackedInt8>>,
+    /// F16 / BF16 / F32 repacked eight rows at a time for the float matmul kernel.
+    packed_float: Option<Arc<PackedFloat>>,
 }
 
 impl QMatrix {
@@ -68,7 +70,14 @@ impl QMatrix {
             return Err(KernelError::ByteLength { what: what.to_string(), expected, got: bytes.as_slice().len() });
         }
         let packed = PackedInt8::pack(format, rows, cols, bytes.as_slice()).map(Arc::new);
-        Ok(Self { format, rows, cols, bytes, packed })
+        let packed_float = PackedFloat::pack(format, rows, cols, bytes.as_slice()).map(Arc::new);
+        Ok(Self { format, rows, cols, bytes, packed, packed_float })
+    }
+
+    /// The repacked form, for F16 / BF16 / F32.
+    #[inline]
+    pub fn packed_float(&self) -> Option<&PackedFloat> {
+        self.packed_float.as_deref()
     }
 
     /// The repacked form, for Q4_0 / Q4_1 / Q8_0.

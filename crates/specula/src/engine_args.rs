@@ -72,8 +72,13 @@ pub struct SpecArgs {
     #[arg(long)]
     pub no_speculative_adaptive: bool,
     /// With adaptive speculation, no drafts in steps where more sequences decode than this.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     pub speculative_max_batch: usize,
+    /// With adaptive speculation, at most this many tokens verified per step (k shrinks as the
+    /// batch grows: 8, one pass of the matmul kernel over the weights, allows k = 3 for 2
+    /// sequences, k = 1 for 3 or 4, none for more).
+    #[arg(long, default_value_t = 8)]
+    pub speculative_max_step_tokens: usize,
 }
 
 impl SpecArgs {
@@ -86,6 +91,7 @@ impl SpecArgs {
         c.force_accept = self.speculative_force_accept;
         c.adaptive = !self.no_speculative_adaptive;
         c.max_batch_for_speculation = self.speculative_max_batch;
+        c.max_step_tokens_for_speculation = self.speculative_max_step_tokens;
         Some(c)
     }
 

@@ -9,7 +9,7 @@
 use super::{execute, BatchInputs};
 use crate::api::{FinishReason, SamplingParams};
 use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
-use crate::spec::adaptive::batch_allows_speculation;
+use crate::spec::adaptive::batch_k_limit;
 use crate::spec::{verify, Draft, DraftRequest, Speculation};
 use crate::types::{SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
@@ -215,8 +215,7 @@ fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], 
         if num_drafts > 0 {
             if let Some(sp) = state.spec.as_mut() {
                 let accepted = toks.len() - 1;
-                sp.metrics.record(num_drafts, accepted);
-                sp.trackers.entry(it.seq).or_default().record(num_drafts, accepted);
+                sp.record(it.seq, num_drafts, accepted);
                 sp.proposer.rollback(it.seq, it.start + it.num_tokens - (num_drafts - accepted));
             }
         }
@@ -249,7 +248,12 @@ fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, m
         .collect();
     if let Some(sp) = state.spec.as_mut() {
         let decoding = continuing.iter().filter(|&&c| c).count();
-        if decoding > 0 && (!sp.cfg.adaptive || batch_allows_speculation(decoding, sp.cfg.max_batch_for_speculation)) {
+        let k_limit = if sp.cfg.adaptive {
+            batch_k_limit(decoding, sp.cfg.num_speculative_tokens, sp.cfg.max_batch_for_speculation, sp.cfg.max_step_tokens_for_speculation)
+        } else {
+            sp.cfg.num_speculative_tokens
+        };
+        if decoding > 0 && k_limit > 0 {
             let mut reqs = Vec::with_capacity(decoding);
             let mut which = Vec::with_capacity(decoding);
             // hidden rows follow the logits rows: the row that produced an item's last token
@@ -257,7 +261,7 @@ fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, m
                 if !continuing[i] {
                     continue;
                 }
-                let k = if sp.cfg.adaptive { sp.trackers.entry(it.seq).or_default().next_k(sp.cfg.num_speculative_tokens) } else { sp.cfg.num_speculative_tokens };
+                let k = sp.next_k(it.seq, k_limit);
                 let output_len = it.tokens.len() - it.prompt_len;
                 let room_tokens = it.params.max_tokens.saturating_sub(output_len + 1);
                 let room_ctx = ctx.max_model_len.saturating_sub(it.tokens.len() + 1);

@@ -1,42 +1,95 @@
 //! Choosing how many tokens to draft per sequence and step, so speculation never makes serving
-//! slower: none when the batch is large (verification then costs real compute), fewer when a
-//! sequence's recent acceptance is low, with an occasional probe so a sequence can recover.
+//! slower. Each sequence keeps an estimate of its per-position acceptance `a`; a step with `k`
+//! drafts then emits `1 + a + ... + a^k` tokens on average and costs about
+//! `1 + k * cost_per_draft_token` plain steps (verifying one more token, measured with
+//! `specula bench offline --verify-curve`, plus the proposer's own work for it). The tracker picks
+//! the k with the best tokens per cost, none when no k beats a plain step, with a one-token probe
+//! every few steps so a sequence whose text turns predictable can recover. A new sequence starts
+//! from the engine-wide acceptance, so a workload the proposer does not predict never pays for a
+//! warm-up at full k. Large batches get fewer drafts per sequence (a step-wide token budget): the
+//! verification of many sequences' drafts is compute-bound on a CPU.
 
-/// Per-sequence acceptance history (exponential moving average of the per-step accept rate).
+use specula_model::ModelConfig;
+
+/// Extra cost of verifying one more token in a batch-1 step, relative to the step (the verify
+/// curve on the default model at context 256, 1 and 2 threads: 1 + k costs 1.09–1.17, 1.23–1.49,
+/// 1.40–1.91 steps for k = 1, 2, 3).
+pub const VERIFY_COST_PER_TOKEN: f64 = 0.13;
+
+/// Steps a paused sequence waits before probing with one draft token.
+const PROBE_EVERY: u32 = 8;
+
+/// How fast old observations fade (per verify step).
+const DECAY: f64 = 0.8;
+
+/// Weights of the engine-wide estimate and of the prior a new sequence starts from.
+const GLOBAL_DECAY: f64 = 0.98;
+const PRIOR_WEIGHT: f64 = 2.0;
+
+/// Acceptance as success / failure counts of draft positions (a rejection at position `i + 1`
+/// after `i` accepted is `i` successes and one failure; all `k` accepted is `k` successes).
 #[derive(Clone, Debug)]
 pub struct AcceptanceTracker {
-    ema: f64,
+    succ: f64,
+    fail: f64,
+    decay: f64,
     steps_since_probe: u32,
 }
 
 impl Default for AcceptanceTracker {
+    /// Optimistic until measured: acceptance 0.7 with the weight of two observations.
     fn default() -> Self {
-        Self { ema: 0.7, steps_since_probe: 0 }
+        Self::with_prior(0.7, PRIOR_WEIGHT, DECAY)
     }
 }
 
 impl AcceptanceTracker {
+    pub fn with_prior(alpha: f64, weight: f64, decay: f64) -> Self {
+        let a = alpha.clamp(0.0, 1.0);
+        Self { succ: a * weight, fail: (1.0 - a) * weight, decay, steps_since_probe: 0 }
+    }
+
+    /// The engine-wide tracker: a slow average over every sequence.
+    pub fn global() -> Self {
+        Self::with_prior(0.7, PRIOR_WEIGHT, GLOBAL_DECAY)
+    }
+
+    /// A new sequence's tracker, starting from the engine-wide estimate.
+    pub fn from_global(global: &AcceptanceTracker) -> Self {
+        Self::with_prior(global.alpha(), PRIOR_WEIGHT, DECAY)
+    }
+
     pub fn record(&mut self, proposed: usize, accepted: usize) {
-        if proposed > 0 {
-            let rate = accepted as f64 / proposed as f64;
-            self.ema = 0.7 * self.ema + 0.3 * rate;
+        if proposed == 0 {
+            return;
+        }
+        self.succ = self.succ * self.decay + accepted.min(proposed) as f64;
+        self.fail = self.fail * self.decay + if accepted < proposed { 1.0 } else { 0.0 };
+    }
+
+    /// Estimated probability that a draft token is accepted given the ones before it were.
+    pub fn alpha(&self) -> f64 {
+        let n = self.succ + self.fail;
+        if n <= 0.0 {
+            0.0
+        } else {
+            self.succ / n
         }
     }
 
-    pub fn ema(&self) -> f64 {
-        self.ema
-    }
-
-    /// Draft length for the next step given the configured k.
-    pub fn next_k(&mut self, k: usize) -> usize {
-        if self.ema >= 0.5 {
+    /// Draft length for the next step: the best `k <= k_max` by expected tokens per cost, or 0
+    /// (with a one-token probe every `PROBE_EVERY` steps while paused).
+    pub fn next_k(&mut self, k_max: usize, cost_per_draft_token: f64) -> usize {
+        if k_max == 0 {
+            return 0;
+        }
+        let k = best_k(self.alpha(), k_max, cost_per_draft_token);
+        if k > 0 {
+            self.steps_since_probe = 0;
             return k;
         }
-        if self.ema >= 0.25 {
-            return k.min(2);
-        }
         self.steps_since_probe += 1;
-        if self.steps_since_probe >= 8 {
+        if self.steps_since_probe >= PROBE_EVERY {
             self.steps_since_probe = 0;
             return 1;
         }
@@ -44,9 +97,39 @@ impl AcceptanceTracker {
     }
 }
 
-/// No speculation in a step where more than `max_batch` sequences decode.
-pub fn batch_allows_speculation(decoding: usize, max_batch: usize) -> bool {
-    decoding <= max_batch
+/// Expected tokens emitted by a step with `k` drafts at per-position acceptance `alpha`.
+pub fn expected_tokens(alpha: f64, k: usize) -> f64 {
+    (0..=k).map(|i| alpha.powi(i as i32)).sum()
+}
+
+/// The `k` in `0..=k_max` with the most expected tokens per unit of step cost.
+pub fn best_k(alpha: f64, k_max: usize, cost_per_draft_token: f64) -> usize {
+    let mut best = (0, 1.0);
+    for k in 1..=k_max {
+        let gain = expected_tokens(alpha, k) / (1.0 + k as f64 * cost_per_draft_token);
+        // a longer draft must beat the shorter one clearly, not by rounding
+        if gain > best.1 * 1.01 {
+            best = (k, gain);
+        }
+    }
+    best.0
+}
+
+/// Most drafts per sequence in a step where `decoding` sequences decode: none above `max_batch`
+/// sequences, and at most `max_step_tokens` tokens verified in the step.
+pub fn batch_k_limit(decoding: usize, k: usize, max_batch: usize, max_step_tokens: usize) -> usize {
+    if decoding == 0 || decoding > max_batch {
+        return 0;
+    }
+    (max_step_tokens / decoding).saturating_sub(1).min(k)
+}
+
+/// Multiply-adds of a dense Llama-shaped model per token (its matmuls), for cost ratios.
+pub fn matmul_cost(c: &ModelConfig) -> f64 {
+    let (h, hd) = (c.hidden_size as f64, c.head_dim as f64);
+    let attn = h * (c.n_heads + 2 * c.n_kv_heads) as f64 * hd + c.n_heads as f64 * hd * h;
+    let ffn = 3.0 * h * c.intermediate_size as f64;
+    c.n_layers as f64 * (attn + ffn) + c.vocab_size as f64 * h
 }
 
 #[cfg(test)]
@@ -54,28 +137,70 @@ mod tests {
     use super::*;
 
     #[test]
-    fn low_acceptance_shrinks_then_pauses_drafting_with_probes() {
-        let mut t = AcceptanceTracker::default();
-        assert_eq!(t.next_k(4), 4);
-        for _ in 0..3 {
-            t.record(4, 1);
-        }
-        assert!(t.ema() < 0.5 && t.ema() >= 0.25, "{}", t.ema());
-        assert_eq!(t.next_k(4), 2);
-        for _ in 0..10 {
-            t.record(2, 0);
-        }
-        let ks: Vec<usize> = (0..8).map(|_| t.next_k(4)).collect();
-        assert_eq!(ks, vec![0, 0, 0, 0, 0, 0, 0, 1]);
-        for _ in 0..10 {
-            t.record(1, 1);
-        }
-        assert_eq!(t.next_k(4), 4);
+    fn expected_tokens_is_the_geometric_sum() {
+        assert_eq!(expected_tokens(0.5, 0), 1.0);
+        assert_eq!(expected_tokens(0.5, 3), 1.875);
+        assert_eq!(expected_tokens(1.0, 4), 5.0);
     }
 
     #[test]
-    fn large_batches_do_not_speculate() {
-        assert!(batch_allows_speculation(4, 4));
-        assert!(!batch_allows_speculation(5, 4));
+    fn k_follows_acceptance_and_cost() {
+        // cheap drafts (n-gram) at high acceptance: all of them
+        assert_eq!(best_k(0.9, 4, VERIFY_COST_PER_TOKEN), 4);
+        // medium acceptance: 1 + a + a^2 = 1.75 for 1.26 beats k = 1 (1.5 / 1.13) and k = 3 (1.875 / 1.39)
+        assert_eq!(best_k(0.5, 4, VERIFY_COST_PER_TOKEN), 2);
+        // low acceptance with a proposer that costs as much again: nothing pays
+        assert_eq!(best_k(0.14, 4, VERIFY_COST_PER_TOKEN + 0.06), 0);
+        // break-even: 1 + a > 1 + c  <=>  a > c
+        assert_eq!(best_k(0.10, 3, 0.13), 0);
+        assert_eq!(best_k(0.20, 3, 0.13), 1);
+    }
+
+    #[test]
+    fn low_acceptance_pauses_drafting_with_probes_and_recovers() {
+        let mut t = AcceptanceTracker::default();
+        // the optimistic prior (0.7): k = 3 (k = 4 adds under 1% tokens per cost)
+        assert_eq!(t.next_k(4, VERIFY_COST_PER_TOKEN), 3);
+        for _ in 0..6 {
+            t.record(4, 0);
+        }
+        assert!(t.alpha() < 0.1, "{}", t.alpha());
+        let ks: Vec<usize> = (0..PROBE_EVERY as usize).map(|_| t.next_k(4, VERIFY_COST_PER_TOKEN)).collect();
+        assert_eq!(ks, [vec![0; PROBE_EVERY as usize - 1], vec![1]].concat());
+        for _ in 0..20 {
+            t.record(1, 1);
+        }
+        assert!(t.alpha() > 0.95, "{}", t.alpha());
+        assert_eq!(t.next_k(4, VERIFY_COST_PER_TOKEN), 4);
+    }
+
+    #[test]
+    fn a_rejection_counts_as_one_failure_after_the_accepted_positions() {
+        let mut t = AcceptanceTracker::with_prior(0.5, 0.0, 1.0);
+        t.record(4, 2); // 2 accepted, rejected at the 3rd
+        t.record(4, 4); // all accepted
+        assert_eq!(t.alpha(), 6.0 / 7.0);
+    }
+
+    #[test]
+    fn new_sequences_start_from_the_engine_wide_acceptance() {
+        let mut g = AcceptanceTracker::global();
+        for _ in 0..200 {
+            g.record(3, 0);
+        }
+        let mut t = AcceptanceTracker::from_global(&g);
+        assert!(t.alpha() < 0.05);
+        // no full-k warm-up for a workload the proposer cannot predict
+        assert_eq!(t.next_k(3, VERIFY_COST_PER_TOKEN), 0);
+    }
+
+    #[test]
+    fn large_batches_draft_less_or_not_at_all() {
+        assert_eq!(batch_k_limit(1, 3, 8, 16), 3);
+        assert_eq!(batch_k_limit(4, 3, 8, 16), 3);
+        assert_eq!(batch_k_limit(5, 3, 8, 16), 2);
+        assert_eq!(batch_k_limit(8, 3, 8, 16), 1);
+        assert_eq!(batch_k_limit(9, 3, 8, 16), 0);
+        assert_eq!(batch_k_limit(0, 3, 8, 16), 0);
     }
 }

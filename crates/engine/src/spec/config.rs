@@ -39,6 +39,9 @@ pub struct SpecConfig {
     pub adaptive: bool,
     /// With `adaptive`, no speculation when more sequences than this decode in a step.
     pub max_batch_for_speculation: usize,
+    /// With `adaptive`, at most this many tokens (drafts and the token after them) verified per
+    /// step: k shrinks as the batch grows.
+    pub max_step_tokens_for_speculation: usize,
 }
 
 /// Largest k accepted: verification cost grows with k and acceptance decays geometrically.
@@ -54,7 +57,8 @@ impl SpecConfig {
             draft_model: None,
             force_accept: false,
             adaptive: true,
-            max_batch_for_speculation: 4,
+            max_batch_for_speculation: 8,
+            max_step_tokens_for_speculation: 8,
         }
     }
 

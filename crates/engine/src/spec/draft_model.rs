@@ -59,6 +59,10 @@ impl DraftModelProposer {
 }
 
 impl Proposer for DraftModelProposer {
+    fn cost_per_draft_token(&self, target: &specula_model::ModelConfig) -> f64 {
+        super::adaptive::matmul_cost(&self.model.config) / super::adaptive::matmul_cost(target)
+    }
+
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let vocab = self.model.config.vocab_size;
         let mut drafts: Vec<Draft> = reqs.iter().map(|_| Draft { tokens: vec![], probs: Some(vec![]) }).collect();

@@ -94,12 +94,43 @@ pub struct Speculation {
     pub proposer: Box<dyn Proposer>,
     pub metrics: SpecMetrics,
     pub(crate) trackers: std::collections::BTreeMap<crate::types::SeqId, adaptive::AcceptanceTracker>,
+    /// Acceptance over every sequence: where a new sequence's estimate starts.
+    pub(crate) global: adaptive::AcceptanceTracker,
+    /// Cost of one more draft token relative to a plain step (verification + proposing).
+    pub(crate) cost_per_draft_token: f64,
 }
 
 impl Speculation {
-    pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
+    /// `target` is the verified model's config (for the proposer's relative cost).
+    pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>, target: &specula_model::ModelConfig) -> Self {
         let metrics = SpecMetrics::new(cfg.num_speculative_tokens);
-        Self { cfg, proposer, metrics, trackers: std::collections::BTreeMap::new() }
+        let cost_per_draft_token = adaptive::VERIFY_COST_PER_TOKEN + proposer.cost_per_draft_token(target);
+        Self {
+            cfg,
+            proposer,
+            metrics,
+            trackers: std::collections::BTreeMap::new(),
+            global: adaptive::AcceptanceTracker::global(),
+            cost_per_draft_token,
+        }
+    }
+
+    /// Records a verification of `proposed` drafts of which `accepted` were kept.
+    pub(crate) fn record(&mut self, seq: crate::types::SeqId, proposed: usize, accepted: usize) {
+        self.metrics.record(proposed, accepted);
+        self.global.record(proposed, accepted);
+        let global = &self.global;
+        self.trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global)).record(proposed, accepted);
+    }
+
+    /// Draft length for `seq` this step, at most `k_limit` (the batch's budget).
+    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize) -> usize {
+        if !self.cfg.adaptive {
+            return self.cfg.num_speculative_tokens;
+        }
+        let global = &self.global;
+        let cost = self.cost_per_draft_token;
+        self.trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global)).next_k(k_limit, cost)
     }
 
     /// Forgets a sequence that ended.

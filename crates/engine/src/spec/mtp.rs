@@ -216,6 +216,15 @@ impl MtpProposer {
 }
 
 impl Proposer for MtpProposer {
+    /// fc (2h -> h), one decoder layer of the head's shape and the pruned lm_head, against the target.
+    fn cost_per_draft_token(&self, target: &specula_model::ModelConfig) -> f64 {
+        let c = &self.head.config;
+        let h = c.target_hidden as f64;
+        let layer = h * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim) as f64 + (c.num_heads * c.head_dim) as f64 * h + 3.0 * h * c.ffn as f64;
+        let head = 2.0 * h * h + layer + self.head.vocab.draft_vocab() as f64 * h;
+        head / super::adaptive::matmul_cost(target)
+    }
+
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let _span = tracing::trace_span!("mtp_propose", seqs = reqs.len()).entered();
         let c = self.head.config.clone();

@@ -36,6 +36,10 @@ pub trait Proposer: Send {
     fn needs_hidden(&self) -> bool {
         false
     }
+    /// Work of proposing one draft token relative to a plain step of `target` (adaptive k).
+    fn cost_per_draft_token(&self, _target: &specula_model::ModelConfig) -> f64 {
+        0.0
+    }
     /// For leak checks: (free, total) blocks of a proposer-owned KV cache.
     fn kv_blocks(&self) -> Option<(usize, usize)> {
         None
