@@ -20,13 +20,8 @@ PORT=${PORT:-18555}
 BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --max-concurrency 8 --random-input-len 128 --random-output-len 64 --no-progress)
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np 2)
 
-wait_up() {
-  for _ in $(seq 1 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
-    sleep 0.2
-  done
-  return 1
-}
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
 
 one() {
   local name=$1; shift

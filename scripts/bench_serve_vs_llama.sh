@@ -29,13 +29,8 @@ case "$WORKLOAD" in
 esac
 BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --max-concurrency "$CONC" "${LOAD[@]}" --no-progress)
 
-wait_up() {
-  for _ in $(seq 1 900); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
-    sleep 0.2
-  done
-  return 1
-}
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
 
 one() {
   local name=$1; shift

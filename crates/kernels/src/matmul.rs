@@ -95,6 +95,24 @@ pub fn matmul(input: &MatmulInput, w: &QMatrix, out: &mut [f32]) {
     matmul_many(input, &[w], &mut [out]);
 }
 
+/// Runs `kernel` for row group `g` and activation rows `b..b + N` of an output of `rows` columns
+/// at `optr` (the caller checked it holds every activation row): a full group writes straight into
+/// the output, the last group of a matrix whose rows are not a multiple of 8 through a buffer.
+fn write_group<const N: usize>(g: usize, b: usize, optr: *mut f32, rows: usize, kernel: impl FnOnce([*mut f32; N])) {
+    let base = g * GROUP_ROWS;
+    if base + GROUP_ROWS <= rows {
+        // SAFETY: (b + i) * rows + base + 8 <= activation rows * rows, inside the output.
+        kernel(std::array::from_fn(|i| unsafe { optr.add((b + i) * rows + base) }));
+    } else {
+        let mut buf = [[0f32; GROUP_ROWS]; N];
+        kernel(buf.each_mut().map(|r| r.as_mut_ptr()));
+        for (i, y) in buf.iter().enumerate() {
+            // SAFETY: as above, for the rows - base valid lanes.
+            unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add((b + i) * rows + base), rows - base) };
+        }
+    }
+}
+
 /// Rows `r0..r1` (`r0` a multiple of 8) of a packed matrix against every activation row, eight
 /// weight rows and up to eight (AVX-512 VNNI) or four activation rows per kernel call.
 fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out: OutPtr) {
@@ -104,22 +122,10 @@ fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out
     let (optr, olen) = out.get();
     assert!(n * rows <= olen);
     let wide = MAX_ACTS >= 8 && crate::cpu::features().avx512_vnni;
-    // Runs the kernel for group g and activation rows b..b+N: full groups write straight into the
-    // output, the last group of a matrix whose rows are not a multiple of 8 goes through a buffer.
     fn call<const N: usize>(p: &PackedInt8, q: &QuantizedActivations, g: usize, b: usize, optr: *mut f32, rows: usize) {
-        let base = g * GROUP_ROWS;
         let acts = std::array::from_fn(|i| q.row(b + i));
-        if base + GROUP_ROWS <= rows {
-            // SAFETY: (b + i) * rows + base + 8 <= n * rows <= olen (asserted by the caller), and
-            // this task alone writes rows base..base + 8 of every activation row.
-            unsafe { p.dot_group_to::<N>(g, acts, std::array::from_fn(|i| optr.add((b + i) * rows + base))) };
-        } else {
-            let y = p.dot_group::<N>(g, acts);
-            for (i, y) in y.iter().enumerate() {
-                // SAFETY: as above, for the rows - base valid lanes.
-                unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add((b + i) * rows + base), rows - base) };
-            }
-        }
+        // SAFETY: write_group hands over pointers to eight writable floats each, for this task only.
+        write_group::<N>(g, b, optr, rows, |dst| unsafe { p.dot_group_to::<N>(g, acts, dst) });
     }
     let mut b0 = 0;
     while b0 < n {
@@ -153,19 +159,9 @@ fn float_rows(p: &PackedFloat, input: &MatmulInput, r0: usize, r1: usize, out: O
     assert!(n * rows <= olen);
     fn call<const N: usize>(p: &PackedFloat, input: &MatmulInput, g: usize, b: usize, optr: *mut f32, rows: usize) {
         let cols = input.cols;
-        let base = g * GROUP_ROWS;
         let xs = std::array::from_fn(|i| &input.x[(b + i) * cols..(b + i + 1) * cols]);
-        if base + GROUP_ROWS <= rows {
-            // SAFETY: (b + i) * rows + base + 8 <= n * rows <= olen, and this task alone writes
-            // rows base..base + 8.
-            unsafe { p.dot_group_to::<N>(g, xs, std::array::from_fn(|i| optr.add((b + i) * rows + base))) };
-        } else {
-            let y = p.dot_group::<N>(g, xs);
-            for (i, y) in y.iter().enumerate() {
-                // SAFETY: as above, for the rows - base valid lanes.
-                unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add((b + i) * rows + base), rows - base) };
-            }
-        }
+        // SAFETY: write_group hands over pointers to eight writable floats each, for this task only.
+        write_group::<N>(g, b, optr, rows, |dst| unsafe { p.dot_group_to::<N>(g, xs, dst) });
     }
     for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
         let mut b = 0;

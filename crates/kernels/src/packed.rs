@@ -339,37 +339,28 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn group_avx2<const N: usize>(
-        format: WeightFormat,
-        group: &[u8],
-        blocks: usize,
-        acts: [&[BlockQ8]; N],
-        dst: [*mut f32; N],
-    ) {
-        match format {
-            WeightFormat::Q4_0 => group_impl::<Avx2, Q4_0, N>(group, blocks, acts, dst),
-            WeightFormat::Q4_1 => group_impl::<Avx2, Q4_1, N>(group, blocks, acts, dst),
-            WeightFormat::Q8_0 => group_impl::<Avx2, Q8_0, N>(group, blocks, acts, dst),
-            _ => unreachable!("{format:?} has no int8 dot path"),
-        }
+    /// One entry point per instruction set, each dispatching on the format.
+    macro_rules! group_fn {
+        ($name:ident, $features:literal, $dot:ty) => {
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name<const N: usize>(
+                format: WeightFormat,
+                group: &[u8],
+                blocks: usize,
+                acts: [&[BlockQ8]; N],
+                dst: [*mut f32; N],
+            ) {
+                match format {
+                    WeightFormat::Q4_0 => group_impl::<$dot, Q4_0, N>(group, blocks, acts, dst),
+                    WeightFormat::Q4_1 => group_impl::<$dot, Q4_1, N>(group, blocks, acts, dst),
+                    WeightFormat::Q8_0 => group_impl::<$dot, Q8_0, N>(group, blocks, acts, dst),
+                    _ => unreachable!("{format:?} has no int8 dot path"),
+                }
+            }
+        };
     }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub(super) unsafe fn group_vnni<const N: usize>(
-        format: WeightFormat,
-        group: &[u8],
-        blocks: usize,
-        acts: [&[BlockQ8]; N],
-        dst: [*mut f32; N],
-    ) {
-        match format {
-            WeightFormat::Q4_0 => group_impl::<Vnni, Q4_0, N>(group, blocks, acts, dst),
-            WeightFormat::Q4_1 => group_impl::<Vnni, Q4_1, N>(group, blocks, acts, dst),
-            WeightFormat::Q8_0 => group_impl::<Vnni, Q8_0, N>(group, blocks, acts, dst),
-            _ => unreachable!("{format:?} has no int8 dot path"),
-        }
-    }
+    group_fn!(group_avx2, "avx2,fma,f16c", Avx2);
+    group_fn!(group_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", Vnni);
 
     #[cfg(test)]
     pub(super) fn both<const N: usize>(
