@@ -5,6 +5,8 @@ k = 1..4. Prints a markdown table (output tok/s, acceptance per position, mean t
 step) and writes every run's JSON under --out. Not a test: timings depend on the machine's load.
 
     python3 heads/bench_mtp.py --specula target/release/specula --num-prompts 16
+    # compare head files in one run (each as mtp(NAME)); --no-adaptive drafts k every step
+    python3 heads/bench_mtp.py --methods mtp --head a.safetensors --head b.safetensors --no-adaptive
 """
 import argparse
 import json
@@ -59,6 +61,9 @@ def main():
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="target/bench-mtp")
+    ap.add_argument("--head", action="append", default=[],
+                    help="mtp head file to compare (repeatable; default: the head built into the binary)")
+    ap.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (--no-speculative-adaptive)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -66,6 +71,8 @@ def main():
     for method in a.methods.split(","):
         if method == "none":
             configs.append((method, 0))
+        elif method == "mtp" and a.head:
+            configs.extend((f"mtp:{h}", int(k)) for h in a.head for k in a.ks.split(","))
         else:
             configs.extend((method, int(k)) for k in a.ks.split(","))
     for method, k in configs:
@@ -75,13 +82,18 @@ def main():
         if method != "none":
             # adaptive k stays on (the shipped default): it drafts at most k, and nothing when
             # more than --speculative-max-batch sequences decode
-            cmd += ["--speculative-method", method, "--num-speculative-tokens", str(k)]
+            name, _, head = method.partition(":")
+            cmd += ["--speculative-method", name, "--num-speculative-tokens", str(k)]
+            if head:
+                cmd += ["--draft-model", head]
+            if a.no_adaptive:
+                cmd.append("--no-speculative-adaptive")
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             wait_ready(a.port, proc)
             for c in a.concurrency.split(","):
                 before = metrics(a.port)
-                label = f"{method}-k{k}-c{c}"
+                label = f"{short(method)}-k{k}-c{c}"
                 out_json = os.path.join(a.out, f"{label}.json")
                 bench = [a.specula, "bench", "serve", "--base-url", f"http://127.0.0.1:{a.port}", "--endpoint", "/v1/chat/completions",
                          "--dataset", "file", "--dataset-path", a.prompts, "--num-prompts", str(a.num_prompts), "--max-concurrency", c,
@@ -96,7 +108,7 @@ def main():
                 drafts = tot.get("num_drafts", 0)
                 per_pos = [pos[p] / drafts for p in sorted(pos)] if drafts else []
                 mean_len = 1 + tot.get("num_accepted_tokens", 0) / drafts if drafts else None
-                rows.append((method, k, int(c), r, per_pos, mean_len, tot))
+                rows.append((short(method), k, int(c), r, per_pos, mean_len, tot))
                 tps = find(r, "output_throughput")
                 print(f"{label}: {tps:.1f} output tok/s, per position {[round(x, 3) for x in per_pos]}, tokens per verify step {mean_len}", file=sys.stderr)
         finally:
@@ -108,6 +120,15 @@ def main():
         pp = ", ".join(f"{x:.2f}" for x in per_pos) or "-"
         ml = f"{mean_len:.2f}" if mean_len else "-"
         print(f"| {method} | {k or '-'} | {c} | {find(r, 'output_throughput'):.1f} | {pp} | {ml} | {int(tot.get('num_drafts', 0))} |")
+
+
+def short(method):
+    """`mtp:DIR/NAME.safetensors` -> `mtp(NAME)`; other methods unchanged."""
+    name, _, head = method.partition(":")
+    if not head:
+        return name
+    base = os.path.basename(head)
+    return f"{name}({base[:-len('.safetensors')] if base.endswith('.safetensors') else base})"
 
 
 def find(obj, key):
