@@ -29,7 +29,7 @@ pub struct DataArgs {
     /// Output folder for the shards.
     #[arg(long, default_value = "target/mtp-data")]
     pub out: PathBuf,
-    /// Training prompts (the split has over 1000; the shipped head used 448).
+    /// Training prompts (the split has over 2000; the shipped head used 2048, heads/README.md).
     #[arg(long, default_value_t = 448)]
     pub num_prompts: usize,
     /// Held-out prompts answered greedily (the evaluation set).
