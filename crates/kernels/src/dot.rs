@@ -1,5 +1,6 @@
-//! f32 vector kernels (dot product, axpy) with a fixed reduction order: attention and the
-//! matmuls of unquantized weights. The int8 matmul kernels live in `packed`.
+//! f32 vector kernels (dot products, weighted row sums) with a fixed reduction order: attention and
+//! the row-by-row matmul of K-quant weights. The other formats' matmul kernels live in `packed`
+//! and `packed_float`.
 
 /// f32 dot product with 8 independent partial sums combined in a fixed order (deterministic,
 /// and vectorizable by the compiler without fast-math).
@@ -13,23 +14,6 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     dot_f32_scalar(a, b)
-}
-
-/// `acc += w * x`, element by element (a multiply then an add, no fused rounding, so every path
-/// gives the scalar loop's bits).
-#[inline]
-pub fn axpy_f32(acc: &mut [f32], w: f32, x: &[f32]) {
-    assert_eq!(acc.len(), x.len());
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::cpu::features().avx2_fma {
-            // SAFETY: AVX2 was detected at run time; the lengths are equal (asserted).
-            return unsafe { avx2::axpy_f32(acc, w, x) };
-        }
-    }
-    for (a, &v) in acc.iter_mut().zip(x) {
-        *a += w * v;
-    }
 }
 
 /// `out[p] = dot_f32(q, rows[offsets[p]..]) * scale` for every `p`, with the same bits as that
@@ -52,8 +36,8 @@ pub fn scaled_dots(out: &mut [f32], q: &[f32], rows: &[f32], offsets: &[usize], 
 }
 
 /// `acc[i] += ws[p] * rows[offsets[p] + i]` for every `p` in order (a multiply then an add per
-/// term, as `axpy_f32` does row by row, so the result has the same bits): attention's weighted
-/// sum of value rows, with the accumulator kept in registers across all rows.
+/// term, no fused rounding, so every path gives the same bits): attention's weighted sum of value
+/// rows, with the accumulator kept in registers across all rows.
 pub fn weighted_rows_sum(acc: &mut [f32], ws: &[f32], rows: &[f32], offsets: &[usize]) {
     assert_eq!(ws.len(), offsets.len());
     let n = acc.len();
@@ -66,7 +50,9 @@ pub fn weighted_rows_sum(acc: &mut [f32], ws: &[f32], rows: &[f32], offsets: &[u
         }
     }
     for (&w, &o) in ws.iter().zip(offsets) {
-        axpy_f32(acc, w, &rows[o..o + n]);
+        for (a, &v) in acc.iter_mut().zip(&rows[o..o + n]) {
+            *a += w * v;
+        }
     }
 }
 
@@ -166,24 +152,6 @@ mod avx2 {
         }
     }
 
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn axpy_f32(acc: &mut [f32], w: f32, x: &[f32]) {
-        let n = acc.len();
-        let n8 = n / 8 * 8;
-        let wv = _mm256_set1_ps(w);
-        let (pa, px) = (acc.as_mut_ptr(), x.as_ptr());
-        let mut i = 0;
-        while i < n8 {
-            // SAFETY: i + 8 <= n8 <= both lengths.
-            let v = _mm256_add_ps(_mm256_loadu_ps(pa.add(i)), _mm256_mul_ps(wv, _mm256_loadu_ps(px.add(i))));
-            _mm256_storeu_ps(pa.add(i), v);
-            i += 8;
-        }
-        for j in n8..n {
-            acc[j] += w * x[j];
-        }
-    }
-
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
@@ -208,20 +176,6 @@ mod avx2 {
 mod tests {
     use super::*;
     #[test]
-    fn axpy_equals_the_scalar_loop_bitwise() {
-        for n in [1, 8, 13, 64] {
-            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.77).sin()).collect();
-            let mut fast: Vec<f32> = (0..n).map(|i| (i as f32 * 0.31).cos()).collect();
-            let mut slow = fast.clone();
-            axpy_f32(&mut fast, 0.173, &x);
-            for (a, v) in slow.iter_mut().zip(&x) {
-                *a += 0.173 * v;
-            }
-            assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-        }
-    }
-
-    #[test]
     fn scaled_dots_equal_dot_f32_bitwise() {
         let rows: Vec<f32> = (0..40 * 64).map(|i| (i as f32 * 0.23).sin() * 3.0).collect();
         let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.41).cos()).collect();
@@ -234,7 +188,7 @@ mod tests {
     }
 
     #[test]
-    fn weighted_rows_sum_equals_row_by_row_axpy() {
+    fn weighted_rows_sum_equals_the_scalar_loop_bitwise() {
         let rows: Vec<f32> = (0..10 * 80).map(|i| (i as f32 * 0.19).sin()).collect();
         let offsets = [0usize, 160, 80, 720, 400];
         let ws = [0.3f32, -0.2, 0.05, 0.7, 0.15];

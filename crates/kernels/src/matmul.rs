@@ -9,7 +9,7 @@ use crate::dot::dot_f32;
 use crate::packed::{PackedInt8, GROUP_ROWS, MAX_ACTS};
 use crate::packed_float::PackedFloat;
 use crate::q8::{quantize_rows, QuantizedActivations};
-use crate::weights::QMatrix;
+use crate::weights::{Packed, QMatrix};
 use rayon::prelude::*;
 
 /// Activations prepared once for every matrix that reads them.
@@ -79,13 +79,13 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
     let run = |&(m, r0, r1): &(usize, usize, usize)| {
         let w = ws[m];
         let out = ptrs[m];
-        if let Some(p) = w.packed() {
-            let q = input.q8.as_ref().expect("int8 input prepared by MatmulInput::new");
-            int8_rows(p, q, r0, r1, out);
-        } else if let Some(p) = w.packed_float() {
-            float_rows(p, input, r0, r1, out);
-        } else {
-            f32_rows(w, input, r0, r1, out);
+        match w.packed() {
+            Some(Packed::Int8(p)) => {
+                let q = input.q8.as_ref().expect("int8 input prepared by MatmulInput::new");
+                packed_rows(&Int8Kernel { p, q }, p.rows(), input.rows, r0, r1, out);
+            }
+            Some(Packed::Float(p)) => packed_rows(&FloatKernel { p, input }, p.rows(), input.rows, r0, r1, out),
+            None => f32_rows(w, input, r0, r1, out),
         }
     };
     crate::pool::parallel_for(tasks.len(), &|i| run(&tasks[i]));
@@ -95,17 +95,63 @@ pub fn matmul(input: &MatmulInput, w: &QMatrix, out: &mut [f32]) {
     matmul_many(input, &[w], &mut [out]);
 }
 
-/// Runs `kernel` for row group `g` and activation rows `b..b + N` of an output of `rows` columns
-/// at `optr` (the caller checked it holds every activation row): a full group writes straight into
-/// the output, the last group of a matrix whose rows are not a multiple of 8 through a buffer.
-fn write_group<const N: usize>(g: usize, b: usize, optr: *mut f32, rows: usize, kernel: impl FnOnce([*mut f32; N])) {
+/// One packed kernel: the eight rows of group `g` against activation rows `b..b + N`, results
+/// written at `dst[i]` (eight floats each).
+trait GroupKernel {
+    /// Activation rows per weight pass the kernel handles best (8 or 4).
+    fn widest(&self) -> usize;
+    /// # Safety
+    /// Every `dst[i]` must be valid for eight writes that no other thread makes.
+    unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]);
+}
+
+struct Int8Kernel<'a> {
+    p: &'a PackedInt8,
+    q: &'a QuantizedActivations,
+}
+
+impl GroupKernel for Int8Kernel<'_> {
+    fn widest(&self) -> usize {
+        // eight activation rows per weight pass where there are 32 vector registers
+        if MAX_ACTS >= 8 && crate::cpu::features().avx512_vnni {
+            8
+        } else {
+            4
+        }
+    }
+    unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]) {
+        self.p.dot_group_to::<N>(g, std::array::from_fn(|i| self.q.row(b + i)), dst)
+    }
+}
+
+struct FloatKernel<'a> {
+    p: &'a PackedFloat,
+    input: &'a MatmulInput<'a>,
+}
+
+impl GroupKernel for FloatKernel<'_> {
+    fn widest(&self) -> usize {
+        crate::packed_float::MAX_ACTS
+    }
+    unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]) {
+        let cols = self.input.cols;
+        self.p.dot_group_to::<N>(g, std::array::from_fn(|i| &self.input.x[(b + i) * cols..(b + i + 1) * cols]), dst)
+    }
+}
+
+/// Runs `k` for group `g` and activation rows `b..b + N` of an output of `rows` columns at `optr`
+/// (the caller checked it holds every activation row): a full group writes straight into the
+/// output, the last group of a matrix whose rows are not a multiple of 8 through a buffer.
+fn write_group<K: GroupKernel, const N: usize>(k: &K, g: usize, b: usize, optr: *mut f32, rows: usize) {
     let base = g * GROUP_ROWS;
     if base + GROUP_ROWS <= rows {
-        // SAFETY: (b + i) * rows + base + 8 <= activation rows * rows, inside the output.
-        kernel(std::array::from_fn(|i| unsafe { optr.add((b + i) * rows + base) }));
+        // SAFETY: (b + i) * rows + base + 8 <= activation rows * rows, inside the output, and this
+        // task alone writes rows base..base + 8.
+        unsafe { k.run::<N>(g, b, std::array::from_fn(|i| optr.add((b + i) * rows + base))) };
     } else {
         let mut buf = [[0f32; GROUP_ROWS]; N];
-        kernel(buf.each_mut().map(|r| r.as_mut_ptr()));
+        // SAFETY: each pointer addresses one row of `buf`.
+        unsafe { k.run::<N>(g, b, buf.each_mut().map(|r| r.as_mut_ptr())) };
         for (i, y) in buf.iter().enumerate() {
             // SAFETY: as above, for the rows - base valid lanes.
             unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add((b + i) * rows + base), rows - base) };
@@ -113,68 +159,35 @@ fn write_group<const N: usize>(g: usize, b: usize, optr: *mut f32, rows: usize, 
     }
 }
 
-/// Rows `r0..r1` (`r0` a multiple of 8) of a packed matrix against every activation row, eight
-/// weight rows and up to eight (AVX-512 VNNI) or four activation rows per kernel call.
-fn int8_rows(p: &PackedInt8, q: &QuantizedActivations, r0: usize, r1: usize, out: OutPtr) {
+/// Weight rows `r0..r1` (`r0` a multiple of 8) of a packed matrix with `rows` rows against `n`
+/// activation rows: eight weight rows and up to `k.widest()` activation rows per kernel call,
+/// activation rows in tiles so a task's weights stay in cache.
+fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usize, out: OutPtr) {
     debug_assert_eq!(r0 % GROUP_ROWS, 0);
-    let n = q.rows;
-    let rows = p.rows();
     let (optr, olen) = out.get();
     assert!(n * rows <= olen);
-    let wide = MAX_ACTS >= 8 && crate::cpu::features().avx512_vnni;
-    fn call<const N: usize>(p: &PackedInt8, q: &QuantizedActivations, g: usize, b: usize, optr: *mut f32, rows: usize) {
-        let acts = std::array::from_fn(|i| q.row(b + i));
-        // SAFETY: write_group hands over pointers to eight writable floats each, for this task only.
-        write_group::<N>(g, b, optr, rows, |dst| unsafe { p.dot_group_to::<N>(g, acts, dst) });
-    }
+    let wide = k.widest() >= 8;
     let mut b0 = 0;
     while b0 < n {
         let b1 = (b0 + BATCH_TILE).min(n);
         for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
             let mut b = b0;
-            // eight activation rows per weight pass where there are 32 vector registers
             while wide && b + 8 <= b1 {
-                call::<8>(p, q, g, b, optr, rows);
+                write_group::<K, 8>(k, g, b, optr, rows);
                 b += 8;
             }
             while b + 4 <= b1 {
-                call::<4>(p, q, g, b, optr, rows);
+                write_group::<K, 4>(k, g, b, optr, rows);
                 b += 4;
             }
             match b1 - b {
-                3 => call::<3>(p, q, g, b, optr, rows),
-                2 => call::<2>(p, q, g, b, optr, rows),
-                1 => call::<1>(p, q, g, b, optr, rows),
+                3 => write_group::<K, 3>(k, g, b, optr, rows),
+                2 => write_group::<K, 2>(k, g, b, optr, rows),
+                1 => write_group::<K, 1>(k, g, b, optr, rows),
                 _ => {}
             }
         }
         b0 = b1;
-    }
-}
-
-/// Rows `r0..r1` (`r0` a multiple of 8) of a packed float matrix against every activation row.
-fn float_rows(p: &PackedFloat, input: &MatmulInput, r0: usize, r1: usize, out: OutPtr) {
-    let (n, rows) = (input.rows, p.rows());
-    let (optr, olen) = out.get();
-    assert!(n * rows <= olen);
-    fn call<const N: usize>(p: &PackedFloat, input: &MatmulInput, g: usize, b: usize, optr: *mut f32, rows: usize) {
-        let cols = input.cols;
-        let xs = std::array::from_fn(|i| &input.x[(b + i) * cols..(b + i + 1) * cols]);
-        // SAFETY: write_group hands over pointers to eight writable floats each, for this task only.
-        write_group::<N>(g, b, optr, rows, |dst| unsafe { p.dot_group_to::<N>(g, xs, dst) });
-    }
-    for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
-        let mut b = 0;
-        while b + 4 <= n {
-            call::<4>(p, input, g, b, optr, rows);
-            b += 4;
-        }
-        match n - b {
-            3 => call::<3>(p, input, g, b, optr, rows),
-            2 => call::<2>(p, input, g, b, optr, rows),
-            1 => call::<1>(p, input, g, b, optr, rows),
-            _ => {}
-        }
     }
 }
 

@@ -91,10 +91,6 @@ impl PackedInt8 {
         Some(Self { format, rows, blocks, bytes })
     }
 
-    pub fn format(&self) -> WeightFormat {
-        self.format
-    }
-
     pub fn rows(&self) -> usize {
         self.rows
     }

@@ -54,7 +54,7 @@ fn quantize_block(xs: &[f32], b: &mut BlockQ8) {
 }
 
 /// Scalar reference: `d = max|x| / 127`, `q = round_half_even(x / d)`.
-pub fn quantize_block_scalar(xs: &[f32], b: &mut BlockQ8) {
+fn quantize_block_scalar(xs: &[f32], b: &mut BlockQ8) {
     let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };

@@ -53,11 +53,18 @@ pub struct QMatrix {
     pub rows: usize,
     pub cols: usize,
     bytes: WeightBytes,
-    /// The int8-dot formats repacked eight rows at a time for the matmul kernel (the ggml bytes
-    /// above stay for row lookups such as embeddings).
-    packed: Option<Arc<PackedInt8>>,
-    /// F16 / BF16 / F32 repacked eight rows at a time for the float matmul kernel.
-    packed_float: Option<Arc<PackedFloat>>,
+    /// The matrix repacked eight rows at a time for the matmul kernels (the bytes above stay for
+    /// row lookups such as embeddings); `None` for formats the kernels dequantize row by row.
+    packed: Option<Packed>,
+}
+
+/// The repacked form of a matrix, by kind of kernel.
+#[derive(Clone, Debug)]
+pub enum Packed {
+    /// Q4_0 / Q4_1 / Q8_0: integer dot products against 8-bit activations.
+    Int8(Arc<PackedInt8>),
+    /// F16 / BF16 / F32: float FMAs.
+    Float(Arc<PackedFloat>),
 }
 
 impl QMatrix {
@@ -69,21 +76,17 @@ impl QMatrix {
         if bytes.as_slice().len() != expected {
             return Err(KernelError::ByteLength { what: what.to_string(), expected, got: bytes.as_slice().len() });
         }
-        let packed = PackedInt8::pack(format, rows, cols, bytes.as_slice()).map(Arc::new);
-        let packed_float = PackedFloat::pack(format, rows, cols, bytes.as_slice()).map(Arc::new);
-        Ok(Self { format, rows, cols, bytes, packed, packed_float })
+        let raw = bytes.as_slice();
+        let packed = PackedInt8::pack(format, rows, cols, raw)
+            .map(|p| Packed::Int8(Arc::new(p)))
+            .or_else(|| PackedFloat::pack(format, rows, cols, raw).map(|p| Packed::Float(Arc::new(p))));
+        Ok(Self { format, rows, cols, bytes, packed })
     }
 
-    /// The repacked form, for F16 / BF16 / F32.
+    /// The repacked form the matmul kernels read, if the format has one.
     #[inline]
-    pub fn packed_float(&self) -> Option<&PackedFloat> {
-        self.packed_float.as_deref()
-    }
-
-    /// The repacked form, for Q4_0 / Q4_1 / Q8_0.
-    #[inline]
-    pub fn packed(&self) -> Option<&PackedInt8> {
-        self.packed.as_deref()
+    pub fn packed(&self) -> Option<&Packed> {
+        self.packed.as_ref()
     }
 
     #[inline]

@@ -126,27 +126,27 @@ impl EngineArgs {
     /// `--enable-expert-parallel` for in-process ranks: spreads the experts of `ranks` (rank r at
     /// index r) over them. Call before `spawn_lockstep`; errors name the flag to change.
     pub fn setup_expert_parallel(&self, ranks: &mut [specula_engine::dp::RankSetup], lockstep: bool) -> anyhow::Result<()> {
-        if !self.enable_expert_parallel {
-            return Ok(());
+        if self.expert_parallel_wanted(lockstep)? {
+            specula_engine::dp::expert::enable_local_expert_parallel(ranks)?;
         }
-        if !lockstep {
+        Ok(())
+    }
+
+    /// Whether `--enable-expert-parallel` is on; an error when the data-parallel mode cannot use it.
+    fn expert_parallel_wanted(&self, lockstep: bool) -> anyhow::Result<bool> {
+        if self.enable_expert_parallel && !lockstep {
             anyhow::bail!("--enable-expert-parallel needs --data-parallel-mode lockstep");
         }
-        specula_engine::dp::expert::enable_local_expert_parallel(ranks)?;
-        Ok(())
+        Ok(self.enable_expert_parallel)
     }
 
     /// `--enable-expert-parallel` for this MPI process's rank: call before describing the
     /// configuration for `check_same_config`, and pass an error to it so every rank stops.
     #[cfg(feature = "mpi")]
     pub fn setup_expert_parallel_mpi(&self, model: &mut specula_model::LlamaModel, lockstep: bool) -> anyhow::Result<()> {
-        if !self.enable_expert_parallel {
-            return Ok(());
+        if self.expert_parallel_wanted(lockstep)? {
+            specula_engine::dp::mpi_expert::enable_mpi_expert_parallel(model)?;
         }
-        if !lockstep {
-            anyhow::bail!("--enable-expert-parallel needs --data-parallel-mode lockstep");
-        }
-        specula_engine::dp::mpi_expert::enable_mpi_expert_parallel(model)?;
         Ok(())
     }
 

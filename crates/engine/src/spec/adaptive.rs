@@ -124,12 +124,17 @@ pub fn batch_k_limit(decoding: usize, k: usize, max_batch: usize, max_step_token
     (max_step_tokens / decoding).saturating_sub(1).min(k)
 }
 
+/// Multiply-adds of one Llama decoder layer per token (q/k/v/o projections and a gated FFN).
+pub fn layer_matmul_cost(hidden: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize, ffn: usize) -> f64 {
+    let (h, hd) = (hidden as f64, head_dim as f64);
+    let attn = h * (n_heads + 2 * n_kv_heads) as f64 * hd + n_heads as f64 * hd * h;
+    attn + 3.0 * h * ffn as f64
+}
+
 /// Multiply-adds of a dense Llama-shaped model per token (its matmuls), for cost ratios.
 pub fn matmul_cost(c: &ModelConfig) -> f64 {
-    let (h, hd) = (c.hidden_size as f64, c.head_dim as f64);
-    let attn = h * (c.n_heads + 2 * c.n_kv_heads) as f64 * hd + c.n_heads as f64 * hd * h;
-    let ffn = 3.0 * h * c.intermediate_size as f64;
-    c.n_layers as f64 * (attn + ffn) + c.vocab_size as f64 * h
+    let layer = layer_matmul_cost(c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate_size);
+    c.n_layers as f64 * layer + (c.vocab_size * c.hidden_size) as f64
 }
 
 #[cfg(test)]

@@ -119,18 +119,23 @@ impl Speculation {
     pub(crate) fn record(&mut self, seq: crate::types::SeqId, proposed: usize, accepted: usize) {
         self.metrics.record(proposed, accepted);
         self.global.record(proposed, accepted);
-        let global = &self.global;
-        self.trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global)).record(proposed, accepted);
+        self.tracker(seq).record(proposed, accepted);
     }
 
-    /// Draft length for `seq` this step, at most `k_limit` (the batch's budget).
+    /// `seq`'s acceptance tracker, started from the engine-wide estimate on first use.
+    fn tracker(&mut self, seq: crate::types::SeqId) -> &mut adaptive::AcceptanceTracker {
+        let global = &self.global;
+        self.trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global))
+    }
+
+    /// Draft length for `seq` this step, at most `k_limit` (the batch's budget; without adaptive
+    /// speculation, exactly `k_limit`).
     pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize) -> usize {
         if !self.cfg.adaptive {
-            return self.cfg.num_speculative_tokens;
+            return k_limit;
         }
-        let global = &self.global;
         let cost = self.cost_per_draft_token;
-        self.trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global)).next_k(k_limit, cost)
+        self.tracker(seq).next_k(k_limit, cost)
     }
 
     /// Forgets a sequence that ended.

@@ -218,11 +218,11 @@ impl MtpProposer {
 impl Proposer for MtpProposer {
     /// fc (2h -> h), one decoder layer of the head's shape and the pruned lm_head, against the target.
     fn cost_per_draft_token(&self, target: &specula_model::ModelConfig) -> f64 {
+        use super::adaptive::{layer_matmul_cost, matmul_cost};
         let c = &self.head.config;
         let h = c.target_hidden as f64;
-        let layer = h * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim) as f64 + (c.num_heads * c.head_dim) as f64 * h + 3.0 * h * c.ffn as f64;
-        let head = 2.0 * h * h + layer + self.head.vocab.draft_vocab() as f64 * h;
-        head / super::adaptive::matmul_cost(target)
+        let layer = layer_matmul_cost(c.target_hidden, c.num_heads, c.num_kv_heads, c.head_dim, c.ffn);
+        (2.0 * h * h + layer + self.head.vocab.draft_vocab() as f64 * h) / matmul_cost(target)
     }
 
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
