@@ -80,36 +80,28 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
     let optr = OutPtr(out.as_mut_ptr());
     let run = |&(si, kvh, t0, t1): &(usize, usize, usize, usize)| {
         let s = &seqs[si];
-        // query row t sits at position base + t and sees positions 0..=base + t
+        // query row t sits at position base + t
         let base = s.context_len - s.q_len;
         let ctx = base + t1;
-        let nq = (t1 - t0) * group;
         // where position p's keys (and values) for this KV head start
         let offsets: Vec<usize> = (0..ctx)
             .map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd)
             .collect();
-        // queries of this task, j = (t - t0) * group + (h - kvh * group)
-        let qrow = |j: usize| {
-            let (t, h) = (t0 + j / group, kvh * group + j % group);
+        let mut scores = vec![0f32; ctx];
+        let mut acc = vec![0f32; hd];
+        for t in t0..t1 {
             let row = s.q_start + t;
-            &q[row * qw + h * hd..row * qw + (h + 1) * hd]
-        };
-        // how many positions query j sees
-        let seen = |j: usize| base + t0 + j / group + 1;
-        let mut scores = vec![0f32; nq * ctx];
-        let mut acc = vec![0f32; nq * hd];
-        for j in 0..nq {
-            let len = seen(j);
-            let sc = &mut scores[j * ctx..j * ctx + len];
-            scaled_dots(sc, qrow(j), k_cache, &offsets[..len], scale);
-            crate::ops::softmax(sc);
-            weighted_rows_sum(&mut acc[j * hd..(j + 1) * hd], sc, v_cache, &offsets[..len]);
-        }
-        for j in 0..nq {
-            let (t, h) = (t0 + j / group, kvh * group + j % group);
-            let row = s.q_start + t;
-            // SAFETY: (row, h) belongs to this task only and is within `out` (asserted above).
-            unsafe { std::ptr::copy_nonoverlapping(acc[j * hd..].as_ptr(), optr.get().add(row * qw + h * hd), hd) };
+            // query row t sees positions 0..=base + t
+            let len = base + t + 1;
+            let sc = &mut scores[..len];
+            for h in kvh * group..(kvh + 1) * group {
+                scaled_dots(sc, &q[row * qw + h * hd..row * qw + (h + 1) * hd], k_cache, &offsets[..len], scale);
+                crate::ops::softmax(sc);
+                acc.fill(0.0);
+                weighted_rows_sum(&mut acc, sc, v_cache, &offsets[..len]);
+                // SAFETY: (row, h) belongs to this task only and is within `out` (asserted above).
+                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), optr.get().add(row * qw + h * hd), hd) };
+            }
         }
     };
     // Waking the pool costs more than a small attention (a decode step at short context): only
