@@ -26,9 +26,9 @@ pub struct EngineConfig {
     /// step. Off for data-parallel ranks, whose labeled per-rank gauges and their aggregate are
     /// published by the rank loop (two writers would make a scrape see one rank's numbers).
     pub publish_gauges: bool,
-    /// Test-only switch: make one step's compute job fail or panic.
+    /// Test-only switch: make preparing one step fail or panic.
     #[doc(hidden)]
-    pub fault_injection: Option<crate::runner::job::FaultInjection>,
+    pub fault_injection: Option<crate::host::FaultInjection>,
 }
 
 impl Default for EngineConfig {

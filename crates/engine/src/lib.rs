@@ -7,6 +7,7 @@ pub mod config;
 pub mod dp;
 pub mod engine;
 pub mod handle;
+pub mod host;
 pub mod kv_cache;
 pub mod runner;
 pub mod sampling;

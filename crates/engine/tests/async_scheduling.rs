@@ -12,7 +12,7 @@ mod common;
 
 use common::*;
 use specula_engine::api::RequestEvent;
-use specula_engine::runner::job::{FaultInjection, FaultKind};
+use specula_engine::host::{FaultInjection, FaultKind};
 use specula_engine::{spawn_engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams};
 use specula_model::load_model;
 use std::sync::Arc;
@@ -298,4 +298,43 @@ fn shutdown_with_a_job_in_flight_is_bounded_and_ends_every_request() {
         }
         assert!(matches!(last, Some(RequestEvent::Failed { .. } | RequestEvent::Finished { .. })), "{last:?}");
     }
+}
+
+/// A request that finishes (its length) in step N, or is aborted after it, is dropped from step
+/// N+1 before that runs: with async scheduling the engine computes exactly the tokens it computes
+/// synchronously, in as many forward passes, and streams the same tokens.
+#[test]
+fn finished_and_aborted_requests_are_not_computed_in_the_step_prepared_after_them() {
+    let model = TinyModel::new();
+    let run = |async_scheduling: bool| {
+        let mut h = Harness::on(&model, roomy(async_scheduling), Spec::Ngram(3));
+        let mut clients: Vec<Client> = (0..5).map(|i| h.submit(prompt(10 + i, i as u64), greedy(3 + 5 * i))).collect();
+        let (mut forwards, mut tokens, mut calls) = (0, 0, 0);
+        while h.engine.has_work() {
+            assert!(calls < 500, "did not finish");
+            let s = h.engine.step();
+            forwards += s.ran_forward as usize;
+            tokens += s.num_tokens;
+            calls += 1;
+            if calls == 6 {
+                h.engine.abort(clients[4].id);
+            }
+        }
+        for c in clients.iter_mut() {
+            c.drain(calls);
+        }
+        h.assert_idle_and_leak_free();
+        let outputs: Vec<Vec<u32>> = clients[..4].iter().map(|c| c.tokens()).collect();
+        assert!(tokens > 0);
+        (tokens, forwards, outputs, clients[4].end())
+    };
+    let (sync_tokens, sync_forwards, sync_out, sync_abort) = run(false);
+    let (async_tokens, async_forwards, async_out, async_abort) = run(true);
+    assert_eq!(sync_out, async_out);
+    for (i, out) in sync_out.iter().enumerate() {
+        assert_eq!(out.len(), 3 + 5 * i);
+    }
+    assert_eq!((sync_abort, async_abort), (End::Finished(FinishReason::Abort), End::Finished(FinishReason::Abort)));
+    assert_eq!(sync_forwards, async_forwards, "forward passes");
+    assert_eq!(sync_tokens, async_tokens, "tokens computed");
 }

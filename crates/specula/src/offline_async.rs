@@ -1,7 +1,7 @@
 //! `specula bench offline --async-compare`: the engine (no HTTP) decoding a batch of requests with
 //! synchronous and with async scheduling, in the same run, and where each step's time goes
-//! (schedule, prepare, forward, sample, propose, update, and the compute gap between consecutive
-//! forward passes). The workload is the copy-this-passage prompts of `bench/copy_passages.jsonl`
+//! (schedule, prepare, finalize, forward, sample, propose, update, and the compute gap between
+//! consecutive forward passes). The workload is the copy-this-passage prompts of `bench/copy_passages.jsonl`
 //! with n-gram speculation (non-adaptive, so it speculates at every batch size), greedy.
 
 use crate::bench::workload::parse_prompts;
@@ -46,6 +46,12 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
         engine.add_request(GenerateRequest { id: RequestId(i as u64 + 1), prompt: tokenizer.encode(&text)?, params, events: tx });
         rxs.push(rx);
     }
+    // the clients read their streams on their own thread, as a server's connections do
+    let clients = std::thread::spawn(move || {
+        for mut rx in rxs {
+            while rx.blocking_recv().is_some() {}
+        }
+    });
     let mut sum = StepTimings::default();
     let (mut gaps, mut host_gaps) = (Duration::ZERO, Duration::ZERO);
     let (mut steps, mut gap_steps, mut tokens) = (0usize, 0usize, 0usize);
@@ -54,9 +60,6 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
         let t = Instant::now();
         let s = engine.step();
         let dt = t.elapsed();
-        for rx in rxs.iter_mut() {
-            while rx.try_recv().is_ok() {}
-        }
         if !s.ran_forward || s.has_prefill {
             continue;
         }
@@ -65,6 +68,7 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
         tokens += s.num_emitted;
         sum.schedule += s.timings.schedule;
         sum.prepare += s.timings.prepare;
+        sum.finalize += s.timings.finalize;
         sum.forward += s.timings.forward;
         sum.sample += s.timings.sample;
         sum.propose += s.timings.propose;
@@ -75,10 +79,13 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
             gap_steps += 1;
         }
     }
+    drop(engine);
+    clients.join().map_err(|_| anyhow::anyhow!("the stream reader panicked"))?;
     let n = steps.max(1) as u32;
     let mean = StepTimings {
         schedule: sum.schedule / n,
         prepare: sum.prepare / n,
+        finalize: sum.finalize / n,
         forward: sum.forward / n,
         sample: sum.sample / n,
         propose: sum.propose / n,
@@ -100,19 +107,19 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!("\nasync scheduling — batch {batch} decode, ngram k={k} (non-adaptive), greedy, {max_tokens} tokens each; per decode step, ms");
     println!(
-        "{:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>10}",
-        "threads", "mode", "tok/s", "schedule", "prepare", "forward", "sample", "propose", "update", "gap", "idle gap", "step", "host share"
+        "{:>7} {:>6} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>10}",
+        "threads", "mode", "tok/s", "schedule", "prepare", "finalize", "forward", "sample", "propose", "update", "gap", "idle gap", "step", "host share"
     );
     for r in &rows {
         let m = &r.mean;
-        let host = 1.0 - ms(m.forward) / ms(r.step_wall);
         println!(
-            "{:>7} {:>6} {:>9.1} {:>8.3} {:>8.3} {:>8.2} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>9.3} {:>8.2} {:>9.1}%",
+            "{:>7} {:>6} {:>9.1} {:>8.3} {:>8.3} {:>8.3} {:>8.2} {:>8.3} {:>8.3} {:>8.3} {:>8.3} {:>9.3} {:>8.2} {:>9.2}%",
             r.threads,
             if r.async_scheduling { "async" } else { "sync" },
             r.output_tok_s,
             ms(m.schedule),
             ms(m.prepare),
+            ms(m.finalize),
             ms(m.forward),
             ms(m.sample),
             ms(m.propose),
@@ -120,7 +127,7 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
             ms(m.gap.unwrap_or_default()),
             ms(m.host_gap.unwrap_or_default()),
             ms(r.step_wall),
-            100.0 * host
+            100.0 * host_share(r)
         );
     }
     for pair in rows.chunks(2) {
@@ -128,7 +135,7 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
             let (gs, ga) = (ms(s.mean.gap.unwrap_or_default()), ms(a.mean.gap.unwrap_or_default()));
             let (hs, ha) = (ms(s.mean.host_gap.unwrap_or_default()), ms(a.mean.host_gap.unwrap_or_default()));
             println!(
-                "threads {}: forward-to-forward gap {:.3} -> {:.3} ms ({:+.0}%), compute idle gap {:.3} -> {:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} ({:+.1}%)",
+                "threads {}: forward-to-forward gap {:.3} -> {:.3} ms ({:+.0}%), compute idle gap {:.3} -> {:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} ({:+.1}%; sync host share {:.2}%)",
                 s.threads,
                 gs,
                 ga,
@@ -138,10 +145,18 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
                 100.0 * (ha - hs) / hs.max(1e-9),
                 s.output_tok_s,
                 a.output_tok_s,
-                100.0 * (a.output_tok_s / s.output_tok_s - 1.0)
+                100.0 * (a.output_tok_s / s.output_tok_s - 1.0),
+                100.0 * host_share(s)
             );
         }
     }
-    println!("(gap: end of one forward pass to the start of the next, sampling included; idle gap: end of one compute job (forward + sample + propose) to the next forward pass, i.e. compute waiting on host work; host share: the part of a step's wall time not spent in the forward pass; with async scheduling the schedule/update columns overlap the next forward pass)");
+    println!("(gap: end of one forward pass to the start of the next, sampling included; idle gap: end of one compute job (forward + sample + propose) to the next forward pass, i.e. compute waiting on host work; host share: the part of a step's wall time outside the compute job (forward, sample, propose), i.e. host work on the critical path; with async scheduling the schedule, prepare and update columns run on the host worker beside the forward pass, and only finalize stays between two forward passes)");
     Ok(rows)
+}
+
+/// The share of a decode step's wall time not spent in its compute job.
+fn host_share(r: &AsyncRow) -> f64 {
+    let m = &r.mean;
+    let compute = m.forward + m.sample + m.propose;
+    1.0 - compute.as_secs_f64() / r.step_wall.as_secs_f64().max(1e-12)
 }

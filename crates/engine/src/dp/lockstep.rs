@@ -23,7 +23,6 @@ use crate::scheduler::StepPlan;
 use specula_model::llama::NO_SLOT;
 use specula_model::{ForwardBatch, SeqSpan};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -153,10 +152,7 @@ impl<C: Communicator> LockstepRank<C> {
             return StepPlan::default();
         }
         let _s = tracing::trace_span!("schedule").entered();
-        let e = &mut self.engine;
-        let plan = e.scheduler.schedule(&mut e.seqs, &mut e.kv);
-        e.counters.waiting.fetch_sub(plan.newly_admitted.len(), Ordering::Relaxed);
-        plan
+        self.engine.host_mut().schedule(None, 0)
     }
 
     /// Runs this rank's share of the agreed step.
@@ -164,7 +160,7 @@ impl<C: Communicator> LockstepRank<C> {
         if global.max_tokens > 0 {
             // An expert-parallel model pads its exchanges to the agreed size (dense layers need
             // no padding: only collectives inside the model care).
-            expert::begin_step(&self.engine.model, global.max_tokens);
+            expert::begin_step(self.engine.model(), global.max_tokens);
         }
         self.run_batch(plan, global);
         if global.max_tokens > 0 {
@@ -175,11 +171,11 @@ impl<C: Communicator> LockstepRank<C> {
     /// After the step's forward pass: makes sure this rank joined every MoE exchange of the
     /// step, and counts the exchange time as collective time.
     fn finish_expert_step(&mut self) {
-        if let Err(msg) = expert::finish_step(&self.engine.model) {
+        if let Err(msg) = expert::finish_step(self.engine.model()) {
             tracing::error!(rank = self.comm.rank(), "{msg}");
             self.fatal.get_or_insert(msg);
         }
-        if let Some(x) = self.engine.model.expert_exchange() {
+        if let Some(x) = self.engine.model().expert_exchange() {
             let total = x.exchange_nanos();
             let delta = total.saturating_sub(self.expert_nanos_seen);
             self.expert_nanos_seen = total;
@@ -210,16 +206,10 @@ impl<C: Communicator> LockstepRank<C> {
     /// This rank's real batch, with `Engine::step`'s isolation: a failure or panic fails the
     /// step's requests, not the rank.
     fn run_plan(&mut self, plan: &StepPlan) {
-        let result = catch_unwind(AssertUnwindSafe(|| self.engine.run_plan(plan)));
-        let msg = match result {
-            Ok(Ok(_)) => return,
-            Ok(Err(msg)) => msg,
-            Err(panic) => {
-                let msg = panic_message(&panic);
-                tracing::error!(rank = self.comm.rank(), "engine step panicked: {msg}");
-                format!("internal error in engine step: {msg}")
-            }
-        };
+        let Err(panic) = catch_unwind(AssertUnwindSafe(|| self.engine.run_plan(plan))) else { return };
+        let msg = panic_message(&panic);
+        tracing::error!(rank = self.comm.rank(), "engine step panicked: {msg}");
+        let msg = format!("internal error in engine step: {msg}");
         for s in &plan.seqs {
             self.engine.fail_request(s.seq, &msg);
         }
@@ -235,7 +225,7 @@ impl<C: Communicator> LockstepRank<C> {
         let slots = vec![NO_SLOT; n];
         let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], want_hidden: false };
         let e = &mut self.engine;
-        let (model, kv, pool) = (&e.model, &mut e.kv_store, &e.pool);
+        let (model, kv, pool) = (&e.ctx.model, &mut e.compute.kv_store, &e.ctx.pool);
         match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(e.to_string()),

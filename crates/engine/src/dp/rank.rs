@@ -80,9 +80,10 @@ impl RankStats {
     }
 
     fn set_gauges(&self, engine: &Engine) {
-        self.running.store(engine.scheduler.num_running() as u64, Ordering::Relaxed);
-        self.waiting.store(engine.scheduler.num_waiting() as u64, Ordering::Relaxed);
-        self.kv_usage_bits.store((engine.kv.usage() as f32).to_bits(), Ordering::Relaxed);
+        let host = engine.host();
+        self.running.store(host.scheduler.num_running() as u64, Ordering::Relaxed);
+        self.waiting.store(host.scheduler.num_waiting() as u64, Ordering::Relaxed);
+        self.kv_usage_bits.store((host.kv.usage() as f32).to_bits(), Ordering::Relaxed);
     }
 }
 
@@ -105,7 +106,7 @@ impl Commands {
         match cmd {
             EngineCommand::Submit(req) => {
                 if self.shutdown_at.is_some() {
-                    engine.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+                    engine.host().counters.waiting.fetch_sub(1, Ordering::Relaxed);
                     let _ = req.events.send(RequestEvent::Failed { message: "the server is shutting down".into() });
                 } else {
                     engine.add_request(req);
@@ -124,7 +125,7 @@ impl Commands {
 
 /// Aborts requests whose client went away (as `Engine::step` does before scheduling).
 pub(crate) fn reap_disconnected(engine: &mut Engine) {
-    let gone: Vec<RequestId> = engine.seqs.values().filter(|s| s.events.is_closed()).map(|s| s.request).collect();
+    let gone: Vec<RequestId> = engine.host().seqs.values().filter(|s| s.events.is_closed()).map(|s| s.request).collect();
     for id in gone {
         tracing::debug!(request = %id, "client disconnected; aborting");
         engine.abort(id);

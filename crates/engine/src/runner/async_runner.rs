@@ -7,8 +7,7 @@
 use std::any::Any;
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use std::time::{Duration, Instant};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::thread::{self, JoinHandle};
 
 /// What can go wrong with an [`AsyncRunner`]; every message names the runner (its thread name).
@@ -140,35 +139,6 @@ impl<T: Send + 'static> AsyncRunner<T> {
         }
     }
 
-    /// Like `sync` for a job expected to end at about `expected_end`: waits in the channel until
-    /// shortly before then and polls from there on, so the caller is running (not waiting to be
-    /// woken by the OS) when the result arrives. Spends at most `spin` polling before falling back
-    /// to a blocking wait. Use it only where the caller's core would otherwise sit idle.
-    pub fn sync_near(&mut self, expected_end: Instant, spin: Duration) -> Result<T, AsyncRunnerError> {
-        self.check_running()?;
-        if self.pending.is_none() {
-            return Err(AsyncRunnerError::NothingSubmitted { name: self.name.clone() });
-        }
-        let wake = expected_end.checked_sub(spin / 2).unwrap_or(expected_end);
-        let now = Instant::now();
-        if now < wake {
-            match self.results.recv_timeout(wake - now) {
-                Ok(done) => return self.collect(done),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return Err(self.stop()),
-            }
-        }
-        let give_up = Instant::now() + spin;
-        loop {
-            match self.results.try_recv() {
-                Ok(done) => return self.collect(done),
-                Err(TryRecvError::Disconnected) => return Err(self.stop()),
-                Err(TryRecvError::Empty) if Instant::now() >= give_up => return self.sync(),
-                Err(TryRecvError::Empty) => std::thread::yield_now(),
-            }
-        }
-    }
-
     /// Like `sync` but never blocks: `Ok(None)` while the job is still running.
     pub fn try_sync(&mut self) -> Result<Option<T>, AsyncRunnerError> {
         self.check_running()?;
@@ -247,8 +217,8 @@ impl<T: Send + 'static> fmt::Debug for AsyncRunner<T> {
 
 /// The worker loop: runs jobs in order until the job channel closes or the runner is gone.
 fn work<T>(name: &str, jobs: Receiver<Message<T>>, results: Sender<Done<T>>) {
-    let mut pending: Option<Message<T>> = None;
-    while let Some(message) = pending.take().or_else(|| jobs.recv().ok()) {
+    batch_scheduling();
+    while let Ok(message) = jobs.recv() {
         let job = match message {
             Message::Run(job) => job,
             #[cfg(test)]
@@ -262,25 +232,25 @@ fn work<T>(name: &str, jobs: Receiver<Message<T>>, results: Sender<Done<T>>) {
         if results.send(Done { step: job.step, outcome }).is_err() {
             return; // the runner is gone; nobody will read another result
         }
-        // The next job usually follows within a fraction of a millisecond (async scheduling):
-        // poll briefly so it starts without waiting for the OS to wake this thread.
-        let until = Instant::now() + NEXT_JOB_SPIN;
-        while Instant::now() < until {
-            match jobs.try_recv() {
-                Ok(message) => {
-                    pending = Some(message);
-                    break;
-                }
-                Err(TryRecvError::Empty) => std::thread::yield_now(),
-                Err(TryRecvError::Disconnected) => return,
-            }
-        }
     }
 }
 
-/// How long the worker polls (yielding) for the next job after finishing one: long enough to
-/// cover the engine's apply/finalize/prepare even when its own wake-up was late.
-const NEXT_JOB_SPIN: Duration = Duration::from_millis(2);
+/// Puts the calling thread in Linux's SCHED_BATCH class: a thread woken by `submit` then never
+/// preempts the thread that woke it. Without it, waking the worker right before a forward pass
+/// often ran the worker on the engine thread's core first and delayed the forward pass by tens of
+/// microseconds (the gap async scheduling exists to remove). Best effort: elsewhere, or if the
+/// call is refused, the worker keeps the normal class.
+fn batch_scheduling() {
+    #[cfg(target_os = "linux")]
+    {
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: plain syscall on the calling thread (pid 0) with a valid, initialized parameter.
+        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+        if rc != 0 {
+            tracing::debug!("async runner: SCHED_BATCH refused: {}", std::io::Error::last_os_error());
+        }
+    }
+}
 
 /// Runs one job, turning a panic into `Failure::Panic` with the payload's text.
 fn run_job<T>(run: Box<dyn FnOnce() -> Result<T, String> + Send>) -> Result<T, Failure> {

@@ -1,10 +1,10 @@
 //! One step's compute job: the forward pass, sampling (or verification) of every sampled row, and
 //! the next step's draft proposals. Everything after the forward pass that the next forward pass
-//! depends on is here, and nothing else: detokenizing, stop strings and streaming stay on the
-//! engine thread. The job owns what it touches (the KV tensors, the sampler, the proposer, each
-//! sampled sequence's random stream, history and draft), so the engine runs it inline
-//! (synchronous scheduling) or on the [`AsyncRunner`](super::AsyncRunner) while it schedules the
-//! next step, with the same code and therefore the same tokens.
+//! depends on is here, and nothing else: detokenizing, stop strings and streaming are host work
+//! (`crate::host`). The job touches only the compute state (the KV tensors, the sampler, the
+//! proposer) and what its items carry (each sampled sequence's random stream, history and
+//! draft), so the engine thread runs it with the same code whether the host work of the
+//! neighbouring steps runs inline or on the async runner, and so produces the same tokens.
 
 use super::{execute, BatchInputs};
 use crate::api::{FinishReason, SamplingParams};
@@ -54,25 +54,10 @@ pub(crate) struct SampleItem {
     pub draft: Draft,
 }
 
-/// A test-only switch that makes one step's job fail (see `EngineConfig::fault_injection`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FaultKind {
-    Error,
-    Panic,
-}
-
-/// Fails the job of engine step `step` (steps count submitted jobs from 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FaultInjection {
-    pub step: u64,
-    pub kind: FaultKind,
-}
-
 pub(crate) struct StepJob {
     pub step: u64,
     pub inputs: BatchInputs,
     pub items: Vec<SampleItem>,
-    pub fault: Option<FaultKind>,
 }
 
 /// What one sampled sequence got this step.
@@ -85,6 +70,8 @@ pub(crate) struct SeqResult {
     pub rng: SeqRng,
     /// Drafts for the next step (empty if none).
     pub next_draft: Draft,
+    /// A token-level finish (stop token, length) among `tokens`: the sequence does not go on.
+    pub finished: bool,
 }
 
 impl SeqResult {
@@ -106,11 +93,6 @@ impl JobTimings {
     pub fn end(&self) -> Instant {
         self.forward_end + self.sample + self.propose
     }
-
-    /// How long the job's work took.
-    pub fn duration(&self) -> Duration {
-        self.end() - self.forward_start
-    }
 }
 
 pub(crate) struct JobOutput {
@@ -118,11 +100,14 @@ pub(crate) struct JobOutput {
     /// Every emitted token's logprobs (the batch's largest top-k, computed once), packed.
     pub logprobs: Option<PackedLogprobs>,
     pub timings: JobTimings,
+    /// The step's input and logits buffers, freed with the output: by the host job when async,
+    /// so not between two forward passes.
+    pub _spent: (BatchInputs, specula_model::ForwardOutput),
 }
 
-/// A finished job: the compute state always comes back, whatever happened to the step.
-pub(crate) struct JobDone {
-    pub state: ComputeState,
+/// A step's forward pass and sampling, done: its plan as it ran and what it produced.
+pub(crate) struct Computed {
+    pub plan: crate::scheduler::StepPlan,
     pub outcome: Result<JobOutput, String>,
 }
 
@@ -144,11 +129,12 @@ pub(crate) fn is_stop_token(params: &SamplingParams, tokenizer: &Tokenizer, id: 
     (!params.ignore_eos && tokenizer.is_eos(id)) || params.stop_token_ids.contains(&id)
 }
 
-/// Runs `job`, catching a panic anywhere in it so the compute state is never lost; the error
-/// names the step.
-pub(crate) fn run_job(ctx: &JobContext, mut state: ComputeState, job: StepJob) -> JobDone {
+/// Runs `job`, catching a panic anywhere in it; the error names the step. `while_forward` runs on
+/// this thread once the forward pass is under way (see `execute`); it does not run if the job
+/// fails before its forward pass starts.
+pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, String> {
     let step = job.step;
-    let outcome = match catch_unwind(AssertUnwindSafe(|| run_job_inner(ctx, &mut state, job))) {
+    match catch_unwind(AssertUnwindSafe(|| run_job_inner(ctx, state, job, while_forward))) {
         Ok(Ok(out)) => Ok(out),
         Ok(Err(msg)) => Err(format!("step {step} failed: {msg}")),
         Err(panic) => {
@@ -156,27 +142,21 @@ pub(crate) fn run_job(ctx: &JobContext, mut state: ComputeState, job: StepJob) -
             tracing::error!("step {step} panicked: {msg}");
             Err(format!("internal error: step {step} panicked: {msg}"))
         }
-    };
-    JobDone { state, outcome }
+    }
 }
 
-fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob) -> Result<JobOutput, String> {
-    match job.fault {
-        Some(FaultKind::Error) => return Err("injected fault (test switch)".into()),
-        Some(FaultKind::Panic) => panic!("injected panic (test switch)"),
-        None => {}
-    }
+fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, String> {
     let mut inputs = job.inputs;
     inputs.want_hidden = state.spec.as_ref().is_some_and(|sp| sp.proposer.needs_hidden());
     let forward_start = Instant::now();
-    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs).map_err(|e| e.to_string())?;
+    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, while_forward).map_err(|e| e.to_string())?;
     let forward_end = Instant::now();
     let mut items = job.items;
     let (results, logprobs) = sample(ctx, state, &mut items, &out.logits)?;
     let sample_end = Instant::now();
     let results = propose(ctx, state, items, results, &out.hidden)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
-    Ok(JobOutput { results, logprobs, timings })
+    Ok(JobOutput { results, logprobs, timings, _spent: (inputs, out) })
 }
 
 /// Per item: one sampled token, or with drafts the accepted prefix plus one token from the
@@ -220,7 +200,7 @@ fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], 
             }
         }
         it.tokens.extend_from_slice(&toks);
-        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, next_draft: Draft::default() });
+        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, next_draft: Draft::default(), finished: false });
     }
     let logprobs = match k_max {
         Some(_) if !lp_rows.is_empty() => {
@@ -246,6 +226,9 @@ fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, m
             !r.tokens.iter().enumerate().any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some())
         })
         .collect();
+    for (r, &c) in results.iter_mut().zip(&continuing) {
+        r.finished = !c;
+    }
     if let Some(sp) = state.spec.as_mut() {
         let decoding = continuing.iter().filter(|&&c| c).count();
         let k_limit = if sp.cfg.adaptive {

@@ -1,18 +1,23 @@
-//! Turns a step plan into model inputs and runs them: `prepare` builds the flat batch (token ids,
-//! positions via spans, slot mapping, block tables, logits rows) from the plan and the KV
-//! manager; `execute` runs the forward pass on the compute pool.
+//! Turns a step plan into model inputs and runs them: `prepare` + `finalize` build the flat batch
+//! (token ids, positions via spans, slot mapping, block tables, logits rows) from the plan, the
+//! KV manager and the step before's output; `execute` runs the forward pass on the compute pool;
+//! `job` is one step's compute (forward, sampling, proposals); `AsyncRunner` is the single worker
+//! the host work runs on with async scheduling.
 
 pub mod async_runner;
 pub mod job;
 mod prepare;
 
 pub use async_runner::{AsyncRunner, AsyncRunnerError};
-pub use prepare::{prepare, BatchInputs, RowRange};
+pub use prepare::{BatchInputs, RowRange};
+pub(crate) use prepare::{finalize, prepare, PreparedStep};
 
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
 
-/// Runs a prepared batch through the model on `pool`.
-pub fn execute(model: &LlamaModel, kv: &mut KvStore, pool: &rayon::ThreadPool, inputs: &BatchInputs) -> Result<ForwardOutput, ModelError> {
+/// Runs a prepared batch through the model on `pool`. `while_running` runs on the calling thread
+/// once the forward pass has been handed to the pool: async scheduling hands the host work to its
+/// worker there, so the cost of waking that thread is not paid between two forward passes.
+pub fn execute(model: &LlamaModel, kv: &mut KvStore, pool: &rayon::ThreadPool, inputs: &BatchInputs, while_running: impl FnOnce()) -> Result<ForwardOutput, ModelError> {
     let spans: Vec<SeqSpan> = inputs
         .spans
         .iter()
@@ -20,5 +25,11 @@ pub fn execute(model: &LlamaModel, kv: &mut KvStore, pool: &rayon::ThreadPool, i
         .map(|(r, t)| SeqSpan { q_start: r.q_start, q_len: r.q_len, context_len: r.context_len, block_table: t })
         .collect();
     let batch = ForwardBatch { tokens: &inputs.tokens, seqs: &spans, slots: &inputs.slots, logits_rows: &inputs.logits_rows, want_hidden: inputs.want_hidden };
-    pool.install(|| model.forward(&batch, kv))
+    let mut out = None;
+    // a panic in the forward pass comes out of the scope, after `while_running` has run
+    pool.in_place_scope(|s| {
+        s.spawn(|_| out = Some(model.forward(&batch, kv)));
+        while_running();
+    });
+    out.expect("the scope waits for the forward pass it spawned")
 }

@@ -1,11 +1,23 @@
-//! Building one step's flat batch. Pure function of the plan, the sequences' tokens and the KV
-//! manager's block tables, so it can run off the engine thread (async scheduling).
+//! Building one step's flat batch, in two parts so that the first can run ahead of the step
+//! before it (async scheduling):
+//! - [`prepare`] captures what the scheduler decided, from the host state: each sequence's block
+//!   table (KV reserved for the worst case), the input tokens already known, and each sampled
+//!   sequence's sampling state;
+//! - [`finalize`] settles what only the step before can tell — for a decode scheduled ahead, the
+//!   token that step sampled, how many of its drafts were accepted (so where this step starts) and
+//!   the drafts proposed for it — drops the sequences that ended, and assembles the flat token ids,
+//!   slot mapping, spans and logits rows. It reads only the prepared step and the step before's
+//!   output, so the engine thread runs it between two forward passes in microseconds.
+//!
+//! Synchronously the two run back to back with nothing to settle.
 
-use crate::kv_cache::{KvCacheError, KvCacheManager};
+use super::job::{Computed, SampleItem, StepJob};
 use crate::scheduler::StepPlan;
 use crate::sequence::Sequence;
+use crate::spec::Draft;
 use crate::types::{SeqId, TokenId};
-use std::collections::BTreeMap;
+use crate::kv_cache::KvCacheManager;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A sequence's rows in the flattened batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,24 +47,262 @@ pub struct BatchInputs {
     pub want_hidden: bool,
 }
 
-pub fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<BatchInputs, KvCacheError> {
-    let mut b = BatchInputs::default();
+/// One scheduled sequence, prepared.
+pub(crate) struct PreparedSeq {
+    block_table: Vec<u32>,
+    /// Its input tokens; empty for a decode scheduled ahead (the step before samples them).
+    tokens: Vec<TokenId>,
+    /// Its sampling state, when the step samples it (history and random stream as the host knows
+    /// them: a decode scheduled ahead is missing the step before's tokens until `finalize`).
+    item: Option<SampleItem>,
+}
+
+/// A step scheduled and prepared, waiting to be finalized and run.
+pub(crate) struct PreparedStep {
+    /// The step's number (from 1, in the order steps are prepared).
+    pub step: u64,
+    pub plan: StepPlan,
+    pub seqs: Vec<PreparedSeq>,
+}
+
+/// Captures `plan`'s inputs from the host state (see the module docs).
+pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<Vec<PreparedSeq>, String> {
+    let bs = kv.block_size();
+    let mut out = Vec::with_capacity(plan.seqs.len());
     for sch in &plan.seqs {
-        let s = &seqs[&sch.seq];
-        let q_start = b.tokens.len();
-        let known = s.tokens.len();
-        for pos in sch.start..sch.start + sch.num_tokens {
-            b.tokens.push(if pos < known { s.tokens[pos] } else { s.draft.tokens[pos - known] });
+        let s = seqs.get(&sch.seq).ok_or_else(|| format!("sequence {} vanished before its step", sch.seq))?;
+        let block_table: Vec<u32> = kv.block_table(sch.seq).map_err(|e| e.to_string())?.iter().map(|b| b.0).collect();
+        let end = sch.start + sch.num_tokens;
+        if end > block_table.len() * bs {
+            return Err(format!("sequence {}: positions up to {end} have no KV slots ({} reserved)", sch.seq, block_table.len() * bs));
         }
-        kv.extend_slot_mapping(sch.seq, sch.start, sch.num_tokens, &mut b.slots)?;
-        b.spans.push(RowRange { q_start, q_len: sch.num_tokens, context_len: sch.start + sch.num_tokens });
-        b.block_tables.push(kv.block_table(sch.seq)?.iter().map(|x| x.0).collect());
-        if sch.sample {
+        let tokens = if sch.provisional {
+            Vec::new()
+        } else {
+            let known = s.tokens.len();
+            (sch.start..end)
+                .map(|pos| if pos < known { s.tokens.get(pos) } else { s.draft.tokens.get(pos - known) }.copied())
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| format!("sequence {}: step tokens {}..{end} are not known", sch.seq, sch.start))?
+        };
+        let item = sch.sample.then(|| SampleItem {
+            seq: sch.seq,
+            first_row: 0,
+            rows: 0,
+            start: sch.start,
+            num_tokens: sch.num_tokens,
+            params: s.params.clone(),
+            tokens: history_with_room(&s.tokens),
+            prompt_len: s.prompt_len,
+            rng: s.rng.clone(),
+            draft: if sch.provisional { Draft::default() } else { s.draft.clone() },
+        });
+        out.push(PreparedSeq { block_table, tokens, item });
+    }
+    Ok(out)
+}
+
+/// A copy of a sequence's tokens with room for two steps' worth more (this step's tokens and the
+/// ones the step before adds in `finalize`): growing the copy there would copy the whole history
+/// between two forward passes, from another core's cache.
+fn history_with_room(tokens: &[TokenId]) -> Vec<TokenId> {
+    let mut v = Vec::with_capacity(tokens.len() + HISTORY_ROOM);
+    v.extend_from_slice(tokens);
+    v
+}
+
+const HISTORY_ROOM: usize = 64;
+
+/// Settles a prepared step from the output of the step before it (`before`, if it has not been
+/// applied to the host state yet) and assembles its batch. `alive` says whether a sequence still
+/// runs (not finished, aborted or failed since the step was prepared). Returns the plan as it will
+/// run (every entry final) and its compute job; the plan may be empty.
+pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl Fn(SeqId) -> bool, block_size: usize) -> (StepPlan, StepJob) {
+    let results: BTreeMap<SeqId, &super::job::SeqResult> = match before.map(|c| &c.outcome) {
+        Some(Ok(out)) => out.results.iter().map(|(id, r)| (*id, r)).collect(),
+        _ => BTreeMap::new(),
+    };
+    // a failed step's sequences are failed when it is applied: nothing of theirs runs
+    let failed: BTreeSet<SeqId> = match before {
+        Some(c) if c.outcome.is_err() => c.plan.seqs.iter().map(|s| s.seq).collect(),
+        _ => BTreeSet::new(),
+    };
+    let PreparedStep { step, plan, seqs } = p;
+    let n_seqs = plan.seqs.len();
+    let mut kept = StepPlan { seqs: Vec::with_capacity(n_seqs), preempted: plan.preempted, newly_admitted: plan.newly_admitted, ..Default::default() };
+    let mut inputs = BatchInputs {
+        tokens: Vec::with_capacity(plan.total_tokens),
+        slots: Vec::with_capacity(plan.total_tokens),
+        spans: Vec::with_capacity(n_seqs),
+        block_tables: Vec::with_capacity(n_seqs),
+        logits_rows: Vec::with_capacity(plan.total_tokens),
+        sample_rows: Vec::with_capacity(n_seqs),
+        want_hidden: false,
+    };
+    let mut items = Vec::with_capacity(n_seqs);
+    for (mut sch, mut ps) in plan.seqs.into_iter().zip(seqs) {
+        if !alive(sch.seq) || failed.contains(&sch.seq) {
+            continue;
+        }
+        if sch.provisional {
+            // the step before sampled this sequence: no result means it did not run it after all
+            let Some(r) = results.get(&sch.seq) else { continue };
+            if r.finished {
+                continue;
+            }
+            let Some(&last) = r.tokens.last() else { continue };
+            // `start` assumed every draft of the step before accepted
+            let rejected = r.num_drafts - r.num_accepted();
+            let draft = if 1 + r.next_draft.tokens.len() <= sch.num_tokens { r.next_draft.clone() } else { Draft::default() };
+            sch.start -= rejected;
+            sch.num_drafts = draft.tokens.len();
+            sch.num_tokens = 1 + sch.num_drafts;
+            sch.provisional = false;
+            ps.tokens.clear();
+            ps.tokens.push(last);
+            ps.tokens.extend_from_slice(&draft.tokens);
+            if let Some(it) = ps.item.as_mut() {
+                it.tokens.extend_from_slice(&r.tokens);
+                it.rng = r.rng.clone();
+                it.start = sch.start;
+                it.num_tokens = sch.num_tokens;
+                it.draft = draft;
+            }
+        }
+        let q_start = inputs.tokens.len();
+        let n = sch.num_tokens;
+        inputs.tokens.extend_from_slice(&ps.tokens);
+        inputs.slots.extend((sch.start..sch.start + n).map(|pos| ps.block_table[pos / block_size] as usize * block_size + pos % block_size));
+        inputs.spans.push(RowRange { q_start, q_len: n, context_len: sch.start + n });
+        inputs.block_tables.push(ps.block_table);
+        if let (true, Some(mut it)) = (sch.sample, ps.item) {
             let rows = 1 + sch.num_drafts;
-            let first = q_start + sch.num_tokens - rows;
-            b.sample_rows.push((sch.seq, b.logits_rows.len(), rows));
-            b.logits_rows.extend(first..first + rows);
+            let first = q_start + n - rows;
+            it.first_row = inputs.logits_rows.len();
+            it.rows = rows;
+            inputs.sample_rows.push((sch.seq, inputs.logits_rows.len(), rows));
+            inputs.logits_rows.extend(first..first + rows);
+            items.push(it);
+        }
+        kept.total_tokens += n;
+        kept.seqs.push(sch);
+    }
+    (kept, StepJob { step, inputs, items })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::SamplingParams;
+    use crate::runner::job::{JobOutput, JobTimings, SeqResult};
+    use crate::sampling::SeqRng;
+    use crate::scheduler::ScheduledSeq;
+    use std::time::{Duration, Instant};
+
+    const BS: usize = 4;
+
+    fn item(seq: SeqId, start: usize, num_tokens: usize, history: &[TokenId]) -> SampleItem {
+        SampleItem {
+            seq,
+            first_row: 0,
+            rows: 0,
+            start,
+            num_tokens,
+            params: SamplingParams::greedy(100),
+            tokens: history.to_vec(),
+            prompt_len: 2,
+            rng: SeqRng::new(Some(1), 0),
+            draft: Draft::default(),
         }
     }
-    Ok(b)
+
+    /// A decode of `1 + k` tokens scheduled ahead: `start` assumes the step before accepted all.
+    fn ahead(seq: u64, start: usize, k: usize, table: Vec<u32>, history: &[TokenId]) -> (ScheduledSeq, PreparedSeq) {
+        let id = SeqId(seq);
+        let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, provisional: true };
+        (sch, PreparedSeq { block_table: table, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)) })
+    }
+
+    fn result(tokens: Vec<TokenId>, num_drafts: usize, next_draft: Vec<TokenId>, finished: bool, seed: u64) -> SeqResult {
+        SeqResult { tokens, num_drafts, lp_first: None, rng: SeqRng::new(Some(seed), 0), next_draft: Draft { tokens: next_draft, probs: None }, finished }
+    }
+
+    fn computed(plan_seqs: &[u64], results: Vec<(u64, SeqResult)>) -> Computed {
+        let plan = StepPlan {
+            seqs: plan_seqs.iter().map(|&s| ScheduledSeq { seq: SeqId(s), start: 0, num_tokens: 1, num_drafts: 0, sample: true, provisional: false }).collect(),
+            total_tokens: plan_seqs.len(),
+            ..Default::default()
+        };
+        let now = Instant::now();
+        let out = JobOutput {
+            results: results.into_iter().map(|(s, r)| (SeqId(s), r)).collect(),
+            logprobs: None,
+            timings: JobTimings { forward_start: now, forward_end: now, sample: Duration::ZERO, propose: Duration::ZERO },
+            _spent: (BatchInputs::default(), specula_model::ForwardOutput { logits: vec![], hidden: vec![] }),
+        };
+        Computed { plan, outcome: Ok(out) }
+    }
+
+    /// Settling a step scheduled ahead from the step before's output: a sequence whose drafts
+    /// were partly rejected starts where the accepted ones end and verifies the drafts proposed
+    /// for it; one that finished, one that was aborted and one the step before did not sample
+    /// are dropped; a prefill chunk is kept as prepared. The batch is built from what is left.
+    #[test]
+    fn finalize_settles_decodes_scheduled_ahead_and_drops_what_ended() {
+        // seq 1: 6 tokens computed, the step before verified 3 drafts (positions 6..10 → start 10
+        // assumed), accepted 1 and sampled 1: tokens 50, 51 → it starts at 8 with draft [60, 61].
+        let (s1, p1) = ahead(1, 10, 3, vec![7, 3, 9, 4], &[1, 2, 3, 4, 5, 6, 40]);
+        // seq 2 finished in the step before (length), seq 3 was aborted since, seq 4 has no result
+        let (s2, p2) = ahead(2, 5, 3, vec![11, 12], &[1, 2, 3, 4, 5]);
+        let (s3, p3) = ahead(3, 5, 3, vec![13, 14], &[1, 2, 3, 4, 5]);
+        let (s4, p4) = ahead(4, 5, 3, vec![15, 16], &[1, 2, 3, 4, 5]);
+        // seq 5: a prefill chunk of 3 known tokens, not sampled
+        let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, provisional: false };
+        let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None };
+        let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
+        let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5] };
+        let before = computed(&[1, 2, 3], vec![(1, result(vec![50, 51], 3, vec![60, 61], false, 9)), (2, result(vec![70], 0, vec![], true, 9)), (3, result(vec![71], 0, vec![], false, 9))]);
+
+        let (plan, job) = finalize(prepared, Some(&before), |id| id != SeqId(3), BS);
+
+        assert_eq!(job.step, 7);
+        let ids: Vec<u64> = plan.seqs.iter().map(|s| s.seq.0).collect();
+        assert_eq!(ids, vec![1, 5]);
+        assert_eq!(plan.seqs[0], ScheduledSeq { seq: SeqId(1), start: 8, num_tokens: 3, num_drafts: 2, sample: true, provisional: false });
+        assert_eq!(plan.total_tokens, 6);
+        let b = &job.inputs;
+        assert_eq!(b.tokens, vec![51, 60, 61, 90, 91, 92]);
+        // positions 8, 9, 10 of seq 1: block 2 of its table (id 9), offsets 0..3; seq 5: 4..7
+        assert_eq!(b.slots, vec![9 * BS, 9 * BS + 1, 9 * BS + 2, 21 * BS, 21 * BS + 1, 21 * BS + 2]);
+        assert_eq!(b.spans, vec![RowRange { q_start: 0, q_len: 3, context_len: 11 }, RowRange { q_start: 3, q_len: 3, context_len: 7 }]);
+        assert_eq!(b.logits_rows, vec![0, 1, 2]);
+        assert_eq!(b.sample_rows, vec![(SeqId(1), 0, 3)]);
+        assert_eq!(b.block_tables, vec![vec![7, 3, 9, 4], vec![20, 21]]);
+        let it = &job.items[0];
+        assert_eq!((it.first_row, it.rows, it.start, it.num_tokens), (0, 3, 8, 3));
+        assert_eq!(it.tokens, vec![1, 2, 3, 4, 5, 6, 40, 50, 51]);
+        assert_eq!(it.draft.tokens, vec![60, 61]);
+        // the random stream continues from the step before's
+        let (mut a, mut b) = (it.rng.clone(), SeqRng::new(Some(9), 0));
+        assert_eq!(a.uniform(), b.uniform());
+    }
+
+    /// Drafts that do not fit the reservation are dropped (a plain decode), and a failed step
+    /// before takes its sequences out of this one.
+    #[test]
+    fn finalize_drops_oversized_drafts_and_the_sequences_of_a_failed_step() {
+        let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
+        let prepared = PreparedStep { step: 1, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
+        let before = computed(&[1], vec![(1, result(vec![8], 0, vec![60, 61, 62], false, 3))]);
+        let (plan, job) = finalize(prepared, Some(&before), |_| true, BS);
+        assert_eq!((plan.seqs[0].start, plan.seqs[0].num_tokens, plan.seqs[0].num_drafts), (4, 1, 0));
+        assert_eq!(job.inputs.tokens, vec![8]);
+        assert!(job.items[0].draft.tokens.is_empty());
+
+        let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
+        let prepared = PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
+        let failed = Computed { plan: before.plan.clone(), outcome: Err("boom".into()) };
+        let (plan, job) = finalize(prepared, Some(&failed), |_| true, BS);
+        assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());
+    }
 }

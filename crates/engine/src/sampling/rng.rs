@@ -8,6 +8,7 @@ use rand_chacha::ChaCha12Rng;
 
 /// A sequence's random stream. Draw exactly one [`SeqRng::uniform`] per sampled token (the
 /// sampler does) and the stream's position depends only on the sequence's own history.
+#[derive(Clone)]
 pub struct SeqRng {
     inner: ChaCha12Rng,
 }

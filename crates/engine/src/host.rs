@@ -1,0 +1,443 @@
+//! The engine's host side: the requests and their sequences, the scheduler and the KV block
+//! manager, and the work done on them around a forward pass — apply a computed step's tokens and
+//! stream them (update), schedule the next step, and prepare its inputs.
+//!
+//! With async scheduling a [`Host`] moves, whole, into the job that runs on the
+//! [`AsyncRunner`](crate::runner::AsyncRunner) while the engine thread runs the forward pass, and
+//! comes back with the next step prepared ([`Host::work`]); nothing else is shared. Synchronously,
+//! the engine calls the same methods inline.
+
+use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
+use crate::config::EngineConfig;
+use crate::engine::{EngineError, StepTimings};
+use crate::handle::QueueCounters;
+use crate::kv_cache::KvCacheManager;
+use crate::runner::job::{is_stop_token, panic_message, token_finish, Computed, JobOutput};
+use crate::runner::{prepare, PreparedStep};
+use crate::sampling::{unpack, RankedLogprob, StopCheck};
+use crate::scheduler::{InFlight, Scheduler, StepPlan};
+use crate::sequence::Sequence;
+use crate::spec::Draft;
+use crate::types::{RequestId, SeqId, TokenId};
+use specula_model::Tokenizer;
+use std::collections::{BTreeMap, BTreeSet};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A test-only switch that makes preparing one step fail (see `EngineConfig::fault_injection`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    Error,
+    Panic,
+}
+
+/// Fails the preparation of engine step `step` (steps are numbered from 1 as they are prepared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaultInjection {
+    pub step: u64,
+    pub kind: FaultKind,
+}
+
+/// What a host job hands back: the host, and the next step prepared (none if nothing is to run,
+/// or if preparing it failed, in which case its requests have been failed).
+pub(crate) struct HostDone {
+    pub host: Host,
+    pub prepared: Option<PreparedStep>,
+    pub work: HostWork,
+}
+
+/// Where a host job's time went, and what it streamed.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct HostWork {
+    pub schedule: Duration,
+    pub prepare: Duration,
+    pub update: Duration,
+    pub emitted: usize,
+}
+
+/// One sequence's tokens applied by a step, to be streamed.
+struct AppliedSeq {
+    seq: SeqId,
+    /// Index in `tokens` of the first token this step appended, and how many it appended.
+    first: usize,
+    count: usize,
+    lp_first: Option<usize>,
+    /// A finish decided from tokens alone (stop token, length); stop strings are found when streaming.
+    finish: Option<FinishReason>,
+}
+
+/// A step's tokens, applied to the sequences and waiting to be streamed.
+#[derive(Default)]
+struct Applied {
+    seqs: Vec<AppliedSeq>,
+    lp_rows: Vec<RankedLogprob>,
+}
+
+pub(crate) struct Host {
+    pub cfg: EngineConfig,
+    pub tokenizer: Arc<Tokenizer>,
+    pub kv: KvCacheManager,
+    pub scheduler: Scheduler,
+    pub seqs: BTreeMap<SeqId, Sequence>,
+    pub by_request: BTreeMap<RequestId, SeqId>,
+    pub counters: Arc<QueueCounters>,
+    vocab_size: usize,
+    next_seq: u64,
+    /// Steps prepared so far (the next one prepared is number `steps + 1`).
+    steps: u64,
+    /// Sequences removed since the engine last asked: the proposer forgets them.
+    removed: Vec<SeqId>,
+}
+
+impl Host {
+    pub fn new(cfg: EngineConfig, tokenizer: Arc<Tokenizer>, counters: Arc<QueueCounters>, vocab_size: usize) -> Result<Self, EngineError> {
+        let kv = KvCacheManager::new(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching).map_err(|e| EngineError::Config(e.to_string()))?;
+        Ok(Self {
+            scheduler: Scheduler::new(cfg.clone()),
+            cfg,
+            tokenizer,
+            kv,
+            seqs: BTreeMap::new(),
+            by_request: BTreeMap::new(),
+            counters,
+            vocab_size,
+            next_seq: 1,
+            steps: 0,
+            removed: Vec::new(),
+        })
+    }
+
+    /// Sequences removed since the last call.
+    pub fn take_removed(&mut self) -> Vec<SeqId> {
+        std::mem::take(&mut self.removed)
+    }
+
+    /// Accepts a request, or fails it at once with a clear message.
+    pub fn add_request(&mut self, req: GenerateRequest) {
+        let n = req.prompt.len();
+        let problem = if n == 0 {
+            Some("the prompt is empty".to_string())
+        } else if n >= self.cfg.max_model_len {
+            Some(format!("prompt has {n} tokens but --max-model-len is {} (room is needed for at least one generated token)", self.cfg.max_model_len))
+        } else if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            Some(format!("token id {t} is outside the vocabulary of {} tokens", self.vocab_size))
+        } else {
+            req.params.validate(usize::MAX).err().map(|e| e.message)
+        };
+        if let Some(message) = problem {
+            self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+            let _ = req.events.send(RequestEvent::Failed { message });
+            return;
+        }
+        let id = SeqId(self.next_seq);
+        self.next_seq += 1;
+        self.by_request.insert(req.id, id);
+        self.seqs.insert(id, Sequence::new(id, req.id, req.prompt, req.params, req.events));
+        self.scheduler.add(id);
+    }
+
+    /// Cancels a request wherever it is; its blocks go back at once. A step computing it (async)
+    /// has its result dropped when applied.
+    pub fn abort(&mut self, id: RequestId) {
+        if let Some(&seq) = self.by_request.get(&id) {
+            self.finish(seq, FinishReason::Abort);
+        }
+    }
+
+    /// Fails every live request with `message` (shutdown, fatal errors).
+    pub fn fail_all(&mut self, message: &str) {
+        let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+        for id in ids {
+            self.fail(id, message);
+        }
+    }
+
+    pub fn fail_plan(&mut self, plan: &StepPlan, msg: &str) {
+        for s in &plan.seqs {
+            self.fail(s.seq, msg);
+        }
+    }
+
+    pub fn fail(&mut self, id: SeqId, message: &str) {
+        if let Some(s) = self.remove(id) {
+            s.send(RequestEvent::Failed { message: message.to_string() });
+        }
+    }
+
+    fn finish(&mut self, id: SeqId, reason: FinishReason) {
+        if let Some(s) = self.remove(id) {
+            // flush text held back for a possible stop string that never came
+            if s.text_sent < s.text.len() {
+                s.send_delta(vec![], s.text[s.text_sent..].to_string(), vec![]);
+            }
+            s.send(RequestEvent::Finished { reason, prompt_tokens: s.prompt_len, completion_tokens: s.output_len() });
+        }
+    }
+
+    /// Removes a sequence from every structure and returns its blocks to the pool.
+    fn remove(&mut self, id: SeqId) -> Option<Sequence> {
+        let s = self.seqs.remove(&id)?;
+        self.removed.push(id);
+        self.by_request.remove(&s.request);
+        self.scheduler.remove(id);
+        let _ = self.kv.free(id);
+        if !s.admitted {
+            self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        Some(s)
+    }
+
+    /// Aborts sequences whose client has gone away, freeing their blocks before the next schedule.
+    pub fn reap_disconnected(&mut self) {
+        let gone: Vec<SeqId> = self.seqs.values().filter(|s| s.events.is_closed()).map(|s| s.id).collect();
+        for id in gone {
+            tracing::debug!(seq = %id, "client disconnected; aborting");
+            self.finish(id, FinishReason::Abort);
+        }
+    }
+
+    /// Schedules the next step, ahead of `running` (the step computing now) if any.
+    pub fn schedule(&mut self, running: Option<&StepPlan>, spec_k: usize) -> StepPlan {
+        if !self.scheduler.has_work() {
+            return StepPlan::default();
+        }
+        let _s = tracing::trace_span!("schedule").entered();
+        let plan = match running {
+            None => self.scheduler.schedule(&mut self.seqs, &mut self.kv),
+            Some(running) => {
+                let flight: BTreeMap<SeqId, InFlight> = running.seqs.iter().map(|s| (s.seq, InFlight { end: s.start + s.num_tokens, sample: s.sample })).collect();
+                self.scheduler.schedule_ahead(&mut self.seqs, &mut self.kv, &flight, spec_k)
+            }
+        };
+        self.counters.waiting.fetch_sub(plan.newly_admitted.len(), Ordering::Relaxed);
+        plan
+    }
+
+    /// Prepares a scheduled step: block tables, known input tokens, each sampled sequence's
+    /// sampling state. A failure (or the test switch) fails the step's requests and prepares nothing.
+    pub fn prepare(&mut self, plan: StepPlan) -> Option<PreparedStep> {
+        if plan.is_empty() {
+            return None;
+        }
+        let _s = tracing::trace_span!("prepare").entered();
+        self.steps += 1;
+        let step = self.steps;
+        let fault = self.cfg.fault_injection.filter(|f| f.step == step).map(|f| f.kind);
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            match fault {
+                Some(FaultKind::Error) => return Err("injected fault (test switch)".to_string()),
+                Some(FaultKind::Panic) => panic!("injected panic (test switch)"),
+                None => {}
+            }
+            prepare(&plan, &self.seqs, &self.kv)
+        }));
+        let msg = match result {
+            Ok(Ok(seqs)) => return Some(PreparedStep { step, plan, seqs }),
+            Ok(Err(e)) => format!("step {step} failed: {e}"),
+            Err(panic) => {
+                let m = panic_message(&panic);
+                tracing::error!("preparing step {step} panicked: {m}");
+                format!("internal error: step {step} panicked: {m}")
+            }
+        };
+        self.fail_plan(&plan, &msg);
+        None
+    }
+
+    /// Applies and streams a computed step. `next` is the step already running after it (async):
+    /// its sequences keep the KV it writes, and the blocks reserved for its decodes beyond what
+    /// they compute go back to the pool. Returns the tokens streamed.
+    pub fn complete(&mut self, done: Computed, next: Option<&StepPlan>) -> usize {
+        let emitted = match done.outcome {
+            Ok(out) => match catch_unwind(AssertUnwindSafe(|| self.apply(&done.plan, out, next))) {
+                Ok(Ok(applied)) => self.emit(applied),
+                Ok(Err(msg)) => {
+                    self.fail_plan(&done.plan, &msg);
+                    0
+                }
+                Err(p) => {
+                    self.fail_plan(&done.plan, &format!("internal error in engine step: {}", panic_message(&p)));
+                    0
+                }
+            },
+            Err(msg) => {
+                self.fail_plan(&done.plan, &msg);
+                0
+            }
+        };
+        if let Some(next) = next {
+            for sch in &next.seqs {
+                if self.seqs.contains_key(&sch.seq) {
+                    let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
+                }
+            }
+        }
+        emitted
+    }
+
+    /// The host job of an async step (see the module docs): update for the step before, schedule
+    /// and prepare the step after the one computing now.
+    pub fn work(mut self, job_done: Option<Computed>, running: Option<&StepPlan>, spec_k: usize, record: Option<StepTimings>) -> HostDone {
+        if let Some(t) = record {
+            record_timings(&t);
+        }
+        let mut work = HostWork::default();
+        let t = Instant::now();
+        if let Some(done) = job_done {
+            work.emitted = self.complete(done, running);
+        }
+        self.reap_disconnected();
+        work.update = t.elapsed();
+        let t = Instant::now();
+        let plan = self.schedule(running, spec_k);
+        work.schedule = t.elapsed();
+        let t = Instant::now();
+        let prepared = self.prepare(plan);
+        work.prepare = t.elapsed();
+        self.export_gauges();
+        HostDone { host: self, prepared, work }
+    }
+
+    /// Applies a step's output to its sequences: KV bookkeeping (computed tokens, rejected draft
+    /// slots, prefix-cache commits), random streams, the emitted tokens up to a token-level finish,
+    /// and the drafts for the next step. `next` is the step already running after this one
+    /// (async): its sequences keep their reserved slots and its preemptions own their KV state.
+    fn apply(&mut self, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, String> {
+        let lp_rows = match &out.logprobs {
+            Some(p) => unpack(p.words()).map_err(|e| format!("logprobs transfer: {e}"))?.rows,
+            None => Vec::new(),
+        };
+        let mut results: BTreeMap<SeqId, _> = out.results.into_iter().collect();
+        let in_next: BTreeSet<SeqId> = next.map(|p| p.seqs.iter().map(|s| s.seq).collect()).unwrap_or_default();
+        let preempted: &[SeqId] = next.map_or(&[], |p| &p.preempted);
+        let mut applied = Applied { seqs: Vec::new(), lp_rows };
+        for sch in &plan.seqs {
+            let Some(s) = self.seqs.get_mut(&sch.seq) else { continue };
+            let result = results.remove(&sch.seq);
+            // preempted while this step ran: its KV is gone and it recomputes from its tokens
+            let kv_live = !preempted.contains(&sch.seq);
+            let rejected = result.as_ref().map_or(0, |r| r.num_drafts - r.num_accepted());
+            if kv_live {
+                s.num_computed = sch.start + sch.num_tokens - rejected;
+                if rejected > 0 && !in_next.contains(&sch.seq) {
+                    let _ = self.kv.truncate(sch.seq, s.num_computed);
+                }
+            }
+            let Some(r) = result else {
+                if kv_live {
+                    let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed]);
+                }
+                continue;
+            };
+            s.rng = r.rng;
+            let first = s.tokens.len();
+            let mut finish = None;
+            for &tok in &r.tokens {
+                s.tokens.push(tok);
+                finish = token_finish(&s.params, &self.tokenizer, tok, s.output_len(), s.tokens.len(), self.cfg.max_model_len);
+                if finish.is_some() {
+                    break;
+                }
+            }
+            s.draft = if finish.is_none() && kv_live { r.next_draft } else { Draft::default() };
+            if kv_live {
+                // accepted draft tokens are now known tokens with computed KV
+                let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed.min(s.tokens.len())]);
+            }
+            applied.seqs.push(AppliedSeq { seq: sch.seq, first, count: s.tokens.len() - first, lp_first: r.lp_first, finish });
+        }
+        Ok(applied)
+    }
+
+    /// Streams applied tokens: detokenizes, applies stop strings, sends deltas with logprobs, and
+    /// finishes what is done. Returns the number of tokens emitted.
+    fn emit(&mut self, applied: Applied) -> usize {
+        let _s = tracing::trace_span!("update").entered();
+        let mut emitted = 0;
+        let mut finished = Vec::new();
+        for a in &applied.seqs {
+            let Some(s) = self.seqs.get_mut(&a.seq) else { continue };
+            let mut stopped = false;
+            for j in 0..a.count {
+                let tok = s.tokens[a.first + j];
+                let lp = match (a.lp_first, s.params.logprobs) {
+                    (Some(first), Some(k)) => applied.lp_rows.get(first + j).map(|r| {
+                        let mut l = r.logprob.clone();
+                        l.top.truncate(k);
+                        l
+                    }),
+                    _ => None,
+                };
+                emitted += 1;
+                if stream_token(s, &self.tokenizer, tok, lp) {
+                    // a stop string ended the text: the step's later tokens are not output
+                    s.tokens.truncate(a.first + j + 1);
+                    stopped = true;
+                    break;
+                }
+            }
+            if stopped {
+                finished.push((a.seq, FinishReason::Stop));
+            } else if let Some(reason) = a.finish {
+                finished.push((a.seq, reason));
+            }
+        }
+        for (id, reason) in finished {
+            self.finish(id, reason);
+        }
+        emitted
+    }
+
+    pub fn export_gauges(&self) {
+        if !self.cfg.publish_gauges {
+            return;
+        }
+        metrics::gauge!("specula:num_requests_running").set(self.scheduler.num_running() as f64);
+        metrics::gauge!("specula:num_requests_waiting").set(self.scheduler.num_waiting() as f64);
+        metrics::gauge!("specula:kv_cache_usage_perc").set(self.kv.usage() as f64);
+        let p = self.kv.prefix_cache_stats();
+        metrics::gauge!("specula:prefix_cache_queries").set(p.queried_tokens as f64);
+        metrics::gauge!("specula:prefix_cache_hits").set(p.hit_tokens as f64);
+    }
+}
+
+/// Streams one token already appended to `s.tokens`: a stop token goes out without text;
+/// otherwise it is detokenized and checked against the stop strings, and the text that can no
+/// longer be part of a stop string is released. Returns whether a stop string ended the text.
+fn stream_token(s: &mut Sequence, tok: &Tokenizer, id: TokenId, lp: Option<TokenLogprob>) -> bool {
+    let logprobs: Vec<TokenLogprob> = lp.into_iter().collect();
+    if is_stop_token(&s.params, tok, id) {
+        s.send_delta(vec![id], String::new(), logprobs);
+        return false;
+    }
+    let piece = s.decode.step(tok, id).unwrap_or_default();
+    let new_len = piece.len();
+    s.text.push_str(&piece);
+    let (release, stopped) = match s.stops.check(&s.text, new_len) {
+        StopCheck::Stopped { end } => {
+            s.text.truncate(end);
+            (end, true)
+        }
+        StopCheck::Running { releasable } => (releasable, false),
+    };
+    let text = if release > s.text_sent { s.text[s.text_sent..release].to_string() } else { String::new() };
+    s.text_sent = s.text_sent.max(release);
+    s.send_delta(vec![id], text, logprobs);
+    stopped
+}
+
+/// Per-phase step times and the compute gaps, as Prometheus histograms.
+pub(crate) fn record_timings(t: &StepTimings) {
+    let phases = [("schedule", t.schedule), ("prepare", t.prepare), ("finalize", t.finalize), ("forward", t.forward), ("sample", t.sample), ("propose", t.propose), ("update", t.update)];
+    for (phase, d) in phases {
+        metrics::histogram!("specula:step_phase_seconds", "phase" => phase).record(d.as_secs_f64());
+    }
+    if let Some(g) = t.gap {
+        metrics::histogram!("specula:forward_gap_seconds").record(g.as_secs_f64());
+    }
+    if let Some(g) = t.host_gap {
+        metrics::histogram!("specula:compute_idle_gap_seconds").record(g.as_secs_f64());
+    }
+}
