@@ -47,6 +47,10 @@ pub struct OfflineArgs {
     pub async_max_tokens: usize,
     #[arg(long, default_value_t = 3)]
     pub async_k: usize,
+    /// Interleaved sync/async pairs per thread count (machine drift hits both modes alike; the
+    /// summary gives the mean of the pairwise ratios).
+    #[arg(long, default_value_t = 1)]
+    pub async_repeat: usize,
 }
 
 struct Row {
@@ -59,7 +63,7 @@ struct Row {
 pub fn run(args: OfflineArgs) -> Result<()> {
     let path = crate::fetch::resolve_model(&args.model)?;
     if args.async_compare {
-        let rows = crate::offline_async::run(&path, &args.threads, args.async_batch, args.async_max_tokens, args.async_k)?;
+        let rows = crate::offline_async::run(&path, &args.threads, args.async_batch, args.async_max_tokens, args.async_k, args.async_repeat.max(1))?;
         if let Some(p) = args.output_json {
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
             let j: Vec<_> = rows
@@ -67,7 +71,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
                 .map(|r| {
                     let m = &r.mean;
                     serde_json::json!({"threads": r.threads, "async_scheduling": r.async_scheduling, "output_tok_s": r.output_tok_s, "decode_steps": r.steps,
-                        "ms": {"schedule": ms(m.schedule), "prepare": ms(m.prepare), "forward": ms(m.forward), "sample": ms(m.sample), "propose": ms(m.propose), "update": ms(m.update), "gap": ms(m.gap.unwrap_or_default()), "step": ms(r.step_wall)}})
+                        "ms": {"schedule": ms(m.schedule), "prepare": ms(m.prepare), "finalize": ms(m.finalize), "forward": ms(m.forward), "sample": ms(m.sample), "propose": ms(m.propose), "update": ms(m.update), "gap": ms(m.gap.unwrap_or_default()), "idle_gap": ms(m.host_gap.unwrap_or_default()), "step": ms(r.step_wall)}})
                 })
                 .collect();
             std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;

@@ -96,12 +96,14 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
     Ok(AsyncRow { threads, async_scheduling, output_tok_s: tokens as f64 / wall.as_secs_f64(), steps, mean, step_wall: wall / n })
 }
 
-pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: usize) -> Result<Vec<AsyncRow>> {
+pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: usize, repeat: usize) -> Result<Vec<AsyncRow>> {
     let mut rows = Vec::new();
     for &t in threads {
         // interleaved, so drift in machine load hits both modes alike
-        for async_scheduling in [false, true] {
-            rows.push(run_once(path, t, batch, max_tokens, k, async_scheduling)?);
+        for _ in 0..repeat {
+            for async_scheduling in [false, true] {
+                rows.push(run_once(path, t, batch, max_tokens, k, async_scheduling)?);
+            }
         }
     }
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -130,25 +132,34 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
             100.0 * host_share(r)
         );
     }
-    for pair in rows.chunks(2) {
-        if let [s, a] = pair {
-            let (gs, ga) = (ms(s.mean.gap.unwrap_or_default()), ms(a.mean.gap.unwrap_or_default()));
-            let (hs, ha) = (ms(s.mean.host_gap.unwrap_or_default()), ms(a.mean.host_gap.unwrap_or_default()));
-            println!(
-                "threads {}: forward-to-forward gap {:.3} -> {:.3} ms ({:+.0}%), compute idle gap {:.3} -> {:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} ({:+.1}%; sync host share {:.2}%)",
-                s.threads,
-                gs,
-                ga,
-                100.0 * (ga - gs) / gs.max(1e-9),
-                hs,
-                ha,
-                100.0 * (ha - hs) / hs.max(1e-9),
-                s.output_tok_s,
-                a.output_tok_s,
-                100.0 * (a.output_tok_s / s.output_tok_s - 1.0),
-                100.0 * host_share(s)
-            );
+    for &t in threads {
+        let pairs: Vec<(&AsyncRow, &AsyncRow)> = rows.chunks(2).filter_map(|p| match p {
+            [s, a] if s.threads == t => Some((s, a)),
+            _ => None,
+        }).collect();
+        if pairs.is_empty() {
+            continue;
         }
+        let n = pairs.len() as f64;
+        let mean = |f: &dyn Fn(&AsyncRow) -> f64, async_mode: bool| pairs.iter().map(|(s, a)| f(if async_mode { a } else { s })).sum::<f64>() / n;
+        let idle = |r: &AsyncRow| ms(r.mean.host_gap.unwrap_or_default());
+        let gap = |r: &AsyncRow| ms(r.mean.gap.unwrap_or_default());
+        let tok = |r: &AsyncRow| r.output_tok_s;
+        let ratios: Vec<f64> = pairs.iter().map(|(s, a)| a.output_tok_s / s.output_tok_s).collect();
+        let ratio = ratios.iter().sum::<f64>() / n;
+        let spread = (ratios.iter().map(|r| (r - ratio).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)).sqrt();
+        let (gs, ga, hs, ha) = (mean(&gap, false), mean(&gap, true), mean(&idle, false), mean(&idle, true));
+        println!(
+            "threads {t} ({} pairs): forward-to-forward gap {gs:.3} -> {ga:.3} ms ({:+.0}%), compute idle gap {hs:.3} -> {ha:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} (pairwise {:+.1}% ± {:.1}%; sync host share {:.2}%)",
+            pairs.len(),
+            100.0 * (ga - gs) / gs.max(1e-9),
+            100.0 * (ha - hs) / hs.max(1e-9),
+            mean(&tok, false),
+            mean(&tok, true),
+            100.0 * (ratio - 1.0),
+            100.0 * spread,
+            100.0 * mean(&host_share, false)
+        );
     }
     println!("(gap: end of one forward pass to the start of the next, sampling included; idle gap: end of one compute job (forward + sample + propose) to the next forward pass, i.e. compute waiting on host work; host share: the part of a step's wall time outside the compute job (forward, sample, propose), i.e. host work on the critical path; with async scheduling the schedule, prepare and update columns run on the host worker beside the forward pass, and only finalize stays between two forward passes)");
     Ok(rows)
