@@ -268,7 +268,7 @@ impl Host {
             }
         };
         if let Some(next) = next {
-            for sch in &next.seqs {
+            for sch in next.seqs.iter().filter(|s| next.settled.contains(&s.seq)) {
                 if self.seqs.contains_key(&sch.seq) {
                     let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
                 }

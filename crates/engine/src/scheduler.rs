@@ -45,6 +45,9 @@ pub struct StepPlan {
     pub preempted: Vec<SeqId>,
     /// Sequences that left the waiting queue for the first time this step.
     pub newly_admitted: Vec<SeqId>,
+    /// Decodes scheduled ahead and settled just before the step ran (`runner::finalize`): their KV
+    /// was reserved for the worst case, and what they do not compute goes back in update.
+    pub settled: Vec<SeqId>,
 }
 
 impl StepPlan {

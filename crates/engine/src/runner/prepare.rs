@@ -158,6 +158,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
             sch.num_drafts = draft.tokens.len();
             sch.num_tokens = 1 + sch.num_drafts;
             sch.provisional = false;
+            kept.settled.push(sch.seq);
             ps.tokens.clear();
             ps.tokens.push(last);
             ps.tokens.extend_from_slice(&draft.tokens);
@@ -270,6 +271,7 @@ mod tests {
         assert_eq!(ids, vec![1, 5]);
         assert_eq!(plan.seqs[0], ScheduledSeq { seq: SeqId(1), start: 8, num_tokens: 3, num_drafts: 2, sample: true, provisional: false });
         assert_eq!(plan.total_tokens, 6);
+        assert_eq!(plan.settled, vec![SeqId(1)]);
         let b = &job.inputs;
         assert_eq!(b.tokens, vec![51, 60, 61, 90, 91, 92]);
         // positions 8, 9, 10 of seq 1: block 2 of its table (id 9), offsets 0..3; seq 5: 4..7
