@@ -111,9 +111,13 @@ fn scenario(model: &TinyModel, spec: Spec, mode: Mode, async_scheduling: bool, c
 /// Sync and async runs agree on every request. Aborted requests stop at a point that depends on
 /// timing, so for those only "a prefix of the same tokens" is required.
 fn assert_identical(spec: Spec, mode: Mode) {
+    assert_identical_with(spec, mode, tiny_config().threads);
+}
+
+fn assert_identical_with(spec: Spec, mode: Mode, threads: usize) {
     let model = TinyModel::new();
-    let (sync, sync_steps) = scenario(&model, spec, mode, false, roomy(false));
-    let (asyn, async_steps) = scenario(&model, spec, mode, true, roomy(true));
+    let (sync, sync_steps) = scenario(&model, spec, mode, false, EngineConfig { threads, ..roomy(false) });
+    let (asyn, async_steps) = scenario(&model, spec, mode, true, EngineConfig { threads, ..roomy(true) });
     assert!(sync_steps > 20 && async_steps > 20);
     let mut compared = 0;
     for (i, (a, b)) in sync.iter().zip(&asyn).enumerate() {
@@ -146,6 +150,14 @@ fn async_equals_sync_seeded_no_speculation() {
 fn async_equals_sync_ngram() {
     assert_identical(Spec::Ngram(3), Mode::Greedy);
     assert_identical(Spec::Ngram(3), Mode::Seeded);
+}
+
+/// One compute thread on a machine with more cores: the host work is handed to the worker as the
+/// forward pass starts, not after it (`SideTaskAt`), and runs beside it.
+#[test]
+fn async_equals_sync_with_a_core_free_beside_the_compute() {
+    assert_identical_with(Spec::Ngram(3), Mode::Greedy, 1);
+    assert_identical_with(Spec::None, Mode::Seeded, 1);
 }
 
 #[test]
