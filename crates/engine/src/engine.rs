@@ -15,7 +15,7 @@ use crate::api::{GenerateRequest, RequestEvent};
 use crate::config::EngineConfig;
 use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
 use crate::host::{record_timings, Host, HostDone, HostWork};
-use crate::runner::job::{run_job, Computed, ComputeState, JobContext, JobTimings, SideTaskAt, StepJob};
+use crate::runner::job::{run_job, Computed, ComputeState, JobContext, JobTimings, StepJob};
 use crate::runner::{finalize, AsyncRunner, PreparedStep};
 use crate::sampling::Sampler;
 use crate::scheduler::StepPlan;
@@ -104,9 +104,6 @@ pub struct Engine {
     /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
     /// scheduled ahead.
     spec_k: usize,
-    /// When the host job is handed to the worker (async): beside the forward pass if a core is
-    /// free, else after it.
-    hand_off_at: SideTaskAt,
 }
 
 impl Engine {
@@ -131,7 +128,6 @@ impl Engine {
             specula_kernels::cpu::describe()
         );
         let ctx = JobContext { model: Arc::new(model), tokenizer, pool: Arc::new(pool), max_model_len: cfg.max_model_len };
-        let cfg_threads = cfg.threads;
         Ok(Self {
             cfg,
             ctx,
@@ -144,7 +140,6 @@ impl Engine {
             last_job: None,
             unrecorded: None,
             spec_k: 0,
-            hand_off_at: SideTaskAt::for_threads(cfg_threads),
         })
     }
 
@@ -260,7 +255,7 @@ impl Engine {
         if plan.is_empty() {
             return stats;
         }
-        let done = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {}, SideTaskAt::ForwardEnd);
+        let done = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {});
         let t = Instant::now();
         stats.num_emitted = self.host_mut().complete(done, None);
         stats.timings.update = t.elapsed();
@@ -278,7 +273,7 @@ impl Engine {
                 if plan.is_empty() {
                     0
                 } else {
-                    let done = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {}, SideTaskAt::ForwardEnd);
+                    let done = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {});
                     self.host_mut().complete(done, None)
                 }
             }
@@ -322,20 +317,18 @@ impl Engine {
             return stats;
         };
 
-        // The host goes to the worker once the forward pass is under way, or after it when the
-        // pool uses every core (`hand_off_at`), so waking the worker costs no gap between forward
-        // passes; if the job fails before that point, the host work runs here.
+        // The host goes to the worker once the forward pass is under way (waking the worker then
+        // costs the forward pass nothing); if the job fails before that, the host work runs here.
         let host = self.host.take().expect("the host state is home between engine calls");
         let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
         let mut submitted = None;
         let (step, spec_k) = (job.step, self.spec_k);
         let runner = self.runner.as_mut().expect("async engine has a runner");
-        let side = || {
+        let computed = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {
             if let Some((host, done, running, record)) = handoff.take() {
                 submitted = Some(runner.submit(step, move || Ok(host.work(done, Some(&running), spec_k, record))));
             }
-        };
-        let computed = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, side, self.hand_off_at);
+        });
         let back = match submitted {
             Some(Ok(())) => runner.sync().map_err(|e| e.to_string()),
             Some(Err(e)) => Err(e.to_string()),
@@ -474,14 +467,13 @@ impl Engine {
     }
 }
 
-/// Runs a step's compute job on the engine thread (`side` and `at`: see `run_job`), and records
+/// Runs a step's compute job on the engine thread (`while_forward`: see `run_job`), and records
 /// its timings and the idle gap before its forward pass.
-#[allow(clippy::too_many_arguments)]
-fn compute(ctx: &JobContext, state: &mut ComputeState, last_job: &mut Option<JobTimings>, plan: StepPlan, job: StepJob, stats: &mut StepStats, side: impl FnOnce(), at: SideTaskAt) -> Computed {
+fn compute(ctx: &JobContext, state: &mut ComputeState, last_job: &mut Option<JobTimings>, plan: StepPlan, job: StepJob, stats: &mut StepStats, while_forward: impl FnOnce()) -> Computed {
     stats.num_seqs = plan.seqs.len();
     stats.num_tokens = plan.total_tokens;
     stats.has_prefill = plan.has_prefill();
-    let outcome = run_job(ctx, state, job, side, at);
+    let outcome = run_job(ctx, state, job, while_forward);
     match &outcome {
         Ok(out) => {
             let t = &out.timings;

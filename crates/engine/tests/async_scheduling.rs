@@ -152,8 +152,7 @@ fn async_equals_sync_ngram() {
     assert_identical(Spec::Ngram(3), Mode::Seeded);
 }
 
-/// One compute thread on a machine with more cores: the host work is handed to the worker as the
-/// forward pass starts, not after it (`SideTaskAt`), and runs beside it.
+/// One compute thread (on a machine with more cores the host job then has a core of its own).
 #[test]
 fn async_equals_sync_with_a_core_free_beside_the_compute() {
     assert_identical_with(Spec::Ngram(3), Mode::Greedy, 1);

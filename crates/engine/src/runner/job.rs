@@ -129,35 +129,12 @@ pub(crate) fn is_stop_token(params: &SamplingParams, tokenizer: &Tokenizer, id: 
     (!params.ignore_eos && tokenizer.is_eos(id)) || params.stop_token_ids.contains(&id)
 }
 
-/// When a job runs its side task (async scheduling: handing the host work to the worker).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SideTaskAt {
-    /// As soon as the forward pass is under way (see `execute`): the compute pool leaves a core
-    /// free, so the worker runs beside the forward pass.
-    ForwardStart,
-    /// Once the forward pass is done: the pool uses every core, and a worker running during the
-    /// forward pass would hold back one of its threads (each kernel waits for its slowest
-    /// thread); while this thread samples and drafts, the pool's cores are idle.
-    ForwardEnd,
-}
-
-impl SideTaskAt {
-    /// Where the side task costs the compute least with `compute_threads` threads here.
-    pub fn for_threads(compute_threads: usize) -> Self {
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-        if compute_threads < cores {
-            Self::ForwardStart
-        } else {
-            Self::ForwardEnd
-        }
-    }
-}
-
-/// Runs `job`, catching a panic anywhere in it; the error names the step. `side` runs on this
-/// thread at the point `at` names; it does not run if the job fails before that point.
-pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, side: impl FnOnce(), at: SideTaskAt) -> Result<JobOutput, String> {
+/// Runs `job`, catching a panic anywhere in it; the error names the step. `while_forward` runs on
+/// this thread once the forward pass is under way (see `execute`); it does not run if the job
+/// fails before its forward pass starts.
+pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, String> {
     let step = job.step;
-    match catch_unwind(AssertUnwindSafe(|| run_job_inner(ctx, state, job, side, at))) {
+    match catch_unwind(AssertUnwindSafe(|| run_job_inner(ctx, state, job, while_forward))) {
         Ok(Ok(out)) => Ok(out),
         Ok(Err(msg)) => Err(format!("step {step} failed: {msg}")),
         Err(panic) => {
@@ -168,21 +145,12 @@ pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, 
     }
 }
 
-fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, side: impl FnOnce(), at: SideTaskAt) -> Result<JobOutput, String> {
+fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, String> {
     let mut inputs = job.inputs;
     inputs.want_hidden = state.spec.as_ref().is_some_and(|sp| sp.proposer.needs_hidden());
     let forward_start = Instant::now();
-    let mut side = Some(side);
-    let at_start = || {
-        if at == SideTaskAt::ForwardStart {
-            side.take().map(|f| f());
-        }
-    };
-    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, at_start).map_err(|e| e.to_string())?;
+    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, while_forward).map_err(|e| e.to_string())?;
     let forward_end = Instant::now();
-    if let Some(f) = side.take() {
-        f();
-    }
     let mut items = job.items;
     let (results, logprobs) = sample(ctx, state, &mut items, &out.logits)?;
     let sample_end = Instant::now();
