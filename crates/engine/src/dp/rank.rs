@@ -83,7 +83,7 @@ impl RankStats {
         let host = engine.host();
         self.running.store(host.scheduler.num_running() as u64, Ordering::Relaxed);
         self.waiting.store(host.scheduler.num_waiting() as u64, Ordering::Relaxed);
-        self.kv_usage_bits.store((host.kv.usage() as f32).to_bits(), Ordering::Relaxed);
+        self.kv_usage_bits.store(host.kv.usage().to_bits(), Ordering::Relaxed);
     }
 }
 

@@ -153,7 +153,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
             let Some(&last) = r.tokens.last() else { continue };
             // `start` assumed every draft of the step before accepted
             let rejected = r.num_drafts - r.num_accepted();
-            let draft = if 1 + r.next_draft.tokens.len() <= sch.num_tokens { r.next_draft.clone() } else { Draft::default() };
+            let draft = if r.next_draft.tokens.len() < sch.num_tokens { r.next_draft.clone() } else { Draft::default() };
             sch.start -= rejected;
             sch.num_drafts = draft.tokens.len();
             sch.num_tokens = 1 + sch.num_drafts;
