@@ -26,32 +26,50 @@ pub fn argmax(row: &[f32]) -> Option<TokenId> {
 
 /// The greedy token of a raw logits row, exactly what the greedy path of
 /// `probabilities_in_place` picks after `sanitize` (NaN as -inf, +inf as f32::MAX; ties to the
-/// lowest id), in two branch-free passes instead of building the one-hot distribution: the
-/// maximum (vectorizes), then its first index. `None` for an empty row or one with no finite or
-/// +inf value.
+/// lowest id), in one branch-free pass instead of building the one-hot distribution: `LANES`
+/// running maxima with the first index each reached it (the compiler vectorizes the lanes), then
+/// the largest lane value, ties to the lowest index. Reading the row once matters: a batch's
+/// logits are megabytes that come from memory, on the critical path between two forward passes.
+/// `None` for an empty row or one with no finite or +inf value.
 pub fn greedy_argmax(row: &[f32]) -> Option<TokenId> {
+    const LANES: usize = 16;
     #[inline(always)]
     fn clean(x: f32) -> f32 {
         if x.is_nan() {
             f32::NEG_INFINITY
-        } else if x > f32::MAX {
-            f32::MAX
         } else {
-            x
+            x.min(f32::MAX)
         }
     }
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| {
+    let mut max = [f32::NEG_INFINITY; LANES];
+    let mut at = [0u32; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for (c, chunk) in chunks.enumerate() {
+        let base = (c * LANES) as u32;
+        for l in 0..LANES {
+            let v = clean(chunk[l]);
+            // strictly greater: a lane keeps the first index of its maximum
+            let better = v > max[l];
+            max[l] = if better { v } else { max[l] };
+            at[l] = if better { base + l as u32 } else { at[l] };
+        }
+    }
+    let mut best = (f32::NEG_INFINITY, u32::MAX);
+    for l in 0..LANES {
+        if max[l] > best.0 || (max[l] == best.0 && at[l] < best.1) {
+            best = (max[l], at[l]);
+        }
+    }
+    let base = (row.len() - tail.len()) as u32;
+    for (j, &x) in tail.iter().enumerate() {
+        // the tail's indices follow every lane's
         let v = clean(x);
-        if v > m {
-            v
-        } else {
-            m
+        if v > best.0 {
+            best = (v, base + j as u32);
         }
-    });
-    if max == f32::NEG_INFINITY {
-        return None;
     }
-    row.iter().position(|&x| clean(x) == max).map(|i| i as TokenId)
+    (best.0 > f32::NEG_INFINITY).then_some(best.1 as TokenId)
 }
 
 /// Inverse CDF: the first token (ascending id) at which the running mass exceeds `u` times the
@@ -147,7 +165,7 @@ mod tests {
             1 => Just(f32::INFINITY),
             1 => Just(f32::NEG_INFINITY),
             1 => Just(f32::MAX),
-        ], 1..40)) {
+        ], 1..100)) {
             let mut p = row.clone();
             let general = probabilities_in_place(&mut p, &SamplingParams::greedy(1), TokenHistory { prompt: &[], output: &[] })
                 .ok()
