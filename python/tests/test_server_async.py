@@ -5,10 +5,11 @@ under concurrent streams; the per-phase step histograms and gap histograms appea
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
 
 import pytest
 
-from server_fixture import server_fixture
+from server_fixture import require_binary_and_model, server_fixture
 
 KV = ("--kv-cache-tokens", "4096", "--max-model-len", "1024")
 sync_plain = server_fixture(*KV)
@@ -68,3 +69,15 @@ def test_step_timing_histograms_at_metrics(async_ngram):
     forwards = m['specula:step_phase_seconds_count{phase="forward"}']
     for name in ["specula:forward_gap_seconds_count", "specula:compute_idle_gap_seconds_count"]:
         assert 0 < m.get(name, 0) < forwards, name
+
+
+def test_async_with_lockstep_data_parallelism_is_refused_with_the_reason():
+    """Lockstep ranks agree on each step before it is scheduled: the combination is refused at
+    start-up with a one-line reason and the flag to change, not silently run synchronously."""
+    binary, model = require_binary_and_model()
+    r = subprocess.run([str(binary), "serve", "--model", str(model), "--port", "0", "--async-scheduling",
+                        "--data-parallel-size", "2", "--data-parallel-mode", "lockstep"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    assert "--async-scheduling does not work with --data-parallel-mode lockstep" in r.stderr, r.stderr
+    assert "panicked" not in r.stderr, r.stderr

@@ -53,6 +53,11 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
+    if args.engine.async_scheduling && args.data_parallel_mode == "lockstep" {
+        // lockstep ranks agree on a step's shape before it is scheduled; a step prepared ahead
+        // would need the next agreement during the current step
+        anyhow::bail!("--async-scheduling does not work with --data-parallel-mode lockstep; use --data-parallel-mode replica (each rank schedules ahead on its own) or drop --async-scheduling");
+    }
     if args.data_parallel_backend == "mpi" {
         return run_mpi(args);
     }
