@@ -6,6 +6,7 @@
 #   scripts/bench_serve_vs_llama.sh [OUTDIR]
 #   LLAMA_SERVER=/path/to/llama-server THREADS=2 CONCURRENCY=1,4,8 NUM_PROMPTS=16 scripts/bench_serve_vs_llama.sh
 #   WORKLOAD=copy  SPEC="none ngram" ...   # the input-grounded chat workload (bench/copy_passages.jsonl)
+#   ASYNC="off on" ...                      # each specula run without and with --async-scheduling
 #
 # WORKLOAD=random: 128-token prompts, 128 output tokens (ignore_eos). SPEC lists specula's
 # speculative methods to run (none, ngram, mtp); K is --num-speculative-tokens.
@@ -20,6 +21,7 @@ CONC=${CONCURRENCY:-1,4,8}
 N=${NUM_PROMPTS:-16}
 SPEC=${SPEC:-none}
 K=${K:-3}
+ASYNC=${ASYNC:-off}
 WORKLOAD=${WORKLOAD:-random}
 PORT=${PORT:-18566}
 case "$WORKLOAD" in
@@ -44,12 +46,16 @@ one() {
 }
 
 for m in $SPEC; do
-  if [ "$m" = none ]; then
-    one "specula" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8
-  else
-    one "specula-$m-k$K" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 \
-      --speculative-method "$m" --num-speculative-tokens "$K"
-  fi
+  for a in $ASYNC; do
+    flags=(); suffix=""
+    if [ "$a" = on ]; then flags=(--async-scheduling); suffix="-async"; fi
+    if [ "$m" = none ]; then
+      one "specula$suffix" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 "${flags[@]}"
+    else
+      one "specula-$m-k$K$suffix" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 \
+        --speculative-method "$m" --num-speculative-tokens "$K" "${flags[@]}"
+    fi
+  done
 done
 if [ -n "${LLAMA_SERVER:-}" ]; then
   one "llama-server" "$LLAMA_SERVER" -m "$MODEL" --port "$PORT" -t "$THREADS" --parallel 8 -c 16384 --no-webui
