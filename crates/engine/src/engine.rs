@@ -296,7 +296,8 @@ impl Engine {
         let mut prepared = self.prepared.take();
         let mut next = None;
         for fresh in [false, true] {
-            if let Some(p) = prepared.take() {
+            if let Some(mut p) = prepared.take() {
+                self.host_mut().admit_late(&mut p);
                 let (plan, job) = self.finalize(p, &mut stats);
                 if !plan.is_empty() {
                     next = Some((plan, job));

@@ -246,6 +246,30 @@ impl Host {
         None
     }
 
+    /// Adds the requests that arrived since `p` was prepared (ahead, during the step before) to it,
+    /// as far as its budget allows, so that async scheduling does not make them wait a step
+    /// longer. Runs between two forward passes, so only when something is waiting.
+    pub fn admit_late(&mut self, p: &mut PreparedStep) {
+        if self.scheduler.num_waiting() == 0 {
+            return;
+        }
+        let (first, admitted) = (p.plan.seqs.len(), p.plan.newly_admitted.len());
+        self.scheduler.admit_waiting(&mut p.plan, &mut self.seqs, &mut self.kv);
+        self.counters.waiting.fetch_sub(p.plan.newly_admitted.len() - admitted, Ordering::Relaxed);
+        if p.plan.seqs.len() == first {
+            return;
+        }
+        let late = StepPlan { seqs: p.plan.seqs[first..].to_vec(), ..Default::default() };
+        match prepare(&late, &self.seqs, &self.kv) {
+            Ok(seqs) => p.seqs.extend(seqs),
+            Err(e) => {
+                p.plan.seqs.truncate(first);
+                p.plan.total_tokens = p.plan.seqs.iter().map(|s| s.num_tokens).sum();
+                self.fail_plan(&late, &format!("step {} failed: {e}", p.step));
+            }
+        }
+    }
+
     /// Applies and streams a computed step. `next` is the step already running after it (async):
     /// its sequences keep the KV it writes, and the blocks reserved for its decodes beyond what
     /// they compute go back to the pool. Returns the tokens streamed.

@@ -170,7 +170,18 @@ impl Scheduler {
             i += 1;
         }
 
-        // 2. waiting sequences in arrival order (none if anything was preempted this step)
+        plan.total_tokens = plan.seqs.iter().map(|s| s.num_tokens).sum();
+        // 2. waiting sequences in arrival order
+        self.admit_waiting(&mut plan, seqs, kv);
+        plan
+    }
+
+    /// Adds waiting sequences to `plan`, in arrival order, while its token budget,
+    /// `max_num_seqs` and the KV pool allow; none if the plan preempted anything (the preempted
+    /// go first next time). Also used on a step prepared ahead, for requests that arrived since
+    /// (async scheduling), so they do not wait a step longer than without it.
+    pub fn admit_waiting(&mut self, plan: &mut StepPlan, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager) {
+        let mut budget = self.cfg.max_num_batched_tokens.saturating_sub(plan.total_tokens);
         while plan.preempted.is_empty() && budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
             let Some(s) = seqs.get_mut(&id) else {
@@ -196,10 +207,9 @@ impl Scheduler {
                 plan.newly_admitted.push(id);
             }
             plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts: 0, sample: s.num_computed + n == s.tokens.len(), provisional: false });
+            plan.total_tokens += n;
             budget -= n;
         }
-        plan.total_tokens = plan.seqs.iter().map(|s| s.num_tokens).sum();
-        plan
     }
 
     fn preempt(s: &mut Sequence, kv: &mut KvCacheManager) {

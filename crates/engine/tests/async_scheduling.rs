@@ -349,3 +349,24 @@ fn finished_and_aborted_requests_are_not_computed_in_the_step_prepared_after_the
     assert_eq!(sync_forwards, async_forwards, "forward passes");
     assert_eq!(sync_tokens, async_tokens, "tokens computed");
 }
+
+/// A request that arrives while the next step is already prepared (during a forward pass) joins
+/// that step: its prefill runs in the very next forward pass, as without async scheduling.
+#[test]
+fn a_request_arriving_mid_stream_starts_in_the_next_forward_pass() {
+    let model = TinyModel::new();
+    for async_scheduling in [false, true] {
+        let mut h = Harness::on(&model, roomy(async_scheduling), Spec::Ngram(3));
+        let mut a = h.submit(prompt(12, 1), greedy(20));
+        for _ in 0..4 {
+            h.engine.step();
+        }
+        let mut b = h.submit(prompt(23, 2), greedy(5));
+        let s = h.engine.step();
+        assert!(s.ran_forward && s.has_prefill, "async {async_scheduling}: the new request's prefill did not run at once: {s:?}");
+        assert_eq!(s.num_seqs, 2, "async {async_scheduling}");
+        assert!((23 + 1..=23 + 1 + 3).contains(&s.num_tokens), "async {async_scheduling}: its 23 prompt tokens beside the other's decode (1 + up to 3 drafts): {}", s.num_tokens);
+        h.run(&mut [&mut a, &mut b], 200);
+        h.assert_idle_and_leak_free();
+    }
+}
