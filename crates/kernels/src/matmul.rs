@@ -69,6 +69,11 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
     let rows_per_task = if input.rows <= 4 { 16 } else { 32 };
     let mut tasks = Vec::new();
     for (m, w) in ws.iter().enumerate() {
+        // float kernels read several groups side by side for few activation rows
+        let rows_per_task = match w.packed() {
+            Some(Packed::Float(_)) => rows_per_task.max(crate::packed_float::groups_side_by_side(input.rows) * GROUP_ROWS),
+            _ => rows_per_task,
+        };
         let mut r = 0;
         while r < w.rows {
             let end = (r + rows_per_task).min(w.rows);
@@ -103,6 +108,19 @@ trait GroupKernel {
     /// # Safety
     /// Every `dst[i]` must be valid for eight writes that no other thread makes.
     unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]);
+    /// Groups per call the kernel reads side by side for `n` activation rows (1: one at a time).
+    fn side_by_side(&self, _n: usize) -> usize {
+        1
+    }
+    /// Groups `g..g + G` against activation rows `b..b + N`, group `j`'s results at `dst[j]`;
+    /// each group's results exactly `run`'s.
+    /// # Safety
+    /// As `run`, for every `dst[j][i]`.
+    unsafe fn run_groups<const G: usize, const N: usize>(&self, g: usize, b: usize, dst: [[*mut f32; N]; G]) {
+        for (j, d) in dst.into_iter().enumerate() {
+            self.run::<N>(g + j, b, d);
+        }
+    }
 }
 
 struct Int8Kernel<'a> {
@@ -137,6 +155,13 @@ impl GroupKernel for FloatKernel<'_> {
         let cols = self.input.cols;
         self.p.dot_group_to::<N>(g, std::array::from_fn(|i| &self.input.x[(b + i) * cols..(b + i + 1) * cols]), dst)
     }
+    fn side_by_side(&self, n: usize) -> usize {
+        crate::packed_float::groups_side_by_side(n)
+    }
+    unsafe fn run_groups<const G: usize, const N: usize>(&self, g: usize, b: usize, dst: [[*mut f32; N]; G]) {
+        let cols = self.input.cols;
+        self.p.dot_groups_to::<G, N>(g, std::array::from_fn(|i| &self.input.x[(b + i) * cols..(b + i + 1) * cols]), dst)
+    }
 }
 
 /// Runs `k` for group `g` and activation rows `b..b + N` of an output of `rows` columns at `optr`
@@ -159,6 +184,15 @@ fn write_group<K: GroupKernel, const N: usize>(k: &K, g: usize, b: usize, optr: 
     }
 }
 
+/// Runs `k` for the `G` full groups `g..g + G` and activation rows `b..b + N`, straight into the
+/// output (the caller checked that every group lies inside the matrix's `rows`).
+fn write_groups<K: GroupKernel, const G: usize, const N: usize>(k: &K, g: usize, b: usize, optr: *mut f32, rows: usize) {
+    debug_assert!((g + G) * GROUP_ROWS <= rows);
+    // SAFETY: as in write_group: every row base..base + 8 of these groups is inside the output and
+    // written by this task alone.
+    unsafe { k.run_groups::<G, N>(g, b, std::array::from_fn(|j| std::array::from_fn(|i| optr.add((b + i) * rows + (g + j) * GROUP_ROWS)))) };
+}
+
 /// Weight rows `r0..r1` (`r0` a multiple of 8) of a packed matrix with `rows` rows against `n`
 /// activation rows: eight weight rows and up to `k.widest()` activation rows per kernel call,
 /// activation rows in tiles so a task's weights stay in cache.
@@ -170,7 +204,19 @@ fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usiz
     let mut b0 = 0;
     while b0 < n {
         let b1 = (b0 + BATCH_TILE).min(n);
-        for g in r0 / GROUP_ROWS..r1.div_ceil(GROUP_ROWS) {
+        let (mut g, g_end) = (r0 / GROUP_ROWS, r1.div_ceil(GROUP_ROWS));
+        // few activation rows: full groups side by side where the kernel wants that
+        let side = k.side_by_side(b1 - b0);
+        while side > 1 && g + side <= g_end && (g + side) * GROUP_ROWS <= rows {
+            match (side, b1 - b0) {
+                (4, 1) => write_groups::<K, 4, 1>(k, g, b0, optr, rows),
+                (2, 2) => write_groups::<K, 2, 2>(k, g, b0, optr, rows),
+                (2, 3) => write_groups::<K, 2, 3>(k, g, b0, optr, rows),
+                _ => break,
+            }
+            g += side;
+        }
+        for g in g..g_end {
             let mut b = b0;
             while wide && b + 8 <= b1 {
                 write_group::<K, 8>(k, g, b, optr, rows);
