@@ -202,6 +202,41 @@ def test_a_stream_aborted_mid_way_on_the_remote_rank_frees_its_blocks(mpi_server
     assert complete(mpi_server, 0)
 
 
+def test_a_full_remote_rank_is_a_503_at_the_front_not_a_failed_stream():
+    """Each rank runs one request and lets one wait (--max-num-seqs 1 --max-waiting 1). A long request
+    takes rank 0; then short ones go to rank 1 (fewer outstanding tokens) until its queue is full:
+    the next is refused by rank 0's router with an OpenAI 503 `overloaded`, not forwarded to rank 1
+    to be failed there; everything accepted completes in full."""
+    srv = MpiServer("--max-num-seqs", "1", "--max-waiting", "1")
+    srv.start(timeout=120)
+    try:
+        def send(max_tokens):
+            body = {"prompt": "Once upon a time, in a small village at the edge of a great forest,", "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}
+            with srv.http() as http:
+                return http.post("/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            long = pool.submit(send, 300)
+            wait_for(srv, "rank 0 to run the long request", lambda m: by_rank(m, "specula:num_requests_running").get(0) == 1)
+            short = list(pool.map(send, [4] * 6))
+            responses = [long.result(), *short]
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 503}, [(r.status_code, r.text[:200]) for r in responses]
+        # (rank 0 counts a request forwarded to rank 1 as waiting until its first token comes back)
+        assert codes[0] == 200 and codes.count(503) >= 1 and codes.count(200) >= 2, codes
+        for r, n in zip(responses, [300] + [4] * 6):
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "overloaded", r.text
+            else:
+                assert r.json()["usage"]["completion_tokens"] == n
+        idle = lambda m: all(by_rank(m, "specula:num_requests_running").get(r) == 0 and by_rank(m, "specula:num_requests_waiting").get(r) == 0
+                             for r in range(RANKS))  # noqa: E731
+        wait_for(srv, "every rank to be idle", idle)
+    finally:
+        srv.stop()
+
+
 def test_sigterm_to_mpirun_stops_every_process(mpi_server):
     ranks = mpi_server.rank_pids()
     assert len(ranks) == RANKS, f"expected {RANKS} rank processes under mpirun, found {ranks}"

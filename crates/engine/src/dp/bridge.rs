@@ -198,6 +198,10 @@ struct Remote {
 struct RemoteRequest {
     rank: usize,
     events: UnboundedSender<RequestEvent>,
+    /// Whether the rank has reported anything for it yet. Until then it counts as waiting on the
+    /// remote handle, so the handle refuses submits (503 at the front) before the rank's own
+    /// queue would: the rank only refuses by failing the stream.
+    started: bool,
 }
 
 impl FrontBridge {
@@ -272,13 +276,14 @@ impl FrontLoop {
                 let rank = self.remotes[i].rank;
                 match cmd {
                     EngineCommand::Submit(req) => {
-                        self.remotes[i].counters.waiting.fetch_sub(1, Ordering::Relaxed);
                         if self.remotes[i].stopped || self.remotes[i].shutdown_sent {
+                            self.remotes[i].counters.waiting.fetch_sub(1, Ordering::Relaxed);
                             let _ = req.events.send(RequestEvent::Failed { message: "the server is shutting down".into() });
                             continue;
                         }
+                        // still waiting (on its way, or queued on the rank) until the rank reports on it
                         let GenerateRequest { id, prompt, params, events } = req;
-                        self.requests.insert(id, RemoteRequest { rank, events });
+                        self.requests.insert(id, RemoteRequest { rank, events, started: false });
                         self.send(rank, &Down::Submit { id: id.0, prompt, params })?;
                     }
                     EngineCommand::Abort(id) => {
@@ -323,7 +328,11 @@ impl FrontLoop {
                 for (id, ev) in events {
                     let id = RequestId(id);
                     let terminal = is_terminal(&ev);
-                    if let Some(r) = self.requests.get(&id) {
+                    if let Some(r) = self.requests.get_mut(&id) {
+                        if !r.started {
+                            r.started = true;
+                            remote.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+                        }
                         let _ = r.events.send(ev);
                         if terminal {
                             self.requests.remove(&id);
@@ -336,8 +345,12 @@ impl FrontLoop {
                 remote.stopped = true;
                 tracing::info!(rank = from, "MPI rank stopped");
                 let message = format!("data-parallel rank {from} stopped before the request finished");
+                let counters = &remote.counters;
                 self.requests.retain(|_, r| {
                     if r.rank == from {
+                        if !r.started {
+                            counters.waiting.fetch_sub(1, Ordering::Relaxed);
+                        }
                         let _ = r.events.send(RequestEvent::Failed { message: message.clone() });
                     }
                     r.rank != from
