@@ -20,14 +20,25 @@ const SPIN: Duration = Duration::from_micros(300);
 
 type Task<'a> = &'a (dyn Fn(usize) + Sync);
 
+/// `state` packs the epoch (high 32 bits), whether it is closed (bit 31) and how many helpers
+/// joined it (low bits). A helper runs tasks of an epoch only after joining it, and it can join
+/// only while the caller has not closed it; the caller closes it when it runs out of tasks and
+/// then waits for the helpers that joined, never for one that was not scheduled in time (on a
+/// busy machine a helper can be off the CPU for a whole time slice: the caller used to wait for
+/// every helper on every loop, a step of 300 loops then took tens of milliseconds).
+const CLOSED: u64 = 1 << 31;
+const JOINED: u64 = CLOSED - 1;
+const EPOCH_SHIFT: u32 = 32;
+
 struct Shared {
-    epoch: AtomicU64,
-    /// Points at the caller's `Task` for the current epoch; valid until `active` reaches 0.
+    state: AtomicU64,
+    /// Points at the caller's `Task` for the current epoch; valid until the epoch is closed and
+    /// `finished` reaches the number of helpers that joined.
     job: AtomicPtr<()>,
     next: AtomicUsize,
     n: AtomicUsize,
-    /// Helpers that have not yet finished the current epoch.
-    active: AtomicUsize,
+    /// Helpers that joined the current epoch and are done with it.
+    finished: AtomicUsize,
     panicked: AtomicBool,
     stop: AtomicBool,
     lock: Mutex<usize>,
@@ -44,11 +55,11 @@ impl SpinPool {
     /// A pool whose loops run on `threads` threads: the caller plus `threads - 1` helpers.
     pub fn new(threads: usize) -> Self {
         let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
+            state: AtomicU64::new(CLOSED),
             job: AtomicPtr::new(std::ptr::null_mut()),
             next: AtomicUsize::new(0),
             n: AtomicUsize::new(0),
-            active: AtomicUsize::new(0),
+            finished: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             lock: Mutex::new(0),
@@ -83,9 +94,11 @@ impl SpinPool {
         s.next.store(0, Ordering::Relaxed);
         s.n.store(n, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
+        s.finished.store(0, Ordering::Relaxed);
         s.job.store(&task as *const Task as *mut (), Ordering::Relaxed);
-        s.active.store(self.helpers.len(), Ordering::Relaxed);
-        s.epoch.fetch_add(1, Ordering::Release);
+        // open the next epoch with no helper joined (the previous one is closed and drained)
+        let epoch = ((s.state.load(Ordering::Relaxed) >> EPOCH_SHIFT) + 1) & 0xFFFF_FFFF;
+        s.state.store(epoch << EPOCH_SHIFT, Ordering::Release);
         {
             let sleeping = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             if *sleeping > 0 {
@@ -93,8 +106,9 @@ impl SpinPool {
             }
         }
         let mine = catch_unwind(AssertUnwindSafe(|| work(s, task)));
-        // helpers hold a pointer to `task`: never leave before they are done with this epoch
-        while s.active.load(Ordering::Acquire) > 0 {
+        // no helper may join from now on; those that did hold a pointer to `task`: wait for them
+        let joined = (s.state.fetch_or(CLOSED, Ordering::AcqRel) & JOINED) as usize;
+        while s.finished.load(Ordering::Acquire) < joined {
             std::hint::spin_loop();
         }
         if let Err(p) = mine {
@@ -117,39 +131,59 @@ fn work(s: &Shared, f: Task) {
     }
 }
 
+/// Joins the open epoch `state` names; false when it was closed (or replaced) first.
+fn try_join(s: &Shared, mut state: u64) -> bool {
+    loop {
+        if state & CLOSED != 0 {
+            return false;
+        }
+        match s.state.compare_exchange_weak(state, state + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return true,
+            Err(now) if now >> EPOCH_SHIFT == state >> EPOCH_SHIFT => state = now,
+            Err(_) => return false,
+        }
+    }
+}
+
 fn helper(s: &Shared) {
     let mut seen = 0u64;
     loop {
         let start = Instant::now();
         let mut polls = 0u32;
-        loop {
+        let state = loop {
             if s.stop.load(Ordering::Acquire) {
                 return;
             }
-            let e = s.epoch.load(Ordering::Acquire);
-            if e != seen {
-                seen = e;
-                break;
+            let state = s.state.load(Ordering::Acquire);
+            if state >> EPOCH_SHIFT != seen {
+                if state & CLOSED == 0 {
+                    break state;
+                }
+                seen = state >> EPOCH_SHIFT; // a loop that ended before this thread looked
             }
             polls += 1;
             if polls % 1024 == 0 && start.elapsed() > SPIN {
                 let mut sleeping = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 *sleeping += 1;
-                while s.epoch.load(Ordering::Acquire) == seen && !s.stop.load(Ordering::Acquire) {
+                while s.state.load(Ordering::Acquire) >> EPOCH_SHIFT == seen && !s.stop.load(Ordering::Acquire) {
                     sleeping = s.wake.wait(sleeping).unwrap_or_else(|e| e.into_inner());
                 }
                 *sleeping -= 1;
             } else {
                 std::hint::spin_loop();
             }
+        };
+        seen = state >> EPOCH_SHIFT;
+        if !try_join(s, state) {
+            continue; // the caller finished this loop without us
         }
-        // SAFETY: `run` published a pointer to a `Task` that lives until `active` drops to 0,
-        // which this thread does only after its last use of it below.
+        // SAFETY: this thread joined the epoch before the caller closed it, so `run` keeps its
+        // `Task` alive until `finished` counts this thread, which it does after its last use.
         let task: Task = unsafe { *(s.job.load(Ordering::Acquire) as *const Task) };
         if catch_unwind(AssertUnwindSafe(|| work(s, task))).is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
-        s.active.fetch_sub(1, Ordering::Release);
+        s.finished.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -244,6 +278,23 @@ mod tests {
                 })
             });
             assert_eq!(n.load(Ordering::Relaxed), 100);
+        }
+    }
+
+    #[test]
+    fn every_task_runs_exactly_once_with_more_helpers_than_cores() {
+        // helpers are often off the CPU here: most loops close before some of them look
+        let pool = SpinPool::new(8);
+        for round in 0..3000 {
+            let n = 1 + round % 23;
+            let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "round {round}");
+            if round % 1000 == 999 {
+                std::thread::sleep(Duration::from_millis(5)); // helpers park and wake again
+            }
         }
     }
 }
