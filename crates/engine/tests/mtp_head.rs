@@ -8,7 +8,7 @@ mod spec_support;
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use spec_support::{spec_config, tiny_model, End, Rig};
-use specula_engine::spec::mtp::{MtpHead, MtpProposer};
+use specula_engine::spec::mtp::{HeadWeights, MtpHead, MtpProposer};
 use specula_engine::spec::mtp_format::{self as fmt, random_head, save_head, write_random_head, HeadConfig, HeadFile, HeadWeightsF32, StoredDtype};
 use specula_engine::spec::{build_proposer, Draft, DraftRequest, Proposer, SpecError, SpecMethod};
 use specula_engine::types::SeqId;
@@ -248,7 +248,8 @@ fn greedy_drafts_match_a_naive_reference_forward_of_the_head() {
     let (cfg, w) = random_head(&t, 120, 11).unwrap();
     let path = dir.path().join("head.safetensors");
     save_head(&path, &w, &cfg, StoredDtype::F32).unwrap();
-    let mut p = MtpProposer::load(&path, &t).unwrap();
+    // the weights as stored: the reference computes in f32 (the Q8_0 default is checked below)
+    let mut p = MtpProposer::load_with(&path, &t, HeadWeights::AsStored).unwrap();
     let params = SamplingParams::greedy(16);
     let k = 6;
     let hs: Vec<Vec<f32>> = (0..5).map(|i| hidden(cfg.target_hidden, 300 + i)).collect();
@@ -265,7 +266,7 @@ fn greedy_drafts_match_a_naive_reference_forward_of_the_head() {
 }
 
 #[test]
-fn f16_and_bf16_heads_load_and_draft_like_the_f32_head() {
+fn f16_bf16_and_q8_0_heads_load_and_draft_like_the_f32_head() {
     let dir = tempfile::tempdir().unwrap();
     let t = target(&tiny_model(dir.path(), 6));
     let (cfg, w) = random_head(&t, 80, 4).unwrap();
@@ -277,9 +278,13 @@ fn f16_and_bf16_heads_load_and_draft_like_the_f32_head() {
     for (dtype, name) in [(StoredDtype::F32, "f32"), (StoredDtype::F16, "f16"), (StoredDtype::BF16, "bf16")] {
         let path = dir.path().join(format!("head-{name}.safetensors"));
         save_head(&path, &w, &cfg, dtype).unwrap();
-        let drafts = MtpProposer::load(&path, &t).unwrap().propose(&reqs, &pool()).unwrap();
+        let drafts = MtpProposer::load_with(&path, &t, HeadWeights::AsStored).unwrap().propose(&reqs, &pool()).unwrap();
         first.push(drafts.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>());
     }
+    // the default: the F32 head requantized to Q8_0 at load
+    let path = dir.path().join("head-f32.safetensors");
+    let drafts = MtpProposer::load(&path, &t).unwrap().propose(&reqs, &pool()).unwrap();
+    first.push(drafts.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>());
     // rounding may flip a near tie, not most first drafts
     for (i, other) in first[1..].iter().enumerate() {
         let same = first[0].iter().zip(other).filter(|(a, b)| a == b).count();

@@ -13,7 +13,8 @@ use crate::types::{SeqId, TokenId};
 use specula_kernels::attention::{paged_attention, write_kv, KvLayout, SeqSpan};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
-use specula_kernels::QMatrix;
+use specula_kernels::formats::{quantize_row, QK};
+use specula_kernels::{QMatrix, WeightBytes, WeightFormat};
 use specula_model::llama::{FeedForward, LayerWeights};
 use specula_model::DenseFfn;
 use specula_model::LlamaModel;
@@ -22,6 +23,32 @@ use std::path::Path;
 
 /// RNG stream of the head's draws, apart from the target's per-completion streams (0, 1, ...).
 const MTP_RNG_STREAM: u64 = 0x6D74_7000;
+
+/// How the head's matrices are held in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadWeights {
+    /// As the file stores them (F32/F16/BF16, through the float kernels).
+    AsStored,
+    /// Requantized to Q8_0 at load (matrices whose width is a multiple of 32; others stay as
+    /// stored), through the int8 kernels: the shipped F16 head's k draft steps cost a quarter to a
+    /// half of a target step at batch 1 from F16, about half that from Q8_0, and the drafts barely
+    /// change (heads/README.md). Verification keeps the output exact whatever the head drafts.
+    Q8_0,
+}
+
+/// `m` (a float matrix) as Q8_0, or `m` itself where its rows are not whole Q8_0 blocks.
+fn requantize_q8_0(m: &QMatrix) -> Result<QMatrix, specula_kernels::KernelError> {
+    if m.cols % QK != 0 {
+        return Ok(m.clone());
+    }
+    let mut row = vec![0f32; m.cols];
+    let mut bytes = Vec::with_capacity(m.rows * WeightFormat::Q8_0.row_bytes(m.cols));
+    for r in 0..m.rows {
+        m.dequantize_row_into(r, &mut row);
+        bytes.extend(quantize_row(WeightFormat::Q8_0, &row));
+    }
+    QMatrix::new(WeightFormat::Q8_0, m.rows, m.cols, WeightBytes::owned(bytes), "mtp head (Q8_0)")
+}
 
 /// A loaded head, checked against the target it will draft for.
 pub struct MtpHead {
@@ -39,8 +66,14 @@ pub struct MtpHead {
 
 impl MtpHead {
     /// Loads `path` and checks it fits `target`: format, hidden size, vocabulary, fingerprint,
-    /// every tensor's shape and type, and `d2t`/`t2d`.
+    /// every tensor's shape and type, and `d2t`/`t2d`. The matrices are requantized to Q8_0
+    /// (see [`HeadWeights`]).
     pub fn load(path: &Path, target: &LlamaModel) -> Result<Self, SpecError> {
+        Self::load_with(path, target, HeadWeights::Q8_0)
+    }
+
+    /// [`MtpHead::load`] with the matrices kept as stored or requantized.
+    pub fn load_with(path: &Path, target: &LlamaModel, weights: HeadWeights) -> Result<Self, SpecError> {
         let file = HeadFile::open(path)?;
         let c = file.config.clone();
         let t = &target.config;
@@ -63,18 +96,25 @@ impl MtpHead {
         }
         let (h, qw, kvw, ff) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn);
         let k = file.len_of(fmt::D2T).ok_or_else(|| err(format!("tensor '{}' is missing", fmt::D2T)))?;
-        let fc = file.matrix(fmt::FC, h, 2 * h)?;
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<QMatrix, SpecError> {
+            let m = file.matrix(name, rows, cols)?;
+            match weights {
+                HeadWeights::AsStored => Ok(m),
+                HeadWeights::Q8_0 => requantize_q8_0(&m).map_err(|e| err(format!("tensor '{name}': {e}"))),
+            }
+        };
+        let fc = matrix(fmt::FC, h, 2 * h)?;
         let layer = LayerWeights {
             attn_norm: file.vector(fmt::ATTN_NORM, h)?,
-            wq: file.matrix(fmt::ATTN_Q, qw, h)?,
-            wk: file.matrix(fmt::ATTN_K, kvw, h)?,
-            wv: file.matrix(fmt::ATTN_V, kvw, h)?,
-            wo: file.matrix(fmt::ATTN_OUTPUT, h, qw)?,
+            wq: matrix(fmt::ATTN_Q, qw, h)?,
+            wk: matrix(fmt::ATTN_K, kvw, h)?,
+            wv: matrix(fmt::ATTN_V, kvw, h)?,
+            wo: matrix(fmt::ATTN_OUTPUT, h, qw)?,
             ffn_norm: file.vector(fmt::FFN_NORM, h)?,
-            ffn: FeedForward::Dense(DenseFfn { gate: file.matrix(fmt::FFN_GATE, ff, h)?, up: file.matrix(fmt::FFN_UP, ff, h)?, down: file.matrix(fmt::FFN_DOWN, h, ff)? }),
+            ffn: FeedForward::Dense(DenseFfn { gate: matrix(fmt::FFN_GATE, ff, h)?, up: matrix(fmt::FFN_UP, ff, h)?, down: matrix(fmt::FFN_DOWN, h, ff)? }),
         };
         let norm = file.vector(fmt::NORM, h)?;
-        let lm_head = file.matrix(fmt::LM_HEAD, k, h)?;
+        let lm_head = matrix(fmt::LM_HEAD, k, h)?;
         let vocab = Self::vocab_map(&file, k, path)?;
         let rope = Rope::new(c.head_dim, c.head_dim, c.rope_theta, 1.0, None, true);
         Ok(Self { config: c, fc, layer, norm, lm_head, vocab, rope })
@@ -198,6 +238,11 @@ impl MtpProposer {
         Ok(Self::new(MtpHead::load(path, target)?, target))
     }
 
+    /// [`MtpProposer::load`] with the head's matrices as `weights` says.
+    pub fn load_with(path: &Path, target: &LlamaModel, weights: HeadWeights) -> Result<Self, SpecError> {
+        Ok(Self::new(MtpHead::load_with(path, target, weights)?, target))
+    }
+
     pub fn head(&self) -> &MtpHead {
         &self.head
     }
@@ -227,6 +272,23 @@ impl Proposer for MtpProposer {
 
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let _span = tracing::trace_span!("mtp_propose", seqs = reqs.len()).entered();
+        // one entry into the pool for the whole proposal, not one per chain step: each entry may
+        // land on another worker, whose kernel helpers then spin beside the last one's
+        pool.install(|| self.propose_here(reqs))
+    }
+
+    fn remove(&mut self, seq: SeqId) {
+        self.rngs.remove(&seq);
+    }
+
+    fn needs_hidden(&self) -> bool {
+        true
+    }
+}
+
+impl MtpProposer {
+    /// `propose`, on the current thread (inside the compute pool).
+    fn propose_here(&mut self, reqs: &[DraftRequest]) -> Result<Vec<Draft>, SpecError> {
         let c = self.head.config.clone();
         let h = c.target_hidden;
         let kd = self.head.vocab.draft_vocab();
@@ -262,8 +324,7 @@ impl Proposer for MtpProposer {
                 self.embed.dequantize_row_into(ch.token as usize, &mut row[..h]);
                 row[h..].copy_from_slice(&ch.hidden);
             }
-            let head = &self.head;
-            let (hidden, logits) = pool.install(|| head.step(&input, pos, &mut kv, &blocks));
+            let (hidden, logits) = self.head.step(&input, pos, &mut kv, &blocks);
             let (mut next_chains, mut next_blocks) = (Vec::new(), Vec::new());
             for (j, mut ch) in chains.into_iter().enumerate() {
                 let r = &reqs[ch.req];
@@ -293,13 +354,5 @@ impl Proposer for MtpProposer {
             blocks = next_blocks;
         }
         Ok(drafts)
-    }
-
-    fn remove(&mut self, seq: SeqId) {
-        self.rngs.remove(&seq);
-    }
-
-    fn needs_hidden(&self) -> bool {
-        true
     }
 }

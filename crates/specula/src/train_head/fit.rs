@@ -513,7 +513,7 @@ fn fresh_head(train: &Data, target: &LlamaModel, k: usize, seed: u64) -> Result<
 
 /// The weights and vocabulary of an existing head file for `target` (checked like at serving).
 fn load_head_weights(path: &Path, target: &LlamaModel) -> Result<(HeadConfig, HeadWeightsF32)> {
-    specula_engine::spec::mtp::MtpHead::load(path, target)?;
+    specula_engine::spec::mtp::MtpHead::load_with(path, target, specula_engine::spec::mtp::HeadWeights::AsStored)?;
     let file = fmt::HeadFile::open(path)?;
     let c = file.config.clone();
     let (h, qw, kvw, ff) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn);
@@ -585,7 +585,8 @@ mod tests {
         let (cfg, w) = fmt::random_head(&target, 40, 9).unwrap();
         let head_path = dir.path().join("head.safetensors");
         fmt::save_head(&head_path, &w, &cfg, StoredDtype::F32).unwrap();
-        let mut proposer = MtpProposer::load(&head_path, &target).unwrap();
+        // the file's weights as stored (the default requantizes them to Q8_0 for speed)
+        let mut proposer = MtpProposer::load_with(&head_path, &target, specula_engine::spec::mtp::HeadWeights::AsStored).unwrap();
         let h = cfg.target_hidden;
         let hidden: Vec<f32> = (0..h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.4).collect();
         let tokens = [1u32, 5, w.d2t[3]];
