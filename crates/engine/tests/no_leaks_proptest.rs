@@ -1,6 +1,7 @@
 //! DESIGN.md invariant 4 under random traffic: any interleaving of submissions (valid or not),
 //! steps, aborts and client disconnects against a small KV pool, with or without speculative
-//! decoding, never leaks a block (target or draft KV) and never starves a request.
+//! decoding, with or without async scheduling, never leaks a block (target or draft KV) and never
+//! starves a request.
 
 mod common;
 
@@ -47,7 +48,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
     #[test]
-    fn random_traffic_on_a_small_pool_never_leaks_or_starves(ops in prop::collection::vec(op(), 1..60), prefix_caching in any::<bool>(), spec in spec()) {
+    fn random_traffic_on_a_small_pool_never_leaks_or_starves(ops in prop::collection::vec(op(), 1..60), prefix_caching in any::<bool>(), spec in spec(), async_scheduling in any::<bool>()) {
         // 20 blocks of 8 = 160 tokens: two long requests exhaust it; preemption is routine
         let cfg = EngineConfig {
             max_num_seqs: 4,
@@ -57,6 +58,7 @@ proptest! {
             num_kv_blocks: 20,
             enable_prefix_caching: prefix_caching,
             threads: 1,
+            async_scheduling,
             ..Default::default()
         };
         let model = TinyModel::new();
