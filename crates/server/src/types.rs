@@ -162,19 +162,23 @@ impl Usage {
     }
 }
 
-/// `text_completion` object: the whole response, or one streamed chunk.
+/// The envelope every response object shares (`text_completion`, `chat.completion`,
+/// `chat.completion.chunk`), over its kind of choice.
 #[derive(Debug, Clone, Serialize)]
-pub struct CompletionResponse {
+pub struct ResponseObject<C> {
     pub id: String,
     pub object: &'static str,
     pub created: u64,
     pub model: String,
-    pub choices: Vec<CompletionChoice>,
-    /// Non-streaming: always present. Streaming: absent, or (with `include_usage`) null on every
-    /// chunk but the last.
+    pub choices: Vec<C>,
+    /// A whole response: always present. A stream: absent, or (with `include_usage`) null on
+    /// every chunk but the last.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<Usage>>,
 }
+
+/// `text_completion` object: the whole response, or one streamed chunk.
+pub type CompletionResponse = ResponseObject<CompletionChoice>;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct CompletionChoice {
@@ -219,15 +223,7 @@ impl CompletionLogprobs {
 }
 
 /// `chat.completion` (whole response).
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatCompletionResponse {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChoice>,
-    pub usage: Usage,
-}
+pub type ChatCompletionResponse = ResponseObject<ChatChoice>;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatChoice {
@@ -244,17 +240,7 @@ pub struct ResponseMessage {
 }
 
 /// `chat.completion.chunk` (one streamed chunk).
-#[derive(Debug, Clone, Serialize)]
-pub struct ChatCompletionChunk {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub choices: Vec<ChatChunkChoice>,
-    /// As in [`CompletionResponse::usage`] for streams.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<Usage>>,
-}
+pub type ChatCompletionChunk = ResponseObject<ChatChunkChoice>;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatChunkChoice {

@@ -134,7 +134,7 @@ impl ChatChunks {
             created: self.created,
             model: self.model,
             choices,
-            usage: Usage::new(prompt_tokens, completion_tokens),
+            usage: Some(Some(Usage::new(prompt_tokens, completion_tokens))),
         }
     }
 }
