@@ -119,6 +119,14 @@ impl Engine {
             .build()
             .map_err(|e| EngineError::ThreadPool(e.to_string()))?;
         let runner = if cfg.async_scheduling { Some(AsyncRunner::new("specula-host").map_err(|e| EngineError::ThreadPool(e.to_string()))?) } else { None };
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        if cfg.async_scheduling && cfg.threads >= cores {
+            tracing::warn!(
+                "--async-scheduling with {} compute threads on {cores} cores: the host worker has no core of its own and preempts a compute thread every step, which can cost more than it saves; leave a core free (--threads {})",
+                cfg.threads,
+                cores.saturating_sub(1).max(1)
+            );
+        }
         tracing::info!(
             kv_tokens = cfg.num_kv_blocks * cfg.block_size,
             kv_mb = KvStore::bytes_per_token(c.n_layers, &layout) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
