@@ -163,6 +163,41 @@ fn no_hidden_state_or_no_room_means_no_proposal() {
     assert_eq!(drafts[2].tokens.len(), 3);
 }
 
+/// The confidence gate: a greedy chain ends at the first draft the head gives less than the gate
+/// (softmax at temperature 1), so a gated chain is a prefix of the ungated one, shorter for some
+/// sequences; sampled drafts are not gated.
+#[test]
+fn greedy_drafts_end_where_the_head_is_unsure_and_sampled_ones_do_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&tiny_model(dir.path(), 7));
+    let path = dir.path().join("head.safetensors");
+    write_random_head(&path, &t, 64, 8).unwrap();
+    let greedy = SamplingParams::greedy(64);
+    let sampled = SamplingParams { temperature: 1.0, seed: Some(2), ..SamplingParams::default() };
+    let h: Vec<Vec<f32>> = (0..12).map(|i| hidden(t.config.hidden_size, 700 + i)).collect();
+    let toks: Vec<Vec<u32>> = (0..12).map(|i| vec![2, 11 * i as u32 + 1]).collect();
+    fn reqs<'a>(toks: &'a [Vec<u32>], h: &'a [Vec<f32>], params: &'a SamplingParams) -> Vec<DraftRequest<'a>> {
+        (0..toks.len()).map(|i| request(i as u64, &toks[i], 4, params, Some(&h[i]))).collect()
+    }
+    let (greedy, sampled) = (&greedy, &sampled);
+    let full = MtpProposer::load(&path, &t).unwrap().propose(&reqs(&toks, &h, greedy), &pool()).unwrap();
+    let mut shorter = 0;
+    for gate in [0.02f32, 0.05, 0.2] {
+        let gated = MtpProposer::load(&path, &t).unwrap().with_min_confidence(gate).propose(&reqs(&toks, &h, greedy), &pool()).unwrap();
+        for (f, g) in full.iter().zip(&gated) {
+            assert_eq!(f.tokens.len(), 4);
+            assert!(f.tokens.starts_with(&g.tokens), "the gate only ends a chain early: {:?} vs {:?}", g.tokens, f.tokens);
+            shorter += usize::from(g.tokens.len() < 4);
+        }
+    }
+    assert!(shorter > 0, "a random head should be unsure somewhere");
+    // never confident enough: no greedy drafts at all; sampled drafts keep their length
+    let none = MtpProposer::load(&path, &t).unwrap().with_min_confidence(1.01).propose(&reqs(&toks, &h, greedy), &pool()).unwrap();
+    assert!(none.iter().all(|d| d.tokens.is_empty()));
+    let s = MtpProposer::load(&path, &t).unwrap().with_min_confidence(1.01).propose(&reqs(&toks, &h, sampled), &pool()).unwrap();
+    assert!(s.iter().all(|d| d.tokens.len() == 4));
+}
+
 /// A sequence's drafts depend on its own tokens and hidden state only, not on its batch.
 #[test]
 fn a_sequences_drafts_do_not_depend_on_the_batch() {

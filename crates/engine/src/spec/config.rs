@@ -42,6 +42,11 @@ pub struct SpecConfig {
     /// With `adaptive`, at most this many tokens (drafts and the token after them) verified per
     /// step: k shrinks as the batch grows.
     pub max_step_tokens_for_speculation: usize,
+    /// With `adaptive`, an mtp head's greedy draft ends at the first token the head itself gives
+    /// less than this probability (softmax at temperature 1; 0 = never). On the held-out chat
+    /// prompts 0.5 raised the accepted share of drafts from 0.45 to 0.6 for about as many
+    /// verified tokens (heads/README.md).
+    pub mtp_min_confidence: f32,
 }
 
 /// Largest k accepted: verification cost grows with k and acceptance decays geometrically.
@@ -59,6 +64,7 @@ impl SpecConfig {
             adaptive: true,
             max_batch_for_speculation: 8,
             max_step_tokens_for_speculation: 8,
+            mtp_min_confidence: 0.5,
         }
     }
 

@@ -82,7 +82,9 @@ pub fn build_proposer<'a>(cfg: &SpecConfig, target: impl Into<ProposerTarget<'a>
             let ProposerTarget::Model(model) = target else {
                 return Err(SpecError::Config("the mtp proposer reads the target's weights: build it from the loaded target model, not only its config".into()));
             };
-            Ok(Box::new(mtp::MtpProposer::load(path, model)?))
+            // without adaptive speculation every step drafts exactly k
+            let gate = if cfg.adaptive { cfg.mtp_min_confidence } else { 0.0 };
+            Ok(Box::new(mtp::MtpProposer::load(path, model)?.with_min_confidence(gate)))
         }
     }
 }

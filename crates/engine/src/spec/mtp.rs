@@ -195,6 +195,17 @@ impl MtpHead {
     }
 }
 
+/// softmax(row)[i] (temperature 1).
+fn confidence(row: &[f32], i: usize) -> f32 {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let z: f32 = row.iter().map(|&x| (x - m).exp()).sum();
+    if z > 0.0 && z.is_finite() {
+        (row[i] - m).exp() / z
+    } else {
+        0.0
+    }
+}
+
 /// Bytes of the weights a dense layer's matmuls read per token; None for a mixture of experts.
 fn layer_bytes(l: &LayerWeights) -> Option<usize> {
     let FeedForward::Dense(f) = &l.ffn else { return None };
@@ -228,6 +239,9 @@ struct Chain {
 
 pub struct MtpProposer {
     head: MtpHead,
+    /// Greedy drafts stop at the first token whose softmax probability under the head (at
+    /// temperature 1) is below this (0: never).
+    min_confidence: f32,
     /// Bytes of weights one draft step reads relative to a plain target step (None when the
     /// target's per-token weights depend on routing: mixture-of-experts).
     weight_share: Option<f64>,
@@ -245,12 +259,18 @@ impl MtpProposer {
             (Some(h), Some(t)) if t > 0 => Some(h as f64 / t as f64),
             _ => None,
         };
-        Self { head, weight_share, embed: target.embed.clone(), rngs: HashMap::new() }
+        Self { head, min_confidence: 0.0, weight_share, embed: target.embed.clone(), rngs: HashMap::new() }
     }
 
     /// Loads the head at `path` for `target` (see [`MtpHead::load`]).
     pub fn load(path: &Path, target: &LlamaModel) -> Result<Self, SpecError> {
         Ok(Self::new(MtpHead::load(path, target)?, target))
+    }
+
+    /// Greedy drafts end at the first token the head gives less than `p` (see the field).
+    pub fn with_min_confidence(mut self, p: f32) -> Self {
+        self.min_confidence = p;
+        self
     }
 
     /// [`MtpProposer::load`] with the head's matrices as `weights` says.
@@ -359,6 +379,10 @@ impl MtpProposer {
                         None
                     }
                 };
+                // greedy: a draft the head itself doubts is not worth verifying; the chain ends
+                if r.params.is_greedy() && self.min_confidence > 0.0 && d.is_some_and(|d| confidence(row, d as usize) < self.min_confidence) {
+                    continue;
+                }
                 let Some(tok) = d.and_then(|d| self.head.vocab.d2t(d)) else { continue };
                 drafts[ch.req].tokens.push(tok);
                 if let Some(q) = drafts[ch.req].probs.as_mut() {
