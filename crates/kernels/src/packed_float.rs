@@ -192,18 +192,25 @@ mod tests {
     use crate::formats::quantize_row;
     use rand::{Rng, SeedableRng};
 
+    /// A random `rows x cols` matrix in format `f` (its raw rows and its packed form) and
+    /// `n` activation rows.
+    fn random_case(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: usize, n: usize) -> (Vec<u8>, PackedFloat, Vec<Vec<f32>>) {
+        let mut raw = Vec::new();
+        for _ in 0..rows {
+            let row: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            raw.extend(quantize_row(f, &row));
+        }
+        let p = PackedFloat::pack(f, rows, cols, &raw).unwrap();
+        let xs = (0..n).map(|_| (0..cols).map(|_| rng.gen_range(-2.0f32..2.0)).collect()).collect();
+        (raw, p, xs)
+    }
+
     #[test]
     fn packed_float_matches_the_float_dot_and_does_not_depend_on_the_batch() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(4);
         let (rows, cols) = (13, 40);
         for f in [WeightFormat::F16, WeightFormat::BF16, WeightFormat::F32] {
-            let mut raw = Vec::new();
-            for _ in 0..rows {
-                let row: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-                raw.extend(quantize_row(f, &row));
-            }
-            let p = PackedFloat::pack(f, rows, cols, &raw).unwrap();
-            let xs: Vec<Vec<f32>> = (0..4).map(|_| (0..cols).map(|_| rng.gen_range(-2.0f32..2.0)).collect()).collect();
+            let (raw, p, xs) = random_case(&mut rng, f, rows, cols, 4);
             for g in 0..2 {
                 let four = p.dot_group::<4>(g, [&xs[0], &xs[1], &xs[2], &xs[3]]);
                 for (n, x) in xs.iter().enumerate() {
@@ -230,13 +237,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
         let (rows, cols) = (40, 72);
         for f in [WeightFormat::F16, WeightFormat::BF16, WeightFormat::F32] {
-            let mut raw = Vec::new();
-            for _ in 0..rows {
-                let row: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-                raw.extend(quantize_row(f, &row));
-            }
-            let p = PackedFloat::pack(f, rows, cols, &raw).unwrap();
-            let xs: Vec<Vec<f32>> = (0..3).map(|_| (0..cols).map(|_| rng.gen_range(-2.0f32..2.0)).collect()).collect();
+            let (raw, p, xs) = random_case(&mut rng, f, rows, cols, 3);
             // the documented arithmetic: acc = fma(w[c], x[c], acc) over c in order, per row
             let reference = |r: usize, x: &[f32]| {
                 let mut w = vec![0f32; cols];
