@@ -255,19 +255,25 @@ impl Engine {
         let t = Instant::now();
         let prepared = host.prepare(plan);
         stats.timings.prepare = t.elapsed();
-        let Some(p) = prepared else {
-            self.idle();
-            return stats;
-        };
-        let (plan, job) = self.finalize(p, &mut stats);
-        if plan.is_empty() {
-            return stats;
+        match prepared {
+            Some(p) => stats.num_emitted = self.run_prepared(p, &mut stats),
+            None => self.idle(),
         }
-        let done = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {});
-        let t = Instant::now();
-        stats.num_emitted = self.host_mut().complete(done, None);
-        stats.timings.update = t.elapsed();
         stats
+    }
+
+    /// Settles, computes and applies a prepared step on this thread (synchronous scheduling).
+    /// Returns the tokens streamed.
+    fn run_prepared(&mut self, p: PreparedStep, stats: &mut StepStats) -> usize {
+        let (plan, job) = self.finalize(p, stats);
+        if plan.is_empty() {
+            return 0;
+        }
+        let done = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, stats, || {});
+        let t = Instant::now();
+        let emitted = self.host_mut().complete(done, None);
+        stats.timings.update = t.elapsed();
+        emitted
     }
 
     /// Runs a scheduled plan to the end: prepare, compute, update. The data-parallel lockstep
@@ -275,18 +281,7 @@ impl Engine {
     /// plan's requests. Returns the tokens streamed.
     pub(crate) fn run_plan(&mut self, plan: &StepPlan) -> usize {
         let mut stats = StepStats::default();
-        let emitted = match self.host_mut().prepare(plan.clone()) {
-            Some(p) => {
-                let (plan, job) = self.finalize(p, &mut stats);
-                if plan.is_empty() {
-                    0
-                } else {
-                    let done = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {});
-                    self.host_mut().complete(done, None)
-                }
-            }
-            None => 0,
-        };
+        let emitted = self.host_mut().prepare(plan.clone()).map_or(0, |p| self.run_prepared(p, &mut stats));
         self.forget_removed();
         emitted
     }
@@ -454,7 +449,7 @@ impl Engine {
         match cmd {
             EngineCommand::Submit(req) => {
                 if shutdown_at.is_some() {
-                    self.host().counters.waiting.fetch_sub(1, Ordering::Relaxed);
+                    self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
                     let _ = req.events.send(RequestEvent::Failed { message: "the server is shutting down".into() });
                 } else {
                     self.add_request(req);
