@@ -6,7 +6,10 @@
 //! and the target's top tokens and probabilities there (the training labels).
 //!
 //! Output: `DIR/{train,heldout}-NNNN.safetensors` shards (resumable: a finished shard is kept),
-//! `DIR/heldout-prompts.txt`. Shard tensors, R rows, S sequences:
+//! `DIR/heldout-prompts.txt`. `--answer-pass N` (N >= 1) answers the same training prompts again
+//! with a seed stream of its own into `DIR/train-pN-NNNN.safetensors`, beside the pass-0 shards,
+//! which it never touches (no held-out shards: those stay the greedy pass-0 answers); `fit` reads
+//! every `train-*` shard. Shard tensors, R rows, S sequences:
 //! `hidden [R, H] F16`, `next_token [R] I32` (-1 on each sequence's last row), `top_ids [R, T] I32`,
 //! `top_probs [R, T] F32`, `seq_offsets [S + 1] I64` (row ranges of the sequences).
 
@@ -46,6 +49,10 @@ pub struct DataArgs {
     pub shard_size: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// 0: the first answers (train-NNNN and heldout-NNNN shards). N >= 1: further sampled answers
+    /// to the same training prompts, seeded apart from every other pass, as train-pN-NNNN shards.
+    #[arg(long, default_value_t = 0)]
+    pub answer_pass: u32,
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -71,7 +78,9 @@ pub fn run(a: DataArgs) -> Result<()> {
     if train.len() < a.num_prompts {
         tracing::warn!("the training split has only {} prompts (asked for {})", train.len(), a.num_prompts);
     }
-    std::fs::write(a.out.join("heldout-prompts.txt"), held.iter().map(|p| format!("{}\n", p.replace('\n', " "))).collect::<String>())?;
+    if a.answer_pass == 0 {
+        std::fs::write(a.out.join("heldout-prompts.txt"), held.iter().map(|p| format!("{}\n", p.replace('\n', " "))).collect::<String>())?;
+    }
 
     let cfg = EngineConfig {
         max_num_seqs: a.shard_size.max(1),
@@ -88,8 +97,10 @@ pub fn run(a: DataArgs) -> Result<()> {
     let (handle, join) = spawn_engine(loaded.model, tokenizer.clone(), cfg, None)?;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
 
-    let jobs: Vec<(Split, usize, &[String])> = held
-        .chunks(a.shard_size.max(1))
+    // later answer passes add training answers only: the held-out set stays the pass-0 one
+    let held_jobs = if a.answer_pass == 0 { held.chunks(a.shard_size.max(1)).collect() } else { Vec::new() };
+    let jobs: Vec<(Split, usize, &[String])> = held_jobs
+        .into_iter()
         .enumerate()
         .map(|(i, c)| (Split::HeldOut, i, c))
         .chain(train.chunks(a.shard_size.max(1)).enumerate().map(|(i, c)| (Split::Train, i, c)))
@@ -97,7 +108,7 @@ pub fn run(a: DataArgs) -> Result<()> {
     let bar = ProgressBar::new(jobs.iter().map(|j| j.2.len() as u64).sum());
     bar.set_style(ProgressStyle::with_template("{msg} [{elapsed_precise}] {wide_bar} {pos}/{len} prompts (eta {eta})")?);
     for (split, index, batch) in jobs {
-        let name = shard_path(&a.out, split, index);
+        let name = shard_path(&a.out, split, a.answer_pass, index);
         if name.exists() && Shard::read(&name).is_ok() {
             bar.inc(batch.len() as u64);
             continue;
@@ -110,7 +121,7 @@ pub fn run(a: DataArgs) -> Result<()> {
             let prompt = render(p)?;
             let params = SamplingParams {
                 temperature: if split == Split::Train { a.temperature } else { 0.0 },
-                seed: Some(a.seed.wrapping_mul(1_000_003).wrapping_add((first_prompt + j) as u64)),
+                seed: Some(request_seed(a.seed, a.answer_pass, first_prompt + j)),
                 max_tokens: a.max_tokens,
                 ..Default::default()
             };
@@ -146,8 +157,32 @@ pub fn split_name(s: Split) -> &'static str {
     }
 }
 
-pub fn shard_path(dir: &Path, split: Split, index: usize) -> PathBuf {
-    dir.join(format!("{}-{index:04}.safetensors", split_name(split)))
+/// `DIR/train-0003.safetensors` for pass 0, `DIR/train-p2-0003.safetensors` for pass 2.
+pub fn shard_path(dir: &Path, split: Split, pass: u32, index: usize) -> PathBuf {
+    if pass == 0 {
+        dir.join(format!("{}-{index:04}.safetensors", split_name(split)))
+    } else {
+        dir.join(format!("{}-p{pass}-{index:04}.safetensors", split_name(split)))
+    }
+}
+
+/// The sampling seed of prompt `prompt_index`'s answer in answer pass `pass`. Pass 0 keeps the
+/// seeds the first shards were made with; a later pass mixes the pass into them (splitmix64), so
+/// its answers are drawn apart from every other pass's.
+pub fn request_seed(seed: u64, pass: u32, prompt_index: usize) -> u64 {
+    let base = seed.wrapping_mul(1_000_003).wrapping_add(prompt_index as u64);
+    if pass == 0 {
+        base
+    } else {
+        splitmix64(base ^ splitmix64(u64::from(pass)))
+    }
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 fn collect_answer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) -> Result<Vec<u32>> {
@@ -205,6 +240,26 @@ fn top_probs(row: &[f32]) -> TopTokens {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn answer_passes_have_their_own_shard_names_and_seeds() {
+        let d = Path::new("data");
+        assert_eq!(shard_path(d, Split::Train, 0, 3), PathBuf::from("data/train-0003.safetensors"));
+        assert_eq!(shard_path(d, Split::HeldOut, 0, 0), PathBuf::from("data/heldout-0000.safetensors"));
+        assert_eq!(shard_path(d, Split::Train, 2, 17), PathBuf::from("data/train-p2-0017.safetensors"));
+        // pass 0 keeps the formula the shipped head's shards were made with
+        assert_eq!(request_seed(1, 0, 5), 1_000_008);
+        assert_eq!(request_seed(7, 0, 0), 7_000_021);
+        // every (pass, prompt) of a run draws with its own seed, the same one on every run
+        let mut seen = std::collections::HashSet::new();
+        for pass in 0..6 {
+            for i in 0..4096 {
+                assert!(seen.insert(request_seed(1, pass, i)), "pass {pass} prompt {i} repeats a seed");
+            }
+        }
+        assert_eq!(request_seed(1, 3, 100), request_seed(1, 3, 100));
+        assert_ne!(request_seed(1, 1, 100), request_seed(2, 1, 100));
+    }
 
     #[test]
     fn top_probs_are_sorted_softmax_values() {

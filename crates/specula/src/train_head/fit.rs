@@ -34,8 +34,14 @@ pub struct FitArgs {
     #[arg(long, default_value = "target/mtp-head.safetensors")]
     pub out: PathBuf,
     /// Size K of the pruned vocabulary (the K most frequent target tokens of the training data).
+    /// With `--init` it applies only together with `--revocab`.
     #[arg(long, default_value_t = 6144)]
     pub draft_vocab: usize,
+    /// With `--init`: recompute the pruned vocabulary (`--draft-vocab` tokens) over all the
+    /// training data instead of keeping the init head's. Tokens the init head had keep its
+    /// lm_head rows; new ones start from the target's lm_head rows, as a fresh head does.
+    #[arg(long, default_value_t = false)]
+    pub revocab: bool,
     #[arg(long, default_value_t = 3)]
     pub epochs: usize,
     /// Chains per optimiser step (candle's CPU matmuls want wide batches: 256 runs about twice
@@ -69,6 +75,11 @@ pub struct FitArgs {
     /// Stop an epoch after this many batches (0 = the whole data; for quick runs).
     #[arg(long, default_value_t = 0)]
     pub max_batches: usize,
+    /// Also measure the held-out acceptance and write the head (NAME.epochE.batchN.safetensors)
+    /// every N batches inside an epoch (0 = only at the end of each epoch), so a run stopped
+    /// mid-epoch still leaves its best head so far; these heads compete for the final file too.
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 }
@@ -233,15 +244,8 @@ struct Data {
 
 impl Data {
     fn load(dir: &Path, prefix: &str, fingerprint: &str) -> Result<Self> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .with_context(|| format!("cannot read {} (run `specula train-head data` first)", dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix) && n.ends_with(".safetensors")))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            bail!("no {prefix}-*.safetensors shards in {}", dir.display());
-        }
+        let files = shard_files(dir, prefix)?;
+        eprintln!("{prefix}*: {} shards", files.len());
         let mut shard: Option<Shard> = None;
         for f in &files {
             let s = Shard::read(f)?;
@@ -262,6 +266,21 @@ impl Data {
     fn token(&self, r: usize, j: usize) -> Option<u32> {
         self.shard.next_token.get(r + j).and_then(|&t| u32::try_from(t).ok())
     }
+}
+
+/// Every `PREFIX*.safetensors` shard of `dir`, sorted: for "train-" the pass-0 shards and those
+/// of every later answer pass (`train-pN-NNNN`).
+fn shard_files(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("cannot read {} (run `specula train-head data` first)", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix) && n.ends_with(".safetensors")))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!("no {prefix}*.safetensors shards in {}", dir.display());
+    }
+    Ok(files)
 }
 
 /// Inputs of one batch for `steps` chain steps (masked where a sequence ends).
@@ -386,7 +405,15 @@ pub fn run(a: FitArgs) -> Result<()> {
     );
     let v = target.config.vocab_size;
     let (cfg, w) = match &a.init {
-        Some(path) => load_head_weights(path, &target)?,
+        Some(path) => {
+            let (cfg, mut w) = load_head_weights(path, &target)?;
+            if a.revocab {
+                let d2t = pruned_vocab(&train, a.draft_vocab.min(v), v);
+                let kept = revocab(&mut w, d2t, &target);
+                eprintln!("pruned vocabulary recomputed: {} tokens, {kept} of them kept from {}", w.d2t.len(), path.display());
+            }
+            (cfg, w)
+        }
         None => fresh_head(&train, &target, a.draft_vocab.min(v), a.seed)?,
     };
     let d2t = w.d2t.clone();
@@ -417,11 +444,22 @@ pub fn run(a: FitArgs) -> Result<()> {
         }
     };
     let (acc0, loss0) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
-    report_eval(0, &acc0, loss0, None);
+    report_eval("0", &acc0, loss0, None);
 
     let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
     let mut order = train.starts.clone();
     let mut best: Option<(f64, PathBuf)> = None;
+    // writes the head to `file` and makes it the output while it is the best so far
+    let mut keep = |file: PathBuf, acc: &[f64]| -> Result<()> {
+        fmt::save_head(&file, &params.to_weights(&d2t)?, &cfg, StoredDtype::F16)?;
+        eprintln!("wrote {}", file.display());
+        let score = 1.0 + acc.iter().take(3).sum::<f64>();
+        if best.as_ref().is_none_or(|(b, _)| score > *b) {
+            std::fs::copy(&file, &a.out).with_context(|| format!("cannot write {}", a.out.display()))?;
+            best = Some((score, file));
+        }
+        Ok(())
+    };
     let mut step = 0;
     for epoch in 1..=a.epochs {
         let started = Instant::now();
@@ -456,18 +494,16 @@ pub fn run(a: FitArgs) -> Result<()> {
             if n % 50 == 0 {
                 eprintln!("epoch {epoch} batch {n}/{batches_per_epoch}: loss {:.4} lr {:.2e}", sum / n as f64, lr_at(step));
             }
+            if a.eval_every > 0 && n % a.eval_every == 0 && n < batches_per_epoch {
+                let (acc, held_loss) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
+                bar.suspend(|| report_eval(&format!("{epoch} batch {n}"), &acc, held_loss, Some((sum / n as f64, started.elapsed().as_secs_f64()))));
+                keep(batch_path(&a.out, epoch, n), &acc)?;
+            }
         }
         bar.finish_and_clear();
         let (acc, held_loss) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
-        report_eval(epoch, &acc, held_loss, Some((sum / n.max(1) as f64, started.elapsed().as_secs_f64())));
-        let file = epoch_path(&a.out, epoch);
-        fmt::save_head(&file, &params.to_weights(&d2t)?, &cfg, StoredDtype::F16)?;
-        eprintln!("wrote {}", file.display());
-        let score = 1.0 + acc.iter().take(3).sum::<f64>();
-        if best.as_ref().is_none_or(|(b, _)| score > *b) {
-            std::fs::copy(&file, &a.out).with_context(|| format!("cannot write {}", a.out.display()))?;
-            best = Some((score, file));
-        }
+        report_eval(&epoch.to_string(), &acc, held_loss, Some((sum / n.max(1) as f64, started.elapsed().as_secs_f64())));
+        keep(epoch_path(&a.out, epoch), &acc)?;
     }
     if let Some((score, file)) = best {
         eprintln!("{} <- {} (held-out tokens per verify step at k=3: {score:.3})", a.out.display(), file.display());
@@ -550,8 +586,35 @@ fn epoch_path(out: &Path, epoch: usize) -> PathBuf {
     out.with_file_name(format!("{stem}.epoch{epoch}.safetensors"))
 }
 
+/// The head written after `batch` batches of epoch `epoch` (`--eval-every`).
+fn batch_path(out: &Path, epoch: usize, batch: usize) -> PathBuf {
+    let stem = out.file_stem().and_then(|s| s.to_str()).unwrap_or("head");
+    out.with_file_name(format!("{stem}.epoch{epoch}.batch{batch}.safetensors"))
+}
+
+/// Gives `w` the pruned vocabulary `d2t`: a token `w` already had keeps its lm_head row, a new one
+/// gets the target's lm_head row (as in a fresh head). Returns how many tokens were kept.
+fn revocab(w: &mut HeadWeightsF32, d2t: Vec<u32>, target: &LlamaModel) -> usize {
+    let h = target.config.hidden_size;
+    let old = fmt::t2d_from_d2t(&w.d2t, target.config.vocab_size);
+    let mut lm_head = vec![0f32; d2t.len() * h];
+    let mut kept = 0;
+    for (row, &t) in lm_head.chunks_exact_mut(h).zip(&d2t) {
+        match usize::try_from(old[t as usize]) {
+            Ok(d) => {
+                row.copy_from_slice(&w.lm_head[d * h..(d + 1) * h]);
+                kept += 1;
+            }
+            Err(_) => target.lm_head.dequantize_row_into(t as usize, row),
+        }
+    }
+    w.lm_head = lm_head;
+    w.d2t = d2t;
+    kept
+}
+
 /// One line per epoch: train loss, held-out loss, acceptance per position, tokens per verify step.
-fn report_eval(epoch: usize, acc: &[f64], held_loss: f64, train: Option<(f64, f64)>) {
+fn report_eval(epoch: &str, acc: &[f64], held_loss: f64, train: Option<(f64, f64)>) {
     let per_k: Vec<String> = (1..=acc.len()).map(|k| format!("k={k}: {:.3}", 1.0 + acc[..k].iter().sum::<f64>())).collect();
     let pos: Vec<String> = acc.iter().map(|a| format!("{a:.3}")).collect();
     let train = train.map_or("-".to_string(), |(l, s)| format!("{l:.4} ({s:.0} s)"));
@@ -563,8 +626,71 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_answer_pass_is_training_data_and_the_held_out_set_stays_apart() {
+        use super::super::data::shard_path;
+        use super::super::prompts::Split;
+        let dir = tempfile::tempdir().unwrap();
+        let names = [
+            shard_path(dir.path(), Split::Train, 0, 0),
+            shard_path(dir.path(), Split::Train, 0, 1),
+            shard_path(dir.path(), Split::Train, 1, 0),
+            shard_path(dir.path(), Split::Train, 12, 3),
+            shard_path(dir.path(), Split::HeldOut, 0, 0),
+        ];
+        for n in names.iter().chain([&dir.path().join("train-0002.tmp"), &dir.path().join("heldout-prompts.txt")]) {
+            std::fs::write(n, b"x").unwrap();
+        }
+        assert_eq!(shard_files(dir.path(), "train-").unwrap(), {
+            let mut v = names[..4].to_vec();
+            v.sort();
+            v
+        });
+        assert_eq!(shard_files(dir.path(), "heldout-").unwrap(), vec![names[4].clone()]);
+        assert!(shard_files(&dir.path().join("none"), "train-").is_err());
+    }
+
+    #[test]
     fn epoch_files_sit_beside_the_output() {
         assert_eq!(epoch_path(Path::new("heads/h.safetensors"), 2), PathBuf::from("heads/h.epoch2.safetensors"));
+        assert_eq!(batch_path(Path::new("heads/h.safetensors"), 2, 300), PathBuf::from("heads/h.epoch2.batch300.safetensors"));
+    }
+
+    /// A recomputed vocabulary keeps the trained rows of the tokens the head had and takes the
+    /// target's rows for the others; the rest of the head is untouched.
+    #[test]
+    fn revocab_keeps_trained_rows_and_takes_the_targets_for_new_tokens() {
+        use specula_model::testing::{write_tiny_llama, TinySpec};
+        let dir = tempfile::tempdir().unwrap();
+        let model_path = dir.path().join("tiny.gguf");
+        write_tiny_llama(&model_path, &TinySpec { seed: 3, ..Default::default() }).unwrap();
+        let target = load_model(&model_path).unwrap().model;
+        let (_, mut w) = fmt::random_head(&target, 6, 2).unwrap();
+        let h = target.config.hidden_size;
+        let before = w.clone();
+        let had = |t: u32| before.d2t.iter().position(|&x| x == t);
+        let absent: Vec<u32> = (0..target.config.vocab_size as u32).filter(|&t| had(t).is_none()).take(3).collect();
+        let new_d2t = vec![before.d2t[4], absent[0], before.d2t[1], absent[1], absent[2]];
+        assert_eq!(revocab(&mut w, new_d2t.clone(), &target), 2);
+        assert_eq!(w.d2t, new_d2t);
+        assert_eq!(w.lm_head.len(), 5 * h);
+        let mut row = vec![0f32; h];
+        for (d, &t) in new_d2t.iter().enumerate() {
+            let got = &w.lm_head[d * h..(d + 1) * h];
+            match had(t) {
+                Some(old) => assert_eq!(got, &before.lm_head[old * h..(old + 1) * h], "token {t}"),
+                None => {
+                    target.lm_head.dequantize_row_into(t as usize, &mut row);
+                    assert_eq!(got, &row[..], "token {t}");
+                }
+            }
+        }
+        assert_eq!(w.fc, before.fc);
+        assert_eq!(w.ffn_down, before.ffn_down);
+        // a head with the new vocabulary is a valid file the proposer loads
+        let (cfg, _) = fmt::random_head(&target, 6, 2).unwrap();
+        let p = dir.path().join("h.safetensors");
+        fmt::save_head(&p, &w, &cfg, StoredDtype::F32).unwrap();
+        specula_engine::spec::mtp::MtpHead::load_with(&p, &target, specula_engine::spec::mtp::HeadWeights::AsStored).unwrap();
     }
 
     /// The graph trained here must be the computation `spec::mtp` runs: with temperature 1 the
