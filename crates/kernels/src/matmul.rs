@@ -140,6 +140,23 @@ impl GroupKernel for Int8Kernel<'_> {
     unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]) {
         self.p.dot_group_to::<N>(g, std::array::from_fn(|i| self.q.row(b + i)), dst)
     }
+    fn side_by_side(&self, n: usize) -> usize {
+        if PackedInt8::pairs_in_one_pass() && n <= MAX_ACTS {
+            2
+        } else {
+            1
+        }
+    }
+    unsafe fn run_groups<const G: usize, const N: usize>(&self, g: usize, b: usize, dst: [[*mut f32; N]; G]) {
+        let acts = std::array::from_fn(|i| self.q.row(b + i));
+        if G == 2 {
+            self.p.dot_group_pair_to::<N>(g, acts, [dst[0], dst[1]]);
+        } else {
+            for (j, d) in dst.into_iter().enumerate() {
+                self.p.dot_group_to::<N>(g + j, acts, d);
+            }
+        }
+    }
 }
 
 struct FloatKernel<'a> {
@@ -210,8 +227,14 @@ fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usiz
         while side > 1 && g + side <= g_end && (g + side) * GROUP_ROWS <= rows {
             match (side, b1 - b0) {
                 (4, 1) => write_groups::<K, 4, 1>(k, g, b0, optr, rows),
+                (2, 1) => write_groups::<K, 2, 1>(k, g, b0, optr, rows),
                 (2, 2) => write_groups::<K, 2, 2>(k, g, b0, optr, rows),
                 (2, 3) => write_groups::<K, 2, 3>(k, g, b0, optr, rows),
+                (2, 4) => write_groups::<K, 2, 4>(k, g, b0, optr, rows),
+                (2, 5) => write_groups::<K, 2, 5>(k, g, b0, optr, rows),
+                (2, 6) => write_groups::<K, 2, 6>(k, g, b0, optr, rows),
+                (2, 7) => write_groups::<K, 2, 7>(k, g, b0, optr, rows),
+                (2, 8) => write_groups::<K, 2, 8>(k, g, b0, optr, rows),
                 _ => break,
             }
             g += side;
