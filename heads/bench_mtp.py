@@ -7,7 +7,11 @@ step) and writes every run's JSON under --out. Not a test: timings depend on the
     python3 heads/bench_mtp.py --specula target/release/specula --num-prompts 16
     # compare head files in one run (each as mtp(NAME)); --no-adaptive drafts k every step
     python3 heads/bench_mtp.py --methods mtp --head a.safetensors --head b.safetensors --no-adaptive
+    # throughput on a noisy machine: every configuration --repeat times in interleaved rounds,
+    # the table gives the median, the range and the median of the per-round ratios to `none`
+    python3 heads/bench_mtp.py --methods none,ngram,mtp --ks 3 --concurrency 1,8 --repeat 5
 """
+import statistics
 import argparse
 import json
 import os
@@ -64,6 +68,7 @@ def main():
     ap.add_argument("--head", action="append", default=[],
                     help="mtp head file to compare (repeatable; default: the head built into the binary)")
     ap.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (--no-speculative-adaptive)")
+    ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds over all configurations (medians in the table)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -75,7 +80,7 @@ def main():
             configs.extend((f"mtp:{h}", int(k)) for h in a.head for k in a.ks.split(","))
         else:
             configs.extend((method, int(k)) for k in a.ks.split(","))
-    for method, k in configs:
+    for rnd, (method, k) in ((r, c) for r in range(a.repeat) for c in configs):
         cmd = [a.specula, "serve", "--port", str(a.port)]
         if a.threads:
             cmd += ["--threads", str(a.threads)]
@@ -93,7 +98,7 @@ def main():
             wait_ready(a.port, proc)
             for c in a.concurrency.split(","):
                 before = metrics(a.port)
-                label = f"{short(method)}-k{k}-c{c}"
+                label = f"{short(method)}-k{k}-c{c}" + (f"-r{rnd}" if a.repeat > 1 else "")
                 out_json = os.path.join(a.out, f"{label}.json")
                 bench = [a.specula, "bench", "serve", "--base-url", f"http://127.0.0.1:{a.port}", "--endpoint", "/v1/chat/completions",
                          "--dataset", "file", "--dataset-path", a.prompts, "--num-prompts", str(a.num_prompts), "--max-concurrency", c,
@@ -108,18 +113,39 @@ def main():
                 drafts = tot.get("num_drafts", 0)
                 per_pos = [pos[p] / drafts for p in sorted(pos)] if drafts else []
                 mean_len = 1 + tot.get("num_accepted_tokens", 0) / drafts if drafts else None
-                rows.append((short(method), k, int(c), r, per_pos, mean_len, tot))
+                rows.append((rnd, short(method), k, int(c), r, per_pos, mean_len, tot))
                 tps = find(r, "output_throughput")
                 print(f"{label}: {tps:.1f} output tok/s, per position {[round(x, 3) for x in per_pos]}, tokens per verify step {mean_len}", file=sys.stderr)
         finally:
             proc.terminate()
             proc.wait()
-    print("| method | k | concurrency | output tok/s | accepted per position | tokens per verify step | drafts |")
-    print("|---|---|---|---|---|---|---|")
-    for method, k, c, r, per_pos, mean_len, tot in rows:
+    print_table(rows, a.repeat)
+
+
+def print_table(rows, repeat):
+    """One line per configuration; with several rounds the median output tok/s, its range and the
+    median over rounds of the ratio to `none` at the same concurrency (drift hits both alike)."""
+    tps = {}
+    for rnd, method, k, c, r, *_ in rows:
+        tps.setdefault((method, k, c), {})[rnd] = find(r, "output_throughput")
+    print("| method | k | concurrency | output tok/s" + (f" (median of {repeat}, range) | vs none (median ratio)" if repeat > 1 else "")
+          + " | accepted per position | tokens per verify step | drafts |")
+    print("|---|---|---|---|" + ("---|" if repeat > 1 else "") + "---|---|---|")
+    seen = set()
+    for rnd, method, k, c, r, per_pos, mean_len, tot in rows:
+        if (method, k, c) in seen:
+            continue
+        seen.add((method, k, c))
         pp = ", ".join(f"{x:.2f}" for x in per_pos) or "-"
         ml = f"{mean_len:.2f}" if mean_len else "-"
-        print(f"| {method} | {k or '-'} | {c} | {find(r, 'output_throughput'):.1f} | {pp} | {ml} | {int(tot.get('num_drafts', 0))} |")
+        t = tps[(method, k, c)]
+        cell = f"{statistics.median(t.values()):.1f}"
+        if repeat > 1:
+            cell += f" ({min(t.values()):.1f}-{max(t.values()):.1f})"
+            base = tps.get(("none", 0, c), {})
+            ratios = [t[i] / base[i] for i in t if i in base and base[i]]
+            cell += f" | {statistics.median(ratios):.3f}" if ratios and method != "none" else " | -"
+        print(f"| {method} | {k or '-'} | {c} | {cell} | {pp} | {ml} | {int(tot.get('num_drafts', 0))} |")
 
 
 def short(method):
