@@ -140,8 +140,8 @@ impl GroupKernel for Int8Kernel<'_> {
     unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]) {
         self.p.dot_group_to::<N>(g, std::array::from_fn(|i| self.q.row(b + i)), dst)
     }
-    fn side_by_side(&self, n: usize) -> usize {
-        if PackedInt8::pairs_in_one_pass() && n <= MAX_ACTS {
+    fn side_by_side(&self, _n: usize) -> usize {
+        if PackedInt8::pairs_in_one_pass() {
             2
         } else {
             1
@@ -222,20 +222,26 @@ fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usiz
     while b0 < n {
         let b1 = (b0 + BATCH_TILE).min(n);
         let (mut g, g_end) = (r0 / GROUP_ROWS, r1.div_ceil(GROUP_ROWS));
-        // few activation rows: full groups side by side where the kernel wants that
+        // full groups side by side where the kernel wants that, up to eight activation rows a call
         let side = k.side_by_side(b1 - b0);
-        while side > 1 && g + side <= g_end && (g + side) * GROUP_ROWS <= rows {
-            match (side, b1 - b0) {
-                (4, 1) => write_groups::<K, 4, 1>(k, g, b0, optr, rows),
-                (2, 1) => write_groups::<K, 2, 1>(k, g, b0, optr, rows),
-                (2, 2) => write_groups::<K, 2, 2>(k, g, b0, optr, rows),
-                (2, 3) => write_groups::<K, 2, 3>(k, g, b0, optr, rows),
-                (2, 4) => write_groups::<K, 2, 4>(k, g, b0, optr, rows),
-                (2, 5) => write_groups::<K, 2, 5>(k, g, b0, optr, rows),
-                (2, 6) => write_groups::<K, 2, 6>(k, g, b0, optr, rows),
-                (2, 7) => write_groups::<K, 2, 7>(k, g, b0, optr, rows),
-                (2, 8) => write_groups::<K, 2, 8>(k, g, b0, optr, rows),
-                _ => break,
+        'side: while side > 1 && g + side <= g_end && (g + side) * GROUP_ROWS <= rows {
+            let mut b = b0;
+            while b < b1 {
+                let m = (b1 - b).min(8);
+                match (side, m) {
+                    (4, 1) => write_groups::<K, 4, 1>(k, g, b, optr, rows),
+                    (2, 1) => write_groups::<K, 2, 1>(k, g, b, optr, rows),
+                    (2, 2) => write_groups::<K, 2, 2>(k, g, b, optr, rows),
+                    (2, 3) => write_groups::<K, 2, 3>(k, g, b, optr, rows),
+                    (2, 4) => write_groups::<K, 2, 4>(k, g, b, optr, rows),
+                    (2, 5) => write_groups::<K, 2, 5>(k, g, b, optr, rows),
+                    (2, 6) => write_groups::<K, 2, 6>(k, g, b, optr, rows),
+                    (2, 7) => write_groups::<K, 2, 7>(k, g, b, optr, rows),
+                    (2, 8) => write_groups::<K, 2, 8>(k, g, b, optr, rows),
+                    // the kernel has no such call: these groups go one at a time below
+                    _ => break 'side,
+                }
+                b += m;
             }
             g += side;
         }
