@@ -288,6 +288,78 @@ mod x86 {
     const Q4_1: u8 = 1;
     const Q8_0: u8 = 2;
 
+    const fn format_of(f: u8) -> WeightFormat {
+        match f {
+            Q4_0 => WeightFormat::Q4_0,
+            Q4_1 => WeightFormat::Q4_1,
+            _ => WeightFormat::Q8_0,
+        }
+    }
+
+    /// The float lanes of a kernel: 8 (one group) or 16 (two groups), with their i32 sums.
+    trait Lanes: Copy {
+        type Int: Copy;
+        unsafe fn splat(x: f32) -> Self;
+        unsafe fn mul(a: Self, b: Self) -> Self;
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn from_int(i: Self::Int) -> Self;
+    }
+
+    impl Lanes for __m256 {
+        type Int = __m256i;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            _mm256_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn from_int(i: __m256i) -> Self {
+            _mm256_cvtepi32_ps(i)
+        }
+    }
+
+    impl Lanes for __m512 {
+        type Int = __m512i;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn from_int(i: __m512i) -> Self {
+            _mm512_cvtepi32_ps(i)
+        }
+    }
+
+    /// One block's exact integer sums into the float accumulators, in the documented order:
+    /// `acc = fma(d_w * d_a, s, acc)`, then for Q4 `acc = fma(m_w, s_a, acc)` (Q4_0: `m_w = -8 d_w`;
+    /// Q4_1 passes its `m`).
+    #[inline(always)]
+    unsafe fn add_block<L: Lanes, const F: u8, const N: usize>(acc: &mut [L; N], d: L, m: Option<L>, isum: &[L::Int; N], acts: &[&[BlockQ8]; N], b: usize) {
+        let m = if F == Q4_0 { Some(L::mul(d, L::splat(-8.0))) } else { m };
+        for n in 0..N {
+            let ab = acts[n].get_unchecked(b);
+            acc[n] = L::fmadd(L::mul(d, L::splat(ab.d)), L::from_int(isum[n]), acc[n]);
+            if let Some(m) = m {
+                acc[n] = L::fmadd(m, L::splat(ab.s), acc[n]);
+            }
+        }
+    }
+
     /// The kernel for one format (a const parameter, so no format test runs inside the loop).
     #[inline(always)]
     unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(
@@ -296,11 +368,7 @@ mod x86 {
         acts: [&[BlockQ8]; N],
         dst: [*mut f32; N],
     ) {
-        let format = match F {
-            Q4_0 => WeightFormat::Q4_0,
-            Q4_1 => WeightFormat::Q4_1,
-            _ => WeightFormat::Q8_0,
-        };
+        let format = format_of(F);
         let gbb = group_block_bytes(format);
         let qoff = quants_offset(format);
         debug_assert!(group.len() >= blocks * gbb);
@@ -349,17 +417,9 @@ mod x86 {
             }
             let m = match F {
                 Q4_1 => Some(_mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP_ROWS) as *const __m128i))),
-                Q4_0 => Some(_mm256_mul_ps(d, _mm256_set1_ps(-8.0))),
                 _ => None,
             };
-            for n in 0..N {
-                let ab = acts[n].get_unchecked(b);
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab.d));
-                acc[n] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[n]), acc[n]);
-                if let Some(m) = m {
-                    acc[n] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc[n]);
-                }
-            }
+            add_block::<__m256, F, N>(&mut acc, d, m, &isum, &acts, b);
         }
         for n in 0..N {
             // SAFETY: the caller gives N pointers to eight writable floats each.
@@ -379,11 +439,7 @@ mod x86 {
         acts: [&[BlockQ8]; N],
         dst: [[*mut f32; N]; 2],
     ) {
-        let format = match F {
-            Q4_0 => WeightFormat::Q4_0,
-            Q4_1 => WeightFormat::Q4_1,
-            _ => WeightFormat::Q8_0,
-        };
+        let format = format_of(F);
         let gbb = group_block_bytes(format);
         let qoff = quants_offset(format);
         debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
@@ -431,17 +487,9 @@ mod x86 {
             }
             let m = match F {
                 Q4_1 => Some(halves(b0.add(2 * GROUP_ROWS), b1.add(2 * GROUP_ROWS))),
-                Q4_0 => Some(_mm512_mul_ps(d, _mm512_set1_ps(-8.0))),
                 _ => None,
             };
-            for n in 0..N {
-                let ab = acts[n].get_unchecked(b);
-                let scale = _mm512_mul_ps(d, _mm512_set1_ps(ab.d));
-                acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(isum[n]), acc[n]);
-                if let Some(m) = m {
-                    acc[n] = _mm512_fmadd_ps(m, _mm512_set1_ps(ab.s), acc[n]);
-                }
-            }
+            add_block::<__m512, F, N>(&mut acc, d, m, &isum, &acts, b);
         }
         for n in 0..N {
             // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
