@@ -129,8 +129,8 @@ def print_table(rows, repeat):
     for rnd, method, k, c, r, *_ in rows:
         tps.setdefault((method, k, c), {})[rnd] = find(r, "output_throughput")
     print("| method | k | concurrency | output tok/s" + (f" (median of {repeat}, range) | vs none (median ratio)" if repeat > 1 else "")
-          + " | accepted per position | tokens per verify step | drafts |")
-    print("|---|---|---|---|" + ("---|" if repeat > 1 else "") + "---|---|---|")
+          + " | accepted per position | tokens per verify step | drafts | mean draft length |")
+    print("|---|---|---|---|" + ("---|" if repeat > 1 else "") + "---|---|---|---|")
     seen = set()
     for rnd, method, k, c, r, per_pos, mean_len, tot in rows:
         if (method, k, c) in seen:
@@ -145,7 +145,9 @@ def print_table(rows, repeat):
             base = tps.get(("none", 0, c), {})
             ratios = [t[i] / base[i] for i in t if i in base and base[i]]
             cell += f" | {statistics.median(ratios):.3f}" if ratios and method != "none" else " | -"
-        print(f"| {method} | {k or '-'} | {c} | {cell} | {pp} | {ml} | {int(tot.get('num_drafts', 0))} |")
+        drafts = tot.get("num_drafts", 0)
+        mean_k = f"{tot.get('num_draft_tokens', 0) / drafts:.2f}" if drafts else "-"
+        print(f"| {method} | {k or '-'} | {c} | {cell} | {pp} | {ml} | {int(drafts)} | {mean_k} |")
 
 
 def short(method):
