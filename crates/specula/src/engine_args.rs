@@ -79,6 +79,34 @@ pub struct SpecArgs {
     /// sequences, k = 1 for 3 or 4, none for more).
     #[arg(long, default_value_t = 8)]
     pub speculative_max_step_tokens: usize,
+    /// With adaptive speculation, what verifying one more token costs relative to a one-token
+    /// step (the proposer's own cost is added). The default is measured on a 2-core CPU
+    /// (`specula bench offline --verify-curve` and serving); a GPU verifies a few more tokens
+    /// almost for free (try 0.02).
+    #[arg(long, default_value_t = specula_engine::spec::adaptive::VERIFY_COST_PER_TOKEN, value_parser = parse_cost)]
+    pub speculative_verify_cost: f64,
+    /// With adaptive speculation, an mtp head's greedy draft chain ends at the first token the
+    /// head gives less than this probability (0 drafts whatever the head thinks).
+    #[arg(long, default_value_t = 0.5, value_parser = parse_probability)]
+    pub speculative_min_confidence: f32,
+}
+
+fn parse_cost(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if v.is_finite() && (0.0..=10.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not a relative cost in [0, 10]"))
+    }
+}
+
+fn parse_probability(s: &str) -> Result<f32, String> {
+    let v: f32 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not a probability in [0, 1]"))
+    }
 }
 
 impl SpecArgs {
@@ -92,6 +120,8 @@ impl SpecArgs {
         c.adaptive = !self.no_speculative_adaptive;
         c.max_batch_for_speculation = self.speculative_max_batch;
         c.max_step_tokens_for_speculation = self.speculative_max_step_tokens;
+        c.verify_cost_per_token = self.speculative_verify_cost;
+        c.mtp_min_confidence = self.speculative_min_confidence;
         Some(c)
     }
 
@@ -171,5 +201,30 @@ impl EngineArgs {
             async_scheduling: self.async_scheduling,
             ..Default::default()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        spec: SpecArgs,
+    }
+
+    #[test]
+    fn adaptive_cost_and_confidence_flags_reach_the_config_and_are_range_checked() {
+        let cli = Cli::try_parse_from(["x", "--speculative-method", "mtp", "--speculative-verify-cost", "0.02", "--speculative-min-confidence", "0.7"]).unwrap();
+        let c = cli.spec.to_config().unwrap();
+        assert_eq!((c.verify_cost_per_token, c.mtp_min_confidence), (0.02, 0.7));
+        let defaults = Cli::try_parse_from(["x", "--speculative-method", "ngram"]).unwrap().spec.to_config().unwrap();
+        assert_eq!(defaults.verify_cost_per_token, specula_engine::spec::adaptive::VERIFY_COST_PER_TOKEN);
+        for bad in ["--speculative-verify-cost=-1", "--speculative-verify-cost=nan", "--speculative-min-confidence=1.5", "--speculative-min-confidence=x"] {
+            let err = Cli::try_parse_from(["x", "--speculative-method", "mtp", bad]).err().expect("refused");
+            assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation, "{bad}: {err}");
+        }
     }
 }

@@ -104,7 +104,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         println!("{:<22} {:>7} {:>14.1} {:>14} {:>8}", r.what, r.threads, r.ours, c, ratio);
     }
     if args.verify_curve {
-        println!("\nverify cost curve (one sequence, context 256): time of a 1 + k token step relative to a 1-token step");
+        println!("\nverify cost curve (one sequence, context {VERIFY_CONTEXT}, median of {VERIFY_ROUNDS} interleaved rounds): time of a 1 + k token step relative to a 1-token step");
         println!("{:>3} {:>8} {:>10} {:>8}", "k", "threads", "step ms", "relative");
         for &threads in &args.threads {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
@@ -202,27 +202,42 @@ fn candle_decode_tps(path: &PathBuf, batch: usize, steps: usize) -> Result<f64> 
     Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
 }
 
-/// Seconds per step of one sequence at context 256 computing 1 + k new tokens, k = 0..=max_k.
+/// Context of the verify-cost measurement: about a chat prompt and half its answer.
+const VERIFY_CONTEXT: usize = 128;
+/// Rounds of the verify-cost measurement; each round times every k once, so the machine's drift
+/// (10-15% over a minute on these shared hosts) hits all k alike, and the median is reported.
+const VERIFY_ROUNDS: usize = 24;
+
+/// Seconds per step (median over interleaved rounds) of one sequence at context
+/// `VERIFY_CONTEXT` computing 1 + k new tokens, k = 0..=max_k.
 fn verify_curve(model: &LlamaModel, max_k: usize) -> Result<Vec<f64>> {
-    let ctx = 256;
+    let ctx = VERIFY_CONTEXT;
     let (mut kv, tables) = kv_for(model, ctx + max_k + 1, 1);
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7).collect();
     let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &tables[0] }];
     let slots: Vec<usize> = (0..ctx).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
     model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[ctx - 1], want_hidden: false }, &mut kv)?;
-    let mut out = Vec::new();
-    for k in 0..=max_k {
-        let n = k + 1;
-        let toks: Vec<u32> = (0..n as u32).map(|i| 300 + i).collect();
-        let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: ctx + n, block_table: &tables[0] }];
-        let slots: Vec<usize> = (ctx..ctx + n).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
-        let rows: Vec<usize> = (0..n).collect();
-        let reps = 8;
-        let start = Instant::now();
-        for _ in 0..reps {
+    let mut times = vec![Vec::with_capacity(VERIFY_ROUNDS); max_k + 1];
+    for round in 0..=VERIFY_ROUNDS {
+        for (k, t) in times.iter_mut().enumerate() {
+            let n = k + 1;
+            let toks: Vec<u32> = (0..n as u32).map(|i| 300 + i).collect();
+            let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: ctx + n, block_table: &tables[0] }];
+            let slots: Vec<usize> = (ctx..ctx + n).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
+            let rows: Vec<usize> = (0..n).collect();
+            let start = Instant::now();
             model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: false }, &mut kv)?;
+            // round 0 warms up
+            if round > 0 {
+                t.push(start.elapsed().as_secs_f64());
+            }
         }
-        out.push(start.elapsed().as_secs_f64() / reps as f64);
     }
-    Ok(out)
+    Ok(times
+        .into_iter()
+        .map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect())
 }

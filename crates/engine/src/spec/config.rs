@@ -47,6 +47,9 @@ pub struct SpecConfig {
     /// prompts 0.5 raised the accepted share of drafts from 0.45 to 0.6 for about as many
     /// verified tokens (heads/README.md).
     pub mtp_min_confidence: f32,
+    /// With `adaptive`, the cost of verifying one more token relative to a one-token step
+    /// (`adaptive::VERIFY_COST_PER_TOKEN` by default; the proposer's own cost is added).
+    pub verify_cost_per_token: f64,
 }
 
 /// Largest k accepted: verification cost grows with k and acceptance decays geometrically.
@@ -65,6 +68,7 @@ impl SpecConfig {
             max_batch_for_speculation: 8,
             max_step_tokens_for_speculation: 8,
             mtp_min_confidence: 0.5,
+            verify_cost_per_token: super::adaptive::VERIFY_COST_PER_TOKEN,
         }
     }
 

@@ -106,7 +106,7 @@ impl Speculation {
     /// `target` is the verified model's config (for the proposer's relative cost).
     pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>, target: &specula_model::ModelConfig) -> Self {
         let metrics = SpecMetrics::new(cfg.num_speculative_tokens);
-        let cost_per_draft_token = adaptive::VERIFY_COST_PER_TOKEN + proposer.cost_per_draft_token(target);
+        let cost_per_draft_token = cfg.verify_cost_per_token + proposer.cost_per_draft_token(target);
         Self {
             cfg,
             proposer,
