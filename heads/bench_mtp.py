@@ -7,6 +7,8 @@ step) and writes every run's JSON under --out. Not a test: timings depend on the
     python3 heads/bench_mtp.py --specula target/release/specula --num-prompts 16
     # compare head files in one run (each as mtp(NAME)); --no-adaptive drafts k every step
     python3 heads/bench_mtp.py --methods mtp --head a.safetensors --head b.safetensors --no-adaptive
+    # a configuration with extra serve flags: METHOD+--flag=value
+    python3 heads/bench_mtp.py --methods none,mtp,mtp+--speculative-min-confidence=0.4 --ks 3 --concurrency 1
     # throughput on a noisy machine: every configuration --repeat times in interleaved rounds,
     # the table gives the median, the range and the median of the per-round ratios to `none`
     python3 heads/bench_mtp.py --methods none,ngram,mtp --ks 3 --concurrency 1,8 --repeat 5
@@ -87,8 +89,10 @@ def main():
         if method != "none":
             # adaptive k stays on (the shipped default): it drafts at most k, and nothing when
             # more than --speculative-max-batch sequences decode
-            name, _, head = method.partition(":")
-            cmd += ["--speculative-method", name, "--num-speculative-tokens", str(k)]
+            # `mtp+--flag=value+...`: extra serve flags for this configuration
+            method_name, *extra = method.split("+")
+            name, _, head = method_name.partition(":")
+            cmd += ["--speculative-method", name, "--num-speculative-tokens", str(k)] + extra
             if head:
                 cmd += ["--draft-model", head]
             if a.no_adaptive:
@@ -151,7 +155,10 @@ def print_table(rows, repeat):
 
 
 def short(method):
-    """`mtp:DIR/NAME.safetensors` -> `mtp(NAME)`; other methods unchanged."""
+    """`mtp:DIR/NAME.safetensors` -> `mtp(NAME)`, `mtp+--flag=v` -> `mtp[flag=v]`; others unchanged."""
+    method, *extra = method.split("+")
+    if extra:
+        return short(method) + "[" + ",".join(e.lstrip("-") for e in extra) + "]"
     name, _, head = method.partition(":")
     if not head:
         return name
