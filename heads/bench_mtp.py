@@ -9,6 +9,8 @@ step) and writes every run's JSON under --out. Not a test: timings depend on the
     python3 heads/bench_mtp.py --methods mtp --head a.safetensors --head b.safetensors --no-adaptive
     # a configuration with extra serve flags: METHOD+--flag=value
     python3 heads/bench_mtp.py --methods none,mtp,mtp+--speculative-min-confidence=0.4 --ks 3 --concurrency 1
+    # concurrency 1 on a noisy machine: all servers up, each prompt to every configuration in turn
+    python3 heads/bench_mtp.py --methods none,ngram,mtp --ks 3 --num-prompts 16 --repeat 2 --paired
     # throughput on a noisy machine: every configuration --repeat times in interleaved rounds,
     # the table gives the median, the range and the median of the per-round ratios to `none`
     python3 heads/bench_mtp.py --methods none,ngram,mtp --ks 3 --concurrency 1,8 --repeat 5
@@ -16,6 +18,7 @@ step) and writes every run's JSON under --out. Not a test: timings depend on the
 import statistics
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -71,6 +74,8 @@ def main():
                     help="mtp head file to compare (repeatable; default: the head built into the binary)")
     ap.add_argument("--no-adaptive", action="store_true", help="always draft k tokens (--no-speculative-adaptive)")
     ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds over all configurations (medians in the table)")
+    ap.add_argument("--paired", action="store_true",
+                    help="concurrency 1 only: every configuration's server up at once, each prompt sent to all of them back to back")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     rows = []
@@ -82,22 +87,10 @@ def main():
             configs.extend((f"mtp:{h}", int(k)) for h in a.head for k in a.ks.split(","))
         else:
             configs.extend((method, int(k)) for k in a.ks.split(","))
+    if a.paired:
+        return paired(a, configs)
     for rnd, (method, k) in ((r, c) for r in range(a.repeat) for c in configs):
-        cmd = [a.specula, "serve", "--port", str(a.port)]
-        if a.threads:
-            cmd += ["--threads", str(a.threads)]
-        if method != "none":
-            # adaptive k stays on (the shipped default): it drafts at most k, and nothing when
-            # more than --speculative-max-batch sequences decode
-            # `mtp+--flag=value+...`: extra serve flags for this configuration
-            method_name, *extra = method.split("+")
-            name, _, head = method_name.partition(":")
-            cmd += ["--speculative-method", name, "--num-speculative-tokens", str(k)] + extra
-            if head:
-                cmd += ["--draft-model", head]
-            if a.no_adaptive:
-                cmd.append("--no-speculative-adaptive")
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(serve_cmd(a, method, k, a.port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             wait_ready(a.port, proc)
             for c in a.concurrency.split(","):
@@ -124,6 +117,78 @@ def main():
             proc.terminate()
             proc.wait()
     print_table(rows, a.repeat)
+
+
+def serve_cmd(a, method, k, port):
+    cmd = [a.specula, "serve", "--port", str(port)]
+    if a.threads:
+        cmd += ["--threads", str(a.threads)]
+    if method != "none":
+        # adaptive k stays on (the shipped default): it drafts at most k, and nothing when
+        # more than --speculative-max-batch sequences decode.
+        # `mtp+--flag=value+...`: extra serve flags for this configuration
+        method_name, *extra = method.split("+")
+        name, _, head = method_name.partition(":")
+        cmd += ["--speculative-method", name, "--num-speculative-tokens", str(k)] + extra
+        if head:
+            cmd += ["--draft-model", head]
+        if a.no_adaptive:
+            cmd.append("--no-speculative-adaptive")
+    return cmd
+
+
+def paired(a, configs):
+    """Concurrency 1, one server per configuration, all running (idle ones cost nothing): each
+    prompt goes to every configuration back to back, in an order that rotates, so the machine's
+    drift (on shared hosts it moves throughput by 10-30% within a minute) hits every configuration
+    alike. Throughput = output tokens / request time summed over the prompts; the ratio to `none`
+    is the geometric mean of the per-prompt-and-round ratios."""
+    prompts = [line for line in open(a.prompts) if line.strip()][: a.num_prompts]
+    procs, before = [], {}
+    try:
+        for i, (method, k) in enumerate(configs):
+            procs.append(subprocess.Popen(serve_cmd(a, method, k, a.port + i), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        for i, p in enumerate(procs):
+            wait_ready(a.port + i, p)
+            before[i] = metrics(a.port + i)
+        tokens, secs, per = {}, {}, {}
+        for rnd in range(a.repeat):
+            for j, line in enumerate(prompts):
+                path = os.path.join(a.out, f"prompt-{j}.jsonl")
+                with open(path, "w") as f:
+                    f.write(line)
+                shift = (rnd * len(prompts) + j) % len(configs)
+                for i in [(x + shift) % len(configs) for x in range(len(configs))]:
+                    out_json = os.path.join(a.out, f"paired-{i}.json")
+                    bench = [a.specula, "bench", "serve", "--base-url", f"http://127.0.0.1:{a.port + i}", "--endpoint", "/v1/chat/completions",
+                             "--dataset", "file", "--dataset-path", path, "--num-prompts", "1", "--max-concurrency", "1",
+                             "--temperature", "0", "--output-json", out_json, "--no-progress"]
+                    subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    r = json.load(open(out_json))
+                    n, t = find(r, "total_output_tokens"), find(r, "duration_s")
+                    tokens[i] = tokens.get(i, 0) + n
+                    secs[i] = secs.get(i, 0) + t
+                    per[(i, rnd, j)] = n / t
+        none = next((i for i, (m, _) in enumerate(configs) if m == "none"), None)
+        print(f"| method | k | output tok/s (concurrency 1, {len(prompts)} prompts x {a.repeat} rounds, paired) | vs none (geometric mean of paired ratios) | accepted per position | tokens per verify step | drafts | mean draft length |")
+        print("|---|---|---|---|---|---|---|---|")
+        for i, (method, k) in enumerate(configs):
+            after = metrics(a.port + i)
+            pos = {p: after[0].get(p, 0) - before[i][0].get(p, 0) for p in after[0]}
+            tot = {key: after[1].get(key, 0) - before[i][1].get(key, 0) for key in after[1]}
+            drafts = tot.get("num_drafts", 0)
+            pp = ", ".join(f"{pos[p] / drafts:.2f}" for p in sorted(pos)) if drafts else "-"
+            ml = f"{1 + tot.get('num_accepted_tokens', 0) / drafts:.2f}" if drafts else "-"
+            mk = f"{tot.get('num_draft_tokens', 0) / drafts:.2f}" if drafts else "-"
+            ratio = "-"
+            if none is not None and i != none:
+                logs = [math.log(per[(i, r, j)] / per[(none, r, j)]) for r in range(a.repeat) for j in range(len(prompts))]
+                ratio = f"{math.exp(sum(logs) / len(logs)):.3f}"
+            print(f"| {short(method)} | {k or '-'} | {tokens[i] / secs[i]:.1f} | {ratio} | {pp} | {ml} | {int(drafts)} | {mk} |")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
 
 
 def print_table(rows, repeat):
