@@ -46,6 +46,17 @@ def metrics(port):
     return per_pos, totals
 
 
+def phases(port):
+    """Per-phase step time sums and step counts from /metrics (`specula:step_phase_seconds`)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'specula:step_phase_seconds_(sum|count)\{phase="(\w+)"\} (\S+)', line)
+        if m:
+            out.setdefault(m.group(2), {})[m.group(1)] = float(m.group(3))
+    return out
+
+
 def wait_ready(port, proc, timeout=120):
     start = time.time()
     while time.time() - start < timeout:
@@ -172,6 +183,7 @@ def paired(a, configs):
         none = next((i for i, (m, _) in enumerate(configs) if m == "none"), None)
         print(f"| method | k | output tok/s (concurrency 1, {len(prompts)} prompts x {a.repeat} rounds, paired) | vs none (geometric mean of paired ratios) | accepted per position | tokens per verify step | drafts | mean draft length |")
         print("|---|---|---|---|---|---|---|---|")
+        step_lines = []
         for i, (method, k) in enumerate(configs):
             after = metrics(a.port + i)
             pos = {p: after[0].get(p, 0) - before[i][0].get(p, 0) for p in after[0]}
@@ -185,6 +197,13 @@ def paired(a, configs):
                 logs = [math.log(per[(i, r, j)] / per[(none, r, j)]) for r in range(a.repeat) for j in range(len(prompts))]
                 ratio = f"{math.exp(sum(logs) / len(logs)):.3f}"
             print(f"| {short(method)} | {k or '-'} | {tokens[i] / secs[i]:.1f} | {ratio} | {pp} | {ml} | {int(drafts)} | {mk} |")
+            ph = phases(a.port + i)
+            steps = ph.get("forward", {}).get("count", 0)
+            if steps:
+                ms = ", ".join(f"{name} {v.get('sum', 0) / steps * 1e3:.3f}" for name, v in sorted(ph.items()))
+                step_lines.append(f"{short(method)}: {int(steps)} steps, {tokens[i] / steps:.2f} output tokens per step; ms per step: {ms}")
+        for line in step_lines:
+            print(line, file=sys.stderr)
     finally:
         for p in procs:
             p.terminate()
