@@ -87,7 +87,7 @@ pub struct SpecArgs {
     pub speculative_verify_cost: f64,
     /// With adaptive speculation, an mtp head's greedy draft chain ends at the first token the
     /// head gives less than this probability (0 drafts whatever the head thinks).
-    #[arg(long, default_value_t = 0.5, value_parser = parse_probability)]
+    #[arg(long, default_value_t = specula_engine::spec::config::DEFAULT_MTP_MIN_CONFIDENCE, value_parser = parse_probability)]
     pub speculative_min_confidence: f32,
 }
 
