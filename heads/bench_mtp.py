@@ -108,26 +108,47 @@ def main():
                 before = metrics(a.port)
                 label = f"{short(method)}-k{k}-c{c}" + (f"-r{rnd}" if a.repeat > 1 else "")
                 out_json = os.path.join(a.out, f"{label}.json")
-                bench = [a.specula, "bench", "serve", "--base-url", f"http://127.0.0.1:{a.port}", "--endpoint", "/v1/chat/completions",
-                         "--dataset", "file", "--dataset-path", a.prompts, "--num-prompts", str(a.num_prompts), "--max-concurrency", c,
-                         "--temperature", "0", "--output-json", out_json, "--label", label, "--no-progress"]
-                subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
-                after = metrics(a.port)
+                subprocess.run(bench_cmd(a, a.port, a.prompts, a.num_prompts, c, out_json) + ["--label", label], check=True, stdout=subprocess.DEVNULL)
                 r = json.load(open(out_json))
                 r = r[0] if isinstance(r, list) else r
                 r = r.get("runs", [r])[0] if isinstance(r.get("runs"), list) else r
-                pos = {p: after[0].get(p, 0) - before[0].get(p, 0) for p in after[0]}
-                tot = {key: after[1].get(key, 0) - before[1].get(key, 0) for key in after[1]}
-                drafts = tot.get("num_drafts", 0)
-                per_pos = [pos[p] / drafts for p in sorted(pos)] if drafts else []
-                mean_len = 1 + tot.get("num_accepted_tokens", 0) / drafts if drafts else None
-                rows.append((rnd, short(method), k, int(c), r, per_pos, mean_len, tot))
+                st = spec_stats(before, metrics(a.port))
+                rows.append((rnd, short(method), k, int(c), r, st))
                 tps = find(r, "output_throughput")
-                print(f"{label}: {tps:.1f} output tok/s, per position {[round(x, 3) for x in per_pos]}, tokens per verify step {mean_len}", file=sys.stderr)
+                print(f"{label}: {tps:.1f} output tok/s, per position {[round(x, 3) for x in st['per_pos']]}, tokens per verify step {st['mean_len']}", file=sys.stderr)
         finally:
             proc.terminate()
             proc.wait()
     print_table(rows, a.repeat)
+
+
+def bench_cmd(a, port, prompts, num_prompts, concurrency, out_json):
+    """`specula bench serve` at concurrency `concurrency` on `num_prompts` of the JSONL `prompts`, greedy."""
+    return [a.specula, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/chat/completions",
+            "--dataset", "file", "--dataset-path", prompts, "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+            "--temperature", "0", "--output-json", out_json, "--no-progress"]
+
+
+def spec_stats(before, after):
+    """Speculation counters between two `metrics` readings: acceptance per position (of the
+    drafts), tokens per verify step, drafts and the mean draft length."""
+    pos = {p: after[0].get(p, 0) - before[0].get(p, 0) for p in after[0]}
+    tot = {key: after[1].get(key, 0) - before[1].get(key, 0) for key in after[1]}
+    drafts = tot.get("num_drafts", 0)
+    return {
+        "per_pos": [pos[p] / drafts for p in sorted(pos)] if drafts else [],
+        "mean_len": 1 + tot.get("num_accepted_tokens", 0) / drafts if drafts else None,
+        "mean_k": tot.get("num_draft_tokens", 0) / drafts if drafts else None,
+        "drafts": int(drafts),
+    }
+
+
+def spec_cells(st):
+    """The table's last four cells for `spec_stats`."""
+    pp = ", ".join(f"{x:.2f}" for x in st["per_pos"]) or "-"
+    ml = f"{st['mean_len']:.2f}" if st["mean_len"] else "-"
+    mk = f"{st['mean_k']:.2f}" if st["mean_k"] else "-"
+    return f"{pp} | {ml} | {st['drafts']} | {mk}"
 
 
 def serve_cmd(a, method, k, port):
@@ -171,10 +192,7 @@ def paired(a, configs):
                 shift = (rnd * len(prompts) + j) % len(configs)
                 for i in [(x + shift) % len(configs) for x in range(len(configs))]:
                     out_json = os.path.join(a.out, f"paired-{i}.json")
-                    bench = [a.specula, "bench", "serve", "--base-url", f"http://127.0.0.1:{a.port + i}", "--endpoint", "/v1/chat/completions",
-                             "--dataset", "file", "--dataset-path", path, "--num-prompts", "1", "--max-concurrency", "1",
-                             "--temperature", "0", "--output-json", out_json, "--no-progress"]
-                    subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    subprocess.run(bench_cmd(a, a.port + i, path, 1, 1, out_json), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     r = json.load(open(out_json))
                     n, t = find(r, "total_output_tokens"), find(r, "duration_s")
                     tokens[i] = tokens.get(i, 0) + n
@@ -185,18 +203,11 @@ def paired(a, configs):
         print("|---|---|---|---|---|---|---|---|")
         step_lines = []
         for i, (method, k) in enumerate(configs):
-            after = metrics(a.port + i)
-            pos = {p: after[0].get(p, 0) - before[i][0].get(p, 0) for p in after[0]}
-            tot = {key: after[1].get(key, 0) - before[i][1].get(key, 0) for key in after[1]}
-            drafts = tot.get("num_drafts", 0)
-            pp = ", ".join(f"{pos[p] / drafts:.2f}" for p in sorted(pos)) if drafts else "-"
-            ml = f"{1 + tot.get('num_accepted_tokens', 0) / drafts:.2f}" if drafts else "-"
-            mk = f"{tot.get('num_draft_tokens', 0) / drafts:.2f}" if drafts else "-"
             ratio = "-"
             if none is not None and i != none:
                 logs = [math.log(per[(i, r, j)] / per[(none, r, j)]) for r in range(a.repeat) for j in range(len(prompts))]
                 ratio = f"{math.exp(sum(logs) / len(logs)):.3f}"
-            print(f"| {short(method)} | {k or '-'} | {tokens[i] / secs[i]:.1f} | {ratio} | {pp} | {ml} | {int(drafts)} | {mk} |")
+            print(f"| {short(method)} | {k or '-'} | {tokens[i] / secs[i]:.1f} | {ratio} | {spec_cells(spec_stats(before[i], metrics(a.port + i)))} |")
             ph = phases(a.port + i)
             steps = ph.get("forward", {}).get("count", 0)
             if steps:
@@ -220,12 +231,10 @@ def print_table(rows, repeat):
           + " | accepted per position | tokens per verify step | drafts | mean draft length |")
     print("|---|---|---|---|" + ("---|" if repeat > 1 else "") + "---|---|---|---|")
     seen = set()
-    for rnd, method, k, c, r, per_pos, mean_len, tot in rows:
+    for rnd, method, k, c, r, st in rows:
         if (method, k, c) in seen:
             continue
         seen.add((method, k, c))
-        pp = ", ".join(f"{x:.2f}" for x in per_pos) or "-"
-        ml = f"{mean_len:.2f}" if mean_len else "-"
         t = tps[(method, k, c)]
         cell = f"{statistics.median(t.values()):.1f}"
         if repeat > 1:
@@ -233,9 +242,7 @@ def print_table(rows, repeat):
             base = tps.get(("none", 0, c), {})
             ratios = [t[i] / base[i] for i in t if i in base and base[i]]
             cell += f" | {statistics.median(ratios):.3f}" if ratios and method != "none" else " | -"
-        drafts = tot.get("num_drafts", 0)
-        mean_k = f"{tot.get('num_draft_tokens', 0) / drafts:.2f}" if drafts else "-"
-        print(f"| {method} | {k or '-'} | {c} | {cell} | {pp} | {ml} | {int(drafts)} | {mean_k} |")
+        print(f"| {method} | {k or '-'} | {c} | {cell} | {spec_cells(st)} |")
 
 
 def short(method):
