@@ -391,6 +391,10 @@ pub fn run(a: FitArgs) -> Result<()> {
     if a.unroll == 0 || a.eval_k == 0 || a.batch_size == 0 {
         bail!("--unroll, --eval-k and --batch-size must be at least 1");
     }
+    // before any training: a head that cannot be written would cost an epoch
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
     let path = crate::fetch::resolve_model(&a.model)?;
     let target: LlamaModel = load_model(&path)?.model;
     let fingerprint = fmt::target_fingerprint(&target);
@@ -538,12 +542,9 @@ fn input_scale(train: &Data, embed: &specula_kernels::QMatrix) -> Vec<f32> {
 fn fresh_head(train: &Data, target: &LlamaModel, k: usize, seed: u64) -> Result<(HeadConfig, HeadWeightsF32)> {
     let d2t = pruned_vocab(train, k, target.config.vocab_size);
     let (cfg, mut w) = fmt::random_head(target, 1, seed)?;
-    let h = cfg.target_hidden;
-    w.d2t = d2t;
-    w.lm_head = vec![0f32; w.d2t.len() * h];
-    for (d, &t) in w.d2t.iter().enumerate() {
-        target.lm_head.dequantize_row_into(t as usize, &mut w.lm_head[d * h..(d + 1) * h]);
-    }
+    // no trained rows to keep: every token starts from the target's lm_head row
+    w.d2t.clear();
+    revocab(&mut w, d2t, target);
     Ok((cfg, w))
 }
 
@@ -593,7 +594,7 @@ fn batch_path(out: &Path, epoch: usize, batch: usize) -> PathBuf {
 }
 
 /// Gives `w` the pruned vocabulary `d2t`: a token `w` already had keeps its lm_head row, a new one
-/// gets the target's lm_head row (as in a fresh head). Returns how many tokens were kept.
+/// gets the target's lm_head row (all of them for a fresh head). Returns how many tokens were kept.
 fn revocab(w: &mut HeadWeightsF32, d2t: Vec<u32>, target: &LlamaModel) -> usize {
     let h = target.config.hidden_size;
     let old = fmt::t2d_from_d2t(&w.d2t, target.config.vocab_size);
