@@ -9,7 +9,7 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use spec_support::{spec_config, tiny_model, End, Rig};
 use specula_engine::spec::mtp::{HeadWeights, MtpHead, MtpProposer};
-use specula_engine::spec::mtp_format::{self as fmt, random_head, save_head, write_random_head, HeadConfig, HeadFile, HeadWeightsF32, StoredDtype};
+use specula_engine::spec::mtp_format::{self as fmt, random_head, save_head, write_random_head, HeadConfig, HeadContext, HeadFile, HeadWeightsF32, StoredDtype};
 use specula_engine::spec::{build_proposer, Draft, DraftRequest, Proposer, SpecError, SpecMethod};
 use specula_engine::types::SeqId;
 use specula_engine::{EngineConfig, SamplingParams};
@@ -331,14 +331,35 @@ fn f16_bf16_and_q8_0_heads_load_and_draft_like_the_f32_head() {
 // Through the engine
 // ---------------------------------------------------------------------------------------------
 
-/// Records every proposed token (to check them against the pruned vocabulary afterwards).
+/// Per sequence: its prompt length and the positions of the rows handed to the proposer, in order.
+type RowsSeen = HashMap<SeqId, (usize, Vec<usize>)>;
+
+/// Records every proposed token (to check them against the pruned vocabulary afterwards) and,
+/// per sequence, the positions of the target rows the engine handed over (`rows`).
 struct Recording {
     inner: Box<dyn Proposer>,
     seen: Arc<Mutex<Vec<u32>>>,
+    rows: Arc<Mutex<RowsSeen>>,
+    /// The target's hidden size.
+    hidden_size: usize,
+}
+
+impl Recording {
+    fn new(inner: Box<dyn Proposer>, seen: Arc<Mutex<Vec<u32>>>, hidden_size: usize) -> Self {
+        Self { inner, seen, rows: Default::default(), hidden_size }
+    }
 }
 
 impl Proposer for Recording {
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+        let mut rows = self.rows.lock().unwrap();
+        for r in reqs {
+            let Some(hidden) = r.hidden else { continue };
+            let n = hidden.len() / self.hidden_size;
+            let e = rows.entry(r.seq).or_insert((r.prompt_len, Vec::new()));
+            e.1.extend((0..n).map(|j| r.tokens.len() - n + j - 1));
+        }
+        drop(rows);
         let drafts = self.inner.propose(reqs, pool)?;
         self.seen.lock().unwrap().extend(drafts.iter().flat_map(|d| d.tokens.iter().copied()));
         Ok(drafts)
@@ -358,13 +379,23 @@ fn prompts() -> Vec<Vec<u32>> {
     ["hello hello hello hello", "abcabcabcabc", "The quick brown fox", "1 2 3 4 5 6", "zzzz"].iter().map(|s| s.bytes().map(u32::from).collect()).collect()
 }
 
+/// Both kinds of head; a `sequence` head also must be handed every row of every sequence once, in
+/// order, from the last prompt row on (what its attention context is built from), drafting or not.
 #[test]
 fn greedy_with_mtp_speculation_is_token_for_token_greedy_without() {
+    for context in [HeadContext::Chain, HeadContext::Sequence] {
+        greedy_with_mtp_head_is_greedy_without(context);
+    }
+}
+
+fn greedy_with_mtp_head_is_greedy_without(context: HeadContext) {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path(), 7);
     let t = target(&model);
     let head = dir.path().join("head.safetensors");
-    write_random_head(&head, &t, 64, 5).unwrap();
+    let (mut hc, w) = random_head(&t, 64, 5).unwrap();
+    hc.context = context;
+    save_head(&head, &w, &hc, StoredDtype::F32).unwrap();
     let allowed: HashSet<u32> = MtpHead::load(&head, &t).unwrap().vocab().d2t_slice().iter().copied().collect();
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(40) };
     let reqs: Vec<(Vec<u32>, SamplingParams)> = prompts().into_iter().map(|p| (p, params.clone())).collect();
@@ -373,9 +404,21 @@ fn greedy_with_mtp_speculation_is_token_for_token_greedy_without() {
     let cfg = spec_config(SpecMethod::Mtp, 4, Some(&head));
     let inner = build_proposer(&cfg, &t, &tiny_config()).expect("the production build_proposer loads the head");
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let mut rig = Rig::with_proposer(&model, tiny_config(), Some((cfg, Box::new(Recording { inner, seen: seen.clone() }))));
+    let recording = Recording::new(inner, seen.clone(), t.config.hidden_size);
+    let rows = recording.rows.clone();
+    let mut rig = Rig::with_proposer(&model, tiny_config(), Some((cfg, Box::new(recording))));
     let spec = rig.run_batch(&reqs);
     rig.assert_no_leaks();
+    let rows = rows.lock().unwrap();
+    assert_eq!(rows.len(), reqs.len());
+    for (prompt_len, positions) in rows.values() {
+        let outputs = spec.iter().map(|o| o.tokens.len());
+        // the rows of every emitted token but the last (which ends the sequence, no more drafts)
+        let expected: Vec<usize> = (prompt_len - 1..prompt_len - 1 + positions.len()).collect();
+        assert_eq!(positions, &expected, "rows handed over out of order or with gaps");
+        // the last step emits 1 + up to k tokens and hands over no rows
+        assert!(outputs.clone().any(|n| (positions.len() + 1..=positions.len() + 5).contains(&n)), "a sequence of {} rows matches no output length", positions.len());
+    }
 
     let mut outside = 0;
     for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
@@ -606,7 +649,7 @@ fn shipped_runs() -> Option<&'static ShippedRuns> {
         let inner = build_proposer(&cfg, &t, &default_model_config()).expect("the shipped head loads for the default model");
         let pruned: HashSet<u32> = MtpHead::load(&shipped_head(), &t).unwrap().vocab().d2t_slice().iter().copied().collect();
         let seen = Arc::new(Mutex::new(Vec::new()));
-        let mut rig = Rig::with_proposer(&model, default_model_config(), Some((cfg, Box::new(Recording { inner, seen: seen.clone() }))));
+        let mut rig = Rig::with_proposer(&model, default_model_config(), Some((cfg, Box::new(Recording::new(inner, seen.clone(), t.config.hidden_size)))));
         let mtp = rig.run_batch(&reqs);
         rig.assert_no_leaks();
         let metrics = rig.engine.spec_metrics().expect("speculation is on").clone();

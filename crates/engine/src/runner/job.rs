@@ -236,24 +236,24 @@ fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, m
         } else {
             sp.cfg.num_speculative_tokens
         };
-        if decoding > 0 && k_limit > 0 {
+        let needs_hidden = sp.proposer.needs_hidden();
+        if decoding > 0 && (k_limit > 0 || needs_hidden) {
             let mut reqs = Vec::with_capacity(decoding);
             let mut which = Vec::with_capacity(decoding);
-            // hidden rows follow the logits rows: the row that produced an item's last token
+            // hidden rows follow the logits rows: the rows that produced the item's emitted tokens
             for (i, it) in items.iter().enumerate() {
                 if !continuing[i] {
                     continue;
                 }
-                let k = sp.next_k(it.seq, k_limit);
+                let k = if k_limit > 0 { sp.next_k(it.seq, k_limit) } else { 0 };
                 let output_len = it.tokens.len() - it.prompt_len;
                 let room_tokens = it.params.max_tokens.saturating_sub(output_len + 1);
                 let room_ctx = ctx.max_model_len.saturating_sub(it.tokens.len() + 1);
-                let r = it.first_row + results[i].tokens.len() - 1;
-                let hidden = hidden.get(r * h..(r + 1) * h);
+                let hidden = hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h);
                 reqs.push(DraftRequest { seq: it.seq, tokens: &it.tokens, prompt_len: it.prompt_len, max_draft: k.min(room_tokens).min(room_ctx), params: &it.params, hidden });
                 which.push(i);
             }
-            if reqs.iter().any(|r| r.max_draft > 0) {
+            if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) {
                 match sp.proposer.propose(&reqs, &ctx.pool) {
                     Ok(drafts) => {
                         for (i, mut d) in which.into_iter().zip(drafts) {

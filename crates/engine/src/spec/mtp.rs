@@ -1,7 +1,9 @@
 //! The mtp proposer: a one-layer EAGLE/MTP-style head that reads the target's final hidden state
 //! and the embedding of the next token, and drafts k tokens by running on its own hidden states.
-//! It keeps no state across steps (nothing to roll back): each proposal attends only over its own
-//! chain of k positions. The file format lives in `mtp_format`; training lives elsewhere.
+//! Its attention reads the draft chain and, for a `sequence` head (EAGLE-style), the keys/values of
+//! the sequence's earlier target rows, kept per sequence (`SeqContext`) and built lazily from the
+//! hidden states of the tokens each step emitted: accepted tokens only, so nothing to roll back.
+//! The file format lives in `mtp_format`; training lives elsewhere.
 
 use super::mtp_format::{self as fmt, HeadConfig, HeadFile};
 use super::proposer::{Draft, DraftRequest, Proposer};
@@ -10,7 +12,7 @@ use super::SpecError;
 use crate::api::SamplingParams;
 use crate::sampling::{argmax, probabilities, sample_from_probs, SeqRng, TokenHistory};
 use crate::types::{SeqId, TokenId};
-use specula_kernels::attention::{paged_attention, write_kv, KvLayout, SeqSpan};
+use specula_kernels::attention::{paged_attention, KvLayout, SeqSpan};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
 use specula_kernels::formats::{quantize_row, QK};
@@ -152,34 +154,39 @@ impl MtpHead {
         self.vocab.t2d(t).is_some()
     }
 
-    /// One chain step for `n` sequences at chain position `pos`. `input`: `[n, 2H]` rows of
-    /// concat(embedding, hidden). Sequence i's chain keys/values live in block `blocks[i]` of
-    /// `chain`. Returns the new hidden states `[n, H]` and logits `[n, K]`.
-    fn step(&self, input: &[f32], pos: usize, chain: &mut ChainKv, blocks: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    /// The layer's input and attention projections for `n` rows: `input` `[n, 2H]` rows of
+    /// concat(embedding, hidden), row i at position `pos[i]`. Returns the residual `x` `[n, H]`,
+    /// the rotated queries `[n, qw]` and keys and the values `[n, kvw]`.
+    fn project(&self, input: &[f32], pos: &[usize]) -> Projected {
         let c = &self.config;
         let l = &self.layer;
-        let (h, qw, kvw, ff) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn);
-        let n = blocks.len();
+        let (h, qw, kvw) = (c.target_hidden, c.q_width(), c.kv_width());
+        let n = pos.len();
         let mut x = vec![0f32; n * h];
         matmul(&MatmulInput::new(input, 2 * h, &[&self.fc]), &self.fc, &mut x);
-
         let mut xn = vec![0f32; n * h];
-        let (mut q, mut k, mut v, mut attn) = (vec![0f32; n * qw], vec![0f32; n * kvw], vec![0f32; n * kvw], vec![0f32; n * qw]);
+        let (mut q, mut k, mut v) = (vec![0f32; n * qw], vec![0f32; n * kvw], vec![0f32; n * kvw]);
         rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
         matmul_many(&MatmulInput::new(&xn, h, &[&l.wq, &l.wk, &l.wv]), &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v]);
-        for (i, &b) in blocks.iter().enumerate() {
-            self.rope.apply(&mut q[i * qw..(i + 1) * qw], pos);
-            self.rope.apply(&mut k[i * kvw..(i + 1) * kvw], pos);
-            let slot = b as usize * chain.layout.block_size + pos;
-            write_kv(&mut chain.k, &mut chain.v, &chain.layout, slot, &k[i * kvw..(i + 1) * kvw], &v[i * kvw..(i + 1) * kvw]);
+        for (i, &p) in pos.iter().enumerate() {
+            self.rope.apply(&mut q[i * qw..(i + 1) * qw], p);
+            self.rope.apply(&mut k[i * kvw..(i + 1) * kvw], p);
         }
-        let tables: Vec<[u32; 1]> = blocks.iter().map(|&b| [b]).collect();
-        let spans: Vec<SeqSpan> = tables.iter().enumerate().map(|(i, t)| SeqSpan { q_start: i, q_len: 1, context_len: pos + 1, block_table: t }).collect();
-        paged_attention(&q, &mut attn, &chain.k, &chain.v, &chain.layout, &spans, 1.0 / (c.head_dim as f32).sqrt());
+        Projected { x, q, k, v }
+    }
+
+    /// The rest of the layer for `n` rows, given their residual `x` and attention output `attn`
+    /// `[n, qw]`: returns the new hidden states `[n, H]` and logits `[n, K]`.
+    fn finish(&self, mut x: Vec<f32>, attn: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let l = &self.layer;
+        let (h, qw, ff) = (c.target_hidden, c.q_width(), c.ffn);
+        let n = x.len() / h;
         let mut o = vec![0f32; n * h];
-        matmul(&MatmulInput::new(&attn, qw, &[&l.wo]), &l.wo, &mut o);
+        matmul(&MatmulInput::new(attn, qw, &[&l.wo]), &l.wo, &mut o);
         add_assign(&mut x, &o);
 
+        let mut xn = vec![0f32; n * h];
         let (mut gate, mut up, mut act) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
         rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
         let FeedForward::Dense(f) = &l.ffn else { unreachable!("the MTP head's FFN is built dense in MtpHead::load") };
@@ -193,6 +200,14 @@ impl MtpHead {
         matmul(&MatmulInput::new(&xn, h, &[&self.lm_head]), &self.lm_head, &mut logits);
         (x, logits)
     }
+}
+
+/// [`MtpHead::project`]'s output.
+struct Projected {
+    x: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
 }
 
 /// softmax(row)[i] (temperature 1).
@@ -212,18 +227,80 @@ fn layer_bytes(l: &LayerWeights) -> Option<usize> {
     Some([&l.wq, &l.wk, &l.wv, &l.wo, &f.gate, &f.up, &f.down].iter().map(|m| m.bytes().len()).sum())
 }
 
-/// Keys/values of the chains of one proposal: one block of `k` slots per sequence.
-struct ChainKv {
-    layout: KvLayout,
-    k: Vec<f32>,
-    v: Vec<f32>,
+/// A target row the head has not turned into a context key yet: the row at `pos` and the token
+/// that followed it (keys are computed lazily, batched into the sequence's next proposal).
+struct PendingRow {
+    pos: usize,
+    token: TokenId,
+    hidden: Vec<f32>,
 }
 
-impl ChainKv {
-    fn new(c: &HeadConfig, sequences: usize, chain_len: usize) -> Self {
-        let layout = KvLayout { block_size: chain_len, n_heads: c.num_heads, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
-        let n = sequences * chain_len * layout.kv_width();
-        Self { layout, k: vec![0f32; n], v: vec![0f32; n] }
+/// What one sequence's drafts attend to: the keys/values of its latest target rows (at most the
+/// head's window; one for a `chain` head), each computed from (embedding of the token after the
+/// row, the row's target hidden state) at the row's position, followed by room for the keys of
+/// the draft chain being run. Rows only ever come from emitted tokens, so nothing here needs a
+/// rollback when drafts are rejected.
+struct SeqContext {
+    /// `[capacity, kvw]` each: context entries `0..len`, then the chain's.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    len: usize,
+    /// Position of the newest row seen (context or pending).
+    last_pos: Option<usize>,
+    pending: std::collections::VecDeque<PendingRow>,
+}
+
+impl SeqContext {
+    fn new() -> Self {
+        Self { k: Vec::new(), v: Vec::new(), len: 0, last_pos: None, pending: Default::default() }
+    }
+
+    /// Queues this step's rows: `hidden` holds `rows` target rows whose emitted tokens are the
+    /// last `rows` of `tokens` (row j sits at position `tokens.len() - rows + j - 1`). A row at or
+    /// before one already seen (the sequence was recomputed) starts the context afresh.
+    fn observe(&mut self, tokens: &[TokenId], hidden: &[f32], h: usize, window: usize, vocab_rows: usize) {
+        let rows = hidden.len() / h;
+        let n = tokens.len();
+        // every row emitted a token after at least one prompt token
+        if rows == 0 || rows >= n {
+            return;
+        }
+        if self.last_pos.is_some_and(|p| n - rows - 1 <= p) {
+            *self = Self::new();
+        }
+        for (j, row) in hidden.chunks_exact(h).enumerate() {
+            let pos = n - rows + j - 1;
+            let token = tokens[pos + 1];
+            if token as usize >= vocab_rows {
+                // cannot be embedded: the context restarts after it
+                *self = Self::new();
+                continue;
+            }
+            self.pending.push_back(PendingRow { pos, token, hidden: row.to_vec() });
+            self.last_pos = Some(pos);
+        }
+        while self.pending.len() > window {
+            self.pending.pop_front();
+        }
+    }
+
+    /// Appends one key/value row, dropping the oldest entry when the window is full; `room` chain
+    /// slots stay free after the context.
+    fn push(&mut self, k: &[f32], v: &[f32], window: usize, room: usize) {
+        let w = k.len();
+        if self.len == window {
+            self.k.copy_within(w..self.len * w, 0);
+            self.v.copy_within(w..self.len * w, 0);
+            self.len -= 1;
+        }
+        let need = (window + room) * w;
+        if self.k.len() < need {
+            self.k.resize(need, 0.0);
+            self.v.resize(need, 0.0);
+        }
+        self.k[self.len * w..(self.len + 1) * w].copy_from_slice(k);
+        self.v[self.len * w..(self.len + 1) * w].copy_from_slice(v);
+        self.len += 1;
     }
 }
 
@@ -233,8 +310,10 @@ struct Chain {
     req: usize,
     /// Target id fed at the next step.
     token: TokenId,
-    /// Hidden state fed at the next step: the target's at step 0, the head's own afterwards.
+    /// Hidden state fed at the next step (the head's own output of the previous step).
     hidden: Vec<f32>,
+    /// Position of the row that emitted the sequence's last token (chain step j runs at `pos + j`).
+    pos: usize,
 }
 
 pub struct MtpProposer {
@@ -249,6 +328,8 @@ pub struct MtpProposer {
     embed: QMatrix,
     /// Per sampling sequence, the head's own random stream (greedy sequences draw nothing).
     rngs: HashMap<SeqId, SeqRng>,
+    /// Per sequence, what its drafts attend to.
+    contexts: HashMap<SeqId, SeqContext>,
 }
 
 impl MtpProposer {
@@ -259,7 +340,7 @@ impl MtpProposer {
             (Some(h), Some(t)) if t > 0 => Some(h as f64 / t as f64),
             _ => None,
         };
-        Self { head, min_confidence: 0.0, weight_share, embed: target.embed.clone(), rngs: HashMap::new() }
+        Self { head, min_confidence: 0.0, weight_share, embed: target.embed.clone(), rngs: HashMap::new(), contexts: HashMap::new() }
     }
 
     /// Loads the head at `path` for `target` (see [`MtpHead::load`]).
@@ -320,6 +401,7 @@ impl Proposer for MtpProposer {
 
     fn remove(&mut self, seq: SeqId) {
         self.rngs.remove(&seq);
+        self.contexts.remove(&seq);
     }
 
     fn needs_hidden(&self) -> bool {
@@ -331,42 +413,68 @@ impl MtpProposer {
     /// `propose`, on the current thread (inside the compute pool).
     fn propose_here(&mut self, reqs: &[DraftRequest]) -> Result<Vec<Draft>, SpecError> {
         let c = self.head.config.clone();
-        let h = c.target_hidden;
+        let (h, kvw, qw) = (c.target_hidden, c.kv_width(), c.q_width());
+        let window = c.context.window();
         let kd = self.head.vocab.draft_vocab();
         let mut drafts: Vec<Draft> = reqs.iter().map(|r| Draft { tokens: Vec::new(), probs: (!r.params.is_greedy()).then(Vec::new) }).collect();
+        // every request's rows join its context, drafting or not
+        for r in reqs {
+            let Some(hidden) = r.hidden else { continue };
+            if hidden.is_empty() || !hidden.len().is_multiple_of(h) {
+                return Err(SpecError::Config(format!("the engine passed {} hidden values to an mtp head of hidden size {h}", hidden.len())));
+            }
+            self.contexts.entry(r.seq).or_insert_with(SeqContext::new).observe(r.tokens, hidden, h, window, self.embed.rows);
+        }
+        // the chains: sequences asking for drafts whose newest row is their last token's
         let mut chains = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
-            let (Some(hidden), Some(&last)) = (r.hidden, r.tokens.last()) else { continue };
-            if r.max_draft == 0 || (last as usize) >= self.embed.rows {
+            let Some(ctx) = self.contexts.get(&r.seq) else { continue };
+            // the newest row is the one that emitted the last token
+            let Some(last_pos) = r.tokens.len().checked_sub(2) else { continue };
+            if r.max_draft == 0 || r.hidden.is_none() || ctx.last_pos != Some(last_pos) || ctx.pending.back().is_none_or(|p| p.pos != last_pos) {
                 continue;
-            }
-            if hidden.len() != h {
-                return Err(SpecError::Config(format!("the engine passed a hidden state of {} values to an mtp head of hidden size {h}", hidden.len())));
             }
             if !r.params.is_greedy() {
                 self.rngs.entry(r.seq).or_insert_with(|| SeqRng::new(r.params.seed, MTP_RNG_STREAM));
             }
-            chains.push(Chain { req: i, token: last, hidden: hidden.to_vec() });
+            chains.push(Chain { req: i, token: 0, hidden: Vec::new(), pos: last_pos });
         }
         let chain_len = chains.iter().map(|ch| reqs[ch.req].max_draft).max().unwrap_or(0);
         if chain_len == 0 {
             return Ok(drafts);
         }
-        let mut kv = ChainKv::new(&c, chains.len(), chain_len);
-        // blocks[j] = the chain-KV block of chains[j]; a chain keeps its block after others stop
-        let mut blocks: Vec<u32> = (0..chains.len() as u32).collect();
+        // step 0: every pending row of the drafting sequences becomes a context key in one batch;
+        // each sequence's newest row is also its chain's first query
+        let (mut input, mut pos, mut owner) = (Vec::new(), Vec::new(), Vec::new());
+        for (j, ch) in chains.iter().enumerate() {
+            let ctx = &self.contexts[&reqs[ch.req].seq];
+            for row in &ctx.pending {
+                let at = input.len();
+                input.resize(at + 2 * h, 0.0);
+                self.embed.dequantize_row_into(row.token as usize, &mut input[at..at + h]);
+                input[at + h..].copy_from_slice(&row.hidden);
+                pos.push(row.pos);
+                owner.push(j);
+            }
+        }
+        let pr = self.head.project(&input, &pos);
+        let (mut x0, mut q0) = (vec![0f32; chains.len() * h], vec![0f32; chains.len() * qw]);
+        for (i, &j) in owner.iter().enumerate() {
+            let ctx = self.contexts.get_mut(&reqs[chains[j].req].seq).expect("drafting sequences have a context");
+            ctx.push(&pr.k[i * kvw..(i + 1) * kvw], &pr.v[i * kvw..(i + 1) * kvw], window, chain_len);
+            // rows are in order: the last one of a sequence is its chain's start
+            x0[j * h..(j + 1) * h].copy_from_slice(&pr.x[i * h..(i + 1) * h]);
+            q0[j * qw..(j + 1) * qw].copy_from_slice(&pr.q[i * qw..(i + 1) * qw]);
+        }
+        for ch in &chains {
+            self.contexts.get_mut(&reqs[ch.req].seq).expect("drafting sequences have a context").pending.clear();
+        }
+        let attn = self.attend(&q0, &chains, reqs, 0);
+        let (mut hidden, mut logits) = self.head.finish(x0, &attn);
+
         let mut p = Vec::with_capacity(kd);
-        for pos in 0..chain_len {
-            if chains.is_empty() {
-                break;
-            }
-            let mut input = vec![0f32; chains.len() * 2 * h];
-            for (row, ch) in input.chunks_exact_mut(2 * h).zip(&chains) {
-                self.embed.dequantize_row_into(ch.token as usize, &mut row[..h]);
-                row[h..].copy_from_slice(&ch.hidden);
-            }
-            let (hidden, logits) = self.head.step(&input, pos, &mut kv, &blocks);
-            let (mut next_chains, mut next_blocks) = (Vec::new(), Vec::new());
+        for step in 0..chain_len {
+            let mut next_chains = Vec::new();
             for (j, mut ch) in chains.into_iter().enumerate() {
                 let r = &reqs[ch.req];
                 let row = &logits[j * kd..(j + 1) * kd];
@@ -388,16 +496,49 @@ impl MtpProposer {
                 if let Some(q) = drafts[ch.req].probs.as_mut() {
                     q.push(self.head.vocab.to_target_probs(&p));
                 }
-                if pos + 1 < r.max_draft {
+                if step + 1 < r.max_draft {
                     ch.token = tok;
-                    ch.hidden.copy_from_slice(&hidden[j * h..(j + 1) * h]);
+                    ch.hidden = hidden[j * h..(j + 1) * h].to_vec();
                     next_chains.push(ch);
-                    next_blocks.push(blocks[j]);
                 }
             }
             chains = next_chains;
-            blocks = next_blocks;
+            if chains.is_empty() || step + 1 == chain_len {
+                break;
+            }
+            // chain step `step + 1`: (embedding of the draft, the head's own hidden state) at the
+            // next position; its key goes to the chain slot after the context
+            let mut input = vec![0f32; chains.len() * 2 * h];
+            for (row, ch) in input.chunks_exact_mut(2 * h).zip(&chains) {
+                self.embed.dequantize_row_into(ch.token as usize, &mut row[..h]);
+                row[h..].copy_from_slice(&ch.hidden);
+            }
+            let pos: Vec<usize> = chains.iter().map(|ch| ch.pos + step + 1).collect();
+            let pr = self.head.project(&input, &pos);
+            for (j, ch) in chains.iter().enumerate() {
+                let ctx = self.contexts.get_mut(&reqs[ch.req].seq).expect("drafting sequences have a context");
+                let slot = ctx.len + step;
+                ctx.k[slot * kvw..(slot + 1) * kvw].copy_from_slice(&pr.k[j * kvw..(j + 1) * kvw]);
+                ctx.v[slot * kvw..(slot + 1) * kvw].copy_from_slice(&pr.v[j * kvw..(j + 1) * kvw]);
+            }
+            let attn = self.attend(&pr.q, &chains, reqs, step + 1);
+            (hidden, logits) = self.head.finish(pr.x, &attn);
         }
         Ok(drafts)
+    }
+
+    /// Attention of each chain's query at chain step `step` over its sequence's context and the
+    /// chain keys of steps 1..=step.
+    fn attend(&self, q: &[f32], chains: &[Chain], reqs: &[DraftRequest], step: usize) -> Vec<f32> {
+        let c = &self.head.config;
+        let qw = c.q_width();
+        let mut out = vec![0f32; q.len()];
+        for (j, ch) in chains.iter().enumerate() {
+            let ctx = &self.contexts[&reqs[ch.req].seq];
+            let layout = KvLayout { block_size: ctx.k.len() / c.kv_width(), n_heads: c.num_heads, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+            let span = SeqSpan { q_start: 0, q_len: 1, context_len: ctx.len + step, block_table: &[0] };
+            paged_attention(&q[j * qw..(j + 1) * qw], &mut out[j * qw..(j + 1) * qw], &ctx.k, &ctx.v, &layout, &[span], 1.0 / (c.head_dim as f32).sqrt());
+        }
+        out
     }
 }

@@ -52,6 +52,41 @@ pub struct HeadConfig {
     /// [`target_fingerprint`] of the target the head was trained for; several, comma-separated,
     /// when one head serves several files of the same weights (e.g. two quantizations).
     pub target_fingerprint: String,
+    /// What the head's attention reads besides its own draft chain.
+    pub context: HeadContext,
+}
+
+/// The keys/values a head's attention reads (metadata `attention_context`; a file without the key
+/// is a `chain` head, as every head before it was).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadContext {
+    /// Only the draft chain: step 0 attends to itself, step j to steps 0..=j.
+    Chain,
+    /// EAGLE-style: also every earlier position of the sequence's output whose target hidden
+    /// state is known (from the last prompt row on, at most `SEQUENCE_WINDOW` of them), each
+    /// position's key/value computed from (embedding of the token after it, its target hidden).
+    Sequence,
+}
+
+/// Most earlier positions a `sequence` head attends to (a sliding window; the training answers
+/// are at most 193 rows long, so the window never binds in training).
+pub const SEQUENCE_WINDOW: usize = 256;
+
+impl HeadContext {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Chain => "chain",
+            Self::Sequence => "sequence",
+        }
+    }
+
+    /// Earlier target rows the attention keeps (the chain's own start row included).
+    pub fn window(self) -> usize {
+        match self {
+            Self::Chain => 1,
+            Self::Sequence => SEQUENCE_WINDOW,
+        }
+    }
 }
 
 impl HeadConfig {
@@ -69,6 +104,7 @@ impl HeadConfig {
             rms_eps: c.rms_eps,
             rope_theta: c.rope_theta,
             target_fingerprint: target_fingerprint(target),
+            context: HeadContext::Chain,
         }
     }
 
@@ -97,6 +133,7 @@ impl HeadConfig {
             ("rms_eps", self.rms_eps.to_string()),
             ("rope_theta", self.rope_theta.to_string()),
             ("target_fingerprint", self.target_fingerprint.clone()),
+            ("attention_context", self.context.as_str().to_string()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -125,6 +162,11 @@ impl HeadConfig {
             rms_eps: float("rms_eps")?,
             rope_theta: float("rope_theta")?,
             target_fingerprint: get("target_fingerprint")?.to_string(),
+            context: match md.get("attention_context").map(|s| s.trim()) {
+                None | Some("chain") => HeadContext::Chain,
+                Some("sequence") => HeadContext::Sequence,
+                Some(other) => return Err(format!("metadata 'attention_context' = '{other}' is not 'chain' or 'sequence'")),
+            },
         };
         if c.num_heads == 0 || c.num_kv_heads == 0 || !c.num_heads.is_multiple_of(c.num_kv_heads) {
             return Err(format!("{} attention heads cannot be grouped over {} KV heads", c.num_heads, c.num_kv_heads));
@@ -435,9 +477,16 @@ mod tests {
             rms_eps: 1e-5,
             rope_theta: 10000.0,
             target_fingerprint: "ab,cd".into(),
+            context: HeadContext::Sequence,
         };
         let md = c.to_metadata();
         assert_eq!(HeadConfig::from_metadata(&md).unwrap(), c);
+        // the heads written before the key existed attend over their chain only
+        let mut m = md.clone();
+        m.remove("attention_context");
+        assert_eq!(HeadConfig::from_metadata(&m).unwrap().context, HeadContext::Chain);
+        m.insert("attention_context".into(), "global".into());
+        assert!(HeadConfig::from_metadata(&m).unwrap_err().contains("'attention_context' = 'global'"));
         assert!(c.accepts_fingerprint("cd") && !c.accepts_fingerprint("ef"));
         let mut m = md.clone();
         m.remove("ffn");

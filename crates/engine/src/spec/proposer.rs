@@ -13,7 +13,10 @@ pub struct DraftRequest<'a> {
     /// Most tokens to propose (0 = none this step).
     pub max_draft: usize,
     pub params: &'a SamplingParams,
-    /// Final hidden state of the target at the last known token, when the proposer needs it (mtp).
+    /// When the proposer needs them (mtp): the target's final hidden states of the rows that
+    /// emitted this step's tokens, in order (`rows * H` values; the last row is at the last known
+    /// token). Requests with `max_draft == 0` still carry them, so a proposer that keeps
+    /// per-sequence state sees every row.
     pub hidden: Option<&'a [f32]>,
 }
 

@@ -16,10 +16,25 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use specula_engine::spec::mtp_format::{self as fmt, HeadConfig, HeadWeightsF32, StoredDtype};
+use specula_engine::spec::mtp_format::{self as fmt, HeadConfig, HeadContext, HeadWeightsF32, StoredDtype, SEQUENCE_WINDOW};
 use specula_model::{load_model, LlamaModel};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ContextArg {
+    Chain,
+    Sequence,
+}
+
+impl From<ContextArg> for HeadContext {
+    fn from(c: ContextArg) -> Self {
+        match c {
+            ContextArg::Chain => HeadContext::Chain,
+            ContextArg::Sequence => HeadContext::Sequence,
+        }
+    }
+}
 
 #[derive(Args, Debug)]
 pub struct FitArgs {
@@ -44,10 +59,16 @@ pub struct FitArgs {
     pub revocab: bool,
     #[arg(long, default_value_t = 3)]
     pub epochs: usize,
-    /// Chains per optimiser step (candle's CPU matmuls want wide batches: 256 runs about twice
-    /// as many samples per second as 64).
-    #[arg(long, default_value_t = 256)]
+    /// Rows per optimiser step: whole sequences are packed back to back until a batch has at
+    /// least this many rows (candle's CPU matmuls want wide batches: 256 rows run about twice as
+    /// many samples per second as 64).
+    #[arg(long, default_value_t = 384)]
     pub batch_size: usize,
+    /// What the head's attention reads: `sequence` (EAGLE-style: every earlier answer position's
+    /// target hidden state, and the draft chain) or `chain` (only the draft chain, the format's
+    /// first heads). Applies to `--init` heads too.
+    #[arg(long, value_enum, default_value_t = ContextArg::Sequence)]
+    pub attention_context: ContextArg,
     /// Peak learning rate (linear warm-up, cosine decay to a tenth).
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f64,
@@ -154,30 +175,45 @@ impl Params {
     }
 }
 
-/// The head's computation in candle, one chain step at a time (the same as `MtpHead::step`).
+/// The head's computation in candle over a packed batch of whole sequences (the same as
+/// `MtpProposer` runs): step 0 at row t is the head on (embedding of the token after t, target
+/// hidden of t) at position t; step j at row t is fed the token j places later and the head's own
+/// hidden output of step j-1 at row t, at position t + j. Every step's query attends to the
+/// context keys (step 0's keys of rows t' <= t of the same sequence; for a `chain` head only
+/// t' = t) and to its own chain's keys of steps 1..=j: what the proposer's per-sequence context
+/// and draft chain hold at inference.
 struct HeadGraph<'a> {
     p: &'a Params,
     c: &'a HeadConfig,
-    /// Per chain position: `[head_dim]` cos and sin of the rotate-half RoPE.
-    rope: Vec<(Tensor, Tensor)>,
+    /// `[positions, head_dim]` cos and sin of the rotate-half RoPE.
+    cos: Tensor,
+    sin: Tensor,
 }
 
+/// Keys/values of one step over every row: `[T, nkv, hd]` each.
+type StepKv = (Tensor, Tensor);
+
+/// Rows per held-out batch.
+const EVAL_BATCH_ROWS: usize = 512;
+
+/// Additive mask value for keys a query must not see (finite: a row that sees nothing stays finite).
+const MASKED: f32 = -1e9;
+
 impl<'a> HeadGraph<'a> {
-    fn new(p: &'a Params, c: &'a HeadConfig, max_steps: usize) -> Result<Self> {
+    fn new(p: &'a Params, c: &'a HeadConfig, max_positions: usize) -> Result<Self> {
         let hd = c.head_dim;
-        let mut rope = Vec::new();
-        for pos in 0..max_steps {
-            let (mut cos, mut sin) = (vec![0f32; hd], vec![0f32; hd]);
+        let (mut cos, mut sin) = (vec![0f32; max_positions * hd], vec![0f32; max_positions * hd]);
+        for pos in 0..max_positions {
             for i in 0..hd / 2 {
                 let angle = pos as f64 / f64::from(c.rope_theta).powf(2.0 * i as f64 / hd as f64);
-                cos[i] = angle.cos() as f32;
-                cos[i + hd / 2] = cos[i];
-                sin[i] = angle.sin() as f32;
-                sin[i + hd / 2] = sin[i];
+                let (co, si) = (angle.cos() as f32, angle.sin() as f32);
+                cos[pos * hd + i] = co;
+                cos[pos * hd + i + hd / 2] = co;
+                sin[pos * hd + i] = si;
+                sin[pos * hd + i + hd / 2] = si;
             }
-            rope.push((Tensor::from_vec(cos, hd, &Device::Cpu)?, Tensor::from_vec(sin, hd, &Device::Cpu)?));
         }
-        Ok(Self { p, c, rope })
+        Ok(Self { p, c, cos: Tensor::from_vec(cos, (max_positions, hd), &Device::Cpu)?, sin: Tensor::from_vec(sin, (max_positions, hd), &Device::Cpu)? })
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Var) -> Result<Tensor> {
@@ -186,34 +222,50 @@ impl<'a> HeadGraph<'a> {
         Ok(x.broadcast_mul(&r)?.broadcast_mul(w.as_tensor())?)
     }
 
-    /// Rotate-half RoPE at chain position `pos` on `[B, heads, hd]`.
-    fn rope(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
-        let hd = self.c.head_dim;
-        let (cos, sin) = &self.rope[pos];
+    /// Rotate-half RoPE on `[T, heads, hd]`, row t at position t + `shift`.
+    fn rope(&self, x: &Tensor, shift: usize) -> Result<Tensor> {
+        let (t, hd) = (x.dim(0)?, self.c.head_dim);
+        let cos = self.cos.narrow(0, shift, t)?.unsqueeze(1)?;
+        let sin = self.sin.narrow(0, shift, t)?.unsqueeze(1)?;
         let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
         let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
         let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
+        Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
     }
 
-    /// One chain step. `emb`, `hidden`: `[B, H]`; `kv`: the chain's keys/values so far
-    /// (`[B, nkv, hd]` each, extended here). Returns the new hidden `[B, H]` and logits `[B, K]`.
-    fn step(&self, emb: &Tensor, hidden: &Tensor, pos: usize, kv: &mut Vec<(Tensor, Tensor)>) -> Result<(Tensor, Tensor)> {
+    /// Step `j` over every row. `emb`, `hidden`: `[T, H]`; `mask`: `[T, T]` (0 or [`MASKED`]) over
+    /// the context keys; `kv[0]` is step 0's keys/values (the context), `kv[i]` chain step i's;
+    /// this step's are pushed. Returns the new hidden `[T, H]` and logits `[T, K]`.
+    fn step(&self, emb: &Tensor, hidden: &Tensor, j: usize, mask: &Tensor, kv: &mut Vec<StepKv>) -> Result<(Tensor, Tensor)> {
         let (c, p) = (self.c, self.p);
-        let b = emb.dim(0)?;
+        let t = emb.dim(0)?;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let g = nh / nkv;
         let mut x = Tensor::cat(&[emb, hidden], 1)?.broadcast_mul(&p.in_scale)?.matmul(&p.fc.t()?)?;
         let xn = self.rms_norm(&x, &p.attn_norm)?;
-        let q = self.rope(&xn.matmul(&p.wq.t()?)?.reshape((b, nh, hd))?, pos)?;
-        let k = self.rope(&xn.matmul(&p.wk.t()?)?.reshape((b, nkv, hd))?, pos)?;
-        let v = xn.matmul(&p.wv.t()?)?.reshape((b, nkv, hd))?;
+        let q = self.rope(&xn.matmul(&p.wq.t()?)?.reshape((t, nh, hd))?, j)?;
+        let k = self.rope(&xn.matmul(&p.wk.t()?)?.reshape((t, nkv, hd))?, j)?;
+        let v = xn.matmul(&p.wv.t()?)?.reshape((t, nkv, hd))?;
         kv.push((k, v));
-        let keys = Tensor::stack(&kv.iter().map(|(k, _)| k).collect::<Vec<_>>(), 2)?; // [B, nkv, j+1, hd]
-        let values = Tensor::stack(&kv.iter().map(|(_, v)| v).collect::<Vec<_>>(), 2)?;
-        let q = q.reshape((b, nkv, nh / nkv, hd))?; // head i reads KV head i / (nh / nkv)
-        let scores = (q.matmul(&keys.transpose(2, 3)?.contiguous()?)? / (hd as f64).sqrt())?; // [B, nkv, g, j+1]
-        let att = softmax_last(&scores)?;
-        let o = att.matmul(&values.contiguous()?)?.reshape((b, nh * hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        // head i reads KV head i / g
+        let qg = q.reshape((t, nkv, g, hd))?;
+        let (k0, v0) = &kv[0];
+        let q_ctx = qg.permute((1, 2, 0, 3))?.reshape((nkv, g * t, hd))?;
+        let s_ctx = q_ctx.matmul(&k0.permute((1, 2, 0))?.contiguous()?)?.reshape((nkv, g, t, t))?;
+        let s_ctx = (s_ctx * scale)?.broadcast_add(mask)?;
+        let mut scores = vec![s_ctx];
+        for (ki, _) in &kv[1..] {
+            // a chain key is read by its own row only
+            let s = qg.broadcast_mul(&ki.unsqueeze(2)?)?.sum(D::Minus1)?; // [T, nkv, g]
+            scores.push((s.permute((1, 2, 0))?.unsqueeze(3)? * scale)?);
+        }
+        let att = softmax_last(&Tensor::cat(&scores, 3)?)?; // [nkv, g, T, T + j]
+        let mut o = att.narrow(3, 0, t)?.reshape((nkv, g * t, t))?.matmul(&v0.permute((1, 0, 2))?.contiguous()?)?.reshape((nkv, g, t, hd))?;
+        for (i, (_, vi)) in kv[1..].iter().enumerate() {
+            o = (o + att.narrow(3, t + i, 1)?.broadcast_mul(&vi.permute((1, 0, 2))?.unsqueeze(1)?)?)?;
+        }
+        let o = o.permute((2, 0, 1, 3))?.reshape((t, nh * hd))?;
         x = (x + o.matmul(&p.wo.t()?)?)?;
         let xn = self.rms_norm(&x, &p.ffn_norm)?;
         let act = (xn.matmul(&p.w_gate.t()?)?.silu()? * xn.matmul(&p.w_up.t()?)?)?;
@@ -266,6 +318,25 @@ impl Data {
     fn token(&self, r: usize, j: usize) -> Option<u32> {
         self.shard.next_token.get(r + j).and_then(|&t| u32::try_from(t).ok())
     }
+
+    /// The sequences in `order`, packed back to back into batches of at least `rows` rows (a
+    /// longer sequence is a batch of its own).
+    fn pack(&self, order: &[usize], rows: usize) -> Vec<Vec<usize>> {
+        let mut batches = Vec::new();
+        let (mut cur, mut n) = (Vec::new(), 0);
+        for &s in order {
+            cur.push(s);
+            n += self.shard.seq_offsets[s + 1] - self.shard.seq_offsets[s];
+            if n >= rows {
+                batches.push(std::mem::take(&mut cur));
+                n = 0;
+            }
+        }
+        if !cur.is_empty() {
+            batches.push(cur);
+        }
+        batches
+    }
 }
 
 /// Every `PREFIX*.safetensors` shard of `dir`, sorted: for "train-" the pass-0 shards and those
@@ -283,34 +354,61 @@ fn shard_files(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Inputs of one batch for `steps` chain steps (masked where a sequence ends).
+/// Inputs of one packed batch (whole sequences, rows back to back) for `steps` chain steps.
 struct Batch {
+    /// Shard row of each batch row.
+    rows: Vec<usize>,
     hidden: Tensor,
+    /// Per step: `[T, H]` embeddings of the token fed (zeros where the sequence has none).
     emb: Vec<Tensor>,
-    /// Per step: label draft ids `[B, TOP_K]` and weights `[B, TOP_K]` (0 where masked or the
+    /// `[T, T]`: 0 where row t's queries may read row t''s context key, [`MASKED`] elsewhere.
+    mask: Tensor,
+    /// Per step: label draft ids `[T, TOP_K]` and weights `[T, TOP_K]` (0 where masked or the
     /// token is outside the pruned vocabulary).
     labels: Vec<(Tensor, Tensor)>,
-    /// Per step: positions with a label.
+    /// Per step: rows with a label.
     counts: Vec<f64>,
 }
 
-fn make_batch(data: &Data, rows: &[u32], steps: usize, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32) -> Result<Batch> {
+fn make_batch(data: &Data, seqs: &[usize], steps: usize, context: HeadContext, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32) -> Result<Batch> {
     let s = &data.shard;
-    let (b, h) = (rows.len(), s.hidden_size);
-    let mut hidden = vec![0f32; b * h];
+    let h = s.hidden_size;
+    let mut rows = Vec::new();
+    let mut seq_of = Vec::new();
+    for (i, &q) in seqs.iter().enumerate() {
+        for r in s.seq_offsets[q]..s.seq_offsets[q + 1] {
+            rows.push(r);
+            seq_of.push(i);
+        }
+    }
+    let t = rows.len();
+    let mut hidden = vec![0f32; t * h];
     for (i, &r) in rows.iter().enumerate() {
-        for (o, v) in hidden[i * h..(i + 1) * h].iter_mut().zip(&s.hidden[r as usize * h..(r as usize + 1) * h]) {
+        for (o, v) in hidden[i * h..(i + 1) * h].iter_mut().zip(&s.hidden[r * h..(r + 1) * h]) {
             *o = v.to_f32();
+        }
+    }
+    // a context key needs its next token (its input); a chain head reads only its own row's
+    let mut mask = vec![MASKED; t * t];
+    for qi in 0..t {
+        for ki in 0..=qi {
+            let visible = match context {
+                HeadContext::Chain => ki == qi,
+                HeadContext::Sequence => seq_of[ki] == seq_of[qi] && qi - ki < SEQUENCE_WINDOW,
+            };
+            if visible && data.token(rows[ki], 0).is_some() {
+                mask[qi * t + ki] = 0.0;
+            }
         }
     }
     let (mut emb, mut labels, mut counts) = (Vec::new(), Vec::new(), Vec::new());
     for j in 0..steps {
-        let mut e = vec![0f32; b * h];
-        let (mut ids, mut ws) = (vec![0u32; b * TOP_K], vec![0f32; b * TOP_K]);
+        let mut e = vec![0f32; t * h];
+        let (mut ids, mut ws) = (vec![0u32; t * TOP_K], vec![0f32; t * TOP_K]);
         let mut count = 0.0;
         for (i, &r) in rows.iter().enumerate() {
-            let r = r as usize;
-            // every earlier step must have had a token too (the chain is contiguous)
+            // every earlier step must have had a token too (the chain is contiguous; a sequence's
+            // last row has none, so a chain never runs into the next sequence)
             if (0..=j).any(|jj| data.token(r, jj).is_none()) {
                 continue;
             }
@@ -318,20 +416,20 @@ fn make_batch(data: &Data, rows: &[u32], steps: usize, embed: &specula_kernels::
             embed.dequantize_row_into(tok as usize, &mut e[i * h..(i + 1) * h]);
             let label_row = r + j + 1;
             count += 1.0;
-            for t in 0..TOP_K {
-                let target = s.top_ids[label_row * TOP_K + t];
+            for k in 0..TOP_K {
+                let target = s.top_ids[label_row * TOP_K + k];
                 if let Some(&d) = t2d.get(target as usize).filter(|&&d| d >= 0) {
-                    ids[i * TOP_K + t] = d as u32;
-                    let one_hot = if t == 0 { 1.0 } else { 0.0 };
-                    ws[i * TOP_K + t] = (1.0 - top1_weight) * s.top_probs[label_row * TOP_K + t] + top1_weight * one_hot;
+                    ids[i * TOP_K + k] = d as u32;
+                    let one_hot = if k == 0 { 1.0 } else { 0.0 };
+                    ws[i * TOP_K + k] = (1.0 - top1_weight) * s.top_probs[label_row * TOP_K + k] + top1_weight * one_hot;
                 }
             }
         }
-        emb.push(Tensor::from_vec(e, (b, h), &Device::Cpu)?);
-        labels.push((Tensor::from_vec(ids, (b, TOP_K), &Device::Cpu)?, Tensor::from_vec(ws, (b, TOP_K), &Device::Cpu)?));
+        emb.push(Tensor::from_vec(e, (t, h), &Device::Cpu)?);
+        labels.push((Tensor::from_vec(ids, (t, TOP_K), &Device::Cpu)?, Tensor::from_vec(ws, (t, TOP_K), &Device::Cpu)?));
         counts.push(count);
     }
-    Ok(Batch { hidden: Tensor::from_vec(hidden, (b, h), &Device::Cpu)?, emb, labels, counts })
+    Ok(Batch { rows, hidden: Tensor::from_vec(hidden, (t, h), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts })
 }
 
 /// The K most frequent target tokens of the training answers (ties: lower id first), most
@@ -356,16 +454,19 @@ fn pruned_vocab(data: &Data, k: usize, target_vocab: usize) -> Vec<u32> {
 /// of step 0).
 fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::QMatrix, d2t: &[u32], t2d: &[i32]) -> Result<(Vec<f64>, f64)> {
     let s = &data.shard;
-    let starts: Vec<u32> = data.starts.iter().copied().filter(|&r| (0..k).all(|j| data.token(r as usize, j).is_some())).collect();
+    let order: Vec<usize> = (0..s.num_sequences()).collect();
     let mut accepted = vec![0u64; k];
-    let (mut loss, mut loss_n) = (0.0, 0.0);
-    for rows in starts.chunks(256) {
-        let batch = make_batch(data, rows, k, embed, t2d, 0.0)?;
+    let (mut loss, mut loss_n, mut starts) = (0.0, 0.0, 0usize);
+    for seqs in data.pack(&order, EVAL_BATCH_ROWS) {
+        let batch = make_batch(data, &seqs, k, graph.c.context, embed, t2d, 0.0)?;
+        // only rows from which all k drafts have a token to compare with count
+        let counted: Vec<bool> = batch.rows.iter().map(|&r| (0..k).all(|j| data.token(r, j).is_some())).collect();
+        starts += counted.iter().filter(|&&c| c).count();
         let mut kv = Vec::new();
         let mut hidden = batch.hidden.clone();
-        let mut alive = vec![true; rows.len()];
+        let mut alive = counted.clone();
         for (j, (emb, acc)) in batch.emb.iter().zip(accepted.iter_mut()).enumerate() {
-            let (x, logits) = graph.step(emb, &hidden, j, &mut kv)?;
+            let (x, logits) = graph.step(emb, &hidden, j, &batch.mask, &mut kv)?;
             if j == 0 {
                 let (ids, ws) = &batch.labels[0];
                 let lp = log_softmax_last(&logits)?.gather(ids, 1)?;
@@ -373,9 +474,12 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
                 loss_n += batch.counts[0];
             }
             let best = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-            for (i, &r) in rows.iter().enumerate() {
-                let target_top1 = s.top_ids[(r as usize + j + 1) * TOP_K] as u32;
-                alive[i] = alive[i] && d2t[best[i] as usize] == target_top1;
+            for (i, &r) in batch.rows.iter().enumerate() {
+                if !alive[i] {
+                    continue;
+                }
+                let target_top1 = s.top_ids[(r + j + 1) * TOP_K] as u32;
+                alive[i] = d2t[best[i] as usize] == target_top1;
                 if alive[i] {
                     *acc += 1;
                 }
@@ -383,7 +487,7 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
             hidden = x;
         }
     }
-    let n = starts.len().max(1) as f64;
+    let n = starts.max(1) as f64;
     Ok((accepted.iter().map(|&a| a as f64 / n).collect(), loss / loss_n.max(1.0)))
 }
 
@@ -408,7 +512,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         held.shard.num_sequences()
     );
     let v = target.config.vocab_size;
-    let (cfg, w) = match &a.init {
+    let (mut cfg, w) = match &a.init {
         Some(path) => {
             let (cfg, mut w) = load_head_weights(path, &target)?;
             if a.revocab {
@@ -420,38 +524,36 @@ pub fn run(a: FitArgs) -> Result<()> {
         }
         None => fresh_head(&train, &target, a.draft_vocab.min(v), a.seed)?,
     };
+    cfg.context = a.attention_context.into();
+    eprintln!("attention context: {}", cfg.context.as_str());
     let d2t = w.d2t.clone();
     let t2d = fmt::t2d_from_d2t(&d2t, v);
     let covered = train.shard.next_token.iter().filter(|&&t| t >= 0 && t2d[t as usize] >= 0).count() as f64 / train.starts.len().max(1) as f64;
     eprintln!("pruned vocabulary: {} tokens cover {:.2}% of the training answer tokens", d2t.len(), 100.0 * covered);
     let in_scale = if a.input_scale { input_scale(&train, &target.embed) } else { vec![1.0; 2 * cfg.target_hidden] };
     let params = Params::new(&w, &cfg, &in_scale)?;
-    let graph = HeadGraph::new(&params, &cfg, a.unroll.max(a.eval_k))?;
+    let longest = [&train, &held].iter().flat_map(|d| d.shard.seq_offsets.windows(2).map(|w| w[1] - w[0])).max().unwrap_or(0);
+    let graph = HeadGraph::new(&params, &cfg, a.batch_size.max(EVAL_BATCH_ROWS) + longest + a.unroll.max(a.eval_k))?;
     let mut opt = AdamW::new(params.vars(), ParamsAdamW { lr: a.lr, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 })?;
 
-    let batches_per_epoch = {
-        let n = train.starts.len().div_ceil(a.batch_size);
-        if a.max_batches > 0 {
-            n.min(a.max_batches)
-        } else {
-            n
-        }
-    };
+    let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
+    let mut order: Vec<usize> = (0..train.shard.num_sequences()).collect();
+    let limit = |n: usize| if a.max_batches > 0 { n.min(a.max_batches) } else { n };
+    // the packing of later epochs differs a little; the schedule is laid out for this count
+    let batches_per_epoch = limit(train.pack(&order, a.batch_size).len());
     let total = batches_per_epoch * a.epochs;
     let warmup = (total / 20).max(1);
     let lr_at = |step: usize| -> f64 {
         if step < warmup {
             a.lr * (step + 1) as f64 / warmup as f64
         } else {
-            let t = (step - warmup) as f64 / (total - warmup).max(1) as f64;
+            let t = ((step - warmup) as f64 / (total - warmup).max(1) as f64).min(1.0);
             a.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()))
         }
     };
     let (acc0, loss0) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
     report_eval("0", &acc0, loss0, None);
 
-    let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
-    let mut order = train.starts.clone();
     let mut best: Option<(f64, PathBuf)> = None;
     // writes the head to `file` and makes it the output while it is the best so far
     let mut keep = |file: PathBuf, acc: &[f64]| -> Result<()> {
@@ -468,18 +570,20 @@ pub fn run(a: FitArgs) -> Result<()> {
     for epoch in 1..=a.epochs {
         let started = Instant::now();
         order.shuffle(&mut rng);
-        let bar = ProgressBar::new(batches_per_epoch as u64);
+        let batches = train.pack(&order, a.batch_size);
+        let batches_this_epoch = limit(batches.len());
+        let bar = ProgressBar::new(batches_this_epoch as u64);
         bar.set_style(ProgressStyle::with_template("epoch {msg} [{elapsed_precise}] {wide_bar} {pos}/{len} batches (eta {eta})")?);
         bar.set_message(epoch.to_string());
         let (mut sum, mut n) = (0.0, 0usize);
-        for rows in order.chunks(a.batch_size).take(batches_per_epoch) {
+        for seqs in batches.iter().take(batches_this_epoch) {
             opt.set_learning_rate(lr_at(step));
-            let batch = make_batch(&train, rows, a.unroll, &target.embed, &t2d, a.top1_weight)?;
+            let batch = make_batch(&train, seqs, a.unroll, cfg.context, &target.embed, &t2d, a.top1_weight)?;
             let mut kv = Vec::new();
             let mut hidden = batch.hidden.clone();
             let mut loss: Option<Tensor> = None;
             for j in 0..a.unroll {
-                let (x, logits) = graph.step(&batch.emb[j], &hidden, j, &mut kv)?;
+                let (x, logits) = graph.step(&batch.emb[j], &hidden, j, &batch.mask, &mut kv)?;
                 let (ids, ws) = &batch.labels[j];
                 let lp = log_softmax_last(&logits)?.gather(ids, 1)?;
                 let lj = ((lp * ws)?.sum_all()?.neg()? * (a.step_decay.powi(j as i32) / batch.counts[j].max(1.0)))?;
@@ -496,9 +600,9 @@ pub fn run(a: FitArgs) -> Result<()> {
             step += 1;
             bar.inc(1);
             if n % 50 == 0 {
-                eprintln!("epoch {epoch} batch {n}/{batches_per_epoch}: loss {:.4} lr {:.2e}", sum / n as f64, lr_at(step));
+                eprintln!("epoch {epoch} batch {n}/{batches_this_epoch}: loss {:.4} lr {:.2e}", sum / n as f64, lr_at(step));
             }
-            if a.eval_every > 0 && n % a.eval_every == 0 && n < batches_per_epoch {
+            if a.eval_every > 0 && n % a.eval_every == 0 && n < batches_this_epoch {
                 let (acc, held_loss) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
                 bar.suspend(|| report_eval(&format!("{epoch} batch {n}"), &acc, held_loss, Some((sum / n as f64, started.elapsed().as_secs_f64()))));
                 keep(batch_path(&a.out, epoch, n), &acc)?;
@@ -696,7 +800,9 @@ mod tests {
 
     /// The graph trained here must be the computation `spec::mtp` runs: with temperature 1 the
     /// proposer's draft distributions are softmax(logits), so they must equal the graph's, step
-    /// by step along the same chain (the graph fed the proposer's own draws).
+    /// by step along the same chain (the graph fed the proposer's own draws). The sequence is
+    /// observed over three engine steps (a prefill row without drafts, then two rows, then three),
+    /// so a `sequence` head's context holds six rows built lazily across calls.
     #[test]
     fn the_training_graph_computes_what_the_mtp_proposer_runs() {
         use specula_engine::spec::mtp::MtpProposer;
@@ -709,38 +815,64 @@ mod tests {
         let model_path = dir.path().join("tiny.gguf");
         write_tiny_llama(&model_path, &TinySpec { seed: 5, ..Default::default() }).unwrap();
         let target = load_model(&model_path).unwrap().model;
-        let (cfg, w) = fmt::random_head(&target, 40, 9).unwrap();
-        let head_path = dir.path().join("head.safetensors");
-        fmt::save_head(&head_path, &w, &cfg, StoredDtype::F32).unwrap();
-        // the file's weights as stored (the default requantizes them to Q8_0 for speed)
-        let mut proposer = MtpProposer::load_with(&head_path, &target, specula_engine::spec::mtp::HeadWeights::AsStored).unwrap();
-        let h = cfg.target_hidden;
-        let hidden: Vec<f32> = (0..h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.4).collect();
-        let tokens = [1u32, 5, w.d2t[3]];
-        let sampling = SamplingParams { temperature: 1.0, seed: Some(3), max_tokens: 100, ..Default::default() };
-        let req = DraftRequest { seq: SeqId(1), tokens: &tokens, prompt_len: 2, max_draft: 3, params: &sampling, hidden: Some(&hidden) };
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let draft = proposer.propose(&[req], &pool).unwrap().remove(0);
-        assert_eq!(draft.tokens.len(), 3);
-        let probs = draft.probs.expect("sampled drafts carry their distributions");
-
-        // a non-trivial input scale: folded into fc on the way out, it must not change the graph
-        let in_scale: Vec<f32> = (0..2 * h).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
-        let params = Params::new(&w, &cfg, &in_scale).unwrap();
-        let graph = HeadGraph::new(&params, &cfg, 3).unwrap();
-        let (mut token, mut hid) = (tokens[2], Tensor::from_vec(hidden, (1, h), &Device::Cpu).unwrap());
-        let mut kv = Vec::new();
-        for j in 0..3 {
-            let mut e = vec![0f32; h];
-            target.embed.dequantize_row_into(token as usize, &mut e);
-            let (x, logits) = graph.step(&Tensor::from_vec(e, (1, h), &Device::Cpu).unwrap(), &hid, j, &mut kv).unwrap();
-            let ours = softmax_last(&logits).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            for (d, &t) in w.d2t.iter().enumerate() {
-                let theirs = probs[j][t as usize];
-                assert!((ours[d] - theirs).abs() < 1e-4 * (1.0 + theirs), "step {j}, draft id {d}: graph {} proposer {theirs}", ours[d]);
+        for context in [HeadContext::Chain, HeadContext::Sequence] {
+            let (mut cfg, w) = fmt::random_head(&target, 40, 9).unwrap();
+            cfg.context = context;
+            let head_path = dir.path().join("head.safetensors");
+            fmt::save_head(&head_path, &w, &cfg, StoredDtype::F32).unwrap();
+            // the file's weights as stored (the default requantizes them to Q8_0 for speed)
+            let mut proposer = MtpProposer::load_with(&head_path, &target, specula_engine::spec::mtp::HeadWeights::AsStored).unwrap();
+            let h = cfg.target_hidden;
+            let rows = 6;
+            let hidden: Vec<f32> = (0..rows * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.4 + (i / h) as f32 * 0.1).collect();
+            // prompt [1, 5]; the rows are at positions 1..=6 and emitted tokens[2..8]
+            let tokens = [1u32, 5, w.d2t[3], 7, w.d2t[1], 2, w.d2t[0], 9];
+            let sampling = SamplingParams { temperature: 1.0, seed: Some(3), max_tokens: 100, ..Default::default() };
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+            let mut draft = None;
+            for (known, first_row, max_draft) in [(3, 0, 0), (5, 1, 0), (8, 3, 3)] {
+                let req = DraftRequest { seq: SeqId(1), tokens: &tokens[..known], prompt_len: 2, max_draft, params: &sampling, hidden: Some(&hidden[first_row * h..(known - 2) * h]) };
+                draft = Some(proposer.propose(&[req], &pool).unwrap().remove(0));
             }
-            token = draft.tokens[j];
-            hid = x;
+            let draft = draft.unwrap();
+            assert_eq!(draft.tokens.len(), 3);
+            let probs = draft.probs.expect("sampled drafts carry their distributions");
+
+            // a non-trivial input scale: folded into fc on the way out, it must not change the graph
+            let in_scale: Vec<f32> = (0..2 * h).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
+            let params = Params::new(&w, &cfg, &in_scale).unwrap();
+            let graph = HeadGraph::new(&params, &cfg, rows + 3).unwrap();
+            let embed_rows = |toks: &[u32]| {
+                let mut e = vec![0f32; toks.len() * h];
+                for (row, &t) in e.chunks_exact_mut(h).zip(toks) {
+                    target.embed.dequantize_row_into(t as usize, row);
+                }
+                Tensor::from_vec(e, (toks.len(), h), &Device::Cpu).unwrap()
+            };
+            let mut mask = vec![MASKED; rows * rows];
+            for q in 0..rows {
+                for k in 0..=q {
+                    if context == HeadContext::Sequence || k == q {
+                        mask[q * rows + k] = 0.0;
+                    }
+                }
+            }
+            let mask = Tensor::from_vec(mask, (rows, rows), &Device::Cpu).unwrap();
+            let mut hid = Tensor::from_vec(hidden, (rows, h), &Device::Cpu).unwrap();
+            let mut fed = tokens[2..].to_vec();
+            let mut kv = Vec::new();
+            for (j, (pj, &dj)) in probs.iter().zip(&draft.tokens).enumerate() {
+                let (x, logits) = graph.step(&embed_rows(&fed), &hid, j, &mask, &mut kv).unwrap();
+                let ours = softmax_last(&logits.narrow(0, rows - 1, 1).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for (d, &t) in w.d2t.iter().enumerate() {
+                    let theirs = pj[t as usize];
+                    assert!((ours[d] - theirs).abs() < 1e-4 * (1.0 + theirs), "{context:?} step {j}, draft id {d}: graph {} proposer {theirs}", ours[d]);
+                }
+                // the last row's chain goes on with the proposer's draw; the other rows' steps
+                // are not read by it (a chain key is read by its own row only)
+                fed[rows - 1] = dj;
+                hid = x;
+            }
         }
     }
 
