@@ -59,9 +59,10 @@ pub struct FitArgs {
     pub revocab: bool,
     #[arg(long, default_value_t = 3)]
     pub epochs: usize,
-    /// Rows per optimiser step: whole sequences are packed back to back until a batch has at
-    /// least this many rows (candle's CPU matmuls want wide batches: 256 rows run about twice as
-    /// many samples per second as 64).
+    /// Rows per optimiser step: for a `sequence` head whole answers are packed back to back until
+    /// a batch has at least this many rows; a `chain` head takes this many rows in a seeded random
+    /// order (candle's CPU matmuls want wide batches: 256 rows run about twice as many samples per
+    /// second as 64).
     #[arg(long, default_value_t = 384)]
     pub batch_size: usize,
     /// What the head's attention reads: `sequence` (EAGLE-style: every earlier answer position's
@@ -319,23 +320,26 @@ impl Data {
         self.shard.next_token.get(r + j).and_then(|&t| u32::try_from(t).ok())
     }
 
-    /// The sequences in `order`, packed back to back into batches of at least `rows` rows (a
-    /// longer sequence is a batch of its own).
+    /// The rows of the sequences in `order`, packed back to back into batches of at least `rows`
+    /// rows (a longer sequence is a batch of its own).
     fn pack(&self, order: &[usize], rows: usize) -> Vec<Vec<usize>> {
         let mut batches = Vec::new();
-        let (mut cur, mut n) = (Vec::new(), 0);
+        let mut cur = Vec::new();
         for &s in order {
-            cur.push(s);
-            n += self.shard.seq_offsets[s + 1] - self.shard.seq_offsets[s];
-            if n >= rows {
+            cur.extend(self.shard.seq_offsets[s]..self.shard.seq_offsets[s + 1]);
+            if cur.len() >= rows {
                 batches.push(std::mem::take(&mut cur));
-                n = 0;
             }
         }
         if !cur.is_empty() {
             batches.push(cur);
         }
         batches
+    }
+
+    /// The sequence row `r` belongs to.
+    fn sequence_of(&self, r: usize) -> usize {
+        self.shard.seq_offsets.partition_point(|&o| o <= r) - 1
     }
 }
 
@@ -354,7 +358,8 @@ fn shard_files(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Inputs of one packed batch (whole sequences, rows back to back) for `steps` chain steps.
+/// Inputs of one batch for `steps` chain steps: for a `sequence` head whole sequences, rows back
+/// to back; for a `chain` head any rows (each attends to itself only).
 struct Batch {
     /// Shard row of each batch row.
     rows: Vec<usize>,
@@ -370,17 +375,10 @@ struct Batch {
     counts: Vec<f64>,
 }
 
-fn make_batch(data: &Data, seqs: &[usize], steps: usize, context: HeadContext, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32) -> Result<Batch> {
+fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32) -> Result<Batch> {
     let s = &data.shard;
     let h = s.hidden_size;
-    let mut rows = Vec::new();
-    let mut seq_of = Vec::new();
-    for (i, &q) in seqs.iter().enumerate() {
-        for r in s.seq_offsets[q]..s.seq_offsets[q + 1] {
-            rows.push(r);
-            seq_of.push(i);
-        }
-    }
+    let seq_of: Vec<usize> = rows.iter().map(|&r| data.sequence_of(r)).collect();
     let t = rows.len();
     let mut hidden = vec![0f32; t * h];
     for (i, &r) in rows.iter().enumerate() {
@@ -429,7 +427,7 @@ fn make_batch(data: &Data, seqs: &[usize], steps: usize, context: HeadContext, e
         labels.push((Tensor::from_vec(ids, (t, TOP_K), &Device::Cpu)?, Tensor::from_vec(ws, (t, TOP_K), &Device::Cpu)?));
         counts.push(count);
     }
-    Ok(Batch { rows, hidden: Tensor::from_vec(hidden, (t, h), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts })
+    Ok(Batch { rows: rows.to_vec(), hidden: Tensor::from_vec(hidden, (t, h), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts })
 }
 
 /// The K most frequent target tokens of the training answers (ties: lower id first), most
@@ -457,8 +455,8 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
     let order: Vec<usize> = (0..s.num_sequences()).collect();
     let mut accepted = vec![0u64; k];
     let (mut loss, mut loss_n, mut starts) = (0.0, 0.0, 0usize);
-    for seqs in data.pack(&order, EVAL_BATCH_ROWS) {
-        let batch = make_batch(data, &seqs, k, graph.c.context, embed, t2d, 0.0)?;
+    for rows in data.pack(&order, EVAL_BATCH_ROWS) {
+        let batch = make_batch(data, &rows, k, graph.c.context, embed, t2d, 0.0)?;
         // only rows from which all k drafts have a token to compare with count
         let counted: Vec<bool> = batch.rows.iter().map(|&r| (0..k).all(|j| data.token(r, j).is_some())).collect();
         starts += counted.iter().filter(|&&c| c).count();
@@ -537,10 +535,28 @@ pub fn run(a: FitArgs) -> Result<()> {
     let mut opt = AdamW::new(params.vars(), ParamsAdamW { lr: a.lr, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 })?;
 
     let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
-    let mut order: Vec<usize> = (0..train.shard.num_sequences()).collect();
+    // a sequence head trains on whole sequences in a seeded order; a chain head on rows in a
+    // seeded order, as the chain heads before the sequence ones were trained
+    let mut seq_order: Vec<usize> = (0..train.shard.num_sequences()).collect();
+    let mut row_order = train.starts.clone();
+    let mut epoch_batches = |rng: &mut ChaCha8Rng| -> Vec<Vec<usize>> {
+        match cfg.context {
+            HeadContext::Sequence => {
+                seq_order.shuffle(rng);
+                train.pack(&seq_order, a.batch_size)
+            }
+            HeadContext::Chain => {
+                row_order.shuffle(rng);
+                row_order.chunks(a.batch_size).map(|c| c.iter().map(|&r| r as usize).collect()).collect()
+            }
+        }
+    };
     let limit = |n: usize| if a.max_batches > 0 { n.min(a.max_batches) } else { n };
     // the packing of later epochs differs a little; the schedule is laid out for this count
-    let batches_per_epoch = limit(train.pack(&order, a.batch_size).len());
+    let batches_per_epoch = limit(match cfg.context {
+        HeadContext::Sequence => train.pack(&(0..train.shard.num_sequences()).collect::<Vec<_>>(), a.batch_size).len(),
+        HeadContext::Chain => train.starts.len().div_ceil(a.batch_size),
+    });
     let total = batches_per_epoch * a.epochs;
     let warmup = (total / 20).max(1);
     let lr_at = |step: usize| -> f64 {
@@ -569,16 +585,15 @@ pub fn run(a: FitArgs) -> Result<()> {
     let mut step = 0;
     for epoch in 1..=a.epochs {
         let started = Instant::now();
-        order.shuffle(&mut rng);
-        let batches = train.pack(&order, a.batch_size);
+        let batches = epoch_batches(&mut rng);
         let batches_this_epoch = limit(batches.len());
         let bar = ProgressBar::new(batches_this_epoch as u64);
         bar.set_style(ProgressStyle::with_template("epoch {msg} [{elapsed_precise}] {wide_bar} {pos}/{len} batches (eta {eta})")?);
         bar.set_message(epoch.to_string());
         let (mut sum, mut n) = (0.0, 0usize);
-        for seqs in batches.iter().take(batches_this_epoch) {
+        for rows in batches.iter().take(batches_this_epoch) {
             opt.set_learning_rate(lr_at(step));
-            let batch = make_batch(&train, seqs, a.unroll, cfg.context, &target.embed, &t2d, a.top1_weight)?;
+            let batch = make_batch(&train, rows, a.unroll, cfg.context, &target.embed, &t2d, a.top1_weight)?;
             let mut kv = Vec::new();
             let mut hidden = batch.hidden.clone();
             let mut loss: Option<Tensor> = None;
