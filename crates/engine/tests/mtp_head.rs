@@ -684,6 +684,8 @@ fn the_shipped_head_is_trained_and_drafts_only_its_pruned_vocabulary() {
     let rate = m.num_accepted_tokens as f64 / m.num_draft_tokens.max(1) as f64;
     assert!(rate > 0.1, "the shipped head's acceptance rate is {rate:.3} on held-out prompts: is it trained? {m:?}");
     assert!(r.proposed.iter().all(|t| r.pruned.contains(t)), "a token outside the pruned vocabulary was proposed");
+    let t = target(&specula_model::testing::model_for_tests("mtp_head (shipped head)").expect("shipped_runs ran, so the model is there"));
+    assert_eq!(MtpHead::load(&shipped_head(), &t).unwrap().config.context, HeadContext::Sequence, "heads/README.md says the shipped head attends over the sequence");
     let outside: usize = r.plain.iter().map(|o| o.tokens.iter().filter(|t| !r.pruned.contains(t)).count()).sum();
     eprintln!("acceptance rate {rate:.3}; {outside} emitted tokens lie outside the pruned vocabulary ({m:?})");
 }
