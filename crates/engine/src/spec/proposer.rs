@@ -14,7 +14,7 @@ pub struct DraftRequest<'a> {
     pub max_draft: usize,
     pub params: &'a SamplingParams,
     /// When the proposer needs them (mtp): the target's final hidden states of the rows that
-    /// emitted this step's tokens, in order (`rows * H` values; the last row is at the last known
+    /// emitted this step's tokens, in order (`rows * H` values; the last row emitted the last known
     /// token). Requests with `max_draft == 0` still carry them, so a proposer that keeps
     /// per-sequence state sees every row.
     pub hidden: Option<&'a [f32]>,
