@@ -53,10 +53,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
         (Err(_), None) => Err("could not start"),
     };
     if let Err(e) = check_same_config(&comm, local) {
-        return Err(match own_error {
-            Some(own) => anyhow!("MPI rank {rank} of {size} could not start: {own}\n(every rank stops: {e})"),
-            None => anyhow!("MPI rank {rank} of {size}: {e}"),
-        });
+        let msg = match own_error {
+            Some(own) => format!("MPI rank {rank} of {size} could not start: {own}\n(every rank stops: {e})"),
+            None => format!("MPI rank {rank} of {size}: {e}"),
+        };
+        // every rank says why before any exits: mpirun aborts the job at the first non-zero exit,
+        // which would otherwise cut off the ranks that are still on their way to printing
+        eprintln!("error: {msg}");
+        let _ = comm.barrier();
+        drop(comm);
+        drop(env);
+        std::process::exit(1);
     }
     let built = built?; // Ok: the check above failed on every rank otherwise
     eprintln!("MPI rank {rank} of {size}: {} mode, {} compute thread(s)", mode.as_str(), built.cfg.threads);
