@@ -90,6 +90,11 @@ pub struct FitArgs {
     /// towards the target's greedy choice (what greedy verification accepts).
     #[arg(long, default_value_t = 0.0)]
     pub top1_weight: f32,
+    /// Weight of EAGLE's feature-regression loss: step j's hidden output at row i is pulled
+    /// towards the target's hidden state at row i + j + 1 (smooth L1, per dimension scaled to
+    /// unit RMS), the state the next step would have been fed at step 0. 0 = token loss only.
+    #[arg(long, default_value_t = 0.0)]
+    pub feature_weight: f64,
     /// Train fc on inputs scaled to unit RMS (see `Params`); `false` trains on the raw inputs,
     /// as the first run of the shipped head did (heads/README.md).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -373,9 +378,13 @@ struct Batch {
     labels: Vec<(Tensor, Tensor)>,
     /// Per step: rows with a label.
     counts: Vec<f64>,
+    /// Per step, when asked for: the target's hidden state `[T, H]` that step's output should
+    /// match (row i + j + 1) and `[T, 1]` 1 where there is one.
+    features: Vec<(Tensor, Tensor)>,
 }
 
-fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32) -> Result<Batch> {
+#[allow(clippy::too_many_arguments)]
+fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32, features: bool) -> Result<Batch> {
     let s = &data.shard;
     let h = s.hidden_size;
     let seq_of: Vec<usize> = rows.iter().map(|&r| data.sequence_of(r)).collect();
@@ -399,8 +408,21 @@ fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, e
             }
         }
     }
-    let (mut emb, mut labels, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut emb, mut labels, mut counts, mut feats) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for j in 0..steps {
+        if features {
+            let (mut f, mut m) = (vec![0f32; t * h], vec![0f32; t]);
+            for (i, &r) in rows.iter().enumerate() {
+                if (0..=j).all(|jj| data.token(r, jj).is_some()) {
+                    let src = (r + j + 1) * h;
+                    for (o, v) in f[i * h..(i + 1) * h].iter_mut().zip(&s.hidden[src..src + h]) {
+                        *o = v.to_f32();
+                    }
+                    m[i] = 1.0;
+                }
+            }
+            feats.push((Tensor::from_vec(f, (t, h), &Device::Cpu)?, Tensor::from_vec(m, (t, 1), &Device::Cpu)?));
+        }
         let mut e = vec![0f32; t * h];
         let (mut ids, mut ws) = (vec![0u32; t * TOP_K], vec![0f32; t * TOP_K]);
         let mut count = 0.0;
@@ -427,7 +449,7 @@ fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, e
         labels.push((Tensor::from_vec(ids, (t, TOP_K), &Device::Cpu)?, Tensor::from_vec(ws, (t, TOP_K), &Device::Cpu)?));
         counts.push(count);
     }
-    Ok(Batch { rows: rows.to_vec(), hidden: Tensor::from_vec(hidden, (t, h), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts })
+    Ok(Batch { rows: rows.to_vec(), hidden: Tensor::from_vec(hidden, (t, h), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts, features: feats })
 }
 
 /// The K most frequent target tokens of the training answers (ties: lower id first), most
@@ -456,7 +478,7 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
     let mut accepted = vec![0u64; k];
     let (mut loss, mut loss_n, mut starts) = (0.0, 0.0, 0usize);
     for rows in data.pack(&order, EVAL_BATCH_ROWS) {
-        let batch = make_batch(data, &rows, k, graph.c.context, embed, t2d, 0.0)?;
+        let batch = make_batch(data, &rows, k, graph.c.context, embed, t2d, 0.0, false)?;
         // only rows from which all k drafts have a token to compare with count
         let counted: Vec<bool> = batch.rows.iter().map(|&r| (0..k).all(|j| data.token(r, j).is_some())).collect();
         starts += counted.iter().filter(|&&c| c).count();
@@ -530,6 +552,7 @@ pub fn run(a: FitArgs) -> Result<()> {
     eprintln!("pruned vocabulary: {} tokens cover {:.2}% of the training answer tokens", d2t.len(), 100.0 * covered);
     let in_scale = if a.input_scale { input_scale(&train, &target.embed) } else { vec![1.0; 2 * cfg.target_hidden] };
     let params = Params::new(&w, &cfg, &in_scale)?;
+    let hidden_scale = Tensor::from_slice(&in_scale[cfg.target_hidden..], cfg.target_hidden, &Device::Cpu)?;
     let longest = [&train, &held].iter().flat_map(|d| d.shard.seq_offsets.windows(2).map(|w| w[1] - w[0])).max().unwrap_or(0);
     let graph = HeadGraph::new(&params, &cfg, a.batch_size.max(EVAL_BATCH_ROWS) + longest + a.unroll.max(a.eval_k))?;
     let mut opt = AdamW::new(params.vars(), ParamsAdamW { lr: a.lr, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 0.0 })?;
@@ -593,7 +616,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         let (mut sum, mut n) = (0.0, 0usize);
         for rows in batches.iter().take(batches_this_epoch) {
             opt.set_learning_rate(lr_at(step));
-            let batch = make_batch(&train, rows, a.unroll, cfg.context, &target.embed, &t2d, a.top1_weight)?;
+            let batch = make_batch(&train, rows, a.unroll, cfg.context, &target.embed, &t2d, a.top1_weight, a.feature_weight > 0.0)?;
             let mut kv = Vec::new();
             let mut hidden = batch.hidden.clone();
             let mut loss: Option<Tensor> = None;
@@ -601,7 +624,15 @@ pub fn run(a: FitArgs) -> Result<()> {
                 let (x, logits) = graph.step(&batch.emb[j], &hidden, j, &batch.mask, &mut kv)?;
                 let (ids, ws) = &batch.labels[j];
                 let lp = log_softmax_last(&logits)?.gather(ids, 1)?;
-                let lj = ((lp * ws)?.sum_all()?.neg()? * (a.step_decay.powi(j as i32) / batch.counts[j].max(1.0)))?;
+                let mut lj = ((lp * ws)?.sum_all()?.neg()? * (a.step_decay.powi(j as i32) / batch.counts[j].max(1.0)))?;
+                if let Some((target_h, valid)) = batch.features.get(j) {
+                    // smooth L1 on unit-RMS dimensions: q (d - q / 2) with q = min(d, 1)
+                    let d = x.sub(target_h)?.broadcast_mul(&hidden_scale)?.abs()?;
+                    let q = d.clamp(0f32, 1f32)?;
+                    let per_row = (&q * (d - (&q * 0.5)?)?)?.mean_keepdim(D::Minus1)?;
+                    let lf = (per_row * valid)?.sum_all()?;
+                    lj = (lj + (lf * (a.feature_weight * a.step_decay.powi(j as i32) / batch.counts[j].max(1.0)))?)?;
+                }
                 loss = Some(match loss {
                     None => lj,
                     Some(l) => (l + lj)?,
@@ -889,6 +920,49 @@ mod tests {
                 hid = x;
             }
         }
+    }
+
+    /// A packed batch: a sequence head's rows see only earlier rows of their own answer, every
+    /// step's labels and feature targets come from the rows j + 1 ahead, and nothing is read past
+    /// an answer's end.
+    #[test]
+    fn a_packed_batch_masks_across_answers_and_past_their_ends() {
+        use specula_model::testing::{write_tiny_llama, TinySpec};
+        let dir = tempfile::tempdir().unwrap();
+        let model_path = dir.path().join("tiny.gguf");
+        write_tiny_llama(&model_path, &TinySpec { seed: 2, ..Default::default() }).unwrap();
+        let target = load_model(&model_path).unwrap().model;
+        let h = target.config.hidden_size;
+        let mut shard = Shard::new(h);
+        let top = |t: u32| [(t, 0.5f32); TOP_K];
+        // answers [10, 11, 12] and [20, 21]: 4 + 3 rows, row r's hidden filled with r
+        let rows_hidden = |first: usize, n: usize| (first..first + n).flat_map(|r| std::iter::repeat_n(r as f32, h)).collect::<Vec<f32>>();
+        shard.push_sequence(&rows_hidden(0, 4), &[10, 11, 12], &[top(10), top(11), top(12), top(13)]);
+        shard.push_sequence(&rows_hidden(4, 3), &[20, 21], &[top(20), top(21), top(22)]);
+        let starts = (0..shard.rows() as u32).filter(|&r| shard.next_token[r as usize] >= 0).collect();
+        let data = Data { shard, starts };
+        let rows: Vec<usize> = (0..7).collect();
+        let t2d: Vec<i32> = (0..target.config.vocab_size as i32).collect();
+        let b = make_batch(&data, &rows, 2, HeadContext::Sequence, &target.embed, &t2d, 0.0, true).unwrap();
+        let mask = b.mask.to_vec2::<f32>().unwrap();
+        let sees = |q: usize, k: usize| mask[q][k] == 0.0;
+        assert!(sees(2, 0) && sees(2, 2) && !sees(2, 3), "row 2 sees rows 0..=2 of its answer");
+        assert!(!sees(3, 3), "an answer's last row has no next token, so it is no key");
+        assert!(sees(5, 4) && !sees(4, 2) && !sees(5, 1), "the second answer sees only itself");
+        assert_eq!(b.counts, vec![5.0, 3.0]);
+        let (f0, m0) = (&b.features[0].0.to_vec2::<f32>().unwrap(), b.features[0].1.to_vec2::<f32>().unwrap());
+        let (f1, m1) = (&b.features[1].0.to_vec2::<f32>().unwrap(), b.features[1].1.to_vec2::<f32>().unwrap());
+        assert_eq!((f0[0][0], f0[2][0], f0[5][0]), (1.0, 3.0, 6.0), "step 0 at row i: the hidden of row i + 1");
+        assert_eq!((f1[0][0], f1[4][0]), (2.0, 6.0), "step 1 at row i: the hidden of row i + 2");
+        assert_eq!(m0.iter().map(|r| r[0]).collect::<Vec<_>>(), vec![1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]);
+        assert_eq!(m1.iter().map(|r| r[0]).collect::<Vec<_>>(), vec![1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]);
+        let (ids1, ws1) = (&b.labels[1].0.to_vec2::<u32>().unwrap(), b.labels[1].1.to_vec2::<f32>().unwrap());
+        assert_eq!((ids1[0][0], ids1[4][0]), (12, 22), "step 1 at row i: labels of row i + 2");
+        assert_eq!(ws1[2][0], 0.0, "no label past the answer's end");
+        // a chain head's rows see only themselves
+        let c = make_batch(&data, &rows, 1, HeadContext::Chain, &target.embed, &t2d, 0.0, false).unwrap();
+        let cm = c.mask.to_vec2::<f32>().unwrap();
+        assert!(cm[2][2] == 0.0 && cm[2][1] != 0.0 && c.features.is_empty());
     }
 
     #[test]
