@@ -776,6 +776,16 @@ fn report_eval(epoch: &str, acc: &[f64], held_loss: f64, train: Option<(f64, f64
 mod tests {
     use super::*;
 
+    /// A tiny random target written to a fresh temporary folder (kept alive by the caller).
+    fn tiny_target(seed: u64) -> (tempfile::TempDir, LlamaModel) {
+        use specula_model::testing::{write_tiny_llama, TinySpec};
+        let dir = tempfile::tempdir().unwrap();
+        let model_path = dir.path().join("tiny.gguf");
+        write_tiny_llama(&model_path, &TinySpec { seed, ..Default::default() }).unwrap();
+        let target = load_model(&model_path).unwrap().model;
+        (dir, target)
+    }
+
     #[test]
     fn every_answer_pass_is_training_data_and_the_held_out_set_stays_apart() {
         use super::super::data::shard_path;
@@ -810,11 +820,7 @@ mod tests {
     /// target's rows for the others; the rest of the head is untouched.
     #[test]
     fn revocab_keeps_trained_rows_and_takes_the_targets_for_new_tokens() {
-        use specula_model::testing::{write_tiny_llama, TinySpec};
-        let dir = tempfile::tempdir().unwrap();
-        let model_path = dir.path().join("tiny.gguf");
-        write_tiny_llama(&model_path, &TinySpec { seed: 3, ..Default::default() }).unwrap();
-        let target = load_model(&model_path).unwrap().model;
+        let (dir, target) = tiny_target(3);
         let (_, mut w) = fmt::random_head(&target, 6, 2).unwrap();
         let h = target.config.hidden_size;
         let before = w.clone();
@@ -855,12 +861,8 @@ mod tests {
         use specula_engine::spec::{DraftRequest, Proposer};
         use specula_engine::types::SeqId;
         use specula_engine::SamplingParams;
-        use specula_model::testing::{write_tiny_llama, TinySpec};
 
-        let dir = tempfile::tempdir().unwrap();
-        let model_path = dir.path().join("tiny.gguf");
-        write_tiny_llama(&model_path, &TinySpec { seed: 5, ..Default::default() }).unwrap();
-        let target = load_model(&model_path).unwrap().model;
+        let (dir, target) = tiny_target(5);
         for context in [HeadContext::Chain, HeadContext::Sequence] {
             let (mut cfg, w) = fmt::random_head(&target, 40, 9).unwrap();
             cfg.context = context;
@@ -927,11 +929,7 @@ mod tests {
     /// an answer's end.
     #[test]
     fn a_packed_batch_masks_across_answers_and_past_their_ends() {
-        use specula_model::testing::{write_tiny_llama, TinySpec};
-        let dir = tempfile::tempdir().unwrap();
-        let model_path = dir.path().join("tiny.gguf");
-        write_tiny_llama(&model_path, &TinySpec { seed: 2, ..Default::default() }).unwrap();
-        let target = load_model(&model_path).unwrap().model;
+        let (_dir, target) = tiny_target(2);
         let h = target.config.hidden_size;
         let mut shard = Shard::new(h);
         let top = |t: u32| [(t, 0.5f32); TOP_K];
