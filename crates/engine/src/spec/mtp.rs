@@ -241,10 +241,13 @@ struct PendingRow {
 /// the draft chain being run. Rows only ever come from emitted tokens, so nothing here needs a
 /// rollback when drafts are rejected.
 struct SeqContext {
-    /// `[capacity, kvw]` each: context entries `0..len`, then the chain's.
+    /// `[capacity, kvw]` each: context entries `0..len` (in no particular order: attention does
+    /// not care, each key carries its position through RoPE), then the chain's.
     k: Vec<f32>,
     v: Vec<f32>,
     len: usize,
+    /// Once the window is full, the slot of the oldest entry (the next one overwritten).
+    oldest: usize,
     /// Position of the newest row seen (context or pending).
     last_pos: Option<usize>,
     pending: std::collections::VecDeque<PendingRow>,
@@ -252,7 +255,7 @@ struct SeqContext {
 
 impl SeqContext {
     fn new() -> Self {
-        Self { k: Vec::new(), v: Vec::new(), len: 0, last_pos: None, pending: Default::default() }
+        Self { k: Vec::new(), v: Vec::new(), len: 0, oldest: 0, last_pos: None, pending: Default::default() }
     }
 
     /// Queues this step's rows: `hidden` holds `rows` target rows whose emitted tokens are the
@@ -284,23 +287,25 @@ impl SeqContext {
         }
     }
 
-    /// Appends one key/value row, dropping the oldest entry when the window is full; `room` chain
-    /// slots stay free after the context.
+    /// Adds one key/value row, in place of the oldest entry when the window is full (a ring: no
+    /// row moves); `room` chain slots stay free after the context.
     fn push(&mut self, k: &[f32], v: &[f32], window: usize, room: usize) {
         let w = k.len();
-        if self.len == window {
-            self.k.copy_within(w..self.len * w, 0);
-            self.v.copy_within(w..self.len * w, 0);
-            self.len -= 1;
-        }
         let need = (window + room) * w;
         if self.k.len() < need {
             self.k.resize(need, 0.0);
             self.v.resize(need, 0.0);
         }
-        self.k[self.len * w..(self.len + 1) * w].copy_from_slice(k);
-        self.v[self.len * w..(self.len + 1) * w].copy_from_slice(v);
-        self.len += 1;
+        let slot = if self.len < window {
+            self.len += 1;
+            self.len - 1
+        } else {
+            let s = self.oldest;
+            self.oldest = (self.oldest + 1) % window;
+            s
+        };
+        self.k[slot * w..(slot + 1) * w].copy_from_slice(k);
+        self.v[slot * w..(slot + 1) * w].copy_from_slice(v);
     }
 }
 
@@ -540,5 +545,32 @@ impl MtpProposer {
             paged_attention(&q[j * qw..(j + 1) * qw], &mut out[j * qw..(j + 1) * qw], &ctx.k, &ctx.v, &layout, &[span], 1.0 / (c.head_dim as f32).sqrt());
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A full window keeps exactly the newest `window` rows, each in one slot, and leaves the
+    /// chain's room after them untouched.
+    #[test]
+    fn a_full_context_window_keeps_the_newest_rows() {
+        let mut ctx = SeqContext::new();
+        for i in 0..7 {
+            ctx.push(&[i as f32, 0.0], &[0.0, -(i as f32)], 3, 2);
+            if i == 1 {
+                assert_eq!((ctx.len, &ctx.k[..4]), (2, &[0.0, 0.0, 1.0, 0.0][..]));
+            }
+        }
+        assert_eq!((ctx.len, ctx.k.len()), (3, 5 * 2));
+        let mut keys: Vec<f32> = ctx.k[..3 * 2].chunks(2).map(|kv| kv[0]).collect();
+        keys.sort_by(f32::total_cmp);
+        assert_eq!(keys, vec![4.0, 5.0, 6.0]);
+        let values: Vec<f32> = ctx.v[..3 * 2].chunks(2).map(|kv| kv[1]).collect();
+        for (k, v) in ctx.k[..6].chunks(2).zip(values) {
+            assert_eq!(v, -k[0], "a key and its value share a slot");
+        }
+        assert!(ctx.k[6..].iter().all(|&x| x == 0.0), "the chain's room is not context");
     }
 }
