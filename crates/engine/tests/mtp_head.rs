@@ -370,8 +370,8 @@ impl Proposer for Recording {
     fn remove(&mut self, seq: SeqId) {
         self.inner.remove(seq)
     }
-    fn needs_hidden(&self) -> bool {
-        self.inner.needs_hidden()
+    fn hidden_layers(&self) -> &[usize] {
+        self.inner.hidden_layers()
     }
 }
 
@@ -379,22 +379,27 @@ fn prompts() -> Vec<Vec<u32>> {
     ["hello hello hello hello", "abcabcabcabc", "The quick brown fox", "1 2 3 4 5 6", "zzzz"].iter().map(|s| s.bytes().map(u32::from).collect()).collect()
 }
 
-/// Both kinds of head; a `sequence` head also must be handed every row of every sequence once, in
-/// order, from the last prompt row on (what its attention context is built from), drafting or not.
+/// Both kinds of head, reading the final hidden state or several layers' (fused); a `sequence`
+/// head also must be handed every row of every sequence once, in order, from the last prompt row
+/// on (what its attention context is built from), drafting or not.
 #[test]
 fn greedy_with_mtp_speculation_is_token_for_token_greedy_without() {
-    for context in [HeadContext::Chain, HeadContext::Sequence] {
-        greedy_with_mtp_head_is_greedy_without(context);
+    for (context, layers) in [(HeadContext::Chain, vec![1]), (HeadContext::Sequence, vec![1]), (HeadContext::Sequence, vec![0, 1])] {
+        greedy_with_mtp_head_is_greedy_without(context, &layers);
     }
 }
 
-fn greedy_with_mtp_head_is_greedy_without(context: HeadContext) {
+fn greedy_with_mtp_head_is_greedy_without(context: HeadContext, layers: &[usize]) {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path(), 7);
     let t = target(&model);
     let head = dir.path().join("head.safetensors");
-    let (mut hc, w) = random_head(&t, 64, 5).unwrap();
+    let (mut hc, mut w) = random_head(&t, 64, 5).unwrap();
     hc.context = context;
+    if layers.len() > 1 {
+        w.fuse = fmt::pass_through_fuse(&hc, layers, 0.5, 3).unwrap();
+        hc.feature_layers = layers.to_vec();
+    }
     save_head(&head, &w, &hc, StoredDtype::F32).unwrap();
     let allowed: HashSet<u32> = MtpHead::load(&head, &t).unwrap().vocab().d2t_slice().iter().copied().collect();
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(40) };
@@ -404,7 +409,8 @@ fn greedy_with_mtp_head_is_greedy_without(context: HeadContext) {
     let cfg = spec_config(SpecMethod::Mtp, 4, Some(&head));
     let inner = build_proposer(&cfg, &t, &tiny_config()).expect("the production build_proposer loads the head");
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let recording = Recording::new(inner, seen.clone(), t.config.hidden_size);
+    assert_eq!(inner.hidden_layers(), layers);
+    let recording = Recording::new(inner, seen.clone(), t.config.hidden_size * layers.len());
     let rows = recording.rows.clone();
     let mut rig = Rig::with_proposer(&model, tiny_config(), Some((cfg, Box::new(recording))));
     let spec = rig.run_batch(&reqs);
@@ -523,6 +529,17 @@ fn a_missing_or_misshapen_tensor_is_named() {
     });
     let e = load_err(&p, &f.target);
     assert!(e.contains("tensor 'layer.ffn_gate.weight' has shape [128, 64], expected [96, 64]"), "{e}");
+    // a head said to read two layers needs the matrix that fuses them
+    rewrite(&f.head, &p, None, &[], |md| {
+        md.insert("feature_layers".into(), "0,1".into());
+    });
+    let e = load_err(&p, &f.target);
+    assert!(e.contains(&format!("tensor '{}' is missing", fmt::FUSE)), "{e}");
+    rewrite(&f.head, &p, None, &[], |md| {
+        md.insert("feature_layers".into(), "1,7".into());
+    });
+    let e = load_err(&p, &f.target);
+    assert!(e.contains("'feature_layers'"), "{e}");
 }
 
 #[test]

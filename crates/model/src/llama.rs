@@ -53,14 +53,17 @@ pub struct ForwardBatch<'a> {
     pub slots: &'a [usize],
     /// Rows whose logits are computed (sampled or verified positions), in output order.
     pub logits_rows: &'a [usize],
-    /// Also return the final hidden states (before the output norm) of `logits_rows`.
-    pub want_hidden: bool,
+    /// Also return, for every row of `logits_rows`, the hidden states (residual stream) after
+    /// each of these layers, in this order (`n_layers - 1` is the final hidden state, before the
+    /// output norm). Empty: none.
+    pub hidden_layers: &'a [usize],
 }
 
 pub struct ForwardOutput {
     /// `logits_rows.len() x vocab`.
     pub logits: Vec<f32>,
-    /// `logits_rows.len() x hidden` when asked for, else empty.
+    /// `logits_rows.len() x (hidden_layers.len() * hidden)`: row j holds the states of
+    /// `logits_rows[j]` after each asked-for layer, back to back; empty when none were asked for.
     pub hidden: Vec<f32>,
 }
 
@@ -230,6 +233,9 @@ impl LlamaModel {
         let ff_bufs = if c.moe.is_some() { 0 } else { t * ff };
         let (mut gate, mut up, mut act) = (vec![0f32; ff_bufs], vec![0f32; ff_bufs], vec![0f32; ff_bufs]);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let n = batch.logits_rows.len();
+        let nf = batch.hidden_layers.len();
+        let mut hidden = vec![0f32; n * nf * h];
 
         for (li, l) in self.layers.iter().enumerate() {
             // attention block
@@ -259,15 +265,20 @@ impl LlamaModel {
                 FeedForward::Moe(m) => m.forward(&xn, &active, self.expert_exchange.as_deref(), &mut down)?,
             }
             add_assign(&mut x, &down);
+            for (f, _) in batch.hidden_layers.iter().enumerate().filter(|&(_, &hl)| hl == li) {
+                for (j, &r) in batch.logits_rows.iter().enumerate() {
+                    let at = (j * nf + f) * h;
+                    hidden[at..at + h].copy_from_slice(&x[r * h..(r + 1) * h]);
+                }
+            }
         }
 
-        let n = batch.logits_rows.len();
         let mut sel = vec![0f32; n * h];
         for (j, &r) in batch.logits_rows.iter().enumerate() {
             sel[j * h..(j + 1) * h].copy_from_slice(&x[r * h..(r + 1) * h]);
         }
         let logits = self.logits(&sel)?;
-        Ok(ForwardOutput { logits, hidden: if batch.want_hidden { sel } else { Vec::new() } })
+        Ok(ForwardOutput { logits, hidden })
     }
 
     /// Output norm + lm_head for rows of final hidden states (`rows x hidden`).
@@ -311,6 +322,9 @@ impl LlamaModel {
         }
         if b.logits_rows.iter().any(|&r| r >= t) {
             return bad("logits row outside the batch".into());
+        }
+        if let Some(&l) = b.hidden_layers.iter().find(|&&l| l >= self.config.n_layers) {
+            return bad(format!("hidden states of layer {l} asked for, but the model has {} layers", self.config.n_layers));
         }
         Ok(())
     }

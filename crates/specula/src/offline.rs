@@ -135,7 +135,7 @@ fn prefill_tps(model: &LlamaModel, prompt: &[u32]) -> Result<f64> {
     let seqs = [SeqSpan { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &tables[0] }];
     let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
     let start = Instant::now();
-    model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt.len() - 1], want_hidden: false }, &mut kv)?;
+    model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt.len() - 1], hidden_layers: &[] }, &mut kv)?;
     Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
 }
 
@@ -154,7 +154,7 @@ fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {
         let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 200 + i * 13 + s as u32).collect();
         let seqs = [SeqSpan { q_start: 0, q_len: prompt_len, context_len: prompt_len, block_table: table }];
         let slots: Vec<usize> = (0..prompt_len).map(|p| table[p / 16] as usize * 16 + p % 16).collect();
-        let o = model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt_len - 1], want_hidden: false }, &mut kv)?;
+        let o = model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt_len - 1], hidden_layers: &[] }, &mut kv)?;
         last.push(argmax(&o.logits));
     }
     let start = Instant::now();
@@ -163,7 +163,7 @@ fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {
         let seqs: Vec<SeqSpan> = tables.iter().enumerate().map(|(s, t)| SeqSpan { q_start: s, q_len: 1, context_len: ctx, block_table: t }).collect();
         let slots: Vec<usize> = tables.iter().map(|t| t[(ctx - 1) / 16] as usize * 16 + (ctx - 1) % 16).collect();
         let rows: Vec<usize> = (0..batch).collect();
-        let o = model.forward(&ForwardBatch { tokens: &last, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: false }, &mut kv)?;
+        let o = model.forward(&ForwardBatch { tokens: &last, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
         last = o.logits.chunks_exact(vocab).map(argmax).collect();
     }
     Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
@@ -216,7 +216,7 @@ fn verify_curve(model: &LlamaModel, max_k: usize) -> Result<Vec<f64>> {
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7).collect();
     let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &tables[0] }];
     let slots: Vec<usize> = (0..ctx).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
-    model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[ctx - 1], want_hidden: false }, &mut kv)?;
+    model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[ctx - 1], hidden_layers: &[] }, &mut kv)?;
     let mut times = vec![Vec::with_capacity(VERIFY_ROUNDS); max_k + 1];
     for round in 0..=VERIFY_ROUNDS {
         for (k, t) in times.iter_mut().enumerate() {
@@ -226,7 +226,7 @@ fn verify_curve(model: &LlamaModel, max_k: usize) -> Result<Vec<f64>> {
             let slots: Vec<usize> = (ctx..ctx + n).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
             let rows: Vec<usize> = (0..n).collect();
             let start = Instant::now();
-            model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: false }, &mut kv)?;
+            model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
             // round 0 warms up
             if round > 0 {
                 t.push(start.elapsed().as_secs_f64());

@@ -223,7 +223,7 @@ impl<C: Communicator> LockstepRank<C> {
         let table = [0u32];
         let spans: Vec<SeqSpan> = (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect();
         let slots = vec![NO_SLOT; n];
-        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], want_hidden: false };
+        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[] };
         let e = &mut self.engine;
         let (model, kv, pool) = (&e.ctx.model, &mut e.compute.kv_store, &e.ctx.pool);
         match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {

@@ -147,7 +147,7 @@ pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, 
 
 fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, String> {
     let mut inputs = job.inputs;
-    inputs.want_hidden = state.spec.as_ref().is_some_and(|sp| sp.proposer.needs_hidden());
+    inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
     let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, while_forward).map_err(|e| e.to_string())?;
     let forward_end = Instant::now();
@@ -216,7 +216,6 @@ fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], 
 /// Drafts for the next step of every sequence that goes on decoding (not one that just emitted a
 /// stop token or reached its length), from its history including this step's tokens.
 fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, mut results: Vec<SeqResult>, hidden: &[f32]) -> Result<Vec<(SeqId, SeqResult)>, String> {
-    let h = ctx.model.config.hidden_size;
     let vocab = ctx.model.config.vocab_size;
     let continuing: Vec<bool> = items
         .iter()
@@ -237,6 +236,8 @@ fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, m
             sp.cfg.num_speculative_tokens
         };
         let needs_hidden = sp.proposer.needs_hidden();
+        // each row's hidden states: one H-wide state per layer the proposer asked for
+        let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
         if decoding > 0 && (k_limit > 0 || needs_hidden) {
             let mut reqs = Vec::with_capacity(decoding);
             let mut which = Vec::with_capacity(decoding);

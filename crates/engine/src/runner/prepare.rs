@@ -44,7 +44,9 @@ pub struct BatchInputs {
     pub logits_rows: Vec<usize>,
     /// For each sampling sequence: (seq, first index into logits_rows, number of rows).
     pub sample_rows: Vec<(SeqId, usize, usize)>,
-    pub want_hidden: bool,
+    /// Layers whose hidden states of the logits rows the forward pass returns (the proposer's
+    /// `hidden_layers`; empty: none).
+    pub hidden_layers: Vec<usize>,
 }
 
 /// One scheduled sequence, prepared.
@@ -137,7 +139,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
         block_tables: Vec::with_capacity(n_seqs),
         logits_rows: Vec::with_capacity(plan.total_tokens),
         sample_rows: Vec::with_capacity(n_seqs),
-        want_hidden: false,
+        hidden_layers: Vec::new(),
     };
     let mut items = Vec::with_capacity(n_seqs);
     for (mut sch, mut ps) in plan.seqs.into_iter().zip(seqs) {

@@ -53,7 +53,7 @@ impl DraftModelProposer {
         let seqs: Vec<SeqSpan> = spans.iter().zip(&tables).map(|(&(q_start, q_len, context_len), t)| SeqSpan { q_start, q_len, context_len, block_table: t }).collect();
         let model = &self.model;
         let kv_store = &mut self.kv_store;
-        let out = pool.install(|| model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: false }, kv_store))?;
+        let out = pool.install(|| model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, kv_store))?;
         Ok(out.logits)
     }
 }

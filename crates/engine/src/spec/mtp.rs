@@ -55,6 +55,9 @@ fn requantize_q8_0(m: &QMatrix) -> Result<QMatrix, specula_kernels::KernelError>
 /// A loaded head, checked against the target it will draft for.
 pub struct MtpHead {
     pub config: HeadConfig,
+    /// `[H, F * H]`: a target row's F feature-layer states -> the one state fc reads (heads of
+    /// several feature layers only).
+    fuse: Option<QMatrix>,
     /// `[H, 2H]`: concat(embedding(token), hidden) -> the layer's input.
     fc: QMatrix,
     layer: LayerWeights,
@@ -105,6 +108,7 @@ impl MtpHead {
                 HeadWeights::Q8_0 => requantize_q8_0(&m).map_err(|e| err(format!("tensor '{name}': {e}"))),
             }
         };
+        let fuse = if c.fuses() { Some(matrix(fmt::FUSE, h, c.feature_width())?) } else { None };
         let fc = matrix(fmt::FC, h, 2 * h)?;
         let layer = LayerWeights {
             attn_norm: file.vector(fmt::ATTN_NORM, h)?,
@@ -119,7 +123,7 @@ impl MtpHead {
         let lm_head = matrix(fmt::LM_HEAD, k, h)?;
         let vocab = Self::vocab_map(&file, k, path)?;
         let rope = Rope::new(c.head_dim, c.head_dim, c.rope_theta, 1.0, None, true);
-        Ok(Self { config: c, fc, layer, norm, lm_head, vocab, rope })
+        Ok(Self { config: c, fuse, fc, layer, norm, lm_head, vocab, rope })
     }
 
     /// `d2t` (every id inside the target vocabulary, distinct) and `t2d` (exactly its inverse).
@@ -152,6 +156,16 @@ impl MtpHead {
     /// Whether target token `t` lies in the head's pruned vocabulary (can ever be proposed).
     pub fn covers(&self, t: TokenId) -> bool {
         self.vocab.t2d(t).is_some()
+    }
+
+    /// One H-wide state per target row from its feature-layer states (`[n, F * H]`): `fuse`
+    /// applied, or the rows themselves for a head of one feature layer.
+    fn fused(&self, features: Vec<f32>) -> Vec<f32> {
+        let Some(fuse) = &self.fuse else { return features };
+        let (h, w) = (self.config.target_hidden, self.config.feature_width());
+        let mut out = vec![0f32; features.len() / w * h];
+        matmul(&MatmulInput::new(&features, w, &[fuse]), fuse, &mut out);
+        out
     }
 
     /// The layer's input and attention projections for `n` rows: `input` `[n, 2H]` rows of
@@ -340,7 +354,8 @@ pub struct MtpProposer {
 impl MtpProposer {
     pub fn new(head: MtpHead, target: &LlamaModel) -> Self {
         let target_bytes = target.layers.iter().map(layer_bytes).sum::<Option<usize>>().map(|b| b + target.lm_head.bytes().len());
-        let head_bytes = layer_bytes(&head.layer).map(|b| b + head.fc.bytes().len() + head.lm_head.bytes().len());
+        let fuse_bytes = head.fuse.as_ref().map_or(0, |f| f.bytes().len());
+        let head_bytes = layer_bytes(&head.layer).map(|b| b + fuse_bytes + head.fc.bytes().len() + head.lm_head.bytes().len());
         let weight_share = match (head_bytes, target_bytes) {
             (Some(h), Some(t)) if t > 0 => Some(h as f64 / t as f64),
             _ => None,
@@ -409,8 +424,8 @@ impl Proposer for MtpProposer {
         self.contexts.remove(&seq);
     }
 
-    fn needs_hidden(&self) -> bool {
-        true
+    fn hidden_layers(&self) -> &[usize] {
+        &self.head.config.feature_layers
     }
 }
 
@@ -418,17 +433,17 @@ impl MtpProposer {
     /// `propose`, on the current thread (inside the compute pool).
     fn propose_here(&mut self, reqs: &[DraftRequest]) -> Result<Vec<Draft>, SpecError> {
         let c = self.head.config.clone();
-        let (h, kvw, qw) = (c.target_hidden, c.kv_width(), c.q_width());
+        let (h, kvw, qw, hw) = (c.target_hidden, c.kv_width(), c.q_width(), c.feature_width());
         let window = c.context.window();
         let kd = self.head.vocab.draft_vocab();
         let mut drafts: Vec<Draft> = reqs.iter().map(|r| Draft { tokens: Vec::new(), probs: (!r.params.is_greedy()).then(Vec::new) }).collect();
         // every request's rows join its context, drafting or not
         for r in reqs {
             let Some(hidden) = r.hidden else { continue };
-            if hidden.is_empty() || !hidden.len().is_multiple_of(h) {
-                return Err(SpecError::Config(format!("the engine passed {} hidden values to an mtp head of hidden size {h}", hidden.len())));
+            if hidden.is_empty() || !hidden.len().is_multiple_of(hw) {
+                return Err(SpecError::Config(format!("the engine passed {} hidden values to an mtp head of {hw} per row", hidden.len())));
             }
-            self.contexts.entry(r.seq).or_insert_with(SeqContext::new).observe(r.tokens, hidden, h, window, self.embed.rows);
+            self.contexts.entry(r.seq).or_insert_with(SeqContext::new).observe(r.tokens, hidden, hw, window, self.embed.rows);
         }
         // the chains: sequences asking for drafts whose newest row is their last token's
         let mut chains = Vec::new();
@@ -450,17 +465,20 @@ impl MtpProposer {
         }
         // step 0: every pending row of the drafting sequences becomes a context key in one batch;
         // each sequence's newest row is also its chain's first query
-        let (mut input, mut pos, mut owner) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut features, mut tokens, mut pos, mut owner) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (j, ch) in chains.iter().enumerate() {
-            let ctx = &self.contexts[&reqs[ch.req].seq];
-            for row in &ctx.pending {
-                let at = input.len();
-                input.resize(at + 2 * h, 0.0);
-                self.embed.dequantize_row_into(row.token as usize, &mut input[at..at + h]);
-                input[at + h..].copy_from_slice(&row.hidden);
+            for row in &self.contexts[&reqs[ch.req].seq].pending {
+                features.extend_from_slice(&row.hidden);
+                tokens.push(row.token);
                 pos.push(row.pos);
                 owner.push(j);
             }
+        }
+        let fused = self.head.fused(features);
+        let mut input = vec![0f32; pos.len() * 2 * h];
+        for ((row, &tok), f) in input.chunks_exact_mut(2 * h).zip(&tokens).zip(fused.chunks_exact(h)) {
+            self.embed.dequantize_row_into(tok as usize, &mut row[..h]);
+            row[h..].copy_from_slice(f);
         }
         let pr = self.head.project(&input, &pos);
         let (mut x0, mut q0) = (vec![0f32; chains.len() * h], vec![0f32; chains.len() * qw]);

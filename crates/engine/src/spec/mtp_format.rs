@@ -19,6 +19,7 @@ pub const FORMAT: &str = "specula-mtp-v1";
 /// How much of the target's embedding bytes the fingerprint hashes.
 pub const FINGERPRINT_PREFIX_BYTES: usize = 1 << 20;
 
+pub const FUSE: &str = "fuse.weight";
 pub const FC: &str = "fc.weight";
 pub const ATTN_NORM: &str = "layer.attn_norm.weight";
 pub const ATTN_Q: &str = "layer.attn_q.weight";
@@ -41,8 +42,13 @@ pub struct HeadConfig {
     pub target_vocab: usize,
     /// Hidden size of the target, which is also the head's own width.
     pub target_hidden: usize,
-    /// Layers of the target whose final hidden state feeds the head (informational, checked).
+    /// Layers of the target (checked against the target's).
     pub target_layers: usize,
+    /// The target layers (0-based, increasing) whose hidden states feed the head at a target row,
+    /// fused into one H-wide state by `fuse.weight` when there are several (EAGLE-3's low, middle
+    /// and high features); metadata `feature_layers`, absent = the final layer only
+    /// (`target_layers - 1`), as every head before the key was.
+    pub feature_layers: Vec<usize>,
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
@@ -97,6 +103,7 @@ impl HeadConfig {
             target_vocab: c.vocab_size,
             target_hidden: c.hidden_size,
             target_layers: c.n_layers,
+            feature_layers: vec![c.n_layers - 1],
             num_heads: c.n_heads,
             num_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
@@ -113,6 +120,14 @@ impl HeadConfig {
     }
     pub fn kv_width(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+    /// Values of one target row's features: H per feature layer.
+    pub fn feature_width(&self) -> usize {
+        self.feature_layers.len() * self.target_hidden
+    }
+    /// Whether the head fuses several layers' states (and so has `fuse.weight`).
+    pub fn fuses(&self) -> bool {
+        self.feature_layers.len() > 1
     }
 
     /// Whether `fingerprint` is one this head accepts.
@@ -134,6 +149,7 @@ impl HeadConfig {
             ("rope_theta", self.rope_theta.to_string()),
             ("target_fingerprint", self.target_fingerprint.clone()),
             ("attention_context", self.context.as_str().to_string()),
+            ("feature_layers", self.feature_layers.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(",")),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -151,10 +167,22 @@ impl HeadConfig {
         let float = |k: &str| {
             get(k)?.parse::<f32>().ok().filter(|v| v.is_finite() && *v > 0.0).ok_or_else(|| format!("metadata '{k}' = '{}' is not a positive number", md[k]))
         };
+        let target_layers = int("target_layers")?;
+        let feature_layers = match md.get("feature_layers").map(|s| s.trim()) {
+            None => vec![target_layers.saturating_sub(1)],
+            Some(v) => v
+                .split(',')
+                .map(|x| x.trim().parse::<usize>().map_err(|_| format!("metadata 'feature_layers' = '{v}' is not a comma-separated list of layer indices")))
+                .collect::<Result<Vec<_>, _>>()?,
+        };
+        if feature_layers.is_empty() || feature_layers.iter().any(|&l| l >= target_layers) || !feature_layers.windows(2).all(|w| w[0] < w[1]) {
+            return Err(format!("metadata 'feature_layers' = {feature_layers:?} must be increasing layer indices below target_layers ({target_layers})"));
+        }
         let c = Self {
             target_vocab: int("target_vocab")?,
             target_hidden: int("target_hidden")?,
-            target_layers: int("target_layers")?,
+            target_layers,
+            feature_layers,
             num_heads: int("num_heads")?,
             num_kv_heads: int("num_kv_heads")?,
             head_dim: int("head_dim")?,
@@ -185,6 +213,8 @@ impl HeadConfig {
 /// Shapes (H = target_hidden, K = d2t.len()): see [`HeadWeightsF32::shapes`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct HeadWeightsF32 {
+    /// `[H, F * H]` when the head fuses F > 1 feature layers, else empty.
+    pub fuse: Vec<f32>,
     pub fc: Vec<f32>,
     pub attn_norm: Vec<f32>,
     pub attn_q: Vec<f32>,
@@ -205,7 +235,8 @@ impl HeadWeightsF32 {
     /// Every float tensor with its name and shape under `cfg`, in file order.
     pub fn shapes(&self, cfg: &HeadConfig) -> Vec<(&'static str, Vec<usize>, &[f32])> {
         let (h, qw, kvw, ff, k) = (cfg.target_hidden, cfg.q_width(), cfg.kv_width(), cfg.ffn, self.d2t.len());
-        vec![
+        let fuse = cfg.fuses().then(|| (FUSE, vec![h, cfg.feature_width()], &self.fuse[..]));
+        fuse.into_iter().chain([
             (FC, vec![h, 2 * h], &self.fc[..]),
             (ATTN_NORM, vec![h], &self.attn_norm),
             (ATTN_Q, vec![qw, h], &self.attn_q),
@@ -218,7 +249,8 @@ impl HeadWeightsF32 {
             (FFN_DOWN, vec![h, ff], &self.ffn_down),
             (NORM, vec![h], &self.norm),
             (LM_HEAD, vec![k, h], &self.lm_head),
-        ]
+        ])
+        .collect()
     }
 }
 
@@ -284,6 +316,9 @@ pub fn save_head(path: &Path, w: &HeadWeightsF32, cfg: &HeadConfig, dtype: Store
         return Err(err("d2t is empty: the head must predict at least one token".into()));
     }
     super::vocab_map::VocabMap::from_d2t(w.d2t.clone(), cfg.target_vocab).map_err(err)?;
+    if !cfg.fuses() && !w.fuse.is_empty() {
+        return Err(err(format!("a head of one feature layer has no '{FUSE}', but {} values were given", w.fuse.len())));
+    }
     let mut buffers: Vec<(&'static str, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, shape, data) in w.shapes(cfg) {
         let n: usize = shape.iter().product();
@@ -329,6 +364,7 @@ pub fn random_head(target: &LlamaModel, k_vocab: usize, seed: u64) -> Result<(He
     let mut noise = |n: usize, std: f32, mean: f32| -> Vec<f32> { (0..n).map(|_| mean + std * rng.symmetric()).collect() };
     let (fc_std, in_std) = (1.0 / (2.0 * h as f32).sqrt(), 1.0 / (h as f32).sqrt());
     let mut w = HeadWeightsF32 {
+        fuse: Vec::new(),
         fc: noise(h * 2 * h, fc_std, 0.0),
         attn_norm: noise(h, 0.02, 1.0),
         attn_q: noise(qw * h, in_std, 0.0),
@@ -347,6 +383,26 @@ pub fn random_head(target: &LlamaModel, k_vocab: usize, seed: u64) -> Result<(He
         target.lm_head.dequantize_row_into(t as usize, &mut w.lm_head[d * h..(d + 1) * h]);
     }
     Ok((cfg, w))
+}
+
+/// `fuse.weight` for `layers` (the target's states after each, back to back) that passes the
+/// final hidden state (layer `target_layers - 1`, which must be among them) through unchanged and
+/// adds `noise` times seeded unit noise over every input: with noise 0, exactly a one-layer head
+/// fed the final state, the starting point when a trained head learns to read more layers.
+pub fn pass_through_fuse(cfg: &HeadConfig, layers: &[usize], noise: f32, seed: u64) -> Result<Vec<f32>, SpecError> {
+    let h = cfg.target_hidden;
+    let last = cfg.target_layers.checked_sub(1).and_then(|l| layers.iter().position(|&x| x == l));
+    let Some(f) = last else {
+        return Err(SpecError::Config(format!("feature layers {layers:?} do not include the final layer {}", cfg.target_layers.saturating_sub(1))));
+    };
+    let w = layers.len() * h;
+    let mut rng = SplitMix(seed ^ 0x6675_7365);
+    let std = noise / (w as f32).sqrt();
+    let mut fuse: Vec<f32> = (0..h * w).map(|_| if noise == 0.0 { 0.0 } else { std * rng.symmetric() }).collect();
+    for i in 0..h {
+        fuse[i * w + f * h + i] += 1.0;
+    }
+    Ok(fuse)
 }
 
 /// [`random_head`] written as F32 to `path`.
@@ -470,6 +526,7 @@ mod tests {
             target_vocab: 259,
             target_hidden: 64,
             target_layers: 2,
+            feature_layers: vec![0, 1],
             num_heads: 4,
             num_kv_heads: 2,
             head_dim: 16,
@@ -481,10 +538,18 @@ mod tests {
         };
         let md = c.to_metadata();
         assert_eq!(HeadConfig::from_metadata(&md).unwrap(), c);
-        // the heads written before the key existed attend over their chain only
+        // the heads written before the keys existed attend over their chain only and read the
+        // final hidden state alone
         let mut m = md.clone();
         m.remove("attention_context");
-        assert_eq!(HeadConfig::from_metadata(&m).unwrap().context, HeadContext::Chain);
+        m.remove("feature_layers");
+        let old = HeadConfig::from_metadata(&m).unwrap();
+        assert_eq!((old.context, old.feature_layers.clone(), old.fuses()), (HeadContext::Chain, vec![1], false));
+        for bad in ["1,0", "0,2", "", "a"] {
+            m.insert("feature_layers".into(), bad.into());
+            assert!(HeadConfig::from_metadata(&m).unwrap_err().contains("'feature_layers'"), "{bad}");
+        }
+        m.remove("feature_layers");
         m.insert("attention_context".into(), "global".into());
         assert!(HeadConfig::from_metadata(&m).unwrap_err().contains("'attention_context' = 'global'"));
         assert!(c.accepts_fingerprint("cd") && !c.accepts_fingerprint("ef"));

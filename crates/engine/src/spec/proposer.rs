@@ -13,10 +13,11 @@ pub struct DraftRequest<'a> {
     /// Most tokens to propose (0 = none this step).
     pub max_draft: usize,
     pub params: &'a SamplingParams,
-    /// When the proposer needs them (mtp): the target's final hidden states of the rows that
-    /// emitted this step's tokens, in order (`rows * H` values; the last row emitted the last known
-    /// token). Requests with `max_draft == 0` still carry them, so a proposer that keeps
-    /// per-sequence state sees every row.
+    /// When the proposer needs them (mtp): the target's hidden states of the rows that emitted
+    /// this step's tokens, in order, each row the states after every layer of
+    /// [`Proposer::hidden_layers`] back to back (`rows * layers * H` values; the last row emitted
+    /// the last known token). Requests with `max_draft == 0` still carry them, so a proposer that
+    /// keeps per-sequence state sees every row.
     pub hidden: Option<&'a [f32]>,
 }
 
@@ -35,9 +36,14 @@ pub trait Proposer: Send {
     fn rollback(&mut self, _seq: SeqId, _kept: usize) {}
     /// The sequence ended: release its state.
     fn remove(&mut self, _seq: SeqId) {}
+    /// The target layers whose hidden states `DraftRequest::hidden` carries, in order
+    /// (`n_layers - 1`: the final hidden state before the output norm); empty: none.
+    fn hidden_layers(&self) -> &[usize] {
+        &[]
+    }
     /// Whether `DraftRequest::hidden` must be filled.
     fn needs_hidden(&self) -> bool {
-        false
+        !self.hidden_layers().is_empty()
     }
     /// Work of proposing one draft token relative to a plain step of `target` (adaptive k).
     fn cost_per_draft_token(&self, _target: &specula_model::ModelConfig) -> f64 {

@@ -60,7 +60,7 @@ pub fn forward(model: &LlamaModel, cache: &mut Cache, work: &mut [(&mut Seq, usi
         .collect();
     let rows: Vec<usize> = (0..tokens.len()).collect();
     let out = model
-        .forward(&ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &rows, want_hidden: false }, &mut cache.kv)
+        .forward(&ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut cache.kv)
         .expect("forward");
     let vocab = model.config.vocab_size;
     for (s, n) in work.iter_mut() {

@@ -2,7 +2,8 @@
 //! prompt (chat template applied) through the engine, batched, with temperature sampling for the
 //! training split and greedy for the held-out split; then one teacher-forced pass over
 //! prompt + answer records, for every answer position, exactly what the mtp proposer receives at
-//! inference: the target's final hidden state (before the output norm), the token that follows,
+//! inference: the target's hidden states after the feature layers (by default EAGLE-3's low, middle
+//! and final layers; the final one is the state before the output norm), the token that follows,
 //! and the target's top tokens and probabilities there (the training labels).
 //!
 //! Output: `DIR/{train,heldout}-NNNN.safetensors` shards (resumable: a finished shard is kept),
@@ -10,7 +11,8 @@
 //! with a seed stream of its own into `DIR/train-pN-NNNN.safetensors`, beside the pass-0 shards,
 //! which it never touches (no held-out shards: those stay the greedy pass-0 answers); `fit` reads
 //! every `train-*` shard. Shard tensors, R rows, S sequences:
-//! `hidden [R, H] F16`, `next_token [R] I32` (-1 on each sequence's last row), `top_ids [R, T] I32`,
+//! `hidden [R, F * H] F16` (the F feature layers' states back to back; metadata `feature_layers`),
+//! `next_token [R] I32` (-1 on each sequence's last row), `top_ids [R, T] I32`,
 //! `top_probs [R, T] F32`, `seq_offsets [S + 1] I64` (row ranges of the sequences).
 
 use super::shard::{Shard, TOP_K};
@@ -56,6 +58,21 @@ pub struct DataArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Target layers (0-based) whose hidden states each row keeps, comma-separated; a head can
+    /// be trained on any of them that includes the last (default: 1, n_layers / 2 - 1 and
+    /// n_layers - 1, EAGLE-3's low, middle and final features). Every shard of a folder must
+    /// keep the same layers.
+    #[arg(long, value_delimiter = ',')]
+    pub feature_layers: Option<Vec<usize>>,
+}
+
+/// EAGLE-3's choice of features for an `n`-layer target: after the second layer, after the middle
+/// one and the final state (fewer, distinct, for very shallow targets).
+pub fn default_feature_layers(n: usize) -> Vec<usize> {
+    let mut v = vec![1.min(n - 1), (n / 2).saturating_sub(1), n - 1];
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 pub fn run(a: DataArgs) -> Result<()> {
@@ -68,6 +85,11 @@ pub fn run(a: DataArgs) -> Result<()> {
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
     let fingerprint = specula_engine::spec::mtp_format::target_fingerprint(&teacher);
+    let n_layers = teacher.config.n_layers;
+    let layers = a.feature_layers.clone().unwrap_or_else(|| default_feature_layers(n_layers));
+    if layers.is_empty() || layers.iter().any(|&l| l >= n_layers) || !layers.windows(2).all(|w| w[0] < w[1]) {
+        bail!("--feature-layers must be increasing layer indices below the target's {n_layers} layers, got {layers:?}");
+    }
 
     let render = |p: &str| -> Result<Vec<u32>> {
         let text = template.render(&[ChatMessage { role: "user".into(), content: p.to_string() }], true)?;
@@ -109,7 +131,10 @@ pub fn run(a: DataArgs) -> Result<()> {
     bar.set_style(ProgressStyle::with_template("{msg} [{elapsed_precise}] {wide_bar} {pos}/{len} prompts (eta {eta})")?);
     for (split, index, batch) in jobs {
         let name = shard_path(&a.out, split, a.answer_pass, index);
-        if name.exists() && Shard::read(&name).is_ok() {
+        if let Some(done) = name.exists().then(|| Shard::read(&name).ok()).flatten() {
+            if done.feature_layers != layers {
+                bail!("{} keeps layers {:?}, not {layers:?}: use another --out folder or the same --feature-layers", name.display(), done.feature_layers);
+            }
             bar.inc(batch.len() as u64);
             continue;
         }
@@ -130,11 +155,11 @@ pub fn run(a: DataArgs) -> Result<()> {
             rxs.push(rx);
             prompts_tok.push(prompt);
         }
-        let mut shard = Shard::new(teacher.config.hidden_size);
+        let mut shard = Shard::new(teacher.config.hidden_size, &layers);
         for (prompt, mut rx) in prompts_tok.into_iter().zip(rxs) {
             let answer = collect_answer(&mut rx)?;
             if answer.len() >= 2 {
-                let (hidden, top) = pool.install(|| teacher_forced(&teacher, &prompt, &answer))?;
+                let (hidden, top) = pool.install(|| teacher_forced(&teacher, &prompt, &answer, &layers))?;
                 shard.push_sequence(&hidden, &answer, &top);
             }
             bar.inc(1);
@@ -198,9 +223,9 @@ fn collect_answer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) -
 }
 
 /// One pass over prompt + answer: for rows p-1 ..= L-1 (every position that produced an answer
-/// token, and the last), the final hidden state before the output norm and the target's top
-/// tokens with their probabilities (temperature 1).
-fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32]) -> Result<(Vec<f32>, Vec<TopTokens>)> {
+/// token, and the last), the hidden states after `layers` and the target's top tokens with their
+/// probabilities (temperature 1).
+fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32], layers: &[usize]) -> Result<(Vec<f32>, Vec<TopTokens>)> {
     let c = &model.config;
     let tokens: Vec<u32> = prompt.iter().chain(answer).copied().collect();
     let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
@@ -210,7 +235,7 @@ fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32]) -> Result<
     let seqs = [SeqSpan { q_start: 0, q_len: tokens.len(), context_len: tokens.len(), block_table: &table }];
     let slots: Vec<usize> = (0..tokens.len()).collect();
     let rows: Vec<usize> = (prompt.len() - 1..tokens.len()).collect();
-    let out = model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, want_hidden: true }, &mut kv)?;
+    let out = model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: layers }, &mut kv)?;
     let v = c.vocab_size;
     let top = out.logits.chunks_exact(v).map(top_probs).collect();
     Ok((out.hidden, top))
@@ -259,6 +284,13 @@ mod tests {
         }
         assert_eq!(request_seed(1, 3, 100), request_seed(1, 3, 100));
         assert_ne!(request_seed(1, 1, 100), request_seed(2, 1, 100));
+    }
+
+    #[test]
+    fn default_features_are_low_middle_and_final() {
+        assert_eq!(default_feature_layers(30), vec![1, 14, 29]);
+        assert_eq!(default_feature_layers(2), vec![0, 1]);
+        assert_eq!(default_feature_layers(1), vec![0]);
     }
 
     #[test]

@@ -90,6 +90,13 @@ pub struct FitArgs {
     /// towards the target's greedy choice (what greedy verification accepts).
     #[arg(long, default_value_t = 0.0)]
     pub top1_weight: f32,
+    /// Target layers (0-based) the head reads at a target row, comma-separated: a subset of the
+    /// data's (`train-head data --feature-layers`) that includes the final layer. Several are
+    /// fused into one state by a trained `fuse` matrix (EAGLE-3). Default: the `--init` head's
+    /// layers, else every layer the data keeps. A head given more layers than its `--init` file
+    /// has starts from that file's computation exactly (the new layers' weights start at 0).
+    #[arg(long, value_delimiter = ',')]
+    pub feature_layers: Option<Vec<usize>>,
     /// Weight of EAGLE's feature-regression loss: step j's hidden output at row i is pulled
     /// towards the target's hidden state at row i + j + 1 (smooth L1, per dimension scaled to
     /// unit RMS), the state the next step would have been fed at step 0. 0 = token loss only.
@@ -117,6 +124,11 @@ pub struct FitArgs {
 /// one factor per input column) brings both to unit RMS; the file's fc is `fc * diag(in_scale)`,
 /// so inference computes exactly the same thing without knowing about it.
 struct Params {
+    /// `[H, F * H]` over the feature layers' states, each scaled to unit RMS per dimension
+    /// (`feat_scale`), giving the fused state in fc's scaled units (a head of one layer has none:
+    /// its state goes to fc as it is). The file's fuse is `diag(1 / s) * fuse * diag(feat_scale)`
+    /// with `s` the hidden half of `in_scale`, so that fc sees the same thing at inference.
+    fuse: Option<(Var, Tensor)>,
     fc: Var,
     in_scale: Tensor,
     attn_norm: Var,
@@ -133,11 +145,21 @@ struct Params {
 }
 
 impl Params {
-    fn new(w: &HeadWeightsF32, c: &HeadConfig, in_scale: &[f32]) -> Result<Self> {
+    /// `feat_scale`: one factor per input of fuse (`F * H`; unused for a head of one layer).
+    fn new(w: &HeadWeightsF32, c: &HeadConfig, in_scale: &[f32], feat_scale: &[f32]) -> Result<Self> {
         let (h, qw, kvw, ff, k) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn, w.d2t.len());
         let v = |data: &[f32], shape: &[usize]| -> Result<Var> { Ok(Var::from_tensor(&Tensor::from_slice(data, shape, &Device::Cpu)?)?) };
         let fc: Vec<f32> = w.fc.iter().enumerate().map(|(i, &x)| x / in_scale[i % (2 * h)]).collect();
+        let fuse = match c.fuses() {
+            true => {
+                let fw = c.feature_width();
+                let fp: Vec<f32> = w.fuse.iter().enumerate().map(|(i, &x)| x * in_scale[h + i / fw] / feat_scale[i % fw]).collect();
+                Some((v(&fp, &[h, fw])?, Tensor::from_slice(feat_scale, fw, &Device::Cpu)?))
+            }
+            false => None,
+        };
         Ok(Self {
+            fuse,
             fc: v(&fc, &[h, 2 * h])?,
             in_scale: Tensor::from_slice(in_scale, 2 * h, &Device::Cpu)?,
             attn_norm: v(&w.attn_norm, &[h])?,
@@ -155,15 +177,23 @@ impl Params {
     }
 
     fn vars(&self) -> Vec<Var> {
-        [&self.fc, &self.attn_norm, &self.wq, &self.wk, &self.wv, &self.wo, &self.ffn_norm, &self.w_gate, &self.w_up, &self.w_down, &self.norm, &self.lm_head]
-            .into_iter()
+        self.fuse.iter().map(|(f, _)| f).chain([&self.fc, &self.attn_norm, &self.wq, &self.wk, &self.wv, &self.wo, &self.ffn_norm, &self.w_gate, &self.w_up, &self.w_down, &self.norm, &self.lm_head])
             .cloned()
             .collect()
     }
 
     fn to_weights(&self, d2t: &[u32]) -> Result<HeadWeightsF32> {
         let f = |v: &Var| -> Result<Vec<f32>> { Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?) };
+        let fuse = match &self.fuse {
+            Some((fp, fs)) => {
+                let h = fp.dim(0)?;
+                let s_inv = self.in_scale.narrow(0, h, h)?.recip()?.unsqueeze(1)?;
+                fp.as_tensor().broadcast_mul(fs)?.broadcast_mul(&s_inv)?.flatten_all()?.to_vec1::<f32>()?
+            }
+            None => Vec::new(),
+        };
         Ok(HeadWeightsF32 {
+            fuse,
             fc: self.fc.as_tensor().broadcast_mul(&self.in_scale)?.flatten_all()?.to_vec1::<f32>()?,
             attn_norm: f(&self.attn_norm)?,
             attn_q: f(&self.wq)?,
@@ -220,6 +250,15 @@ impl<'a> HeadGraph<'a> {
             }
         }
         Ok(Self { p, c, cos: Tensor::from_vec(cos, (max_positions, hd), &Device::Cpu)?, sin: Tensor::from_vec(sin, (max_positions, hd), &Device::Cpu)? })
+    }
+
+    /// Step 0's hidden input from a row's feature-layer states `[T, F * H]`: fuse applied (in
+    /// the file's units), or the states themselves for a head of one layer.
+    fn fused(&self, features: &Tensor) -> Result<Tensor> {
+        let Some((fp, fs)) = &self.p.fuse else { return Ok(features.clone()) };
+        let h = self.c.target_hidden;
+        let u = features.broadcast_mul(fs)?.matmul(&fp.t()?)?;
+        Ok(u.broadcast_div(&self.p.in_scale.narrow(0, h, h)?)?)
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Var) -> Result<Tensor> {
@@ -298,10 +337,18 @@ struct Data {
     shard: Shard,
     /// Rows that start a chain (followed by a known token).
     starts: Vec<u32>,
+    /// The layers each row's states are of (the shards' `feature_layers`; older shards: the
+    /// final layer).
+    layers: Vec<usize>,
+    /// Which of those blocks of H a batch's rows carry, in the head's order (`use_layers`).
+    blocks: Vec<usize>,
+    /// The block of the final layer (the feature-regression targets).
+    final_block: usize,
 }
 
 impl Data {
-    fn load(dir: &Path, prefix: &str, fingerprint: &str) -> Result<Self> {
+    fn load(dir: &Path, prefix: &str, target: &LlamaModel) -> Result<Self> {
+        let fingerprint = fmt::target_fingerprint(target);
         let files = shard_files(dir, prefix)?;
         eprintln!("{prefix}*: {} shards", files.len());
         let mut shard: Option<Shard> = None;
@@ -312,12 +359,24 @@ impl Data {
             }
             match shard.as_mut() {
                 None => shard = Some(s),
-                Some(all) => all.extend(&s),
+                Some(all) => all.extend(&s).with_context(|| format!("reading {}", f.display()))?,
             }
         }
         let shard = shard.expect("at least one file");
         let starts = (0..shard.rows() as u32).filter(|&r| shard.next_token[r as usize] >= 0).collect();
-        Ok(Self { shard, starts })
+        let last = target.config.n_layers - 1;
+        let layers = if shard.feature_layers.is_empty() { vec![last] } else { shard.feature_layers.clone() };
+        let final_block = layers.iter().position(|&l| l == last).with_context(|| format!("the shards in {} keep layers {layers:?} but not the final one ({last})", dir.display()))?;
+        Ok(Self { shard, starts, blocks: vec![final_block], layers, final_block })
+    }
+
+    /// Batches carry the states of `layers` (the head's feature layers), which the data must keep.
+    fn use_layers(&mut self, layers: &[usize]) -> Result<()> {
+        self.blocks = layers
+            .iter()
+            .map(|l| self.layers.iter().position(|x| x == l).with_context(|| format!("the head reads layer {l}, but the data keeps layers {:?} (train-head data --feature-layers)", self.layers)))
+            .collect::<Result<_>>()?;
+        Ok(())
     }
 
     /// Token fed at chain step j from start row r, if the sequence goes that far.
@@ -368,6 +427,7 @@ fn shard_files(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>> {
 struct Batch {
     /// Shard row of each batch row.
     rows: Vec<usize>,
+    /// `[T, F * H]`: each row's states after the head's feature layers.
     hidden: Tensor,
     /// Per step: `[T, H]` embeddings of the token fed (zeros where the sequence has none).
     emb: Vec<Tensor>,
@@ -386,13 +446,18 @@ struct Batch {
 #[allow(clippy::too_many_arguments)]
 fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32, features: bool) -> Result<Batch> {
     let s = &data.shard;
-    let h = s.hidden_size;
+    let (h, width) = (s.hidden_size, s.width());
+    // block b of row r of the shard: that row's state after feature layer b
+    let state = |r: usize, b: usize| &s.hidden[r * width + b * h..r * width + (b + 1) * h];
     let seq_of: Vec<usize> = rows.iter().map(|&r| data.sequence_of(r)).collect();
     let t = rows.len();
-    let mut hidden = vec![0f32; t * h];
+    let fw = data.blocks.len() * h;
+    let mut hidden = vec![0f32; t * fw];
     for (i, &r) in rows.iter().enumerate() {
-        for (o, v) in hidden[i * h..(i + 1) * h].iter_mut().zip(&s.hidden[r * h..(r + 1) * h]) {
-            *o = v.to_f32();
+        for (j, &b) in data.blocks.iter().enumerate() {
+            for (o, v) in hidden[i * fw + j * h..i * fw + (j + 1) * h].iter_mut().zip(state(r, b)) {
+                *o = v.to_f32();
+            }
         }
     }
     // a context key needs its next token (its input); a chain head reads only its own row's
@@ -414,8 +479,7 @@ fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, e
             let (mut f, mut m) = (vec![0f32; t * h], vec![0f32; t]);
             for (i, &r) in rows.iter().enumerate() {
                 if (0..=j).all(|jj| data.token(r, jj).is_some()) {
-                    let src = (r + j + 1) * h;
-                    for (o, v) in f[i * h..(i + 1) * h].iter_mut().zip(&s.hidden[src..src + h]) {
+                    for (o, v) in f[i * h..(i + 1) * h].iter_mut().zip(state(r + j + 1, data.final_block)) {
                         *o = v.to_f32();
                     }
                     m[i] = 1.0;
@@ -449,7 +513,7 @@ fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, e
         labels.push((Tensor::from_vec(ids, (t, TOP_K), &Device::Cpu)?, Tensor::from_vec(ws, (t, TOP_K), &Device::Cpu)?));
         counts.push(count);
     }
-    Ok(Batch { rows: rows.to_vec(), hidden: Tensor::from_vec(hidden, (t, h), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts, features: feats })
+    Ok(Batch { rows: rows.to_vec(), hidden: Tensor::from_vec(hidden, (t, fw), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts, features: feats })
 }
 
 /// The K most frequent target tokens of the training answers (ties: lower id first), most
@@ -483,7 +547,7 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
         let counted: Vec<bool> = batch.rows.iter().map(|&r| (0..k).all(|j| data.token(r, j).is_some())).collect();
         starts += counted.iter().filter(|&&c| c).count();
         let mut kv = Vec::new();
-        let mut hidden = batch.hidden.clone();
+        let mut hidden = graph.fused(&batch.hidden)?;
         let mut alive = counted.clone();
         for (j, (emb, acc)) in batch.emb.iter().zip(accepted.iter_mut()).enumerate() {
             let (x, logits) = graph.step(emb, &hidden, j, &batch.mask, &mut kv)?;
@@ -521,9 +585,8 @@ pub fn run(a: FitArgs) -> Result<()> {
     }
     let path = crate::fetch::resolve_model(&a.model)?;
     let target: LlamaModel = load_model(&path)?.model;
-    let fingerprint = fmt::target_fingerprint(&target);
-    let train = Data::load(&a.data, "train-", &fingerprint)?;
-    let held = Data::load(&a.data, "heldout-", &fingerprint)?;
+    let mut train = Data::load(&a.data, "train-", &target)?;
+    let mut held = Data::load(&a.data, "heldout-", &target)?;
     eprintln!(
         "training rows {} ({} sequences), held-out rows {} ({} sequences)",
         train.starts.len(),
@@ -532,7 +595,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         held.shard.num_sequences()
     );
     let v = target.config.vocab_size;
-    let (mut cfg, w) = match &a.init {
+    let (mut cfg, mut w) = match &a.init {
         Some(path) => {
             let (cfg, mut w) = load_head_weights(path, &target)?;
             if a.revocab {
@@ -546,12 +609,30 @@ pub fn run(a: FitArgs) -> Result<()> {
     };
     cfg.context = a.attention_context.into();
     eprintln!("attention context: {}", cfg.context.as_str());
+    let layers = match (&a.feature_layers, &a.init) {
+        (Some(l), _) => l.clone(),
+        (None, Some(_)) => cfg.feature_layers.clone(),
+        (None, None) => train.layers.clone(),
+    };
+    if layers != cfg.feature_layers {
+        let from = cfg.feature_layers.clone();
+        w.fuse = widen_fuse(&cfg, &w.fuse, &layers)?;
+        cfg.feature_layers = layers;
+        eprintln!("feature layers {from:?} -> {:?} (the new layers' fuse weights start at 0)", cfg.feature_layers);
+    }
+    train.use_layers(&cfg.feature_layers)?;
+    held.use_layers(&cfg.feature_layers)?;
+    eprintln!("feature layers: {:?}", cfg.feature_layers);
     let d2t = w.d2t.clone();
     let t2d = fmt::t2d_from_d2t(&d2t, v);
     let covered = train.shard.next_token.iter().filter(|&&t| t >= 0 && t2d[t as usize] >= 0).count() as f64 / train.starts.len().max(1) as f64;
     eprintln!("pruned vocabulary: {} tokens cover {:.2}% of the training answer tokens", d2t.len(), 100.0 * covered);
-    let in_scale = if a.input_scale { input_scale(&train, &target.embed) } else { vec![1.0; 2 * cfg.target_hidden] };
-    let params = Params::new(&w, &cfg, &in_scale)?;
+    let (in_scale, feat_scale) = if a.input_scale {
+        input_scale(&train, &target.embed)
+    } else {
+        (vec![1.0; 2 * cfg.target_hidden], vec![1.0; cfg.feature_width()])
+    };
+    let params = Params::new(&w, &cfg, &in_scale, &feat_scale)?;
     let hidden_scale = Tensor::from_slice(&in_scale[cfg.target_hidden..], cfg.target_hidden, &Device::Cpu)?;
     let longest = [&train, &held].iter().flat_map(|d| d.shard.seq_offsets.windows(2).map(|w| w[1] - w[0])).max().unwrap_or(0);
     let graph = HeadGraph::new(&params, &cfg, a.batch_size.max(EVAL_BATCH_ROWS) + longest + a.unroll.max(a.eval_k))?;
@@ -618,7 +699,7 @@ pub fn run(a: FitArgs) -> Result<()> {
             opt.set_learning_rate(lr_at(step));
             let batch = make_batch(&train, rows, a.unroll, cfg.context, &target.embed, &t2d, a.top1_weight, a.feature_weight > 0.0)?;
             let mut kv = Vec::new();
-            let mut hidden = batch.hidden.clone();
+            let mut hidden = graph.fused(&batch.hidden)?;
             let mut loss: Option<Tensor> = None;
             for j in 0..a.unroll {
                 let (x, logits) = graph.step(&batch.emb[j], &hidden, j, &batch.mask, &mut kv)?;
@@ -666,16 +747,20 @@ pub fn run(a: FitArgs) -> Result<()> {
 }
 
 /// Per input column of fc, 1 / RMS over the training data: one factor for the embedding half
-/// (over the embeddings of the answer tokens) and one per dimension of the hidden half.
-fn input_scale(train: &Data, embed: &specula_kernels::QMatrix) -> Vec<f32> {
+/// (over the embeddings of the answer tokens) and one per dimension of the hidden half (the final
+/// layer's state, which the head's own state stands in for after step 0); and per input of fuse,
+/// 1 / RMS of that dimension of that layer's state (`data.blocks`).
+fn input_scale(train: &Data, embed: &specula_kernels::QMatrix) -> (Vec<f32>, Vec<f32>) {
     let (s, h) = (&train.shard, train.shard.hidden_size);
-    let mut sq = vec![0f64; h];
-    for row in s.hidden.chunks_exact(h) {
+    let mut sq = vec![0f64; s.width()];
+    for row in s.hidden.chunks_exact(s.width()) {
         for (a, v) in sq.iter_mut().zip(row) {
             *a += f64::from(v.to_f32()).powi(2);
         }
     }
     let rows = s.rows().max(1) as f64;
+    let scale: Vec<f32> = sq.iter().map(|&q| (1.0 / (q / rows + 1e-6).sqrt()) as f32).collect();
+    let block = |b: usize| &scale[b * h..(b + 1) * h];
     let mut e = vec![0f32; h];
     let (mut esq, mut n) = (0f64, 0usize);
     for &t in s.next_token.iter().filter(|&&t| t >= 0).take(4096) {
@@ -684,7 +769,39 @@ fn input_scale(train: &Data, embed: &specula_kernels::QMatrix) -> Vec<f32> {
         n += h;
     }
     let e_scale = (1.0 / (esq / n.max(1) as f64 + 1e-12).sqrt()) as f32;
-    std::iter::repeat_n(e_scale, h).chain(sq.iter().map(|&q| (1.0 / (q / rows + 1e-6).sqrt()) as f32)).collect()
+    let fc_in = std::iter::repeat_n(e_scale, h).chain(block(train.final_block).iter().copied()).collect();
+    (fc_in, train.blocks.iter().flat_map(|&b| block(b).iter().copied()).collect())
+}
+
+/// `fuse` of a head reading `cfg.feature_layers` (`fuse` empty: the final layer alone), widened
+/// to read `layers`: each layer it read keeps its weights (the final layer alone passes through),
+/// the others start at 0, so the widened head computes exactly what it did. Fewer layers than
+/// the head reads are refused: that would change what it computes.
+fn widen_fuse(cfg: &HeadConfig, fuse: &[f32], layers: &[usize]) -> Result<Vec<f32>> {
+    let h = cfg.target_hidden;
+    if layers.is_empty() || !layers.windows(2).all(|w| w[0] < w[1]) || layers.iter().any(|&l| l >= cfg.target_layers) {
+        bail!("--feature-layers must be increasing layer indices below {}, got {layers:?}", cfg.target_layers);
+    }
+    let last = cfg.target_layers - 1;
+    if !layers.contains(&last) {
+        bail!("--feature-layers must include the final layer ({last}): the head's own state stands in for it after the first draft step");
+    }
+    if let Some(l) = cfg.feature_layers.iter().find(|l| !layers.contains(l)) {
+        bail!("the head reads layer {l}, which --feature-layers {layers:?} drops: a head can only be given more layers");
+    }
+    if layers.len() == 1 {
+        return Ok(Vec::new());
+    }
+    let old: Vec<f32> = if cfg.fuses() { fuse.to_vec() } else { (0..h * h).map(|i| if i / h == i % h { 1.0 } else { 0.0 }).collect() };
+    let (ow, nw) = (cfg.feature_layers.len() * h, layers.len() * h);
+    let mut out = vec![0f32; h * nw];
+    for (ob, l) in cfg.feature_layers.iter().enumerate() {
+        let nb = layers.iter().position(|x| x == l).expect("checked above");
+        for r in 0..h {
+            out[r * nw + nb * h..r * nw + (nb + 1) * h].copy_from_slice(&old[r * ow + ob * h..r * ow + (ob + 1) * h]);
+        }
+    }
+    Ok(out)
 }
 
 /// A fresh head: the seeded random layer, the K most frequent training tokens as its vocabulary,
@@ -714,6 +831,7 @@ fn load_head_weights(path: &Path, target: &LlamaModel) -> Result<(HeadConfig, He
         Ok(out)
     };
     let w = HeadWeightsF32 {
+        fuse: if c.fuses() { m(fmt::FUSE, h, c.feature_width())? } else { Vec::new() },
         fc: m(fmt::FC, h, 2 * h)?,
         attn_norm: file.vector(fmt::ATTN_NORM, h)?,
         attn_q: m(fmt::ATTN_Q, qw, h)?,
@@ -863,32 +981,45 @@ mod tests {
         use specula_engine::SamplingParams;
 
         let (dir, target) = tiny_target(5);
-        for context in [HeadContext::Chain, HeadContext::Sequence] {
-            let (mut cfg, w) = fmt::random_head(&target, 40, 9).unwrap();
+        // one feature layer (the final state), and both layers of the tiny target fused
+        for (context, layers) in [(HeadContext::Chain, vec![1]), (HeadContext::Sequence, vec![1]), (HeadContext::Sequence, vec![0, 1]), (HeadContext::Chain, vec![0, 1])] {
+            let (mut cfg, mut w) = fmt::random_head(&target, 40, 9).unwrap();
             cfg.context = context;
+            if layers.len() > 1 {
+                w.fuse = fmt::pass_through_fuse(&cfg, &layers, 0.7, 4).unwrap();
+                cfg.feature_layers = layers.clone();
+            }
             let head_path = dir.path().join("head.safetensors");
             fmt::save_head(&head_path, &w, &cfg, StoredDtype::F32).unwrap();
             // the file's weights as stored (the default requantizes them to Q8_0 for speed)
             let mut proposer = MtpProposer::load_with(&head_path, &target, specula_engine::spec::mtp::HeadWeights::AsStored).unwrap();
+            assert_eq!(proposer.hidden_layers(), &layers[..]);
             let h = cfg.target_hidden;
+            let fw = cfg.feature_width();
             let rows = 6;
-            let hidden: Vec<f32> = (0..rows * h).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.4 + (i / h) as f32 * 0.1).collect();
+            let hidden: Vec<f32> = (0..rows * fw).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.4 + (i / h) as f32 * 0.1).collect();
             // prompt [1, 5]; the rows are at positions 1..=6 and emitted tokens[2..8]
             let tokens = [1u32, 5, w.d2t[3], 7, w.d2t[1], 2, w.d2t[0], 9];
             let sampling = SamplingParams { temperature: 1.0, seed: Some(3), max_tokens: 100, ..Default::default() };
             let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
             let mut draft = None;
             for (known, first_row, max_draft) in [(3, 0, 0), (5, 1, 0), (8, 3, 3)] {
-                let req = DraftRequest { seq: SeqId(1), tokens: &tokens[..known], prompt_len: 2, max_draft, params: &sampling, hidden: Some(&hidden[first_row * h..(known - 2) * h]) };
+                let req = DraftRequest { seq: SeqId(1), tokens: &tokens[..known], prompt_len: 2, max_draft, params: &sampling, hidden: Some(&hidden[first_row * fw..(known - 2) * fw]) };
                 draft = Some(proposer.propose(&[req], &pool).unwrap().remove(0));
             }
             let draft = draft.unwrap();
             assert_eq!(draft.tokens.len(), 3);
             let probs = draft.probs.expect("sampled drafts carry their distributions");
 
-            // a non-trivial input scale: folded into fc on the way out, it must not change the graph
+            // non-trivial input scales: folded into fc and fuse on the way out, they must not
+            // change the graph
             let in_scale: Vec<f32> = (0..2 * h).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
-            let params = Params::new(&w, &cfg, &in_scale).unwrap();
+            let feat_scale: Vec<f32> = (0..fw).map(|i| 0.75 + (i % 5) as f32 * 0.5).collect();
+            let params = Params::new(&w, &cfg, &in_scale, &feat_scale).unwrap();
+            assert_eq!(params.to_weights(&w.d2t).unwrap().fuse.len(), w.fuse.len());
+            for (a, b) in params.to_weights(&w.d2t).unwrap().fuse.iter().zip(&w.fuse) {
+                assert!((a - b).abs() < 1e-5 * (1.0 + b.abs()), "fuse round trip: {a} vs {b}");
+            }
             let graph = HeadGraph::new(&params, &cfg, rows + 3).unwrap();
             let embed_rows = |toks: &[u32]| {
                 let mut e = vec![0f32; toks.len() * h];
@@ -906,7 +1037,7 @@ mod tests {
                 }
             }
             let mask = Tensor::from_vec(mask, (rows, rows), &Device::Cpu).unwrap();
-            let mut hid = Tensor::from_vec(hidden, (rows, h), &Device::Cpu).unwrap();
+            let mut hid = graph.fused(&Tensor::from_vec(hidden, (rows, fw), &Device::Cpu).unwrap()).unwrap();
             let mut fed = tokens[2..].to_vec();
             let mut kv = Vec::new();
             for (j, (pj, &dj)) in probs.iter().zip(&draft.tokens).enumerate() {
@@ -914,7 +1045,7 @@ mod tests {
                 let ours = softmax_last(&logits.narrow(0, rows - 1, 1).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 for (d, &t) in w.d2t.iter().enumerate() {
                     let theirs = pj[t as usize];
-                    assert!((ours[d] - theirs).abs() < 1e-4 * (1.0 + theirs), "{context:?} step {j}, draft id {d}: graph {} proposer {theirs}", ours[d]);
+                    assert!((ours[d] - theirs).abs() < 1e-4 * (1.0 + theirs), "{context:?} {layers:?} step {j}, draft id {d}: graph {} proposer {theirs}", ours[d]);
                 }
                 // the last row's chain goes on with the proposer's draw; the other rows' steps
                 // are not read by it (a chain key is read by its own row only)
@@ -924,6 +1055,26 @@ mod tests {
         }
     }
 
+    /// A head given more feature layers computes exactly what it did: the final layer passes
+    /// through, the new layers' weights are 0, its old layers keep theirs; dropping a layer or
+    /// the final one is refused.
+    #[test]
+    fn widening_the_feature_layers_keeps_the_head_computation() {
+        let (_dir, target) = tiny_target(4);
+        let (cfg, _) = fmt::random_head(&target, 8, 1).unwrap();
+        let h = cfg.target_hidden;
+        let wide = widen_fuse(&cfg, &[], &[0, 1]).unwrap();
+        assert_eq!(wide, fmt::pass_through_fuse(&cfg, &[0, 1], 0.0, 0).unwrap());
+        assert_eq!(wide.len(), h * 2 * h);
+        assert!(widen_fuse(&cfg, &[], &[1]).unwrap().is_empty(), "the same single layer needs no fuse");
+        assert!(widen_fuse(&cfg, &[], &[0]).unwrap_err().to_string().contains("final layer"));
+        let mut two = cfg.clone();
+        two.feature_layers = vec![0, 1];
+        assert!(widen_fuse(&two, &wide, &[1]).unwrap_err().to_string().contains("drops"));
+        assert_eq!(widen_fuse(&two, &wide, &[0, 1]).unwrap(), wide);
+        assert!(widen_fuse(&cfg, &[], &[1, 0]).is_err());
+    }
+
     /// A packed batch: a sequence head's rows see only earlier rows of their own answer, every
     /// step's labels and feature targets come from the rows j + 1 ahead, and nothing is read past
     /// an answer's end.
@@ -931,14 +1082,14 @@ mod tests {
     fn a_packed_batch_masks_across_answers_and_past_their_ends() {
         let (_dir, target) = tiny_target(2);
         let h = target.config.hidden_size;
-        let mut shard = Shard::new(h);
+        let mut shard = Shard::new(h, &[]);
         let top = |t: u32| [(t, 0.5f32); TOP_K];
         // answers [10, 11, 12] and [20, 21]: 4 + 3 rows, row r's hidden filled with r
         let rows_hidden = |first: usize, n: usize| (first..first + n).flat_map(|r| std::iter::repeat_n(r as f32, h)).collect::<Vec<f32>>();
         shard.push_sequence(&rows_hidden(0, 4), &[10, 11, 12], &[top(10), top(11), top(12), top(13)]);
         shard.push_sequence(&rows_hidden(4, 3), &[20, 21], &[top(20), top(21), top(22)]);
         let starts = (0..shard.rows() as u32).filter(|&r| shard.next_token[r as usize] >= 0).collect();
-        let data = Data { shard, starts };
+        let data = Data { shard, starts, layers: vec![1], blocks: vec![0], final_block: 0 };
         let rows: Vec<usize> = (0..7).collect();
         let t2d: Vec<i32> = (0..target.config.vocab_size as i32).collect();
         let b = make_batch(&data, &rows, 2, HeadContext::Sequence, &target.embed, &t2d, 0.0, true).unwrap();
@@ -961,6 +1112,31 @@ mod tests {
         let c = make_batch(&data, &rows, 1, HeadContext::Chain, &target.embed, &t2d, 0.0, false).unwrap();
         let cm = c.mask.to_vec2::<f32>().unwrap();
         assert!(cm[2][2] == 0.0 && cm[2][1] != 0.0 && c.features.is_empty());
+    }
+
+    /// Rows of two layers' states: a batch carries the blocks of the head's layers in its order,
+    /// and the feature targets are the final layer's states whatever the head reads.
+    #[test]
+    fn a_batch_carries_the_heads_feature_layers() {
+        let (_dir, target) = tiny_target(2);
+        let h = target.config.hidden_size;
+        let mut shard = Shard::new(h, &[0, 1]);
+        let top = |t: u32| [(t, 0.5f32); TOP_K];
+        // row r: layer 0's state filled with r, layer 1's (the final) with 100 + r
+        let states: Vec<f32> = (0..3).flat_map(|r| std::iter::repeat_n(r as f32, h).chain(std::iter::repeat_n(100.0 + r as f32, h))).collect();
+        shard.push_sequence(&states, &[10, 11], &[top(10), top(11), top(12)]);
+        let starts = (0..shard.rows() as u32).filter(|&r| shard.next_token[r as usize] >= 0).collect();
+        let mut data = Data { shard, starts, layers: vec![0, 1], blocks: vec![1], final_block: 1 };
+        let t2d: Vec<i32> = (0..target.config.vocab_size as i32).collect();
+        data.use_layers(&[0, 1]).unwrap();
+        let b = make_batch(&data, &[0, 1, 2], 1, HeadContext::Sequence, &target.embed, &t2d, 0.0, true).unwrap();
+        let hid = b.hidden.to_vec2::<f32>().unwrap();
+        assert_eq!((hid[1].len(), hid[1][0], hid[1][h], hid[2][2 * h - 1]), (2 * h, 1.0, 101.0, 102.0));
+        assert_eq!(b.features[0].0.to_vec2::<f32>().unwrap()[0][0], 101.0, "the final layer's state of the next row");
+        data.use_layers(&[1]).unwrap();
+        let b = make_batch(&data, &[0, 1, 2], 1, HeadContext::Sequence, &target.embed, &t2d, 0.0, false).unwrap();
+        assert_eq!(b.hidden.to_vec2::<f32>().unwrap()[2], vec![102.0; h]);
+        assert!(data.use_layers(&[0, 2]).unwrap_err().to_string().contains("keeps layers [0, 1]"));
     }
 
     #[test]
