@@ -5,6 +5,7 @@
 pub mod data;
 pub mod fit;
 pub mod prompts;
+mod prompts_3;
 pub mod shard;
 pub mod shipped;
 

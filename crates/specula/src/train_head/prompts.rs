@@ -15,7 +15,7 @@ pub enum Split {
 }
 
 /// Every 5th topic of each list (index 4, 9, ...) is held out.
-fn split_of(topic_index: usize) -> Split {
+pub(super) fn split_of(topic_index: usize) -> Split {
     if topic_index % 5 == 4 {
         Split::HeldOut
     } else {
@@ -556,23 +556,29 @@ fn candidates_2(split: Split, rng: &mut ChaCha8Rng) -> Vec<String> {
 }
 
 /// `n` prompts of `split` (fewer if the split has fewer), deterministic in `seed`. The first
-/// pool comes first, shuffled so any prefix mixes every kind of prompt, then the second pool
-/// (shuffled the same way, without prompts the first pool already has): a larger `n` only
-/// appends prompts, so the shards of a smaller run stay valid.
+/// pool comes first, shuffled so any prefix mixes every kind of prompt, then the second pool and
+/// the third (`prompts_3`; each shuffled the same way, without prompts an earlier pool already
+/// has): a larger `n` only appends prompts, so the shards of a smaller run stay valid.
 pub fn prompts(split: Split, n: usize, seed: u64) -> Vec<String> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ if split == Split::Train { 0x0074_7261_696E } else { 0x6865_6C64 });
     let mut all = candidates(split, &mut rng);
     all.sort();
     all.dedup();
     all.shuffle(&mut rng);
-    if all.len() < n {
-        let mut rng2 = ChaCha8Rng::seed_from_u64(seed ^ if split == Split::Train { 0x0074_7261_6932 } else { 0x6865_6C32 });
-        let mut more = candidates_2(split, &mut rng2);
+    // later pools, each shuffled with a stream of its own, without prompts already taken
+    let later: [(fn(Split, &mut ChaCha8Rng) -> Vec<String>, u64, u64); 2] =
+        [(candidates_2, 0x0074_7261_6932, 0x6865_6C32), (super::prompts_3::candidates_3, 0x0074_7261_6933, 0x6865_6C33)];
+    for (pool, train_key, held_key) in later {
+        if all.len() >= n {
+            break;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ if split == Split::Train { train_key } else { held_key });
+        let mut more = pool(split, &mut rng);
         more.sort();
         more.dedup();
-        let first: std::collections::HashSet<&String> = all.iter().collect();
-        more.retain(|p| !first.contains(p));
-        more.shuffle(&mut rng2);
+        let seen: std::collections::HashSet<&String> = all.iter().collect();
+        more.retain(|p| !seen.contains(p));
+        more.shuffle(&mut rng);
         all.extend(more);
     }
     all.truncate(n);
@@ -587,7 +593,7 @@ mod tests {
     fn splits_are_disjoint_deterministic_and_varied() {
         let train = prompts(Split::Train, usize::MAX, 1);
         let held = prompts(Split::HeldOut, usize::MAX, 1);
-        assert!(train.len() >= 2000, "only {} training prompts", train.len());
+        assert!(train.len() >= 3200, "only {} training prompts", train.len());
         assert!(held.len() >= 300, "only {} held-out prompts", held.len());
         let train_set: std::collections::HashSet<&String> = train.iter().collect();
         assert_eq!(train_set.len(), train.len(), "duplicate training prompts");
@@ -601,9 +607,19 @@ mod tests {
     #[test]
     fn a_larger_count_only_appends_prompts() {
         let all = prompts(Split::Train, usize::MAX, 1);
-        for n in [448, 1000, 1500] {
+        for n in [448, 1000, 1500, 2048, 2500] {
             assert_eq!(prompts(Split::Train, n, 1)[..], all[..n]);
         }
+    }
+
+    /// The shipped head's data was made from the first 2048 training prompts: a pool added later
+    /// must leave them as they are (sha256 of the prompts joined by newlines).
+    #[test]
+    fn the_first_2048_training_prompts_stay_those_the_shipped_data_used() {
+        use sha2::Digest;
+        let p = prompts(Split::Train, 2048, 1);
+        let hash: String = sha2::Sha256::digest(p.join("\n").as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hash, "4a4e2a42359cb26c940492b8c6b51c917ede76d9e1a0c36f60e2b8f5b05a912d");
     }
 
     #[test]
