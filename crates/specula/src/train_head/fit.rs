@@ -532,15 +532,30 @@ fn pruned_vocab(data: &Data, k: usize, target_vocab: usize) -> Vec<u32> {
     ids
 }
 
-/// Held-out greedy acceptance, as speculative decoding would see it on greedy answers: from each
-/// start row the head drafts `k` tokens on the accepted path; position j is accepted when it and
-/// every earlier draft equal the target's argmax. Returns (accepted rate per position, soft loss
-/// of step 0).
-fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::QMatrix, d2t: &[u32], t2d: &[i32]) -> Result<(Vec<f64>, f64)> {
+/// Held-out figures of a head on greedy answers.
+struct HeldOut {
+    /// Per draft position j, the share of start rows whose drafts 1..=j all equal the target's
+    /// argmax (drafting `k` tokens from every position of every answer).
+    accepted: Vec<f64>,
+    /// Soft cross-entropy of chain step 0 against the target's top tokens.
+    loss: f64,
+    /// Per k, tokens per verify step when the answers are walked as greedy speculative decoding
+    /// serves them: a verify step at row r drafts k, emits the accepted ones and the target's own
+    /// token, and the next starts at the row after them. Steps start more often just after a
+    /// rejection (the target chose a token the head did not expect) and skip accepted rows, so this
+    /// is lower than `1 + sum(accepted[..k])`, which counts every row alike.
+    served: Vec<f64>,
+}
+
+/// Greedy acceptance on the held-out answers: from each start row the head drafts `k` tokens on
+/// the accepted path; position j is accepted when it and every earlier draft equal the target's
+/// argmax.
+fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::QMatrix, d2t: &[u32], t2d: &[i32]) -> Result<HeldOut> {
     let s = &data.shard;
     let order: Vec<usize> = (0..s.num_sequences()).collect();
     let mut accepted = vec![0u64; k];
     let (mut loss, mut loss_n, mut starts) = (0.0, 0.0, 0usize);
+    let (mut walk_steps, mut walk_tokens) = (vec![0u64; k], vec![0u64; k]);
     for rows in data.pack(&order, EVAL_BATCH_ROWS) {
         let batch = make_batch(data, &rows, k, graph.c.context, embed, t2d, 0.0, false)?;
         // only rows from which all k drafts have a token to compare with count
@@ -549,6 +564,8 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
         let mut kv = Vec::new();
         let mut hidden = graph.fused(&batch.hidden)?;
         let mut alive = counted.clone();
+        // accepted drafts from each batch row (counted rows only)
+        let mut run_len: Vec<Option<usize>> = counted.iter().map(|&c| c.then_some(0)).collect();
         for (j, (emb, acc)) in batch.emb.iter().zip(accepted.iter_mut()).enumerate() {
             let (x, logits) = graph.step(emb, &hidden, j, &batch.mask, &mut kv)?;
             if j == 0 {
@@ -566,13 +583,44 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
                 alive[i] = d2t[best[i] as usize] == target_top1;
                 if alive[i] {
                     *acc += 1;
+                    run_len[i] = Some(j + 1);
                 }
             }
             hidden = x;
         }
+        // the batch holds whole sequences, rows in order
+        let mut first = 0;
+        while first < batch.rows.len() {
+            let seq = data.sequence_of(batch.rows[first]);
+            let end = first + batch.rows[first..].iter().take_while(|&&r| data.sequence_of(r) == seq).count();
+            for kk in 1..=k {
+                let (steps, tokens) = served_walk(&run_len[first..end], kk);
+                walk_steps[kk - 1] += steps;
+                walk_tokens[kk - 1] += tokens;
+            }
+            first = end;
+        }
     }
     let n = starts.max(1) as f64;
-    Ok((accepted.iter().map(|&a| a as f64 / n).collect(), loss / loss_n.max(1.0)))
+    Ok(HeldOut {
+        accepted: accepted.iter().map(|&a| a as f64 / n).collect(),
+        loss: loss / loss_n.max(1.0),
+        served: walk_tokens.iter().zip(&walk_steps).map(|(&t, &s)| t as f64 / s.max(1) as f64).collect(),
+    })
+}
+
+/// (verify steps, tokens emitted) of greedy speculation with `k` drafts a step over one answer
+/// whose row i accepts `run_len[i]` drafts (None: too close to the end to draft k; the walk stops
+/// there). Each step emits the accepted drafts and the target's own token.
+fn served_walk(run_len: &[Option<usize>], k: usize) -> (u64, u64) {
+    let (mut i, mut steps, mut tokens) = (0, 0, 0);
+    while let Some(&Some(len)) = run_len.get(i) {
+        let a = len.min(k);
+        steps += 1;
+        tokens += 1 + a as u64;
+        i += 1 + a;
+    }
+    (steps, tokens)
 }
 
 pub fn run(a: FitArgs) -> Result<()> {
@@ -671,15 +719,14 @@ pub fn run(a: FitArgs) -> Result<()> {
             a.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()))
         }
     };
-    let (acc0, loss0) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
-    report_eval("0", &acc0, loss0, None);
+    report_eval("0", &evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?, None);
 
     let mut best: Option<(f64, PathBuf)> = None;
     // writes the head to `file` and makes it the output while it is the best so far
-    let mut keep = |file: PathBuf, acc: &[f64]| -> Result<()> {
+    let mut keep = |file: PathBuf, eval: &HeldOut| -> Result<()> {
         fmt::save_head(&file, &params.to_weights(&d2t)?, &cfg, StoredDtype::F16)?;
         eprintln!("wrote {}", file.display());
-        let score = 1.0 + acc.iter().take(3).sum::<f64>();
+        let score = 1.0 + eval.accepted.iter().take(3).sum::<f64>();
         if best.as_ref().is_none_or(|(b, _)| score > *b) {
             std::fs::copy(&file, &a.out).with_context(|| format!("cannot write {}", a.out.display()))?;
             best = Some((score, file));
@@ -730,15 +777,15 @@ pub fn run(a: FitArgs) -> Result<()> {
                 eprintln!("epoch {epoch} batch {n}/{batches_this_epoch}: loss {:.4} lr {:.2e}", sum / n as f64, lr_at(step));
             }
             if a.eval_every > 0 && n % a.eval_every == 0 && n < batches_this_epoch {
-                let (acc, held_loss) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
-                bar.suspend(|| report_eval(&format!("{epoch} batch {n}"), &acc, held_loss, Some((sum / n as f64, started.elapsed().as_secs_f64()))));
-                keep(batch_path(&a.out, epoch, n), &acc)?;
+                let eval = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
+                bar.suspend(|| report_eval(&format!("{epoch} batch {n}"), &eval, Some((sum / n as f64, started.elapsed().as_secs_f64()))));
+                keep(batch_path(&a.out, epoch, n), &eval)?;
             }
         }
         bar.finish_and_clear();
-        let (acc, held_loss) = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
-        report_eval(&epoch.to_string(), &acc, held_loss, Some((sum / n.max(1) as f64, started.elapsed().as_secs_f64())));
-        keep(epoch_path(&a.out, epoch), &acc)?;
+        let eval = evaluate(&graph, &held, a.eval_k, &target.embed, &d2t, &t2d)?;
+        report_eval(&epoch.to_string(), &eval, Some((sum / n.max(1) as f64, started.elapsed().as_secs_f64())));
+        keep(epoch_path(&a.out, epoch), &eval)?;
     }
     if let Some((score, file)) = best {
         eprintln!("{} <- {} (held-out tokens per verify step at k=3: {score:.3})", a.out.display(), file.display());
@@ -883,16 +930,39 @@ fn revocab(w: &mut HeadWeightsF32, d2t: Vec<u32>, target: &LlamaModel) -> usize 
 }
 
 /// One line per epoch: train loss, held-out loss, acceptance per position, tokens per verify step.
-fn report_eval(epoch: &str, acc: &[f64], held_loss: f64, train: Option<(f64, f64)>) {
+fn report_eval(epoch: &str, eval: &HeldOut, train: Option<(f64, f64)>) {
+    let acc = &eval.accepted;
     let per_k: Vec<String> = (1..=acc.len()).map(|k| format!("k={k}: {:.3}", 1.0 + acc[..k].iter().sum::<f64>())).collect();
+    let served: Vec<String> = eval.served.iter().enumerate().map(|(i, t)| format!("k={}: {t:.3}", i + 1)).collect();
     let pos: Vec<String> = acc.iter().map(|a| format!("{a:.3}")).collect();
     let train = train.map_or("-".to_string(), |(l, s)| format!("{l:.4} ({s:.0} s)"));
-    eprintln!("EPOCH {epoch} | train loss {train} | held-out loss(step0) {held_loss:.4} | accepted per position [{}] | tokens per verify step {}", pos.join(", "), per_k.join(", "));
+    eprintln!(
+        "EPOCH {epoch} | train loss {train} | held-out loss(step0) {:.4} | accepted per position [{}] | tokens per verify step {} | as served (walk) {}",
+        eval.loss,
+        pos.join(", "),
+        per_k.join(", "),
+        served.join(", ")
+    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn served_walk_steps_over_what_each_verify_step_emits() {
+        // rows accept 2, 0, 3, 1, 0, 0, 1 drafts; the last two rows cannot draft k
+        let lens = [Some(2), Some(0), Some(3), Some(1), Some(0), Some(0), Some(1), None, None];
+        // k = 3: row 0 emits 3 (2 + 1) -> row 3 emits 2 -> row 5 emits 1 -> row 6 emits 2 -> row 8 stops
+        assert_eq!(served_walk(&lens, 3), (4, 8));
+        // k = 1: 2 | 1 | 2 | 2 | 1 | 1 | 2 from rows 0, 2, 4, 5, 6 -> stops at row 8
+        assert_eq!(served_walk(&lens, 1), (5, 8));
+        // a row too close to the end stops the walk; an empty answer has no step
+        assert_eq!(served_walk(&[None, Some(3)], 3), (0, 0));
+        assert_eq!(served_walk(&[], 2), (0, 0));
+        // every row of an answer visited alike only when nothing is ever accepted
+        assert_eq!(served_walk(&[Some(0); 5], 4), (5, 5));
+    }
 
     /// A tiny random target written to a fresh temporary folder (kept alive by the caller).
     fn tiny_target(seed: u64) -> (tempfile::TempDir, LlamaModel) {
