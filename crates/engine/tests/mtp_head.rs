@@ -320,6 +320,16 @@ fn f16_bf16_and_q8_0_heads_load_and_draft_like_the_f32_head() {
     let path = dir.path().join("head-f32.safetensors");
     let drafts = MtpProposer::load(&path, &t).unwrap().propose(&reqs, &pool()).unwrap();
     first.push(drafts.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>());
+    // a head stored as Q8_0 holds exactly the blocks serving computes from the F32 file (the same
+    // drafts, served as stored or through the default load), in about 34/64 of F16's bytes
+    let (q8_path, f16_path) = (dir.path().join("head-q8_0.safetensors"), dir.path().join("head-f16.safetensors"));
+    save_head(&q8_path, &w, &cfg, StoredDtype::Q8_0).unwrap();
+    let size = |p: &Path| std::fs::metadata(p).unwrap().len();
+    assert!(size(&q8_path) * 10 < size(&f16_path) * 7, "q8_0 {} bytes, f16 {}", size(&q8_path), size(&f16_path));
+    for weights in [HeadWeights::AsStored, HeadWeights::Q8_0] {
+        let stored = MtpProposer::load_with(&q8_path, &t, weights).unwrap().propose(&reqs, &pool()).unwrap();
+        assert_eq!(stored.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>(), first[3], "{weights:?}");
+    }
     // rounding may flip a near tie, not most first drafts
     for (i, other) in first[1..].iter().enumerate() {
         let same = first[0].iter().zip(other).filter(|(a, b)| a == b).count();

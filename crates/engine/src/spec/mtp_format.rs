@@ -8,6 +8,7 @@ use crate::types::TokenId;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use sha2::{Digest, Sha256};
+use specula_kernels::formats::{quantize_row, QK};
 use specula_kernels::{QMatrix, WeightBytes, WeightFormat};
 use specula_model::LlamaModel;
 use std::collections::HashMap;
@@ -260,6 +261,17 @@ pub enum StoredDtype {
     F32,
     F16,
     BF16,
+    /// Matrices as ggml Q8_0 blocks (what serving runs anyway: 34 bytes per 32 weights, about half
+    /// of F16), vectors as F32; a matrix whose rows are not whole blocks falls back to F16.
+    Q8_0,
+}
+
+/// Bytes of one stored Q8_0 block: an F16 scale, then 32 int8 values (ggml's `block_q8_0`).
+pub const Q8_0_BLOCK_BYTES: usize = 2 + QK;
+
+/// Shape of a `[rows, cols]` matrix stored as Q8_0: U8 `[rows, cols / 32, 34]`.
+fn q8_0_shape(rows: usize, cols: usize) -> Vec<usize> {
+    vec![rows, cols / QK, Q8_0_BLOCK_BYTES]
 }
 
 /// `t2d` for a `d2t`: target id -> draft id, -1 where the target token has none.
@@ -325,10 +337,16 @@ pub fn save_head(path: &Path, w: &HeadWeightsF32, cfg: &HeadConfig, dtype: Store
         if data.len() != n {
             return Err(err(format!("tensor '{name}' has {} values, shape {shape:?} needs {n}", data.len())));
         }
-        let (st, bytes): (Dtype, Vec<u8>) = match dtype {
-            StoredDtype::F32 => (Dtype::F32, data.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            StoredDtype::F16 => (Dtype::F16, data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect()),
-            StoredDtype::BF16 => (Dtype::BF16, data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()),
+        let f16 = || data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let (st, shape, bytes): (Dtype, Vec<usize>, Vec<u8>) = match dtype {
+            StoredDtype::F32 => (Dtype::F32, shape, data.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            StoredDtype::F16 => (Dtype::F16, shape, f16()),
+            StoredDtype::BF16 => (Dtype::BF16, shape, data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()),
+            StoredDtype::Q8_0 => match shape[..] {
+                [rows, cols] if cols % QK == 0 => (Dtype::U8, q8_0_shape(rows, cols), data.chunks_exact(cols).flat_map(|row| quantize_row(WeightFormat::Q8_0, row)).collect()),
+                [_, _] => (Dtype::F16, shape, f16()),
+                _ => (Dtype::F32, shape, data.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            },
         };
         buffers.push((name, st, shape, bytes));
     }
@@ -474,10 +492,20 @@ impl HeadFile {
         Ok(e)
     }
 
-    /// A `[rows, cols]` float matrix, sharing the file's bytes.
+    /// A `[rows, cols]` matrix (floats, or Q8_0 blocks as U8 `[rows, cols / 32, 34]`), sharing
+    /// the file's bytes.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QMatrix, SpecError> {
-        let e = self.entry(name, &[rows, cols])?;
-        self.float_matrix(name, e, rows, cols)
+        let stored_q8_0 = self.tensors.get(name).is_some_and(|e| e.dtype == Dtype::U8);
+        if !stored_q8_0 {
+            let e = self.entry(name, &[rows, cols])?;
+            return self.float_matrix(name, e, rows, cols);
+        }
+        if cols % QK != 0 {
+            return Err(self.err(format!("tensor '{name}' is stored as Q8_0 blocks, but its rows ({cols} values) are not whole blocks of {QK}")));
+        }
+        let e = self.entry(name, &q8_0_shape(rows, cols))?;
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.bytes.clone();
+        QMatrix::new(WeightFormat::Q8_0, rows, cols, WeightBytes::new(owner, e.start, e.len), name).map_err(|er| self.err(er.to_string()))
     }
 
     /// A `[len]` float vector (norm weights), converted to f32.
@@ -493,10 +521,44 @@ impl HeadFile {
             Dtype::F32 => WeightFormat::F32,
             Dtype::F16 => WeightFormat::F16,
             Dtype::BF16 => WeightFormat::BF16,
-            other => return Err(self.err(format!("tensor '{name}' has type {other:?}; weights must be F32, F16 or BF16"))),
+            other => return Err(self.err(format!("tensor '{name}' has type {other:?}; weights must be F32, F16, BF16 or (matrices) Q8_0 blocks as U8"))),
         };
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.bytes.clone();
         QMatrix::new(format, rows, cols, WeightBytes::new(owner, e.start, e.len), name).map_err(|er| self.err(er.to_string()))
+    }
+
+    /// Every tensor of the head as f32 (matrices dequantized), the inverse of [`save_head`] up to
+    /// the stored type's rounding: what a trainer continues from or rewrites in another type.
+    /// Checks shapes, not the target (see `MtpHead::load`).
+    pub fn weights_f32(&self) -> Result<(HeadConfig, HeadWeightsF32), SpecError> {
+        let c = self.config.clone();
+        let (h, qw, kvw, ff) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn);
+        let k = self.len_of(D2T).ok_or_else(|| self.err(format!("tensor '{D2T}' is missing")))?;
+        let m = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>, SpecError> {
+            let q = self.matrix(name, rows, cols)?;
+            let mut out = vec![0f32; rows * cols];
+            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                q.dequantize_row_into(r, row);
+            }
+            Ok(out)
+        };
+        let w = HeadWeightsF32 {
+            fuse: if c.fuses() { m(FUSE, h, c.feature_width())? } else { Vec::new() },
+            fc: m(FC, h, 2 * h)?,
+            attn_norm: self.vector(ATTN_NORM, h)?,
+            attn_q: m(ATTN_Q, qw, h)?,
+            attn_k: m(ATTN_K, kvw, h)?,
+            attn_v: m(ATTN_V, kvw, h)?,
+            attn_output: m(ATTN_OUTPUT, h, qw)?,
+            ffn_norm: self.vector(FFN_NORM, h)?,
+            ffn_gate: m(FFN_GATE, ff, h)?,
+            ffn_up: m(FFN_UP, ff, h)?,
+            ffn_down: m(FFN_DOWN, h, ff)?,
+            norm: self.vector(NORM, h)?,
+            lm_head: m(LM_HEAD, k, h)?,
+            d2t: self.ids(D2T, k)?.into_iter().map(|t| t as TokenId).collect(),
+        };
+        Ok((c, w))
     }
 
     /// A `[len]` integer vector (I32 or I64), widened to i64.

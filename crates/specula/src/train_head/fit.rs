@@ -863,37 +863,9 @@ fn fresh_head(train: &Data, target: &LlamaModel, k: usize, seed: u64) -> Result<
 }
 
 /// The weights and vocabulary of an existing head file for `target` (checked like at serving).
-fn load_head_weights(path: &Path, target: &LlamaModel) -> Result<(HeadConfig, HeadWeightsF32)> {
+pub(crate) fn load_head_weights(path: &Path, target: &LlamaModel) -> Result<(HeadConfig, HeadWeightsF32)> {
     specula_engine::spec::mtp::MtpHead::load_with(path, target, specula_engine::spec::mtp::HeadWeights::AsStored)?;
-    let file = fmt::HeadFile::open(path)?;
-    let c = file.config.clone();
-    let (h, qw, kvw, ff) = (c.target_hidden, c.q_width(), c.kv_width(), c.ffn);
-    let k = file.len_of(fmt::D2T).context("d2t is missing")?;
-    let m = |name: &str, rows: usize, cols: usize| -> Result<Vec<f32>> {
-        let q = file.matrix(name, rows, cols)?;
-        let mut out = vec![0f32; rows * cols];
-        for (r, row) in out.chunks_exact_mut(cols).enumerate() {
-            q.dequantize_row_into(r, row);
-        }
-        Ok(out)
-    };
-    let w = HeadWeightsF32 {
-        fuse: if c.fuses() { m(fmt::FUSE, h, c.feature_width())? } else { Vec::new() },
-        fc: m(fmt::FC, h, 2 * h)?,
-        attn_norm: file.vector(fmt::ATTN_NORM, h)?,
-        attn_q: m(fmt::ATTN_Q, qw, h)?,
-        attn_k: m(fmt::ATTN_K, kvw, h)?,
-        attn_v: m(fmt::ATTN_V, kvw, h)?,
-        attn_output: m(fmt::ATTN_OUTPUT, h, qw)?,
-        ffn_norm: file.vector(fmt::FFN_NORM, h)?,
-        ffn_gate: m(fmt::FFN_GATE, ff, h)?,
-        ffn_up: m(fmt::FFN_UP, ff, h)?,
-        ffn_down: m(fmt::FFN_DOWN, h, ff)?,
-        norm: file.vector(fmt::NORM, h)?,
-        lm_head: m(fmt::LM_HEAD, k, h)?,
-        d2t: file.ids(fmt::D2T, k)?.into_iter().map(|t| t as u32).collect(),
-    };
-    Ok((c, w))
+    Ok(fmt::HeadFile::open(path)?.weights_f32()?)
 }
 
 fn epoch_path(out: &Path, epoch: usize) -> PathBuf {
