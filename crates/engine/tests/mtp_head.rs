@@ -761,14 +761,21 @@ fn the_shipped_head_refuses_a_mismatched_target_or_a_damaged_file() {
 }
 
 /// A draft step costs what its weights take to read, next to a target step: F16 twice the bytes
-/// of a weight, Q8_0 (the default) 34 bytes per block of 32; measured at 2 threads, a Q8_0 draft
-/// step of the shipped head takes about a tenth of a plain decode step of the default model.
+/// of a weight, Q8_0 (the default, and the shipped file's type) 34 bytes per block of 32; measured
+/// at 2 threads, a Q8_0 draft step of the shipped head takes about a tenth of a plain decode step
+/// of the default model.
 #[test]
 fn the_shipped_heads_draft_cost_follows_the_bytes_it_reads() {
     let Some(model) = specula_model::testing::model_for_tests("the_shipped_heads_draft_cost_follows_the_bytes_it_reads") else { return };
     let t = load_model(&model).expect("load default model").model;
     let q8 = MtpProposer::load(&shipped_head(), &t).unwrap().cost_per_draft_token(&t.config);
-    let f16 = MtpProposer::load_with(&shipped_head(), &t, HeadWeights::AsStored).unwrap().cost_per_draft_token(&t.config);
+    let as_stored = MtpProposer::load_with(&shipped_head(), &t, HeadWeights::AsStored).unwrap().cost_per_draft_token(&t.config);
+    assert_eq!(as_stored, q8, "the shipped file stores its matrices as Q8_0: served as stored");
+    let dir = tempfile::tempdir().unwrap();
+    let f16_path = dir.path().join("f16.safetensors");
+    let (cfg, w) = HeadFile::open(&shipped_head()).unwrap().weights_f32().unwrap();
+    save_head(&f16_path, &w, &cfg, StoredDtype::F16).unwrap();
+    let f16 = MtpProposer::load_with(&f16_path, &t, HeadWeights::AsStored).unwrap().cost_per_draft_token(&t.config);
     assert!((f16 / q8 - 2.0 / (34.0 / 32.0)).abs() < 1e-9, "f16 {f16} q8 {q8}");
-    assert!((0.07..0.13).contains(&q8), "{q8}");
+    assert!((0.07..0.15).contains(&q8), "{q8}");
 }
