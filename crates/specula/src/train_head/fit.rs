@@ -927,7 +927,7 @@ mod tests {
         let lens = [Some(2), Some(0), Some(3), Some(1), Some(0), Some(0), Some(1), None, None];
         // k = 3: row 0 emits 3 (2 + 1) -> row 3 emits 2 -> row 5 emits 1 -> row 6 emits 2 -> row 8 stops
         assert_eq!(served_walk(&lens, 3), (4, 8));
-        // k = 1: 2 | 1 | 2 | 2 | 1 | 1 | 2 from rows 0, 2, 4, 5, 6 -> stops at row 8
+        // k = 1: row 0 emits 2 -> row 2 emits 2 -> row 4 emits 1 -> row 5 emits 1 -> row 6 emits 2 -> row 8 stops
         assert_eq!(served_walk(&lens, 1), (5, 8));
         // a row too close to the end stops the walk; an empty answer has no step
         assert_eq!(served_walk(&[None, Some(3)], 3), (0, 0));
