@@ -337,15 +337,16 @@ pub fn save_head(path: &Path, w: &HeadWeightsF32, cfg: &HeadConfig, dtype: Store
         if data.len() != n {
             return Err(err(format!("tensor '{name}' has {} values, shape {shape:?} needs {n}", data.len())));
         }
+        let f32 = || data.iter().flat_map(|v| v.to_le_bytes()).collect();
         let f16 = || data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
         let (st, shape, bytes): (Dtype, Vec<usize>, Vec<u8>) = match dtype {
-            StoredDtype::F32 => (Dtype::F32, shape, data.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            StoredDtype::F32 => (Dtype::F32, shape, f32()),
             StoredDtype::F16 => (Dtype::F16, shape, f16()),
             StoredDtype::BF16 => (Dtype::BF16, shape, data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()),
             StoredDtype::Q8_0 => match shape[..] {
                 [rows, cols] if cols % QK == 0 => (Dtype::U8, q8_0_shape(rows, cols), data.chunks_exact(cols).flat_map(|row| quantize_row(WeightFormat::Q8_0, row)).collect()),
                 [_, _] => (Dtype::F16, shape, f16()),
-                _ => (Dtype::F32, shape, data.iter().flat_map(|v| v.to_le_bytes()).collect()),
+                _ => (Dtype::F32, shape, f32()),
             },
         };
         buffers.push((name, st, shape, bytes));
@@ -504,8 +505,7 @@ impl HeadFile {
             return Err(self.err(format!("tensor '{name}' is stored as Q8_0 blocks, but its rows ({cols} values) are not whole blocks of {QK}")));
         }
         let e = self.entry(name, &q8_0_shape(rows, cols))?;
-        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.bytes.clone();
-        QMatrix::new(WeightFormat::Q8_0, rows, cols, WeightBytes::new(owner, e.start, e.len), name).map_err(|er| self.err(er.to_string()))
+        self.shared_matrix(name, e, WeightFormat::Q8_0, rows, cols)
     }
 
     /// A `[len]` float vector (norm weights), converted to f32.
@@ -523,6 +523,11 @@ impl HeadFile {
             Dtype::BF16 => WeightFormat::BF16,
             other => return Err(self.err(format!("tensor '{name}' has type {other:?}; weights must be F32, F16, BF16 or (matrices) Q8_0 blocks as U8"))),
         };
+        self.shared_matrix(name, e, format, rows, cols)
+    }
+
+    /// Entry `e` as a `format` matrix over the file's bytes (no copy).
+    fn shared_matrix(&self, name: &str, e: &TensorEntry, format: WeightFormat, rows: usize, cols: usize) -> Result<QMatrix, SpecError> {
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.bytes.clone();
         QMatrix::new(format, rows, cols, WeightBytes::new(owner, e.start, e.len), name).map_err(|er| self.err(er.to_string()))
     }
