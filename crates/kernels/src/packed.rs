@@ -429,7 +429,7 @@ mod x86 {
 
     /// Two groups at once in 512-bit vectors (lanes 0-7: group 0, 8-15: group 1), each lane's
     /// arithmetic exactly `group_impl`'s: the same exact integer block sums (`vpdpbusd`; for Q8_0
-    /// |w| x (a with w's sign), as `sign_epi8` gives, from `abs` and a masked negate), then the same
+    /// from activations offset to unsigned, minus the offset's share), then the same
     /// two fmas per block in the same order, so the results are `group_impl`'s bits.
     #[inline(always)]
     unsafe fn pair_impl<const F: u8, const N: usize>(
@@ -474,14 +474,27 @@ mod x86 {
                     }
                 }
                 _ => {
+                    // vpdpbusd multiplies u8 by i8: the activations go in offset by 128 (`a ^ 0x80`
+                    // is `a + 128` as a u8, made once per block and row) against the signed
+                    // weights, and `128 * sum(w)`, one more vpdpbusd shared by every activation
+                    // row, is taken off. The same exact sums as |w| x sign(a, w) (each term at most
+                    // 255 x 128), in one instruction per weight vector and row instead of two,
+                    // plus none of the per-vector abs and sign mask.
+                    let mut offset = [[0u8; QK]; N];
+                    for (n, o) in offset.iter_mut().enumerate() {
+                        let a = _mm256_loadu_si256(acts[n].get_unchecked(b).qs.as_ptr() as *const __m256i);
+                        _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, _mm256_xor_si256(a, _mm256_set1_epi8(i8::MIN)));
+                    }
+                    let mut w_sum = zero;
                     for g in 0..8 {
                         let w = join(q0.add(32 * g), q1.add(32 * g));
-                        let aw = _mm512_abs_epi8(w);
-                        let neg = _mm512_movepi8_mask(w);
+                        w_sum = _mm512_dpbusd_epi32(w_sum, _mm512_set1_epi8(i8::MIN), w);
                         for n in 0..N {
-                            let a = bcast4_512(acts[n].get_unchecked(b).qs.as_ptr().add(4 * g));
-                            isum[n] = _mm512_dpbusd_epi32(isum[n], aw, _mm512_mask_sub_epi8(a, neg, zero, a));
+                            isum[n] = _mm512_dpbusd_epi32(isum[n], bcast4_512(offset[n].as_ptr().add(4 * g) as *const i8), w);
                         }
+                    }
+                    for s in isum.iter_mut() {
+                        *s = _mm512_sub_epi32(*s, w_sum);
                     }
                 }
             }
@@ -694,6 +707,37 @@ mod tests {
             // the padding lanes of the last group are zero
             let last = p.dot_group::<1>(p.groups() - 1, [q.row(0)])[0];
             assert!(last[rows % GROUP_ROWS..].iter().all(|&v| v == 0.0));
+        }
+    }
+
+    /// Q8_0 bytes a quantizer never writes but a file may hold (-128, next to +127 and 0) against
+    /// activations at both ends: every path, one group or two, gives the scalar reference's bits.
+    #[test]
+    fn q8_0_weight_bytes_at_the_ends_of_i8_give_the_reference_sums() {
+        let (rows, cols) = (16, 64);
+        let f = WeightFormat::Q8_0;
+        let bb = f.block_bytes();
+        let mut raw = vec![0u8; rows * f.row_bytes(cols)];
+        for (i, blk) in raw.chunks_exact_mut(bb).enumerate() {
+            blk[..2].copy_from_slice(&f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
+            for (j, q) in blk[2..].iter_mut().enumerate() {
+                *q = [0x80u8, 0x7F, 0x00, 0x81][(i + j) % 4];
+            }
+        }
+        let p = PackedInt8::pack(f, rows, cols, &raw).unwrap();
+        let x: Vec<f32> = (0..cols).map(|i| if i % 2 == 0 { -1.0 } else { 1.0 }).collect();
+        let ones = vec![1.0f32; cols];
+        let (a, b) = (quantize_rows(&x, cols), quantize_rows(&ones, cols));
+        let mut out = [[[0f32; GROUP_ROWS]; 2]; 2];
+        let [o0, o1] = &mut out;
+        // SAFETY: each pointer addresses one row of `out`.
+        unsafe { p.dot_group_pair_to::<2>(0, [a.row(0), b.row(0)], [o0.each_mut().map(|r| r.as_mut_ptr()), o1.each_mut().map(|r| r.as_mut_ptr())]) };
+        for (g, group_out) in out.iter().enumerate() {
+            for (n, act) in [a.row(0), b.row(0)].into_iter().enumerate() {
+                let reference = dot_group_scalar(f, p.group(g), p.blocks, act);
+                assert_eq!(group_out[n].map(f32::to_bits), reference.map(f32::to_bits), "group {g} activation {n}");
+                assert_eq!(p.dot_group::<1>(g, [act])[0].map(f32::to_bits), reference.map(f32::to_bits));
+            }
         }
     }
 
