@@ -53,10 +53,11 @@ pub struct SpecConfig {
 
 /// The mtp confidence gate's default. The shipped head is about calibrated on the held-out chat
 /// prompts (a first draft it gives 0.5-0.65 is accepted 43% of the time, 0.65-0.8 56%, 0.8-0.9 74%,
-/// above 0.9 95%). Paired benchmark at concurrency 1, k = 3, 32 requests (heads/README.md): gate 0.5
-/// drafts at 28% of the steps, 1.67 tokens per verify step; 0.65 at 25%, 1.95; 0.8 at 19%, 2.04;
-/// throughput against no speculation 1.003, 1.016 and 1.008.
-pub const DEFAULT_MTP_MIN_CONFIDENCE: f32 = 0.65;
+/// above 0.9 95%, measured with head 6). With head 13, three paired benchmarks at concurrency 1,
+/// k = 3 (32, 64 and 64 held-out requests, heads/README.md) gave against no speculation 1.038,
+/// 1.040 and 1.032 for gate 0.5 (1.87 tokens per verify step, drafts at 29% of the steps) and
+/// 1.007, 1.025 and 1.010 for 0.65 (1.99, 25%); 0.55 1.034, 0.4 1.027 (1.80).
+pub const DEFAULT_MTP_MIN_CONFIDENCE: f32 = 0.5;
 
 /// Largest k accepted: verification cost grows with k and acceptance decays geometrically.
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
