@@ -588,17 +588,16 @@ fn evaluate(graph: &HeadGraph, data: &Data, k: usize, embed: &specula_kernels::Q
             }
             hidden = x;
         }
-        // the batch holds whole sequences, rows in order
+        // the batch holds whole sequences, rows in order: walk each one's rows
         let mut first = 0;
-        while first < batch.rows.len() {
-            let seq = data.sequence_of(batch.rows[first]);
-            let end = first + batch.rows[first..].iter().take_while(|&&r| data.sequence_of(r) == seq).count();
+        for seq_rows in batch.rows.chunk_by(|&a, &b| data.sequence_of(a) == data.sequence_of(b)) {
+            let lens = &run_len[first..first + seq_rows.len()];
             for kk in 1..=k {
-                let (steps, tokens) = served_walk(&run_len[first..end], kk);
+                let (steps, tokens) = served_walk(lens, kk);
                 walk_steps[kk - 1] += steps;
                 walk_tokens[kk - 1] += tokens;
             }
-            first = end;
+            first += seq_rows.len();
         }
     }
     let n = starts.max(1) as f64;
