@@ -91,32 +91,20 @@ impl SamplingParams {
             return bad("min_p", format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(
-                "repetition_penalty",
-                format!("repetition_penalty must be > 0, got {}", self.repetition_penalty),
-            );
+            return bad("repetition_penalty", format!("repetition_penalty must be > 0, got {}", self.repetition_penalty));
         }
         if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return bad(
-                "presence_penalty",
-                format!("presence_penalty must be in [-2, 2], got {}", self.presence_penalty),
-            );
+            return bad("presence_penalty", format!("presence_penalty must be in [-2, 2], got {}", self.presence_penalty));
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return bad(
-                "frequency_penalty",
-                format!("frequency_penalty must be in [-2, 2], got {}", self.frequency_penalty),
-            );
+            return bad("frequency_penalty", format!("frequency_penalty must be in [-2, 2], got {}", self.frequency_penalty));
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "max_tokens must be at least 1".to_string());
         }
         if let Some(k) = self.logprobs {
             if k > max_logprobs {
-                return bad(
-                    "logprobs",
-                    format!("requested {k} logprobs but the server allows at most {max_logprobs} (--max-logprobs)"),
-                );
+                return bad("logprobs", format!("requested {k} logprobs but the server allows at most {max_logprobs} (--max-logprobs)"));
             }
         }
         Ok(())
@@ -166,8 +154,14 @@ pub enum RequestEvent {
         /// One entry per token when logprobs were asked for, else empty.
         logprobs: Vec<TokenLogprob>,
     },
-    Finished { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize },
-    Failed { message: String },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Failed {
+        message: String,
+    },
 }
 
 /// All tokens carried by the `Delta` events of a request's stream, in order.

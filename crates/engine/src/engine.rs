@@ -15,7 +15,7 @@ use crate::api::{GenerateRequest, RequestEvent};
 use crate::config::EngineConfig;
 use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
 use crate::host::{record_timings, Host, HostDone, HostWork};
-use crate::runner::job::{run_job, Computed, ComputeState, JobContext, JobTimings, StepJob};
+use crate::runner::job::{run_job, ComputeState, Computed, JobContext, JobTimings, StepJob};
 use crate::runner::{finalize, AsyncRunner, PreparedStep};
 use crate::sampling::Sampler;
 use crate::scheduler::StepPlan;
@@ -473,7 +473,15 @@ impl Engine {
 
 /// Runs a step's compute job on the engine thread (`while_forward`: see `run_job`), and records
 /// its timings and the idle gap before its forward pass.
-fn compute(ctx: &JobContext, state: &mut ComputeState, last_job: &mut Option<JobTimings>, plan: StepPlan, job: StepJob, stats: &mut StepStats, while_forward: impl FnOnce()) -> Computed {
+fn compute(
+    ctx: &JobContext,
+    state: &mut ComputeState,
+    last_job: &mut Option<JobTimings>,
+    plan: StepPlan,
+    job: StepJob,
+    stats: &mut StepStats,
+    while_forward: impl FnOnce(),
+) -> Computed {
     stats.num_seqs = plan.seqs.len();
     stats.num_tokens = plan.total_tokens;
     stats.has_prefill = plan.has_prefill();
@@ -509,4 +517,3 @@ pub fn spawn_engine(
     let join = std::thread::Builder::new().name("specula-engine".into()).spawn(move || engine.run(rx)).map_err(EngineError::Spawn)?;
     Ok((handle, join))
 }
-

@@ -207,7 +207,8 @@ impl Host {
         let plan = match running {
             None => self.scheduler.schedule(&mut self.seqs, &mut self.kv),
             Some(running) => {
-                let flight: BTreeMap<SeqId, InFlight> = running.seqs.iter().map(|s| (s.seq, InFlight { end: s.start + s.num_tokens, sample: s.sample })).collect();
+                let flight: BTreeMap<SeqId, InFlight> =
+                    running.seqs.iter().map(|s| (s.seq, InFlight { end: s.start + s.num_tokens, sample: s.sample })).collect();
                 self.scheduler.schedule_ahead(&mut self.seqs, &mut self.kv, &flight, spec_k)
             }
         };
@@ -454,7 +455,15 @@ fn stream_token(s: &mut Sequence, tok: &Tokenizer, id: TokenId, lp: Option<Token
 
 /// Per-phase step times and the compute gaps, as Prometheus histograms.
 pub(crate) fn record_timings(t: &StepTimings) {
-    let phases = [("schedule", t.schedule), ("prepare", t.prepare), ("finalize", t.finalize), ("forward", t.forward), ("sample", t.sample), ("propose", t.propose), ("update", t.update)];
+    let phases = [
+        ("schedule", t.schedule),
+        ("prepare", t.prepare),
+        ("finalize", t.finalize),
+        ("forward", t.forward),
+        ("sample", t.sample),
+        ("propose", t.propose),
+        ("update", t.update),
+    ];
     for (phase, d) in phases {
         metrics::histogram!("specula:step_phase_seconds", "phase" => phase).record(d.as_secs_f64());
     }

@@ -115,7 +115,13 @@ impl Scheduler {
     /// step gets a provisional decode of `1 + spec_reserve` tokens, its KV reserved for the worst
     /// case (every in-flight draft accepted); the engine finalizes it from the running step's
     /// output and releases the unused slots.
-    pub fn schedule_ahead(&mut self, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager, in_flight: &BTreeMap<SeqId, InFlight>, spec_reserve: usize) -> StepPlan {
+    pub fn schedule_ahead(
+        &mut self,
+        seqs: &mut BTreeMap<SeqId, Sequence>,
+        kv: &mut KvCacheManager,
+        in_flight: &BTreeMap<SeqId, InFlight>,
+        spec_reserve: usize,
+    ) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
 
@@ -131,7 +137,11 @@ impl Scheduler {
             let provisional = flight.is_some_and(|f| f.sample);
             let base = flight.map_or(s.num_computed, |f| f.end);
             let n = if provisional {
-                if 1 + spec_reserve <= budget { 1 + spec_reserve } else { 1 }
+                if 1 + spec_reserve <= budget {
+                    1 + spec_reserve
+                } else {
+                    1
+                }
             } else {
                 if s.pending_tokens() > budget && !s.draft.tokens.is_empty() {
                     s.draft = Default::default(); // not enough room to verify: plain decode this step
@@ -206,7 +216,14 @@ impl Scheduler {
                 s.admitted = true;
                 plan.newly_admitted.push(id);
             }
-            plan.seqs.push(ScheduledSeq { seq: id, start: s.num_computed, num_tokens: n, num_drafts: 0, sample: s.num_computed + n == s.tokens.len(), provisional: false });
+            plan.seqs.push(ScheduledSeq {
+                seq: id,
+                start: s.num_computed,
+                num_tokens: n,
+                num_drafts: 0,
+                sample: s.num_computed + n == s.tokens.len(),
+                provisional: false,
+            });
             plan.total_tokens += n;
             budget -= n;
         }

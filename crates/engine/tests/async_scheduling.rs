@@ -220,7 +220,8 @@ fn fault_case(kind: FaultKind) {
         let a = submit(prompt(10, 1), greedy(30));
         let b = submit(prompt(10, 2), greedy(30));
         let c = submit(prompt(10, 3), greedy(5));
-        let (ea, eb, ec) = tokio::time::timeout(deadline, async { tokio::join!(collect(a), collect(b), collect(c)) }).await.expect("engine hung after an injected fault");
+        let (ea, eb, ec) =
+            tokio::time::timeout(deadline, async { tokio::join!(collect(a), collect(b), collect(c)) }).await.expect("engine hung after an injected fault");
         for evs in [&ea, &eb] {
             match evs.last() {
                 Some(RequestEvent::Failed { message }) => {
@@ -365,7 +366,11 @@ fn a_request_arriving_mid_stream_starts_in_the_next_forward_pass() {
         let s = h.engine.step();
         assert!(s.ran_forward && s.has_prefill, "async {async_scheduling}: the new request's prefill did not run at once: {s:?}");
         assert_eq!(s.num_seqs, 2, "async {async_scheduling}");
-        assert!((23 + 1..=23 + 1 + 3).contains(&s.num_tokens), "async {async_scheduling}: its 23 prompt tokens beside the other's decode (1 + up to 3 drafts): {}", s.num_tokens);
+        assert!(
+            (23 + 1..=23 + 1 + 3).contains(&s.num_tokens),
+            "async {async_scheduling}: its 23 prompt tokens beside the other's decode (1 + up to 3 drafts): {}",
+            s.num_tokens
+        );
         h.run(&mut [&mut a, &mut b], 200);
         h.assert_idle_and_leak_free();
     }

@@ -141,7 +141,10 @@ fn the_step_agreement_stays_one_collective_while_moe_layers_exchange_tokens() {
         let c = &meta_counts[r];
         assert_eq!(c.get(CollectiveKind::AllReduceSum), agreements, "rank {r}: one metadata all-reduce per agreement");
         // the start-up configuration check is the only other collective on the metadata group
-        assert_eq!(c.total() - c.get(CollectiveKind::AllReduceSum), c.get(CollectiveKind::AllReduceMax) + c.get(CollectiveKind::Broadcast) + c.get(CollectiveKind::AllGather) + c.get(CollectiveKind::Barrier));
+        assert_eq!(
+            c.total() - c.get(CollectiveKind::AllReduceSum),
+            c.get(CollectiveKind::AllReduceMax) + c.get(CollectiveKind::Broadcast) + c.get(CollectiveKind::AllGather) + c.get(CollectiveKind::Barrier)
+        );
         assert_eq!(c.get(CollectiveKind::AllToAll), 0, "MoE traffic stays off the metadata group");
         // every step with tokens anywhere: one all-gather and one all-to-all per MoE layer on every rank
         let stepped = RankStats::get(&stats[r].steps) + RankStats::get(&stats[r].dummy_steps);

@@ -109,9 +109,8 @@ fn idle_ranks_use_almost_no_cpu_then_a_burst_is_served_with_single_engine_output
         assert_eq!(&s.finished(FinishReason::Length), want);
     }
     let burst = t.elapsed();
-    let (agreements, collective) = group.stats.iter().zip(&before).fold((0, Duration::ZERO), |(n, d), (s, (n0, d0))| {
-        (n + get(&s.agreements) - n0, d + (s.collective_time() - *d0))
-    });
+    let (agreements, collective) =
+        group.stats.iter().zip(&before).fold((0, Duration::ZERO), |(n, d), (s, (n0, d0))| (n + get(&s.agreements) - n0, d + (s.collective_time() - *d0)));
     eprintln!(
         "burst of 12 served in {burst:.2?}: {} agreements per rank, {:.1} us per agreement per rank (waiting for the slowest rank included), {:.1}% of rank time in the collective",
         agreements / 4,
@@ -146,7 +145,11 @@ fn exactly_one_metadata_collective_per_step_whatever_the_batch_holds() {
         let agreements = get(&st.agreements);
         assert!(agreements > 40, "rank {r}: only {agreements} agreements");
         assert_eq!(count.get(CollectiveKind::AllReduceSum), agreements, "rank {r}: one sum all-reduce per agreement");
-        assert_eq!(agreements, get(&st.steps) + get(&st.dummy_steps) + get(&st.idle_agreements) + 1, "rank {r}: every agreement but the last (stop) runs a step");
+        assert_eq!(
+            agreements,
+            get(&st.steps) + get(&st.dummy_steps) + get(&st.idle_agreements) + 1,
+            "rank {r}: every agreement but the last (stop) runs a step"
+        );
         // start-up configuration check: one broadcast + one max all-reduce; nothing else ever
         assert_eq!(count.get(CollectiveKind::Broadcast), 1, "rank {r}");
         assert_eq!(count.get(CollectiveKind::AllReduceMax), 1, "rank {r}");

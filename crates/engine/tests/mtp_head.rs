@@ -9,7 +9,9 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use spec_support::{spec_config, tiny_model, End, Rig};
 use specula_engine::spec::mtp::{HeadWeights, MtpHead, MtpProposer};
-use specula_engine::spec::mtp_format::{self as fmt, random_head, save_head, write_random_head, HeadConfig, HeadContext, HeadFile, HeadWeightsF32, StoredDtype};
+use specula_engine::spec::mtp_format::{
+    self as fmt, random_head, save_head, write_random_head, HeadConfig, HeadContext, HeadFile, HeadWeightsF32, StoredDtype,
+};
 use specula_engine::spec::{build_proposer, Draft, DraftRequest, Proposer, SpecError, SpecMethod};
 use specula_engine::types::SeqId;
 use specula_engine::{EngineConfig, SamplingParams};
@@ -28,7 +30,16 @@ fn pool() -> rayon::ThreadPool {
 }
 
 fn tiny_config() -> EngineConfig {
-    EngineConfig { max_num_seqs: 8, max_num_batched_tokens: 128, max_model_len: 256, block_size: 16, num_kv_blocks: 64, enable_prefix_caching: true, threads: 2, ..Default::default() }
+    EngineConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: 128,
+        max_model_len: 256,
+        block_size: 16,
+        num_kv_blocks: 64,
+        enable_prefix_caching: true,
+        threads: 2,
+        ..Default::default()
+    }
 }
 
 /// Deterministic pseudo-random hidden states of the size the target produces.
@@ -433,7 +444,11 @@ fn greedy_with_mtp_head_is_greedy_without(context: HeadContext, layers: &[usize]
         let expected: Vec<usize> = (prompt_len - 1..prompt_len - 1 + positions.len()).collect();
         assert_eq!(positions, &expected, "rows handed over out of order or with gaps");
         // the last step emits 1 + up to k tokens and hands over no rows
-        assert!(outputs.clone().any(|n| (positions.len() + 1..=positions.len() + 5).contains(&n)), "a sequence of {} rows matches no output length", positions.len());
+        assert!(
+            outputs.clone().any(|n| (positions.len() + 1..=positions.len() + 5).contains(&n)),
+            "a sequence of {} rows matches no output length",
+            positions.len()
+        );
     }
 
     let mut outside = 0;
@@ -650,7 +665,16 @@ fn heldout_prompts(model: &Path, n: usize) -> Vec<Vec<u32>> {
 }
 
 fn default_model_config() -> EngineConfig {
-    EngineConfig { max_num_seqs: 32, max_num_batched_tokens: 1024, max_model_len: 512, block_size: 16, num_kv_blocks: 320, enable_prefix_caching: true, threads: 2, ..Default::default() }
+    EngineConfig {
+        max_num_seqs: 32,
+        max_num_batched_tokens: 1024,
+        max_model_len: 512,
+        block_size: 16,
+        num_kv_blocks: 320,
+        enable_prefix_caching: true,
+        threads: 2,
+        ..Default::default()
+    }
 }
 
 struct ShippedRuns {
@@ -712,7 +736,11 @@ fn the_shipped_head_is_trained_and_drafts_only_its_pruned_vocabulary() {
     assert!(rate > 0.1, "the shipped head's acceptance rate is {rate:.3} on held-out prompts: is it trained? {m:?}");
     assert!(r.proposed.iter().all(|t| r.pruned.contains(t)), "a token outside the pruned vocabulary was proposed");
     let t = target(&specula_model::testing::model_for_tests("mtp_head (shipped head)").expect("shipped_runs ran, so the model is there"));
-    assert_eq!(MtpHead::load(&shipped_head(), &t).unwrap().config.context, HeadContext::Sequence, "heads/README.md says the shipped head attends over the sequence");
+    assert_eq!(
+        MtpHead::load(&shipped_head(), &t).unwrap().config.context,
+        HeadContext::Sequence,
+        "heads/README.md says the shipped head attends over the sequence"
+    );
     let outside: usize = r.plain.iter().map(|o| o.tokens.iter().filter(|t| !r.pruned.contains(t)).count()).sum();
     eprintln!("acceptance rate {rate:.3}; {outside} emitted tokens lie outside the pruned vocabulary ({m:?})");
 }

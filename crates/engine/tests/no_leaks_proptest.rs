@@ -16,7 +16,12 @@ const MAX_MODEL_LEN: usize = 128;
 enum Op {
     /// Prompt length 0 or >= MAX_MODEL_LEN is invalid on purpose. `family` picks a token stream,
     /// so prompts of one family share prefixes (prefix-cache hits).
-    Submit { prompt_len: usize, family: u64, max_tokens: usize, sampled: bool },
+    Submit {
+        prompt_len: usize,
+        family: u64,
+        max_tokens: usize,
+        sampled: bool,
+    },
     Step(usize),
     Abort(Index),
     Disconnect(Index),

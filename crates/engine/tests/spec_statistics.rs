@@ -189,7 +189,8 @@ fn draft_model_speculation_samples_the_target_distribution() {
     // 10 000 requests per arm: enough to see a sampler that, on rejection, draws from p instead
     // of the residual max(0, p - q) (chi-square about 440 against a critical value of 334 at
     // position 1, measured); 3 000 are not.
-    let arm = |spec: Option<SpecConfig>, first_seed| Arm { vocab: TINY_VOCAB, engine: config(), n: 10_000, prompt: &prompt, temperature: 1.0, spec, first_seed };
+    let arm =
+        |spec: Option<SpecConfig>, first_seed| Arm { vocab: TINY_VOCAB, engine: config(), n: 10_000, prompt: &prompt, temperature: 1.0, spec, first_seed };
     let plain = histograms(&target, arm(None, 0));
     let spec = spec_config(SpecMethod::Draft, K, Some(&draft));
     let lossless = histograms(&target, arm(Some(spec.clone()), 1_000_000));

@@ -84,9 +84,8 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
         let base = s.context_len - s.q_len;
         let ctx = base + t1;
         // where position p's keys (and values) for this KV head start
-        let offsets: Vec<usize> = (0..ctx)
-            .map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd)
-            .collect();
+        let offsets: Vec<usize> =
+            (0..ctx).map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd).collect();
         let mut scores = vec![0f32; ctx];
         let mut acc = vec![0f32; hd];
         for t in t0..t1 {
@@ -191,8 +190,11 @@ mod tests {
             let mut one = vec![0f32; qw];
             let seqs = [SeqSpan { q_start: 0, q_len: 1, context_len: t + 1, block_table: &table }];
             paged_attention(&q[t * qw..(t + 1) * qw], &mut one, &kc, &vc, &layout, &seqs, 0.3);
-            assert_eq!(one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                       all[t * qw..(t + 1) * qw].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "position {t}");
+            assert_eq!(
+                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                all[t * qw..(t + 1) * qw].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "position {t}"
+            );
         }
     }
 }

@@ -47,6 +47,12 @@ fn detect() -> CpuFeatures {
 /// A one-line description for start-up logs.
 pub fn describe() -> String {
     let f = features();
-    let path = if f.avx512_vnni { "avx512-vnni" } else if f.avx2_fma { "avx2+fma" } else { "portable" };
+    let path = if f.avx512_vnni {
+        "avx512-vnni"
+    } else if f.avx2_fma {
+        "avx2+fma"
+    } else {
+        "portable"
+    };
     format!("kernels: {path}")
 }

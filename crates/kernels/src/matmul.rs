@@ -320,12 +320,14 @@ mod tests {
             let full = run(&x, 2);
             // row 5 alone, with one thread
             let alone = run(&x[5 * cols..6 * cols], 1);
-            assert_eq!(alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                       full[5 * 100..6 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{f:?}");
+            assert_eq!(alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), full[5 * 100..6 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{f:?}");
             // row 69 (in the scalar tail of the 4-row tiling) inside a batch of 3
             let three = run(&x[67 * cols..70 * cols], 2);
-            assert_eq!(three[2 * 100..3 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                       full[69 * 100..70 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{f:?}");
+            assert_eq!(
+                three[2 * 100..3 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                full[69 * 100..70 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{f:?}"
+            );
         }
     }
 

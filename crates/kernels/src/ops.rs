@@ -40,10 +40,14 @@ impl Rope {
     /// Rotates every head (`x.len()` a multiple of head_dim) of one token at `pos` in place.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         let half = self.rot_dim / 2;
-        let cs: Vec<(f32, f32)> = self.inv_freq.iter().map(|f| {
-            let t = pos as f32 * f;
-            (t.cos(), t.sin())
-        }).collect();
+        let cs: Vec<(f32, f32)> = self
+            .inv_freq
+            .iter()
+            .map(|f| {
+                let t = pos as f32 * f;
+                (t.cos(), t.sin())
+            })
+            .collect();
         for head in x.chunks_exact_mut(self.head_dim) {
             for (i, &(c, s)) in cs.iter().enumerate() {
                 let (a, b) = if self.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };

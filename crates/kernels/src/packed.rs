@@ -362,12 +362,7 @@ mod x86 {
 
     /// The kernel for one format (a const parameter, so no format test runs inside the loop).
     #[inline(always)]
-    unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(
-        group: &[u8],
-        blocks: usize,
-        acts: [&[BlockQ8]; N],
-        dst: [*mut f32; N],
-    ) {
+    unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         let format = format_of(F);
         let gbb = group_block_bytes(format);
         let qoff = quants_offset(format);
@@ -432,13 +427,7 @@ mod x86 {
     /// from activations offset to unsigned, minus the offset's share), then the same
     /// two fmas per block in the same order, so the results are `group_impl`'s bits.
     #[inline(always)]
-    unsafe fn pair_impl<const F: u8, const N: usize>(
-        g0: &[u8],
-        g1: &[u8],
-        blocks: usize,
-        acts: [&[BlockQ8]; N],
-        dst: [[*mut f32; N]; 2],
-    ) {
+    unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
         let format = format_of(F);
         let gbb = group_block_bytes(format);
         let qoff = quants_offset(format);
@@ -549,13 +538,7 @@ mod x86 {
     macro_rules! group_fn {
         ($name:ident, $features:literal, $dot:ty) => {
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn $name<const N: usize>(
-                format: WeightFormat,
-                group: &[u8],
-                blocks: usize,
-                acts: [&[BlockQ8]; N],
-                dst: [*mut f32; N],
-            ) {
+            pub(super) unsafe fn $name<const N: usize>(format: WeightFormat, group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
                 match format {
                     WeightFormat::Q4_0 => group_impl::<$dot, Q4_0, N>(group, blocks, acts, dst),
                     WeightFormat::Q4_1 => group_impl::<$dot, Q4_1, N>(group, blocks, acts, dst),
@@ -569,11 +552,7 @@ mod x86 {
     group_fn!(group_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", Vnni);
 
     #[cfg(test)]
-    pub(super) fn both<const N: usize>(
-        p: &PackedInt8,
-        g: usize,
-        acts: [&[BlockQ8]; N],
-    ) -> Option<([[f32; GROUP_ROWS]; N], [[f32; GROUP_ROWS]; N])> {
+    pub(super) fn both<const N: usize>(p: &PackedInt8, g: usize, acts: [&[BlockQ8]; N]) -> Option<([[f32; GROUP_ROWS]; N], [[f32; GROUP_ROWS]; N])> {
         let f = crate::cpu::features();
         if !(f.avx2_fma && f.avx512_vnni) {
             return None;

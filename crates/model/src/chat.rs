@@ -26,11 +26,8 @@ impl ChatTemplate {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template_owned("chat", source.to_string())
-            .map_err(|e| ModelError::ChatTemplate(format!("the model's chat template does not compile: {e}")))?;
+        env.add_function("raise_exception", |msg: String| -> Result<String, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
+        env.add_template_owned("chat", source.to_string()).map_err(|e| ModelError::ChatTemplate(format!("the model's chat template does not compile: {e}")))?;
         Ok(Self { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 

@@ -63,10 +63,7 @@ impl ModelConfig {
             return bad(format!("head dimension {} is odd; RoPE needs pairs", self.head_dim));
         }
         if self.hidden_size % 32 != 0 || self.intermediate_size % 32 != 0 {
-            return bad(format!(
-                "hidden size {} and FFN size {} must be multiples of 32 for the quantized kernels",
-                self.hidden_size, self.intermediate_size
-            ));
+            return bad(format!("hidden size {} and FFN size {} must be multiples of 32 for the quantized kernels", self.hidden_size, self.intermediate_size));
         }
         if let Some(m) = &self.moe {
             if m.n_used == 0 || m.n_used > m.n_experts {

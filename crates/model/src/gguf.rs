@@ -83,9 +83,7 @@ impl GgufFile {
     pub fn meta_strings(&self, key: &str) -> Result<Vec<String>, ModelError> {
         let v = self.meta(key).ok_or_else(|| self.missing(key))?;
         let arr = v.to_vec().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path)))?;
-        arr.iter()
-            .map(|x| x.to_string().cloned().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} holds a non-string", self.path))))
-            .collect()
+        arr.iter().map(|x| x.to_string().cloned().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} holds a non-string", self.path)))).collect()
     }
 
     pub fn meta_i32s(&self, key: &str) -> Result<Vec<i32>, ModelError> {

@@ -17,8 +17,8 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
 pub use llama::{FeedForward, ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
-pub use moe::{DenseFfn, ExpertExchange, MoeFfn};
 pub use loader::{load_model, LoadedModel};
+pub use moe::{DenseFfn, ExpertExchange, MoeFfn};
 pub use tokenizer::{DecodeStream, Tokenizer};
 
 /// Everything that can go wrong loading or running a model, each naming what and where.

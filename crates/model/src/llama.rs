@@ -77,7 +77,14 @@ fn check_norm(v: &[f32], hidden: usize, what: &str) -> Result<(), ModelError> {
 }
 
 impl LlamaModel {
-    pub fn new(config: ModelConfig, embed: QMatrix, layers: Vec<LayerWeights>, final_norm: Vec<f32>, lm_head: QMatrix, rope_freqs: Option<Vec<f32>>) -> Result<Self, ModelError> {
+    pub fn new(
+        config: ModelConfig,
+        embed: QMatrix,
+        layers: Vec<LayerWeights>,
+        final_norm: Vec<f32>,
+        lm_head: QMatrix,
+        rope_freqs: Option<Vec<f32>>,
+    ) -> Result<Self, ModelError> {
         config.validate()?;
         let c = &config;
         let check = |m: &QMatrix, rows: usize, cols: usize, what: &str| {
@@ -97,8 +104,12 @@ impl LlamaModel {
             match (&l.ffn, &c.moe) {
                 (FeedForward::Dense(f), None) => f.check(c.hidden_size, c.intermediate_size, &format!("layer {i} ffn"))?,
                 (FeedForward::Moe(m), Some(mc)) => m.check(c.hidden_size, mc, i)?,
-                (FeedForward::Dense(_), Some(_)) => return Err(ModelError::BadTensor { name: format!("layer {i} ffn"), message: "dense FFN in a mixture-of-experts model".into() }),
-                (FeedForward::Moe(_), None) => return Err(ModelError::BadTensor { name: format!("layer {i} ffn"), message: "mixture of experts in a dense model".into() }),
+                (FeedForward::Dense(_), Some(_)) => {
+                    return Err(ModelError::BadTensor { name: format!("layer {i} ffn"), message: "dense FFN in a mixture-of-experts model".into() })
+                }
+                (FeedForward::Moe(_), None) => {
+                    return Err(ModelError::BadTensor { name: format!("layer {i} ffn"), message: "mixture of experts in a dense model".into() })
+                }
             }
             check_norm(&l.attn_norm, c.hidden_size, &format!("layer {i} attn_norm"))?;
             check_norm(&l.ffn_norm, c.hidden_size, &format!("layer {i} ffn_norm"))?;

@@ -23,11 +23,7 @@ pub struct LoadedModel {
 
 pub fn load_model(path: &Path) -> Result<LoadedModel, ModelError> {
     let start = Instant::now();
-    let mut loaded = if path.is_dir() {
-        crate::safetensors_folder::load(path)?
-    } else {
-        load_gguf(path)?
-    };
+    let mut loaded = if path.is_dir() { crate::safetensors_folder::load(path)? } else { load_gguf(path)? };
     loaded.load_time = start.elapsed();
     tracing::info!(model = %loaded.name, weights_mb = loaded.weight_bytes / 1_000_000, ms = loaded.load_time.as_millis() as u64, "model loaded");
     Ok(loaded)
@@ -130,7 +126,11 @@ fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError>
     let n_experts = match f.meta_u32(&key("expert_count")) {
         Ok(n) if n > 0 => n as usize,
         _ if f.has_tensor("blk.0.ffn_gate_inp.weight") => {
-            return Err(ModelError::MissingMetadata(format!("{} has expert router tensors (blk.0.ffn_gate_inp.weight) but no {} in its metadata", f.path, key("expert_count"))))
+            return Err(ModelError::MissingMetadata(format!(
+                "{} has expert router tensors (blk.0.ffn_gate_inp.weight) but no {} in its metadata",
+                f.path,
+                key("expert_count")
+            )))
         }
         _ => return Ok(None),
     };

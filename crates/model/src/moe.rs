@@ -130,7 +130,10 @@ impl MoeFfn {
     pub(crate) fn check(&self, hidden: usize, cfg: &crate::config::MoeConfig, layer: usize) -> Result<(), ModelError> {
         check_shape(&self.router, cfg.n_experts, hidden, &format!("blk.{layer}.ffn_gate_inp (router)"))?;
         if self.experts.len() != cfg.n_experts {
-            return Err(ModelError::BadTensor { name: format!("blk.{layer} experts"), message: format!("{} experts, the config says {}", self.experts.len(), cfg.n_experts) });
+            return Err(ModelError::BadTensor {
+                name: format!("blk.{layer} experts"),
+                message: format!("{} experts, the config says {}", self.experts.len(), cfg.n_experts),
+            });
         }
         for (e, x) in self.experts.iter().enumerate() {
             if let Some(x) = x {

@@ -4,8 +4,8 @@
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::llama::{FeedForward, LayerWeights, LlamaModel};
-use crate::moe::DenseFfn;
 use crate::loader::LoadedModel;
+use crate::moe::DenseFfn;
 use crate::tokenizer::Tokenizer;
 use crate::ModelError;
 use memmap2::Mmap;
@@ -35,7 +35,12 @@ fn read_json(path: &Path) -> Result<Value, ModelError> {
 
 pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
     let cfg = read_json(&dir.join("config.json"))?;
-    let get = |k: &str| cfg.get(k).and_then(Value::as_u64).map(|x| x as usize).ok_or_else(|| ModelError::MissingMetadata(format!("cannot find {k} in {}/config.json", dir.display())));
+    let get = |k: &str| {
+        cfg.get(k)
+            .and_then(Value::as_u64)
+            .map(|x| x as usize)
+            .ok_or_else(|| ModelError::MissingMetadata(format!("cannot find {k} in {}/config.json", dir.display())))
+    };
     let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string();
     if !matches!(arch.as_str(), "llama" | "mistral") {
         return Err(ModelError::Unsupported(format!("model_type '{arch}' is not supported (llama-family only)")));
@@ -68,8 +73,12 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
     };
 
     let mut entries: HashMap<String, Entry> = HashMap::new();
-    let mut files: Vec<_> = std::fs::read_dir(dir).map_err(|e| io(dir, e))?.filter_map(|e| e.ok()).map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| io(dir, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
     files.sort();
     if files.is_empty() {
         return Err(ModelError::BadInput(format!("no *.safetensors files in {}", dir.display())));
@@ -101,7 +110,8 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
             s => return Err(ModelError::BadTensor { name: name.into(), message: format!("unexpected shape {s:?}") }),
         };
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = e.file.clone();
-        QMatrix::new(format, rows, cols, WeightBytes::new(owner, e.start, e.len), name).map_err(|er| ModelError::BadTensor { name: name.into(), message: er.to_string() })
+        QMatrix::new(format, rows, cols, WeightBytes::new(owner, e.start, e.len), name)
+            .map_err(|er| ModelError::BadTensor { name: name.into(), message: er.to_string() })
     };
     let vector = |name: &str| -> Result<Vec<f32>, ModelError> {
         let m = matrix(name)?;

@@ -40,8 +40,7 @@ impl Tokenizer {
                 spec.model
             )));
         }
-        let vocab: serde_json::Map<String, Value> =
-            spec.tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+        let vocab: serde_json::Map<String, Value> = spec.tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
         // Token type 3 = control, 4 = user-defined: matched whole in the input, never split.
         let added: Vec<Value> = spec
             .tokens
@@ -81,23 +80,13 @@ impl Tokenizer {
                       "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
                       "vocab": vocab, "merges": spec.merges},
         });
-        let inner: HfTokenizer = doc
-            .to_string()
-            .parse()
-            .map_err(|e| ModelError::Tokenizer(format!("building the tokenizer from GGUF metadata: {e}")))?;
-        Ok(Self {
-            vocab_size: spec.tokens.len(),
-            inner,
-            bos: spec.bos,
-            eos: spec.eos.into_iter().collect(),
-            add_bos: spec.add_bos,
-        })
+        let inner: HfTokenizer = doc.to_string().parse().map_err(|e| ModelError::Tokenizer(format!("building the tokenizer from GGUF metadata: {e}")))?;
+        Ok(Self { vocab_size: spec.tokens.len(), inner, bos: spec.bos, eos: spec.eos.into_iter().collect(), add_bos: spec.add_bos })
     }
 
     /// Loads a Hugging Face `tokenizer.json`; `eos`/`bos` come from the model's config.
     pub fn from_file(path: &std::path::Path, bos: Option<TokenId>, eos: Vec<TokenId>) -> Result<Self, ModelError> {
-        let inner = HfTokenizer::from_file(path)
-            .map_err(|e| ModelError::Tokenizer(format!("loading {}: {e}", path.display())))?;
+        let inner = HfTokenizer::from_file(path).map_err(|e| ModelError::Tokenizer(format!("loading {}: {e}", path.display())))?;
         let vocab_size = inner.get_vocab_size(true);
         Ok(Self { inner, bos, eos, add_bos: false, vocab_size })
     }

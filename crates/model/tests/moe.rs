@@ -42,7 +42,12 @@ fn tiny_moe_loads_with_its_experts() {
 fn tiny_moe_runs_in_every_supported_expert_format_and_is_batch_invariant() {
     let dir = tempfile::tempdir().unwrap();
     for (i, format) in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::F16, GgmlDType::F32].into_iter().enumerate() {
-        let spec = TinySpec { weight_format: format, seed: 7, moe: Some(TinyMoe { shared_ffn: (i % 2 == 0).then_some(32), ..Default::default() }), ..Default::default() };
+        let spec = TinySpec {
+            weight_format: format,
+            seed: 7,
+            moe: Some(TinyMoe { shared_ffn: (i % 2 == 0).then_some(32), ..Default::default() }),
+            ..Default::default()
+        };
         let m = load_model(&tiny_moe(dir.path(), &format!("m{i}.gguf"), &spec)).unwrap().model;
         let p = prompt(40, i as u32);
         let whole = logits_alone(&m, &p, &[p.len()], 2);
@@ -57,8 +62,10 @@ fn the_number_of_routed_experts_changes_the_output() {
     // Guard against a forward that ignores routing: the same weights with top-1 and top-2
     // routing must give different logits.
     let dir = tempfile::tempdir().unwrap();
-    let top1 = load_model(&tiny_moe(dir.path(), "a.gguf", &TinySpec { moe: Some(TinyMoe { used: 1, ..Default::default() }), ..Default::default() })).unwrap().model;
-    let top2 = load_model(&tiny_moe(dir.path(), "b.gguf", &TinySpec { moe: Some(TinyMoe { used: 2, ..Default::default() }), ..Default::default() })).unwrap().model;
+    let top1 =
+        load_model(&tiny_moe(dir.path(), "a.gguf", &TinySpec { moe: Some(TinyMoe { used: 1, ..Default::default() }), ..Default::default() })).unwrap().model;
+    let top2 =
+        load_model(&tiny_moe(dir.path(), "b.gguf", &TinySpec { moe: Some(TinyMoe { used: 2, ..Default::default() }), ..Default::default() })).unwrap().model;
     let p = prompt(12, 3);
     assert_ne!(logits_alone(&top1, &p, &[12], 1), logits_alone(&top2, &p, &[12], 1));
 }
@@ -169,7 +176,8 @@ fn per_expert_tensors_of_older_files_load_like_the_stacks() {
                 let d = t.dequantize(&candle_core::Device::Cpu).unwrap();
                 for e in 0..4 {
                     let one = d.get(e).unwrap();
-                    let one = candle_core::Tensor::from_vec(one.flatten_all().unwrap().to_vec1::<f32>().unwrap(), one.dims(), &candle_core::Device::Cpu).unwrap();
+                    let one =
+                        candle_core::Tensor::from_vec(one.flatten_all().unwrap().to_vec1::<f32>().unwrap(), one.dims(), &candle_core::Device::Cpu).unwrap();
                     tensors.push((format!("{stem}.{e}.weight"), QTensor::quantize(&one, GgmlDType::F32).unwrap()));
                 }
             }

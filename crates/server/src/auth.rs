@@ -10,12 +10,7 @@ use axum::response::{IntoResponse, Response};
 
 pub async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
-        let sent = req
-            .headers()
-            .get(AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+        let sent = req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
         if !sent.is_some_and(|s| constant_time_eq(s.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();
         }

@@ -40,13 +40,7 @@ pub struct ErrorDetail<'a> {
 impl ApiError {
     /// 400: the request is malformed or a value is out of range.
     pub fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: param.map(str::to_string),
-            code: None,
-        }
+        Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: param.map(str::to_string), code: None }
     }
 
     /// 400 naming one field.
@@ -90,8 +84,7 @@ impl ApiError {
     pub fn unauthorized() -> Self {
         Self {
             status: StatusCode::UNAUTHORIZED,
-            message: "missing or invalid API key: send `Authorization: Bearer <key>` with the server's --api-key"
-                .into(),
+            message: "missing or invalid API key: send `Authorization: Bearer <key>` with the server's --api-key".into(),
             kind: "invalid_request_error",
             param: None,
             code: Some("invalid_api_key"),
@@ -111,24 +104,11 @@ impl ApiError {
 
     /// 500: the engine failed this request.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: message.into(),
-            kind: "internal_error",
-            param: None,
-            code: None,
-        }
+        Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "internal_error", param: None, code: None }
     }
 
     pub fn body(&self) -> ErrorBody<'_> {
-        ErrorBody {
-            error: ErrorDetail {
-                message: &self.message,
-                kind: self.kind,
-                param: self.param.as_deref(),
-                code: self.code,
-            },
-        }
+        ErrorBody { error: ErrorDetail { message: &self.message, kind: self.kind, param: self.param.as_deref(), code: self.code } }
     }
 }
 
@@ -145,13 +125,7 @@ impl From<SubmitError> for ApiError {
             SubmitError::QueueFull { .. } => "overloaded",
             SubmitError::Closed => "shutting_down",
         };
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            message: e.to_string(),
-            kind: "server_error",
-            param: None,
-            code: Some(code),
-        }
+        Self { status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string(), kind: "server_error", param: None, code: Some(code) }
     }
 }
 

@@ -41,9 +41,7 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         let path = err.path().to_string();
         let inner = err.into_inner();
         match inner.classify() {
-            serde_json::error::Category::Data if path != "." => {
-                ApiError::invalid(Some(&path), format!("invalid value for `{path}`: {inner}"))
-            }
+            serde_json::error::Category::Data if path != "." => ApiError::invalid(Some(&path), format!("invalid value for `{path}`: {inner}")),
             serde_json::error::Category::Data => ApiError::invalid(None, format!("invalid request: {inner}")),
             _ => ApiError::invalid(None, format!("request body is not valid JSON: {inner}")),
         }

@@ -72,9 +72,7 @@ impl Stream for ChoiceRun {
         let event = match self.events.poll_recv(cx) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(Some(event)) => event,
-            Poll::Ready(None) => {
-                RequestEvent::Failed { message: "the engine stopped before finishing this request".into() }
-            }
+            Poll::Ready(None) => RequestEvent::Failed { message: "the engine stopped before finishing this request".into() },
         };
         match &event {
             RequestEvent::Delta { tokens, .. } => self.timer.on_tokens(tokens.len()),
@@ -104,14 +102,7 @@ pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant) -> 
         let id = engine.next_request_id();
         let (tx, rx) = unbounded_channel();
         engine.submit(GenerateRequest { id, prompt: job.prompt, params: job.params, events: tx })?;
-        runs.push(ChoiceRun {
-            index: job.index,
-            id,
-            events: rx,
-            guard: AbortOnDrop::new(engine.clone(), id),
-            timer: RequestTimer::new(arrived),
-            done: false,
-        });
+        runs.push(ChoiceRun { index: job.index, id, events: rx, guard: AbortOnDrop::new(engine.clone(), id), timer: RequestTimer::new(arrived), done: false });
     }
     Ok(runs)
 }
@@ -132,13 +123,7 @@ pub struct ChoiceOutput {
 pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError> {
     let mut outputs: Vec<ChoiceOutput> = runs
         .iter()
-        .map(|r| ChoiceOutput {
-            index: r.index,
-            text: String::new(),
-            logprobs: Vec::new(),
-            finish_reason: FinishReason::Abort,
-            completion_tokens: 0,
-        })
+        .map(|r| ChoiceOutput { index: r.index, text: String::new(), logprobs: Vec::new(), finish_reason: FinishReason::Abort, completion_tokens: 0 })
         .collect();
     let slot: std::collections::HashMap<usize, usize> = runs.iter().enumerate().map(|(i, r)| (r.index, i)).collect();
     let mut events: ChoiceEvents = futures::stream::select_all(runs);

@@ -120,20 +120,8 @@ pub struct AppState {
 impl AppState {
     /// Installs the Prometheus recorder on first use in the process (see [`metrics::prometheus_handle`]);
     /// call it before the engine thread starts so the engine's gauges land in the same recorder.
-    pub fn new(
-        engine: EngineHandle,
-        tokenizer: Arc<Tokenizer>,
-        chat_template: Option<Arc<ChatTemplate>>,
-        config: ServerConfig,
-    ) -> Self {
-        Self {
-            engine,
-            tokenizer,
-            chat_template,
-            config: Arc::new(config),
-            metrics: metrics::prometheus_handle(),
-            started: unix_now(),
-        }
+    pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, chat_template: Option<Arc<ChatTemplate>>, config: ServerConfig) -> Self {
+        Self { engine, tokenizer, chat_template, config: Arc::new(config), metrics: metrics::prometheus_handle(), started: unix_now() }
     }
 }
 
@@ -166,11 +154,7 @@ pub fn router(state: AppState) -> Router {
 /// Serves [`router`] on `listener` until `shutdown` resolves, then stops accepting and waits for
 /// open responses (streams included) to end. The caller shuts the engine down afterwards (or
 /// from `shutdown`, so streams finish).
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    state: AppState,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
+pub async fn serve(listener: tokio::net::TcpListener, state: AppState, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServeError> {
     state.config.validate()?;
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, model = %state.config.model_name, "serving the OpenAI API");

@@ -20,18 +20,14 @@ pub const TIME_PER_OUTPUT_TOKEN: &str = "specula:time_per_output_token_seconds";
 pub const E2E_REQUEST_LATENCY: &str = "specula:e2e_request_latency_seconds";
 
 // vLLM's buckets, so dashboards built for it read ours the same way.
-const TTFT_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
-const TPOT_BUCKETS: &[f64] =
-    &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
-const E2E_BUCKETS: &[f64] =
-    &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0];
+const TTFT_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+const TPOT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+const E2E_BUCKETS: &[f64] = &[0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0];
 /// Engine step phases and the gaps between forward passes (async scheduling): 10 µs to 10 s.
 pub const STEP_PHASE: &str = "specula:step_phase_seconds";
 pub const FORWARD_GAP: &str = "specula:forward_gap_seconds";
 pub const COMPUTE_IDLE_GAP: &str = "specula:compute_idle_gap_seconds";
-const STEP_BUCKETS: &[f64] =
-    &[0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0];
+const STEP_BUCKETS: &[f64] = &[0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0];
 
 /// How often histograms are folded into their rendered form (bounds memory between scrapes).
 const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -53,9 +49,9 @@ fn install() -> PrometheusHandle {
         (FORWARD_GAP, STEP_BUCKETS),
         (COMPUTE_IDLE_GAP, STEP_BUCKETS),
     ]
-        .into_iter()
-        .try_fold(PrometheusBuilder::new(), |b, (name, buckets)| b.set_buckets_for_metric(Matcher::Full(name.into()), buckets))
-        .expect("bucket lists are non-empty constants");
+    .into_iter()
+    .try_fold(PrometheusBuilder::new(), |b, (name, buckets)| b.set_buckets_for_metric(Matcher::Full(name.into()), buckets))
+    .expect("bucket lists are non-empty constants");
     let handle = match builder.install_recorder() {
         Ok(handle) => handle,
         Err(e) => {

@@ -53,12 +53,7 @@ struct Pump<W> {
 }
 
 /// The SSE response for `runs`; `prompt_tokens` is the request's usage prompt count.
-pub fn stream_response<W: ChunkWriter>(
-    runs: Vec<ChoiceRun>,
-    mut writer: W,
-    include_usage: bool,
-    prompt_tokens: usize,
-) -> Response {
+pub fn stream_response<W: ChunkWriter>(runs: Vec<ChoiceRun>, mut writer: W, include_usage: bool, prompt_tokens: usize) -> Response {
     let pump = Pump {
         choices: futures::stream::select_all(runs),
         queue: writer.opening().into(),

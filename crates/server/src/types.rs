@@ -325,14 +325,7 @@ mod tests {
 
     #[test]
     fn streamed_usage_is_null_until_the_last_chunk() {
-        let chunk = |usage| CompletionResponse {
-            id: "cmpl-1".into(),
-            object: "text_completion",
-            created: 0,
-            model: "m".into(),
-            choices: vec![],
-            usage,
-        };
+        let chunk = |usage| CompletionResponse { id: "cmpl-1".into(), object: "text_completion", created: 0, model: "m".into(), choices: vec![], usage };
         let v = serde_json::to_value(chunk(None)).unwrap();
         assert!(v.get("usage").is_none());
         let v = serde_json::to_value(chunk(Some(None))).unwrap();

@@ -71,9 +71,7 @@ impl SamplingFields {
     pub fn from_chat(r: &ChatCompletionRequest) -> Result<Self, ApiError> {
         let logprobs = match (r.logprobs.unwrap_or(false), r.top_logprobs) {
             (true, k) => Some(k.unwrap_or(0)),
-            (false, Some(_)) => {
-                return Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs `logprobs: true`"))
-            }
+            (false, Some(_)) => return Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs `logprobs: true`")),
             (false, None) => None,
         };
         let (max_tokens, max_tokens_param) = match r.max_completion_tokens {
@@ -124,20 +122,13 @@ pub fn check_model(requested: Option<&str>, config: &ServerConfig) -> Result<(),
 /// Checks every prompt-independent field.
 pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize) -> Result<SamplingPlan, ApiError> {
     let requested_max_tokens = match f.max_tokens {
-        Some(m) if m <= 0 => {
-            return Err(ApiError::invalid_param(
-                f.max_tokens_param,
-                format!("{} must be at least 1, got {m}", f.max_tokens_param),
-            ))
-        }
+        Some(m) if m <= 0 => return Err(ApiError::invalid_param(f.max_tokens_param, format!("{} must be at least 1, got {m}", f.max_tokens_param))),
         Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
         None => None,
     };
     let n = match f.n.unwrap_or(1) {
         n if n < 1 => return Err(ApiError::invalid_param("n", format!("n must be at least 1, got {n}"))),
-        n if n as u64 > config.max_n as u64 => {
-            return Err(ApiError::invalid_param("n", format!("n is {n} but this server allows at most {}", config.max_n)))
-        }
+        n if n as u64 > config.max_n as u64 => return Err(ApiError::invalid_param("n", format!("n is {n} but this server allows at most {}", config.max_n))),
         n => n as usize,
     };
     let top_k = match f.top_k.unwrap_or(0) {
@@ -146,18 +137,13 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         k => usize::try_from(k).unwrap_or(usize::MAX),
     };
     let logprobs = match f.logprobs {
-        Some(k) if k < 0 => {
-            return Err(ApiError::invalid_param(f.logprobs_param, format!("{} must be >= 0, got {k}", f.logprobs_param)))
-        }
+        Some(k) if k < 0 => return Err(ApiError::invalid_param(f.logprobs_param, format!("{} must be >= 0, got {k}", f.logprobs_param))),
         Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
         None => None,
     };
     let stop_token_ids = f.stop_token_ids.unwrap_or_default();
     if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
-        return Err(ApiError::invalid_param(
-            "stop_token_ids",
-            format!("stop token id {bad} is outside the vocabulary (size {vocab_size})"),
-        ));
+        return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {bad} is outside the vocabulary (size {vocab_size})")));
     }
     let defaults = SamplingParams::default();
     let base = SamplingParams {
@@ -194,17 +180,11 @@ pub fn check_prompt(tokens: &[TokenId], param: &str, config: &ServerConfig, voca
         return Err(ApiError::invalid_param(param, "the prompt is empty; send at least one token of text"));
     }
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
-        return Err(ApiError::invalid_param(
-            param,
-            format!("prompt token id {bad} is outside the vocabulary (size {vocab_size})"),
-        ));
+        return Err(ApiError::invalid_param(param, format!("prompt token id {bad} is outside the vocabulary (size {vocab_size})")));
     }
     let (len, max) = (tokens.len(), config.max_model_len);
     if len > max {
-        return Err(ApiError::invalid_param(
-            param,
-            format!("prompt has {len} tokens but --max-model-len is {max}; shorten the prompt"),
-        ));
+        return Err(ApiError::invalid_param(param, format!("prompt has {len} tokens but --max-model-len is {max}; shorten the prompt")));
     }
     if len == max {
         return Err(ApiError::invalid_param(
@@ -218,13 +198,7 @@ pub fn check_prompt(tokens: &[TokenId], param: &str, config: &ServerConfig, voca
 impl SamplingPlan {
     /// The engine parameters for choice `choice` of a prompt of `prompt_len` tokens (already
     /// checked by [`check_prompt`], so at least one token of room is left).
-    pub fn params_for(
-        &self,
-        prompt_len: usize,
-        choice: usize,
-        default: DefaultMaxTokens,
-        config: &ServerConfig,
-    ) -> Result<SamplingParams, ApiError> {
+    pub fn params_for(&self, prompt_len: usize, choice: usize, default: DefaultMaxTokens, config: &ServerConfig) -> Result<SamplingParams, ApiError> {
         let room = config.max_model_len.saturating_sub(prompt_len);
         let max_tokens = match (self.requested_max_tokens, default) {
             (Some(m), _) if prompt_len.saturating_add(m) > config.max_model_len => {
@@ -264,10 +238,7 @@ pub fn chat_messages(messages: Option<&[RequestMessage]>) -> Result<Vec<ChatMess
                         match (part.kind.as_str(), &part.text) {
                             ("text", Some(t)) => texts.push(t.as_str()),
                             ("text", None) => {
-                                return Err(ApiError::invalid_param(
-                                    &format!("messages[{i}].content[{j}].text"),
-                                    "a text content part needs a `text` field",
-                                ))
+                                return Err(ApiError::invalid_param(&format!("messages[{i}].content[{j}].text"), "a text content part needs a `text` field"))
                             }
                             (other, _) => {
                                 return Err(ApiError::invalid_param(
@@ -299,8 +270,7 @@ mod tests {
 
     #[test]
     fn defaults_are_engine_defaults() {
-        let p = plan(SamplingFields { max_tokens_param: "max_tokens", logprobs_param: "logprobs", ..Default::default() })
-            .unwrap();
+        let p = plan(SamplingFields { max_tokens_param: "max_tokens", logprobs_param: "logprobs", ..Default::default() }).unwrap();
         assert_eq!(p.n, 1);
         assert_eq!(p.requested_max_tokens, None);
         assert_eq!(p.base.temperature, 1.0);
@@ -349,8 +319,7 @@ mod tests {
     fn choice_i_gets_seed_plus_i() {
         let p = plan(SamplingFields { seed: Some(7), max_tokens_param: "max_tokens", ..Default::default() }).unwrap();
         let cfg = config();
-        let seeds: Vec<_> =
-            (0..3).map(|i| p.params_for(5, i, DefaultMaxTokens::Fixed(16), &cfg).unwrap().seed).collect();
+        let seeds: Vec<_> = (0..3).map(|i| p.params_for(5, i, DefaultMaxTokens::Fixed(16), &cfg).unwrap().seed).collect();
         assert_eq!(seeds, vec![Some(7), Some(8), Some(9)]);
     }
 

@@ -25,10 +25,7 @@ async fn completion_has_the_openai_shape() {
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["model"], MODEL);
     assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
-    assert_eq!(
-        v["choices"],
-        json!([{"index": 0, "text": "hellohell", "logprobs": null, "finish_reason": "length"}])
-    );
+    assert_eq!(v["choices"], json!([{"index": 0, "text": "hellohell", "logprobs": null, "finish_reason": "length"}]));
     assert_eq!(v["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}));
 }
 
@@ -73,8 +70,7 @@ async fn prompt_lists_and_n_give_prompt_major_choices_with_seed_plus_i() {
     let s = server();
     let (status, v) = s.post("/v1/completions", json!({"prompt": ["ab", "cd"], "n": 2, "max_tokens": 1, "seed": 7})).await;
     assert_eq!(status, StatusCode::OK, "{v}");
-    let texts: Vec<(u64, &str)> =
-        v["choices"].as_array().unwrap().iter().map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap())).collect();
+    let texts: Vec<(u64, &str)> = v["choices"].as_array().unwrap().iter().map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap())).collect();
     assert_eq!(texts, vec![(0, "a"), (1, "a"), (2, "c"), (3, "c")]);
     // Each prompt counted once, each choice's tokens counted.
     assert_eq!(v["usage"], json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}));
@@ -121,10 +117,7 @@ async fn chat_renders_the_template_and_answers_as_assistant() {
     let (_, prompt, _) = s.submitted().pop().unwrap();
     assert_eq!(prompt, s.tokenizer.encode(expected_prompt).unwrap());
     assert_eq!(prompt[0], 259, "<|im_start|> is one control token");
-    assert_eq!(
-        v["choices"],
-        json!([{"index": 0, "message": {"role": "assistant", "content": "<|im_start|>s"}, "logprobs": null, "finish_reason": "length"}])
-    );
+    assert_eq!(v["choices"], json!([{"index": 0, "message": {"role": "assistant", "content": "<|im_start|>s"}, "logprobs": null, "finish_reason": "length"}]));
     let n = prompt.len();
     assert_eq!(v["usage"], json!({"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}));
 }
@@ -207,8 +200,7 @@ async fn streamed_chat_opens_with_the_role_and_ends_with_done() {
     assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
     assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]));
     assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
-    let content: String =
-        chunks[1..].iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let content: String = chunks[1..].iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(content, "<|im_start|>u");
     let finish = &chunks[chunks.len() - 2];
     assert_eq!(finish["choices"][0]["delta"], json!({}));
@@ -221,11 +213,8 @@ async fn streamed_n_2_carries_both_indexes() {
     let s = server();
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true, "n": 2});
     let chunks = parse_chunks(&text_of(s.post_raw("/v1/chat/completions", body.to_string()).await).await);
-    let finished: Vec<u64> = chunks
-        .iter()
-        .filter(|c| c["choices"][0]["finish_reason"] == "length")
-        .map(|c| c["choices"][0]["index"].as_u64().unwrap())
-        .collect();
+    let finished: Vec<u64> =
+        chunks.iter().filter(|c| c["choices"][0]["finish_reason"] == "length").map(|c| c["choices"][0]["index"].as_u64().unwrap()).collect();
     let mut sorted = finished.clone();
     sorted.sort();
     assert_eq!(sorted, vec![0, 1]);

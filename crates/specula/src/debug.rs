@@ -161,7 +161,8 @@ pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], ch
         let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: done + n, block_table: &table }];
         let slots: Vec<usize> = (done..done + n).collect();
         let rows: Vec<usize> = (0..n).collect();
-        let o = model.forward(&ForwardBatch { tokens: &prompt[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
+        let o =
+            model.forward(&ForwardBatch { tokens: &prompt[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
         out.extend_from_slice(&o.logits);
         done += n;
     }

@@ -217,7 +217,8 @@ mod tests {
 
     #[test]
     fn adaptive_cost_and_confidence_flags_reach_the_config_and_are_range_checked() {
-        let cli = Cli::try_parse_from(["x", "--speculative-method", "mtp", "--speculative-verify-cost", "0.02", "--speculative-min-confidence", "0.7"]).unwrap();
+        let cli =
+            Cli::try_parse_from(["x", "--speculative-method", "mtp", "--speculative-verify-cost", "0.02", "--speculative-min-confidence", "0.7"]).unwrap();
         let c = cli.spec.to_config().unwrap();
         assert_eq!((c.verify_cost_per_token, c.mtp_min_confidence), (0.02, 0.7));
         let defaults = Cli::try_parse_from(["x", "--speculative-method", "ngram"]).unwrap().spec.to_config().unwrap();

@@ -5,11 +5,11 @@ mod debug;
 mod engine_args;
 mod fetch;
 mod generate;
+mod offline;
+mod offline_async;
 mod sampling_args;
 mod serve;
 mod train_head;
-mod offline;
-mod offline_async;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

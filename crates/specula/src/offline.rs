@@ -115,7 +115,8 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         }
     }
     if let Some(p) = args.output_json {
-        let j: Vec<_> = rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle})).collect();
+        let j: Vec<_> =
+            rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle})).collect();
         std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
     }
     Ok(())

@@ -133,10 +133,13 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
         );
     }
     for &t in threads {
-        let pairs: Vec<(&AsyncRow, &AsyncRow)> = rows.chunks(2).filter_map(|p| match p {
-            [s, a] if s.threads == t => Some((s, a)),
-            _ => None,
-        }).collect();
+        let pairs: Vec<(&AsyncRow, &AsyncRow)> = rows
+            .chunks(2)
+            .filter_map(|p| match p {
+                [s, a] if s.threads == t => Some((s, a)),
+                _ => None,
+            })
+            .collect();
         if pairs.is_empty() {
             continue;
         }

@@ -114,7 +114,13 @@ fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_nam
 /// Serves HTTP on the calling thread until SIGINT/SIGTERM or `engine_stopped` completes (the
 /// engine behind `engine` ended on its own); then asks the engine to shut down and waits (within
 /// the grace period) for open connections.
-fn serve_http(args: &ServeArgs, state: AppState, engine: EngineHandle, model_name: &str, engine_stopped: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+fn serve_http(
+    args: &ServeArgs,
+    state: AppState,
+    engine: EngineHandle,
+    model_name: &str,
+    engine_stopped: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let grace = Duration::from_secs(args.shutdown_grace_secs);
     rt.block_on(async move {
@@ -203,11 +209,8 @@ fn spawn_dp_group(
     }
     args.engine.setup_expert_parallel(&mut ranks, args.data_parallel_mode == "lockstep")?;
     eprintln!("data parallel: {n} {} ranks, {} compute thread(s) each", args.data_parallel_mode, rank_cfg.threads);
-    let group = if args.data_parallel_mode == "lockstep" {
-        spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg)?
-    } else {
-        spawn_replicas(ranks, tokenizer, cfg)?
-    };
+    let group =
+        if args.data_parallel_mode == "lockstep" { spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg)? } else { spawn_replicas(ranks, tokenizer, cfg)? };
     Ok(group)
 }
 

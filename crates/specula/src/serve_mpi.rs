@@ -17,7 +17,9 @@ use anyhow::{anyhow, Context, Result};
 use specula_engine::dp::bridge::{FrontBridge, RankBridge};
 use specula_engine::dp::group::describe_config;
 use specula_engine::dp::mpi::{MpiComm, Threading};
-use specula_engine::dp::{build_rank, check_same_config, spawn_replica_rank, BuiltRank, Communicator, DpMode, LockstepRank, RankSetup, RankStats, ReplicaRouter};
+use specula_engine::dp::{
+    build_rank, check_same_config, spawn_replica_rank, BuiltRank, Communicator, DpMode, LockstepRank, RankSetup, RankStats, ReplicaRouter,
+};
 use specula_engine::{EngineConfig, EngineHandle};
 use specula_model::{load_model, Tokenizer};
 use specula_server::AppState;
@@ -85,11 +87,8 @@ fn build(args: &ServeArgs, mode: DpMode, size: usize) -> Result<Built> {
     let spec = args.engine.spec.build(&loaded.model, &cfg)?;
     // this process keeps its 1/N of the experts (fails alike on every rank for a bad N)
     args.engine.setup_expert_parallel_mpi(&mut loaded.model, mode == DpMode::Lockstep)?;
-    let desc = format!(
-        "specula_version={}\n{}",
-        env!("CARGO_PKG_VERSION"),
-        describe_config(&cfg, &loaded.model.config, spec.as_ref().map(|s| &s.0), size, mode)
-    );
+    let desc =
+        format!("specula_version={}\n{}", env!("CARGO_PKG_VERSION"), describe_config(&cfg, &loaded.model.config, spec.as_ref().map(|s| &s.0), size, mode));
     let mut setup = RankSetup::new(loaded.model);
     if let Some((c, p)) = spec {
         setup = setup.with_speculation(c, p);
@@ -119,7 +118,9 @@ fn run_front(args: ServeArgs, mode: DpMode, comm: MpiComm, built: Built) -> Resu
     let stopped = Arc::new(tokio::sync::Notify::new());
     let http = {
         let (engine, stopped) = (engine.clone(), stopped.clone());
-        std::thread::Builder::new().name("specula-http".into()).spawn(move || serve_http(&args, state, engine, &model_name, async move { stopped.notified().await }))?
+        std::thread::Builder::new()
+            .name("specula-http".into())
+            .spawn(move || serve_http(&args, state, engine, &model_name, async move { stopped.notified().await }))?
     };
     let rank_result = run_rank(mode, comm, local, Arc::new(RankStats::default()));
     // the HTTP server stops too if the ranks stopped without it (a rank's own signal)

@@ -49,8 +49,14 @@ const STATS_INTERVAL: Duration = Duration::from_millis(50);
 /// Rank 0 to rank r.
 #[derive(Debug, Serialize, Deserialize)]
 enum Down {
-    Submit { id: u64, prompt: Vec<TokenId>, params: SamplingParams },
-    Abort { id: u64 },
+    Submit {
+        id: u64,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+    },
+    Abort {
+        id: u64,
+    },
     /// Stop taking work; finish in-flight requests within the grace period.
     Shutdown,
     /// Every rank has stopped: the bridge may end.
@@ -505,7 +511,14 @@ mod tests {
         let back: Down = serde_json::from_slice(&serde_json::to_vec(&down).unwrap()).unwrap();
         assert!(matches!(back, Down::Submit { id: 41, ref prompt, params: ref p } if prompt == &[1, 2, 65535] && *p == params));
         let events = vec![
-            (41, RequestEvent::Delta { tokens: vec![7], text: "é".into(), logprobs: vec![TokenLogprob { token: 7, logprob: -0.25, top: vec![(7, -0.25), (8, -1.5)] }] }),
+            (
+                41,
+                RequestEvent::Delta {
+                    tokens: vec![7],
+                    text: "é".into(),
+                    logprobs: vec![TokenLogprob { token: 7, logprob: -0.25, top: vec![(7, -0.25), (8, -1.5)] }],
+                },
+            ),
             (41, RequestEvent::Finished { reason: FinishReason::Length, prompt_tokens: 3, completion_tokens: 1 }),
             (42, RequestEvent::Failed { message: "x".into() }),
         ];

@@ -94,7 +94,10 @@ pub trait Communicator {
 /// its own rank with a message instead of confusing the peers.
 pub(crate) fn check_gather_shape(size: usize, local: usize, out: usize) -> Result<(), DpError> {
     if out != size * local {
-        return Err(DpError::Mismatch(format!("all_gather of {local} values per rank over {size} ranks needs an output of {} values, got {out}", size * local)));
+        return Err(DpError::Mismatch(format!(
+            "all_gather of {local} values per rank over {size} ranks needs an output of {} values, got {out}",
+            size * local
+        )));
     }
     Ok(())
 }

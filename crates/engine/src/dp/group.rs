@@ -105,7 +105,10 @@ pub fn describe_config(cfg: &EngineConfig, model: &specula_model::ModelConfig, s
         format!("num_kv_blocks={}", cfg.num_kv_blocks),
         format!("enable_prefix_caching={}", cfg.enable_prefix_caching),
         format!("speculative={spec}"),
-        format!("model={} vocab={} hidden={} layers={} heads={}/{}", model.arch, model.vocab_size, model.hidden_size, model.n_layers, model.n_heads, model.n_kv_heads),
+        format!(
+            "model={} vocab={} hidden={} layers={} heads={}/{}",
+            model.arch, model.vocab_size, model.hidden_size, model.n_layers, model.n_heads, model.n_kv_heads
+        ),
         format!("moe={:?}", model.moe),
     ]
     .join("\n")
@@ -133,16 +136,17 @@ pub fn build_rank(setup: RankSetup, tokenizer: Arc<Tokenizer>, cfg: &EngineConfi
 
 /// Builds each rank's engine (on the calling thread, so configuration errors come back here)
 /// and its channel.
-fn build_engines(ranks: Vec<RankSetup>, tokenizer: &Arc<Tokenizer>, cfg: &EngineConfig) -> Result<Vec<(Engine, Receiver<EngineCommand>, EngineHandle)>, EngineError> {
+fn build_engines(
+    ranks: Vec<RankSetup>,
+    tokenizer: &Arc<Tokenizer>,
+    cfg: &EngineConfig,
+) -> Result<Vec<(Engine, Receiver<EngineCommand>, EngineHandle)>, EngineError> {
     let n = ranks.len();
     if n == 0 {
         return Err(EngineError::Config("--data-parallel-size must be at least 1".into()));
     }
     let rank_cfg = rank_config(cfg, n);
-    ranks
-        .into_iter()
-        .map(|setup| build_rank(setup, tokenizer.clone(), &rank_cfg).map(|b| (b.engine, b.rx, b.handle)))
-        .collect()
+    ranks.into_iter().map(|setup| build_rank(setup, tokenizer.clone(), &rank_cfg).map(|b| (b.engine, b.rx, b.handle))).collect()
 }
 
 fn routed(rank_handles: &[EngineHandle], cfg: &EngineConfig) -> Result<Arc<ReplicaRouter>, EngineError> {
@@ -152,7 +156,9 @@ fn routed(rank_handles: &[EngineHandle], cfg: &EngineConfig) -> Result<Arc<Repli
 /// Starts `ranks.len()` independent engine replicas behind one router.
 pub fn spawn_replicas(ranks: Vec<RankSetup>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Result<DpGroup, EngineError> {
     if ranks.iter().any(|r| r.model.expert_exchange().is_some()) {
-        return Err(EngineError::Config("--enable-expert-parallel needs --data-parallel-mode lockstep (replicas step independently, so their expert exchanges could never meet)".into()));
+        return Err(EngineError::Config(
+            "--enable-expert-parallel needs --data-parallel-mode lockstep (replicas step independently, so their expert exchanges could never meet)".into(),
+        ));
     }
     let engines = build_engines(ranks, &tokenizer, &cfg)?;
     let rank_handles: Vec<EngineHandle> = engines.iter().map(|(_, _, h)| h.clone()).collect();
@@ -223,7 +229,12 @@ pub fn spawn_replica_rank(built: BuiltRank, rank: usize, stats: Arc<RankStats>) 
 /// Starts a lockstep group over `comms` (rank r's communicator at index r, e.g. from
 /// `LocalGroup::new`). Returns once every rank has passed the start-up configuration check, or
 /// with the check's error (which every rank reported).
-pub fn spawn_lockstep<C: Communicator + Send + 'static>(ranks: Vec<RankSetup>, comms: Vec<C>, tokenizer: Arc<Tokenizer>, cfg: EngineConfig) -> Result<DpGroup, EngineError> {
+pub fn spawn_lockstep<C: Communicator + Send + 'static>(
+    ranks: Vec<RankSetup>,
+    comms: Vec<C>,
+    tokenizer: Arc<Tokenizer>,
+    cfg: EngineConfig,
+) -> Result<DpGroup, EngineError> {
     let n = ranks.len();
     if comms.len() != n {
         return Err(EngineError::Config(format!("{n} ranks but {} communicators", comms.len())));
@@ -233,10 +244,8 @@ pub fn spawn_lockstep<C: Communicator + Send + 'static>(ranks: Vec<RankSetup>, c
             return Err(EngineError::Config(format!("communicator {i} is rank {} of {}, expected rank {i} of {n}", c.rank(), c.size())));
         }
     }
-    let descs: Vec<String> = ranks
-        .iter()
-        .map(|r| describe_config(&rank_config(&cfg, n), &r.model.config, r.spec.as_ref().map(|s| &s.0), n, DpMode::Lockstep))
-        .collect();
+    let descs: Vec<String> =
+        ranks.iter().map(|r| describe_config(&rank_config(&cfg, n), &r.model.config, r.spec.as_ref().map(|s| &s.0), n, DpMode::Lockstep)).collect();
     let engines = build_engines(ranks, &tokenizer, &cfg)?;
     let rank_handles: Vec<EngineHandle> = engines.iter().map(|(_, _, h)| h.clone()).collect();
     let router = routed(&rank_handles, &cfg)?;

@@ -55,7 +55,19 @@ pub struct LockstepRank<C: Communicator> {
 impl<C: Communicator> LockstepRank<C> {
     pub fn new(engine: Engine, comm: C, rx: Receiver<EngineCommand>, stats: Arc<RankStats>) -> Self {
         let metrics = RankMetrics::new(comm.rank());
-        Self { engine, comm, rx, stats, metrics, commands: Commands::default(), step: 0, channel_closed: false, fatal: None, all_idle: true, expert_nanos_seen: 0 }
+        Self {
+            engine,
+            comm,
+            rx,
+            stats,
+            metrics,
+            commands: Commands::default(),
+            step: 0,
+            channel_closed: false,
+            fatal: None,
+            all_idle: true,
+            expert_nanos_seen: 0,
+        }
     }
 
     /// Runs until the group agrees to stop (Ok) or the group fails (Err, on every rank). Either

@@ -301,11 +301,7 @@ mod tests {
     }
 
     fn run_config_check(descs: Vec<Result<&'static str, &'static str>>) -> Vec<Result<(), DpError>> {
-        let joins: Vec<_> = LocalGroup::new(descs.len())
-            .into_iter()
-            .zip(descs)
-            .map(|(c, d)| std::thread::spawn(move || check_same_config(&c, d)))
-            .collect();
+        let joins: Vec<_> = LocalGroup::new(descs.len()).into_iter().zip(descs).map(|(c, d)| std::thread::spawn(move || check_same_config(&c, d))).collect();
         joins.into_iter().map(|j| j.join().unwrap()).collect()
     }
 

@@ -32,9 +32,9 @@ pub mod router;
 
 pub use communicator::{CollectiveKind, Communicator, DpError};
 pub use counting::{CollectiveCounts, CountingComm};
-pub use local::{LocalComm, LocalGroup};
-pub use metadata::{agree, check_same_config, GlobalStep, StepMetadata};
 pub use group::{build_rank, spawn_lockstep, spawn_replica_rank, spawn_replicas, BuiltRank, DpGroup, DpMode, RankSetup};
+pub use local::{LocalComm, LocalGroup};
 pub use lockstep::{LockstepRank, IDLE_POLL};
+pub use metadata::{agree, check_same_config, GlobalStep, StepMetadata};
 pub use rank::{RankMetrics, RankSnapshot, RankStats};
 pub use router::ReplicaRouter;

@@ -8,8 +8,8 @@
 
 use super::communicator::{check_all_to_all_shape, check_gather_shape, check_root, Communicator, DpError};
 use mpi::collective::SystemOperation;
-use mpi::environment::Universe;
 pub use mpi::environment::Threading;
+use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
 

@@ -51,10 +51,7 @@ mod tests {
         // From the FNV reference (isthe.com/chongo/tech/comp/fnv): "" and "a" and "foobar".
         assert_eq!(fnv1a_update(FNV_OFFSET_BASIS, b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a_update(FNV_OFFSET_BASIS, b"a"), 0xaf63_dc4c_8601_ec8c);
-        assert_eq!(
-            fnv1a_update(FNV_OFFSET_BASIS, b"foobar"),
-            0x8594_4171_f739_67e8
-        );
+        assert_eq!(fnv1a_update(FNV_OFFSET_BASIS, b"foobar"), 0x8594_4171_f739_67e8);
     }
 
     #[test]
@@ -62,10 +59,7 @@ mod tests {
         // Computed independently (Python, same byte stream); a change here invalidates nothing
         // on disk today but would break cross-process prefix sharing if we ever add it.
         assert_eq!(hash_block(None, &[1, 2, 3, 4]), BlockHash(HASH_ROOT_1234));
-        assert_eq!(
-            hash_block(Some(BlockHash(HASH_ROOT_1234)), &[5, 6, 7, 8]),
-            BlockHash(HASH_CHILD_5678)
-        );
+        assert_eq!(hash_block(Some(BlockHash(HASH_ROOT_1234)), &[5, 6, 7, 8]), BlockHash(HASH_CHILD_5678));
     }
 
     #[test]

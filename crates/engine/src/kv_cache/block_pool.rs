@@ -102,22 +102,14 @@ impl BlockPool {
             }
         };
         let meta = self.meta_mut(block);
-        debug_assert_eq!(
-            meta.ref_count, 0,
-            "allocated block {block:?} was still held"
-        );
+        debug_assert_eq!(meta.ref_count, 0, "allocated block {block:?} was still held");
         meta.ref_count = 1;
         Some(block)
     }
 
     /// The cached block holding exactly `tokens` after the chain `parent`, if any; confirmed by
     /// comparing the stored tokens and parent, not just the hash.
-    pub(crate) fn lookup(
-        &self,
-        hash: BlockHash,
-        parent: Option<BlockHash>,
-        tokens: &[TokenId],
-    ) -> Option<BlockId> {
+    pub(crate) fn lookup(&self, hash: BlockHash, parent: Option<BlockHash>, tokens: &[TokenId]) -> Option<BlockId> {
         let block = *self.by_hash.get(&hash)?;
         let content = self.meta(block).cached.as_ref()?;
         (content.parent == parent && *content.tokens == *tokens).then_some(block)
@@ -137,10 +129,7 @@ impl BlockPool {
     pub(crate) fn release(&mut self, block: BlockId) {
         let tick = self.next_tick;
         let meta = self.meta_mut(block);
-        debug_assert!(
-            meta.ref_count > 0,
-            "released block {block:?} with ref_count 0"
-        );
+        debug_assert!(meta.ref_count > 0, "released block {block:?} with ref_count 0");
         meta.ref_count = meta.ref_count.saturating_sub(1);
         if meta.ref_count > 0 {
             return;
@@ -156,27 +145,14 @@ impl BlockPool {
 
     /// Registers a held block whose KV is now complete under `hash`. Returns false (and leaves
     /// the block uncached) when another block already holds this content.
-    pub(crate) fn register(
-        &mut self,
-        block: BlockId,
-        hash: BlockHash,
-        parent: Option<BlockHash>,
-        tokens: &[TokenId],
-    ) -> bool {
+    pub(crate) fn register(&mut self, block: BlockId, hash: BlockHash, parent: Option<BlockHash>, tokens: &[TokenId]) -> bool {
         debug_assert_eq!(tokens.len(), self.block_size, "only full blocks are cached");
-        debug_assert!(
-            self.meta(block).ref_count > 0,
-            "registering unheld block {block:?}"
-        );
+        debug_assert!(self.meta(block).ref_count > 0, "registering unheld block {block:?}");
         if self.by_hash.contains_key(&hash) || self.meta(block).cached.is_some() {
             return false;
         }
         self.by_hash.insert(hash, block);
-        self.meta_mut(block).cached = Some(CachedContent {
-            hash,
-            parent,
-            tokens: tokens.into(),
-        });
+        self.meta_mut(block).cached = Some(CachedContent { hash, parent, tokens: tokens.into() });
         true
     }
 
@@ -199,25 +175,17 @@ impl BlockPool {
         for (&tick, &b) in &self.evictable {
             seen[b.0 as usize] += 1;
             if self.meta(b).evictable_since != Some(tick) {
-                return Err(format!(
-                    "{b:?} in evictable under tick {tick} but meta disagrees"
-                ));
+                return Err(format!("{b:?} in evictable under tick {tick} but meta disagrees"));
             }
         }
         for (i, meta) in self.blocks.iter().enumerate() {
             let b = BlockId(i as u32);
             if meta.ref_count != holders[i] {
-                return Err(format!(
-                    "{b:?} ref_count {} but {} holders",
-                    meta.ref_count, holders[i]
-                ));
+                return Err(format!("{b:?} ref_count {} but {} holders", meta.ref_count, holders[i]));
             }
             let expected_lists = u8::from(meta.ref_count == 0);
             if seen[i] != expected_lists {
-                return Err(format!(
-                    "{b:?} (ref_count {}) is on {} lists",
-                    meta.ref_count, seen[i]
-                ));
+                return Err(format!("{b:?} (ref_count {}) is on {} lists", meta.ref_count, seen[i]));
             }
             if meta.ref_count == 0 && meta.cached.is_some() != meta.evictable_since.is_some() {
                 return Err(format!("{b:?} is unheld but cached/evictable disagree"));

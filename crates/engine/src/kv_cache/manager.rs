@@ -49,34 +49,18 @@ impl KvCacheManager {
     /// A cache of `num_blocks` blocks of `block_size` token slots each (slots
     /// `0 .. num_blocks * block_size` in the KV store). Refuses zero sizes and more blocks than
     /// a `BlockId` can name.
-    pub fn new(
-        num_blocks: usize,
-        block_size: usize,
-        enable_prefix_caching: bool,
-    ) -> Result<Self, KvCacheError> {
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Result<Self, KvCacheError> {
         if num_blocks == 0 || block_size == 0 {
             return Err(KvCacheError::InvalidConfig(format!(
                 "need at least one block of at least one token, got {num_blocks} blocks of \
                  {block_size} tokens"
             )));
         }
-        let n = u32::try_from(num_blocks).map_err(|_| {
-            KvCacheError::InvalidConfig(format!(
-                "{num_blocks} blocks exceed the u32 block-id range"
-            ))
-        })?;
+        let n = u32::try_from(num_blocks).map_err(|_| KvCacheError::InvalidConfig(format!("{num_blocks} blocks exceed the u32 block-id range")))?;
         if num_blocks.checked_mul(block_size).is_none() {
-            return Err(KvCacheError::InvalidConfig(format!(
-                "{num_blocks} blocks of {block_size} tokens overflow the slot index"
-            )));
+            return Err(KvCacheError::InvalidConfig(format!("{num_blocks} blocks of {block_size} tokens overflow the slot index")));
         }
-        Ok(Self {
-            pool: BlockPool::new(n, block_size),
-            block_size,
-            enable_prefix_caching,
-            seqs: HashMap::new(),
-            stats: PrefixCacheStats::default(),
-        })
+        Ok(Self { pool: BlockPool::new(n, block_size), block_size, enable_prefix_caching, seqs: HashMap::new(), stats: PrefixCacheStats::default() })
     }
 
     pub fn block_size(&self) -> usize {
@@ -116,11 +100,7 @@ impl KvCacheManager {
     /// number of leading prompt tokens whose KV is already computed: a multiple of the block size
     /// and at most `prompt.len() - 1`, so the last prompt token is always computed and yields
     /// logits. Allocates no new blocks (call [`Self::ensure_capacity`] next).
-    pub fn allocate_prompt(
-        &mut self,
-        seq: SeqId,
-        prompt: &[TokenId],
-    ) -> Result<usize, KvCacheError> {
+    pub fn allocate_prompt(&mut self, seq: SeqId, prompt: &[TokenId]) -> Result<usize, KvCacheError> {
         if self.seqs.contains_key(&seq) {
             return Err(KvCacheError::SeqExists(seq));
         }
@@ -167,10 +147,7 @@ impl KvCacheManager {
         }
         let new_blocks: Vec<BlockId> = (0..needed).filter_map(|_| self.pool.allocate()).collect();
         debug_assert_eq!(new_blocks.len(), needed, "pool had {available} free blocks");
-        let blocks = self
-            .seqs
-            .get_mut(&seq)
-            .ok_or(KvCacheError::UnknownSeq(seq))?;
+        let blocks = self.seqs.get_mut(&seq).ok_or(KvCacheError::UnknownSeq(seq))?;
         blocks.table.extend(new_blocks);
         Ok(())
     }
@@ -190,22 +167,12 @@ impl KvCacheManager {
         let table = &self.seq(seq)?.table;
         match table.get(pos / self.block_size) {
             Some(b) => Ok(b.0 as usize * self.block_size + pos % self.block_size),
-            None => Err(KvCacheError::PositionOutOfRange {
-                seq,
-                start: pos,
-                end: pos + 1,
-                capacity: table.len() * self.block_size,
-            }),
+            None => Err(KvCacheError::PositionOutOfRange { seq, start: pos, end: pos + 1, capacity: table.len() * self.block_size }),
         }
     }
 
     /// Slots of positions `start_pos .. start_pos + n` of `seq`, in order.
-    pub fn slot_mapping(
-        &self,
-        seq: SeqId,
-        start_pos: usize,
-        n: usize,
-    ) -> Result<Vec<usize>, KvCacheError> {
+    pub fn slot_mapping(&self, seq: SeqId, start_pos: usize, n: usize) -> Result<Vec<usize>, KvCacheError> {
         let mut out = Vec::new();
         self.extend_slot_mapping(seq, start_pos, n, &mut out)?;
         Ok(out)
@@ -213,23 +180,12 @@ impl KvCacheManager {
 
     /// Appends the slots of positions `start_pos .. start_pos + n` to `out` (a flat batch's slot
     /// mapping built sequence by sequence). On error `out` is unchanged.
-    pub fn extend_slot_mapping(
-        &self,
-        seq: SeqId,
-        start_pos: usize,
-        n: usize,
-        out: &mut Vec<usize>,
-    ) -> Result<(), KvCacheError> {
+    pub fn extend_slot_mapping(&self, seq: SeqId, start_pos: usize, n: usize, out: &mut Vec<usize>) -> Result<(), KvCacheError> {
         let table = &self.seq(seq)?.table;
         let capacity = table.len() * self.block_size;
         let end = start_pos.saturating_add(n);
         if end > capacity {
-            return Err(KvCacheError::PositionOutOfRange {
-                seq,
-                start: start_pos,
-                end,
-                capacity,
-            });
+            return Err(KvCacheError::PositionOutOfRange { seq, start: start_pos, end, capacity });
         }
         let bs = self.block_size;
         out.extend((start_pos..end).map(|pos| table[pos / bs].0 as usize * bs + pos % bs));
@@ -242,18 +198,10 @@ impl KvCacheManager {
     /// earlier are not re-hashed. A no-op without prefix caching.
     pub fn commit_tokens(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<(), KvCacheError> {
         let bs = self.block_size;
-        let blocks = self
-            .seqs
-            .get_mut(&seq)
-            .ok_or(KvCacheError::UnknownSeq(seq))?;
+        let blocks = self.seqs.get_mut(&seq).ok_or(KvCacheError::UnknownSeq(seq))?;
         let capacity = blocks.table.len() * bs;
         if tokens.len() > capacity {
-            return Err(KvCacheError::PositionOutOfRange {
-                seq,
-                start: 0,
-                end: tokens.len(),
-                capacity,
-            });
+            return Err(KvCacheError::PositionOutOfRange { seq, start: 0, end: tokens.len(), capacity });
         }
         if !self.enable_prefix_caching {
             return Ok(());
@@ -277,10 +225,7 @@ impl KvCacheManager {
     /// to the block boundary; the caller recomputes the difference.
     pub fn truncate(&mut self, seq: SeqId, num_tokens: usize) -> Result<usize, KvCacheError> {
         let bs = self.block_size;
-        let blocks = self
-            .seqs
-            .get_mut(&seq)
-            .ok_or(KvCacheError::UnknownSeq(seq))?;
+        let blocks = self.seqs.get_mut(&seq).ok_or(KvCacheError::UnknownSeq(seq))?;
         let mut keep_blocks = num_tokens.div_ceil(bs).min(blocks.table.len());
         let mut kept = num_tokens.min(blocks.table.len() * bs);
         if kept % bs != 0 {
@@ -302,10 +247,7 @@ impl KvCacheManager {
     /// Returns every block of `seq` to the pool and forgets `seq`. Cached blocks stay reusable
     /// until evicted; the end of the sequence is evicted before its start.
     pub fn free(&mut self, seq: SeqId) -> Result<(), KvCacheError> {
-        let blocks = self
-            .seqs
-            .remove(&seq)
-            .ok_or(KvCacheError::UnknownSeq(seq))?;
+        let blocks = self.seqs.remove(&seq).ok_or(KvCacheError::UnknownSeq(seq))?;
         for &block in blocks.table.iter().rev() {
             self.pool.release(block);
         }
@@ -337,17 +279,11 @@ mod tests {
     #[test]
     fn eight_tokens_with_block_size_four_take_two_blocks() {
         let mut kv = KvCacheManager::new(4, 4, false).unwrap();
-        assert_eq!(
-            kv.allocate_prompt(SeqId(1), &[1, 2, 3, 4, 5, 6, 7, 8]),
-            Ok(0)
-        );
+        assert_eq!(kv.allocate_prompt(SeqId(1), &[1, 2, 3, 4, 5, 6, 7, 8]), Ok(0));
         assert_eq!(kv.blocks_needed(SeqId(1), 8), Ok(2));
         kv.ensure_capacity(SeqId(1), 8).unwrap();
         assert_eq!(kv.block_table(SeqId(1)).unwrap(), b(&[0, 1]));
-        assert_eq!(
-            kv.slot_mapping(SeqId(1), 0, 8).unwrap(),
-            vec![0, 1, 2, 3, 4, 5, 6, 7]
-        );
+        assert_eq!(kv.slot_mapping(SeqId(1), 0, 8).unwrap(), vec![0, 1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(kv.num_free_blocks(), 2);
         assert_eq!(kv.usage(), 0.5);
     }
@@ -373,12 +309,7 @@ mod tests {
         let mut kv = KvCacheManager::new(4, 4, false).unwrap();
         kv.allocate_prompt(SeqId(1), &[0; 3]).unwrap();
         kv.ensure_capacity(SeqId(1), 3).unwrap();
-        let err = KvCacheError::PositionOutOfRange {
-            seq: SeqId(1),
-            start: 4,
-            end: 5,
-            capacity: 4,
-        };
+        let err = KvCacheError::PositionOutOfRange { seq: SeqId(1), start: 4, end: 5, capacity: 4 };
         assert_eq!(kv.slot(SeqId(1), 4), Err(err));
         let mut out = vec![1];
         assert!(kv.extend_slot_mapping(SeqId(1), 2, 3, &mut out).is_err());
@@ -391,13 +322,7 @@ mod tests {
         let mut kv = KvCacheManager::new(3, 4, false).unwrap();
         kv.allocate_prompt(SeqId(1), &[0; 4]).unwrap();
         kv.ensure_capacity(SeqId(1), 4).unwrap();
-        assert_eq!(
-            kv.ensure_capacity(SeqId(1), 13),
-            Err(KvCacheError::OutOfBlocks {
-                needed: 3,
-                available: 2
-            })
-        );
+        assert_eq!(kv.ensure_capacity(SeqId(1), 13), Err(KvCacheError::OutOfBlocks { needed: 3, available: 2 }));
         assert_eq!(kv.block_table(SeqId(1)).unwrap(), b(&[0]));
         assert_eq!(kv.num_free_blocks(), 2);
         assert!(kv.can_allocate(2));
@@ -426,14 +351,8 @@ mod tests {
 
     #[test]
     fn zero_sizes_are_invalid_config() {
-        assert!(matches!(
-            KvCacheManager::new(0, 16, true),
-            Err(KvCacheError::InvalidConfig(_))
-        ));
-        assert!(matches!(
-            KvCacheManager::new(16, 0, true),
-            Err(KvCacheError::InvalidConfig(_))
-        ));
+        assert!(matches!(KvCacheManager::new(0, 16, true), Err(KvCacheError::InvalidConfig(_))));
+        assert!(matches!(KvCacheManager::new(16, 0, true), Err(KvCacheError::InvalidConfig(_))));
     }
 
     #[test]
@@ -441,15 +360,7 @@ mod tests {
         let mut kv = KvCacheManager::new(2, 4, true).unwrap();
         kv.allocate_prompt(SeqId(1), &[1, 2, 3, 4, 5]).unwrap();
         kv.ensure_capacity(SeqId(1), 4).unwrap();
-        assert_eq!(
-            kv.commit_tokens(SeqId(1), &[1, 2, 3, 4, 5]),
-            Err(KvCacheError::PositionOutOfRange {
-                seq: SeqId(1),
-                start: 0,
-                end: 5,
-                capacity: 4
-            })
-        );
+        assert_eq!(kv.commit_tokens(SeqId(1), &[1, 2, 3, 4, 5]), Err(KvCacheError::PositionOutOfRange { seq: SeqId(1), start: 0, end: 5, capacity: 4 }));
         assert_eq!(kv.pool.num_cached_blocks(), 0);
     }
 
@@ -467,13 +378,7 @@ mod tests {
         kv.ensure_capacity(SeqId(2), 10).unwrap();
         // Block 2 held an uncached partial block, so it went back to the free list's tail.
         assert_eq!(kv.block_table(SeqId(2)).unwrap(), b(&[0, 1, 3]));
-        assert_eq!(
-            kv.prefix_cache_stats(),
-            PrefixCacheStats {
-                queried_tokens: 20,
-                hit_tokens: 8
-            }
-        );
+        assert_eq!(kv.prefix_cache_stats(), PrefixCacheStats { queried_tokens: 20, hit_tokens: 8 });
         assert_eq!(kv.prefix_cache_stats().hit_rate(), Some(0.4));
     }
 
@@ -561,13 +466,7 @@ mod tests {
         assert_eq!(kv.num_free_blocks(), 1);
         assert_eq!(kv.ensure_capacity(SeqId(2), 4), Ok(()));
         assert_eq!(kv.block_table(SeqId(2)).unwrap(), b(&[0, 1]));
-        assert_eq!(
-            kv.ensure_capacity(SeqId(2), 5),
-            Err(KvCacheError::OutOfBlocks {
-                needed: 1,
-                available: 0
-            })
-        );
+        assert_eq!(kv.ensure_capacity(SeqId(2), 5), Err(KvCacheError::OutOfBlocks { needed: 1, available: 0 }));
     }
 
     #[test]
@@ -634,10 +533,8 @@ mod tests {
         assert_eq!(kv.pool.num_cached_blocks(), 0);
         kv.commit_tokens(SeqId(1), &[1, 2, 3, 4, 5]).unwrap();
         assert_eq!(kv.pool.num_cached_blocks(), 1);
-        kv.commit_tokens(SeqId(1), &[1, 2, 3, 4, 5, 6, 7, 8])
-            .unwrap();
-        kv.commit_tokens(SeqId(1), &[1, 2, 3, 4, 5, 6, 7, 8])
-            .unwrap();
+        kv.commit_tokens(SeqId(1), &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+        kv.commit_tokens(SeqId(1), &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
         assert_eq!(kv.pool.num_cached_blocks(), 2);
         assert_eq!(kv.pool.check_invariants(&[1, 1, 0, 0]), Ok(()));
     }
@@ -706,13 +603,7 @@ mod tests {
             Ok(())
         }
 
-        fn write(
-            kv: &KvCacheManager,
-            store: &mut Store,
-            s: u64,
-            m: &Model,
-            range: std::ops::Range<usize>,
-        ) -> Result<(), TestCaseError> {
+        fn write(kv: &KvCacheManager, store: &mut Store, s: u64, m: &Model, range: std::ops::Range<usize>) -> Result<(), TestCaseError> {
             for pos in range {
                 let block = kv.block_table(SeqId(s)).unwrap()[pos / BLOCK_SIZE];
                 prop_assert_eq!(kv.pool.ref_count(block), 1, "writing into a shared block");
@@ -722,19 +613,11 @@ mod tests {
             Ok(())
         }
 
-        fn apply(
-            kv: &mut KvCacheManager,
-            store: &mut Store,
-            models: &mut HashMap<u64, Model>,
-            op: Op,
-        ) -> Result<(), TestCaseError> {
+        fn apply(kv: &mut KvCacheManager, store: &mut Store, models: &mut HashMap<u64, Model>, op: Op) -> Result<(), TestCaseError> {
             match op {
                 Op::Allocate(s, prompt) => {
                     if models.contains_key(&s) {
-                        prop_assert_eq!(
-                            kv.allocate_prompt(SeqId(s), &prompt),
-                            Err(KvCacheError::SeqExists(SeqId(s)))
-                        );
+                        prop_assert_eq!(kv.allocate_prompt(SeqId(s), &prompt), Err(KvCacheError::SeqExists(SeqId(s))));
                         return Ok(());
                     }
                     let cached = kv.allocate_prompt(SeqId(s), &prompt).unwrap();
@@ -742,29 +625,16 @@ mod tests {
                     prop_assert!(cached == 0 || cached < prompt.len());
                     for pos in 0..cached {
                         let slot = kv.slot(SeqId(s), pos).unwrap();
-                        prop_assert_eq!(
-                            store[slot].as_deref(),
-                            Some(&prompt[..=pos]),
-                            "stale prefix hit"
-                        );
+                        prop_assert_eq!(store[slot].as_deref(), Some(&prompt[..=pos]), "stale prefix hit");
                     }
-                    models.insert(
-                        s,
-                        Model {
-                            tokens: prompt,
-                            computed: cached,
-                        },
-                    );
+                    models.insert(s, Model { tokens: prompt, computed: cached });
                 }
                 Op::Extend(s, n, new_tokens) => {
                     let Some(m) = models.get_mut(&s) else {
                         return Ok(());
                     };
                     let target = m.computed + n;
-                    for t in new_tokens
-                        .iter()
-                        .take(target.saturating_sub(m.tokens.len()))
-                    {
+                    for t in new_tokens.iter().take(target.saturating_sub(m.tokens.len())) {
                         m.tokens.push(*t);
                     }
                     let target = target.min(m.tokens.len());
@@ -791,10 +661,7 @@ mod tests {
                     let n = m.computed * per_mille as usize / 1000;
                     let kept = kv.truncate(SeqId(s), n).unwrap();
                     prop_assert!(kept <= n && kept >= n / BLOCK_SIZE * BLOCK_SIZE);
-                    prop_assert_eq!(
-                        kv.capacity(SeqId(s)).unwrap(),
-                        kept.div_ceil(BLOCK_SIZE) * BLOCK_SIZE
-                    );
+                    prop_assert_eq!(kv.capacity(SeqId(s)).unwrap(), kept.div_ceil(BLOCK_SIZE) * BLOCK_SIZE);
                     m.tokens.truncate(n);
                     m.computed = kept;
                 }

@@ -31,12 +31,7 @@ pub enum KvCacheError {
         "{seq}: positions {start}..{end} are beyond its {capacity} allocated KV slots; \
          call ensure_capacity first"
     )]
-    PositionOutOfRange {
-        seq: SeqId,
-        start: usize,
-        end: usize,
-        capacity: usize,
-    },
+    PositionOutOfRange { seq: SeqId, start: usize, end: usize, capacity: usize },
     #[error("invalid KV-cache configuration: {0}")]
     InvalidConfig(String),
 }

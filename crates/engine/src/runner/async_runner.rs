@@ -85,10 +85,8 @@ impl<T: Send + 'static> AsyncRunner<T> {
         let (jobs, job_rx) = mpsc::channel();
         let (result_tx, results) = mpsc::channel();
         let worker_name = name.to_string();
-        let worker = thread::Builder::new()
-            .name(name.to_string())
-            .spawn(move || work(&worker_name, job_rx, result_tx))
-            .map_err(|e| spawn_error(e.to_string()))?;
+        let worker =
+            thread::Builder::new().name(name.to_string()).spawn(move || work(&worker_name, job_rx, result_tx)).map_err(|e| spawn_error(e.to_string()))?;
         Ok(Self { name: name.to_string(), jobs: Some(jobs), results, pending: None, worker: Some(worker), stopped: None })
     }
 
@@ -340,10 +338,7 @@ mod tests {
             let mut r = runner::<u32>("errs");
             r.submit(7, || Err("block table has 3 entries but the span needs 4".to_string())).unwrap();
             let err = r.sync().unwrap_err();
-            assert_eq!(
-                err,
-                AsyncRunnerError::Job { name: "errs".into(), step: 7, message: "block table has 3 entries but the span needs 4".into() }
-            );
+            assert_eq!(err, AsyncRunnerError::Job { name: "errs".into(), step: 7, message: "block table has 3 entries but the span needs 4".into() });
             assert_eq!(err.to_string(), "step 7 failed on async runner \"errs\": block table has 3 entries but the span needs 4");
             assert!(!r.is_busy());
             r.submit(8, || Ok(1)).unwrap();

@@ -114,7 +114,14 @@ pub(crate) struct Computed {
 /// Why a sequence stops at token `id`, judged from tokens alone (stop strings need the text and
 /// are checked when the engine streams). The engine's update and the job's drafting both use it,
 /// so a sequence the job keeps drafting for is exactly one the engine keeps running.
-pub(crate) fn token_finish(params: &SamplingParams, tokenizer: &Tokenizer, id: TokenId, output_len: usize, total_len: usize, max_model_len: usize) -> Option<FinishReason> {
+pub(crate) fn token_finish(
+    params: &SamplingParams,
+    tokenizer: &Tokenizer,
+    id: TokenId,
+    output_len: usize,
+    total_len: usize,
+    max_model_len: usize,
+) -> Option<FinishReason> {
     if is_stop_token(params, tokenizer, id) {
         Some(FinishReason::Stop)
     } else if output_len >= params.max_tokens || total_len >= max_model_len {
@@ -215,14 +222,23 @@ fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], 
 
 /// Drafts for the next step of every sequence that goes on decoding (not one that just emitted a
 /// stop token or reached its length), from its history including this step's tokens.
-fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, mut results: Vec<SeqResult>, hidden: &[f32]) -> Result<Vec<(SeqId, SeqResult)>, String> {
+fn propose(
+    ctx: &JobContext,
+    state: &mut ComputeState,
+    items: Vec<SampleItem>,
+    mut results: Vec<SeqResult>,
+    hidden: &[f32],
+) -> Result<Vec<(SeqId, SeqResult)>, String> {
     let vocab = ctx.model.config.vocab_size;
     let continuing: Vec<bool> = items
         .iter()
         .zip(&results)
         .map(|(it, r)| {
             let base = it.tokens.len() - r.tokens.len();
-            !r.tokens.iter().enumerate().any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some())
+            !r.tokens
+                .iter()
+                .enumerate()
+                .any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some())
         })
         .collect();
     for (r, &c) in results.iter_mut().zip(&continuing) {
@@ -251,7 +267,14 @@ fn propose(ctx: &JobContext, state: &mut ComputeState, items: Vec<SampleItem>, m
                 let room_tokens = it.params.max_tokens.saturating_sub(output_len + 1);
                 let room_ctx = ctx.max_model_len.saturating_sub(it.tokens.len() + 1);
                 let hidden = hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h);
-                reqs.push(DraftRequest { seq: it.seq, tokens: &it.tokens, prompt_len: it.prompt_len, max_draft: k.min(room_tokens).min(room_ctx), params: &it.params, hidden });
+                reqs.push(DraftRequest {
+                    seq: it.seq,
+                    tokens: &it.tokens,
+                    prompt_len: it.prompt_len,
+                    max_draft: k.min(room_tokens).min(room_ctx),
+                    params: &it.params,
+                    hidden,
+                });
                 which.push(i);
             }
             if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) {

@@ -9,22 +9,29 @@ pub mod job;
 mod prepare;
 
 pub use async_runner::{AsyncRunner, AsyncRunnerError};
-pub use prepare::{BatchInputs, RowRange};
 pub(crate) use prepare::{finalize, prepare, PreparedStep};
+pub use prepare::{BatchInputs, RowRange};
 
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
 
 /// Runs a prepared batch through the model on `pool`. `while_running` runs on the calling thread
 /// once the forward pass has been handed to the pool: async scheduling hands the host work to its
 /// worker there, so the cost of waking that thread is not paid between two forward passes.
-pub fn execute(model: &LlamaModel, kv: &mut KvStore, pool: &rayon::ThreadPool, inputs: &BatchInputs, while_running: impl FnOnce()) -> Result<ForwardOutput, ModelError> {
+pub fn execute(
+    model: &LlamaModel,
+    kv: &mut KvStore,
+    pool: &rayon::ThreadPool,
+    inputs: &BatchInputs,
+    while_running: impl FnOnce(),
+) -> Result<ForwardOutput, ModelError> {
     let spans: Vec<SeqSpan> = inputs
         .spans
         .iter()
         .zip(&inputs.block_tables)
         .map(|(r, t)| SeqSpan { q_start: r.q_start, q_len: r.q_len, context_len: r.context_len, block_table: t })
         .collect();
-    let batch = ForwardBatch { tokens: &inputs.tokens, seqs: &spans, slots: &inputs.slots, logits_rows: &inputs.logits_rows, hidden_layers: &inputs.hidden_layers };
+    let batch =
+        ForwardBatch { tokens: &inputs.tokens, seqs: &spans, slots: &inputs.slots, logits_rows: &inputs.logits_rows, hidden_layers: &inputs.hidden_layers };
     let mut out = None;
     // a panic in the forward pass comes out of the scope, after `while_running` has run
     pool.in_place_scope(|s| {

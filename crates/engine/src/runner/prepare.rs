@@ -12,11 +12,11 @@
 //! Synchronously the two run back to back with nothing to settle.
 
 use super::job::{Computed, SampleItem, StepJob};
+use crate::kv_cache::KvCacheManager;
 use crate::scheduler::StepPlan;
 use crate::sequence::Sequence;
 use crate::spec::Draft;
 use crate::types::{SeqId, TokenId};
-use crate::kv_cache::KvCacheManager;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A sequence's rows in the flattened batch.
@@ -264,7 +264,10 @@ mod tests {
         let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
         let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5] };
-        let before = computed(&[1, 2, 3], vec![(1, result(vec![50, 51], 3, vec![60, 61], false, 9)), (2, result(vec![70], 0, vec![], true, 9)), (3, result(vec![71], 0, vec![], false, 9))]);
+        let before = computed(
+            &[1, 2, 3],
+            vec![(1, result(vec![50, 51], 3, vec![60, 61], false, 9)), (2, result(vec![70], 0, vec![], true, 9)), (3, result(vec![71], 0, vec![], false, 9))],
+        );
 
         let (plan, job) = finalize(prepared, Some(&before), |id| id != SeqId(3), BS);
 

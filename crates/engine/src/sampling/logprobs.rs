@@ -28,10 +28,7 @@ fn clean(x: f32) -> f32 {
 
 /// `log(sum(exp(row)))`, accumulated in f64; -inf for an empty or all -inf/NaN row.
 pub fn logsumexp(row: &[f32]) -> f64 {
-    let max = row
-        .iter()
-        .map(|&x| clean(x))
-        .fold(f32::NEG_INFINITY, f32::max);
+    let max = row.iter().map(|&x| clean(x)).fold(f32::NEG_INFINITY, f32::max);
     if max == f32::NEG_INFINITY {
         return f64::NEG_INFINITY;
     }
@@ -56,9 +53,7 @@ pub fn log_softmax(row: &[f32]) -> Vec<f32> {
 
 /// Larger logit first, then lower id: a total order, so the top k are deterministic.
 fn higher_first(row: &[f32], a: u32, b: u32) -> Ordering {
-    clean(row[b as usize])
-        .total_cmp(&clean(row[a as usize]))
-        .then(a.cmp(&b))
+    clean(row[b as usize]).total_cmp(&clean(row[a as usize])).then(a.cmp(&b))
 }
 
 /// Ids of the `k` largest logits, best first (ties: lower id first). Partial selection over the
@@ -81,39 +76,17 @@ fn top_k_ids(row: &[f32], k: usize) -> Vec<u32> {
 /// `k` only when the vocabulary is smaller.
 pub fn top_k_logprobs(row: &[f32], k: usize) -> Vec<(TokenId, f32)> {
     let lse = logsumexp(row);
-    top_k_ids(row, k)
-        .into_iter()
-        .map(|i| (i, logprob_of(row[i as usize], lse)))
-        .collect()
+    top_k_ids(row, k).into_iter().map(|i| (i, logprob_of(row[i as usize], lse))).collect()
 }
 
 /// The entry for `token`, sampled from `row`, with the top `k` alternatives and its rank.
-pub fn ranked_logprob(
-    row: &[f32],
-    token: TokenId,
-    k: usize,
-) -> Result<RankedLogprob, SamplingError> {
-    let sampled = *row
-        .get(token as usize)
-        .ok_or(SamplingError::TokenOutOfVocab {
-            token,
-            vocab: row.len(),
-        })?;
+pub fn ranked_logprob(row: &[f32], token: TokenId, k: usize) -> Result<RankedLogprob, SamplingError> {
+    let sampled = *row.get(token as usize).ok_or(SamplingError::TokenOutOfVocab { token, vocab: row.len() })?;
     let lse = logsumexp(row);
     let sampled = clean(sampled);
     let better = row.iter().filter(|&&x| clean(x) > sampled).count();
-    let top = top_k_ids(row, k)
-        .into_iter()
-        .map(|i| (i, logprob_of(row[i as usize], lse)))
-        .collect();
-    Ok(RankedLogprob {
-        logprob: TokenLogprob {
-            token,
-            logprob: logprob_of(sampled, lse),
-            top,
-        },
-        rank: u32::try_from(better + 1).unwrap_or(u32::MAX),
-    })
+    let top = top_k_ids(row, k).into_iter().map(|i| (i, logprob_of(row[i as usize], lse))).collect();
+    Ok(RankedLogprob { logprob: TokenLogprob { token, logprob: logprob_of(sampled, lse), top }, rank: u32::try_from(better + 1).unwrap_or(u32::MAX) })
 }
 
 /// Logprobs for one step's sampled rows. `logits` is `[rows, vocab]` row-major, `sampled[r]` the
@@ -121,27 +94,14 @@ pub fn ranked_logprob(
 /// none get `None`; every other row gets `k_max` alternatives, `k_max` being the largest request
 /// in the batch (capped at the vocabulary), which is what the packed transfer carries; each
 /// consumer keeps the first `k` of its own.
-pub fn batch_logprobs(
-    logits: &[f32],
-    vocab: usize,
-    sampled: &[TokenId],
-    requested: &[Option<usize>],
-) -> Result<Vec<Option<RankedLogprob>>, SamplingError> {
+pub fn batch_logprobs(logits: &[f32], vocab: usize, sampled: &[TokenId], requested: &[Option<usize>]) -> Result<Vec<Option<RankedLogprob>>, SamplingError> {
     let rows = sampled.len();
     if requested.len() != rows {
-        return Err(SamplingError::ShapeMismatch {
-            what: "logprobs requests (one per sampled row)",
-            expected: rows,
-            got: requested.len(),
-        });
+        return Err(SamplingError::ShapeMismatch { what: "logprobs requests (one per sampled row)", expected: rows, got: requested.len() });
     }
     let expected = rows.checked_mul(vocab).unwrap_or(usize::MAX);
     if logits.len() != expected {
-        return Err(SamplingError::ShapeMismatch {
-            what: "logits [rows, vocab]",
-            expected,
-            got: logits.len(),
-        });
+        return Err(SamplingError::ShapeMismatch { what: "logits [rows, vocab]", expected, got: logits.len() });
     }
     let Some(k_max) = requested.iter().flatten().copied().max() else {
         return Ok(vec![None; rows]);
@@ -149,9 +109,7 @@ pub fn batch_logprobs(
     (0..rows)
         .map(|r| match requested[r] {
             None => Ok(None),
-            Some(_) => {
-                ranked_logprob(&logits[r * vocab..(r + 1) * vocab], sampled[r], k_max).map(Some)
-            }
+            Some(_) => ranked_logprob(&logits[r * vocab..(r + 1) * vocab], sampled[r], k_max).map(Some),
         })
         .collect()
 }
@@ -166,10 +124,7 @@ mod tests {
 
     #[test]
     fn log_softmax_of_log_probabilities_is_the_identity() {
-        let row: Vec<f32> = [0.1f32, 0.2, 0.3, 0.4]
-            .iter()
-            .map(|p| p.ln() + 7.0)
-            .collect();
+        let row: Vec<f32> = [0.1f32, 0.2, 0.3, 0.4].iter().map(|p| p.ln() + 7.0).collect();
         let got = log_softmax(&row);
         for (g, p) in got.iter().zip([0.1f32, 0.2, 0.3, 0.4]) {
             assert_close(*g, p.ln());
@@ -188,15 +143,9 @@ mod tests {
     #[test]
     fn top_k_is_sorted_best_first_with_ties_to_the_lower_id() {
         let row = [1.0, 3.0, 2.0, 3.0, f32::NAN, 0.0];
-        let ids: Vec<TokenId> = top_k_logprobs(&row, 3)
-            .into_iter()
-            .map(|(t, _)| t)
-            .collect();
+        let ids: Vec<TokenId> = top_k_logprobs(&row, 3).into_iter().map(|(t, _)| t).collect();
         assert_eq!(ids, vec![1, 3, 2]);
-        let all: Vec<TokenId> = top_k_logprobs(&row, 100)
-            .into_iter()
-            .map(|(t, _)| t)
-            .collect();
+        let all: Vec<TokenId> = top_k_logprobs(&row, 100).into_iter().map(|(t, _)| t).collect();
         assert_eq!(all, vec![1, 3, 2, 0, 5, 4]);
         assert_eq!(top_k_logprobs(&row, 0), vec![]);
     }
@@ -217,17 +166,11 @@ mod tests {
         let r = ranked_logprob(&row, 2, 2).unwrap();
         assert_eq!(r.logprob.token, 2);
         assert_eq!(r.rank, 3);
-        assert_eq!(
-            r.logprob.top.iter().map(|e| e.0).collect::<Vec<_>>(),
-            vec![1, 3]
-        );
+        assert_eq!(r.logprob.top.iter().map(|e| e.0).collect::<Vec<_>>(), vec![1, 3]);
         assert_close(r.logprob.logprob, 1.0 - logsumexp(&row) as f32);
         // A tie with the best shares rank 1.
         assert_eq!(ranked_logprob(&row, 3, 0).unwrap().rank, 1);
-        assert_eq!(
-            ranked_logprob(&row, 4, 0),
-            Err(SamplingError::TokenOutOfVocab { token: 4, vocab: 4 })
-        );
+        assert_eq!(ranked_logprob(&row, 4, 0), Err(SamplingError::TokenOutOfVocab { token: 4, vocab: 4 }));
     }
 
     #[test]
@@ -247,49 +190,26 @@ mod tests {
         let out = batch_logprobs(&logits, 4, &[0, 1, 2], &[Some(1), None, Some(3)]).unwrap();
         assert_eq!(out.len(), 3);
         let r0 = out[0].as_ref().unwrap();
-        assert_eq!(
-            r0.logprob.top.iter().map(|e| e.0).collect::<Vec<_>>(),
-            vec![3, 2, 1]
-        );
+        assert_eq!(r0.logprob.top.iter().map(|e| e.0).collect::<Vec<_>>(), vec![3, 2, 1]);
         assert_eq!(r0.rank, 4);
         assert_eq!(out[1], None);
         let r2 = out[2].as_ref().unwrap();
-        assert_eq!(
-            r2.logprob.top.iter().map(|e| e.0).collect::<Vec<_>>(),
-            vec![2, 0, 1]
-        );
+        assert_eq!(r2.logprob.top.iter().map(|e| e.0).collect::<Vec<_>>(), vec![2, 0, 1]);
         assert_eq!(r2.rank, 1);
     }
 
     #[test]
     fn batch_without_requests_computes_nothing() {
-        assert_eq!(
-            batch_logprobs(&[0.0; 4], 2, &[0, 1], &[None, None]),
-            Ok(vec![None, None])
-        );
+        assert_eq!(batch_logprobs(&[0.0; 4], 2, &[0, 1], &[None, None]), Ok(vec![None, None]));
     }
 
     #[test]
     fn batch_checks_its_shapes() {
         assert_eq!(
             batch_logprobs(&[0.0; 5], 2, &[0, 1], &[Some(1), None]),
-            Err(SamplingError::ShapeMismatch {
-                what: "logits [rows, vocab]",
-                expected: 4,
-                got: 5
-            })
+            Err(SamplingError::ShapeMismatch { what: "logits [rows, vocab]", expected: 4, got: 5 })
         );
-        assert!(matches!(
-            batch_logprobs(&[0.0; 4], 2, &[0, 1], &[None]),
-            Err(SamplingError::ShapeMismatch {
-                expected: 2,
-                got: 1,
-                ..
-            })
-        ));
-        assert_eq!(
-            batch_logprobs(&[0.0; 4], 2, &[0, 7], &[None, Some(0)]),
-            Err(SamplingError::TokenOutOfVocab { token: 7, vocab: 2 })
-        );
+        assert!(matches!(batch_logprobs(&[0.0; 4], 2, &[0, 1], &[None]), Err(SamplingError::ShapeMismatch { expected: 2, got: 1, .. })));
+        assert_eq!(batch_logprobs(&[0.0; 4], 2, &[0, 7], &[None, Some(0)]), Err(SamplingError::TokenOutOfVocab { token: 7, vocab: 2 }));
     }
 }

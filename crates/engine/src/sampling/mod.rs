@@ -11,12 +11,8 @@ pub mod rng;
 pub mod sampler;
 pub mod stop;
 
-pub use logprobs::{
-    batch_logprobs, log_softmax, logsumexp, ranked_logprob, top_k_logprobs, RankedLogprob,
-};
-pub use packing::{
-    pack, pack_header, unpack, unpack_header, Header, PackError, PackedLogprobs, Unpacked,
-};
+pub use logprobs::{batch_logprobs, log_softmax, logsumexp, ranked_logprob, top_k_logprobs, RankedLogprob};
+pub use packing::{pack, pack_header, unpack, unpack_header, Header, PackError, PackedLogprobs, Unpacked};
 pub use processors::{probabilities, probabilities_in_place, TokenHistory};
 pub use rng::SeqRng;
 pub use sampler::{argmax, greedy_argmax, sample_from_probs, Sampler};
@@ -35,9 +31,5 @@ pub enum SamplingError {
     #[error("token {token} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfVocab { token: TokenId, vocab: usize },
     #[error("{what}: expected {expected} elements, got {got}")]
-    ShapeMismatch {
-        what: &'static str,
-        expected: usize,
-        got: usize,
-    },
+    ShapeMismatch { what: &'static str, expected: usize, got: usize },
 }

@@ -39,12 +39,7 @@ pub fn apply_repetition_penalty(logits: &mut [f32], history: TokenHistory<'_>, p
 /// OpenAI presence and frequency penalties over the output only: a token generated `c` times
 /// loses `frequency * c + presence` (the presence term once, if `c > 0`). Ids outside the row are
 /// ignored.
-pub fn apply_presence_frequency_penalties(
-    logits: &mut [f32],
-    output: &[TokenId],
-    presence: f32,
-    frequency: f32,
-) {
+pub fn apply_presence_frequency_penalties(logits: &mut [f32], output: &[TokenId], presence: f32, frequency: f32) {
     if presence == 0.0 && frequency == 0.0 {
         return;
     }
@@ -60,12 +55,7 @@ pub fn apply_presence_frequency_penalties(
 /// Both kinds of penalty, as `params` asks.
 pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: TokenHistory<'_>) {
     apply_repetition_penalty(logits, history, params.repetition_penalty);
-    apply_presence_frequency_penalties(
-        logits,
-        history.output,
-        params.presence_penalty,
-        params.frequency_penalty,
-    );
+    apply_presence_frequency_penalties(logits, history.output, params.presence_penalty, params.frequency_penalty);
 }
 
 /// NaN becomes -inf (never chosen) and +inf becomes `f32::MAX` (a broken model's +inf is still
@@ -195,11 +185,7 @@ pub fn normalize(probs: &mut [f32]) -> Result<(), SamplingError> {
 /// Turns a logits row into the distribution the sampler draws from, in place: penalties, then
 /// either a one-hot on the argmax (greedy) or temperature, softmax, min-p, top-k, top-p and
 /// renormalization. Tokens filtered out have probability exactly 0.
-pub fn probabilities_in_place(
-    row: &mut [f32],
-    params: &SamplingParams,
-    history: TokenHistory<'_>,
-) -> Result<(), SamplingError> {
+pub fn probabilities_in_place(row: &mut [f32], params: &SamplingParams, history: TokenHistory<'_>) -> Result<(), SamplingError> {
     if row.is_empty() {
         return Err(SamplingError::EmptyRow);
     }
@@ -224,28 +210,19 @@ pub fn probabilities_in_place(
 
 /// [`probabilities_in_place`] on a copy: `out` receives the distribution and `logits` is left
 /// intact (for logprobs, or for computing both p and q in speculative decoding).
-pub fn probabilities(
-    logits: &[f32],
-    params: &SamplingParams,
-    history: TokenHistory<'_>,
-    out: &mut Vec<f32>,
-) -> Result<(), SamplingError> {
+pub fn probabilities(logits: &[f32], params: &SamplingParams, history: TokenHistory<'_>, out: &mut Vec<f32>) -> Result<(), SamplingError> {
     out.clear();
     out.extend_from_slice(logits);
     probabilities_in_place(out, params, history)
 }
 
 fn nonzero_ids(probs: &[f32]) -> Vec<u32> {
-    (0..probs.len() as u32)
-        .filter(|&i| probs[i as usize] > 0.0)
-        .collect()
+    (0..probs.len() as u32).filter(|&i| probs[i as usize] > 0.0).collect()
 }
 
 /// Descending probability, then ascending id: a total order, so selections are deterministic.
 fn more_probable_first(probs: &[f32], a: u32, b: u32) -> Ordering {
-    probs[b as usize]
-        .total_cmp(&probs[a as usize])
-        .then(a.cmp(&b))
+    probs[b as usize].total_cmp(&probs[a as usize]).then(a.cmp(&b))
 }
 
 #[cfg(test)]
@@ -273,10 +250,7 @@ mod tests {
     fn repetition_penalty_divides_positive_and_multiplies_negative_logits_once() {
         let mut row = [2.0, -2.0, 2.0, 1.0, 0.0];
         // Token 0 twice (prompt and output) is penalized once; token 9 is out of range.
-        let h = TokenHistory {
-            prompt: &[0, 1, 9],
-            output: &[0, 4],
-        };
+        let h = TokenHistory { prompt: &[0, 1, 9], output: &[0, 4] };
         apply_repetition_penalty(&mut row, h, 2.0);
         assert_eq!(row, [1.0, -4.0, 2.0, 1.0, 0.0]);
     }
@@ -284,14 +258,7 @@ mod tests {
     #[test]
     fn repetition_penalty_below_one_encourages_repeats() {
         let mut row = [2.0, -2.0];
-        apply_repetition_penalty(
-            &mut row,
-            TokenHistory {
-                prompt: &[0, 1],
-                output: &[],
-            },
-            0.5,
-        );
+        apply_repetition_penalty(&mut row, TokenHistory { prompt: &[0, 1], output: &[] }, 0.5);
         assert_eq!(row, [4.0, -1.0]);
     }
 
@@ -303,18 +270,8 @@ mod tests {
         assert_eq!(row, [0.25, 1.0, -0.25, 1.0]);
 
         let mut row = [1.0; 4];
-        let p = SamplingParams {
-            presence_penalty: 1.0,
-            ..params()
-        };
-        apply_penalties(
-            &mut row,
-            &p,
-            TokenHistory {
-                prompt: &[1],
-                output: &[3],
-            },
-        );
+        let p = SamplingParams { presence_penalty: 1.0, ..params() };
+        apply_penalties(&mut row, &p, TokenHistory { prompt: &[1], output: &[3] });
         assert_eq!(row, [1.0, 1.0, 1.0, 0.0]);
     }
 
@@ -399,15 +356,9 @@ mod tests {
 
     #[test]
     fn greedy_gives_a_one_hot_on_the_penalized_argmax() {
-        let p = SamplingParams {
-            repetition_penalty: 4.0,
-            ..SamplingParams::greedy(1)
-        };
+        let p = SamplingParams { repetition_penalty: 4.0, ..SamplingParams::greedy(1) };
         let mut out = Vec::new();
-        let h = TokenHistory {
-            prompt: &[1],
-            output: &[],
-        };
+        let h = TokenHistory { prompt: &[1], output: &[] };
         probabilities(&[1.0, 3.0, 0.5], &p, h, &mut out).unwrap();
         // 3.0 / 4 = 0.75 < 1.0, so token 0 wins.
         assert_eq!(out, [1.0, 0.0, 0.0]);
@@ -418,28 +369,13 @@ mod tests {
         let logits = [0.1f32.ln(), 0.2f32.ln(), 0.3f32.ln(), 0.4f32.ln()];
         assert_close(&dist(&logits, &params()), &[0.1, 0.2, 0.3, 0.4]);
         // Temperature 0.5 squares then renormalizes: 1, 4, 9, 16 over 30.
-        let p = SamplingParams {
-            temperature: 0.5,
-            ..params()
-        };
-        assert_close(
-            &dist(&logits, &p),
-            &[1.0 / 30.0, 4.0 / 30.0, 9.0 / 30.0, 16.0 / 30.0],
-        );
-        let p = SamplingParams {
-            top_k: 2,
-            ..params()
-        };
+        let p = SamplingParams { temperature: 0.5, ..params() };
+        assert_close(&dist(&logits, &p), &[1.0 / 30.0, 4.0 / 30.0, 9.0 / 30.0, 16.0 / 30.0]);
+        let p = SamplingParams { top_k: 2, ..params() };
         assert_close(&dist(&logits, &p), &[0.0, 0.0, 3.0 / 7.0, 4.0 / 7.0]);
-        let p = SamplingParams {
-            min_p: 0.6,
-            ..params()
-        };
+        let p = SamplingParams { min_p: 0.6, ..params() };
         assert_close(&dist(&logits, &p), &[0.0, 0.0, 3.0 / 7.0, 4.0 / 7.0]);
-        let p = SamplingParams {
-            top_p: 0.5,
-            ..params()
-        };
+        let p = SamplingParams { top_p: 0.5, ..params() };
         assert_close(&dist(&logits, &p), &[0.0, 0.0, 3.0 / 7.0, 4.0 / 7.0]);
     }
 
@@ -455,19 +391,10 @@ mod tests {
     fn rows_with_nothing_to_sample_are_errors() {
         let mut out = Vec::new();
         let h = TokenHistory::default();
-        assert_eq!(
-            probabilities(&[], &params(), h, &mut out),
-            Err(SamplingError::EmptyRow)
-        );
+        assert_eq!(probabilities(&[], &params(), h, &mut out), Err(SamplingError::EmptyRow));
         let bad = [f32::NAN, f32::NEG_INFINITY];
-        assert_eq!(
-            probabilities(&bad, &params(), h, &mut out),
-            Err(SamplingError::NoFiniteLogits)
-        );
+        assert_eq!(probabilities(&bad, &params(), h, &mut out), Err(SamplingError::NoFiniteLogits));
         let greedy = SamplingParams::greedy(1);
-        assert_eq!(
-            probabilities(&bad, &greedy, h, &mut out),
-            Err(SamplingError::NoFiniteLogits)
-        );
+        assert_eq!(probabilities(&bad, &greedy, h, &mut out), Err(SamplingError::NoFiniteLogits));
     }
 }

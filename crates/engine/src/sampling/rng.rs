@@ -32,9 +32,7 @@ impl SeqRng {
 
 impl std::fmt::Debug for SeqRng {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SeqRng")
-            .field("stream", &self.inner.get_stream())
-            .finish_non_exhaustive()
+        f.debug_struct("SeqRng").field("stream", &self.inner.get_stream()).finish_non_exhaustive()
     }
 }
 
@@ -69,18 +67,13 @@ mod tests {
 
     #[test]
     fn unseeded_streams_differ() {
-        assert_ne!(
-            draws(&mut SeqRng::new(None, 0), 4),
-            draws(&mut SeqRng::new(None, 0), 4)
-        );
+        assert_ne!(draws(&mut SeqRng::new(None, 0), 4), draws(&mut SeqRng::new(None, 0), 4));
     }
 
     #[test]
     fn draws_lie_in_the_unit_interval() {
         let mut rng = SeqRng::new(Some(7), 3);
-        assert!(draws(&mut rng, 10_000)
-            .iter()
-            .all(|&u| (0.0..1.0).contains(&u)));
+        assert!(draws(&mut rng, 10_000).iter().all(|&u| (0.0..1.0).contains(&u)));
     }
 
     const PINNED_SEED_42: [f64; 2] = [0.5265574090027738, 0.5427252099031439];

@@ -78,11 +78,7 @@ pub fn greedy_argmax(row: &[f32]) -> Option<TokenId> {
 /// `None` when no token has positive probability.
 pub fn sample_from_probs(probs: &[f32], u: f64) -> Option<TokenId> {
     let positive = |p: f32| p > 0.0 && p.is_finite();
-    let total: f64 = probs
-        .iter()
-        .filter(|&&p| positive(p))
-        .map(|&p| f64::from(p))
-        .sum();
+    let total: f64 = probs.iter().filter(|&&p| positive(p)).map(|&p| f64::from(p)).sum();
     if !(total > 0.0) {
         return None;
     }
@@ -117,13 +113,7 @@ impl Sampler {
 
     /// One token from `logits` under `params`. Draws exactly one uniform from `rng`, greedy or
     /// not, before anything can fail, so the sequence's stream advances one step per token.
-    pub fn sample(
-        &mut self,
-        logits: &[f32],
-        params: &SamplingParams,
-        history: TokenHistory<'_>,
-        rng: &mut SeqRng,
-    ) -> Result<TokenId, SamplingError> {
+    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams, history: TokenHistory<'_>, rng: &mut SeqRng) -> Result<TokenId, SamplingError> {
         let u = rng.uniform();
         if params.is_plain_greedy() {
             if logits.is_empty() {
@@ -137,12 +127,7 @@ impl Sampler {
 
     /// The distribution [`Sampler::sample`] draws from (see `processors::probabilities_in_place`),
     /// borrowed from the scratch row until the next call.
-    pub fn probabilities(
-        &mut self,
-        logits: &[f32],
-        params: &SamplingParams,
-        history: TokenHistory<'_>,
-    ) -> Result<&[f32], SamplingError> {
+    pub fn probabilities(&mut self, logits: &[f32], params: &SamplingParams, history: TokenHistory<'_>) -> Result<&[f32], SamplingError> {
         self.scratch.clear();
         self.scratch.extend_from_slice(logits);
         probabilities_in_place(&mut self.scratch, params, history)?;
@@ -182,13 +167,7 @@ mod tests {
     fn sample_n(logits: &[f32], params: &SamplingParams, seed: u64, n: usize) -> Vec<TokenId> {
         let mut sampler = Sampler::new();
         let mut rng = SeqRng::new(Some(seed), 0);
-        (0..n)
-            .map(|_| {
-                sampler
-                    .sample(logits, params, TokenHistory::default(), &mut rng)
-                    .unwrap()
-            })
-            .collect()
+        (0..n).map(|_| sampler.sample(logits, params, TokenHistory::default(), &mut rng).unwrap()).collect()
     }
 
     #[test]
@@ -224,30 +203,20 @@ mod tests {
     #[test]
     fn greedy_ignores_the_draw_and_picks_the_argmax() {
         let logits = [0.5, 2.0, 2.0, -1.0];
-        assert_eq!(
-            sample_n(&logits, &SamplingParams::greedy(1), 1, 50),
-            vec![1; 50]
-        );
+        assert_eq!(sample_n(&logits, &SamplingParams::greedy(1), 1, 50), vec![1; 50]);
     }
 
     #[test]
     fn top_k_one_equals_greedy() {
         let logits = [0.3, -1.0, 4.0, 3.9, 0.0];
-        let p = SamplingParams {
-            top_k: 1,
-            temperature: 1.5,
-            ..SamplingParams::default()
-        };
+        let p = SamplingParams { top_k: 1, temperature: 1.5, ..SamplingParams::default() };
         assert_eq!(sample_n(&logits, &p, 3, 100), vec![2; 100]);
     }
 
     #[test]
     fn tiny_top_p_keeps_only_the_argmax() {
         let logits = ln(&[0.3, 0.35, 0.35]);
-        let p = SamplingParams {
-            top_p: 1e-6,
-            ..SamplingParams::default()
-        };
+        let p = SamplingParams { top_p: 1e-6, ..SamplingParams::default() };
         assert_eq!(sample_n(&logits, &p, 5, 100), vec![1; 100]);
     }
 
@@ -291,10 +260,7 @@ mod tests {
         let mut rng = SeqRng::new(Some(4), 0);
         let h = TokenHistory::default();
         let p = SamplingParams::default();
-        assert_eq!(
-            sampler.sample(&[], &p, h, &mut rng),
-            Err(SamplingError::EmptyRow)
-        );
+        assert_eq!(sampler.sample(&[], &p, h, &mut rng), Err(SamplingError::EmptyRow));
         let mut fresh = SeqRng::new(Some(4), 0);
         fresh.uniform();
         assert_eq!(rng.uniform(), fresh.uniform());
@@ -316,10 +282,7 @@ mod tests {
             // thousands.
             let tolerance = 5.0 * (expected * (1.0 - f64::from(p))).sqrt();
             let got = counts[i] as f64;
-            assert!(
-                (got - expected).abs() < tolerance,
-                "token {i}: {got} vs {expected} ± {tolerance}"
-            );
+            assert!((got - expected).abs() < tolerance, "token {i}: {got} vs {expected} ± {tolerance}");
         }
     }
 }

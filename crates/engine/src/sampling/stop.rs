@@ -40,9 +40,7 @@ impl StopStrings {
     /// wins.
     pub fn check(&self, text: &str, new_len: usize) -> StopCheck {
         if self.stops.is_empty() {
-            return StopCheck::Running {
-                releasable: text.len(),
-            };
+            return StopCheck::Running { releasable: text.len() };
         }
         let new_start = text.len() - new_len.min(text.len());
         let mut from = new_start.saturating_sub(self.longest - 1);
@@ -50,23 +48,11 @@ impl StopStrings {
             from -= 1;
         }
         let window = &text[from..];
-        if let Some(i) = self
-            .stops
-            .iter()
-            .filter_map(|s| window.find(s.as_str()))
-            .min()
-        {
+        if let Some(i) = self.stops.iter().filter_map(|s| window.find(s.as_str())).min() {
             return StopCheck::Stopped { end: from + i };
         }
-        let hold = self
-            .stops
-            .iter()
-            .map(|s| partial_match_len(text, s))
-            .max()
-            .unwrap_or(0);
-        StopCheck::Running {
-            releasable: text.len() - hold,
-        }
+        let hold = self.stops.iter().map(|s| partial_match_len(text, s)).max().unwrap_or(0);
+        StopCheck::Running { releasable: text.len() - hold }
     }
 }
 
@@ -74,10 +60,7 @@ impl StopStrings {
 /// `stop` starts, so on a character boundary.
 fn partial_match_len(text: &str, stop: &str) -> usize {
     let (text, stop) = (text.as_bytes(), stop.as_bytes());
-    (1..stop.len().min(text.len() + 1))
-        .rev()
-        .find(|&l| text.ends_with(&stop[..l]))
-        .unwrap_or(0)
+    (1..stop.len().min(text.len() + 1)).rev().find(|&l| text.ends_with(&stop[..l])).unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -122,10 +105,7 @@ mod tests {
     #[test]
     fn a_stop_string_inside_one_piece_cuts_before_it() {
         let s = stops(&["STOP"]);
-        assert_eq!(
-            s.check("Hello STOP world", 16),
-            StopCheck::Stopped { end: 6 }
-        );
+        assert_eq!(s.check("Hello STOP world", 16), StopCheck::Stopped { end: 6 });
     }
 
     #[test]
@@ -185,9 +165,6 @@ mod tests {
 
     #[test]
     fn a_piece_longer_than_the_text_is_clamped() {
-        assert_eq!(
-            stops(&["zz"]).check("z", 10),
-            StopCheck::Running { releasable: 0 }
-        );
+        assert_eq!(stops(&["zz"]).check("z", 10), StopCheck::Running { releasable: 0 });
     }
 }

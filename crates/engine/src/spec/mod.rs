@@ -67,7 +67,11 @@ impl<'a> From<&'a specula_model::LlamaModel> for ProposerTarget<'a> {
 /// Builds the proposer a configuration names. The draft model is loaded here, and checked
 /// against the target's vocabulary. `target` is the target's config or, for `mtp`, the loaded
 /// target model itself.
-pub fn build_proposer<'a>(cfg: &SpecConfig, target: impl Into<ProposerTarget<'a>>, engine: &crate::config::EngineConfig) -> Result<Box<dyn Proposer>, SpecError> {
+pub fn build_proposer<'a>(
+    cfg: &SpecConfig,
+    target: impl Into<ProposerTarget<'a>>,
+    engine: &crate::config::EngineConfig,
+) -> Result<Box<dyn Proposer>, SpecError> {
     cfg.validate().map_err(SpecError::Config)?;
     let target = target.into();
     match cfg.method {
@@ -78,9 +82,13 @@ pub fn build_proposer<'a>(cfg: &SpecConfig, target: impl Into<ProposerTarget<'a>
             Ok(Box::new(draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?))
         }
         SpecMethod::Mtp => {
-            let path = cfg.draft_model.as_ref().ok_or_else(|| SpecError::Config("--speculative-method mtp needs --draft-model HEAD.safetensors (an mtp head trained for this target)".into()))?;
+            let path = cfg.draft_model.as_ref().ok_or_else(|| {
+                SpecError::Config("--speculative-method mtp needs --draft-model HEAD.safetensors (an mtp head trained for this target)".into())
+            })?;
             let ProposerTarget::Model(model) = target else {
-                return Err(SpecError::Config("the mtp proposer reads the target's weights: build it from the loaded target model, not only its config".into()));
+                return Err(SpecError::Config(
+                    "the mtp proposer reads the target's weights: build it from the loaded target model, not only its config".into(),
+                ));
             };
             // without adaptive speculation every step drafts exactly k
             let gate = if cfg.adaptive { cfg.mtp_min_confidence } else { 0.0 };
@@ -107,14 +115,7 @@ impl Speculation {
     pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>, target: &specula_model::ModelConfig) -> Self {
         let metrics = SpecMetrics::new(cfg.num_speculative_tokens);
         let cost_per_draft_token = cfg.verify_cost_per_token + proposer.cost_per_draft_token(target);
-        Self {
-            cfg,
-            proposer,
-            metrics,
-            trackers: std::collections::BTreeMap::new(),
-            global: adaptive::AcceptanceTracker::global(),
-            cost_per_draft_token,
-        }
+        Self { cfg, proposer, metrics, trackers: std::collections::BTreeMap::new(), global: adaptive::AcceptanceTracker::global(), cost_per_draft_token }
     }
 
     /// Records a verification of `proposed` drafts of which `accepted` were kept.

@@ -13,9 +13,9 @@ use crate::api::SamplingParams;
 use crate::sampling::{argmax, probabilities, sample_from_probs, SeqRng, TokenHistory};
 use crate::types::{SeqId, TokenId};
 use specula_kernels::attention::{paged_attention, KvLayout, SeqSpan};
+use specula_kernels::formats::{quantize_row, QK};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
-use specula_kernels::formats::{quantize_row, QK};
 use specula_kernels::{QMatrix, WeightBytes, WeightFormat};
 use specula_model::llama::{FeedForward, LayerWeights};
 use specula_model::DenseFfn;
@@ -138,7 +138,9 @@ impl MtpHead {
             .ids(fmt::D2T, k)?
             .iter()
             .enumerate()
-            .map(|(d, &t)| u32::try_from(t).ok().filter(|&t| (t as usize) < v).ok_or_else(|| err(format!("d2t[{d}] = {t} is outside the target vocabulary of {v} tokens"))))
+            .map(|(d, &t)| {
+                u32::try_from(t).ok().filter(|&t| (t as usize) < v).ok_or_else(|| err(format!("d2t[{d}] = {t} is outside the target vocabulary of {v} tokens")))
+            })
             .collect::<Result<_, _>>()?;
         let map = VocabMap::from_d2t(d2t, v).map_err(err)?;
         for (t, &d) in file.ids(fmt::T2D, v)?.iter().enumerate() {

@@ -237,21 +237,22 @@ impl HeadWeightsF32 {
     pub fn shapes(&self, cfg: &HeadConfig) -> Vec<(&'static str, Vec<usize>, &[f32])> {
         let (h, qw, kvw, ff, k) = (cfg.target_hidden, cfg.q_width(), cfg.kv_width(), cfg.ffn, self.d2t.len());
         let fuse = cfg.fuses().then(|| (FUSE, vec![h, cfg.feature_width()], &self.fuse[..]));
-        fuse.into_iter().chain([
-            (FC, vec![h, 2 * h], &self.fc[..]),
-            (ATTN_NORM, vec![h], &self.attn_norm),
-            (ATTN_Q, vec![qw, h], &self.attn_q),
-            (ATTN_K, vec![kvw, h], &self.attn_k),
-            (ATTN_V, vec![kvw, h], &self.attn_v),
-            (ATTN_OUTPUT, vec![h, qw], &self.attn_output),
-            (FFN_NORM, vec![h], &self.ffn_norm),
-            (FFN_GATE, vec![ff, h], &self.ffn_gate),
-            (FFN_UP, vec![ff, h], &self.ffn_up),
-            (FFN_DOWN, vec![h, ff], &self.ffn_down),
-            (NORM, vec![h], &self.norm),
-            (LM_HEAD, vec![k, h], &self.lm_head),
-        ])
-        .collect()
+        fuse.into_iter()
+            .chain([
+                (FC, vec![h, 2 * h], &self.fc[..]),
+                (ATTN_NORM, vec![h], &self.attn_norm),
+                (ATTN_Q, vec![qw, h], &self.attn_q),
+                (ATTN_K, vec![kvw, h], &self.attn_k),
+                (ATTN_V, vec![kvw, h], &self.attn_v),
+                (ATTN_OUTPUT, vec![h, qw], &self.attn_output),
+                (FFN_NORM, vec![h], &self.ffn_norm),
+                (FFN_GATE, vec![ff, h], &self.ffn_gate),
+                (FFN_UP, vec![ff, h], &self.ffn_up),
+                (FFN_DOWN, vec![h, ff], &self.ffn_down),
+                (NORM, vec![h], &self.norm),
+                (LM_HEAD, vec![k, h], &self.lm_head),
+            ])
+            .collect()
     }
 }
 
@@ -344,7 +345,9 @@ pub fn save_head(path: &Path, w: &HeadWeightsF32, cfg: &HeadConfig, dtype: Store
             StoredDtype::F16 => (Dtype::F16, shape, f16()),
             StoredDtype::BF16 => (Dtype::BF16, shape, data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()),
             StoredDtype::Q8_0 => match shape[..] {
-                [rows, cols] if cols % QK == 0 => (Dtype::U8, q8_0_shape(rows, cols), data.chunks_exact(cols).flat_map(|row| quantize_row(WeightFormat::Q8_0, row)).collect()),
+                [rows, cols] if cols % QK == 0 => {
+                    (Dtype::U8, q8_0_shape(rows, cols), data.chunks_exact(cols).flat_map(|row| quantize_row(WeightFormat::Q8_0, row)).collect())
+                }
                 [_, _] => (Dtype::F16, shape, f16()),
                 _ => (Dtype::F32, shape, f32()),
             },
@@ -468,7 +471,8 @@ impl HeadFile {
     /// Reads and parses `path`: a valid safetensors file with well-formed mtp metadata.
     pub fn open(path: &Path) -> Result<Self, SpecError> {
         let bytes = std::fs::read(path).map_err(|e| head_error(path, format!("cannot read: {e}")))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| head_error(path, format!("not a valid safetensors file ({e}); the file is corrupt or truncated")))?;
+        let st =
+            SafeTensors::deserialize(&bytes).map_err(|e| head_error(path, format!("not a valid safetensors file ({e}); the file is corrupt or truncated")))?;
         let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| head_error(path, format!("not a valid safetensors file ({e})")))?;
         let md = header.metadata().clone().unwrap_or_default();
         let config = HeadConfig::from_metadata(&md).map_err(|m| head_error(path, m))?;

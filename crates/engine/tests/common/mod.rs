@@ -5,8 +5,8 @@
 #![allow(dead_code)]
 
 use specula_engine::handle::QueueCounters;
-use specula_engine::types::RequestId;
 use specula_engine::spec::{build_proposer, SpecConfig, SpecMethod};
+use specula_engine::types::RequestId;
 use specula_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
 use specula_model::testing::{write_tiny_llama, TinySpec};
 use specula_model::{load_model, Tokenizer};

@@ -53,15 +53,11 @@ pub fn forward(model: &LlamaModel, cache: &mut Cache, work: &mut [(&mut Seq, usi
         tokens.extend_from_slice(&s.tokens[start..start + n]);
         slots.extend((start..start + n).map(|p| s.table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE));
     }
-    let spans: Vec<SeqSpan> = work
-        .iter()
-        .zip(&ranges)
-        .map(|((s, _), &(q_start, q_len, context_len))| SeqSpan { q_start, q_len, context_len, block_table: &s.table })
-        .collect();
+    let spans: Vec<SeqSpan> =
+        work.iter().zip(&ranges).map(|((s, _), &(q_start, q_len, context_len))| SeqSpan { q_start, q_len, context_len, block_table: &s.table }).collect();
     let rows: Vec<usize> = (0..tokens.len()).collect();
-    let out = model
-        .forward(&ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut cache.kv)
-        .expect("forward");
+    let out =
+        model.forward(&ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut cache.kv).expect("forward");
     let vocab = model.config.vocab_size;
     for (s, n) in work.iter_mut() {
         s.done += *n;

@@ -7,8 +7,8 @@ use crate::generate::{self, ChoiceJob, ChoiceOutput};
 use crate::routes::clamp_logprob as clamp;
 use crate::sse::{self, ChunkWriter};
 use crate::types::{
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, ResponseMessage, Usage,
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob,
+    ResponseMessage, Usage,
 };
 use crate::validate::{self, DefaultMaxTokens, SamplingFields};
 use crate::{unix_now, AppState};
@@ -28,15 +28,13 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     validate::check_model(req.model.as_deref(), config)?;
     let plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
     let messages = validate::chat_messages(req.messages.as_deref())?;
-    let template = state.chat_template.as_ref().ok_or_else(|| {
-        ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format")
-    })?;
+    let template = state
+        .chat_template
+        .as_ref()
+        .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
     let text = template.render(&messages, true).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
-    let prompt = state
-        .tokenizer
-        .encode(&text)
-        .map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+    let prompt = state.tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
     validate::check_prompt(&prompt, "messages", config, vocab)?;
     let jobs = (0..plan.n)
         .map(|i| {

@@ -4,8 +4,8 @@
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
-use crate::sse::{self, ChunkWriter};
 use crate::routes::clamp_logprob as clamp;
+use crate::sse::{self, ChunkWriter};
 use crate::types::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, Usage};
 use crate::validate::{self, DefaultMaxTokens, SamplingFields};
 use crate::{unix_now, AppState};
@@ -32,10 +32,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
     let echo = req.echo.unwrap_or(false);
     if echo && plan.base.logprobs.is_some() {
-        return Err(ApiError::invalid_param(
-            "echo",
-            "echo with logprobs needs the prompt's logprobs, which specula does not compute; drop one of them",
-        ));
+        return Err(ApiError::invalid_param("echo", "echo with logprobs needs the prompt's logprobs, which specula does not compute; drop one of them"));
     }
     let prompt = req.prompt.ok_or_else(|| ApiError::invalid_param("prompt", "prompt is required"))?;
     let prompts = tokenize(prompt, &state.tokenizer)?;
@@ -51,10 +48,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let prompt_tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum();
     let runs = generate::submit(&state.engine, jobs, arrived)?;
     let id = format!("cmpl-{:x}{:08x}", unix_now(), runs[0].id.0);
-    let echoes: Vec<String> = prompts
-        .into_iter()
-        .flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n))
-        .collect();
+    let echoes: Vec<String> = prompts.into_iter().flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n)).collect();
     let writer = CompletionChunks {
         id,
         created: unix_now(),
@@ -80,9 +74,7 @@ fn tokenize(prompt: Prompt, tokenizer: &Tokenizer) -> Result<Vec<PromptInput>, A
         if text.is_empty() {
             return Err(ApiError::invalid_param("prompt", "the prompt is empty; send at least one token of text"));
         }
-        let tokens = tokenizer
-            .encode_prompt(&text)
-            .map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize the prompt: {e}")))?;
+        let tokens = tokenizer.encode_prompt(&text).map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize the prompt: {e}")))?;
         Ok(PromptInput { tokens, text })
     };
     // Token prompts echo as their decoded text; ids outside the vocabulary are refused later.
@@ -146,14 +138,7 @@ struct CompletionChunks {
 
 impl CompletionChunks {
     fn object(&self, choices: Vec<CompletionChoice>, usage: Option<Option<Usage>>) -> CompletionResponse {
-        CompletionResponse {
-            id: self.id.clone(),
-            object: "text_completion",
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage,
-        }
+        CompletionResponse { id: self.id.clone(), object: "text_completion", created: self.created, model: self.model.clone(), choices, usage }
     }
 
     fn chunk(&self, index: usize, text: String, logprobs: Option<CompletionLogprobs>, reason: Option<FinishReason>) -> Event {
@@ -166,9 +151,7 @@ impl CompletionChunks {
         let choices = outputs
             .into_iter()
             .map(|o| {
-                let logprobs = self
-                    .logprobs
-                    .then(|| completion_logprobs(&self.tokenizer, &o.logprobs, &mut self.offsets[o.index]));
+                let logprobs = self.logprobs.then(|| completion_logprobs(&self.tokenizer, &o.logprobs, &mut self.offsets[o.index]));
                 CompletionChoice {
                     index: o.index,
                     text: std::mem::take(&mut self.echoes[o.index]) + &o.text,
@@ -184,20 +167,14 @@ impl CompletionChunks {
 impl ChunkWriter for CompletionChunks {
     fn opening(&mut self) -> Vec<Event> {
         let echoes = std::mem::take(&mut self.echoes);
-        echoes
-            .into_iter()
-            .enumerate()
-            .filter(|(_, text)| !text.is_empty())
-            .map(|(index, text)| self.chunk(index, text, None, None))
-            .collect()
+        echoes.into_iter().enumerate().filter(|(_, text)| !text.is_empty()).map(|(index, text)| self.chunk(index, text, None, None)).collect()
     }
 
     fn delta(&mut self, index: usize, _tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Option<Event> {
         if text.is_empty() && logprobs.is_empty() {
             return None;
         }
-        let logprobs = (!logprobs.is_empty())
-            .then(|| completion_logprobs(&self.tokenizer, logprobs, &mut self.offsets[index]));
+        let logprobs = (!logprobs.is_empty()).then(|| completion_logprobs(&self.tokenizer, logprobs, &mut self.offsets[index]));
         Some(self.chunk(index, text.to_string(), logprobs, None))
     }
 

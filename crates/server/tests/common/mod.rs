@@ -110,11 +110,8 @@ pub fn fake_engine(max_waiting: usize, tokenizer: Arc<Tokenizer>, tick: Duration
                     thread_log.lock().unwrap().aborted.push(id);
                     if let Some(pos) = active.iter().position(|a| a.id == id) {
                         let a = active.remove(pos);
-                        let _ = a.events.send(RequestEvent::Finished {
-                            reason: FinishReason::Abort,
-                            prompt_tokens: a.prompt.len(),
-                            completion_tokens: a.emitted,
-                        });
+                        let _ =
+                            a.events.send(RequestEvent::Finished { reason: FinishReason::Abort, prompt_tokens: a.prompt.len(), completion_tokens: a.emitted });
                     }
                     continue;
                 }
@@ -135,21 +132,13 @@ fn step(a: &mut Active, tokenizer: &Tokenizer) -> bool {
     }
     let token = a.prompt[a.emitted % a.prompt.len()];
     let logprobs = match a.params.logprobs {
-        Some(k) => vec![TokenLogprob {
-            token,
-            logprob: -0.5,
-            top: (0..k as u32).map(|j| ((token + 1 + j) % 256, -1.0 - j as f32)).collect(),
-        }],
+        Some(k) => vec![TokenLogprob { token, logprob: -0.5, top: (0..k as u32).map(|j| ((token + 1 + j) % 256, -1.0 - j as f32)).collect() }],
         None => Vec::new(),
     };
     let _ = a.events.send(RequestEvent::Delta { tokens: vec![token], text: tokenizer.token_text(token), logprobs });
     a.emitted += 1;
     if a.emitted >= a.params.max_tokens {
-        let _ = a.events.send(RequestEvent::Finished {
-            reason: FinishReason::Length,
-            prompt_tokens: a.prompt.len(),
-            completion_tokens: a.emitted,
-        });
+        let _ = a.events.send(RequestEvent::Finished { reason: FinishReason::Length, prompt_tokens: a.prompt.len(), completion_tokens: a.emitted });
         return false;
     }
     true
@@ -171,12 +160,7 @@ pub struct Setup {
 
 impl Default for Setup {
     fn default() -> Self {
-        Self {
-            config: ServerConfig { max_model_len: 64, ..ServerConfig::new(MODEL) },
-            max_waiting: 64,
-            tick: Duration::from_millis(1),
-            chat_template: true,
-        }
+        Self { config: ServerConfig { max_model_len: 64, ..ServerConfig::new(MODEL) }, max_waiting: 64, tick: Duration::from_millis(1), chat_template: true }
     }
 }
 

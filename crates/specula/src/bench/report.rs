@@ -150,7 +150,12 @@ pub fn print_level(label: Option<&str>, r: &LevelResult) {
         if let Some(s) = s {
             let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.3}"));
             let counters: Vec<String> = s.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            println!("spec decode ({source}): acceptance rate {}, mean acceptance length {} ({})", f(s.acceptance_rate), f(s.mean_acceptance_length), counters.join(", "));
+            println!(
+                "spec decode ({source}): acceptance rate {}, mean acceptance length {} ({})",
+                f(s.acceptance_rate),
+                f(s.mean_acceptance_length),
+                counters.join(", ")
+            );
         }
     }
     if r.output_tokens_counted_as_chunks > 0 {
@@ -165,7 +170,10 @@ pub fn print_level(label: Option<&str>, r: &LevelResult) {
 /// One line per level, to compare the levels of a `--max-concurrency` sweep at a glance.
 pub fn print_sweep(label: Option<&str>, results: &[LevelResult]) {
     println!("\nSweep{}", label.map_or(String::new(), |l| format!(": {l}")));
-    println!("{:>11} {:>5} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}", "concurrency", "ok", "fail", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "ITL p50", "E2E p50");
+    println!(
+        "{:>11} {:>5} {:>5} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "concurrency", "ok", "fail", "req/s", "out tok/s", "TTFT p50", "TPOT p50", "ITL p50", "E2E p50"
+    );
     let p50 = |s: &Option<Summary>| s.map_or("-".to_string(), |s| format!("{:.2}", s.p50));
     for r in results {
         println!(

@@ -211,7 +211,12 @@ pub(crate) async fn benchmark(args: &BenchServeArgs) -> Result<BenchReport> {
     let bodies: Vec<String> = prompts.iter().map(|p| request_body(&plan, &model, p, args.temperature).to_string()).collect();
     let approx_tokens: Vec<usize> = prompts.iter().map(|p| p.approx_tokens).collect();
     let arrivals = workload::arrival_times(prompts.len(), plan.rate, args.seed);
-    eprintln!("bench serve: {} model {model}, {} prompts per level, request rate {}", plan.endpoint.url, prompts.len(), plan.rate.map_or("inf".into(), |r| r.to_string()));
+    eprintln!(
+        "bench serve: {} model {model}, {} prompts per level, request rate {}",
+        plan.endpoint.url,
+        prompts.len(),
+        plan.rate.map_or("inf".into(), |r| r.to_string())
+    );
 
     let mut results = Vec::new();
     for &level in &plan.levels {

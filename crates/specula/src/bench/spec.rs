@@ -109,7 +109,10 @@ mod tests {
     #[test]
     fn chunk_counters_come_from_spec_decode_or_llama_timings() {
         let mut c = SpecCounters::new();
-        read_chunk(&json!({"choices": [], "usage": {"completion_tokens": 8, "spec_decode": {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 5}}}), &mut c);
+        read_chunk(
+            &json!({"choices": [], "usage": {"completion_tokens": 8, "spec_decode": {"num_drafts": 3, "num_draft_tokens": 9, "num_accepted_tokens": 5}}}),
+            &mut c,
+        );
         assert_eq!(c, SpecCounters::from([("num_drafts".into(), 3.0), ("num_draft_tokens".into(), 9.0), ("num_accepted_tokens".into(), 5.0)]));
         let mut l = SpecCounters::new();
         read_chunk(&json!({"choices": [], "timings": {"predicted_n": 16, "draft_n": 12, "draft_n_accepted": 9}}), &mut l);
@@ -121,7 +124,8 @@ mod tests {
 
     #[test]
     fn summary_derives_rates_and_never_divides_by_zero() {
-        let s = SpecSummary::of(SpecCounters::from([("num_drafts".into(), 4.0), ("num_draft_tokens".into(), 16.0), ("num_accepted_tokens".into(), 8.0)])).unwrap();
+        let s =
+            SpecSummary::of(SpecCounters::from([("num_drafts".into(), 4.0), ("num_draft_tokens".into(), 16.0), ("num_accepted_tokens".into(), 8.0)])).unwrap();
         assert_eq!(s.acceptance_rate, Some(0.5));
         assert_eq!(s.mean_acceptance_length, Some(3.0));
         assert!(SpecSummary::of(SpecCounters::from([("num_draft_tokens".into(), 0.0)])).is_none());

@@ -153,7 +153,22 @@ fn args(list: &[&str]) -> BenchServeArgs {
 async fn streamed_requests_are_counted_and_timed_at_concurrency_2() {
     let fake = Fake::streaming(4, 2, 20, true);
     let url = start(fake.clone()).await;
-    let a = args(&["--base-url", &url, "--max-concurrency", "2", "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "8", "--save-detailed", "--no-progress", "--label", "fake"]);
+    let a = args(&[
+        "--base-url",
+        &url,
+        "--max-concurrency",
+        "2",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "8",
+        "--save-detailed",
+        "--no-progress",
+        "--label",
+        "fake",
+    ]);
     let report = benchmark(&a).await.unwrap();
 
     assert_eq!(report.results.len(), 1);
@@ -195,8 +210,23 @@ async fn chat_sweep_without_usage_counts_chunks_per_level() {
     let fake = Fake::streaming(4, 1, 5, false);
     let url = start(fake.clone()).await;
     let a = args(&[
-        "--base-url", &url, "--endpoint", "/v1/chat/completions", "--model", "m2", "--max-concurrency", "1,3",
-        "--num-prompts", "6", "--random-input-len", "5", "--random-output-len", "4", "--extra-body", r#"{"top_k": 1, "temperature": 0.5}"#, "--no-progress",
+        "--base-url",
+        &url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--model",
+        "m2",
+        "--max-concurrency",
+        "1,3",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "5",
+        "--random-output-len",
+        "4",
+        "--extra-body",
+        r#"{"top_k": 1, "temperature": 0.5}"#,
+        "--no-progress",
     ]);
     let report = benchmark(&a).await.unwrap();
 
@@ -223,7 +253,25 @@ async fn rejected_requests_are_counted_as_failures_with_the_server_message() {
     let url = start(fake.clone()).await;
     let out = tempfile::NamedTempFile::new().unwrap();
     let path = out.path().to_str().unwrap();
-    let a = args(&["--base-url", &url, "--model", "nope", "--max-concurrency", "2", "--num-prompts", "6", "--random-input-len", "4", "--random-output-len", "4", "--no-progress", "--label", "bad", "--output-json", path]);
+    let a = args(&[
+        "--base-url",
+        &url,
+        "--model",
+        "nope",
+        "--max-concurrency",
+        "2",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "4",
+        "--no-progress",
+        "--label",
+        "bad",
+        "--output-json",
+        path,
+    ]);
     run(a).await.expect("failed requests are results, not errors");
 
     let j: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -242,7 +290,19 @@ async fn unreachable_server_fails_each_request_not_the_benchmark() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let a = args(&["--base-url", &format!("http://127.0.0.1:{port}"), "--model", "m", "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "4", "--no-progress"]);
+    let a = args(&[
+        "--base-url",
+        &format!("http://127.0.0.1:{port}"),
+        "--model",
+        "m",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "4",
+        "--random-output-len",
+        "4",
+        "--no-progress",
+    ]);
     let r = &benchmark(&a).await.unwrap().results[0];
     assert_eq!((r.completed, r.failed, r.max_concurrency), (0, 3, None));
     assert_eq!(r.errors.iter().map(|e| e.count).sum::<usize>(), 3);

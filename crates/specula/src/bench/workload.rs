@@ -23,26 +23,19 @@ pub struct Prompt {
 
 /// Common English words, each one token (with its leading space) in GPT-2/Llama-style vocabularies.
 const WORDS: &[&str] = &[
-    "the", "of", "and", "to", "in", "is", "was", "for", "that", "on", "with", "as", "by", "at", "from",
-    "his", "her", "they", "this", "which", "be", "are", "have", "had", "not", "but", "or", "an", "were",
-    "all", "their", "she", "he", "one", "you", "it", "we", "can", "more", "has", "been", "would",
-    "will", "there", "so", "if", "no", "what", "when", "who", "them", "other", "its", "into", "about",
-    "than", "some", "could", "then", "only", "out", "also", "time", "up", "new", "like", "may",
-    "these", "two", "first", "any", "people", "over", "such", "after", "most", "very", "made", "many",
-    "where", "our", "use", "just", "even", "much", "way", "state", "each", "well", "did", "your",
-    "how", "between", "year", "because", "both", "those", "through", "during", "world", "own", "life",
-    "same", "work", "still", "being", "here", "while", "before", "last", "make", "under", "three",
-    "again", "never", "might", "home", "part", "since", "against", "off", "day", "great", "back",
-    "place", "long", "show", "good", "end", "city", "old", "small", "high", "large", "water", "school",
-    "house", "family", "group", "number", "game", "name", "book", "line", "found", "called", "known",
-    "used", "become", "left", "right", "down", "around", "came", "went", "take", "took", "give",
-    "gave", "find", "think", "know", "see", "look", "come", "want", "need", "read", "write", "open",
-    "run", "play", "move", "live", "turn", "start", "keep", "hand", "head", "eye", "face", "room",
-    "road", "car", "war", "music", "art", "film", "team", "light", "night", "power", "money", "story",
-    "heart", "mind", "body", "land", "sea", "river", "tree", "fire", "food", "king", "law", "court",
-    "market", "field", "system", "order", "form", "point", "level", "area", "side", "kind", "best",
-    "real", "free", "full", "young", "black", "white", "red", "green", "blue", "early", "late", "next",
-    "few", "every", "another", "without", "along", "often", "always", "together", "himself",
+    "the", "of", "and", "to", "in", "is", "was", "for", "that", "on", "with", "as", "by", "at", "from", "his", "her", "they", "this", "which", "be", "are",
+    "have", "had", "not", "but", "or", "an", "were", "all", "their", "she", "he", "one", "you", "it", "we", "can", "more", "has", "been", "would", "will",
+    "there", "so", "if", "no", "what", "when", "who", "them", "other", "its", "into", "about", "than", "some", "could", "then", "only", "out", "also", "time",
+    "up", "new", "like", "may", "these", "two", "first", "any", "people", "over", "such", "after", "most", "very", "made", "many", "where", "our", "use",
+    "just", "even", "much", "way", "state", "each", "well", "did", "your", "how", "between", "year", "because", "both", "those", "through", "during", "world",
+    "own", "life", "same", "work", "still", "being", "here", "while", "before", "last", "make", "under", "three", "again", "never", "might", "home", "part",
+    "since", "against", "off", "day", "great", "back", "place", "long", "show", "good", "end", "city", "old", "small", "high", "large", "water", "school",
+    "house", "family", "group", "number", "game", "name", "book", "line", "found", "called", "known", "used", "become", "left", "right", "down", "around",
+    "came", "went", "take", "took", "give", "gave", "find", "think", "know", "see", "look", "come", "want", "need", "read", "write", "open", "run", "play",
+    "move", "live", "turn", "start", "keep", "hand", "head", "eye", "face", "room", "road", "car", "war", "music", "art", "film", "team", "light", "night",
+    "power", "money", "story", "heart", "mind", "body", "land", "sea", "river", "tree", "fire", "food", "king", "law", "court", "market", "field", "system",
+    "order", "form", "point", "level", "area", "side", "kind", "best", "real", "free", "full", "young", "black", "white", "red", "green", "blue", "early",
+    "late", "next", "few", "every", "another", "without", "along", "often", "always", "together", "himself",
 ];
 
 /// `n` prompts of about `input_len` words asking for `output_len` tokens each; with `range_ratio` r
@@ -147,7 +140,10 @@ mod tests {
         let mut f = tempfile::NamedTempFile::new().unwrap();
         writeln!(f, "{{\"prompt\": \"copy this passage\", \"max_tokens\": 5}}\n\n{{\"prompt\": \"hello\"}}").unwrap();
         let p = file_prompts(f.path(), 3, 9).unwrap();
-        assert_eq!(p.iter().map(|p| (p.text.as_str(), p.max_tokens)).collect::<Vec<_>>(), vec![("copy this passage", 5), ("hello", 9), ("copy this passage", 5)]);
+        assert_eq!(
+            p.iter().map(|p| (p.text.as_str(), p.max_tokens)).collect::<Vec<_>>(),
+            vec![("copy this passage", 5), ("hello", 9), ("copy this passage", 5)]
+        );
         assert_eq!(p[0].approx_tokens, 3);
     }
 

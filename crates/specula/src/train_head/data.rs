@@ -15,8 +15,8 @@
 //! `next_token [R] I32` (-1 on each sequence's last row), `top_ids [R, T] I32`,
 //! `top_probs [R, T] F32`, `seq_offsets [S + 1] I64` (row ranges of the sequences).
 
-use super::shard::{Shard, TOP_K};
 use super::prompts::{self, Split};
+use super::shard::{Shard, TOP_K};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};

@@ -177,7 +177,23 @@ impl Params {
     }
 
     fn vars(&self) -> Vec<Var> {
-        self.fuse.iter().map(|(f, _)| f).chain([&self.fc, &self.attn_norm, &self.wq, &self.wk, &self.wv, &self.wo, &self.ffn_norm, &self.w_gate, &self.w_up, &self.w_down, &self.norm, &self.lm_head])
+        self.fuse
+            .iter()
+            .map(|(f, _)| f)
+            .chain([
+                &self.fc,
+                &self.attn_norm,
+                &self.wq,
+                &self.wk,
+                &self.wv,
+                &self.wo,
+                &self.ffn_norm,
+                &self.w_gate,
+                &self.w_up,
+                &self.w_down,
+                &self.norm,
+                &self.lm_head,
+            ])
             .cloned()
             .collect()
     }
@@ -366,7 +382,10 @@ impl Data {
         let starts = (0..shard.rows() as u32).filter(|&r| shard.next_token[r as usize] >= 0).collect();
         let last = target.config.n_layers - 1;
         let layers = if shard.feature_layers.is_empty() { vec![last] } else { shard.feature_layers.clone() };
-        let final_block = layers.iter().position(|&l| l == last).with_context(|| format!("the shards in {} keep layers {layers:?} but not the final one ({last})", dir.display()))?;
+        let final_block = layers
+            .iter()
+            .position(|&l| l == last)
+            .with_context(|| format!("the shards in {} keep layers {layers:?} but not the final one ({last})", dir.display()))?;
         Ok(Self { shard, starts, blocks: vec![final_block], layers, final_block })
     }
 
@@ -374,7 +393,12 @@ impl Data {
     fn use_layers(&mut self, layers: &[usize]) -> Result<()> {
         self.blocks = layers
             .iter()
-            .map(|l| self.layers.iter().position(|x| x == l).with_context(|| format!("the head reads layer {l}, but the data keeps layers {:?} (train-head data --feature-layers)", self.layers)))
+            .map(|l| {
+                self.layers
+                    .iter()
+                    .position(|x| x == l)
+                    .with_context(|| format!("the head reads layer {l}, but the data keeps layers {:?} (train-head data --feature-layers)", self.layers))
+            })
             .collect::<Result<_>>()?;
         Ok(())
     }
@@ -444,7 +468,16 @@ struct Batch {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, embed: &specula_kernels::QMatrix, t2d: &[i32], top1_weight: f32, features: bool) -> Result<Batch> {
+fn make_batch(
+    data: &Data,
+    rows: &[usize],
+    steps: usize,
+    context: HeadContext,
+    embed: &specula_kernels::QMatrix,
+    t2d: &[i32],
+    top1_weight: f32,
+    features: bool,
+) -> Result<Batch> {
     let s = &data.shard;
     let (h, width) = (s.hidden_size, s.width());
     // block b of row r of the shard: that row's state after feature layer b
@@ -513,7 +546,15 @@ fn make_batch(data: &Data, rows: &[usize], steps: usize, context: HeadContext, e
         labels.push((Tensor::from_vec(ids, (t, TOP_K), &Device::Cpu)?, Tensor::from_vec(ws, (t, TOP_K), &Device::Cpu)?));
         counts.push(count);
     }
-    Ok(Batch { rows: rows.to_vec(), hidden: Tensor::from_vec(hidden, (t, fw), &Device::Cpu)?, emb, mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?, labels, counts, features: feats })
+    Ok(Batch {
+        rows: rows.to_vec(),
+        hidden: Tensor::from_vec(hidden, (t, fw), &Device::Cpu)?,
+        emb,
+        mask: Tensor::from_vec(mask, (t, t), &Device::Cpu)?,
+        labels,
+        counts,
+        features: feats,
+    })
 }
 
 /// The K most frequent target tokens of the training answers (ties: lower id first), most
@@ -674,11 +715,8 @@ pub fn run(a: FitArgs) -> Result<()> {
     let t2d = fmt::t2d_from_d2t(&d2t, v);
     let covered = train.shard.next_token.iter().filter(|&&t| t >= 0 && t2d[t as usize] >= 0).count() as f64 / train.starts.len().max(1) as f64;
     eprintln!("pruned vocabulary: {} tokens cover {:.2}% of the training answer tokens", d2t.len(), 100.0 * covered);
-    let (in_scale, feat_scale) = if a.input_scale {
-        input_scale(&train, &target.embed)
-    } else {
-        (vec![1.0; 2 * cfg.target_hidden], vec![1.0; cfg.feature_width()])
-    };
+    let (in_scale, feat_scale) =
+        if a.input_scale { input_scale(&train, &target.embed) } else { (vec![1.0; 2 * cfg.target_hidden], vec![1.0; cfg.feature_width()]) };
     let params = Params::new(&w, &cfg, &in_scale, &feat_scale)?;
     let hidden_scale = Tensor::from_slice(&in_scale[cfg.target_hidden..], cfg.target_hidden, &Device::Cpu)?;
     let longest = [&train, &held].iter().flat_map(|d| d.shard.seq_offsets.windows(2).map(|w| w[1] - w[0])).max().unwrap_or(0);
@@ -1023,7 +1061,9 @@ mod tests {
 
         let (dir, target) = tiny_target(5);
         // one feature layer (the final state), and both layers of the tiny target fused
-        for (context, layers) in [(HeadContext::Chain, vec![1]), (HeadContext::Sequence, vec![1]), (HeadContext::Sequence, vec![0, 1]), (HeadContext::Chain, vec![0, 1])] {
+        for (context, layers) in
+            [(HeadContext::Chain, vec![1]), (HeadContext::Sequence, vec![1]), (HeadContext::Sequence, vec![0, 1]), (HeadContext::Chain, vec![0, 1])]
+        {
             let (mut cfg, mut w) = fmt::random_head(&target, 40, 9).unwrap();
             cfg.context = context;
             if layers.len() > 1 {
@@ -1045,7 +1085,14 @@ mod tests {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
             let mut draft = None;
             for (known, first_row, max_draft) in [(3, 0, 0), (5, 1, 0), (8, 3, 3)] {
-                let req = DraftRequest { seq: SeqId(1), tokens: &tokens[..known], prompt_len: 2, max_draft, params: &sampling, hidden: Some(&hidden[first_row * fw..(known - 2) * fw]) };
+                let req = DraftRequest {
+                    seq: SeqId(1),
+                    tokens: &tokens[..known],
+                    prompt_len: 2,
+                    max_draft,
+                    params: &sampling,
+                    hidden: Some(&hidden[first_row * fw..(known - 2) * fw]),
+                };
                 draft = Some(proposer.propose(&[req], &pool).unwrap().remove(0));
             }
             let draft = draft.unwrap();
@@ -1086,7 +1133,11 @@ mod tests {
                 let ours = softmax_last(&logits.narrow(0, rows - 1, 1).unwrap()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
                 for (d, &t) in w.d2t.iter().enumerate() {
                     let theirs = pj[t as usize];
-                    assert!((ours[d] - theirs).abs() < 1e-4 * (1.0 + theirs), "{context:?} {layers:?} step {j}, draft id {d}: graph {} proposer {theirs}", ours[d]);
+                    assert!(
+                        (ours[d] - theirs).abs() < 1e-4 * (1.0 + theirs),
+                        "{context:?} {layers:?} step {j}, draft id {d}: graph {} proposer {theirs}",
+                        ours[d]
+                    );
                 }
                 // the last row's chain goes on with the proposer's draw; the other rows' steps
                 // are not read by it (a chain key is read by its own row only)

@@ -161,10 +161,7 @@ const CONCEPT_TEMPLATES: &[&str] = &[
     "Write a short paragraph about the history of {c}.",
 ];
 
-const EMAIL_TEMPLATES: &[&str] = &[
-    "Write a polite email to {who} about {what}.",
-    "Write a short message to {who} explaining {what}.",
-];
+const EMAIL_TEMPLATES: &[&str] = &["Write a polite email to {who} about {what}.", "Write a short message to {who} explaining {what}."];
 const EMAIL_WHO: &[&str] = &["my manager", "a teacher", "a landlord", "a customer", "a neighbour", "a colleague", "my team", "a friend", "a hotel", "a client"];
 const EMAIL_WHAT: &[&str] = &[
     "a delayed project",
@@ -184,12 +181,34 @@ const FOREIGN: &[(&str, &[&str], &[&str])] = &[
     (
         "fr",
         &["Explique {t} en quelques phrases.", "Écris un court poème sur {t}.", "Donne trois conseils sur {t}."],
-        &["le soleil", "la cuisine française", "les vacances d'été", "l'amitié", "la musique", "les voyages en train", "le sport", "la mer", "les livres", "le jardinage"],
+        &[
+            "le soleil",
+            "la cuisine française",
+            "les vacances d'été",
+            "l'amitié",
+            "la musique",
+            "les voyages en train",
+            "le sport",
+            "la mer",
+            "les livres",
+            "le jardinage",
+        ],
     ),
     (
         "es",
         &["Explica {t} en pocas palabras.", "Escribe un poema corto sobre {t}.", "Dame tres consejos sobre {t}."],
-        &["el café", "la familia", "el fútbol", "las montañas", "la lluvia", "el trabajo en equipo", "la comida sana", "los animales", "la ciudad", "el verano"],
+        &[
+            "el café",
+            "la familia",
+            "el fútbol",
+            "las montañas",
+            "la lluvia",
+            "el trabajo en equipo",
+            "la comida sana",
+            "los animales",
+            "la ciudad",
+            "el verano",
+        ],
     ),
     (
         "de",
@@ -336,12 +355,8 @@ const HOWTO_TASKS: &[&str] = &[
     "fall asleep faster",
     "keep a journal",
 ];
-const HOWTO_TEMPLATES: &[&str] = &[
-    "How do I {t}?",
-    "Give me step-by-step instructions to {t}.",
-    "What is the best way to {t}? Keep it short.",
-    "I want to {t}. Where should I start?",
-];
+const HOWTO_TEMPLATES: &[&str] =
+    &["How do I {t}?", "Give me step-by-step instructions to {t}.", "What is the best way to {t}? Keep it short.", "I want to {t}. Where should I start?"];
 const LIST_THINGS_2: &[&str] = &[
     "ways to improve your memory",
     "vegetables that grow well in small gardens",

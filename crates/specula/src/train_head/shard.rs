@@ -152,7 +152,14 @@ impl Shard {
             fingerprint: md.get("target_fingerprint").cloned().unwrap_or_default(),
         };
         let r = s.rows();
-        if s.hidden_size == 0 || width != s.width() || s.hidden.len() != r * s.width() || s.top_ids.len() != r * TOP_K || s.top_probs.len() != r * TOP_K || s.seq_offsets.first() != Some(&0) || s.seq_offsets.last() != Some(&r) {
+        if s.hidden_size == 0
+            || width != s.width()
+            || s.hidden.len() != r * s.width()
+            || s.top_ids.len() != r * TOP_K
+            || s.top_probs.len() != r * TOP_K
+            || s.seq_offsets.first() != Some(&0)
+            || s.seq_offsets.last() != Some(&r)
+        {
             bail!("{}: inconsistent shard (rows {r}); delete it and run `specula train-head data` again", path.display());
         }
         Ok(s)
