@@ -7,7 +7,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineArgs {
-    /// GGUF file or Hugging Face folder; default: the cached default model (fetched on first use).
+    /// GGUF file, Hugging Face folder or known model name (`specula fetch-model --list`, fetched on
+    /// first use); default: the default model.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Compute threads (default: all cores).
@@ -136,6 +137,9 @@ impl SpecArgs {
         let shipped = cfg.method == SpecMethod::Mtp && cfg.draft_model.is_none();
         if shipped {
             cfg.draft_model = Some(crate::train_head::shipped::materialise()?);
+        } else if cfg.draft_model.is_some() {
+            // a known model's name works here as for --model
+            cfg.draft_model = Some(crate::fetch::resolve_model(&cfg.draft_model)?);
         }
         let p = specula_engine::spec::build_proposer(&cfg, target, engine).map_err(|e| {
             let e = anyhow::Error::from(e);

@@ -23,9 +23,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Put the default model (SmolLM2-135M-Instruct Q4_1) in the cache.
+    /// Put a known model in the cache (default: SmolLM2-135M-Instruct Q4_1); `--list` shows them.
     FetchModel {
-        /// Only print where the default model is (or will be) cached.
+        /// A known model's name (`--list`); the default model when left out.
+        name: Option<String>,
+        /// List the known models and whether each is cached.
+        #[arg(long)]
+        list: bool,
+        /// Only print where the model is (or will be) cached.
         #[arg(long)]
         print_path: bool,
     },
@@ -65,11 +70,7 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::FetchModel { print_path: true } => {
-            println!("{}", fetch::default_model_path().display());
-            Ok(())
-        }
-        Cmd::FetchModel { print_path: false } => fetch::fetch(&fetch::default_model_path()),
+        Cmd::FetchModel { name, list, print_path } => fetch::run(name.as_deref(), list, print_path),
         Cmd::Debug(d) => debug::run(d),
         Cmd::Generate(a) => generate::run(a),
         Cmd::Bench(BenchCmd::Offline(a)) => offline::run(a),
