@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
-# Runs every test: the Rust workspace (unit, integration, property tests) and the Python oracles
-# and OpenAI-client tests against the real binary. Installs the Python packages it needs.
-# SPECULA_SKIP_PY=1 skips the Python part.
+# Runs every test: formatting and lints, the Rust workspace (unit, integration, property tests,
+# MPI across processes), and the Python oracles and OpenAI-client tests against the real binary,
+# on the default model and on the real models (Qwen2.5-Coder-0.5B-Instruct, Gemma-3-270m; about
+# 750 MB fetched once into the cache). Installs the Python packages it needs.
+#   SPECULA_SKIP_PY=1   skips the Python part
+#   SPECULA_SKIP_LINT=1 skips rustfmt and clippy
+# Under CI (the CI variable set) nothing is skipped for want of a tool: a missing model, binary,
+# mpirun or oracle package fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python3 -m pip install -q --disable-pip-version-check -r python/requirements.txt
 
+if [ "${SPECULA_SKIP_LINT:-0}" != "1" ]; then
+  cargo fmt --all -- --check
+  cargo clippy --workspace --all-targets -- -D warnings
+fi
+
 cargo build --release --workspace --bins
-./target/release/specula fetch-model
-export SPECULA_MODEL="${SPECULA_MODEL:-$(./target/release/specula fetch-model --print-path)}"
+bin=./target/release/specula
+$bin fetch-model
+$bin fetch-model qwen2.5-coder-0.5b-instruct
+$bin fetch-model gemma-3-270m
+export SPECULA_MODEL="${SPECULA_MODEL:-$($bin fetch-model --print-path)}"
+export SPECULA_MODEL_QWEN05="${SPECULA_MODEL_QWEN05:-$($bin fetch-model qwen2.5-coder-0.5b-instruct --print-path)}"
+export SPECULA_MODEL_GEMMA="${SPECULA_MODEL_GEMMA:-$($bin fetch-model gemma-3-270m --print-path)}"
 export SPECULA_BIN="$PWD/target/release/specula"
 
 cargo test --release --workspace
@@ -25,8 +40,14 @@ if command -v mpirun >/dev/null && ls /usr/lib/llvm-*/lib/libclang.so* >/dev/nul
   cp target/release/specula target/release/specula-mpi
   cargo build --release -p specula
   export SPECULA_MPI_BIN="$PWD/target/release/specula-mpi"
+elif [ -n "${CI:-}" ]; then
+  echo "error: mpirun or libclang is missing, so the MPI tests cannot run (.ci/run installs openmpi-bin, libopenmpi-dev, libclang-dev)" >&2
+  exit 1
+else
+  echo "warning: mpirun or libclang missing: skipping the MPI tests" >&2
 fi
 
 if [ "${SPECULA_SKIP_PY:-0}" != "1" ]; then
-  python3 -m pytest -q python/tests
+  # -rs lists every skipped test with its reason
+  python3 -m pytest -q -rs python/tests
 fi

@@ -4,6 +4,7 @@ Environment:
   SPECULA_MODEL  path of the GGUF model (tests needing it skip when unset or missing)
   SPECULA_BIN    the specula binary (default: <repo>/target/release/specula); the engine-vs-oracle
                  tests skip when it does not exist.
+  CI             when set, a missing model or binary fails the run instead of skipping it
 """
 
 import os
@@ -26,13 +27,21 @@ sys.path.insert(0, str(PY_DIR))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def missing(reason: str):
+    """Skips the calling test locally; under CI (the `CI` variable set) a missing model, binary or
+    oracle package is a broken run, so it fails."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason} (CI is set, so this is a failure, not a skip)", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     p = os.environ.get("SPECULA_MODEL")
     if not p:
-        pytest.skip("SPECULA_MODEL is not set (path of the GGUF model, e.g. SmolLM2-135M-Instruct.Q4_1.gguf)")
+        missing("SPECULA_MODEL is not set (path of the GGUF model, e.g. SmolLM2-135M-Instruct.Q4_1.gguf)")
     if not os.path.isfile(p):
-        pytest.skip(f"SPECULA_MODEL={p} does not exist")
+        missing(f"SPECULA_MODEL={p} does not exist")
     return p
 
 
@@ -40,7 +49,7 @@ def model_path() -> str:
 def specula_bin() -> str:
     p = os.environ.get("SPECULA_BIN") or str(REPO / "target" / "release" / "specula")
     if not os.path.isfile(p) or not os.access(p, os.X_OK):
-        pytest.skip(f"specula binary not found at {p} (build with `cargo build --release` or set SPECULA_BIN)")
+        missing(f"specula binary not found at {p} (build with `cargo build --release` or set SPECULA_BIN)")
     return p
 
 
