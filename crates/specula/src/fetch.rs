@@ -229,7 +229,7 @@ fn pip_download(what: &str, requirements: &[&str], dir: &Path) -> Result<()> {
     };
     if !out.status.success() {
         let msg = String::from_utf8_lossy(&out.stderr);
-        let line = msg.lines().filter(|l| !l.trim().is_empty()).last().unwrap_or("no output");
+        let line = msg.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("no output");
         bail!("pip could not download {what}: {line}");
     }
     Ok(())

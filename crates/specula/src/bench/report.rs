@@ -108,7 +108,7 @@ fn count_errors(outcomes: &[RequestOutcome]) -> Vec<ErrorCount> {
             None => counts.push(ErrorCount { message: e.to_string(), count: 1 }),
         }
     }
-    counts.sort_by(|a, b| b.count.cmp(&a.count));
+    counts.sort_by_key(|c| std::cmp::Reverse(c.count));
     counts
 }
 

@@ -38,8 +38,8 @@ const WORDS: &[&str] = &[
     "late", "next", "few", "every", "another", "without", "along", "often", "always", "together", "himself",
 ];
 
-/// `n` prompts of about `input_len` words asking for `output_len` tokens each; with `range_ratio` r
-/// > 0 each length is drawn uniformly from [len * (1 - r), len * (1 + r)] as vLLM's random dataset
+/// `n` prompts of about `input_len` words asking for `output_len` tokens each; with `range_ratio`
+/// r > 0 each length is drawn uniformly from [len * (1 - r), len * (1 + r)] as vLLM's random dataset
 /// does. The same seed gives the same prompts.
 pub fn random_prompts(n: usize, input_len: usize, output_len: usize, range_ratio: f64, seed: u64) -> Vec<Prompt> {
     let mut rng = StdRng::seed_from_u64(seed);

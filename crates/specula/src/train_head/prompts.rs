@@ -581,8 +581,8 @@ pub fn prompts(split: Split, n: usize, seed: u64) -> Vec<String> {
     all.dedup();
     all.shuffle(&mut rng);
     // later pools, each shuffled with a stream of its own, without prompts already taken
-    let later: [(fn(Split, &mut ChaCha8Rng) -> Vec<String>, u64, u64); 2] =
-        [(candidates_2, 0x0074_7261_6932, 0x6865_6C32), (super::prompts_3::candidates_3, 0x0074_7261_6933, 0x6865_6C33)];
+    type Pool = fn(Split, &mut ChaCha8Rng) -> Vec<String>;
+    let later: [(Pool, u64, u64); 2] = [(candidates_2, 0x0074_7261_6932, 0x6865_6C32), (super::prompts_3::candidates_3, 0x0074_7261_6933, 0x6865_6C33)];
     for (pool, train_key, held_key) in later {
         if all.len() >= n {
             break;
