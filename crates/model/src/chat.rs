@@ -16,6 +16,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    source: String,
 }
 
 /// ChatML, used when a model ships no template.
@@ -28,7 +29,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
         env.add_template_owned("chat", source.to_string()).map_err(|e| ModelError::ChatTemplate(format!("the model's chat template does not compile: {e}")))?;
-        Ok(Self { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+        Ok(Self { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string(), source: source.to_string() })
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ModelError> {
@@ -40,6 +41,11 @@ impl ChatTemplate {
             eos_token => self.eos_token,
         })
         .map_err(|e| ModelError::ChatTemplate(format!("rendering the chat template: {e}")))
+    }
+
+    /// The template's Jinja source (served by `/tokenizer_info`).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 }
 

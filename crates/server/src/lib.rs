@@ -1,5 +1,6 @@
 //! specula-server: the OpenAI-compatible HTTP front end. Routes (`/v1/completions`,
-//! `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`) turn requests into validated
+//! `/v1/chat/completions`, `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`,
+//! `/health`, `/metrics`) turn requests into validated
 //! engine requests, submit them through an [`EngineHandle`], and stream the engine's events back
 //! as OpenAI JSON or SSE. It never touches the model; the engine loop runs elsewhere.
 //!
@@ -140,6 +141,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(routes::chat::create))
         .route("/v1/models", get(routes::models::list))
         .route("/v1/models/{model}", get(routes::models::retrieve))
+        // vLLM serves its tokenizer endpoints at the root; they are behind the API key too
+        .route("/tokenize", post(routes::tokenize::tokenize))
+        .route("/detokenize", post(routes::tokenize::detokenize))
+        .route("/tokenizer_info", get(routes::tokenize::info))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key));
     Router::new()
         .merge(v1)

@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod completions;
 pub mod models;
+pub mod tokenize;
 
 use axum::http::StatusCode;
 
