@@ -52,6 +52,11 @@ pub struct ServerConfig {
     /// `max_tokens` for `/v1/completions` when the request has none (OpenAI: 16), cut to the
     /// context left. Chat requests without it get all the context left (vLLM's behaviour).
     pub completions_default_max_tokens: usize,
+    /// Most stop strings one request may give (`--max-stop-strings`); each is matched against
+    /// every new piece of text, so the count bounds that work.
+    pub max_stop_strings: usize,
+    /// Longest stop string, in characters (`--max-stop-string-chars`).
+    pub max_stop_string_chars: usize,
 }
 
 impl ServerConfig {
@@ -65,6 +70,8 @@ impl ServerConfig {
             max_n: 16,
             max_body_bytes: 4 * 1024 * 1024,
             completions_default_max_tokens: 16,
+            max_stop_strings: 16,
+            max_stop_string_chars: 256,
         }
     }
 
@@ -100,6 +107,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("max_n", &self.max_n)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("completions_default_max_tokens", &self.completions_default_max_tokens)
+            .field("max_stop_strings", &self.max_stop_strings)
+            .field("max_stop_string_chars", &self.max_stop_string_chars)
             .finish()
     }
 }

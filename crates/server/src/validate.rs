@@ -141,6 +141,16 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
         None => None,
     };
+    let stop: Vec<String> = f.stop.map(Stop::into_vec).unwrap_or_default();
+    if stop.len() > config.max_stop_strings {
+        return Err(ApiError::invalid_param("stop", format!("{} stop strings given; at most {} are allowed", stop.len(), config.max_stop_strings)));
+    }
+    if let Some(long) = stop.iter().find(|s| s.chars().count() > config.max_stop_string_chars) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!("a stop string of {} characters is longer than the {} allowed", long.chars().count(), config.max_stop_string_chars),
+        ));
+    }
     let stop_token_ids = f.stop_token_ids.unwrap_or_default();
     if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
         return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {bad} is outside the vocabulary (size {vocab_size})")));
@@ -158,7 +168,7 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         seed: f.seed.map(|s| s as u64),
         max_tokens: requested_max_tokens.unwrap_or(1),
         // An empty stop string would end every request at once; it means nothing, so drop it.
-        stop: f.stop.map(Stop::into_vec).unwrap_or_default().into_iter().filter(|s| !s.is_empty()).collect(),
+        stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         stop_token_ids,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
@@ -229,7 +239,17 @@ pub fn chat_messages(messages: Option<&[RequestMessage]>) -> Result<Vec<ChatMess
         .iter()
         .enumerate()
         .map(|(i, m)| {
+            // OpenAI's roles; only an assistant turn may come without content (one that called tools)
+            if !matches!(m.role.as_str(), "system" | "developer" | "user" | "assistant" | "tool") {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].role"),
+                    format!("unknown role '{}'; expected one of system, developer, user, assistant, tool", m.role),
+                ));
+            }
             let content = match &m.content {
+                None if m.role != "assistant" => {
+                    return Err(ApiError::invalid_param(&format!("messages[{i}].content"), format!("a {} message needs content", m.role)))
+                }
                 None => String::new(),
                 Some(MessageContent::Text(t)) => t.clone(),
                 Some(MessageContent::Parts(parts)) => {

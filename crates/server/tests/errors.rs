@@ -226,3 +226,44 @@ async fn unknown_routes_and_methods_answer_in_json() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(error_of(&v)["code"], "model_not_found");
 }
+
+#[tokio::test]
+async fn unknown_roles_and_user_messages_without_content_are_refused() {
+    let s = server();
+    let m =
+        expect_error(&s, "/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "hi"}]}), StatusCode::BAD_REQUEST, Some("messages[0].role"))
+            .await;
+    assert!(m.contains("wizard"), "{m}");
+    for role in ["user", "system", "developer", "tool"] {
+        let body = json!({"messages": [{"role": "user", "content": "hi"}, {"role": role}]});
+        expect_error(&s, "/v1/chat/completions", body, StatusCode::BAD_REQUEST, Some("messages[1].content")).await;
+    }
+    assert!(s.submitted().is_empty());
+    // an assistant turn without content (it called tools) is still rendered
+    let (status, v) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "he"}], "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+}
+
+#[tokio::test]
+async fn stop_strings_are_bounded_in_number_and_length() {
+    let s = server_with(Setup { config: ServerConfig { max_stop_strings: 2, max_stop_string_chars: 5, ..Setup::default().config }, ..Setup::default() });
+    let m = expect_error(&s, "/v1/completions", json!({"prompt": "hi", "stop": ["a", "b", "c"]}), StatusCode::BAD_REQUEST, Some("stop")).await;
+    assert!(m.contains("at most 2"), "{m}");
+    let m = expect_error(
+        &s,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "stop": "abcdef"}),
+        StatusCode::BAD_REQUEST,
+        Some("stop"),
+    )
+    .await;
+    assert!(m.contains("5"), "{m}");
+    assert!(s.submitted().is_empty());
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "hi", "stop": ["a", "bcdé!"], "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+}

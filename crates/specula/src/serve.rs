@@ -34,6 +34,12 @@ pub struct ServeArgs {
     /// Largest logprobs / top_logprobs a request may ask for.
     #[arg(long, default_value_t = 20)]
     pub max_logprobs: usize,
+    /// Most stop strings one request may give (more is a 400).
+    #[arg(long, default_value_t = 16)]
+    pub max_stop_strings: usize,
+    /// Longest stop string in characters (longer is a 400).
+    #[arg(long, default_value_t = 256)]
+    pub max_stop_string_chars: usize,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_secs: u64,
@@ -107,6 +113,8 @@ fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_nam
     let mut server_cfg = ServerConfig::new(args.served_model_name.clone().unwrap_or_else(|| model_name.to_string()));
     server_cfg.max_model_len = cfg.max_model_len;
     server_cfg.max_logprobs = args.max_logprobs;
+    server_cfg.max_stop_strings = args.max_stop_strings;
+    server_cfg.max_stop_string_chars = args.max_stop_string_chars;
     server_cfg.api_key = args.api_key.clone();
     server_cfg
 }
