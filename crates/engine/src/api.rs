@@ -30,6 +30,10 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Generation stops when one of these tokens is sampled (in addition to EOS unless ignore_eos).
     pub stop_token_ids: Vec<TokenId>,
+    /// Added to these tokens' raw logits before penalties and sampling (OpenAI's `logit_bias`,
+    /// each in [-100, 100]); logprobs stay those of the raw distribution.
+    #[serde(default)]
+    pub logit_bias: Vec<(TokenId, f32)>,
     pub ignore_eos: bool,
     /// None: no logprobs. Some(k): the sampled token's logprob plus the top k alternatives.
     pub logprobs: Option<usize>,
@@ -49,6 +53,7 @@ impl Default for SamplingParams {
             max_tokens: 16,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
+            logit_bias: Vec::new(),
             ignore_eos: false,
             logprobs: None,
         }
@@ -75,7 +80,7 @@ impl SamplingParams {
     /// Greedy with no penalty: the token is the argmax of the raw logits (the sampler's and the
     /// rejection sampler's fast path, which skips building the distribution).
     pub fn is_plain_greedy(&self) -> bool {
-        self.is_greedy() && self.repetition_penalty == 1.0 && self.presence_penalty == 0.0 && self.frequency_penalty == 0.0
+        self.is_greedy() && self.repetition_penalty == 1.0 && self.presence_penalty == 0.0 && self.frequency_penalty == 0.0 && self.logit_bias.is_empty()
     }
 
     /// Checks every field's range; `max_logprobs` is the server's `--max-logprobs`.
@@ -98,6 +103,9 @@ impl SamplingParams {
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
             return bad("frequency_penalty", format!("frequency_penalty must be in [-2, 2], got {}", self.frequency_penalty));
+        }
+        if let Some((id, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return bad("logit_bias", format!("logit_bias for token {id} is {b}; values must be in [-100, 100]"));
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "max_tokens must be at least 1".to_string());

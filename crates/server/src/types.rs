@@ -22,6 +22,8 @@ pub struct CompletionRequest {
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Token id (as a string key) -> bias in [-100, 100] added to its logit before sampling.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     pub n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
@@ -50,6 +52,8 @@ pub struct ChatCompletionRequest {
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub stop_token_ids: Option<Vec<u32>>,
+    /// Token id (as a string key) -> bias in [-100, 100] added to its logit before sampling.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     pub n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,

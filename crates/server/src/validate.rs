@@ -32,6 +32,7 @@ pub struct SamplingFields {
     pub seed: Option<i64>,
     pub stop: Option<Stop>,
     pub stop_token_ids: Option<Vec<u32>>,
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     pub n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
@@ -54,6 +55,7 @@ impl From<&CompletionRequest> for SamplingFields {
             seed: r.seed,
             stop: r.stop.clone(),
             stop_token_ids: r.stop_token_ids.clone(),
+            logit_bias: r.logit_bias.clone(),
             n: r.n,
             presence_penalty: r.presence_penalty,
             frequency_penalty: r.frequency_penalty,
@@ -88,6 +90,7 @@ impl SamplingFields {
             seed: r.seed,
             stop: r.stop.clone(),
             stop_token_ids: r.stop_token_ids.clone(),
+            logit_bias: r.logit_bias.clone(),
             n: r.n,
             presence_penalty: r.presence_penalty,
             frequency_penalty: r.frequency_penalty,
@@ -152,6 +155,16 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         ));
     }
     let stop_token_ids = f.stop_token_ids.unwrap_or_default();
+    // OpenAI's keys are token ids written as strings; anything else is refused, not ignored
+    let logit_bias = f
+        .logit_bias
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| match k.trim().parse::<u32>() {
+            Ok(id) if (id as usize) < vocab_size => Ok((id, v)),
+            _ => Err(ApiError::invalid_param("logit_bias", format!("logit_bias key '{k}' is not a token id of this model (0..{vocab_size})"))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
         return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {bad} is outside the vocabulary (size {vocab_size})")));
     }
@@ -170,6 +183,7 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         // An empty stop string would end every request at once; it means nothing, so drop it.
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         stop_token_ids,
+        logit_bias,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
     };

@@ -267,3 +267,27 @@ async fn stop_strings_are_bounded_in_number_and_length() {
     let (status, v) = s.post("/v1/completions", json!({"prompt": "hi", "stop": ["a", "bcdé!"], "max_tokens": 2})).await;
     assert_eq!(status, StatusCode::OK, "{v}");
 }
+
+#[tokio::test]
+async fn logit_bias_keys_must_be_token_ids_and_values_in_range() {
+    let s = server();
+    for bias in [json!({"x": 1}), json!({"262": 1}), json!({"-1": 1})] {
+        let m = expect_error(&s, "/v1/completions", json!({"prompt": "hi", "logit_bias": bias}), StatusCode::BAD_REQUEST, Some("logit_bias")).await;
+        assert!(m.contains("token id"), "{m}");
+    }
+    expect_error(
+        &s,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}),
+        StatusCode::BAD_REQUEST,
+        Some("logit_bias"),
+    )
+    .await;
+    assert!(s.submitted().is_empty());
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "hi", "logit_bias": {"42": 100, "7": -100}, "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let (_, _, params) = s.submitted().pop().unwrap();
+    let mut bias = params.logit_bias.clone();
+    bias.sort_by_key(|b| b.0);
+    assert_eq!(bias, vec![(7, -100.0), (42, 100.0)]);
+}

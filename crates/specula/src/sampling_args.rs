@@ -48,6 +48,7 @@ impl SamplingArgs {
             max_tokens: self.max_tokens,
             stop: self.stop.clone(),
             stop_token_ids: vec![],
+            logit_bias: vec![],
             ignore_eos: self.ignore_eos,
             logprobs: None,
         }

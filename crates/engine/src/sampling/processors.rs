@@ -52,8 +52,19 @@ pub fn apply_presence_frequency_penalties(logits: &mut [f32], output: &[TokenId]
     }
 }
 
-/// Both kinds of penalty, as `params` asks.
+/// Adds each `(token, bias)` to that token's logit (ids past the row are ignored: the server
+/// refuses them before a request gets here).
+pub fn apply_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
+    for &(id, b) in bias {
+        if let Some(x) = logits.get_mut(id as usize) {
+            *x += b;
+        }
+    }
+}
+
+/// The logit bias, then both kinds of penalty, as `params` asks.
 pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, history: TokenHistory<'_>) {
+    apply_logit_bias(logits, &params.logit_bias);
     apply_repetition_penalty(logits, history, params.repetition_penalty);
     apply_presence_frequency_penalties(logits, history.output, params.presence_penalty, params.frequency_penalty);
 }
