@@ -26,7 +26,8 @@
 //!   `acc = fma(d * d_a, s, acc)`, then `acc = fma(m, s_a, acc)` (Q5_0: `m = -16 d`).
 //! - Q4_K / Q5_K: `s_j` likewise for sub-block `j`; `acc = fma((d * sc_j) * d_a, s_j, acc)`, then
 //!   `acc = fma(-(dmin * m_j), s_a, acc)` (`d * sc_j` and `dmin * m_j` are exact in f32).
-//! - Q6_K: per half of 16, `s` over the unsigned 6-bit quants and `A` the activations' sum;
+//! - Q6_K: per half of 16, `s` over the unsigned 6-bit quants and `A` the activations' sum
+//!   (`BlockQ8::h`);
 //!   `t = sc_a (s_a - 32 A_a) + sc_b (s_b - 32 A_b)` exact in i32; `acc = fma(d * d_a, t, acc)`.
 //!
 //! On AVX2 `maddubs` pairs never saturate (quants <= 63 against |a| <= 127: two pairs stay under
@@ -426,7 +427,7 @@ pub(crate) mod x86 {
                                 }
                                 let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * (8 * h + 2 * i + sub)) as *const __m128i));
                                 for n in 0..N {
-                                    let a32 = _mm256_set1_epi32(32 * half_sum(acts[n].get_unchecked(k), sub));
+                                    let a32 = _mm256_set1_epi32(32 * acts[n].get_unchecked(k).h[sub] as i32);
                                     tot[n] = _mm256_add_epi32(tot[n], _mm256_mullo_epi32(scv, _mm256_sub_epi32(s[n], a32)));
                                 }
                             }
@@ -443,15 +444,6 @@ pub(crate) mod x86 {
             // SAFETY: the caller gives N pointers to eight writable floats each.
             _mm256_storeu_ps(dst[n], acc[n]);
         }
-    }
-
-    /// Sum of the activation bytes `16 half..16 half + 16` of `ab` (psadbw of the bytes offset
-    /// to unsigned, minus the offset).
-    #[inline(always)]
-    unsafe fn half_sum(ab: &BlockQ8, half: usize) -> i32 {
-        let x = _mm_loadu_si128(ab.qs.as_ptr().add(16 * half) as *const __m128i);
-        let sad = _mm_sad_epu8(_mm_xor_si128(x, _mm_set1_epi8(i8::MIN)), _mm_setzero_si128());
-        _mm_cvtsi128_si32(sad) + _mm_extract_epi32::<2>(sad) - 16 * 128
     }
 
     /// One entry point per instruction set, each dispatching on the format.
