@@ -253,11 +253,15 @@ pub(crate) mod x86 {
 
     /// Exact i32 per-lane sums of u8 (<= 63) x i8 products, two weight vectors at a time.
     trait Dot {
+        /// Activation rows up to which Q6_K unpacks each weight vector once for four activation
+        /// blocks (more accumulators live: worth it only with 32 vector registers).
+        const Q6K_SHARED_UNPACK: usize;
         unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
     }
     struct Avx2;
     struct Vnni;
     impl Dot for Avx2 {
+        const Q6K_SHARED_UNPACK: usize = 0;
         #[inline(always)]
         unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
             // each maddubs pair is at most 2 x 63 x 127 = 16002: two of them fit i16
@@ -266,6 +270,7 @@ pub(crate) mod x86 {
         }
     }
     impl Dot for Vnni {
+        const Q6K_SHARED_UNPACK: usize = 2;
         #[inline(always)]
         unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, w0, a0), w1, a1)
@@ -391,6 +396,51 @@ pub(crate) mod x86 {
                                 let ab = acts[n].get_unchecked(8 * b + j);
                                 acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(sums[n]), acc[n]);
                                 acc[n] = _mm256_fmadd_ps(neg_mn, _mm256_set1_ps(ab.s), acc[n]);
+                            }
+                        }
+                    }
+                }
+                _ if N <= D::Q6K_SHARED_UNPACK => {
+                    // few activation rows: each ql / qh vector is loaded and unpacked once for
+                    // the four activation blocks it serves (the same integer sums, the same
+                    // float steps in the same order as below)
+                    let ql = blk.add(off::Q6K_QL);
+                    let qh = blk.add(off::Q6K_QH);
+                    let sc = blk.add(off::Q6K_SC);
+                    for h in 0..2 {
+                        let mut tot = [[_mm256_setzero_si256(); N]; 4];
+                        for sub in 0..2 {
+                            let mut s = [[_mm256_setzero_si256(); N]; 4];
+                            for v in (4 * sub..4 * sub + 4).step_by(2) {
+                                let mut w = [[_mm256_setzero_si256(); 4]; 2];
+                                for (e, w) in w.iter_mut().enumerate() {
+                                    let la = vec(ql, 16 * h + v + e);
+                                    let lb = vec(ql, 16 * h + 8 + v + e);
+                                    let hb = vec(qh, 8 * h + v + e);
+                                    w[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(hb), b48));
+                                    w[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(hb), b48));
+                                    w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), _mm256_and_si256(hb, b48));
+                                    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), _mm256_and_si256(_mm256_srli_epi16::<2>(hb), b48));
+                                }
+                                for i in 0..4 {
+                                    for n in 0..N {
+                                        let ap = acts[n].get_unchecked(8 * b + 4 * h + i).qs.as_ptr();
+                                        s[i][n] = D::dot2(s[i][n], w[0][i], bcast4(ap.add(4 * v)), w[1][i], bcast4(ap.add(4 * v + 4)));
+                                    }
+                                }
+                            }
+                            for i in 0..4 {
+                                let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * (8 * h + 2 * i + sub)) as *const __m128i));
+                                for n in 0..N {
+                                    let a32 = _mm256_set1_epi32(32 * acts[n].get_unchecked(8 * b + 4 * h + i).h[sub] as i32);
+                                    tot[i][n] = _mm256_add_epi32(tot[i][n], _mm256_mullo_epi32(scv, _mm256_sub_epi32(s[i][n], a32)));
+                                }
+                            }
+                        }
+                        for (i, tot) in tot.iter().enumerate() {
+                            for n in 0..N {
+                                let ab = acts[n].get_unchecked(8 * b + 4 * h + i);
+                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot[n]), acc[n]);
                             }
                         }
                     }
