@@ -47,7 +47,7 @@ pub struct TinyMoeArgs {
 
 #[derive(Args)]
 pub struct DequantArgs {
-    /// f32, f16, bf16, q4_0, q4_1, q8_0, q4_k, q6_k
+    /// f32, f16, bf16, q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k, q6_k
     #[arg(long)]
     pub format: String,
     #[arg(long)]
