@@ -564,9 +564,9 @@ mod tests {
         acts
     }
 
-    fn shapes(f: WeightFormat) -> [(usize, usize); 3] {
+    fn shapes(f: WeightFormat) -> [(usize, usize); 4] {
         let k = f.block_len();
-        [(8, k), (13, 3 * k), (21, if k == QK { 576 } else { 1536 })]
+        [(3, k), (8, k), (13, 3 * k), (21, if k == QK { 576 } else { 1536 })]
     }
 
     fn group_bytes(p: &PackedInt8, g: usize, f: WeightFormat, cols: usize) -> (&[u8], usize) {
