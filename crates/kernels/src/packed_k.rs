@@ -31,7 +31,8 @@
 //!   `t = sc_a (s_a - 32 A_a) + sc_b (s_b - 32 A_b)` exact in i32; `acc = fma(d * d_a, t, acc)`.
 //!
 //! On AVX2 `maddubs` pairs never saturate (quants <= 63 against |a| <= 127: two pairs stay under
-//! 32767 and are widened to i32 every two vectors).
+//! 32767 and are widened to i32 every two vectors; Q4_K's quants <= 15 stay in i16 for a whole
+//! sub-block of eight vectors, at most 16 x 15 x 127 = 30480).
 
 use crate::formats::{scale_min_k4, WeightFormat, QK, QK_K};
 use crate::packed::GROUP_ROWS;
@@ -257,6 +258,10 @@ pub(crate) mod x86 {
         /// blocks (more accumulators live: worth it only with 32 vector registers).
         const Q6K_SHARED_UNPACK: usize;
         unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
+        /// As `dot2` for 4-bit quants (<= 15), in a partial form (AVX2: i16 lanes, which eight
+        /// vectors' products fit: 16 x 15 x 127 = 30480) that `finish4` turns into i32 sums.
+        unsafe fn dot2_q4(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
+        unsafe fn finish4(acc: __m256i) -> __m256i;
     }
     struct Avx2;
     struct Vnni;
@@ -268,12 +273,28 @@ pub(crate) mod x86 {
             let p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1));
             _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
         }
+        #[inline(always)]
+        unsafe fn dot2_q4(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
+            _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1)))
+        }
+        #[inline(always)]
+        unsafe fn finish4(acc: __m256i) -> __m256i {
+            _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+        }
     }
     impl Dot for Vnni {
         const Q6K_SHARED_UNPACK: usize = 2;
         #[inline(always)]
         unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, w0, a0), w1, a1)
+        }
+        #[inline(always)]
+        unsafe fn dot2_q4(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
+            Self::dot2(acc, w0, a0, w1, a1)
+        }
+        #[inline(always)]
+        unsafe fn finish4(acc: __m256i) -> __m256i {
+            acc
         }
     }
 
@@ -384,8 +405,19 @@ pub(crate) mod x86 {
                             for n in 0..N {
                                 let a_lo = acts[n].get_unchecked(8 * b + 2 * c).qs.as_ptr();
                                 let a_hi = acts[n].get_unchecked(8 * b + 2 * c + 1).qs.as_ptr();
-                                s_lo[n] = D::dot2(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
-                                s_hi[n] = D::dot2(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                                if F == Q4K {
+                                    s_lo[n] = D::dot2_q4(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
+                                    s_hi[n] = D::dot2_q4(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                                } else {
+                                    s_lo[n] = D::dot2(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
+                                    s_hi[n] = D::dot2(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                                }
+                            }
+                        }
+                        if F == Q4K {
+                            for n in 0..N {
+                                s_lo[n] = D::finish4(s_lo[n]);
+                                s_hi[n] = D::finish4(s_hi[n]);
                             }
                         }
                         for (k, sums) in [(0, &s_lo), (1, &s_hi)] {
