@@ -257,3 +257,14 @@ def test_preemption_keeps_greedy_outputs_and_frees_blocks(tiny_kv_server):
     assert all(r.usage.completion_tokens == 40 for r in together)
     m = assert_pool_whole(tiny_kv_server)
     assert m["specula:num_preemptions_total"] > before, "four 60-token sequences in 128 KV tokens must preempt"
+
+
+def test_chat_without_max_tokens_ends_at_the_context_left(tiny_kv_server):
+    """No max_tokens on a chat request means all the context left (vLLM's behaviour): with EOS
+    ignored the answer runs exactly to --max-model-len and ends with finish_reason "length"."""
+    c = tiny_kv_server.client()
+    r = c.chat.completions.create(model=tiny_kv_server.model_name, messages=[{"role": "user", "content": "Count to a thousand."}],
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 128, r.usage
+    assert_pool_whole(tiny_kv_server)
