@@ -14,7 +14,7 @@ pub enum DebugCmd {
     /// Render the model's chat template for a JSON list of {"messages": [...], "tools": [...]?,
     /// "add_generation_prompt": bool}: writes {"renders": [{"text": ...} | {"error": ...}],
     /// "eos": [ids], "bos": id, "add_bos": bool}.
-    RenderChat(IoArgs),
+    RenderChat(RenderArgs),
     /// Logits at every position of each prompt in {"prompts": [[ids]]}: little-endian f32.
     Logits(IoArgs),
     /// Dequantize raw ggml blocks (one row of --cols elements per row) to little-endian f32.
@@ -63,6 +63,19 @@ pub struct DequantArgs {
 }
 
 #[derive(Args)]
+pub struct RenderArgs {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long)]
+    pub input: PathBuf,
+    #[arg(long)]
+    pub output: PathBuf,
+    /// A Jinja template file to use instead of the model's own (bos/eos text from the model).
+    #[arg(long)]
+    pub template: Option<PathBuf>,
+}
+
+#[derive(Args)]
 pub struct IoArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -92,7 +105,12 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             std::fs::write(&a.output, serde_json::to_string(&out)?)?;
         }
         DebugCmd::RenderChat(a) => {
-            let (tokenizer, template) = specula_model::load_tokenizer(&crate::fetch::resolve_model(&a.model)?)?;
+            let (tokenizer, mut template) = specula_model::load_tokenizer(&crate::fetch::resolve_model(&a.model)?)?;
+            if let Some(path) = &a.template {
+                let text = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i)).unwrap_or_default();
+                let eos = text(tokenizer.eos.first().copied());
+                template = Some(specula_model::ChatTemplate::new(&std::fs::read_to_string(path)?, &text(tokenizer.bos), &eos)?);
+            }
             let cases: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&a.input)?).context("input must be a JSON list")?;
             let mut renders = Vec::new();
             for c in cases {
