@@ -4,7 +4,8 @@
 
 use crate::ModelError;
 use serde_json::{json, Value};
-use tokenizers::Tokenizer as HfTokenizer;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, Tokenizer as HfTokenizer};
 
 pub type TokenId = u32;
 
@@ -53,18 +54,7 @@ impl Tokenizer {
     /// Builds the tokenizer GGUF metadata describes: byte-level BPE (`gpt2`) or SentencePiece
     /// (`llama`).
     pub fn from_gguf(spec: GgufTokenizerSpec) -> Result<Self, ModelError> {
-        // Token type 3 = control, 4 = user-defined: matched whole in the raw input, never split.
-        let added: Vec<Value> = spec
-            .tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| matches!(spec.token_types.get(*i), Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)))
-            .map(|(i, t)| {
-                json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                       "normalized": false, "special": spec.token_types[i] == TOKEN_CONTROL})
-            })
-            .collect();
-        let (normalizer, pre_tokenizer, decoder, model) = match spec.model {
+        let parts = match spec.model {
             "gpt2" => byte_level_bpe(&spec)?,
             "llama" => sentencepiece_bpe(&spec)?,
             other => {
@@ -73,17 +63,32 @@ impl Tokenizer {
                 )))
             }
         };
-        let doc = json!({
-            "version": "1.0",
-            "truncation": null, "padding": null,
-            "added_tokens": added,
-            "normalizer": normalizer,
-            "pre_tokenizer": pre_tokenizer,
-            "post_processor": null,
-            "decoder": decoder,
-            "model": model,
-        });
-        let inner: HfTokenizer = doc.to_string().parse().map_err(|e| ModelError::Tokenizer(format!("building the tokenizer from GGUF metadata: {e}")))?;
+        let err = |what: &str, e: &dyn std::fmt::Display| ModelError::Tokenizer(format!("building the tokenizer from GGUF metadata ({what}): {e}"));
+        // The model is built directly (a 262k-piece vocabulary as JSON text costs seconds and
+        // hundreds of MB); the small parts are tokenizer.json-shaped values.
+        let vocab: Vocab = spec.tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let mut bpe = BPE::builder().vocab_and_merges(vocab, parts.merges).byte_fallback(parts.byte_fallback).fuse_unk(parts.byte_fallback);
+        if let Some(unk) = parts.unk {
+            bpe = bpe.unk_token(unk);
+        }
+        let mut inner = HfTokenizer::new(bpe.build().map_err(|e| err("model", &e))?);
+        if !parts.normalizer.is_null() {
+            inner.with_normalizer(Some(serde_json::from_value::<NormalizerWrapper>(parts.normalizer).map_err(|e| err("normalizer", &e))?));
+        }
+        if !parts.pre_tokenizer.is_null() {
+            inner.with_pre_tokenizer(Some(serde_json::from_value::<PreTokenizerWrapper>(parts.pre_tokenizer).map_err(|e| err("pre-tokenizer", &e))?));
+        }
+        inner.with_decoder(Some(serde_json::from_value::<DecoderWrapper>(parts.decoder).map_err(|e| err("decoder", &e))?));
+        // Token type 3 = control, 4 = user-defined: matched whole in the raw input, never split
+        // (they are in the vocabulary, so they keep their ids).
+        let added: Vec<AddedToken> = spec
+            .tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(spec.token_types.get(*i), Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)))
+            .map(|(i, t)| AddedToken::from(t.clone(), spec.token_types[i] == TOKEN_CONTROL).normalized(false))
+            .collect();
+        inner.add_tokens(&added);
         Ok(Self { vocab_size: spec.tokens.len(), inner, bos: spec.bos, eos: spec.eos.into_iter().collect(), add_bos: spec.add_bos })
     }
 
@@ -155,10 +160,14 @@ impl Tokenizer {
 /// Turn-ending tokens of the chat formats we know (see `add_end_of_turn_tokens`).
 pub const END_OF_TURN_TOKENS: [&str; 4] = ["<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>"];
 
-type Parts = (Value, Value, Value, Value);
-
-fn vocab_json(tokens: &[String]) -> serde_json::Map<String, Value> {
-    tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect()
+/// What differs between the two kinds of GGUF tokenizer.
+struct Parts {
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    merges: Vec<(String, String)>,
+    byte_fallback: bool,
+    unk: Option<String>,
 }
 
 /// Byte-level BPE (GPT-2 style): vocabulary and merges straight from the GGUF, the
@@ -189,10 +198,14 @@ fn byte_level_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
         }
     };
     let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
-    let model = json!({"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                       "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                       "vocab": vocab_json(&spec.tokens), "merges": spec.merges});
-    Ok((normalizer, pre_tokenizer, decoder, model))
+    let merges = spec
+        .merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| ModelError::Tokenizer(format!("GGUF merge '{m}' is not two tokens")))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Parts { normalizer, pre_tokenizer, decoder, merges, byte_fallback: false, unk: None })
 }
 
 /// SentencePiece BPE (`tokenizer.ggml.model` = llama), the way Hugging Face converts a
@@ -223,7 +236,7 @@ fn sentencepiece_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
         }
     }
     ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)).then(a.3.cmp(&b.3)));
-    let merges: Vec<Value> = ranked.iter().map(|&(_, _, l, r)| json!([spec.tokens[l as usize], spec.tokens[r as usize]])).collect();
+    let merges = ranked.iter().map(|&(_, _, l, r)| (spec.tokens[l as usize].clone(), spec.tokens[r as usize].clone())).collect();
     let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
     let normalizer =
         if spec.add_space_prefix { json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, replace]}) } else { replace };
@@ -233,10 +246,7 @@ fn sentencepiece_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
     let unk = spec.unk.and_then(|i| spec.tokens.get(i as usize)).cloned();
-    let model = json!({"type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-                       "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-                       "vocab": vocab_json(&spec.tokens), "merges": merges});
-    Ok((normalizer, Value::Null, json!({"type": "Sequence", "decoders": decoders}), model))
+    Ok(Parts { normalizer, pre_tokenizer: Value::Null, decoder: json!({"type": "Sequence", "decoders": decoders}), merges, byte_fallback: true, unk })
 }
 
 /// Streaming detokenizer (the prefix/read-offset scheme of TGI and vLLM): decodes a window of
