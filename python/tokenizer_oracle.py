@@ -29,7 +29,8 @@ So this module assembles the tokenizer itself, from nothing but the GGUF metadat
 Pre-tokenizers (tokenizer.ggml.pre) beyond SmolLM2's, from the models' own tokenizer.json files:
 * "qwen2": NFC normalizer, then Split(Qwen2 regex: like Llama 3's but single digits, Isolated)
   and ByteLevel(use_regex=False);
-* "llama-bpe"/"llama3"/"llama-v3" (Llama 3): Split(regex with \p{N}{1,3}) and ByteLevel(use_regex=False).
+* "llama-bpe"/"llama3"/"llama-v3" (Llama 3): Split(regex with \p{N}{1,3}) and ByteLevel(use_regex=False),
+  and a BPE with ignore_merges=True.
 
 SentencePiece models (tokenizer.ggml.model = "llama", e.g. Gemma 3) are NOT built with
 `tokenizers` here (the engine builds them as a byte-fallback BPE with merges derived from the
@@ -138,8 +139,10 @@ def build_tokenizer(model_path: str) -> Tokenizer:
     if len(vocab) != len(tokens):
         raise ValueError("duplicate token strings in tokenizer.ggml.tokens")
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False))
     pre = _scalar(reader, "tokenizer.ggml.pre")
+    # Meta-Llama-3's tokenizer.json: "ignore_merges": true (a pre-token that is a vocabulary entry is taken whole).
+    ignore_merges = pre in ("llama-bpe", "llama3", "llama-v3")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges))
     tok.pre_tokenizer = pre_tokenizer_for(pre)
     if normalizer_for(pre) is not None:
         tok.normalizer = normalizer_for(pre)

@@ -67,7 +67,11 @@ impl Tokenizer {
         // The model is built directly (a 262k-piece vocabulary as JSON text costs seconds and
         // hundreds of MB); the small parts are tokenizer.json-shaped values.
         let vocab: Vocab = spec.tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let mut bpe = BPE::builder().vocab_and_merges(vocab, parts.merges).byte_fallback(parts.byte_fallback).fuse_unk(parts.byte_fallback);
+        let mut bpe = BPE::builder()
+            .vocab_and_merges(vocab, parts.merges)
+            .byte_fallback(parts.byte_fallback)
+            .fuse_unk(parts.byte_fallback)
+            .ignore_merges(parts.ignore_merges);
         if let Some(unk) = parts.unk {
             bpe = bpe.unk_token(unk);
         }
@@ -167,6 +171,8 @@ struct Parts {
     decoder: Value,
     merges: Vec<(String, String)>,
     byte_fallback: bool,
+    /// Take a pre-token that is itself a vocabulary entry whole, without merging (Llama 3).
+    ignore_merges: bool,
     unk: Option<String>,
 }
 
@@ -180,11 +186,16 @@ fn byte_level_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
             {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
     };
     let mut normalizer = Value::Null;
+    let mut ignore_merges = false;
     let pre_tokenizer = match spec.pre.unwrap_or("default") {
         // SmolLM: every digit its own pre-token, then GPT-2's byte-level split.
         "smollm" => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, byte_level]}),
-        "llama-bpe" | "llama3" | "llama-v3" => split_then_bytes(LLAMA3_SPLIT),
+        "llama-bpe" | "llama3" | "llama-v3" => {
+            // Meta-Llama-3's tokenizer.json has "ignore_merges": true (llama.cpp does the same).
+            ignore_merges = true;
+            split_then_bytes(LLAMA3_SPLIT)
+        }
         "qwen2" => {
             // Qwen2's tokenizer.json normalizes to NFC before splitting (llama.cpp does not).
             normalizer = json!({"type": "NFC"});
@@ -205,7 +216,7 @@ fn byte_level_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
             m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| ModelError::Tokenizer(format!("GGUF merge '{m}' is not two tokens")))
         })
         .collect::<Result<_, _>>()?;
-    Ok(Parts { normalizer, pre_tokenizer, decoder, merges, byte_fallback: false, unk: None })
+    Ok(Parts { normalizer, pre_tokenizer, decoder, merges, byte_fallback: false, ignore_merges, unk: None })
 }
 
 /// SentencePiece BPE (`tokenizer.ggml.model` = llama), the way Hugging Face converts a
@@ -246,7 +257,15 @@ fn sentencepiece_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
     let unk = spec.unk.and_then(|i| spec.tokens.get(i as usize)).cloned();
-    Ok(Parts { normalizer, pre_tokenizer: Value::Null, decoder: json!({"type": "Sequence", "decoders": decoders}), merges, byte_fallback: true, unk })
+    Ok(Parts {
+        normalizer,
+        pre_tokenizer: Value::Null,
+        decoder: json!({"type": "Sequence", "decoders": decoders}),
+        merges,
+        byte_fallback: true,
+        ignore_merges: false,
+        unk,
+    })
 }
 
 /// Streaming detokenizer (the prefix/read-offset scheme of TGI and vLLM): decodes a window of
@@ -319,7 +338,7 @@ mod tests {
 
     fn byte_level(pre: &str) -> Result<Tokenizer, ModelError> {
         let mut tokens = byte_chars();
-        tokens.extend(["12", "123", "1234", "<|im_end|>"].map(String::from));
+        tokens.extend(["12", "123", "1234", "xyz", "<|im_end|>"].map(String::from));
         let mut token_types = vec![1; tokens.len()];
         *token_types.last_mut().unwrap() = 3;
         Tokenizer::from_gguf(GgufTokenizerSpec {
@@ -343,6 +362,9 @@ mod tests {
         assert_eq!(pieces(&byte_level("smollm").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
         assert_eq!(pieces(&byte_level("llama-bpe").unwrap(), "12345"), ["123", "4", "5"]);
         assert_eq!(pieces(&byte_level("default").unwrap(), "12345"), ["1234", "5"]);
+        // "xyz" is a vocabulary entry no merge reaches: Llama 3 takes it whole (ignore_merges).
+        assert_eq!(pieces(&byte_level("llama-bpe").unwrap(), "xyz"), ["xyz"]);
+        assert_eq!(pieces(&byte_level("qwen2").unwrap(), "xyz"), ["x", "y", "z"]);
         let q = byte_level("qwen2").unwrap();
         assert_eq!(q.decode(&q.encode("a 12<|im_end|>\n").unwrap(), false).unwrap(), "a 12<|im_end|>\n");
     }
