@@ -79,7 +79,7 @@ fn write_py_json(v: &Value, indent: Option<usize>, level: usize, out: &mut Strin
     let newline = |out: &mut String, level: usize| {
         if let Some(n) = indent {
             out.push('\n');
-            out.extend(std::iter::repeat(' ').take(n * level));
+            out.extend(std::iter::repeat_n(' ', n * level));
         }
     };
     let sep = if indent.is_some() { "," } else { ", " };
