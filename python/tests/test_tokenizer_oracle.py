@@ -6,6 +6,8 @@ decoded = decode(ids) keeping special tokens.
 """
 
 import json
+import os
+import unicodedata
 
 import pytest
 
@@ -91,3 +93,89 @@ def test_engine_tokenize_matches_oracle(model_path, oracle_tokenizer, engine_tok
         theirs = [oracle_tokenizer.id_to_token(i) for i in want]
         pytest.fail(f"ids differ for {text!r}\n engine: {ours}\n oracle: {theirs}")
     assert got["decoded"] == text
+
+
+# --- Qwen2.5 (byte-level BPE, pre "qwen2") and Gemma 3 (SentencePiece) GGUF files -------------
+
+EXTRA_MODELS = {
+    "qwen05": ("SPECULA_MODEL_QWEN05", "/root/.cache/specula/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+    "gemma": ("SPECULA_MODEL_GEMMA", "/root/.cache/specula/models/gemma-3-270m-q4_k_m.gguf"),
+}
+
+
+def extra_model_path(name: str) -> str:
+    """The model's path from its env var (or the default); skips when missing, fails under CI."""
+    var, default = EXTRA_MODELS[name]
+    p = os.environ.get(var) or default
+    if not os.path.isfile(p):
+        msg = f"{var}={p} does not exist"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return p
+
+
+EXTRA_CORPUS = CORPUS + [
+    "<start_of_turn>user\nWrite a haiku.<end_of_turn>\n<start_of_turn>model\n",
+    "<bos><eos><pad><unk> and not special: <start_of_turn <end_of_turn>>",
+    "literal byte-token text: <0x41> <0xFF>",
+    "\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\nend",
+    "\t\t\t\tindented\n\t\t\t\t\tdeeper\n" + " " * 37 + "spaces",
+    "a" * 300 + " " + "ab" * 100,
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+    "<|fim_prefix|>def f(<|fim_suffix|>):\n    pass<|fim_middle|>",
+    "unicode beyond the BMP: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𐍈 🀄 \U0010FFFD",
+    "control chars: \x00\x01\x1f\x7f end",
+]
+
+
+def expected_decode(name: str, text: str) -> str:
+    # Qwen2's tokenizer normalizes to NFC (its tokenizer.json does; the engine follows).
+    return unicodedata.normalize("NFC", text) if name == "qwen05" else text
+
+
+@pytest.fixture(scope="module", params=sorted(EXTRA_MODELS))
+def extra_model(request):
+    return request.param, extra_model_path(request.param)
+
+
+@pytest.fixture(scope="module")
+def extra_engine_tokens(extra_model, specula_bin, tmp_path_factory):
+    name, path = extra_model
+    d = tmp_path_factory.mktemp(f"tok-{name}")
+    inp = write_json(d / "in.json", EXTRA_CORPUS)
+    out = d / "out.json"
+    run_specula(specula_bin, ["debug", "tokenize", "--model", path, "--input", str(inp), "--output", str(out)])
+    res = json.loads(out.read_text(encoding="utf-8"))
+    assert isinstance(res, list) and len(res) == len(EXTRA_CORPUS)
+    return name, path, res
+
+
+def test_extra_oracle_roundtrips(extra_model):
+    name, path = extra_model
+    for text in EXTRA_CORPUS:
+        assert to.decode(path, to.encode(path, text)) == expected_decode(name, text), text
+
+
+def test_extra_oracle_special_tokens(extra_model):
+    name, path = extra_model
+    if name == "gemma":
+        spm = to.build_spm(path)
+        ids = to.encode(path, "<start_of_turn>user\nhi<end_of_turn>\n")
+        assert ids[0] == spm.any_id["<start_of_turn>"] == 105 and ids[-2] == spm.any_id["<end_of_turn>"] == 106
+        assert to.encode(path, "\n\n") == [108]  # user-defined newline runs are whole tokens
+        assert to.encode(path, "é") == [spm.normal["é"]] and to.encode(path, "\x00") == [spm.byte_id[0]]
+    else:
+        assert to.encode(path, "<|im_start|>user\nhi<|im_end|>")[0] == 151644
+        assert to.encode(path, "12345") == [16, 17, 18, 19, 20]  # single digits
+
+
+@pytest.mark.parametrize("idx", range(len(EXTRA_CORPUS)), ids=lambda i: repr(EXTRA_CORPUS[i][:30]))
+def test_extra_engine_tokenize_matches_oracle(extra_engine_tokens, idx):
+    name, path, res = extra_engine_tokens
+    text = EXTRA_CORPUS[idx]
+    got = res[idx]
+    want = to.encode(path, text)
+    if got["ids"] != want:
+        pytest.fail(f"{name}: ids differ for {text!r}\n engine: {got['ids']}\n oracle: {want}")
+    assert got["decoded"] == expected_decode(name, text)

@@ -92,6 +92,18 @@ impl GgufFile {
         Ok(arr.iter().map(|x| value_to_u64(x).unwrap_or(0) as i32).collect())
     }
 
+    pub fn meta_f32s(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        let v = self.meta(key).ok_or_else(|| self.missing(key))?;
+        let arr = v.to_vec().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path)))?;
+        arr.iter()
+            .map(|x| match x {
+                Value::F32(x) => Ok(*x),
+                Value::F64(x) => Ok(*x as f32),
+                _ => Err(ModelError::MissingMetadata(format!("{key} in {} holds a non-float", self.path))),
+            })
+            .collect()
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }

@@ -17,7 +17,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
 pub use llama::{FeedForward, ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
-pub use loader::{load_model, LoadedModel};
+pub use loader::{load_model, load_tokenizer, LoadedModel};
 pub use moe::{DenseFfn, ExpertExchange, MoeFfn};
 pub use tokenizer::{DecodeStream, Tokenizer};
 

@@ -87,37 +87,51 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let weight_bytes = f.content.tensor_infos.values().map(|i| i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()).sum();
     let model = LlamaModel::new(config, embed, layers, final_norm, lm_head, rope_freqs)?;
 
+    let (tokenizer, chat_template) = gguf_tokenizer(&f)?;
+    let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
+    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
+}
+
+/// Only the tokenizer and chat template of a model (a GGUF file's metadata, without reading
+/// its weights; a folder is loaded whole).
+pub fn load_tokenizer(path: &Path) -> Result<(Tokenizer, Option<ChatTemplate>), ModelError> {
+    if path.is_dir() {
+        let m = load_model(path)?;
+        return Ok((m.tokenizer, m.chat_template));
+    }
+    gguf_tokenizer(&GgufFile::open(path)?)
+}
+
+/// The tokenizer (`tokenizer.ggml.*`) and chat template (`tokenizer.chat_template`) of a GGUF.
+fn gguf_tokenizer(f: &GgufFile) -> Result<(Tokenizer, Option<ChatTemplate>), ModelError> {
     let tokens = f.meta_strings("tokenizer.ggml.tokens")?;
     let token_types = f.meta_i32s("tokenizer.ggml.token_type").unwrap_or_else(|_| vec![1; tokens.len()]);
-    let merges = f.meta_strings("tokenizer.ggml.merges").unwrap_or_default();
     let bos = f.meta_u32("tokenizer.ggml.bos_token_id").ok();
     let eos = f.meta_u32("tokenizer.ggml.eos_token_id").ok();
     let tok_model = f.meta_str("tokenizer.ggml.model")?.to_string();
-    let pre = f.meta_str("tokenizer.ggml.pre").ok().map(str::to_string);
     let mut tokenizer = Tokenizer::from_gguf(GgufTokenizerSpec {
         model: &tok_model,
-        pre: pre.as_deref(),
+        pre: f.meta_str("tokenizer.ggml.pre").ok(),
         tokens: tokens.clone(),
         token_types,
-        merges,
+        merges: f.meta_strings("tokenizer.ggml.merges").unwrap_or_default(),
+        scores: f.meta_f32s("tokenizer.ggml.scores").unwrap_or_default(),
         bos,
         eos,
+        unk: f.meta_u32("tokenizer.ggml.unknown_token_id").ok(),
         add_bos: f.meta_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
+        // llama.cpp's default for SentencePiece models is to add the prefix space.
+        add_space_prefix: f.meta_bool("tokenizer.ggml.add_space_prefix").unwrap_or(tok_model == "llama"),
     })?;
-    // ChatML models also end a turn with <|im_end|>.
-    if let Some(id) = tokenizer.token_to_id("<|im_end|>") {
-        if !tokenizer.eos.contains(&id) {
-            tokenizer.eos.push(id);
-        }
-    }
+    // Stop where the chat format ends a turn (<|im_end|>, <end_of_turn>, <|eot_id|>, <|eom_id|>).
+    tokenizer.add_end_of_turn_tokens();
     let tok_text = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize).cloned()).unwrap_or_default();
     let chat_template = match f.meta_str("tokenizer.chat_template") {
         Ok(src) => Some(ChatTemplate::new(src, &tok_text(bos), &tok_text(eos))?),
         Err(_) if tokenizer.token_to_id("<|im_start|>").is_some() => Some(ChatTemplate::new(CHATML, "", "")?),
         Err(_) => None,
     };
-    let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
-    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
+    Ok((tokenizer, chat_template))
 }
 
 /// The MoE shape from `{arch}.expert_count` / `expert_used_count` (None for a dense model).

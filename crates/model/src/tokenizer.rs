@@ -1,10 +1,11 @@
-//! Text <-> token ids. Built from GGUF metadata (`tokenizer.ggml.*`, byte-level BPE models) or
+//! Text <-> token ids. Built from GGUF metadata (`tokenizer.ggml.*`: byte-level BPE or SentencePiece) or
 //! loaded from a `tokenizer.json`, using the `tokenizers` crate either way. Also the incremental
 //! detokenizer used for streaming, which never emits a broken UTF-8 character.
 
 use crate::ModelError;
 use serde_json::{json, Value};
-use tokenizers::Tokenizer as HfTokenizer;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, Tokenizer as HfTokenizer};
 
 pub type TokenId = u32;
 
@@ -20,68 +21,93 @@ pub struct Tokenizer {
 }
 
 /// The pieces of GGUF tokenizer metadata we use.
+#[derive(Default)]
 pub struct GgufTokenizerSpec<'a> {
+    /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE) or "llama" (SentencePiece).
     pub model: &'a str,
     pub pre: Option<&'a str>,
     pub tokens: Vec<String>,
     pub token_types: Vec<i32>,
     pub merges: Vec<String>,
+    /// `tokenizer.ggml.scores` (SentencePiece only: merge priority of each piece).
+    pub scores: Vec<f32>,
     pub bos: Option<TokenId>,
     pub eos: Option<TokenId>,
+    pub unk: Option<TokenId>,
     pub add_bos: bool,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece only; llama.cpp's default is true).
+    pub add_space_prefix: bool,
 }
 
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_NORMAL: i32 = 1;
+const TOKEN_CONTROL: i32 = 3;
+const TOKEN_USER_DEFINED: i32 = 4;
+
+/// Qwen2's split (llama.cpp `qwen2`, Hugging Face Qwen2 tokenizer.json): Llama 3's pattern with
+/// single digits.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Llama 3's split (llama.cpp `llama-bpe`, Meta-Llama-3 tokenizer.json): digits in groups of up to 3.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 impl Tokenizer {
-    /// Builds a byte-level BPE tokenizer from GGUF metadata.
+    /// Builds the tokenizer GGUF metadata describes: byte-level BPE (`gpt2`) or SentencePiece
+    /// (`llama`).
     pub fn from_gguf(spec: GgufTokenizerSpec) -> Result<Self, ModelError> {
-        if spec.model != "gpt2" {
-            return Err(ModelError::Unsupported(format!(
-                "GGUF tokenizer model '{}' is not supported (only byte-level BPE 'gpt2'); put a tokenizer.json beside the model and pass the folder",
-                spec.model
-            )));
-        }
-        let vocab: serde_json::Map<String, Value> = spec.tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
-        // Token type 3 = control, 4 = user-defined: matched whole in the input, never split.
-        let added: Vec<Value> = spec
-            .tokens
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| matches!(spec.token_types.get(*i), Some(3) | Some(4)))
-            .map(|(i, t)| {
-                json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                       "normalized": false, "special": spec.token_types[i] == 3})
-            })
-            .collect();
-        let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-        let pre_tokenizer = match spec.pre.unwrap_or("default") {
-            // SmolLM: every digit its own pre-token, then GPT-2's byte-level split.
-            "smollm" => json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Digits", "individual_digits": true}, byte_level]}),
-            "llama-bpe" | "llama3" => json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-                 "behavior": "Isolated", "invert": false},
-                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]}),
-            "gpt2" | "default" => byte_level,
+        let parts = match spec.model {
+            "gpt2" => byte_level_bpe(&spec)?,
+            "llama" => sentencepiece_bpe(&spec)?,
             other => {
                 return Err(ModelError::Unsupported(format!(
-                    "GGUF pre-tokenizer '{other}' is not supported; put a tokenizer.json beside the model and pass the folder"
+                    "GGUF tokenizer model '{other}' is not supported (only byte-level BPE 'gpt2' and SentencePiece 'llama'); put a tokenizer.json beside the model and pass the folder"
                 )))
             }
         };
-        let doc = json!({
-            "version": "1.0",
-            "truncation": null, "padding": null,
-            "added_tokens": added,
-            "normalizer": null,
-            "pre_tokenizer": pre_tokenizer,
-            "post_processor": null,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                      "vocab": vocab, "merges": spec.merges},
-        });
-        let inner: HfTokenizer = doc.to_string().parse().map_err(|e| ModelError::Tokenizer(format!("building the tokenizer from GGUF metadata: {e}")))?;
+        let err = |what: &str, e: &dyn std::fmt::Display| ModelError::Tokenizer(format!("building the tokenizer from GGUF metadata ({what}): {e}"));
+        // The model is built directly (a 262k-piece vocabulary as JSON text costs seconds and
+        // hundreds of MB); the small parts are tokenizer.json-shaped values.
+        let vocab: Vocab = spec.tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let mut bpe = BPE::builder()
+            .vocab_and_merges(vocab, parts.merges)
+            .byte_fallback(parts.byte_fallback)
+            .fuse_unk(parts.byte_fallback)
+            .ignore_merges(parts.ignore_merges);
+        if let Some(unk) = parts.unk {
+            bpe = bpe.unk_token(unk);
+        }
+        let mut inner = HfTokenizer::new(bpe.build().map_err(|e| err("model", &e))?);
+        if !parts.normalizer.is_null() {
+            inner.with_normalizer(Some(serde_json::from_value::<NormalizerWrapper>(parts.normalizer).map_err(|e| err("normalizer", &e))?));
+        }
+        if !parts.pre_tokenizer.is_null() {
+            inner.with_pre_tokenizer(Some(serde_json::from_value::<PreTokenizerWrapper>(parts.pre_tokenizer).map_err(|e| err("pre-tokenizer", &e))?));
+        }
+        inner.with_decoder(Some(serde_json::from_value::<DecoderWrapper>(parts.decoder).map_err(|e| err("decoder", &e))?));
+        // Token type 3 = control, 4 = user-defined: matched whole in the raw input, never split
+        // (they are in the vocabulary, so they keep their ids).
+        let added: Vec<AddedToken> = spec
+            .tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| matches!(spec.token_types.get(*i), Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)))
+            .map(|(i, t)| AddedToken::from(t.clone(), spec.token_types[i] == TOKEN_CONTROL).normalized(false))
+            .collect();
+        inner.add_tokens(&added);
         Ok(Self { vocab_size: spec.tokens.len(), inner, bos: spec.bos, eos: spec.eos.into_iter().collect(), add_bos: spec.add_bos })
+    }
+
+    /// Adds the end-of-turn tokens of the common chat formats that exist in the vocabulary to
+    /// the EOS set, so generation stops where the template ends an assistant turn:
+    /// `<|im_end|>` (ChatML: Qwen, SmolLM), `<end_of_turn>` (Gemma), `<|eot_id|>` and
+    /// `<|eom_id|>` (Llama 3).
+    pub fn add_end_of_turn_tokens(&mut self) {
+        for t in END_OF_TURN_TOKENS {
+            if let Some(id) = self.token_to_id(t) {
+                if !self.eos.contains(&id) {
+                    self.eos.push(id);
+                }
+            }
+        }
     }
 
     /// Loads a Hugging Face `tokenizer.json`; `eos`/`bos` come from the model's config.
@@ -135,6 +161,113 @@ impl Tokenizer {
     }
 }
 
+/// Turn-ending tokens of the chat formats we know (see `add_end_of_turn_tokens`).
+pub const END_OF_TURN_TOKENS: [&str; 4] = ["<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>"];
+
+/// What differs between the two kinds of GGUF tokenizer.
+struct Parts {
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    merges: Vec<(String, String)>,
+    byte_fallback: bool,
+    /// Take a pre-token that is itself a vocabulary entry whole, without merging (Llama 3).
+    ignore_merges: bool,
+    unk: Option<String>,
+}
+
+/// Byte-level BPE (GPT-2 style): vocabulary and merges straight from the GGUF, the
+/// pre-tokenizer chosen by `tokenizer.ggml.pre` as llama.cpp does.
+fn byte_level_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let split_then_bytes = |regex: &str| {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}]})
+    };
+    let mut normalizer = Value::Null;
+    let mut ignore_merges = false;
+    let pre_tokenizer = match spec.pre.unwrap_or("default") {
+        // SmolLM: every digit its own pre-token, then GPT-2's byte-level split.
+        "smollm" => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true}, byte_level]}),
+        "llama-bpe" | "llama3" | "llama-v3" => {
+            // Meta-Llama-3's tokenizer.json has "ignore_merges": true (llama.cpp does the same).
+            ignore_merges = true;
+            split_then_bytes(LLAMA3_SPLIT)
+        }
+        "qwen2" => {
+            // Qwen2's tokenizer.json normalizes to NFC before splitting (llama.cpp does not).
+            normalizer = json!({"type": "NFC"});
+            split_then_bytes(QWEN2_SPLIT)
+        }
+        "gpt2" | "default" => byte_level,
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "GGUF pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported (known: default, gpt2, smollm, llama-bpe, qwen2); put a tokenizer.json beside the model and pass the folder"
+            )))
+        }
+    };
+    let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+    let merges = spec
+        .merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| ModelError::Tokenizer(format!("GGUF merge '{m}' is not two tokens")))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Parts { normalizer, pre_tokenizer, decoder, merges, byte_fallback: false, ignore_merges, unk: None })
+}
+
+/// SentencePiece BPE (`tokenizer.ggml.model` = llama), the way Hugging Face converts a
+/// SentencePiece model: a BPE with byte fallback whose merges are every split of a normal piece
+/// into two vocabulary pieces, ranked by the merged piece's score (highest first; ties by
+/// piece id, then by the ids of the two halves). Spaces become '▁' (plus a leading '▁' when
+/// `add_space_prefix`), and there is no pre-tokenizer: the whole text between special tokens is
+/// one word, as in SentencePiece and llama.cpp.
+fn sentencepiece_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
+    if spec.scores.len() != spec.tokens.len() {
+        return Err(ModelError::MissingMetadata(format!(
+            "a SentencePiece GGUF tokenizer needs tokenizer.ggml.scores for each of its {} tokens (found {})",
+            spec.tokens.len(),
+            spec.scores.len()
+        )));
+    }
+    let ids: std::collections::HashMap<&str, u32> = spec.tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
+    let mut ranked: Vec<(f32, u32, u32, u32)> = Vec::new();
+    for (id, piece) in spec.tokens.iter().enumerate() {
+        if spec.token_types.get(id).copied().unwrap_or(TOKEN_NORMAL) != TOKEN_NORMAL {
+            continue;
+        }
+        for (at, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(at);
+            if let (Some(&li), Some(&ri)) = (ids.get(l), ids.get(r)) {
+                ranked.push((spec.scores[id], id as u32, li, ri));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)).then(a.3.cmp(&b.3)));
+    let merges = ranked.iter().map(|&(_, _, l, r)| (spec.tokens[l as usize].clone(), spec.tokens[r as usize].clone())).collect();
+    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer =
+        if spec.add_space_prefix { json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, replace]}) } else { replace };
+    let mut decoders =
+        vec![json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}), json!({"type": "ByteFallback"}), json!({"type": "Fuse"})];
+    if spec.add_space_prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let unk = spec.unk.and_then(|i| spec.tokens.get(i as usize)).cloned();
+    Ok(Parts {
+        normalizer,
+        pre_tokenizer: Value::Null,
+        decoder: json!({"type": "Sequence", "decoders": decoders}),
+        merges,
+        byte_fallback: true,
+        ignore_merges: false,
+        unk,
+    })
+}
+
 /// Streaming detokenizer (the prefix/read-offset scheme of TGI and vLLM): decodes a window of
 /// recent tokens and releases only text that ends on a complete character.
 #[derive(Clone, Debug, Default)]
@@ -177,5 +310,133 @@ impl DecodeStream {
         } else {
             Ok(String::new())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GPT-2's byte -> printable character table.
+    fn byte_chars() -> Vec<String> {
+        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+        let mut cs = bs.clone();
+        let mut n = 0;
+        for b in 0..256u32 {
+            if !bs.contains(&b) {
+                bs.push(b);
+                cs.push(256 + n);
+                n += 1;
+            }
+        }
+        let mut table = vec![String::new(); 256];
+        for (b, c) in bs.into_iter().zip(cs) {
+            table[b as usize] = char::from_u32(c).unwrap().to_string();
+        }
+        table
+    }
+
+    fn byte_level(pre: &str) -> Result<Tokenizer, ModelError> {
+        let mut tokens = byte_chars();
+        tokens.extend(["12", "123", "1234", "xyz", "<|im_end|>"].map(String::from));
+        let mut token_types = vec![1; tokens.len()];
+        *token_types.last_mut().unwrap() = 3;
+        Tokenizer::from_gguf(GgufTokenizerSpec {
+            model: "gpt2",
+            pre: Some(pre),
+            tokens,
+            token_types,
+            merges: vec!["1 2".into(), "12 3".into(), "123 4".into()],
+            ..Default::default()
+        })
+    }
+
+    fn pieces(t: &Tokenizer, text: &str) -> Vec<String> {
+        t.encode(text).unwrap().into_iter().map(|i| t.id_to_token(i).unwrap()).collect()
+    }
+
+    #[test]
+    fn digit_splitting_follows_the_pre_tokenizer() {
+        // Qwen2 and SmolLM: one digit per pre-token; Llama 3: up to three; GPT-2: whole runs.
+        assert_eq!(pieces(&byte_level("qwen2").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
+        assert_eq!(pieces(&byte_level("smollm").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
+        assert_eq!(pieces(&byte_level("llama-bpe").unwrap(), "12345"), ["123", "4", "5"]);
+        assert_eq!(pieces(&byte_level("default").unwrap(), "12345"), ["1234", "5"]);
+        // "xyz" is a vocabulary entry no merge reaches: Llama 3 takes it whole (ignore_merges).
+        assert_eq!(pieces(&byte_level("llama-bpe").unwrap(), "xyz"), ["xyz"]);
+        assert_eq!(pieces(&byte_level("qwen2").unwrap(), "xyz"), ["x", "y", "z"]);
+        let q = byte_level("qwen2").unwrap();
+        assert_eq!(q.decode(&q.encode("a 12<|im_end|>\n").unwrap(), false).unwrap(), "a 12<|im_end|>\n");
+    }
+
+    #[test]
+    fn unknown_pre_tokenizer_and_model_are_named_in_the_error() {
+        let e = byte_level("tekken").err().unwrap().to_string();
+        assert!(e.contains("'tekken'") && e.contains("pre-tokenizer"), "{e}");
+        let e = Tokenizer::from_gguf(GgufTokenizerSpec { model: "rwkv", ..Default::default() }).err().unwrap().to_string();
+        assert!(e.contains("'rwkv'"), "{e}");
+    }
+
+    /// A SentencePiece vocabulary: <unk> <s> </s>, <start_of_turn> (control), "\n" (user
+    /// defined), the byte tokens, then pieces whose scores decide the merge order.
+    fn sentencepiece(add_space_prefix: bool) -> Tokenizer {
+        let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>", "<start_of_turn>", "\n"].map(String::from).to_vec();
+        let mut token_types = vec![2, 3, 3, 3, 4];
+        let mut scores = vec![0.0; 5];
+        for b in 0..256 {
+            tokens.push(format!("<0x{b:02X}>"));
+            token_types.push(6);
+            scores.push(0.0);
+        }
+        // "bc" outranks "ab", which outranks "▁a"; "abc" is reached through either half.
+        for (piece, score) in
+            [("a", -100.0), ("b", -101.0), ("c", -102.0), ("\u{2581}", -103.0), ("ab", -1.0), ("bc", -0.5), ("\u{2581}a", -2.0), ("abc", -3.0)]
+        {
+            tokens.push(piece.into());
+            token_types.push(1);
+            scores.push(score);
+        }
+        Tokenizer::from_gguf(GgufTokenizerSpec {
+            model: "llama",
+            tokens,
+            token_types,
+            scores,
+            bos: Some(1),
+            eos: Some(2),
+            unk: Some(0),
+            add_bos: true,
+            add_space_prefix,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn sentencepiece_merges_by_score_with_byte_fallback() {
+        let t = sentencepiece(false);
+        // "bc" first, then "a"+"bc" is the piece "abc".
+        assert_eq!(pieces(&t, "abc"), ["abc"]);
+        assert_eq!(pieces(&t, "cbc"), ["c", "bc"]);
+        // "ab" (-1) outranks "▁a" (-2), and "▁ab" is no piece.
+        assert_eq!(pieces(&t, " ab a"), ["\u{2581}", "ab", "\u{2581}a"]);
+        // Not in the vocabulary: UTF-8 bytes. Special and user-defined tokens are matched whole.
+        assert_eq!(pieces(&t, "é<start_of_turn>\na"), ["<0xC3>", "<0xA9>", "<start_of_turn>", "\n", "a"]);
+        for text in ["abc", " ab a", "é<start_of_turn>\na  c", "x y\tz"] {
+            assert_eq!(t.decode(&t.encode(text).unwrap(), false).unwrap(), text);
+        }
+        assert_eq!(t.encode_prompt("a").unwrap(), [1, t.token_to_id("a").unwrap()]);
+        // With the SentencePiece prefix space: "a" is read as " a", and decoding drops it again.
+        let t = sentencepiece(true);
+        assert_eq!(pieces(&t, "a"), ["\u{2581}a"]);
+        assert_eq!(t.decode(&t.encode("a b").unwrap(), false).unwrap(), "a b");
+    }
+
+    #[test]
+    fn end_of_turn_tokens_join_the_eos_set() {
+        let mut t = byte_level("qwen2").unwrap();
+        assert!(t.eos.is_empty());
+        t.add_end_of_turn_tokens();
+        t.add_end_of_turn_tokens();
+        assert_eq!(t.eos, [t.token_to_id("<|im_end|>").unwrap()]);
     }
 }

@@ -11,6 +11,10 @@ use std::path::PathBuf;
 pub enum DebugCmd {
     /// Tokenize a JSON list of strings: writes [{"ids": [...], "decoded": "..."}].
     Tokenize(IoArgs),
+    /// Render the model's chat template for a JSON list of {"messages": [...], "tools": [...]?,
+    /// "add_generation_prompt": bool}: writes {"renders": [{"text": ...} | {"error": ...}],
+    /// "eos": [ids], "bos": id, "add_bos": bool}.
+    RenderChat(RenderArgs),
     /// Logits at every position of each prompt in {"prompts": [[ids]]}: little-endian f32.
     Logits(IoArgs),
     /// Dequantize raw ggml blocks (one row of --cols elements per row) to little-endian f32.
@@ -59,6 +63,19 @@ pub struct DequantArgs {
 }
 
 #[derive(Args)]
+pub struct RenderArgs {
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    #[arg(long)]
+    pub input: PathBuf,
+    #[arg(long)]
+    pub output: PathBuf,
+    /// A Jinja template file to use instead of the model's own (bos/eos text from the model).
+    #[arg(long)]
+    pub template: Option<PathBuf>,
+}
+
+#[derive(Args)]
 pub struct IoArgs {
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -76,14 +93,37 @@ pub struct IoArgs {
 pub fn run(cmd: DebugCmd) -> Result<()> {
     match cmd {
         DebugCmd::Tokenize(a) => {
-            let m = load_model(&crate::fetch::resolve_model(&a.model)?)?;
+            // The tokenizer only (GGUF metadata): works for any architecture.
+            let (tokenizer, _) = specula_model::load_tokenizer(&crate::fetch::resolve_model(&a.model)?)?;
             let texts: Vec<String> = serde_json::from_str(&std::fs::read_to_string(&a.input)?).context("input must be a JSON list of strings")?;
             let mut out = Vec::new();
             for t in texts {
-                let ids = m.tokenizer.encode(&t)?;
-                let decoded = m.tokenizer.decode(&ids, false)?;
+                let ids = tokenizer.encode(&t)?;
+                let decoded = tokenizer.decode(&ids, false)?;
                 out.push(serde_json::json!({"ids": ids, "decoded": decoded}));
             }
+            std::fs::write(&a.output, serde_json::to_string(&out)?)?;
+        }
+        DebugCmd::RenderChat(a) => {
+            let (tokenizer, mut template) = specula_model::load_tokenizer(&crate::fetch::resolve_model(&a.model)?)?;
+            if let Some(path) = &a.template {
+                let text = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i)).unwrap_or_default();
+                let eos = text(tokenizer.eos.first().copied());
+                template = Some(specula_model::ChatTemplate::new(&std::fs::read_to_string(path)?, &text(tokenizer.bos), &eos)?);
+            }
+            let cases: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&a.input)?).context("input must be a JSON list")?;
+            let mut renders = Vec::new();
+            for c in cases {
+                let messages = c["messages"].as_array().cloned().unwrap_or_default();
+                let tools = c.get("tools").filter(|t| !t.is_null());
+                let agp = c["add_generation_prompt"].as_bool().unwrap_or(true);
+                renders.push(match template.as_ref().map(|t| t.render_with(&messages, tools, agp)) {
+                    None => serde_json::json!({"error": "no chat template"}),
+                    Some(Ok(text)) => serde_json::json!({"text": text}),
+                    Some(Err(e)) => serde_json::json!({"error": e.to_string()}),
+                });
+            }
+            let out = serde_json::json!({"renders": renders, "eos": tokenizer.eos, "bos": tokenizer.bos, "add_bos": tokenizer.add_bos});
             std::fs::write(&a.output, serde_json::to_string(&out)?)?;
         }
         DebugCmd::Logits(a) => {

@@ -55,7 +55,7 @@ pub fn tokenizer() -> Tokenizer {
         merges: vec!["h e".into(), "l l".into(), "he ll".into()],
         bos: None,
         eos: Some(260),
-        add_bos: false,
+        ..Default::default()
     })
     .expect("the test tokenizer builds")
 }
