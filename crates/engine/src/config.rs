@@ -28,7 +28,7 @@ pub struct EngineConfig {
     pub publish_gauges: bool,
     /// Test-only switch: make preparing one step fail or panic.
     #[doc(hidden)]
-    pub fault_injection: Option<crate::host::FaultInjection>,
+    pub fault_injection: Option<FaultInjection>,
 }
 
 impl Default for EngineConfig {
@@ -80,4 +80,18 @@ impl EngineConfig {
         }
         Ok(())
     }
+}
+
+/// A test-only switch that makes preparing one step fail (see `EngineConfig::fault_injection`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    Error,
+    Panic,
+}
+
+/// Fails the preparation of engine step `step` (steps are numbered from 1 as they are prepared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaultInjection {
+    pub step: u64,
+    pub kind: FaultKind,
 }

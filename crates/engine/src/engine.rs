@@ -14,74 +14,22 @@
 use crate::api::{GenerateRequest, RequestEvent};
 use crate::config::EngineConfig;
 use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
-use crate::host::{record_timings, Host, HostDone, HostWork};
-use crate::runner::job::{run_job, ComputeState, Computed, JobContext, JobTimings, StepJob};
-use crate::runner::{finalize, AsyncRunner, PreparedStep};
+use crate::host::{record_timings, Host, HostDone};
+use crate::runner::job::{run_job, ComputeState, JobContext};
+use crate::runner::{finalize, AsyncRunner};
 use crate::sampling::Sampler;
-use crate::scheduler::StepPlan;
 use crate::spec::{Proposer, SpecConfig, SpecMetrics, Speculation};
+use crate::step::{Computed, JobTimings, PreparedStep, StepJob, StepPlan};
 use crate::types::{RequestId, SeqId};
 use specula_kernels::attention::KvLayout;
 use specula_model::{KvStore, LlamaModel, Tokenizer};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("invalid engine configuration: {0}")]
-    Config(String),
-    #[error("cannot start the compute thread pool: {0}")]
-    ThreadPool(String),
-    #[error("cannot start the engine thread: {0}")]
-    Spawn(std::io::Error),
-}
-
-/// Where one step's time went. `forward`, `sample` and `propose` are the compute job; `finalize`
-/// settles the step from the one before just before its forward pass. With async scheduling,
-/// `schedule`, `prepare` and `update` are the host job that ran beside this step's forward pass
-/// (the next step's schedule and prepare, the previous step's update).
-#[derive(Clone, Debug, Default)]
-pub struct StepTimings {
-    pub schedule: Duration,
-    pub prepare: Duration,
-    pub finalize: Duration,
-    pub forward: Duration,
-    pub sample: Duration,
-    pub propose: Duration,
-    /// Applying sampled tokens and streaming them (detokenize, stop strings, deltas).
-    pub update: Duration,
-    /// Time between the end of the previous forward pass and the start of this one (`None` for
-    /// the first forward pass after the engine was idle). Includes sampling, which the next
-    /// forward pass waits for whatever the scheduling.
-    pub gap: Option<Duration>,
-    /// Time between the end of the previous compute job (forward, sample, propose) and the start
-    /// of this forward pass: the compute side waiting on host work.
-    pub host_gap: Option<Duration>,
-}
-
-/// What one step did, for logs, benchmarks and tests.
-#[derive(Clone, Debug, Default)]
-pub struct StepStats {
-    pub num_seqs: usize,
-    pub num_tokens: usize,
-    /// Tokens streamed to clients by this call (async: the previous step's).
-    pub num_emitted: usize,
-    pub has_prefill: bool,
-    /// Whether this call ran a forward pass.
-    pub ran_forward: bool,
-    pub timings: StepTimings,
-}
-
-impl StepStats {
-    fn add_host_work(&mut self, w: HostWork) {
-        self.timings.schedule += w.schedule;
-        self.timings.prepare += w.prepare;
-        self.timings.update += w.update;
-        self.num_emitted += w.emitted;
-    }
-}
+pub use crate::error::EngineError;
+pub use crate::step::{StepStats, StepTimings};
 
 pub struct Engine {
     pub(crate) cfg: EngineConfig,

@@ -9,36 +9,25 @@
 
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
 use crate::config::EngineConfig;
-use crate::engine::{EngineError, StepTimings};
+use crate::error::{panic_message, EngineError, StepError};
 use crate::handle::QueueCounters;
 use crate::kv_cache::KvCacheManager;
-use crate::runner::job::{is_stop_token, panic_message, token_finish, Computed, JobOutput};
-use crate::runner::{prepare, PreparedStep};
+use crate::runner::prepare;
 use crate::sampling::{unpack, RankedLogprob, StopCheck};
-use crate::scheduler::{InFlight, Scheduler, StepPlan};
-use crate::sequence::Sequence;
+use crate::scheduler::Scheduler;
+use crate::sequence::{is_stop_token, token_finish, Sequence};
 use crate::spec::Draft;
+use crate::step::{Computed, HostWork, InFlight, JobOutput, PreparedStep, StepPlan, StepTimings};
 use crate::types::{RequestId, SeqId, TokenId};
 use specula_model::Tokenizer;
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// A test-only switch that makes preparing one step fail (see `EngineConfig::fault_injection`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FaultKind {
-    Error,
-    Panic,
-}
-
-/// Fails the preparation of engine step `step` (steps are numbered from 1 as they are prepared).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FaultInjection {
-    pub step: u64,
-    pub kind: FaultKind,
-}
+/// Kept where it was first defined: the switch lives with the configuration now.
+pub use crate::config::{FaultInjection, FaultKind};
 
 /// What a host job hands back: the host, and the next step prepared (none if nothing is to run,
 /// or if preparing it failed, in which case its requests have been failed).
@@ -46,15 +35,6 @@ pub(crate) struct HostDone {
     pub host: Host,
     pub prepared: Option<PreparedStep>,
     pub work: HostWork,
-}
-
-/// Where a host job's time went, and what it streamed.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct HostWork {
-    pub schedule: Duration,
-    pub prepare: Duration,
-    pub update: Duration,
-    pub emitted: usize,
 }
 
 /// One sequence's tokens applied by a step, to be streamed.
@@ -154,9 +134,11 @@ impl Host {
         }
     }
 
-    pub fn fail_plan(&mut self, plan: &StepPlan, msg: &str) {
+    /// Fails every request of a step that failed, with the step's error.
+    pub fn fail_plan(&mut self, plan: &StepPlan, err: &StepError) {
+        let msg = err.to_string();
         for s in &plan.seqs {
-            self.fail(s.seq, msg);
+            self.fail(s.seq, &msg);
         }
     }
 
@@ -234,16 +216,16 @@ impl Host {
             }
             prepare(&plan, &self.seqs, &self.kv)
         }));
-        let msg = match result {
+        let err = match result {
             Ok(Ok(seqs)) => return Some(PreparedStep { step, plan, seqs }),
-            Ok(Err(e)) => format!("step {step} failed: {e}"),
+            Ok(Err(message)) => StepError::Failed { step, message },
             Err(panic) => {
-                let m = panic_message(&panic);
-                tracing::error!("preparing step {step} panicked: {m}");
-                format!("internal error: step {step} panicked: {m}")
+                let message = panic_message(&panic);
+                tracing::error!("preparing step {step} panicked: {message}");
+                StepError::Panicked { step, message }
             }
         };
-        self.fail_plan(&plan, &msg);
+        self.fail_plan(&plan, &err);
         None
     }
 
@@ -266,7 +248,7 @@ impl Host {
             Err(e) => {
                 p.plan.seqs.truncate(first);
                 p.plan.total_tokens = p.plan.seqs.iter().map(|s| s.num_tokens).sum();
-                self.fail_plan(&late, &format!("step {} failed: {e}", p.step));
+                self.fail_plan(&late, &StepError::Failed { step: p.step, message: e });
             }
         }
     }
@@ -278,17 +260,17 @@ impl Host {
         let emitted = match done.outcome {
             Ok(out) => match catch_unwind(AssertUnwindSafe(|| self.apply(&done.plan, out, next))) {
                 Ok(Ok(applied)) => self.emit(applied),
-                Ok(Err(msg)) => {
-                    self.fail_plan(&done.plan, &msg);
+                Ok(Err(err)) => {
+                    self.fail_plan(&done.plan, &err);
                     0
                 }
                 Err(p) => {
-                    self.fail_plan(&done.plan, &format!("internal error in engine step: {}", panic_message(&p)));
+                    self.fail_plan(&done.plan, &StepError::ApplyPanicked(panic_message(&p)));
                     0
                 }
             },
-            Err(msg) => {
-                self.fail_plan(&done.plan, &msg);
+            Err(err) => {
+                self.fail_plan(&done.plan, &err);
                 0
             }
         };
@@ -329,9 +311,9 @@ impl Host {
     /// slots, prefix-cache commits), random streams, the emitted tokens up to a token-level finish,
     /// and the drafts for the next step. `next` is the step already running after this one
     /// (async): its sequences keep their reserved slots and its preemptions own their KV state.
-    fn apply(&mut self, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, String> {
+    fn apply(&mut self, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, StepError> {
         let lp_rows = match &out.logprobs {
-            Some(p) => unpack(p.words()).map_err(|e| format!("logprobs transfer: {e}"))?.rows,
+            Some(p) => unpack(p.words()).map_err(|e| StepError::Apply(format!("logprobs transfer: {e}")))?.rows,
             None => Vec::new(),
         };
         let mut results: BTreeMap<SeqId, _> = out.results.into_iter().collect();
@@ -343,7 +325,7 @@ impl Host {
             let result = results.remove(&sch.seq);
             // preempted while this step ran: its KV is gone and it recomputes from its tokens
             let kv_live = !preempted.contains(&sch.seq);
-            let rejected = result.as_ref().map_or(0, |r| r.num_drafts - r.num_accepted());
+            let rejected = result.as_ref().map_or(0, |r| r.num_rejected());
             if kv_live {
                 s.num_computed = sch.start + sch.num_tokens - rejected;
                 if rejected > 0 && !in_next.contains(&sch.seq) {

@@ -9,55 +9,7 @@ use crate::sequence::Sequence;
 use crate::types::SeqId;
 use std::collections::{BTreeMap, VecDeque};
 
-/// One sequence's share of a step.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ScheduledSeq {
-    pub seq: SeqId,
-    /// Position of the first token computed this step (= tokens computed before it).
-    pub start: usize,
-    /// Tokens computed this step (a prefill chunk, 1 decode token, or 1 + k with drafts).
-    pub num_tokens: usize,
-    /// Draft tokens among them (the last `num_drafts` of the step's tokens).
-    pub num_drafts: usize,
-    /// Whether the step ends on the sequence's last known token, so logits are sampled.
-    pub sample: bool,
-    /// Scheduled ahead (async scheduling) while the step before was still running: `start`,
-    /// `num_tokens` and `num_drafts` are the worst case reserved (KV slots and token budget) and are
-    /// finalized from that step's output just before this one executes.
-    pub provisional: bool,
-}
-
-/// What a submitted step that has not been applied yet does to one of its sequences: the KV is
-/// computed up to `end` at most (drafts may still be rejected), and when it samples, new tokens
-/// (1 + up to k drafts) follow that the scheduler cannot see yet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct InFlight {
-    pub end: usize,
-    pub sample: bool,
-}
-
-/// The scheduler's decision for one step. `seqs` sums to `total_tokens`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StepPlan {
-    pub seqs: Vec<ScheduledSeq>,
-    pub total_tokens: usize,
-    /// Sequences preempted while planning (already moved to the waiting queue).
-    pub preempted: Vec<SeqId>,
-    /// Sequences that left the waiting queue for the first time this step.
-    pub newly_admitted: Vec<SeqId>,
-    /// Decodes scheduled ahead and settled just before the step ran (`runner::finalize`): their KV
-    /// was reserved for the worst case, and what they do not compute goes back in update.
-    pub settled: Vec<SeqId>,
-}
-
-impl StepPlan {
-    pub fn is_empty(&self) -> bool {
-        self.seqs.is_empty()
-    }
-    pub fn has_prefill(&self) -> bool {
-        self.seqs.iter().any(|s| s.num_tokens > 1 + s.num_drafts)
-    }
-}
+pub use crate::step::{InFlight, ScheduledSeq, StepPlan};
 
 pub struct Scheduler {
     cfg: EngineConfig,

@@ -1,12 +1,13 @@
 //! One sequence's state as the engine tracks it: its known tokens, how many of them have their
 //! keys/values computed, the request's sampling settings and random stream, and the streaming
-//! detokenizer. The single rule of the scheduler is "compute known - computed tokens".
+//! detokenizer. The single rule of the scheduler is "compute known - computed tokens". Beside it,
+//! the token-level stop rules that decide when a sequence ends.
 
-use crate::api::{RequestEvent, SamplingParams, TokenLogprob};
+use crate::api::{FinishReason, RequestEvent, SamplingParams, TokenLogprob};
 use crate::sampling::{SeqRng, StopStrings};
 use crate::spec::Draft;
 use crate::types::{RequestId, SeqId, TokenId};
-use specula_model::DecodeStream;
+use specula_model::{DecodeStream, Tokenizer};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -82,4 +83,29 @@ impl Sequence {
     pub fn send_delta(&self, tokens: Vec<TokenId>, text: String, logprobs: Vec<TokenLogprob>) -> bool {
         self.send(RequestEvent::Delta { tokens, text, logprobs })
     }
+}
+
+/// Why a sequence stops at token `id`, judged from tokens alone (stop strings need the text and
+/// are checked when the engine streams). The engine's update and the job's drafting both use it,
+/// so a sequence the job keeps drafting for is exactly one the engine keeps running.
+pub(crate) fn token_finish(
+    params: &SamplingParams,
+    tokenizer: &Tokenizer,
+    id: TokenId,
+    output_len: usize,
+    total_len: usize,
+    max_model_len: usize,
+) -> Option<FinishReason> {
+    if is_stop_token(params, tokenizer, id) {
+        Some(FinishReason::Stop)
+    } else if output_len >= params.max_tokens || total_len >= max_model_len {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
+/// EOS (unless ignored) or one of the request's stop token ids: emitted without text.
+pub(crate) fn is_stop_token(params: &SamplingParams, tokenizer: &Tokenizer, id: TokenId) -> bool {
+    (!params.ignore_eos && tokenizer.is_eos(id)) || params.stop_token_ids.contains(&id)
 }

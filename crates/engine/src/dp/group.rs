@@ -9,7 +9,8 @@ use super::metadata::check_same_config;
 use super::rank::{Commands, RankMetrics, RankStats};
 use super::router::ReplicaRouter;
 use crate::config::EngineConfig;
-use crate::engine::{Engine, EngineError};
+use crate::engine::Engine;
+use crate::error::EngineError;
 use crate::handle::{EngineCommand, EngineHandle};
 use crate::spec::{Proposer, SpecConfig};
 use specula_model::{LlamaModel, Tokenizer};
@@ -83,7 +84,7 @@ impl DpGroup {
     pub fn join(self) -> Vec<Result<(), DpError>> {
         let Self { handle, router, rank_handles, joins, .. } = self;
         drop((handle, router, rank_handles));
-        joins.into_iter().map(|j| j.join().unwrap_or_else(|p| Err(DpError::RankFailed(super::rank::panic_message(&p))))).collect()
+        joins.into_iter().map(|j| j.join().unwrap_or_else(|p| Err(DpError::RankFailed(crate::error::panic_message(&p))))).collect()
     }
 }
 

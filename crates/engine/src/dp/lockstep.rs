@@ -16,10 +16,11 @@
 use super::communicator::{Communicator, DpError};
 use super::expert;
 use super::metadata::{agree, GlobalStep, StepMetadata};
-use super::rank::{panic_message, reap_disconnected, Commands, RankMetrics, RankStats};
+use super::rank::{reap_disconnected, Commands, RankMetrics, RankStats};
 use crate::engine::Engine;
+use crate::error::panic_message;
 use crate::handle::EngineCommand;
-use crate::scheduler::StepPlan;
+use crate::step::StepPlan;
 use specula_model::llama::NO_SLOT;
 use specula_model::{ForwardBatch, SeqSpan};
 use std::panic::{catch_unwind, AssertUnwindSafe};

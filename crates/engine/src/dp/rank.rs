@@ -203,8 +203,3 @@ impl RankMetrics {
         metrics::gauge!("specula:kv_cache_usage_perc").set(kv);
     }
 }
-
-/// The text of a caught panic.
-pub(crate) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
-}

@@ -11,61 +11,12 @@
 //!
 //! Synchronously the two run back to back with nothing to settle.
 
-use super::job::{Computed, SampleItem, StepJob};
 use crate::kv_cache::KvCacheManager;
-use crate::scheduler::StepPlan;
 use crate::sequence::Sequence;
 use crate::spec::Draft;
+use crate::step::{BatchInputs, Computed, PreparedSeq, PreparedStep, RowRange, SampleItem, SeqResult, StepJob, StepPlan};
 use crate::types::{SeqId, TokenId};
 use std::collections::{BTreeMap, BTreeSet};
-
-/// A sequence's rows in the flattened batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RowRange {
-    pub q_start: usize,
-    pub q_len: usize,
-    /// Tokens in context after this step.
-    pub context_len: usize,
-}
-
-/// Everything the forward pass reads, built before it runs.
-#[derive(Clone, Debug, Default)]
-pub struct BatchInputs {
-    /// `[total_tokens]` token ids, sequence after sequence.
-    pub tokens: Vec<TokenId>,
-    /// One per scheduled sequence, in plan order; q_starts tile `tokens`.
-    pub spans: Vec<RowRange>,
-    /// One per scheduled sequence: its block ids.
-    pub block_tables: Vec<Vec<u32>>,
-    /// `[total_tokens]` KV slot of each token.
-    pub slots: Vec<usize>,
-    /// Rows whose logits are needed, in order: for each sampling sequence its last
-    /// `1 + num_drafts` rows.
-    pub logits_rows: Vec<usize>,
-    /// For each sampling sequence: (seq, first index into logits_rows, number of rows).
-    pub sample_rows: Vec<(SeqId, usize, usize)>,
-    /// Layers whose hidden states of the logits rows the forward pass returns (the proposer's
-    /// `hidden_layers`; empty: none).
-    pub hidden_layers: Vec<usize>,
-}
-
-/// One scheduled sequence, prepared.
-pub(crate) struct PreparedSeq {
-    block_table: Vec<u32>,
-    /// Its input tokens; empty for a decode scheduled ahead (the step before samples them).
-    tokens: Vec<TokenId>,
-    /// Its sampling state, when the step samples it (history and random stream as the host knows
-    /// them: a decode scheduled ahead is missing the step before's tokens until `finalize`).
-    item: Option<SampleItem>,
-}
-
-/// A step scheduled and prepared, waiting to be finalized and run.
-pub(crate) struct PreparedStep {
-    /// The step's number (from 1, in the order steps are prepared).
-    pub step: u64,
-    pub plan: StepPlan,
-    pub seqs: Vec<PreparedSeq>,
-}
 
 /// Captures `plan`'s inputs from the host state (see the module docs).
 pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<Vec<PreparedSeq>, String> {
@@ -120,7 +71,7 @@ const HISTORY_ROOM: usize = 64;
 /// runs (not finished, aborted or failed since the step was prepared). Returns the plan as it will
 /// run (every entry final) and its compute job; the plan may be empty.
 pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl Fn(SeqId) -> bool, block_size: usize) -> (StepPlan, StepJob) {
-    let results: BTreeMap<SeqId, &super::job::SeqResult> = match before.map(|c| &c.outcome) {
+    let results: BTreeMap<SeqId, &SeqResult> = match before.map(|c| &c.outcome) {
         Some(Ok(out)) => out.results.iter().map(|(id, r)| (*id, r)).collect(),
         _ => BTreeMap::new(),
     };
@@ -154,7 +105,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
             }
             let Some(&last) = r.tokens.last() else { continue };
             // `start` assumed every draft of the step before accepted
-            let rejected = r.num_drafts - r.num_accepted();
+            let rejected = r.num_rejected();
             let draft = if r.next_draft.tokens.len() < sch.num_tokens { r.next_draft.clone() } else { Draft::default() };
             sch.start -= rejected;
             sch.num_drafts = draft.tokens.len();
@@ -197,9 +148,9 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
 mod tests {
     use super::*;
     use crate::api::SamplingParams;
-    use crate::runner::job::{JobOutput, JobTimings, SeqResult};
+    use crate::error::StepError;
     use crate::sampling::SeqRng;
-    use crate::scheduler::ScheduledSeq;
+    use crate::step::{JobOutput, JobTimings, ScheduledSeq};
     use std::time::{Duration, Instant};
 
     const BS: usize = 4;
@@ -308,7 +259,7 @@ mod tests {
 
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
         let prepared = PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
-        let failed = Computed { plan: before.plan.clone(), outcome: Err("boom".into()) };
+        let failed = Computed { plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, message: "boom".into() }) };
         let (plan, job) = finalize(prepared, Some(&failed), |_| true, BS);
         assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());
     }
