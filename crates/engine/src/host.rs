@@ -20,7 +20,7 @@ use crate::spec::Draft;
 use crate::step::{Computed, HostWork, InFlight, JobOutput, PreparedStep, StepPlan, StepTimings};
 use crate::types::{RequestId, SeqId, TokenId};
 use specula_model::Tokenizer;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -275,13 +275,23 @@ impl Host {
             }
         };
         if let Some(next) = next {
-            for sch in next.seqs.iter().filter(|s| next.settled.contains(&s.seq)) {
-                if self.seqs.contains_key(&sch.seq) {
-                    let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
-                }
-            }
+            self.settle(next);
         }
         emitted
+    }
+
+    /// Settles `next`, the step scheduled ahead of the one just applied, now that the tokens its
+    /// placeholders stood for have landed: each decode scheduled ahead gives back its placeholders
+    /// and the KV slots reserved beyond what it computes (`runner::finalize` already moved it to
+    /// where the accepted tokens end). With `Host::apply`'s rollback of a step's rejected drafts
+    /// (`ScheduledSeq::kept_end`), the one place a reservation made ahead is undone.
+    fn settle(&mut self, next: &StepPlan) {
+        for sch in next.seqs.iter().filter(|s| s.is_ahead()) {
+            if let Some(s) = self.seqs.get_mut(&sch.seq) {
+                s.land_placeholders(sch.placeholders);
+                let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
+            }
+        }
     }
 
     /// The host job of an async step (see the module docs): update for the step before, schedule
@@ -317,7 +327,6 @@ impl Host {
             None => Vec::new(),
         };
         let mut results: BTreeMap<SeqId, _> = out.results.into_iter().collect();
-        let in_next: BTreeSet<SeqId> = next.map(|p| p.seqs.iter().map(|s| s.seq).collect()).unwrap_or_default();
         let preempted: &[SeqId] = next.map_or(&[], |p| &p.preempted);
         let mut applied = Applied { seqs: Vec::new(), lp_rows };
         for sch in &plan.seqs {
@@ -327,8 +336,9 @@ impl Host {
             let kv_live = !preempted.contains(&sch.seq);
             let rejected = result.as_ref().map_or(0, |r| r.num_rejected());
             if kv_live {
-                s.num_computed = sch.start + sch.num_tokens - rejected;
-                if rejected > 0 && !in_next.contains(&sch.seq) {
+                s.num_computed = sch.kept_end(rejected);
+                // a step scheduled ahead of this one keeps its reserved slots until it is settled
+                if rejected > 0 && s.num_placeholders() == 0 {
                     let _ = self.kv.truncate(sch.seq, s.num_computed);
                 }
             }

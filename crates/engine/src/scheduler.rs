@@ -64,9 +64,9 @@ impl Scheduler {
 
     /// Plans the next step while the step described by `in_flight` still runs (async scheduling;
     /// with nothing in flight this is [`Self::schedule`]). A sequence that samples in the running
-    /// step gets a provisional decode of `1 + spec_reserve` tokens, its KV reserved for the worst
-    /// case (every in-flight draft accepted); the engine finalizes it from the running step's
-    /// output and releases the unused slots.
+    /// step gets a decode of `1 + spec_reserve` placeholder tokens, its KV reserved for the worst
+    /// case (every in-flight draft accepted), counted in `Sequence::num_placeholders`; the engine
+    /// settles it from the running step's output and gives the unused slots back (`Host::settle`).
     pub fn schedule_ahead(
         &mut self,
         seqs: &mut BTreeMap<SeqId, Sequence>,
@@ -122,10 +122,11 @@ impl Scheduler {
             }
             let s = seqs.get_mut(&id).expect("present above");
             let sch = if provisional {
-                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, provisional: true }
+                s.add_placeholders(n);
+                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, placeholders: n }
             } else {
                 let num_drafts = if base + n == s.tokens.len() + s.draft.tokens.len() { s.draft.tokens.len() } else { 0 };
-                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts, sample: base + n >= s.tokens.len(), provisional: false }
+                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts, sample: base + n >= s.tokens.len(), placeholders: 0 }
             };
             plan.seqs.push(sch);
             budget -= n;
@@ -174,7 +175,7 @@ impl Scheduler {
                 num_tokens: n,
                 num_drafts: 0,
                 sample: s.num_computed + n == s.tokens.len(),
-                provisional: false,
+                placeholders: 0,
             });
             plan.total_tokens += n;
             budget -= n;

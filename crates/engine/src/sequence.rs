@@ -34,6 +34,12 @@ pub struct Sequence {
     /// Has been admitted to the running set at least once (left the waiting count).
     pub admitted: bool,
     pub num_preemptions: usize,
+    /// Async scheduling's one rule, as a counter: KV slots reserved for tokens this sequence's
+    /// next step was scheduled with before they were known (a decode scheduled ahead of the step
+    /// that samples its input: 1 + k). Goes up when the scheduler schedules ahead, down when the
+    /// step before lands its tokens and the step is settled (`Host::settle`); never below zero.
+    /// Zero whenever nothing is scheduled ahead (always, synchronously).
+    num_placeholders: usize,
 }
 
 impl Sequence {
@@ -58,6 +64,7 @@ impl Sequence {
             arrival: Instant::now(),
             admitted: false,
             num_preemptions: 0,
+            num_placeholders: 0,
         }
     }
 
@@ -67,6 +74,22 @@ impl Sequence {
 
     pub fn output(&self) -> &[TokenId] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// KV slots reserved ahead for tokens not known yet (see the field).
+    pub fn num_placeholders(&self) -> usize {
+        self.num_placeholders
+    }
+
+    /// Scheduled ahead with `n` tokens whose inputs the running step has yet to produce.
+    pub fn add_placeholders(&mut self, n: usize) {
+        self.num_placeholders += n;
+    }
+
+    /// The step before landed the tokens `n` placeholders stood for.
+    pub fn land_placeholders(&mut self, n: usize) {
+        assert!(n <= self.num_placeholders, "{}: landing {n} placeholders but only {} are reserved", self.id, self.num_placeholders);
+        self.num_placeholders -= n;
     }
 
     /// Tokens this sequence still needs computed, drafts included.

@@ -28,10 +28,13 @@ pub struct ScheduledSeq {
     pub num_drafts: usize,
     /// Whether the step ends on the sequence's last known token, so logits are sampled.
     pub sample: bool,
-    /// Scheduled ahead (async scheduling) while the step before was still running: `start`,
-    /// `num_tokens` and `num_drafts` are the worst case reserved (KV slots and token budget) and are
-    /// finalized from that step's output just before this one executes.
-    pub provisional: bool,
+    /// Scheduled ahead (async scheduling) while the step before was still running, with this many
+    /// tokens reserved (1 + k; 0: not scheduled ahead). Until `runner::finalize` settles it,
+    /// `start`, `num_tokens` and `num_drafts` are that worst case (KV slots and token budget);
+    /// after, they are what runs, and `placeholders` says how much was reserved, which
+    /// `Host::settle` gives back. The sequence's counter (`Sequence::num_placeholders`) holds the
+    /// same amount until then.
+    pub placeholders: usize,
 }
 
 /// What a submitted step that has not been applied yet does to one of its sequences: the KV is
@@ -55,9 +58,19 @@ pub struct StepPlan {
     pub preempted: Vec<SeqId>,
     /// Sequences that left the waiting queue for the first time this step.
     pub newly_admitted: Vec<SeqId>,
-    /// Decodes scheduled ahead and settled just before the step ran (`runner::finalize`): their KV
-    /// was reserved for the worst case, and what they do not compute goes back in update.
-    pub settled: Vec<SeqId>,
+}
+
+impl ScheduledSeq {
+    /// Whether it was scheduled ahead of the step that samples its input tokens.
+    pub fn is_ahead(&self) -> bool {
+        self.placeholders > 0
+    }
+
+    /// Where the sequence's valid KV ends after this step, once `rejected` of its drafts were
+    /// rejected: the one rollback rule (the proposer's, the host's and the next step's settling).
+    pub fn kept_end(&self, rejected: usize) -> usize {
+        self.start + self.num_tokens - rejected
+    }
 }
 
 impl StepPlan {

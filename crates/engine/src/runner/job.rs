@@ -106,6 +106,7 @@ fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], 
             if let Some(sp) = state.spec.as_mut() {
                 let accepted = toks.len() - 1;
                 sp.record(it.seq, num_drafts, accepted);
+                // the one rollback rule (`ScheduledSeq::kept_end`): valid KV ends after the accepted drafts
                 sp.proposer.rollback(it.seq, it.start + it.num_tokens - (num_drafts - accepted));
             }
         }

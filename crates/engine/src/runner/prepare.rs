@@ -29,7 +29,7 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
         if end > block_table.len() * bs {
             return Err(format!("sequence {}: positions up to {end} have no KV slots ({} reserved)", sch.seq, block_table.len() * bs));
         }
-        let tokens = if sch.provisional {
+        let tokens = if sch.is_ahead() {
             Vec::new()
         } else {
             let known = s.tokens.len();
@@ -48,7 +48,7 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
             tokens: history_with_room(&s.tokens),
             prompt_len: s.prompt_len,
             rng: s.rng.clone(),
-            draft: if sch.provisional { Draft::default() } else { s.draft.clone() },
+            draft: if sch.is_ahead() { Draft::default() } else { s.draft.clone() },
         });
         out.push(PreparedSeq { block_table, tokens, item });
     }
@@ -97,7 +97,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
         if !alive(sch.seq) || failed.contains(&sch.seq) {
             continue;
         }
-        if sch.provisional {
+        if sch.is_ahead() {
             // the step before sampled this sequence: no result means it did not run it after all
             let Some(r) = results.get(&sch.seq) else { continue };
             if r.finished {
@@ -110,8 +110,6 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
             sch.start -= rejected;
             sch.num_drafts = draft.tokens.len();
             sch.num_tokens = 1 + sch.num_drafts;
-            sch.provisional = false;
-            kept.settled.push(sch.seq);
             ps.tokens.clear();
             ps.tokens.push(last);
             ps.tokens.extend_from_slice(&draft.tokens);
@@ -173,7 +171,7 @@ mod tests {
     /// A decode of `1 + k` tokens scheduled ahead: `start` assumes the step before accepted all.
     fn ahead(seq: u64, start: usize, k: usize, table: Vec<u32>, history: &[TokenId]) -> (ScheduledSeq, PreparedSeq) {
         let id = SeqId(seq);
-        let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, provisional: true };
+        let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, placeholders: 1 + k };
         (sch, PreparedSeq { block_table: table, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)) })
     }
 
@@ -183,7 +181,7 @@ mod tests {
 
     fn computed(plan_seqs: &[u64], results: Vec<(u64, SeqResult)>) -> Computed {
         let plan = StepPlan {
-            seqs: plan_seqs.iter().map(|&s| ScheduledSeq { seq: SeqId(s), start: 0, num_tokens: 1, num_drafts: 0, sample: true, provisional: false }).collect(),
+            seqs: plan_seqs.iter().map(|&s| ScheduledSeq { seq: SeqId(s), start: 0, num_tokens: 1, num_drafts: 0, sample: true, placeholders: 0 }).collect(),
             total_tokens: plan_seqs.len(),
             ..Default::default()
         };
@@ -211,7 +209,7 @@ mod tests {
         let (s3, p3) = ahead(3, 5, 3, vec![13, 14], &[1, 2, 3, 4, 5]);
         let (s4, p4) = ahead(4, 5, 3, vec![15, 16], &[1, 2, 3, 4, 5]);
         // seq 5: a prefill chunk of 3 known tokens, not sampled
-        let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, provisional: false };
+        let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, placeholders: 0 };
         let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
         let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5] };
@@ -225,9 +223,10 @@ mod tests {
         assert_eq!(job.step, 7);
         let ids: Vec<u64> = plan.seqs.iter().map(|s| s.seq.0).collect();
         assert_eq!(ids, vec![1, 5]);
-        assert_eq!(plan.seqs[0], ScheduledSeq { seq: SeqId(1), start: 8, num_tokens: 3, num_drafts: 2, sample: true, provisional: false });
+        // settled: it runs 1 + 2 tokens from 8; the 4 tokens reserved are given back when applied
+        assert_eq!(plan.seqs[0], ScheduledSeq { seq: SeqId(1), start: 8, num_tokens: 3, num_drafts: 2, sample: true, placeholders: 4 });
         assert_eq!(plan.total_tokens, 6);
-        assert_eq!(plan.settled, vec![SeqId(1)]);
+        assert_eq!(plan.seqs.iter().filter(|s| s.is_ahead()).map(|s| s.seq).collect::<Vec<_>>(), vec![SeqId(1)]);
         let b = &job.inputs;
         assert_eq!(b.tokens, vec![51, 60, 61, 90, 91, 92]);
         // positions 8, 9, 10 of seq 1: block 2 of its table (id 9), offsets 0..3; seq 5: 4..7
