@@ -191,3 +191,7 @@ impl Scheduler {
         tracing::debug!(seq = %s.id, "preempted (KV cache full); will recompute");
     }
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;
