@@ -1,6 +1,6 @@
 //! The engine: the model, the KV tensors, the sampler and the proposer (compute state) on one
 //! thread, and the host state (`host::Host`: requests, scheduler, KV block manager) beside them.
-//! Each call to [`Engine::step`] runs one forward pass through the step of DESIGN.md —
+//! Each call to [`Engine::step`] runs one forward pass through the step of docs/architecture.md ("One step") —
 //! schedule -> prepare -> execute -> sample -> update.
 //!
 //! Synchronously, the host work runs inline around the compute. With `async_scheduling`, while
@@ -11,9 +11,10 @@
 //! forward pass. Between two forward passes there is no thread hand-off to wait for, only that
 //! settling (see `step_async`).
 
-use crate::api::{GenerateRequest, RequestEvent};
+use crate::api::GenerateRequest;
 use crate::config::EngineConfig;
-use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
+use crate::error::panic_message;
+use crate::handle::{EngineHandle, QueueCounters};
 use crate::host::{record_timings, Host, HostDone};
 use crate::runner::job::{run_job, ComputeState, JobContext};
 use crate::runner::{finalize, AsyncRunner};
@@ -22,9 +23,9 @@ use crate::spec::{Proposer, SpecConfig, SpecMetrics, Speculation};
 use crate::step::{Computed, JobTimings, PreparedStep, StepJob, StepPlan};
 use crate::types::{RequestId, SeqId};
 use specula_kernels::attention::KvLayout;
-use specula_model::{KvStore, LlamaModel, Tokenizer};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
+use specula_model::llama::NO_SLOT;
+use specula_model::{ForwardBatch, KvStore, LlamaModel, SeqSpan, Tokenizer};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -311,13 +312,13 @@ impl Engine {
     }
 
     /// No step follows at once: the next forward pass starts no gap.
-    fn idle(&mut self) {
+    pub(crate) fn idle(&mut self) {
         self.last_job = None;
     }
 
     /// Records pending step timings and publishes the gauges (what the host job does while steps
     /// follow each other).
-    fn flush_metrics(&mut self) {
+    pub(crate) fn flush_metrics(&mut self) {
         if let Some(t) = self.unrecorded.take() {
             record_timings(&t);
         }
@@ -355,60 +356,43 @@ impl Engine {
         }
     }
 
-    /// Runs until the command channel closes or a shutdown's grace period ends.
-    pub fn run(mut self, rx: Receiver<EngineCommand>) {
-        let mut shutdown_at: Option<Instant> = None;
-        // Engine metrics exist from the start (a counter such as num_preemptions_total would
-        // otherwise be missing from /metrics until its first increment).
-        metrics::counter!("specula:num_preemptions_total").increment(0);
-        self.flush_metrics();
-        loop {
-            if !self.has_work() && shutdown_at.is_none() {
-                // Aborts and refused submits change the pool and queues without a step; publish
-                // that before going idle, or the gauges would show the last step's numbers forever.
-                self.flush_metrics();
-                self.idle();
-                match rx.recv() {
-                    Ok(cmd) => self.handle(cmd, &mut shutdown_at),
-                    Err(_) => break,
-                }
-            }
-            while let Ok(cmd) = rx.try_recv() {
-                self.handle(cmd, &mut shutdown_at);
-            }
-            if let Some(deadline) = shutdown_at {
-                if !self.has_work() {
-                    break;
-                }
-                if Instant::now() >= deadline {
-                    self.fail_all("the server is shutting down and the grace period for in-flight requests ended");
-                    break;
-                }
-            }
-            if self.has_work() {
-                self.step();
-            }
-        }
-        self.discard_in_flight();
-        tracing::info!("engine stopped");
+    /// Aborts the requests whose client went away (before scheduling; `Engine::step` does it too).
+    pub(crate) fn reap_disconnected(&mut self) {
+        self.host_mut().reap_disconnected();
+        self.forget_removed();
     }
 
-    fn handle(&mut self, cmd: EngineCommand, shutdown_at: &mut Option<Instant>) {
-        match cmd {
-            EngineCommand::Submit(req) => {
-                if shutdown_at.is_some() {
-                    self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
-                    let _ = req.events.send(RequestEvent::Failed { message: "the server is shutting down".into() });
-                } else {
-                    self.add_request(req);
-                }
-            }
-            EngineCommand::Abort(id) => self.abort(id),
-            EngineCommand::Shutdown => {
-                if shutdown_at.is_none() {
-                    *shutdown_at = Some(Instant::now() + self.cfg.shutdown_grace);
-                }
-            }
+    /// Schedules a step with nothing in flight (the data-parallel lockstep loop, which agrees on
+    /// it with its peers before running it with [`Self::run_plan`]).
+    pub(crate) fn schedule_step(&mut self) -> StepPlan {
+        if !self.has_work() {
+            return StepPlan::default();
+        }
+        let _s = tracing::trace_span!("schedule").entered();
+        self.host_mut().schedule(None, 0)
+    }
+
+    /// Requests running and waiting, and the KV pool's usage: a data-parallel rank's gauges.
+    pub(crate) fn load(&self) -> (usize, usize, f32) {
+        let host = self.host();
+        (host.scheduler.num_running(), host.scheduler.num_waiting(), host.kv.usage())
+    }
+
+    /// A forward pass of `n` placeholder tokens that writes no KV and computes no logits: each
+    /// token is its own one-token sequence at position 0 reading block 0 (whatever it holds; the
+    /// result is discarded). A lockstep rank with nothing scheduled runs it to join whatever
+    /// collectives the model makes, at the padded size. A panic comes back as an error.
+    pub(crate) fn run_dummy_batch(&mut self, n: usize) -> Result<(), String> {
+        let tokens = vec![0u32; n];
+        let table = [0u32];
+        let spans: Vec<SeqSpan> = (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect();
+        let slots = vec![NO_SLOT; n];
+        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[] };
+        let (model, kv, pool) = (&self.ctx.model, &mut self.compute.kv_store, &self.ctx.pool);
+        match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(panic) => Err(panic_message(&panic)),
         }
     }
 

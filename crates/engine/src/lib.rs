@@ -6,6 +6,7 @@ pub mod api;
 pub mod config;
 pub mod dp;
 pub mod engine;
+mod engine_loop;
 pub mod error;
 pub mod handle;
 pub mod host;
