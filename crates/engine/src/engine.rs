@@ -53,6 +53,8 @@ pub struct Engine {
     /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
     /// scheduled ahead.
     spec_k: usize,
+    /// Steps scheduled and prepared on the async runner while a forward pass ran.
+    steps_prepared_ahead: u64,
 }
 
 impl Engine {
@@ -84,7 +86,7 @@ impl Engine {
             "{}",
             specula_kernels::cpu::describe()
         );
-        let ctx = JobContext { model: Arc::new(model), tokenizer, pool: Arc::new(pool), max_model_len: cfg.max_model_len };
+        let ctx = JobContext { model: Arc::new(model), tokenizer, pool: Arc::new(pool), max_model_len: cfg.max_model_len, fault: cfg.fault_injection };
         Ok(Self {
             cfg,
             ctx,
@@ -97,6 +99,7 @@ impl Engine {
             last_job: None,
             unrecorded: None,
             spec_k: 0,
+            steps_prepared_ahead: 0,
         })
     }
 
@@ -116,6 +119,12 @@ impl Engine {
     /// (free, total) blocks of the proposer's own KV cache, if it has one.
     pub fn draft_kv_blocks(&self) -> Option<(usize, usize)> {
         self.compute.spec.as_ref().and_then(|s| s.proposer.kv_blocks())
+    }
+
+    /// Steps whose scheduling and preparation ran on the async runner beside a forward pass (0
+    /// with synchronous scheduling): what shows async scheduling really overlapped.
+    pub fn num_steps_prepared_ahead(&self) -> u64 {
+        self.steps_prepared_ahead
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -282,6 +291,7 @@ impl Engine {
                 submitted = Some(runner.submit(step, move || Ok(host.work(done, Some(&running), spec_k, record))));
             }
         });
+        let overlapped = matches!(submitted, Some(Ok(())));
         let back = match submitted {
             Some(Ok(())) => runner.sync().map_err(|e| e.to_string()),
             Some(Err(e)) => Err(e.to_string()),
@@ -292,6 +302,9 @@ impl Engine {
         };
         match back {
             Ok(done) => {
+                if overlapped && done.prepared.is_some() {
+                    self.steps_prepared_ahead += 1;
+                }
                 self.host = Some(done.host);
                 self.prepared = done.prepared;
                 stats.add_host_work(done.work);
@@ -417,6 +430,7 @@ fn compute(
     stats.num_seqs = plan.seqs.len();
     stats.num_tokens = plan.total_tokens;
     stats.has_prefill = plan.has_prefill();
+    let step = job.step;
     let outcome = run_job(ctx, state, job, while_forward);
     match &outcome {
         Ok(out) => {
@@ -431,7 +445,7 @@ fn compute(
         }
         Err(_) => *last_job = None,
     }
-    Computed { plan, outcome }
+    Computed { step, plan, outcome }
 }
 
 /// Starts an engine on its own thread; returns the handle front ends use and the thread.

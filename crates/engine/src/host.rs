@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Kept where it was first defined: the switch lives with the configuration now.
-pub use crate::config::{FaultInjection, FaultKind};
+pub use crate::config::{FaultInjection, FaultKind, FaultPhase};
 
 /// What a host job hands back: the host, and the next step prepared (none if nothing is to run,
 /// or if preparing it failed, in which case its requests have been failed).
@@ -207,13 +207,9 @@ impl Host {
         let _s = tracing::trace_span!("prepare").entered();
         self.steps += 1;
         let step = self.steps;
-        let fault = self.cfg.fault_injection.filter(|f| f.step == step).map(|f| f.kind);
+        let fault = self.cfg.fault_injection;
         let result = catch_unwind(AssertUnwindSafe(|| {
-            match fault {
-                Some(FaultKind::Error) => return Err("injected fault (test switch)".to_string()),
-                Some(FaultKind::Panic) => panic!("injected panic (test switch)"),
-                None => {}
-            }
+            FaultInjection::trip(fault, step, FaultPhase::Prepare)?;
             prepare(&plan, &self.seqs, &self.kv)
         }));
         let err = match result {
@@ -258,7 +254,7 @@ impl Host {
     /// they compute go back to the pool. Returns the tokens streamed.
     pub fn complete(&mut self, done: Computed, next: Option<&StepPlan>) -> usize {
         let emitted = match done.outcome {
-            Ok(out) => match catch_unwind(AssertUnwindSafe(|| self.apply(&done.plan, out, next))) {
+            Ok(out) => match catch_unwind(AssertUnwindSafe(|| self.apply(done.step, &done.plan, out, next))) {
                 Ok(Ok(applied)) => self.emit(applied),
                 Ok(Err(err)) => {
                     self.fail_plan(&done.plan, &err);
@@ -321,7 +317,8 @@ impl Host {
     /// slots, prefix-cache commits), random streams, the emitted tokens up to a token-level finish,
     /// and the drafts for the next step. `next` is the step already running after this one
     /// (async): its sequences keep their reserved slots and its preemptions own their KV state.
-    fn apply(&mut self, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, StepError> {
+    fn apply(&mut self, step: u64, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, StepError> {
+        FaultInjection::trip(self.cfg.fault_injection, step, FaultPhase::Apply).map_err(|message| StepError::Failed { step, message })?;
         let lp_rows = match &out.logprobs {
             Some(p) => unpack(p.words()).map_err(|e| StepError::Apply(format!("logprobs transfer: {e}")))?.rows,
             None => Vec::new(),

@@ -219,6 +219,7 @@ pub(crate) struct JobOutput {
 /// A step's forward pass and sampling, done: its plan as it ran and what it produced. Written by
 /// the engine after the compute job; read by the next step's finalize (async) and by apply.
 pub(crate) struct Computed {
+    pub step: u64,
     pub plan: StepPlan,
     pub outcome: Result<JobOutput, StepError>,
 }

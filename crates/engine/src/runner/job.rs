@@ -7,6 +7,7 @@
 //! neighbouring steps runs inline or on the async runner, and so produces the same tokens.
 
 use super::execute;
+use crate::config::{FaultInjection, FaultPhase};
 use crate::error::{panic_message, StepError};
 use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
@@ -30,6 +31,8 @@ pub(crate) struct JobContext {
     pub tokenizer: Arc<Tokenizer>,
     pub pool: Arc<rayon::ThreadPool>,
     pub max_model_len: usize,
+    /// The test-only fault switch (`EngineConfig::fault_injection`).
+    pub fault: Option<FaultInjection>,
 }
 
 /// The mutable compute state a job takes from the engine and hands back with its result.
@@ -60,9 +63,10 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
     let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, while_forward).map_err(|e| e.to_string())?;
+    FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     let forward_end = Instant::now();
     let mut items = job.items;
-    let (results, logprobs) = sample(ctx, state, &mut items, &out.logits)?;
+    let (results, logprobs) = sample(ctx, state, job.step, &mut items, &out.logits)?;
     let sample_end = Instant::now();
     let results = propose(ctx, state, items, results, &out.hidden)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
@@ -72,7 +76,13 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
 /// Per item: one sampled token, or with drafts the accepted prefix plus one token from the
 /// rejection sampler; logprobs of every emitted token from the raw target logits of its row.
 /// Appends the emitted tokens to each item's history for drafting.
-fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], logits: &[f32]) -> Result<(Vec<SeqResult>, Option<PackedLogprobs>), String> {
+fn sample(
+    ctx: &JobContext,
+    state: &mut ComputeState,
+    step: u64,
+    items: &mut [SampleItem],
+    logits: &[f32],
+) -> Result<(Vec<SeqResult>, Option<PackedLogprobs>), String> {
     let vocab = ctx.model.config.vocab_size;
     let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     // only the largest top-k any sequence of this batch asked for is computed
@@ -112,6 +122,7 @@ fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], 
         }
         it.tokens.extend_from_slice(&toks);
         results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, next_draft: Draft::default(), finished: false });
+        FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
     let logprobs = match k_max {
         Some(_) if !lp_rows.is_empty() => {

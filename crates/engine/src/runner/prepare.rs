@@ -192,7 +192,7 @@ mod tests {
             timings: JobTimings { forward_start: now, forward_end: now, sample: Duration::ZERO, propose: Duration::ZERO },
             _spent: (BatchInputs::default(), specula_model::ForwardOutput { logits: vec![], hidden: vec![] }),
         };
-        Computed { plan, outcome: Ok(out) }
+        Computed { step: 1, plan, outcome: Ok(out) }
     }
 
     /// Settling a step scheduled ahead from the step before's output: a sequence whose drafts
@@ -258,7 +258,7 @@ mod tests {
 
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
         let prepared = PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
-        let failed = Computed { plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, message: "boom".into() }) };
+        let failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, message: "boom".into() }) };
         let (plan, job) = finalize(prepared, Some(&failed), |_| true, BS);
         assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());
     }
