@@ -1,5 +1,5 @@
 //! One dedicated worker thread that runs one job at a time, so the engine can schedule and prepare
-//! step N+1 while step N executes (async scheduling, DESIGN.md). `submit` refuses a second job until
+//! step N+1 while step N executes (async scheduling, docs/architecture.md). `submit` refuses a second job until
 //! `sync` has collected the first, so never more than one step is prepared ahead. A job's error or
 //! panic comes back from `sync` naming the step; dropping the runner waits for the job and joins.
 //! Not a thread pool: parallel work inside a job uses rayon; jobs share state only by ownership.
