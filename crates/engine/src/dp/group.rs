@@ -6,6 +6,7 @@
 use super::communicator::{Communicator, DpError};
 use super::lockstep::LockstepRank;
 use super::metadata::check_same_config;
+pub use super::rank::RankSetup;
 use super::rank::{RankMetrics, RankStats};
 use super::router::ReplicaRouter;
 use crate::config::EngineConfig;
@@ -13,9 +14,9 @@ use crate::engine::Engine;
 use crate::engine_loop::LoopHook;
 use crate::error::EngineError;
 use crate::handle::{EngineCommand, EngineHandle};
-use crate::spec::{Proposer, SpecConfig};
+use crate::spec::SpecConfig;
 use crate::step::StepStats;
-use specula_model::{LlamaModel, Tokenizer};
+use specula_model::Tokenizer;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -35,23 +36,6 @@ impl DpMode {
             DpMode::Replica => "replica",
             DpMode::Lockstep => "lockstep",
         }
-    }
-}
-
-/// What one rank is built from.
-pub struct RankSetup {
-    pub model: LlamaModel,
-    pub spec: Option<(SpecConfig, Box<dyn Proposer>)>,
-}
-
-impl RankSetup {
-    pub fn new(model: LlamaModel) -> Self {
-        Self { model, spec: None }
-    }
-
-    pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
-        self.spec = Some((cfg, proposer));
-        self
     }
 }
 

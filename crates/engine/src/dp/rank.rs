@@ -1,13 +1,33 @@
 //! What every data-parallel rank does the same way, whichever loop drives it (`replica` or
 //! `lockstep`): taking commands from its channel, per-rank counters, and per-rank metrics with a
-//! `rank` label (the engine's own unlabeled gauges are written by every rank of the process).
+//! `rank` label (the engine's own unlabeled gauges are written by every rank of the process), and
+//! what a rank is built from.
 
 use crate::engine::Engine;
+use crate::spec::{Proposer, SpecConfig};
 use serde::{Deserialize, Serialize};
+use specula_model::LlamaModel;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
+
+/// What one rank is built from.
+pub struct RankSetup {
+    pub model: LlamaModel,
+    pub spec: Option<(SpecConfig, Box<dyn Proposer>)>,
+}
+
+impl RankSetup {
+    pub fn new(model: LlamaModel) -> Self {
+        Self { model, spec: None }
+    }
+
+    pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
+        self.spec = Some((cfg, proposer));
+        self
+    }
+}
 
 /// Counters of one rank, shared with whoever watches it (tests, logs). Raw counts; ratios are
 /// computed when read.
