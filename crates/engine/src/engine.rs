@@ -244,64 +244,24 @@ impl Engine {
         emitted
     }
 
-    /// Async scheduling, one forward pass per call (see the module docs):
-    /// 1. take the step prepared during the last forward pass and settle it from that pass's output
-    ///    (if nothing was prepared, or all of it ended, apply the last step here and schedule anew);
-    /// 2. hand the host to the worker, whose job applies and streams the last step and schedules
-    ///    and prepares the next one, and run this step's forward pass, sampling and proposals here;
-    /// 3. take the host back with the next step prepared.
+    /// Async scheduling, one forward pass per call (see the module docs). It reads like the plain
+    /// step, with the host work of two steps beside the forward pass:
+    /// 1. take the next step: the one prepared during the last forward pass, settled from that
+    ///    pass's output (or, if there is none or nothing of it is left, schedule one now);
+    /// 2. launch its forward pass, sampling and proposals here, the host job beside it on the
+    ///    worker (process the previous step's result: apply and stream it; schedule and prepare
+    ///    the step after this one);
+    /// 3. take the host back with that step prepared, and keep this step's result for the next call.
     fn step_async(&mut self) -> StepStats {
         let _span = tracing::debug_span!("step_async").entered();
         let mut stats = StepStats::default();
-
-        let mut prepared = self.prepared.take();
-        let mut next = None;
-        for fresh in [false, true] {
-            if let Some(mut p) = prepared.take() {
-                self.host_mut().admit_late(&mut p);
-                let (plan, job) = self.finalize(p, &mut stats);
-                if !plan.is_empty() {
-                    next = Some((plan, job));
-                    break;
-                }
-            }
-            if fresh {
-                break;
-            }
-            let host = self.host.take().expect("the host state is home between engine calls");
-            let done = host.work(self.computed.take(), None, self.spec_k, self.unrecorded.take());
-            self.host = Some(done.host);
-            prepared = done.prepared;
-            stats.add_host_work(done.work);
-        }
-        let Some((plan, job)) = next else {
+        let Some((plan, job)) = self.next_async_step(&mut stats) else {
             self.idle();
             return stats;
         };
-
-        // The host goes to the worker once the forward pass is under way (waking the worker then
-        // costs the forward pass nothing); if the job fails before that, the host work runs here.
-        let host = self.host.take().expect("the host state is home between engine calls");
-        let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
-        let mut submitted = None;
-        let (step, spec_k) = (job.step, self.spec_k);
-        let runner = self.runner.as_mut().expect("async engine has a runner");
-        let computed = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {
-            if let Some((host, done, running, record)) = handoff.take() {
-                submitted = Some(runner.submit(step, move || Ok(host.work(done, Some(&running), spec_k, record))));
-            }
-        });
-        let overlapped = matches!(submitted, Some(Ok(())));
-        let back = match submitted {
-            Some(Ok(())) => runner.sync().map_err(|e| e.to_string()),
-            Some(Err(e)) => Err(e.to_string()),
-            None => {
-                let (host, done, running, record) = handoff.take().expect("the host was not handed off");
-                Ok(host.work(done, Some(&running), spec_k, record))
-            }
-        };
+        let (computed, back) = self.launch_beside_host_job(plan, job, &mut stats);
         match back {
-            Ok(done) => {
+            Ok((done, overlapped)) => {
                 if overlapped && done.prepared.is_some() {
                     self.steps_prepared_ahead += 1;
                 }
@@ -313,6 +273,54 @@ impl Engine {
             Err(e) => self.host_lost(&e),
         }
         stats
+    }
+
+    /// The step to launch next (async): the one prepared during the last forward pass, with the
+    /// requests that arrived since admitted and settled from that pass's output; if there is none,
+    /// or nothing of it is left, the last step is applied here and a step scheduled and prepared now.
+    fn next_async_step(&mut self, stats: &mut StepStats) -> Option<(StepPlan, StepJob)> {
+        if let Some(next) = self.prepared.take().and_then(|p| self.settle_prepared(p, stats)) {
+            return Some(next);
+        }
+        let host = self.host.take().expect("the host state is home between engine calls");
+        let done = host.work(self.computed.take(), None, self.spec_k, self.unrecorded.take());
+        self.host = Some(done.host);
+        stats.add_host_work(done.work);
+        done.prepared.and_then(|p| self.settle_prepared(p, stats))
+    }
+
+    /// Admits late arrivals into a prepared step and settles it; `None` if nothing of it is left.
+    fn settle_prepared(&mut self, mut p: PreparedStep, stats: &mut StepStats) -> Option<(StepPlan, StepJob)> {
+        self.host_mut().admit_late(&mut p);
+        let (plan, job) = self.finalize(p, stats);
+        (!plan.is_empty()).then_some((plan, job))
+    }
+
+    /// Runs a step's compute job here with the host job beside it: the host goes to the worker
+    /// once the forward pass is under way (waking the worker then costs the forward pass nothing);
+    /// if the job fails before that, the host work runs here after it. Returns the step's result
+    /// and the host job's (with whether it really overlapped the forward pass), or why the worker
+    /// lost the host.
+    fn launch_beside_host_job(&mut self, plan: StepPlan, job: StepJob, stats: &mut StepStats) -> (Computed, Result<(HostDone, bool), String>) {
+        let host = self.host.take().expect("the host state is home between engine calls");
+        let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
+        let mut submitted = None;
+        let (step, spec_k) = (job.step, self.spec_k);
+        let runner = self.runner.as_mut().expect("async engine has a runner");
+        let computed = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, stats, || {
+            if let Some((host, done, running, record)) = handoff.take() {
+                submitted = Some(runner.submit(step, move || Ok(host.work(done, Some(&running), spec_k, record))));
+            }
+        });
+        let back = match submitted {
+            Some(Ok(())) => runner.sync().map(|done| (done, true)).map_err(|e| e.to_string()),
+            Some(Err(e)) => Err(e.to_string()),
+            None => {
+                let (host, done, running, record) = handoff.take().expect("the host was not handed off");
+                Ok((host.work(done, Some(&running), spec_k, record), false))
+            }
+        };
+        (computed, back)
     }
 
     /// Settles a prepared step from the step computed before it, if that has not been applied.
