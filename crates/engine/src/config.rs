@@ -26,9 +26,9 @@ pub struct EngineConfig {
     /// step. Off for data-parallel ranks, whose labeled per-rank gauges and their aggregate are
     /// published by the rank loop (two writers would make a scrape see one rank's numbers).
     pub publish_gauges: bool,
-    /// Test-only switch: make preparing one step fail or panic.
+    /// Test-only switch: make one phase (prepare, forward, sample, apply) of one step fail or panic.
     #[doc(hidden)]
-    pub fault_injection: Option<crate::host::FaultInjection>,
+    pub fault_injection: Option<FaultInjection>,
 }
 
 impl Default for EngineConfig {
@@ -79,5 +79,47 @@ impl EngineConfig {
             return Err("--max-num-batched-tokens must be at least 1".into());
         }
         Ok(())
+    }
+}
+
+/// How an injected fault fails (see `EngineConfig::fault_injection`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    Error,
+    Panic,
+}
+
+/// The phase of a step an injected fault hits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FaultPhase {
+    /// Preparing the step's inputs (host).
+    #[default]
+    Prepare,
+    /// Right after the forward pass (compute; with async scheduling the host work already runs
+    /// beside it).
+    Forward,
+    /// Sampling, after the first sequence was sampled (compute).
+    Sample,
+    /// Applying the step's output to its sequences (host).
+    Apply,
+}
+
+/// A test-only switch: fails `phase` of engine step `step` (steps are numbered from 1 as they
+/// are prepared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FaultInjection {
+    pub step: u64,
+    pub kind: FaultKind,
+    pub phase: FaultPhase,
+}
+
+impl FaultInjection {
+    /// Fails here if `fault` targets `phase` of `step`: an error to return, or a panic.
+    pub(crate) fn trip(fault: Option<FaultInjection>, step: u64, phase: FaultPhase) -> Result<(), String> {
+        match fault.filter(|f| f.step == step && f.phase == phase).map(|f| f.kind) {
+            Some(FaultKind::Error) => Err("injected fault (test switch)".to_string()),
+            Some(FaultKind::Panic) => panic!("injected panic (test switch)"),
+            None => Ok(()),
+        }
     }
 }

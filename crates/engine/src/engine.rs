@@ -1,6 +1,6 @@
 //! The engine: the model, the KV tensors, the sampler and the proposer (compute state) on one
 //! thread, and the host state (`host::Host`: requests, scheduler, KV block manager) beside them.
-//! Each call to [`Engine::step`] runs one forward pass through the step of DESIGN.md —
+//! Each call to [`Engine::step`] runs one forward pass through the step of docs/architecture.md ("One step") —
 //! schedule -> prepare -> execute -> sample -> update.
 //!
 //! Synchronously, the host work runs inline around the compute. With `async_scheduling`, while
@@ -11,77 +11,26 @@
 //! forward pass. Between two forward passes there is no thread hand-off to wait for, only that
 //! settling (see `step_async`).
 
-use crate::api::{GenerateRequest, RequestEvent};
+use crate::api::GenerateRequest;
 use crate::config::EngineConfig;
-use crate::handle::{EngineCommand, EngineHandle, QueueCounters};
-use crate::host::{record_timings, Host, HostDone, HostWork};
-use crate::runner::job::{run_job, ComputeState, Computed, JobContext, JobTimings, StepJob};
-use crate::runner::{finalize, AsyncRunner, PreparedStep};
+use crate::error::panic_message;
+use crate::handle::{EngineHandle, QueueCounters};
+use crate::host::{record_timings, Host, HostDone};
+use crate::runner::job::{run_job, ComputeState, JobContext};
+use crate::runner::{finalize, AsyncRunner};
 use crate::sampling::Sampler;
-use crate::scheduler::StepPlan;
 use crate::spec::{Proposer, SpecConfig, SpecMetrics, Speculation};
+use crate::step::{Computed, JobTimings, PreparedStep, StepJob, StepPlan};
 use crate::types::{RequestId, SeqId};
 use specula_kernels::attention::KvLayout;
-use specula_model::{KvStore, LlamaModel, Tokenizer};
-use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
+use specula_model::llama::NO_SLOT;
+use specula_model::{ForwardBatch, KvStore, LlamaModel, SeqSpan, Tokenizer};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-#[derive(Debug, thiserror::Error)]
-pub enum EngineError {
-    #[error("invalid engine configuration: {0}")]
-    Config(String),
-    #[error("cannot start the compute thread pool: {0}")]
-    ThreadPool(String),
-    #[error("cannot start the engine thread: {0}")]
-    Spawn(std::io::Error),
-}
-
-/// Where one step's time went. `forward`, `sample` and `propose` are the compute job; `finalize`
-/// settles the step from the one before just before its forward pass. With async scheduling,
-/// `schedule`, `prepare` and `update` are the host job that ran beside this step's forward pass
-/// (the next step's schedule and prepare, the previous step's update).
-#[derive(Clone, Debug, Default)]
-pub struct StepTimings {
-    pub schedule: Duration,
-    pub prepare: Duration,
-    pub finalize: Duration,
-    pub forward: Duration,
-    pub sample: Duration,
-    pub propose: Duration,
-    /// Applying sampled tokens and streaming them (detokenize, stop strings, deltas).
-    pub update: Duration,
-    /// Time between the end of the previous forward pass and the start of this one (`None` for
-    /// the first forward pass after the engine was idle). Includes sampling, which the next
-    /// forward pass waits for whatever the scheduling.
-    pub gap: Option<Duration>,
-    /// Time between the end of the previous compute job (forward, sample, propose) and the start
-    /// of this forward pass: the compute side waiting on host work.
-    pub host_gap: Option<Duration>,
-}
-
-/// What one step did, for logs, benchmarks and tests.
-#[derive(Clone, Debug, Default)]
-pub struct StepStats {
-    pub num_seqs: usize,
-    pub num_tokens: usize,
-    /// Tokens streamed to clients by this call (async: the previous step's).
-    pub num_emitted: usize,
-    pub has_prefill: bool,
-    /// Whether this call ran a forward pass.
-    pub ran_forward: bool,
-    pub timings: StepTimings,
-}
-
-impl StepStats {
-    fn add_host_work(&mut self, w: HostWork) {
-        self.timings.schedule += w.schedule;
-        self.timings.prepare += w.prepare;
-        self.timings.update += w.update;
-        self.num_emitted += w.emitted;
-    }
-}
+pub use crate::error::EngineError;
+pub use crate::step::{StepStats, StepTimings};
 
 pub struct Engine {
     pub(crate) cfg: EngineConfig,
@@ -104,6 +53,8 @@ pub struct Engine {
     /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
     /// scheduled ahead.
     spec_k: usize,
+    /// Steps scheduled and prepared on the async runner while a forward pass ran.
+    steps_prepared_ahead: u64,
 }
 
 impl Engine {
@@ -135,7 +86,7 @@ impl Engine {
             "{}",
             specula_kernels::cpu::describe()
         );
-        let ctx = JobContext { model: Arc::new(model), tokenizer, pool: Arc::new(pool), max_model_len: cfg.max_model_len };
+        let ctx = JobContext { model: Arc::new(model), tokenizer, pool: Arc::new(pool), max_model_len: cfg.max_model_len, fault: cfg.fault_injection };
         Ok(Self {
             cfg,
             ctx,
@@ -148,6 +99,7 @@ impl Engine {
             last_job: None,
             unrecorded: None,
             spec_k: 0,
+            steps_prepared_ahead: 0,
         })
     }
 
@@ -167,6 +119,12 @@ impl Engine {
     /// (free, total) blocks of the proposer's own KV cache, if it has one.
     pub fn draft_kv_blocks(&self) -> Option<(usize, usize)> {
         self.compute.spec.as_ref().and_then(|s| s.proposer.kv_blocks())
+    }
+
+    /// Steps whose scheduling and preparation ran on the async runner beside a forward pass (0
+    /// with synchronous scheduling): what shows async scheduling really overlapped.
+    pub fn num_steps_prepared_ahead(&self) -> u64 {
+        self.steps_prepared_ahead
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -286,63 +244,27 @@ impl Engine {
         emitted
     }
 
-    /// Async scheduling, one forward pass per call (see the module docs):
-    /// 1. take the step prepared during the last forward pass and settle it from that pass's output
-    ///    (if nothing was prepared, or all of it ended, apply the last step here and schedule anew);
-    /// 2. hand the host to the worker, whose job applies and streams the last step and schedules
-    ///    and prepares the next one, and run this step's forward pass, sampling and proposals here;
-    /// 3. take the host back with the next step prepared.
+    /// Async scheduling, one forward pass per call (see the module docs). It reads like the plain
+    /// step, with the host work of two steps beside the forward pass:
+    /// 1. take the next step: the one prepared during the last forward pass, settled from that
+    ///    pass's output (or, if there is none or nothing of it is left, schedule one now);
+    /// 2. launch its forward pass, sampling and proposals here, the host job beside it on the
+    ///    worker (process the previous step's result: apply and stream it; schedule and prepare
+    ///    the step after this one);
+    /// 3. take the host back with that step prepared, and keep this step's result for the next call.
     fn step_async(&mut self) -> StepStats {
         let _span = tracing::debug_span!("step_async").entered();
         let mut stats = StepStats::default();
-
-        let mut prepared = self.prepared.take();
-        let mut next = None;
-        for fresh in [false, true] {
-            if let Some(mut p) = prepared.take() {
-                self.host_mut().admit_late(&mut p);
-                let (plan, job) = self.finalize(p, &mut stats);
-                if !plan.is_empty() {
-                    next = Some((plan, job));
-                    break;
-                }
-            }
-            if fresh {
-                break;
-            }
-            let host = self.host.take().expect("the host state is home between engine calls");
-            let done = host.work(self.computed.take(), None, self.spec_k, self.unrecorded.take());
-            self.host = Some(done.host);
-            prepared = done.prepared;
-            stats.add_host_work(done.work);
-        }
-        let Some((plan, job)) = next else {
+        let Some((plan, job)) = self.next_async_step(&mut stats) else {
             self.idle();
             return stats;
         };
-
-        // The host goes to the worker once the forward pass is under way (waking the worker then
-        // costs the forward pass nothing); if the job fails before that, the host work runs here.
-        let host = self.host.take().expect("the host state is home between engine calls");
-        let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
-        let mut submitted = None;
-        let (step, spec_k) = (job.step, self.spec_k);
-        let runner = self.runner.as_mut().expect("async engine has a runner");
-        let computed = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, &mut stats, || {
-            if let Some((host, done, running, record)) = handoff.take() {
-                submitted = Some(runner.submit(step, move || Ok(host.work(done, Some(&running), spec_k, record))));
-            }
-        });
-        let back = match submitted {
-            Some(Ok(())) => runner.sync().map_err(|e| e.to_string()),
-            Some(Err(e)) => Err(e.to_string()),
-            None => {
-                let (host, done, running, record) = handoff.take().expect("the host was not handed off");
-                Ok(host.work(done, Some(&running), spec_k, record))
-            }
-        };
+        let (computed, back) = self.launch_beside_host_job(plan, job, &mut stats);
         match back {
-            Ok(done) => {
+            Ok((done, overlapped)) => {
+                if overlapped && done.prepared.is_some() {
+                    self.steps_prepared_ahead += 1;
+                }
                 self.host = Some(done.host);
                 self.prepared = done.prepared;
                 stats.add_host_work(done.work);
@@ -351,6 +273,54 @@ impl Engine {
             Err(e) => self.host_lost(&e),
         }
         stats
+    }
+
+    /// The step to launch next (async): the one prepared during the last forward pass, with the
+    /// requests that arrived since admitted and settled from that pass's output; if there is none,
+    /// or nothing of it is left, the last step is applied here and a step scheduled and prepared now.
+    fn next_async_step(&mut self, stats: &mut StepStats) -> Option<(StepPlan, StepJob)> {
+        if let Some(next) = self.prepared.take().and_then(|p| self.settle_prepared(p, stats)) {
+            return Some(next);
+        }
+        let host = self.host.take().expect("the host state is home between engine calls");
+        let done = host.work(self.computed.take(), None, self.spec_k, self.unrecorded.take());
+        self.host = Some(done.host);
+        stats.add_host_work(done.work);
+        done.prepared.and_then(|p| self.settle_prepared(p, stats))
+    }
+
+    /// Admits late arrivals into a prepared step and settles it; `None` if nothing of it is left.
+    fn settle_prepared(&mut self, mut p: PreparedStep, stats: &mut StepStats) -> Option<(StepPlan, StepJob)> {
+        self.host_mut().admit_late(&mut p);
+        let (plan, job) = self.finalize(p, stats);
+        (!plan.is_empty()).then_some((plan, job))
+    }
+
+    /// Runs a step's compute job here with the host job beside it: the host goes to the worker
+    /// once the forward pass is under way (waking the worker then costs the forward pass nothing);
+    /// if the job fails before that, the host work runs here after it. Returns the step's result
+    /// and the host job's (with whether it really overlapped the forward pass), or why the worker
+    /// lost the host.
+    fn launch_beside_host_job(&mut self, plan: StepPlan, job: StepJob, stats: &mut StepStats) -> (Computed, Result<(HostDone, bool), String>) {
+        let host = self.host.take().expect("the host state is home between engine calls");
+        let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
+        let mut submitted = None;
+        let (step, spec_k) = (job.step, self.spec_k);
+        let runner = self.runner.as_mut().expect("async engine has a runner");
+        let computed = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, stats, || {
+            if let Some((host, done, running, record)) = handoff.take() {
+                submitted = Some(runner.submit(step, move || Ok(host.work(done, Some(&running), spec_k, record))));
+            }
+        });
+        let back = match submitted {
+            Some(Ok(())) => runner.sync().map(|done| (done, true)).map_err(|e| e.to_string()),
+            Some(Err(e)) => Err(e.to_string()),
+            None => {
+                let (host, done, running, record) = handoff.take().expect("the host was not handed off");
+                Ok((host.work(done, Some(&running), spec_k, record), false))
+            }
+        };
+        (computed, back)
     }
 
     /// Settles a prepared step from the step computed before it, if that has not been applied.
@@ -363,13 +333,13 @@ impl Engine {
     }
 
     /// No step follows at once: the next forward pass starts no gap.
-    fn idle(&mut self) {
+    pub(crate) fn idle(&mut self) {
         self.last_job = None;
     }
 
     /// Records pending step timings and publishes the gauges (what the host job does while steps
     /// follow each other).
-    fn flush_metrics(&mut self) {
+    pub(crate) fn flush_metrics(&mut self) {
         if let Some(t) = self.unrecorded.take() {
             record_timings(&t);
         }
@@ -407,60 +377,43 @@ impl Engine {
         }
     }
 
-    /// Runs until the command channel closes or a shutdown's grace period ends.
-    pub fn run(mut self, rx: Receiver<EngineCommand>) {
-        let mut shutdown_at: Option<Instant> = None;
-        // Engine metrics exist from the start (a counter such as num_preemptions_total would
-        // otherwise be missing from /metrics until its first increment).
-        metrics::counter!("specula:num_preemptions_total").increment(0);
-        self.flush_metrics();
-        loop {
-            if !self.has_work() && shutdown_at.is_none() {
-                // Aborts and refused submits change the pool and queues without a step; publish
-                // that before going idle, or the gauges would show the last step's numbers forever.
-                self.flush_metrics();
-                self.idle();
-                match rx.recv() {
-                    Ok(cmd) => self.handle(cmd, &mut shutdown_at),
-                    Err(_) => break,
-                }
-            }
-            while let Ok(cmd) = rx.try_recv() {
-                self.handle(cmd, &mut shutdown_at);
-            }
-            if let Some(deadline) = shutdown_at {
-                if !self.has_work() {
-                    break;
-                }
-                if Instant::now() >= deadline {
-                    self.fail_all("the server is shutting down and the grace period for in-flight requests ended");
-                    break;
-                }
-            }
-            if self.has_work() {
-                self.step();
-            }
-        }
-        self.discard_in_flight();
-        tracing::info!("engine stopped");
+    /// Aborts the requests whose client went away (before scheduling; `Engine::step` does it too).
+    pub(crate) fn reap_disconnected(&mut self) {
+        self.host_mut().reap_disconnected();
+        self.forget_removed();
     }
 
-    fn handle(&mut self, cmd: EngineCommand, shutdown_at: &mut Option<Instant>) {
-        match cmd {
-            EngineCommand::Submit(req) => {
-                if shutdown_at.is_some() {
-                    self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
-                    let _ = req.events.send(RequestEvent::Failed { message: "the server is shutting down".into() });
-                } else {
-                    self.add_request(req);
-                }
-            }
-            EngineCommand::Abort(id) => self.abort(id),
-            EngineCommand::Shutdown => {
-                if shutdown_at.is_none() {
-                    *shutdown_at = Some(Instant::now() + self.cfg.shutdown_grace);
-                }
-            }
+    /// Schedules a step with nothing in flight (the data-parallel lockstep loop, which agrees on
+    /// it with its peers before running it with [`Self::run_plan`]).
+    pub(crate) fn schedule_step(&mut self) -> StepPlan {
+        if !self.has_work() {
+            return StepPlan::default();
+        }
+        let _s = tracing::trace_span!("schedule").entered();
+        self.host_mut().schedule(None, 0)
+    }
+
+    /// Requests running and waiting, and the KV pool's usage: a data-parallel rank's gauges.
+    pub(crate) fn load(&self) -> (usize, usize, f32) {
+        let host = self.host();
+        (host.scheduler.num_running(), host.scheduler.num_waiting(), host.kv.usage())
+    }
+
+    /// A forward pass of `n` placeholder tokens that writes no KV and computes no logits: each
+    /// token is its own one-token sequence at position 0 reading block 0 (whatever it holds; the
+    /// result is discarded). A lockstep rank with nothing scheduled runs it to join whatever
+    /// collectives the model makes, at the padded size. A panic comes back as an error.
+    pub(crate) fn run_dummy_batch(&mut self, n: usize) -> Result<(), String> {
+        let tokens = vec![0u32; n];
+        let table = [0u32];
+        let spans: Vec<SeqSpan> = (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect();
+        let slots = vec![NO_SLOT; n];
+        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[] };
+        let (model, kv, pool) = (&self.ctx.model, &mut self.compute.kv_store, &self.ctx.pool);
+        match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(panic) => Err(panic_message(&panic)),
         }
     }
 
@@ -485,6 +438,7 @@ fn compute(
     stats.num_seqs = plan.seqs.len();
     stats.num_tokens = plan.total_tokens;
     stats.has_prefill = plan.has_prefill();
+    let step = job.step;
     let outcome = run_job(ctx, state, job, while_forward);
     match &outcome {
         Ok(out) => {
@@ -499,7 +453,7 @@ fn compute(
         }
         Err(_) => *last_job = None,
     }
-    Computed { plan, outcome }
+    Computed { step, plan, outcome }
 }
 
 /// Starts an engine on its own thread; returns the handle front ends use and the thread.

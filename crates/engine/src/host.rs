@@ -9,36 +9,25 @@
 
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
 use crate::config::EngineConfig;
-use crate::engine::{EngineError, StepTimings};
+use crate::error::{panic_message, EngineError, StepError};
 use crate::handle::QueueCounters;
 use crate::kv_cache::KvCacheManager;
-use crate::runner::job::{is_stop_token, panic_message, token_finish, Computed, JobOutput};
-use crate::runner::{prepare, PreparedStep};
+use crate::runner::prepare;
 use crate::sampling::{unpack, RankedLogprob, StopCheck};
-use crate::scheduler::{InFlight, Scheduler, StepPlan};
-use crate::sequence::Sequence;
+use crate::scheduler::Scheduler;
+use crate::sequence::{is_stop_token, token_finish, Sequence};
 use crate::spec::Draft;
+use crate::step::{Computed, HostWork, InFlight, JobOutput, PreparedStep, StepPlan, StepTimings};
 use crate::types::{RequestId, SeqId, TokenId};
 use specula_model::Tokenizer;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// A test-only switch that makes preparing one step fail (see `EngineConfig::fault_injection`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FaultKind {
-    Error,
-    Panic,
-}
-
-/// Fails the preparation of engine step `step` (steps are numbered from 1 as they are prepared).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FaultInjection {
-    pub step: u64,
-    pub kind: FaultKind,
-}
+/// Kept where it was first defined: the switch lives with the configuration now.
+pub use crate::config::{FaultInjection, FaultKind, FaultPhase};
 
 /// What a host job hands back: the host, and the next step prepared (none if nothing is to run,
 /// or if preparing it failed, in which case its requests have been failed).
@@ -46,15 +35,6 @@ pub(crate) struct HostDone {
     pub host: Host,
     pub prepared: Option<PreparedStep>,
     pub work: HostWork,
-}
-
-/// Where a host job's time went, and what it streamed.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct HostWork {
-    pub schedule: Duration,
-    pub prepare: Duration,
-    pub update: Duration,
-    pub emitted: usize,
 }
 
 /// One sequence's tokens applied by a step, to be streamed.
@@ -154,9 +134,11 @@ impl Host {
         }
     }
 
-    pub fn fail_plan(&mut self, plan: &StepPlan, msg: &str) {
+    /// Fails every request of a step that failed, with the step's error.
+    pub fn fail_plan(&mut self, plan: &StepPlan, err: &StepError) {
+        let msg = err.to_string();
         for s in &plan.seqs {
-            self.fail(s.seq, msg);
+            self.fail(s.seq, &msg);
         }
     }
 
@@ -225,25 +207,21 @@ impl Host {
         let _s = tracing::trace_span!("prepare").entered();
         self.steps += 1;
         let step = self.steps;
-        let fault = self.cfg.fault_injection.filter(|f| f.step == step).map(|f| f.kind);
+        let fault = self.cfg.fault_injection;
         let result = catch_unwind(AssertUnwindSafe(|| {
-            match fault {
-                Some(FaultKind::Error) => return Err("injected fault (test switch)".to_string()),
-                Some(FaultKind::Panic) => panic!("injected panic (test switch)"),
-                None => {}
-            }
+            FaultInjection::trip(fault, step, FaultPhase::Prepare)?;
             prepare(&plan, &self.seqs, &self.kv)
         }));
-        let msg = match result {
+        let err = match result {
             Ok(Ok(seqs)) => return Some(PreparedStep { step, plan, seqs }),
-            Ok(Err(e)) => format!("step {step} failed: {e}"),
+            Ok(Err(message)) => StepError::Failed { step, message },
             Err(panic) => {
-                let m = panic_message(&panic);
-                tracing::error!("preparing step {step} panicked: {m}");
-                format!("internal error: step {step} panicked: {m}")
+                let message = panic_message(&panic);
+                tracing::error!("preparing step {step} panicked: {message}");
+                StepError::Panicked { step, message }
             }
         };
-        self.fail_plan(&plan, &msg);
+        self.fail_plan(&plan, &err);
         None
     }
 
@@ -266,7 +244,7 @@ impl Host {
             Err(e) => {
                 p.plan.seqs.truncate(first);
                 p.plan.total_tokens = p.plan.seqs.iter().map(|s| s.num_tokens).sum();
-                self.fail_plan(&late, &format!("step {} failed: {e}", p.step));
+                self.fail_plan(&late, &StepError::Failed { step: p.step, message: e });
             }
         }
     }
@@ -276,30 +254,40 @@ impl Host {
     /// they compute go back to the pool. Returns the tokens streamed.
     pub fn complete(&mut self, done: Computed, next: Option<&StepPlan>) -> usize {
         let emitted = match done.outcome {
-            Ok(out) => match catch_unwind(AssertUnwindSafe(|| self.apply(&done.plan, out, next))) {
+            Ok(out) => match catch_unwind(AssertUnwindSafe(|| self.apply(done.step, &done.plan, out, next))) {
                 Ok(Ok(applied)) => self.emit(applied),
-                Ok(Err(msg)) => {
-                    self.fail_plan(&done.plan, &msg);
+                Ok(Err(err)) => {
+                    self.fail_plan(&done.plan, &err);
                     0
                 }
                 Err(p) => {
-                    self.fail_plan(&done.plan, &format!("internal error in engine step: {}", panic_message(&p)));
+                    self.fail_plan(&done.plan, &StepError::ApplyPanicked(panic_message(&p)));
                     0
                 }
             },
-            Err(msg) => {
-                self.fail_plan(&done.plan, &msg);
+            Err(err) => {
+                self.fail_plan(&done.plan, &err);
                 0
             }
         };
         if let Some(next) = next {
-            for sch in next.seqs.iter().filter(|s| next.settled.contains(&s.seq)) {
-                if self.seqs.contains_key(&sch.seq) {
-                    let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
-                }
-            }
+            self.settle(next);
         }
         emitted
+    }
+
+    /// Settles `next`, the step scheduled ahead of the one just applied, now that the tokens its
+    /// placeholders stood for have landed: each decode scheduled ahead gives back its placeholders
+    /// and the KV slots reserved beyond what it computes (`runner::finalize` already moved it to
+    /// where the accepted tokens end). With `Host::apply`'s rollback of a step's rejected drafts
+    /// (`ScheduledSeq::kept_end`), the one place a reservation made ahead is undone.
+    fn settle(&mut self, next: &StepPlan) {
+        for sch in next.seqs.iter().filter(|s| s.is_ahead()) {
+            if let Some(s) = self.seqs.get_mut(&sch.seq) {
+                s.land_placeholders(sch.placeholders);
+                let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
+            }
+        }
     }
 
     /// The host job of an async step (see the module docs): update for the step before, schedule
@@ -329,13 +317,13 @@ impl Host {
     /// slots, prefix-cache commits), random streams, the emitted tokens up to a token-level finish,
     /// and the drafts for the next step. `next` is the step already running after this one
     /// (async): its sequences keep their reserved slots and its preemptions own their KV state.
-    fn apply(&mut self, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, String> {
+    fn apply(&mut self, step: u64, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, StepError> {
+        FaultInjection::trip(self.cfg.fault_injection, step, FaultPhase::Apply).map_err(|message| StepError::Failed { step, message })?;
         let lp_rows = match &out.logprobs {
-            Some(p) => unpack(p.words()).map_err(|e| format!("logprobs transfer: {e}"))?.rows,
+            Some(p) => unpack(p.words()).map_err(|e| StepError::Apply(format!("logprobs transfer: {e}")))?.rows,
             None => Vec::new(),
         };
         let mut results: BTreeMap<SeqId, _> = out.results.into_iter().collect();
-        let in_next: BTreeSet<SeqId> = next.map(|p| p.seqs.iter().map(|s| s.seq).collect()).unwrap_or_default();
         let preempted: &[SeqId] = next.map_or(&[], |p| &p.preempted);
         let mut applied = Applied { seqs: Vec::new(), lp_rows };
         for sch in &plan.seqs {
@@ -343,10 +331,11 @@ impl Host {
             let result = results.remove(&sch.seq);
             // preempted while this step ran: its KV is gone and it recomputes from its tokens
             let kv_live = !preempted.contains(&sch.seq);
-            let rejected = result.as_ref().map_or(0, |r| r.num_drafts - r.num_accepted());
+            let rejected = result.as_ref().map_or(0, |r| r.num_rejected());
             if kv_live {
-                s.num_computed = sch.start + sch.num_tokens - rejected;
-                if rejected > 0 && !in_next.contains(&sch.seq) {
+                s.num_computed = sch.kept_end(rejected);
+                // a step scheduled ahead of this one keeps its reserved slots until it is settled
+                if rejected > 0 && s.num_placeholders() == 0 {
                     let _ = self.kv.truncate(sch.seq, s.num_computed);
                 }
             }

@@ -1,11 +1,13 @@
 //! specula-engine: scheduling, KV-cache management, sampling and the engine loop.
 //!
-//! Data flows one way: request -> scheduler -> runner -> sampler -> output (see DESIGN.md).
+//! Data flows one way: request -> scheduler -> runner -> sampler -> output (see docs/architecture.md).
 
 pub mod api;
 pub mod config;
 pub mod dp;
 pub mod engine;
+mod engine_loop;
+pub mod error;
 pub mod handle;
 pub mod host;
 pub mod kv_cache;
@@ -14,9 +16,12 @@ pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
 pub mod spec;
+pub mod step;
 pub mod types;
 
 pub use api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 pub use config::EngineConfig;
-pub use engine::{spawn_engine, Engine, EngineError, StepStats, StepTimings};
+pub use engine::{spawn_engine, Engine};
+pub use error::{EngineError, StepError};
 pub use handle::{EngineCommand, EngineHandle, SubmitError};
+pub use step::{StepStats, StepTimings};

@@ -9,55 +9,7 @@ use crate::sequence::Sequence;
 use crate::types::SeqId;
 use std::collections::{BTreeMap, VecDeque};
 
-/// One sequence's share of a step.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ScheduledSeq {
-    pub seq: SeqId,
-    /// Position of the first token computed this step (= tokens computed before it).
-    pub start: usize,
-    /// Tokens computed this step (a prefill chunk, 1 decode token, or 1 + k with drafts).
-    pub num_tokens: usize,
-    /// Draft tokens among them (the last `num_drafts` of the step's tokens).
-    pub num_drafts: usize,
-    /// Whether the step ends on the sequence's last known token, so logits are sampled.
-    pub sample: bool,
-    /// Scheduled ahead (async scheduling) while the step before was still running: `start`,
-    /// `num_tokens` and `num_drafts` are the worst case reserved (KV slots and token budget) and are
-    /// finalized from that step's output just before this one executes.
-    pub provisional: bool,
-}
-
-/// What a submitted step that has not been applied yet does to one of its sequences: the KV is
-/// computed up to `end` at most (drafts may still be rejected), and when it samples, new tokens
-/// (1 + up to k drafts) follow that the scheduler cannot see yet.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct InFlight {
-    pub end: usize,
-    pub sample: bool,
-}
-
-/// The scheduler's decision for one step. `seqs` sums to `total_tokens`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StepPlan {
-    pub seqs: Vec<ScheduledSeq>,
-    pub total_tokens: usize,
-    /// Sequences preempted while planning (already moved to the waiting queue).
-    pub preempted: Vec<SeqId>,
-    /// Sequences that left the waiting queue for the first time this step.
-    pub newly_admitted: Vec<SeqId>,
-    /// Decodes scheduled ahead and settled just before the step ran (`runner::finalize`): their KV
-    /// was reserved for the worst case, and what they do not compute goes back in update.
-    pub settled: Vec<SeqId>,
-}
-
-impl StepPlan {
-    pub fn is_empty(&self) -> bool {
-        self.seqs.is_empty()
-    }
-    pub fn has_prefill(&self) -> bool {
-        self.seqs.iter().any(|s| s.num_tokens > 1 + s.num_drafts)
-    }
-}
+pub use crate::step::{InFlight, ScheduledSeq, StepPlan};
 
 pub struct Scheduler {
     cfg: EngineConfig,
@@ -112,9 +64,9 @@ impl Scheduler {
 
     /// Plans the next step while the step described by `in_flight` still runs (async scheduling;
     /// with nothing in flight this is [`Self::schedule`]). A sequence that samples in the running
-    /// step gets a provisional decode of `1 + spec_reserve` tokens, its KV reserved for the worst
-    /// case (every in-flight draft accepted); the engine finalizes it from the running step's
-    /// output and releases the unused slots.
+    /// step gets a decode of `1 + spec_reserve` placeholder tokens, its KV reserved for the worst
+    /// case (every in-flight draft accepted), counted in `Sequence::num_placeholders`; the engine
+    /// settles it from the running step's output and gives the unused slots back (`Host::settle`).
     pub fn schedule_ahead(
         &mut self,
         seqs: &mut BTreeMap<SeqId, Sequence>,
@@ -170,10 +122,11 @@ impl Scheduler {
             }
             let s = seqs.get_mut(&id).expect("present above");
             let sch = if provisional {
-                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, provisional: true }
+                s.add_placeholders(n);
+                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, placeholders: n }
             } else {
                 let num_drafts = if base + n == s.tokens.len() + s.draft.tokens.len() { s.draft.tokens.len() } else { 0 };
-                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts, sample: base + n >= s.tokens.len(), provisional: false }
+                ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts, sample: base + n >= s.tokens.len(), placeholders: 0 }
             };
             plan.seqs.push(sch);
             budget -= n;
@@ -222,7 +175,7 @@ impl Scheduler {
                 num_tokens: n,
                 num_drafts: 0,
                 sample: s.num_computed + n == s.tokens.len(),
-                provisional: false,
+                placeholders: 0,
             });
             plan.total_tokens += n;
             budget -= n;
@@ -238,3 +191,7 @@ impl Scheduler {
         tracing::debug!(seq = %s.id, "preempted (KV cache full); will recompute");
     }
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -1,12 +1,13 @@
 //! One sequence's state as the engine tracks it: its known tokens, how many of them have their
 //! keys/values computed, the request's sampling settings and random stream, and the streaming
-//! detokenizer. The single rule of the scheduler is "compute known - computed tokens".
+//! detokenizer. The single rule of the scheduler is "compute known - computed tokens". Beside it,
+//! the token-level stop rules that decide when a sequence ends.
 
-use crate::api::{RequestEvent, SamplingParams, TokenLogprob};
+use crate::api::{FinishReason, RequestEvent, SamplingParams, TokenLogprob};
 use crate::sampling::{SeqRng, StopStrings};
 use crate::spec::Draft;
 use crate::types::{RequestId, SeqId, TokenId};
-use specula_model::DecodeStream;
+use specula_model::{DecodeStream, Tokenizer};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -33,6 +34,12 @@ pub struct Sequence {
     /// Has been admitted to the running set at least once (left the waiting count).
     pub admitted: bool,
     pub num_preemptions: usize,
+    /// Async scheduling's one rule, as a counter: KV slots reserved for tokens this sequence's
+    /// next step was scheduled with before they were known (a decode scheduled ahead of the step
+    /// that samples its input: 1 + k). Goes up when the scheduler schedules ahead, down when the
+    /// step before lands its tokens and the step is settled (`Host::settle`); never below zero.
+    /// Zero whenever nothing is scheduled ahead (always, synchronously).
+    num_placeholders: usize,
 }
 
 impl Sequence {
@@ -57,6 +64,7 @@ impl Sequence {
             arrival: Instant::now(),
             admitted: false,
             num_preemptions: 0,
+            num_placeholders: 0,
         }
     }
 
@@ -66,6 +74,22 @@ impl Sequence {
 
     pub fn output(&self) -> &[TokenId] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// KV slots reserved ahead for tokens not known yet (see the field).
+    pub fn num_placeholders(&self) -> usize {
+        self.num_placeholders
+    }
+
+    /// Scheduled ahead with `n` tokens whose inputs the running step has yet to produce.
+    pub fn add_placeholders(&mut self, n: usize) {
+        self.num_placeholders += n;
+    }
+
+    /// The step before landed the tokens `n` placeholders stood for.
+    pub fn land_placeholders(&mut self, n: usize) {
+        assert!(n <= self.num_placeholders, "{}: landing {n} placeholders but only {} are reserved", self.id, self.num_placeholders);
+        self.num_placeholders -= n;
     }
 
     /// Tokens this sequence still needs computed, drafts included.
@@ -82,4 +106,29 @@ impl Sequence {
     pub fn send_delta(&self, tokens: Vec<TokenId>, text: String, logprobs: Vec<TokenLogprob>) -> bool {
         self.send(RequestEvent::Delta { tokens, text, logprobs })
     }
+}
+
+/// Why a sequence stops at token `id`, judged from tokens alone (stop strings need the text and
+/// are checked when the engine streams). The engine's update and the job's drafting both use it,
+/// so a sequence the job keeps drafting for is exactly one the engine keeps running.
+pub(crate) fn token_finish(
+    params: &SamplingParams,
+    tokenizer: &Tokenizer,
+    id: TokenId,
+    output_len: usize,
+    total_len: usize,
+    max_model_len: usize,
+) -> Option<FinishReason> {
+    if is_stop_token(params, tokenizer, id) {
+        Some(FinishReason::Stop)
+    } else if output_len >= params.max_tokens || total_len >= max_model_len {
+        Some(FinishReason::Length)
+    } else {
+        None
+    }
+}
+
+/// EOS (unless ignored) or one of the request's stop token ids: emitted without text.
+pub(crate) fn is_stop_token(params: &SamplingParams, tokenizer: &Tokenizer, id: TokenId) -> bool {
+    (!params.ignore_eos && tokenizer.is_eos(id)) || params.stop_token_ids.contains(&id)
 }

@@ -12,7 +12,8 @@ mod common;
 
 use common::*;
 use specula_engine::api::RequestEvent;
-use specula_engine::host::{FaultInjection, FaultKind};
+use specula_engine::host::{FaultInjection, FaultKind, FaultPhase};
+use specula_engine::spec::SpecMetrics;
 use specula_engine::{spawn_engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams};
 use specula_model::load_model;
 use std::sync::Arc;
@@ -62,7 +63,24 @@ fn params(mode: Mode, i: usize) -> SamplingParams {
 /// few steps after they arrive (an abort command and a client disconnect). Prompts repeat a motif
 /// so the n-gram proposer finds matches.
 fn scenario(model: &TinyModel, spec: Spec, mode: Mode, async_scheduling: bool, cfg: EngineConfig) -> (Vec<Outcome>, usize) {
-    let mut h = Harness::on(model, EngineConfig { async_scheduling, ..cfg }, spec);
+    let run = scenario_run(model, spec, mode, async_scheduling, cfg, false, true);
+    (run.outcomes, run.steps)
+}
+
+/// What a scenario run produced, with the engine's counters at the end.
+struct Run {
+    outcomes: Vec<Outcome>,
+    steps: usize,
+    /// Speculation counters (`None` without speculation).
+    metrics: Option<SpecMetrics>,
+    /// Steps prepared on the async runner beside a forward pass.
+    ahead: u64,
+}
+
+/// `scenario`, with adaptive k (`adaptive`) and without the abort and the disconnect (`aborts`
+/// false: every request runs to its end, so the whole run is deterministic).
+fn scenario_run(model: &TinyModel, spec: Spec, mode: Mode, async_scheduling: bool, cfg: EngineConfig, adaptive: bool, aborts: bool) -> Run {
+    let mut h = Harness::on_with(model, EngineConfig { async_scheduling, ..cfg }, spec, adaptive);
     let mut clients = Vec::new();
     let mut next = 0;
     let mut steps = 0;
@@ -80,11 +98,11 @@ fn scenario(model: &TinyModel, spec: Spec, mode: Mode, async_scheduling: bool, c
         for c in clients.iter_mut() {
             c.drain(h.steps);
         }
-        if clients.len() > 5 && steps == 2 * 5 + 3 {
+        if aborts && clients.len() > 5 && steps == 2 * 5 + 3 {
             let id = clients[5].id;
             h.engine.abort(id);
         }
-        if clients.len() > 13 && steps == 2 * 13 + 2 {
+        if aborts && clients.len() > 13 && steps == 2 * 13 + 2 {
             clients[13].disconnect();
         }
     }
@@ -105,7 +123,7 @@ fn scenario(model: &TinyModel, spec: Spec, mode: Mode, async_scheduling: bool, c
             Outcome { tokens: c.tokens(), end, logprobs }
         })
         .collect();
-    (outcomes, steps)
+    Run { outcomes, steps, metrics: h.engine.spec_metrics().cloned(), ahead: h.engine.num_steps_prepared_ahead() }
 }
 
 /// Sync and async runs agree on every request. Aborted requests stop at a point that depends on
@@ -116,9 +134,13 @@ fn assert_identical(spec: Spec, mode: Mode) {
 
 fn assert_identical_with(spec: Spec, mode: Mode, threads: usize) {
     let model = TinyModel::new();
-    let (sync, sync_steps) = scenario(&model, spec, mode, false, EngineConfig { threads, ..roomy(false) });
-    let (asyn, async_steps) = scenario(&model, spec, mode, true, EngineConfig { threads, ..roomy(true) });
+    let sync_run = scenario_run(&model, spec, mode, false, EngineConfig { threads, ..roomy(false) }, false, true);
+    let async_run = scenario_run(&model, spec, mode, true, EngineConfig { threads, ..roomy(true) }, false, true);
+    let (sync, sync_steps, asyn, async_steps) = (sync_run.outcomes, sync_run.steps, async_run.outcomes, async_run.steps);
     assert!(sync_steps > 20 && async_steps > 20);
+    // the async run really prepared steps beside forward passes (the sync one never does)
+    assert_eq!(sync_run.ahead, 0);
+    assert!(async_run.ahead * 2 > async_steps as u64, "{spec:?} {mode:?}: only {} of {async_steps} steps prepared ahead", async_run.ahead);
     let mut compared = 0;
     for (i, (a, b)) in sync.iter().zip(&asyn).enumerate() {
         if i == 5 || i == 13 {
@@ -171,6 +193,43 @@ fn async_equals_sync_mtp_head() {
     assert_identical(Spec::Mtp(2), Mode::Seeded);
 }
 
+/// Adaptive k (the engine's default), and no abort or disconnect, so every request runs to its
+/// end in both runs: identical tokens, ends and logprobs, identical speculation counters (drafts
+/// verified and accepted, per position), and the async run really prepared its steps ahead.
+fn assert_identical_adaptive(spec: Spec, mode: Mode) {
+    let model = TinyModel::new();
+    // A slot for every request: with adaptive k a sequence's drafts depend on how many decode
+    // beside it, and async scheduling may admit a waiting request one step later than sync (a
+    // sequence that ends in the running step holds its slot in the step scheduled ahead).
+    let cfg = |async_scheduling| EngineConfig { max_num_seqs: 32, ..roomy(async_scheduling) };
+    let sync = scenario_run(&model, spec, mode, false, cfg(false), true, false);
+    let asyn = scenario_run(&model, spec, mode, true, cfg(true), true, false);
+    assert_eq!((sync.outcomes.len(), asyn.outcomes.len()), (20, 20));
+    for (i, (a, b)) in sync.outcomes.iter().zip(&asyn.outcomes).enumerate() {
+        assert_eq!(a.end, End::Finished(FinishReason::Length), "{spec:?} {mode:?} request {i}");
+        assert_eq!(a, b, "{spec:?} {mode:?} adaptive: request {i} differs between sync and async scheduling");
+    }
+    assert_eq!(sync.ahead, 0);
+    assert!(asyn.ahead * 2 > asyn.steps as u64, "{spec:?} {mode:?}: only {} of {} steps prepared ahead", asyn.ahead, asyn.steps);
+    let (ms, ma) = (sync.metrics.expect("speculating"), asyn.metrics.expect("speculating"));
+    assert!(ms.num_draft_tokens > 0, "{spec:?} {mode:?}: adaptive k never drafted, the test would prove nothing");
+    assert_eq!(ms, ma, "{spec:?} {mode:?}: speculation counters differ between sync and async scheduling");
+}
+
+#[test]
+fn async_equals_sync_greedy_adaptive_k() {
+    for spec in [Spec::Ngram(3), Spec::SelfDraft(3), Spec::OtherDraft(3)] {
+        assert_identical_adaptive(spec, Mode::Greedy);
+    }
+}
+
+#[test]
+fn async_equals_sync_seeded_adaptive_k() {
+    for spec in [Spec::Ngram(3), Spec::OtherDraft(2), Spec::Mtp(2)] {
+        assert_identical_adaptive(spec, Mode::Seeded);
+    }
+}
+
 /// Under KV pressure (preemption by recompute) and chunked prefill, with prefix-cache hits from
 /// shared prompts: greedy outputs still match, nothing leaks.
 #[test]
@@ -196,7 +255,12 @@ fn fault_case(kind: FaultKind) {
     let loaded = load_model(&model.path).unwrap();
     let tok = Arc::new(loaded.tokenizer);
     // two requests run per step; the third waits until a slot frees
-    let cfg = EngineConfig { max_num_seqs: 2, async_scheduling: true, fault_injection: Some(FaultInjection { step: 4, kind }), ..tiny_config() };
+    let cfg = EngineConfig {
+        max_num_seqs: 2,
+        async_scheduling: true,
+        fault_injection: Some(FaultInjection { step: 4, kind, phase: FaultPhase::Prepare }),
+        ..tiny_config()
+    };
     let (handle, join) = spawn_engine(loaded.model, tok, cfg, None).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
@@ -250,6 +314,46 @@ fn injected_error_fails_only_that_step() {
 #[test]
 fn injected_panic_fails_only_that_step() {
     fault_case(FaultKind::Panic);
+}
+
+/// A fault injected into one phase of step 4 (prepare, forward pass, sampling, apply), as an
+/// error or a panic, with synchronous or async scheduling: exactly that step's two requests fail,
+/// naming the injected fault; the request waiting beside them and one submitted after complete;
+/// every KV block comes back.
+fn fault_in_phase(model: &TinyModel, phase: FaultPhase, kind: FaultKind, async_scheduling: bool) {
+    let case = format!("{phase:?} {kind:?} async={async_scheduling}");
+    // two requests run per step; the third waits until a slot frees
+    let cfg = EngineConfig { max_num_seqs: 2, async_scheduling, fault_injection: Some(FaultInjection { step: 4, kind, phase }), ..tiny_config() };
+    let mut h = Harness::on(model, cfg, Spec::None);
+    let mut a = h.submit(prompt(10, 1), greedy(30));
+    let mut b = h.submit(prompt(10, 2), greedy(30));
+    let mut c = h.submit(prompt(10, 3), greedy(5));
+    h.run(&mut [&mut a, &mut b, &mut c], 500);
+    for x in [&a, &b] {
+        match x.end() {
+            End::Failed(message) => assert!(message.contains("injected"), "{case}: {message}"),
+            other => panic!("{case}: a request of the failed step did not fail: {other:?}"),
+        }
+        assert!(x.tokens().len() < 30, "{case}");
+    }
+    assert_eq!(c.finished_tokens(FinishReason::Length).len(), 5, "{case}: the waiting request must survive");
+    h.assert_idle_and_leak_free();
+    let mut d = h.submit(prompt(12, 4), greedy(6));
+    h.run(&mut [&mut d], 100);
+    assert_eq!(d.finished_tokens(FinishReason::Length).len(), 6, "{case}: the engine still serves");
+    h.assert_idle_and_leak_free();
+}
+
+#[test]
+fn an_injected_fault_in_any_phase_fails_only_that_step_and_returns_every_block() {
+    let model = TinyModel::new();
+    for phase in [FaultPhase::Prepare, FaultPhase::Forward, FaultPhase::Sample, FaultPhase::Apply] {
+        for kind in [FaultKind::Error, FaultKind::Panic] {
+            for async_scheduling in [false, true] {
+                fault_in_phase(&model, phase, kind, async_scheduling);
+            }
+        }
+    }
 }
 
 /// Failing everything with a job in flight, then waiting for it: every block is back, and the

@@ -1,4 +1,4 @@
-//! Lockstep data parallelism never hangs (DESIGN.md invariant 6): four in-process ranks on the
+//! Lockstep data parallelism never hangs (docs/architecture.md invariant 6): four in-process ranks on the
 //! tiny model with one request, with requests arriving seconds apart on different ranks, with an
 //! abort mid-stream, idle then a burst; exactly one metadata collective per step; greedy outputs
 //! equal a single engine's. Every wait has a deadline, so a hang fails instead of stalling.

@@ -54,14 +54,26 @@ fn a_client_that_disconnects_frees_its_rank() {
     let group = replicas(&m, 2);
     let mut s = submit(&group.handle, prompt(20, 1), greedy(200));
     s.wait_tokens(2);
+    let owner = group.router.owner(s.id).expect("in flight");
     drop(s);
     let deadline = std::time::Instant::now() + HANG;
     while group.router.outstanding_tokens().iter().any(|&t| t > 0) {
         assert!(std::time::Instant::now() < deadline, "load never released");
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
+    // every KV block of the owning rank is back (its gauges, published when it went idle)
+    while group.stats[owner].snapshot().kv_usage > 0.0 || group.stats[owner].snapshot().running > 0 {
+        assert!(std::time::Instant::now() < deadline, "rank {owner} kept KV blocks after its client disconnected: {:?}", group.stats[owner].snapshot());
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
     // and the rank serves the next request normally
     let mut next = submit(&group.handle, prompt(20, 2), greedy(10));
     assert_eq!(next.finished(FinishReason::Length).len(), 10);
+    let stats = group.stats.clone();
     assert!(shutdown_and_join(group).iter().all(|r| r.is_ok()));
+    // and when the ranks stopped, every block of every rank was back
+    for (r, s) in stats.iter().enumerate() {
+        let snap = s.snapshot();
+        assert_eq!((snap.kv_usage, snap.running, snap.waiting), (0.0, 0, 0), "rank {r}");
+    }
 }

@@ -1,4 +1,4 @@
-//! Batch invariance through the whole engine (DESIGN.md invariants 1 and 3): a request's greedy
+//! Batch invariance through the whole engine (docs/architecture.md invariants 1 and 3): a request's greedy
 //! tokens, and a seeded request's sampled tokens, are the same alone, among 15 others arriving
 //! at staggered times, and when a tiny KV pool forces preemption and recomputation; greedy
 //! tokens are also the same with speculative decoding (n-gram, or a draft model) as without.
@@ -10,17 +10,24 @@ use specula_engine::{EngineConfig, FinishReason, SamplingParams};
 
 /// Runs `target` alone on a fresh engine; returns its tokens.
 fn alone(cfg: EngineConfig, spec: Spec, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
-    let mut h = Harness::speculating(cfg, spec);
+    alone_with(Harness::speculating(cfg, spec), p, params).0
+}
+
+/// Runs `target` alone on `h`; returns its tokens and the draft tokens verified.
+fn alone_with(mut h: Harness, p: Vec<u32>, params: SamplingParams) -> (Vec<u32>, u64) {
     let mut c = h.submit(p, params);
     h.run(&mut [&mut c], 1000);
     h.assert_idle_and_leak_free();
-    c.finished_tokens(FinishReason::Length)
+    (c.finished_tokens(FinishReason::Length), h.engine.spec_metrics().map_or(0, |m| m.num_draft_tokens))
 }
 
 /// Runs `target` among 15 others that arrive two per step around it (it arrives 6th); returns
 /// its tokens and checks every other request finished properly.
 fn in_a_crowd(cfg: EngineConfig, spec: Spec, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
-    let mut h = Harness::speculating(cfg, spec);
+    in_a_crowd_with(Harness::speculating(cfg, spec), p, params)
+}
+
+fn in_a_crowd_with(mut h: Harness, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
     let mut others: Vec<Client> = Vec::new();
     let mut target = None;
     for i in 0..16u64 {
@@ -71,6 +78,24 @@ fn greedy_with_speculation_equals_greedy_without() {
     for spec in SPECS {
         assert_eq!(reference, alone(common::tiny_config(), spec, p.clone(), greedy(40)), "{spec:?} alone");
         assert_eq!(reference, in_a_crowd(common::tiny_config(), spec, p.clone(), greedy(40)), "{spec:?} in a crowd");
+    }
+}
+
+/// The same with adaptive k (the engine's default: k shrinks as the batch grows, and per
+/// sequence as its drafts are rejected): still token for token, and it does speculate.
+#[test]
+fn greedy_with_adaptive_speculation_equals_greedy_without() {
+    let p = prompt(77, 1);
+    let reference = alone(common::tiny_config(), Spec::None, p.clone(), greedy(40));
+    for spec in [Spec::Ngram(3), Spec::SelfDraft(4), Spec::OtherDraft(2)] {
+        let (tokens, drafted) = alone_with(Harness::speculating_adaptive(common::tiny_config(), spec), p.clone(), greedy(40));
+        assert_eq!(reference, tokens, "{spec:?} adaptive, alone");
+        assert!(drafted > 0, "{spec:?} adaptive never drafted: the test would prove nothing");
+        assert_eq!(
+            reference,
+            in_a_crowd_with(Harness::speculating_adaptive(common::tiny_config(), spec), p.clone(), greedy(40)),
+            "{spec:?} adaptive, in a crowd"
+        );
     }
 }
 

@@ -1,7 +1,7 @@
 //! The mtp proposer (docs/mtp-head-format.md): a one-layer head file checked against its target
 //! at load with clear errors, drafts that only ever use the pruned vocabulary and that match a
 //! naive reference forward of the head, and greedy output through the whole engine that is token
-//! for token the output without speculation (DESIGN.md invariant 1).
+//! for token the output without speculation (docs/architecture.md invariant 1).
 
 mod spec_support;
 
@@ -463,6 +463,8 @@ fn greedy_with_mtp_head_is_greedy_without(context: HeadContext, layers: &[usize]
     assert!(seen.iter().all(|t| allowed.contains(t)), "a token outside the pruned vocabulary was proposed");
     let m = rig.engine.spec_metrics().expect("speculation is on");
     assert!(m.num_draft_tokens > 0, "the mtp proposer never drafted: {m:?}");
+    // identity with zero accepted drafts would prove only that rejection works
+    assert!(m.num_accepted_tokens > 0, "no mtp draft was ever accepted: {m:?}");
     assert_eq!(m.num_draft_tokens as usize, seen.len(), "every proposed token was verified");
 }
 

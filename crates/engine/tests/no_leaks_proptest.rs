@@ -1,4 +1,4 @@
-//! DESIGN.md invariant 4 under random traffic: any interleaving of submissions (valid or not),
+//! docs/architecture.md invariant 4 under random traffic: any interleaving of submissions (valid or not),
 //! steps, aborts and client disconnects against a small KV pool, with or without speculative
 //! decoding, with or without async scheduling, never leaks a block (target or draft KV) and never
 //! starves a request.

@@ -1,4 +1,4 @@
-//! Speculative decoding through the whole engine (DESIGN.md, "Speculative decoding"):
+//! Speculative decoding through the whole engine (docs/architecture.md, "Speculative decoding"):
 //! greedy output is token for token the same with n-gram and draft-model speculation as without
 //! (invariant 1), logprobs of emitted tokens do not change under speculation, rejected draft KV is
 //! rolled back without leaking a block of either cache, the acceptance counters add up, and bad

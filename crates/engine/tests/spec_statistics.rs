@@ -1,4 +1,4 @@
-//! Lossless sampling (DESIGN.md invariant 2), checked statistically through the whole engine:
+//! Lossless sampling (docs/architecture.md invariant 2), checked statistically through the whole engine:
 //! the tokens a speculating engine emits are distributed as plain sampling's, for a draft model
 //! (stochastic q) and for n-gram drafts (one-hot q). Each request generates 1 + k + 1 tokens:
 //! the first is sampled at prefill (no drafts yet), the next come from one verification of k

@@ -160,7 +160,7 @@ where
             let link = Link::open();
             let _ = ready_tx.send(());
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(link)))
-                .unwrap_or_else(|p| Err(DpError::Mpi(format!("the MPI bridge thread panicked: {}", super::rank::panic_message(&p)))));
+                .unwrap_or_else(|p| Err(DpError::Mpi(format!("the MPI bridge thread panicked: {}", crate::error::panic_message(&p)))));
             if let Err(e) = &result {
                 // the peers' bridges would wait for this one's messages forever: end the job
                 tracing::error!("{e}; aborting the MPI job");

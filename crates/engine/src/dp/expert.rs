@@ -8,8 +8,8 @@
 //! leaves its peers waiting. Not here: the routing math (specula_model::moe).
 
 use super::communicator::{Communicator, DpError};
-use super::group::RankSetup;
 use super::local::{LocalComm, LocalGroup};
+use super::rank::RankSetup;
 use specula_model::{ExpertExchange, LlamaModel};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -6,13 +6,17 @@
 use super::communicator::{Communicator, DpError};
 use super::lockstep::LockstepRank;
 use super::metadata::check_same_config;
-use super::rank::{Commands, RankMetrics, RankStats};
+pub use super::rank::RankSetup;
+use super::rank::{RankMetrics, RankStats};
 use super::router::ReplicaRouter;
 use crate::config::EngineConfig;
-use crate::engine::{Engine, EngineError};
+use crate::engine::Engine;
+use crate::engine_loop::LoopHook;
+use crate::error::EngineError;
 use crate::handle::{EngineCommand, EngineHandle};
-use crate::spec::{Proposer, SpecConfig};
-use specula_model::{LlamaModel, Tokenizer};
+use crate::spec::SpecConfig;
+use crate::step::StepStats;
+use specula_model::Tokenizer;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -32,23 +36,6 @@ impl DpMode {
             DpMode::Replica => "replica",
             DpMode::Lockstep => "lockstep",
         }
-    }
-}
-
-/// What one rank is built from.
-pub struct RankSetup {
-    pub model: LlamaModel,
-    pub spec: Option<(SpecConfig, Box<dyn Proposer>)>,
-}
-
-impl RankSetup {
-    pub fn new(model: LlamaModel) -> Self {
-        Self { model, spec: None }
-    }
-
-    pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
-        self.spec = Some((cfg, proposer));
-        self
     }
 }
 
@@ -83,7 +70,7 @@ impl DpGroup {
     pub fn join(self) -> Vec<Result<(), DpError>> {
         let Self { handle, router, rank_handles, joins, .. } = self;
         drop((handle, router, rank_handles));
-        joins.into_iter().map(|j| j.join().unwrap_or_else(|p| Err(DpError::RankFailed(super::rank::panic_message(&p))))).collect()
+        joins.into_iter().map(|j| j.join().unwrap_or_else(|p| Err(DpError::RankFailed(crate::error::panic_message(&p))))).collect()
     }
 }
 
@@ -181,41 +168,36 @@ pub fn spawn_replicas(ranks: Vec<RankSetup>, tokenizer: Arc<Tokenizer>, cfg: Eng
     Ok(DpGroup { handle: EngineHandle::routed(router.clone()), router, rank_handles, stats, joins })
 }
 
-/// One replica: `Engine::run`, plus per-rank counters and labeled metrics.
-fn run_replica(mut engine: Engine, rx: Receiver<EngineCommand>, rank: usize, stats: &RankStats) {
-    let mut metrics = RankMetrics::new(rank);
-    let mut commands = Commands::default();
-    loop {
-        if !engine.has_work() && commands.shutdown_at.is_none() {
-            metrics.publish(&engine, stats);
-            match rx.recv() {
-                Ok(cmd) => commands.apply(&mut engine, cmd),
-                Err(_) => break,
-            }
-        }
-        while let Ok(cmd) = rx.try_recv() {
-            commands.apply(&mut engine, cmd);
-        }
-        if commands.shutdown_at.is_some() {
-            if !engine.has_work() {
-                break;
-            }
-            if commands.grace_over() {
-                engine.fail_all("the server is shutting down and the grace period for in-flight requests ended");
-                break;
-            }
-        }
-        if engine.has_work() {
-            let s = engine.step();
-            if s.num_tokens > 0 {
-                RankStats::add(&stats.steps, 1);
-                RankStats::add(&stats.tokens, s.num_tokens as u64);
-            }
-            metrics.publish(&engine, stats);
-        }
+/// One replica: the engine loop, with per-rank counters and labeled metrics as its hook.
+fn run_replica(engine: Engine, rx: Receiver<EngineCommand>, rank: usize, stats: &RankStats) {
+    engine.run_with(rx, &mut ReplicaHook { rank, stats, metrics: RankMetrics::new(rank) });
+}
+
+/// What a replica adds to the engine loop: its counters and gauges, published after each step
+/// and when it goes idle or stops.
+struct ReplicaHook<'a> {
+    rank: usize,
+    stats: &'a RankStats,
+    metrics: RankMetrics,
+}
+
+impl LoopHook for ReplicaHook<'_> {
+    fn on_idle(&mut self, engine: &mut Engine) {
+        self.metrics.publish(engine, self.stats);
     }
-    metrics.publish(&engine, stats);
-    tracing::info!(rank, "data-parallel replica stopped");
+
+    fn after_step(&mut self, engine: &mut Engine, s: &StepStats) {
+        if s.num_tokens > 0 {
+            RankStats::add(&self.stats.steps, 1);
+            RankStats::add(&self.stats.tokens, s.num_tokens as u64);
+        }
+        self.metrics.publish(engine, self.stats);
+    }
+
+    fn on_stop(&mut self, engine: &mut Engine) {
+        self.metrics.publish(engine, self.stats);
+        tracing::info!(rank = self.rank, "data-parallel replica stopped");
+    }
 }
 
 /// Runs a built rank as an independent replica on its own thread, publishing its metrics under

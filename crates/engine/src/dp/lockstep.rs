@@ -16,12 +16,11 @@
 use super::communicator::{Communicator, DpError};
 use super::expert;
 use super::metadata::{agree, GlobalStep, StepMetadata};
-use super::rank::{panic_message, reap_disconnected, Commands, RankMetrics, RankStats};
+use super::rank::{Commands, RankMetrics, RankStats};
 use crate::engine::Engine;
+use crate::error::panic_message;
 use crate::handle::EngineCommand;
-use crate::scheduler::StepPlan;
-use specula_model::llama::NO_SLOT;
-use specula_model::{ForwardBatch, SeqSpan};
+use crate::step::StepPlan;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
@@ -98,7 +97,7 @@ impl<C: Communicator> LockstepRank<C> {
             if self.commands.grace_over() && self.engine.has_work() {
                 self.engine.fail_all("the server is shutting down and the grace period for in-flight requests ended");
             }
-            reap_disconnected(&mut self.engine);
+            self.engine.reap_disconnected();
             let plan = self.schedule();
             let local = StepMetadata {
                 step: self.step,
@@ -126,7 +125,7 @@ impl<C: Communicator> LockstepRank<C> {
                 return Ok(());
             }
             if global.shutdown_requested() {
-                self.commands.begin_shutdown(self.engine.cfg.shutdown_grace);
+                self.commands.begin_shutdown(self.engine.config().shutdown_grace);
             }
             self.execute(&plan, &global);
             let was_idle = self.all_idle;
@@ -160,11 +159,7 @@ impl<C: Communicator> LockstepRank<C> {
     }
 
     fn schedule(&mut self) -> StepPlan {
-        if !self.engine.has_work() {
-            return StepPlan::default();
-        }
-        let _s = tracing::trace_span!("schedule").entered();
-        self.engine.host_mut().schedule(None, 0)
+        self.engine.schedule_step()
     }
 
     /// Runs this rank's share of the agreed step.
@@ -227,21 +222,8 @@ impl<C: Communicator> LockstepRank<C> {
         }
     }
 
-    /// A forward pass of `n` placeholder tokens that writes no KV and computes no logits: each
-    /// token is its own one-token sequence at position 0 reading block 0 (whatever it holds; the
-    /// result is discarded). Joins whatever collectives the model makes, at the padded size.
+    /// A dummy forward pass of `n` tokens (see `Engine::run_dummy_batch`).
     fn run_dummy(&mut self, n: usize) -> Result<(), String> {
-        let tokens = vec![0u32; n];
-        let table = [0u32];
-        let spans: Vec<SeqSpan> = (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect();
-        let slots = vec![NO_SLOT; n];
-        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[] };
-        let e = &mut self.engine;
-        let (model, kv, pool) = (&e.ctx.model, &mut e.compute.kv_store, &e.ctx.pool);
-        match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(panic) => Err(panic_message(&panic)),
-        }
+        self.engine.run_dummy_batch(n)
     }
 }

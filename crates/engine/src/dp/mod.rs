@@ -1,4 +1,4 @@
-//! Data parallelism: N engine ranks behind one front end (DESIGN.md "Data parallel", invariant 6).
+//! Data parallelism: N engine ranks behind one front end (docs/architecture.md "Data parallel", invariant 6).
 //!
 //! - `communicator`: the collectives ranks use, with in-process (`local`) and, behind the `mpi`
 //!   feature, MPI (`mpi`) implementations; `counting` wraps one to count calls in tests.

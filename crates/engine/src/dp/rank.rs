@@ -1,16 +1,33 @@
 //! What every data-parallel rank does the same way, whichever loop drives it (`replica` or
 //! `lockstep`): taking commands from its channel, per-rank counters, and per-rank metrics with a
-//! `rank` label (the engine's own unlabeled gauges are written by every rank of the process).
+//! `rank` label (the engine's own unlabeled gauges are written by every rank of the process), and
+//! what a rank is built from.
 
-use crate::api::RequestEvent;
 use crate::engine::Engine;
-use crate::handle::EngineCommand;
-use crate::types::RequestId;
+use crate::spec::{Proposer, SpecConfig};
 use serde::{Deserialize, Serialize};
+use specula_model::LlamaModel;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+/// What one rank is built from.
+pub struct RankSetup {
+    pub model: LlamaModel,
+    pub spec: Option<(SpecConfig, Box<dyn Proposer>)>,
+}
+
+impl RankSetup {
+    pub fn new(model: LlamaModel) -> Self {
+        Self { model, spec: None }
+    }
+
+    pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
+        self.spec = Some((cfg, proposer));
+        self
+    }
+}
 
 /// Counters of one rank, shared with whoever watches it (tests, logs). Raw counts; ratios are
 /// computed when read.
@@ -80,57 +97,14 @@ impl RankStats {
     }
 
     fn set_gauges(&self, engine: &Engine) {
-        let host = engine.host();
-        self.running.store(host.scheduler.num_running() as u64, Ordering::Relaxed);
-        self.waiting.store(host.scheduler.num_waiting() as u64, Ordering::Relaxed);
-        self.kv_usage_bits.store(host.kv.usage().to_bits(), Ordering::Relaxed);
+        let (running, waiting, kv_usage) = engine.load();
+        self.running.store(running as u64, Ordering::Relaxed);
+        self.waiting.store(waiting as u64, Ordering::Relaxed);
+        self.kv_usage_bits.store(kv_usage.to_bits(), Ordering::Relaxed);
     }
 }
 
-/// Shutdown state of one rank's command handling.
-#[derive(Debug, Default)]
-pub(crate) struct Commands {
-    /// When in-flight requests must be done; set by the first shutdown (own or agreed).
-    pub shutdown_at: Option<Instant>,
-}
-
-impl Commands {
-    pub fn begin_shutdown(&mut self, grace: Duration) {
-        if self.shutdown_at.is_none() {
-            self.shutdown_at = Some(Instant::now() + grace);
-        }
-    }
-
-    /// Applies one command to `engine` as `Engine::run` does.
-    pub fn apply(&mut self, engine: &mut Engine, cmd: EngineCommand) {
-        match cmd {
-            EngineCommand::Submit(req) => {
-                if self.shutdown_at.is_some() {
-                    engine.host().counters.waiting.fetch_sub(1, Ordering::Relaxed);
-                    let _ = req.events.send(RequestEvent::Failed { message: "the server is shutting down".into() });
-                } else {
-                    engine.add_request(req);
-                }
-            }
-            EngineCommand::Abort(id) => engine.abort(id),
-            EngineCommand::Shutdown => self.begin_shutdown(engine.cfg.shutdown_grace),
-        }
-    }
-
-    /// Whether the grace period has run out.
-    pub fn grace_over(&self) -> bool {
-        self.shutdown_at.is_some_and(|d| Instant::now() >= d)
-    }
-}
-
-/// Aborts requests whose client went away (as `Engine::step` does before scheduling).
-pub(crate) fn reap_disconnected(engine: &mut Engine) {
-    let gone: Vec<RequestId> = engine.host().seqs.values().filter(|s| s.events.is_closed()).map(|s| s.request).collect();
-    for id in gone {
-        tracing::debug!(request = %id, "client disconnected; aborting");
-        engine.abort(id);
-    }
-}
+pub(crate) use crate::engine_loop::Commands;
 
 /// Publishes one rank's gauges and counter increments under a `rank` label, and keeps the
 /// unlabeled gauges (`specula:num_requests_running`, `..._waiting`, `kv_cache_usage_perc`) as the
@@ -202,9 +176,4 @@ impl RankMetrics {
         metrics::gauge!("specula:num_requests_waiting").set(waiting as f64);
         metrics::gauge!("specula:kv_cache_usage_perc").set(kv);
     }
-}
-
-/// The text of a caught panic.
-pub(crate) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
 }

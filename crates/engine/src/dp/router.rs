@@ -355,8 +355,9 @@ mod tests {
         r.submit(a).unwrap();
         let (b, _eb) = request(2, vec![2; 4], 4);
         r.submit(b).unwrap();
-        let _ = submitted(&rxs[0]);
-        let _ = submitted(&rxs[1]);
+        // held: dropping a submitted request closes its stream, which ends its ownership
+        let _ra = submitted(&rxs[0]);
+        let _rb = submitted(&rxs[1]);
         r.abort(RequestId(2));
         assert!(matches!(rxs[1].recv_timeout(Duration::from_secs(5)).unwrap(), EngineCommand::Abort(RequestId(2))));
         assert!(rxs[0].try_recv().is_err());

@@ -4,7 +4,7 @@
 //! store. Not a scheduler: it answers "does this fit?" and does what it is told, atomically.
 //!
 //! One owner, `&mut self` methods, no locks. `KvCacheManager::free` is the single way blocks go
-//! back; the engine frees a sequence on every way a request ends (invariant 4 of DESIGN.md).
+//! back; the engine frees a sequence on every way a request ends (invariant 4 of docs/architecture.md).
 
 mod block_hash;
 mod block_pool;

@@ -1,10 +1,10 @@
 //! One dedicated worker thread that runs one job at a time, so the engine can schedule and prepare
-//! step N+1 while step N executes (async scheduling, DESIGN.md). `submit` refuses a second job until
+//! step N+1 while step N executes (async scheduling, docs/architecture.md). `submit` refuses a second job until
 //! `sync` has collected the first, so never more than one step is prepared ahead. A job's error or
 //! panic comes back from `sync` naming the step; dropping the runner waits for the job and joins.
 //! Not a thread pool: parallel work inside a job uses rayon; jobs share state only by ownership.
 
-use std::any::Any;
+use crate::error::panic_message;
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
@@ -186,7 +186,7 @@ impl<T: Send + 'static> AsyncRunner<T> {
         self.jobs = None;
         self.pending = None;
         let reason = match self.worker.take().map(JoinHandle::join) {
-            Some(Err(payload)) => format!("its worker thread panicked: {}", panic_message(payload.as_ref())),
+            Some(Err(payload)) => format!("its worker thread panicked: {}", panic_message(&payload)),
             Some(Ok(())) | None => "its worker thread exited".to_string(),
         };
         self.stopped = Some(reason.clone());
@@ -201,7 +201,7 @@ impl<T: Send + 'static> Drop for AsyncRunner<T> {
         self.jobs = None;
         if let Some(worker) = self.worker.take() {
             if let Err(payload) = worker.join() {
-                tracing::error!(runner = %self.name, "async runner worker panicked: {}", panic_message(payload.as_ref()));
+                tracing::error!(runner = %self.name, "async runner worker panicked: {}", panic_message(&payload));
             }
         }
     }
@@ -255,7 +255,7 @@ fn run_job<T>(run: Box<dyn FnOnce() -> Result<T, String> + Send>) -> Result<T, F
     match panic::catch_unwind(AssertUnwindSafe(run)) {
         Ok(result) => result.map_err(Failure::Error),
         Err(payload) => {
-            let message = panic_message(payload.as_ref());
+            let message = panic_message(&payload);
             // A payload whose destructor panics must not take the worker down with it; if dropping
             // it panics again, that second payload is leaked rather than risk a third panic.
             if let Err(again) = panic::catch_unwind(AssertUnwindSafe(move || drop(payload))) {
@@ -263,17 +263,6 @@ fn run_job<T>(run: Box<dyn FnOnce() -> Result<T, String> + Send>) -> Result<T, F
             }
             Err(Failure::Panic(message))
         }
-    }
-}
-
-/// The text of a panic payload (`panic!` gives a `&str` or a `String`).
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        s.to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic payload is not a string".to_string()
     }
 }
 

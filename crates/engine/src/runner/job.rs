@@ -6,16 +6,19 @@
 //! draft), so the engine thread runs it with the same code whether the host work of the
 //! neighbouring steps runs inline or on the async runner, and so produces the same tokens.
 
-use super::{execute, BatchInputs};
-use crate::api::{FinishReason, SamplingParams};
+use super::execute;
+use crate::config::{FaultInjection, FaultPhase};
+use crate::error::{panic_message, StepError};
 use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
+use crate::sequence::token_finish;
 use crate::spec::adaptive::batch_k_limit;
 use crate::spec::{verify, Draft, DraftRequest, Speculation};
+use crate::step::{JobOutput, JobTimings, SampleItem, SeqResult, StepJob};
 use crate::types::{SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Message flags of the packed per-step logprobs buffer.
 pub(crate) const LOGPROBS_FLAG_PLAIN: u32 = 0;
@@ -28,6 +31,8 @@ pub(crate) struct JobContext {
     pub tokenizer: Arc<Tokenizer>,
     pub pool: Arc<rayon::ThreadPool>,
     pub max_model_len: usize,
+    /// The test-only fault switch (`EngineConfig::fault_injection`).
+    pub fault: Option<FaultInjection>,
 }
 
 /// The mutable compute state a job takes from the engine and hands back with its result.
@@ -37,117 +42,18 @@ pub(crate) struct ComputeState {
     pub spec: Option<Speculation>,
 }
 
-/// A sequence whose logits are sampled this step, with the state sampling and drafting need.
-pub(crate) struct SampleItem {
-    pub seq: SeqId,
-    /// Its rows among the step's logits rows (`1 + draft.tokens.len()`).
-    pub first_row: usize,
-    pub rows: usize,
-    /// Position of its first token in this step and how many it computes (for proposer rollback).
-    pub start: usize,
-    pub num_tokens: usize,
-    pub params: SamplingParams,
-    /// Prompt followed by the accepted output, before this step's tokens.
-    pub tokens: Vec<TokenId>,
-    pub prompt_len: usize,
-    pub rng: SeqRng,
-    pub draft: Draft,
-}
-
-pub(crate) struct StepJob {
-    pub step: u64,
-    pub inputs: BatchInputs,
-    pub items: Vec<SampleItem>,
-}
-
-/// What one sampled sequence got this step.
-pub(crate) struct SeqResult {
-    /// Emitted tokens: the accepted drafts then one token from the target.
-    pub tokens: Vec<TokenId>,
-    pub num_drafts: usize,
-    /// Rows `lp_first..lp_first + tokens.len()` of the step's packed logprobs, when asked for.
-    pub lp_first: Option<usize>,
-    pub rng: SeqRng,
-    /// Drafts for the next step (empty if none).
-    pub next_draft: Draft,
-    /// A token-level finish (stop token, length) among `tokens`: the sequence does not go on.
-    pub finished: bool,
-}
-
-impl SeqResult {
-    pub fn num_accepted(&self) -> usize {
-        self.tokens.len() - 1
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct JobTimings {
-    pub forward_start: Instant,
-    pub forward_end: Instant,
-    pub sample: Duration,
-    pub propose: Duration,
-}
-
-impl JobTimings {
-    /// When the job's work ended (its forward pass, sampling and proposals).
-    pub fn end(&self) -> Instant {
-        self.forward_end + self.sample + self.propose
-    }
-}
-
-pub(crate) struct JobOutput {
-    pub results: Vec<(SeqId, SeqResult)>,
-    /// Every emitted token's logprobs (the batch's largest top-k, computed once), packed.
-    pub logprobs: Option<PackedLogprobs>,
-    pub timings: JobTimings,
-    /// The step's input and logits buffers, freed with the output: by the host job when async,
-    /// so not between two forward passes.
-    pub _spent: (BatchInputs, specula_model::ForwardOutput),
-}
-
-/// A step's forward pass and sampling, done: its plan as it ran and what it produced.
-pub(crate) struct Computed {
-    pub plan: crate::scheduler::StepPlan,
-    pub outcome: Result<JobOutput, String>,
-}
-
-/// Why a sequence stops at token `id`, judged from tokens alone (stop strings need the text and
-/// are checked when the engine streams). The engine's update and the job's drafting both use it,
-/// so a sequence the job keeps drafting for is exactly one the engine keeps running.
-pub(crate) fn token_finish(
-    params: &SamplingParams,
-    tokenizer: &Tokenizer,
-    id: TokenId,
-    output_len: usize,
-    total_len: usize,
-    max_model_len: usize,
-) -> Option<FinishReason> {
-    if is_stop_token(params, tokenizer, id) {
-        Some(FinishReason::Stop)
-    } else if output_len >= params.max_tokens || total_len >= max_model_len {
-        Some(FinishReason::Length)
-    } else {
-        None
-    }
-}
-
-/// EOS (unless ignored) or one of the request's stop token ids: emitted without text.
-pub(crate) fn is_stop_token(params: &SamplingParams, tokenizer: &Tokenizer, id: TokenId) -> bool {
-    (!params.ignore_eos && tokenizer.is_eos(id)) || params.stop_token_ids.contains(&id)
-}
-
 /// Runs `job`, catching a panic anywhere in it; the error names the step. `while_forward` runs on
 /// this thread once the forward pass is under way (see `execute`); it does not run if the job
 /// fails before its forward pass starts.
-pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, String> {
+pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, StepError> {
     let step = job.step;
     match catch_unwind(AssertUnwindSafe(|| run_job_inner(ctx, state, job, while_forward))) {
         Ok(Ok(out)) => Ok(out),
-        Ok(Err(msg)) => Err(format!("step {step} failed: {msg}")),
+        Ok(Err(message)) => Err(StepError::Failed { step, message }),
         Err(panic) => {
-            let msg = panic_message(&panic);
-            tracing::error!("step {step} panicked: {msg}");
-            Err(format!("internal error: step {step} panicked: {msg}"))
+            let message = panic_message(&panic);
+            tracing::error!("step {step} panicked: {message}");
+            Err(StepError::Panicked { step, message })
         }
     }
 }
@@ -157,9 +63,10 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
     let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, while_forward).map_err(|e| e.to_string())?;
+    FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     let forward_end = Instant::now();
     let mut items = job.items;
-    let (results, logprobs) = sample(ctx, state, &mut items, &out.logits)?;
+    let (results, logprobs) = sample(ctx, state, job.step, &mut items, &out.logits)?;
     let sample_end = Instant::now();
     let results = propose(ctx, state, items, results, &out.hidden)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
@@ -169,7 +76,13 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
 /// Per item: one sampled token, or with drafts the accepted prefix plus one token from the
 /// rejection sampler; logprobs of every emitted token from the raw target logits of its row.
 /// Appends the emitted tokens to each item's history for drafting.
-fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], logits: &[f32]) -> Result<(Vec<SeqResult>, Option<PackedLogprobs>), String> {
+fn sample(
+    ctx: &JobContext,
+    state: &mut ComputeState,
+    step: u64,
+    items: &mut [SampleItem],
+    logits: &[f32],
+) -> Result<(Vec<SeqResult>, Option<PackedLogprobs>), String> {
     let vocab = ctx.model.config.vocab_size;
     let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     // only the largest top-k any sequence of this batch asked for is computed
@@ -203,11 +116,13 @@ fn sample(ctx: &JobContext, state: &mut ComputeState, items: &mut [SampleItem], 
             if let Some(sp) = state.spec.as_mut() {
                 let accepted = toks.len() - 1;
                 sp.record(it.seq, num_drafts, accepted);
+                // the one rollback rule (`ScheduledSeq::kept_end`): valid KV ends after the accepted drafts
                 sp.proposer.rollback(it.seq, it.start + it.num_tokens - (num_drafts - accepted));
             }
         }
         it.tokens.extend_from_slice(&toks);
         results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, next_draft: Draft::default(), finished: false });
+        FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
     let logprobs = match k_max {
         Some(_) if !lp_rows.is_empty() => {
@@ -296,8 +211,4 @@ fn propose(
         }
     }
     Ok(items.iter().map(|it| it.seq).zip(results).collect())
-}
-
-pub(crate) fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "unknown panic".into())
 }

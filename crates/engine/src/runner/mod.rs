@@ -8,9 +8,9 @@ pub mod async_runner;
 pub mod job;
 mod prepare;
 
+pub use crate::step::{BatchInputs, RowRange};
 pub use async_runner::{AsyncRunner, AsyncRunnerError};
-pub(crate) use prepare::{finalize, prepare, PreparedStep};
-pub use prepare::{BatchInputs, RowRange};
+pub(crate) use prepare::{finalize, prepare};
 
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
 

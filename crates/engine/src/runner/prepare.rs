@@ -11,61 +11,12 @@
 //!
 //! Synchronously the two run back to back with nothing to settle.
 
-use super::job::{Computed, SampleItem, StepJob};
 use crate::kv_cache::KvCacheManager;
-use crate::scheduler::StepPlan;
 use crate::sequence::Sequence;
 use crate::spec::Draft;
+use crate::step::{BatchInputs, Computed, PreparedSeq, PreparedStep, RowRange, SampleItem, SeqResult, StepJob, StepPlan};
 use crate::types::{SeqId, TokenId};
 use std::collections::{BTreeMap, BTreeSet};
-
-/// A sequence's rows in the flattened batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RowRange {
-    pub q_start: usize,
-    pub q_len: usize,
-    /// Tokens in context after this step.
-    pub context_len: usize,
-}
-
-/// Everything the forward pass reads, built before it runs.
-#[derive(Clone, Debug, Default)]
-pub struct BatchInputs {
-    /// `[total_tokens]` token ids, sequence after sequence.
-    pub tokens: Vec<TokenId>,
-    /// One per scheduled sequence, in plan order; q_starts tile `tokens`.
-    pub spans: Vec<RowRange>,
-    /// One per scheduled sequence: its block ids.
-    pub block_tables: Vec<Vec<u32>>,
-    /// `[total_tokens]` KV slot of each token.
-    pub slots: Vec<usize>,
-    /// Rows whose logits are needed, in order: for each sampling sequence its last
-    /// `1 + num_drafts` rows.
-    pub logits_rows: Vec<usize>,
-    /// For each sampling sequence: (seq, first index into logits_rows, number of rows).
-    pub sample_rows: Vec<(SeqId, usize, usize)>,
-    /// Layers whose hidden states of the logits rows the forward pass returns (the proposer's
-    /// `hidden_layers`; empty: none).
-    pub hidden_layers: Vec<usize>,
-}
-
-/// One scheduled sequence, prepared.
-pub(crate) struct PreparedSeq {
-    block_table: Vec<u32>,
-    /// Its input tokens; empty for a decode scheduled ahead (the step before samples them).
-    tokens: Vec<TokenId>,
-    /// Its sampling state, when the step samples it (history and random stream as the host knows
-    /// them: a decode scheduled ahead is missing the step before's tokens until `finalize`).
-    item: Option<SampleItem>,
-}
-
-/// A step scheduled and prepared, waiting to be finalized and run.
-pub(crate) struct PreparedStep {
-    /// The step's number (from 1, in the order steps are prepared).
-    pub step: u64,
-    pub plan: StepPlan,
-    pub seqs: Vec<PreparedSeq>,
-}
 
 /// Captures `plan`'s inputs from the host state (see the module docs).
 pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<Vec<PreparedSeq>, String> {
@@ -78,7 +29,7 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
         if end > block_table.len() * bs {
             return Err(format!("sequence {}: positions up to {end} have no KV slots ({} reserved)", sch.seq, block_table.len() * bs));
         }
-        let tokens = if sch.provisional {
+        let tokens = if sch.is_ahead() {
             Vec::new()
         } else {
             let known = s.tokens.len();
@@ -97,7 +48,7 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
             tokens: history_with_room(&s.tokens),
             prompt_len: s.prompt_len,
             rng: s.rng.clone(),
-            draft: if sch.provisional { Draft::default() } else { s.draft.clone() },
+            draft: if sch.is_ahead() { Draft::default() } else { s.draft.clone() },
         });
         out.push(PreparedSeq { block_table, tokens, item });
     }
@@ -120,7 +71,7 @@ const HISTORY_ROOM: usize = 64;
 /// runs (not finished, aborted or failed since the step was prepared). Returns the plan as it will
 /// run (every entry final) and its compute job; the plan may be empty.
 pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl Fn(SeqId) -> bool, block_size: usize) -> (StepPlan, StepJob) {
-    let results: BTreeMap<SeqId, &super::job::SeqResult> = match before.map(|c| &c.outcome) {
+    let results: BTreeMap<SeqId, &SeqResult> = match before.map(|c| &c.outcome) {
         Some(Ok(out)) => out.results.iter().map(|(id, r)| (*id, r)).collect(),
         _ => BTreeMap::new(),
     };
@@ -146,7 +97,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
         if !alive(sch.seq) || failed.contains(&sch.seq) {
             continue;
         }
-        if sch.provisional {
+        if sch.is_ahead() {
             // the step before sampled this sequence: no result means it did not run it after all
             let Some(r) = results.get(&sch.seq) else { continue };
             if r.finished {
@@ -154,13 +105,11 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
             }
             let Some(&last) = r.tokens.last() else { continue };
             // `start` assumed every draft of the step before accepted
-            let rejected = r.num_drafts - r.num_accepted();
+            let rejected = r.num_rejected();
             let draft = if r.next_draft.tokens.len() < sch.num_tokens { r.next_draft.clone() } else { Draft::default() };
             sch.start -= rejected;
             sch.num_drafts = draft.tokens.len();
             sch.num_tokens = 1 + sch.num_drafts;
-            sch.provisional = false;
-            kept.settled.push(sch.seq);
             ps.tokens.clear();
             ps.tokens.push(last);
             ps.tokens.extend_from_slice(&draft.tokens);
@@ -197,9 +146,9 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
 mod tests {
     use super::*;
     use crate::api::SamplingParams;
-    use crate::runner::job::{JobOutput, JobTimings, SeqResult};
+    use crate::error::StepError;
     use crate::sampling::SeqRng;
-    use crate::scheduler::ScheduledSeq;
+    use crate::step::{JobOutput, JobTimings, ScheduledSeq};
     use std::time::{Duration, Instant};
 
     const BS: usize = 4;
@@ -222,7 +171,7 @@ mod tests {
     /// A decode of `1 + k` tokens scheduled ahead: `start` assumes the step before accepted all.
     fn ahead(seq: u64, start: usize, k: usize, table: Vec<u32>, history: &[TokenId]) -> (ScheduledSeq, PreparedSeq) {
         let id = SeqId(seq);
-        let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, provisional: true };
+        let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, placeholders: 1 + k };
         (sch, PreparedSeq { block_table: table, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)) })
     }
 
@@ -232,7 +181,7 @@ mod tests {
 
     fn computed(plan_seqs: &[u64], results: Vec<(u64, SeqResult)>) -> Computed {
         let plan = StepPlan {
-            seqs: plan_seqs.iter().map(|&s| ScheduledSeq { seq: SeqId(s), start: 0, num_tokens: 1, num_drafts: 0, sample: true, provisional: false }).collect(),
+            seqs: plan_seqs.iter().map(|&s| ScheduledSeq { seq: SeqId(s), start: 0, num_tokens: 1, num_drafts: 0, sample: true, placeholders: 0 }).collect(),
             total_tokens: plan_seqs.len(),
             ..Default::default()
         };
@@ -243,7 +192,7 @@ mod tests {
             timings: JobTimings { forward_start: now, forward_end: now, sample: Duration::ZERO, propose: Duration::ZERO },
             _spent: (BatchInputs::default(), specula_model::ForwardOutput { logits: vec![], hidden: vec![] }),
         };
-        Computed { plan, outcome: Ok(out) }
+        Computed { step: 1, plan, outcome: Ok(out) }
     }
 
     /// Settling a step scheduled ahead from the step before's output: a sequence whose drafts
@@ -260,7 +209,7 @@ mod tests {
         let (s3, p3) = ahead(3, 5, 3, vec![13, 14], &[1, 2, 3, 4, 5]);
         let (s4, p4) = ahead(4, 5, 3, vec![15, 16], &[1, 2, 3, 4, 5]);
         // seq 5: a prefill chunk of 3 known tokens, not sampled
-        let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, provisional: false };
+        let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, placeholders: 0 };
         let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
         let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5] };
@@ -274,9 +223,10 @@ mod tests {
         assert_eq!(job.step, 7);
         let ids: Vec<u64> = plan.seqs.iter().map(|s| s.seq.0).collect();
         assert_eq!(ids, vec![1, 5]);
-        assert_eq!(plan.seqs[0], ScheduledSeq { seq: SeqId(1), start: 8, num_tokens: 3, num_drafts: 2, sample: true, provisional: false });
+        // settled: it runs 1 + 2 tokens from 8; the 4 tokens reserved are given back when applied
+        assert_eq!(plan.seqs[0], ScheduledSeq { seq: SeqId(1), start: 8, num_tokens: 3, num_drafts: 2, sample: true, placeholders: 4 });
         assert_eq!(plan.total_tokens, 6);
-        assert_eq!(plan.settled, vec![SeqId(1)]);
+        assert_eq!(plan.seqs.iter().filter(|s| s.is_ahead()).map(|s| s.seq).collect::<Vec<_>>(), vec![SeqId(1)]);
         let b = &job.inputs;
         assert_eq!(b.tokens, vec![51, 60, 61, 90, 91, 92]);
         // positions 8, 9, 10 of seq 1: block 2 of its table (id 9), offsets 0..3; seq 5: 4..7
@@ -308,7 +258,7 @@ mod tests {
 
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
         let prepared = PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
-        let failed = Computed { plan: before.plan.clone(), outcome: Err("boom".into()) };
+        let failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, message: "boom".into() }) };
         let (plan, job) = finalize(prepared, Some(&failed), |_| true, BS);
         assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());
     }

@@ -4,7 +4,6 @@
 //! so speculative decoding treats greedy and random sampling alike. Not for logprobs: those are
 //! reported from the raw logits (see `logprobs`).
 
-use super::sampler::argmax;
 use super::SamplingError;
 use crate::api::SamplingParams;
 use crate::types::TokenId;
@@ -234,6 +233,21 @@ fn nonzero_ids(probs: &[f32]) -> Vec<u32> {
 /// Descending probability, then ascending id: a total order, so selections are deterministic.
 fn more_probable_first(probs: &[f32], a: u32, b: u32) -> Ordering {
     probs[b as usize].total_cmp(&probs[a as usize]).then(a.cmp(&b))
+}
+
+/// The id of the largest value; ties go to the lowest id and NaN is never chosen. `None` for an
+/// empty or all-NaN row.
+pub fn argmax(row: &[f32]) -> Option<TokenId> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &x) in row.iter().enumerate() {
+        if x.is_nan() {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| x > b) {
+            best = Some((i, x));
+        }
+    }
+    best.map(|(i, _)| i as TokenId)
 }
 
 #[cfg(test)]

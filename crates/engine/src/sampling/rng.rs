@@ -1,5 +1,5 @@
 //! One random stream per sequence, so a seeded request samples the same tokens whatever else shares
-//! its batch (invariant 3 of DESIGN.md). ChaCha12 seeded from the request's seed (or from the OS
+//! its batch (invariant 3 of docs/architecture.md). ChaCha12 seeded from the request's seed (or from the OS
 //! source when it has none); the completion index picks an independent ChaCha stream, so the `n`
 //! completions of one seeded request differ. Not for anything needing cryptographic secrecy.
 

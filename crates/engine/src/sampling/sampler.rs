@@ -9,20 +9,7 @@ use super::SamplingError;
 use crate::api::SamplingParams;
 use crate::types::TokenId;
 
-/// The id of the largest value; ties go to the lowest id and NaN is never chosen. `None` for an
-/// empty or all-NaN row.
-pub fn argmax(row: &[f32]) -> Option<TokenId> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &x) in row.iter().enumerate() {
-        if x.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| x > b) {
-            best = Some((i, x));
-        }
-    }
-    best.map(|(i, _)| i as TokenId)
-}
+pub use super::processors::argmax;
 
 /// The greedy token of a raw logits row, exactly what the greedy path of
 /// `probabilities_in_place` picks after `sanitize` (NaN as -inf, +inf as f32::MAX; ties to the

@@ -35,7 +35,8 @@ impl TinyModel {
     }
 }
 
-/// Speculative decoding for a test engine (never adaptive, so it always speculates).
+/// Speculative decoding for a test engine (not adaptive, so it always speculates, unless built
+/// with `Harness::on_with(.., true)` or `Harness::speculating_adaptive`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Spec {
     None,
@@ -92,8 +93,23 @@ impl Harness {
         h
     }
 
+    /// An engine with speculative decoding and adaptive k (the engine's default) on a freshly
+    /// written tiny model.
+    pub fn speculating_adaptive(cfg: EngineConfig, spec: Spec) -> Self {
+        let m = TinyModel::new();
+        let mut h = Self::on_with(&m, cfg, spec, true);
+        h._model = Some(m);
+        h
+    }
+
     /// An engine on an already written model.
     pub fn on(model: &TinyModel, cfg: EngineConfig, spec: Spec) -> Self {
+        Self::on_with(model, cfg, spec, false)
+    }
+
+    /// An engine on an already written model; `adaptive`: adaptive k (the engine's default)
+    /// instead of always proposing k drafts.
+    pub fn on_with(model: &TinyModel, cfg: EngineConfig, spec: Spec, adaptive: bool) -> Self {
         let loaded = load_model(&model.path).expect("load tiny model");
         let tokenizer = Arc::new(loaded.tokenizer);
         let counters = Arc::new(QueueCounters::default());
@@ -107,7 +123,7 @@ impl Harness {
             Spec::Mtp(k) => Some(SpecConfig { draft_model: Some(model.path.with_file_name("head.safetensors")), ..SpecConfig::new(SpecMethod::Mtp, k) }),
         };
         if let Some(sc) = spec_cfg {
-            let sc = SpecConfig { adaptive: false, ..sc };
+            let sc = SpecConfig { adaptive, ..sc };
             let proposer = if let Spec::Mtp(_) = spec {
                 // the mtp head reads the target's embedding: build it over a second copy
                 let target = load_model(&model.path).expect("load tiny model").model;
