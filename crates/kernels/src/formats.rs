@@ -12,7 +12,10 @@ pub enum WeightFormat {
     Q4_0,
     Q4_1,
     Q8_0,
+    Q5_0,
+    Q5_1,
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -24,8 +27,8 @@ impl WeightFormat {
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => QK,
-            Self::Q4K | Self::Q6K => QK_K,
+            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 | Self::Q5_0 | Self::Q5_1 => QK,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
         }
     }
 
@@ -37,7 +40,10 @@ impl WeightFormat {
             Self::Q4_0 => 2 + QK / 2,
             Self::Q4_1 => 4 + QK / 2,
             Self::Q8_0 => 2 + QK,
+            Self::Q5_0 => 2 + 4 + QK / 2,
+            Self::Q5_1 => 4 + 4 + QK / 2,
             Self::Q4K => 4 + 12 + QK_K / 2,
+            Self::Q5K => 4 + 12 + QK_K / 8 + QK_K / 2,
             Self::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
         }
     }
@@ -49,7 +55,24 @@ impl WeightFormat {
 
     /// Whether the integer-dot fast path (activations quantized to 8-bit blocks of 32) applies.
     pub fn has_int8_dot(self) -> bool {
-        matches!(self, Self::Q4_0 | Self::Q4_1 | Self::Q8_0)
+        matches!(self, Self::Q4_0 | Self::Q4_1 | Self::Q8_0 | Self::Q5_0 | Self::Q5_1 | Self::Q4K | Self::Q5K | Self::Q6K)
+    }
+
+    /// The ggml type name (as gguf files and llama.cpp print it).
+    pub fn ggml_name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q8_0 => "Q8_0",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
+        }
     }
 }
 
@@ -107,6 +130,51 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            // ggml: element j's fifth bit is bit j of qh, element j + 16's bit j + 16
+            let q5_1 = format == WeightFormat::Q5_1;
+            let at = if q5_1 { 4 } else { 2 };
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(bb)) {
+                let d = f16_at(b, 0);
+                let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+                let qs = &b[at + 4..at + 4 + QK / 2];
+                for j in 0..QK / 2 {
+                    let q0 = (qs[j] & 0xF) as i32 | (((qh >> j) & 1) << 4) as i32;
+                    let q1 = (qs[j] >> 4) as i32 | (((qh >> (j + 16)) & 1) << 4) as i32;
+                    if q5_1 {
+                        let m = f16_at(b, 2);
+                        o[j] = d * q0 as f32 + m;
+                        o[j + QK / 2] = d * q1 as f32 + m;
+                    } else {
+                        o[j] = d * (q0 - 16) as f32;
+                        o[j + QK / 2] = d * (q1 - 16) as f32;
+                    }
+                }
+            }
+        }
+        WeightFormat::Q5K => {
+            for (o, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(bb)) {
+                let d = f16_at(b, 0);
+                let dmin = f16_at(b, 2);
+                let scales = &b[4..16];
+                let qh = &b[16..16 + QK_K / 8];
+                let qs = &b[16 + QK_K / 8..16 + QK_K / 8 + QK_K / 2];
+                for chunk in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * chunk, scales);
+                    let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
+                    let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
+                    let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
+                    let q = &qs[chunk * 32..chunk * 32 + 32];
+                    let y = &mut o[chunk * 64..chunk * 64 + 64];
+                    for l in 0..32 {
+                        let h1 = ((qh[l] >> (2 * chunk)) & 1) << 4;
+                        let h2 = ((qh[l] >> (2 * chunk + 1)) & 1) << 4;
+                        y[l] = d1 * ((q[l] & 0xF) | h1) as f32 - mm1;
+                        y[l + 32] = d2 * ((q[l] >> 4) | h2) as f32 - mm2;
+                    }
+                }
+            }
+        }
         WeightFormat::Q4K => {
             for (o, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(bb)) {
                 let d = f16_at(b, 0);
@@ -155,8 +223,8 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
     }
 }
 
-/// The 6-bit scale and min of sub-block `j` of a Q4_K block (ggml's `get_scale_min_k4`).
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+/// The 6-bit scale and min of sub-block `j` of a Q4_K / Q5_K block (ggml's `get_scale_min_k4`).
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -214,8 +282,8 @@ pub fn quantize_row(format: WeightFormat, x: &[f32]) -> Vec<u8> {
                 }
             }
         }
-        WeightFormat::Q4K | WeightFormat::Q6K => {
-            unreachable!("k-quant quantization is not needed by specula (only dequantization)")
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => {
+            unreachable!("{format:?} quantization is not needed by specula (only dequantization)")
         }
     }
     out
@@ -232,6 +300,9 @@ mod tests {
         assert_eq!(WeightFormat::Q8_0.block_bytes(), 34);
         assert_eq!(WeightFormat::Q4K.block_bytes(), 144);
         assert_eq!(WeightFormat::Q6K.block_bytes(), 210);
+        assert_eq!(WeightFormat::Q5_0.block_bytes(), 22);
+        assert_eq!(WeightFormat::Q5_1.block_bytes(), 24);
+        assert_eq!(WeightFormat::Q5K.block_bytes(), 176);
         assert_eq!(WeightFormat::Q4_1.row_bytes(576), 18 * 20);
     }
 

@@ -13,6 +13,7 @@ pub mod matmul;
 pub mod ops;
 pub mod packed;
 pub mod packed_float;
+pub mod packed_k;
 pub mod pool;
 pub mod q8;
 pub mod weights;

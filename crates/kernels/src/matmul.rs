@@ -141,7 +141,7 @@ impl GroupKernel for Int8Kernel<'_> {
         self.p.dot_group_to::<N>(g, std::array::from_fn(|i| self.q.row(b + i)), dst)
     }
     fn side_by_side(&self, _n: usize) -> usize {
-        if PackedInt8::pairs_in_one_pass() {
+        if self.p.pairs_in_one_pass() {
             2
         } else {
             1
@@ -293,6 +293,11 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn random_matrix(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: usize) -> QMatrix {
+        if crate::packed_k::handles(f) {
+            // no quantizer for these: random blocks with sane scales
+            let bytes = crate::packed_k::random_raw(rng, f, rows, cols);
+            return QMatrix::new(f, rows, cols, WeightBytes::owned(bytes), "test").unwrap();
+        }
         let mut bytes = Vec::new();
         for _ in 0..rows {
             let row: Vec<f32> = (0..cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
@@ -304,9 +309,20 @@ mod tests {
     #[test]
     fn a_rows_result_is_bitwise_independent_of_batch_and_threads() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        let cols = 128;
-        for f in [WeightFormat::Q4_1, WeightFormat::Q8_0, WeightFormat::F16, WeightFormat::F32] {
+        for f in [
+            WeightFormat::Q4_1,
+            WeightFormat::Q8_0,
+            WeightFormat::F16,
+            WeightFormat::F32,
+            WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
+            WeightFormat::Q4K,
+            WeightFormat::Q5K,
+            WeightFormat::Q6K,
+        ] {
+            let cols = if f.block_len() > 128 { 512 } else { 128 };
             let w = random_matrix(&mut rng, f, 100, cols);
+            assert!(w.packed().is_some(), "{f:?} has a packed kernel");
             let x: Vec<f32> = (0..cols * 70).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
             let run = |xs: &[f32], threads: usize| {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -328,6 +344,19 @@ mod tests {
                 full[69 * 100..70 * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "{f:?}"
             );
+            // every batch size up to 9 (one and two passes of the widest kernel, and tails), at
+            // one and two threads
+            for n in 1..=9 {
+                for threads in [1, 2] {
+                    let start = 60 - n - n % 3;
+                    let part = run(&x[start * cols..(start + n) * cols], threads);
+                    assert_eq!(
+                        part.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        full[start * 100..(start + n) * 100].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{f:?}: batch of {n} at {threads} threads"
+                    );
+                }
+            }
         }
     }
 

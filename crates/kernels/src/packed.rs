@@ -24,8 +24,12 @@
 //! in index order, the exact integer sum `s` of the 32 products, then
 //! `acc = fma(d_w * d_a, s, acc)` and, for Q4_0/Q4_1, `acc = fma(m_w, s_a, acc)` where
 //! `s_a = d_a * sum(q_a)`.
+//!
+//! Q5_0, Q5_1, Q4_K, Q5_K and Q6_K use the same structure (groups of eight rows, the same int8
+//! activation blocks) with their own group block layouts and kernels: see `packed_k.rs`.
 
 use crate::formats::{WeightFormat, QK};
+use crate::packed_k;
 use crate::q8::BlockQ8;
 use half::f16;
 
@@ -39,13 +43,18 @@ pub const MAX_ACTS: usize = 8;
 pub struct PackedInt8 {
     format: WeightFormat,
     rows: usize,
-    /// Blocks of 32 per row.
+    /// Format blocks per row (of 32, or of 256 for the k-quants).
     blocks: usize,
+    /// Activation blocks of 32 per row.
+    act_blocks: usize,
     bytes: Vec<u8>,
 }
 
 /// Bytes of one group block (eight rows, one block index) of `format`.
 fn group_block_bytes(format: WeightFormat) -> usize {
+    if packed_k::handles(format) {
+        return packed_k::group_block_bytes(format);
+    }
     GROUP_ROWS * format.block_bytes()
 }
 
@@ -65,7 +74,7 @@ impl PackedInt8 {
             return None;
         }
         let bb = format.block_bytes();
-        let blocks = cols / QK;
+        let blocks = cols / format.block_len();
         let row_bytes = blocks * bb;
         assert_eq!(raw.len(), rows * row_bytes, "pack: byte length does not match the shape");
         let groups = rows.div_ceil(GROUP_ROWS);
@@ -73,6 +82,16 @@ impl PackedInt8 {
         let qoff = quants_offset(format);
         let scales = if format == WeightFormat::Q4_1 { 4 } else { 2 };
         let mut bytes = vec![0u8; groups * blocks * gbb];
+        if packed_k::handles(format) {
+            for r in 0..rows {
+                let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
+                for b in 0..blocks {
+                    let src = &raw[r * row_bytes + b * bb..r * row_bytes + (b + 1) * bb];
+                    packed_k::pack_block(format, src, lane, &mut bytes[(g * blocks + b) * gbb..(g * blocks + b + 1) * gbb]);
+                }
+            }
+            return Some(Self { format, rows, blocks, act_blocks: cols / QK, bytes });
+        }
         for r in 0..rows {
             let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
             for b in 0..blocks {
@@ -91,11 +110,20 @@ impl PackedInt8 {
                 }
             }
         }
-        Some(Self { format, rows, blocks, bytes })
+        Some(Self { format, rows, blocks, act_blocks: cols / QK, bytes })
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        self.format
     }
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    #[cfg(test)]
+    pub(crate) fn bytes_for_tests(&self) -> &[u8] {
+        &self.bytes
     }
 
     pub fn groups(&self) -> usize {
@@ -127,9 +155,14 @@ impl PackedInt8 {
     pub unsafe fn dot_group_to<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         debug_assert!((1..=MAX_ACTS).contains(&N));
         for a in &acts {
-            assert_eq!(a.len(), self.blocks, "activation row has the wrong number of blocks");
+            assert_eq!(a.len(), self.act_blocks, "activation row has the wrong number of blocks");
         }
         let group = self.group(g);
+        if packed_k::handles(self.format) {
+            // SAFETY: `group` holds `blocks` group blocks and every activation row the matching
+            // `act_blocks` blocks (checked above); dst as the caller promised.
+            return packed_k::dot_group_to::<N>(self.format, group, self.blocks, acts, dst);
+        }
         #[cfg(target_arch = "x86_64")]
         {
             let f = crate::cpu::features();
@@ -150,9 +183,10 @@ impl PackedInt8 {
         }
     }
 
-    /// Whether `dot_group_pair_to` reads two groups in one pass (512-bit vectors) on this CPU.
-    pub fn pairs_in_one_pass() -> bool {
-        cfg!(target_arch = "x86_64") && crate::cpu::features().avx512_vnni
+    /// Whether `dot_group_pair_to` reads two groups in one pass (512-bit vectors) on this CPU
+    /// for this matrix's format.
+    pub fn pairs_in_one_pass(&self) -> bool {
+        cfg!(target_arch = "x86_64") && crate::cpu::features().avx512_vnni && !packed_k::handles(self.format)
     }
 
     /// Groups `g` and `g + 1` against `N` activation rows: `dst[j][n]` receives what
@@ -167,7 +201,7 @@ impl PackedInt8 {
     pub unsafe fn dot_group_pair_to<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
         assert!(g + 1 < self.groups(), "group pair {g}, {} out of {}", g + 1, self.groups());
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::features().avx512_vnni {
+        if self.pairs_in_one_pass() {
             for a in &acts {
                 assert_eq!(a.len(), self.blocks, "activation row has the wrong number of blocks");
             }
@@ -188,6 +222,9 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// Scalar reference of the kernel (same arithmetic, so the same bits): one activation row
 /// against the eight rows of a group.
 pub fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize, a: &[BlockQ8]) -> [f32; GROUP_ROWS] {
+    if packed_k::handles(format) {
+        return packed_k::dot_group_scalar(format, group, blocks, a);
+    }
     let gbb = group_block_bytes(format);
     let qoff = quants_offset(format);
     let mut acc = [0f32; GROUP_ROWS];

@@ -11,6 +11,8 @@ pub struct BlockQ8 {
     /// d * sum(qs)
     pub s: f32,
     pub qs: [i8; QK],
+    /// sum(qs[0..16]) and sum(qs[16..32]) (Q6_K's 16-element sub-blocks, like ggml's Q8_K bsums)
+    pub h: [i16; 2],
 }
 
 /// A batch of quantized activation rows, `blocks_per_row` blocks each.
@@ -58,14 +60,15 @@ fn quantize_block_scalar(xs: &[f32], b: &mut BlockQ8) {
     let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-    let mut sum = 0i32;
-    for (q, &v) in b.qs.iter_mut().zip(xs) {
+    let mut h = [0i32; 2];
+    for (i, (q, &v)) in b.qs.iter_mut().zip(xs).enumerate() {
         let r = (v * id).round_ties_even() as i32;
         *q = r as i8;
-        sum += r;
+        h[i / 16] += r;
     }
     b.d = d;
-    b.s = d * sum as f32;
+    b.s = d * (h[0] + h[1]) as f32;
+    b.h = [h[0] as i16, h[1] as i16];
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -92,11 +95,13 @@ mod x86 {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let idv = _mm256_set1_ps(id);
         let r = v.map(|x| _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, idv))));
-        // the sum of the 32 integers
-        let s8 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-        let s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-        let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
-        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01)));
+        // the sums of the two halves of 16 integers, and of all 32
+        let t = _mm256_hadd_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        let t = _mm256_hadd_epi32(t, t);
+        let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        let (h0, h1) = (_mm_cvtsi128_si32(t), _mm_extract_epi32::<1>(t));
+        let sum = h0 + h1;
+        b.h = [h0 as i16, h1 as i16];
         // i32 -> i8 (values are within +-127), packs interleave 128-bit lanes: undo with a permute
         let a = _mm256_packs_epi32(r[0], r[1]);
         let c = _mm256_packs_epi32(r[2], r[3]);
@@ -125,6 +130,8 @@ mod tests {
                 sum += b.qs[j] as i32;
             }
             assert_eq!(b.s, b.d * sum as f32);
+            let half: i32 = b.qs[..16].iter().map(|&q| q as i32).sum();
+            assert_eq!((b.h[0] as i32, b.h[1] as i32), (half, sum - half));
         }
     }
 
@@ -142,6 +149,7 @@ mod tests {
             quantize_block(block, &mut fast);
             quantize_block_scalar(block, &mut slow);
             assert_eq!(fast.qs, slow.qs, "block {i}");
+            assert_eq!(fast.h, slow.h, "block {i}");
             assert_eq!((fast.d.to_bits(), fast.s.to_bits()), (slow.d.to_bits(), slow.s.to_bits()), "block {i}");
         }
     }

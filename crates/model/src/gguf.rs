@@ -174,7 +174,10 @@ pub fn weight_format(name: &str, dtype: GgmlDType) -> Result<WeightFormat, Model
         GgmlDType::Q4_0 => WeightFormat::Q4_0,
         GgmlDType::Q4_1 => WeightFormat::Q4_1,
         GgmlDType::Q8_0 => WeightFormat::Q8_0,
+        GgmlDType::Q5_0 => WeightFormat::Q5_0,
+        GgmlDType::Q5_1 => WeightFormat::Q5_1,
         GgmlDType::Q4K => WeightFormat::Q4K,
+        GgmlDType::Q5K => WeightFormat::Q5K,
         GgmlDType::Q6K => WeightFormat::Q6K,
         other => return Err(ModelError::UnsupportedTensorType { name: name.to_string(), dtype: format!("{other:?}") }),
     })

@@ -164,7 +164,10 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 "q4_0" => W::Q4_0,
                 "q4_1" => W::Q4_1,
                 "q8_0" => W::Q8_0,
+                "q5_0" => W::Q5_0,
+                "q5_1" => W::Q5_1,
                 "q4_k" => W::Q4K,
+                "q5_k" => W::Q5K,
                 "q6_k" => W::Q6K,
                 other => anyhow::bail!("unknown format '{other}'"),
             };

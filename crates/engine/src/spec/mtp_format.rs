@@ -312,7 +312,10 @@ fn ggml_type_name(f: WeightFormat) -> &'static str {
         WeightFormat::Q4_0 => "Q4_0",
         WeightFormat::Q4_1 => "Q4_1",
         WeightFormat::Q8_0 => "Q8_0",
+        WeightFormat::Q5_0 => "Q5_0",
+        WeightFormat::Q5_1 => "Q5_1",
         WeightFormat::Q4K => "Q4_K",
+        WeightFormat::Q5K => "Q5_K",
         WeightFormat::Q6K => "Q6_K",
     }
 }

@@ -1,0 +1,721 @@
+//! Group layouts and micro-kernels of the 5-bit and k-quant formats (Q5_0, Q5_1, Q4_K, Q5_K,
+//! Q6_K) inside `PackedInt8`: eight rows per group, the same int8 activation blocks of 32 as
+//! Q4_0 / Q8_0, integer sums exact on every path, the float steps the same operations in the same
+//! order, so AVX2, AVX-512 VNNI (256-bit `vpdpbusd`) and the scalar reference give the same bits
+//! and a row's result never depends on the batch or the thread split.
+//!
+//! Every quant array is interleaved four bytes at a time: byte `t` of 32-bit lane `r` of vector
+//! `u` is byte `4u + t` of that array in row `r`'s ggml block. Scales are moved to per-lane arrays
+//! so that one load gives the eight rows' values. A group block is as large as the eight ggml
+//! blocks, except Q4_K / Q5_K whose 6-bit scales and mins are unpacked to bytes (+32 bytes per
+//! 1152 / 1408, under 3%).
+//!
+//! Layout of one group block (offsets in bytes; `d[8]` etc. are the eight rows' f16 values):
+//! - Q5_0 (176): `d[8]`; `qh[8]` u32 with the fifth bits rearranged: byte `t` bit `v` is element
+//!   `4v + t`'s, bit `4 + v` element `16 + 4v + t`'s; then Q4_0's four quant vectors.
+//! - Q5_1 (192): `d[8]`, `m[8]`, then as Q5_0.
+//! - Q4_K (1184): `d[8]`, `dmin[8]`, `sc[8][8]` (sub-block, lane) bytes, `mn[8][8]`, 32 vectors
+//!   of `qs` (vector `8c + v`: low nibbles are sub-block `2c` elements `4v..4v+4`, high nibbles
+//!   sub-block `2c + 1`'s).
+//! - Q5_K (1440): as Q4_K with the 8 vectors of `qh` before `qs` (element `4v + t` of sub-block
+//!   `j` has its fifth bit at bit `j` of byte `t` of vector `v`).
+//! - Q6_K (1680): `d[8]`, `sc[16][8]` i8, 32 vectors of `ql`, 16 vectors of `qh`.
+//!
+//! Arithmetic per activation block of 32 (sub-blocks in index order, super-blocks in order):
+//! - Q5_0 / Q5_1: `s` = exact sum of the unsigned 5-bit quants times the int8 activations;
+//!   `acc = fma(d * d_a, s, acc)`, then `acc = fma(m, s_a, acc)` (Q5_0: `m = -16 d`).
+//! - Q4_K / Q5_K: `s_j` likewise for sub-block `j`; `acc = fma((d * sc_j) * d_a, s_j, acc)`, then
+//!   `acc = fma(-(dmin * m_j), s_a, acc)` (`d * sc_j` and `dmin * m_j` are exact in f32).
+//! - Q6_K: per half of 16, `s` over the unsigned 6-bit quants and `A` the activations' sum
+//!   (`BlockQ8::h`);
+//!   `t = sc_a (s_a - 32 A_a) + sc_b (s_b - 32 A_b)` exact in i32; `acc = fma(d * d_a, t, acc)`.
+//!
+//! On AVX2 `maddubs` pairs never saturate (quants <= 63 against |a| <= 127: two pairs stay under
+//! 32767 and are widened to i32 every two vectors).
+
+use crate::formats::{scale_min_k4, WeightFormat, QK, QK_K};
+use crate::packed::GROUP_ROWS;
+use crate::q8::BlockQ8;
+use half::f16;
+
+/// Whether `format` is laid out and computed here (rather than in `packed.rs`).
+pub(crate) fn handles(format: WeightFormat) -> bool {
+    matches!(format, WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K)
+}
+
+/// Offsets inside a group block.
+mod off {
+    /// Q5_0 / Q5_1: the rearranged fifth bits, then the quant vectors.
+    pub const Q5_0_QH: usize = 16;
+    pub const Q5_1_QH: usize = 32;
+    /// Q4_K / Q5_K
+    pub const K_DMIN: usize = 16;
+    pub const K_SC: usize = 32;
+    pub const K_MN: usize = 96;
+    pub const Q4K_QS: usize = 160;
+    pub const Q5K_QH: usize = 160;
+    pub const Q5K_QS: usize = 416;
+    /// Q6_K
+    pub const Q6K_SC: usize = 16;
+    pub const Q6K_QL: usize = 144;
+    pub const Q6K_QH: usize = 1168;
+}
+
+/// Bytes of one group block of `format` (one of `handles`).
+pub(crate) fn group_block_bytes(format: WeightFormat) -> usize {
+    match format {
+        WeightFormat::Q5_0 => 176,
+        WeightFormat::Q5_1 => 192,
+        WeightFormat::Q4K => 1184,
+        WeightFormat::Q5K => 1440,
+        WeightFormat::Q6K => 1680,
+        _ => unreachable!("{format:?} is not a packed_k format"),
+    }
+}
+
+/// Copies `src` four bytes at a time into lane `lane` of consecutive vectors starting at `dst[0]`.
+fn interleave(src: &[u8], lane: usize, dst: &mut [u8]) {
+    for (u, chunk) in src.chunks_exact(4).enumerate() {
+        dst[u * 32 + lane * 4..u * 32 + lane * 4 + 4].copy_from_slice(chunk);
+    }
+}
+
+/// Writes row `lane`'s ggml block `src` into its share of the group block `dst`.
+pub(crate) fn pack_block(format: WeightFormat, src: &[u8], lane: usize, dst: &mut [u8]) {
+    debug_assert_eq!(src.len(), format.block_bytes());
+    debug_assert_eq!(dst.len(), group_block_bytes(format));
+    dst[2 * lane..2 * lane + 2].copy_from_slice(&src[0..2]);
+    match format {
+        WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+            let (at, qh_off) = if format == WeightFormat::Q5_1 {
+                dst[16 + 2 * lane..16 + 2 * lane + 2].copy_from_slice(&src[2..4]);
+                (4, off::Q5_1_QH)
+            } else {
+                (2, off::Q5_0_QH)
+            };
+            let qh = u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]);
+            let mut word = [0u8; 4];
+            for (t, byte) in word.iter_mut().enumerate() {
+                for v in 0..4 {
+                    *byte |= (((qh >> (4 * v + t)) & 1) << v) as u8;
+                    *byte |= (((qh >> (16 + 4 * v + t)) & 1) << (4 + v)) as u8;
+                }
+            }
+            dst[qh_off + 4 * lane..qh_off + 4 * lane + 4].copy_from_slice(&word);
+            interleave(&src[at + 4..at + 4 + QK / 2], lane, &mut dst[qh_off + 32..]);
+        }
+        WeightFormat::Q4K | WeightFormat::Q5K => {
+            dst[off::K_DMIN + 2 * lane..off::K_DMIN + 2 * lane + 2].copy_from_slice(&src[2..4]);
+            for j in 0..8 {
+                let (sc, mn) = scale_min_k4(j, &src[4..16]);
+                dst[off::K_SC + 8 * j + lane] = sc;
+                dst[off::K_MN + 8 * j + lane] = mn;
+            }
+            if format == WeightFormat::Q4K {
+                interleave(&src[16..16 + QK_K / 2], lane, &mut dst[off::Q4K_QS..]);
+            } else {
+                interleave(&src[16..16 + QK_K / 8], lane, &mut dst[off::Q5K_QH..off::Q5K_QS]);
+                interleave(&src[16 + QK_K / 8..16 + QK_K / 8 + QK_K / 2], lane, &mut dst[off::Q5K_QS..]);
+            }
+        }
+        WeightFormat::Q6K => {
+            // ggml: ql[128], qh[64], scales[16], d
+            dst[2 * lane..2 * lane + 2].copy_from_slice(&src[208..210]);
+            for s in 0..16 {
+                dst[off::Q6K_SC + 8 * s + lane] = src[192 + s];
+            }
+            interleave(&src[0..128], lane, &mut dst[off::Q6K_QL..off::Q6K_QH]);
+            interleave(&src[128..192], lane, &mut dst[off::Q6K_QH..]);
+        }
+        _ => unreachable!("{format:?} is not a packed_k format"),
+    }
+}
+
+#[inline]
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Scalar reference (the arithmetic of the module header): one activation row (`8 * blocks`
+/// blocks of 32 for the k-quants, `blocks` for Q5_0 / Q5_1) against the eight rows of a group.
+pub(crate) fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize, a: &[BlockQ8]) -> [f32; GROUP_ROWS] {
+    let gbb = group_block_bytes(format);
+    let mut acc = [0f32; GROUP_ROWS];
+    for b in 0..blocks {
+        let blk = &group[b * gbb..(b + 1) * gbb];
+        for (lane, acc) in acc.iter_mut().enumerate() {
+            let d = f16_at(blk, 2 * lane);
+            let q = |u: usize, t: usize, base: usize| blk[base + 32 * u + 4 * lane + t];
+            match format {
+                WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
+                    let ab = &a[b];
+                    let qh_off = if format == WeightFormat::Q5_1 { off::Q5_1_QH } else { off::Q5_0_QH };
+                    let mut s = 0i32;
+                    for v in 0..4 {
+                        for t in 0..4 {
+                            let x = q(v, t, qh_off + 32);
+                            let hb = blk[qh_off + 4 * lane + t];
+                            let lo = (x & 0xF) | (((hb >> v) & 1) << 4);
+                            let hi = (x >> 4) | (((hb >> (4 + v)) & 1) << 4);
+                            s += lo as i32 * ab.qs[4 * v + t] as i32 + hi as i32 * ab.qs[16 + 4 * v + t] as i32;
+                        }
+                    }
+                    *acc = (d * ab.d).mul_add(s as f32, *acc);
+                    let m = if format == WeightFormat::Q5_1 { f16_at(blk, 16 + 2 * lane) } else { d * -16.0 };
+                    *acc = m.mul_add(ab.s, *acc);
+                }
+                WeightFormat::Q4K | WeightFormat::Q5K => {
+                    let dmin = f16_at(blk, off::K_DMIN + 2 * lane);
+                    let qs_off = if format == WeightFormat::Q4K { off::Q4K_QS } else { off::Q5K_QS };
+                    for j in 0..8 {
+                        let (c, high) = (j / 2, j % 2 == 1);
+                        let ab = &a[8 * b + j];
+                        let mut s = 0i32;
+                        for v in 0..8 {
+                            for t in 0..4 {
+                                let x = q(8 * c + v, t, qs_off);
+                                let mut x = if high { x >> 4 } else { x & 0xF };
+                                if format == WeightFormat::Q5K {
+                                    x |= ((q(v, t, off::Q5K_QH) >> j) & 1) << 4;
+                                }
+                                s += x as i32 * ab.qs[4 * v + t] as i32;
+                            }
+                        }
+                        let dsc = d * blk[off::K_SC + 8 * j + lane] as f32;
+                        let mn = dmin * blk[off::K_MN + 8 * j + lane] as f32;
+                        *acc = (dsc * ab.d).mul_add(s as f32, *acc);
+                        *acc = (-mn).mul_add(ab.s, *acc);
+                    }
+                }
+                WeightFormat::Q6K => {
+                    for h in 0..2 {
+                        for i in 0..4 {
+                            let ab = &a[8 * b + 4 * h + i];
+                            let mut tot = 0i32;
+                            for sub in 0..2 {
+                                let (mut s, mut asum) = (0i32, 0i32);
+                                for v in 4 * sub..4 * sub + 4 {
+                                    for t in 0..4 {
+                                        let l = q(16 * h + 8 * (i & 1) + v, t, off::Q6K_QL);
+                                        let l = if i < 2 { l & 0xF } else { l >> 4 };
+                                        let hb = (q(8 * h + v, t, off::Q6K_QH) >> (2 * i)) & 3;
+                                        let x = l | (hb << 4);
+                                        let av = ab.qs[4 * v + t] as i32;
+                                        s += x as i32 * av;
+                                        asum += av;
+                                    }
+                                }
+                                let sc = blk[off::Q6K_SC + 8 * (8 * h + 2 * i + sub) + lane] as i8 as i32;
+                                tot += sc * (s - 32 * asum);
+                            }
+                            *acc = (d * ab.d).mul_add(tot as f32, *acc);
+                        }
+                    }
+                }
+                _ => unreachable!("{format:?} is not a packed_k format"),
+            }
+        }
+    }
+    acc
+}
+
+/// The fastest path this CPU has: `dst[n]` receives activation `n`'s eight results.
+///
+/// # Safety
+/// `group` holds `blocks` group blocks, every activation row the matching number of blocks of 32
+/// (checked by the caller), and every `dst[n]` is valid for eight writes no other thread makes.
+#[inline]
+pub(crate) unsafe fn dot_group_to<const N: usize>(format: WeightFormat, group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = crate::cpu::features();
+        if f.avx512_vnni {
+            // SAFETY: AVX2, FMA, F16C and AVX-512 VNNI/VL were detected at run time; sizes and dst
+            // as the caller promised.
+            return x86::group_vnni::<N>(format, group, blocks, acts, dst);
+        }
+        if f.avx2_fma {
+            // SAFETY: AVX2, FMA and F16C were detected at run time; sizes and dst as promised.
+            return x86::group_avx2::<N>(format, group, blocks, acts, dst);
+        }
+    }
+    for (a, d) in acts.iter().zip(dst) {
+        let y = dot_group_scalar(format, group, blocks, a);
+        // SAFETY: d is valid for eight writes (the caller's promise).
+        std::ptr::copy_nonoverlapping(y.as_ptr(), d, GROUP_ROWS);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Exact i32 per-lane sums of u8 (<= 63) x i8 products, two weight vectors at a time.
+    trait Dot {
+        /// Activation rows up to which Q6_K unpacks each weight vector once for four activation
+        /// blocks (more accumulators live: worth it only with 32 vector registers).
+        const Q6K_SHARED_UNPACK: usize;
+        unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
+    }
+    struct Avx2;
+    struct Vnni;
+    impl Dot for Avx2 {
+        const Q6K_SHARED_UNPACK: usize = 0;
+        #[inline(always)]
+        unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
+            // each maddubs pair is at most 2 x 63 x 127 = 16002: two of them fit i16
+            let p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, a0), _mm256_maddubs_epi16(w1, a1));
+            _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        }
+    }
+    impl Dot for Vnni {
+        const Q6K_SHARED_UNPACK: usize = 2;
+        #[inline(always)]
+        unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, w0, a0), w1, a1)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn bcast4(p: *const i8) -> __m256i {
+        _mm256_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    #[inline(always)]
+    unsafe fn vec(p: *const u8, u: usize) -> __m256i {
+        _mm256_loadu_si256(p.add(32 * u) as *const __m256i)
+    }
+
+    /// Eight f16 at `p` as f32.
+    #[inline(always)]
+    unsafe fn f16x8(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    /// Eight bytes at `p` (unsigned) as f32.
+    #[inline(always)]
+    unsafe fn u8x8(p: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    const Q5_0: u8 = 0;
+    const Q5_1: u8 = 1;
+    const Q4K: u8 = 2;
+    const Q5K: u8 = 3;
+    const Q6K: u8 = 4;
+
+    const fn format_of(f: u8) -> WeightFormat {
+        match f {
+            Q5_0 => WeightFormat::Q5_0,
+            Q5_1 => WeightFormat::Q5_1,
+            Q4K => WeightFormat::Q4K,
+            Q5K => WeightFormat::Q5K,
+            _ => WeightFormat::Q6K,
+        }
+    }
+
+    /// The kernel of one format (a const parameter: no format test inside the loop).
+    #[inline(always)]
+    unsafe fn group_impl<D: Dot, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
+        let gbb = group_block_bytes(format_of(F));
+        debug_assert!(group.len() >= blocks * gbb);
+        // how far ahead to prefetch: at least one group block
+        let ahead = gbb.max(1024);
+        let gp = group.as_ptr();
+        let m4 = _mm256_set1_epi8(0x0F);
+        let b16 = _mm256_set1_epi8(0x10);
+        let b48 = _mm256_set1_epi8(0x30);
+        let sign = _mm256_set1_ps(-0.0);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
+            // every activation row the matching blocks of 32 (checked by the caller).
+            let blk = gp.add(b * gbb);
+            let mut line = 0;
+            while line < gbb {
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(ahead + line) as *const i8);
+                line += 64;
+            }
+            let d = f16x8(blk);
+            match F {
+                Q5_0 | Q5_1 => {
+                    let qh_off = if F == Q5_1 { off::Q5_1_QH } else { off::Q5_0_QH };
+                    let mut h = _mm256_loadu_si256(blk.add(qh_off) as *const __m256i);
+                    let q = blk.add(qh_off + 32);
+                    let mut isum = [_mm256_setzero_si256(); N];
+                    for v in 0..4 {
+                        let raw = vec(q, v);
+                        let lo = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(h), b16));
+                        let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4), _mm256_and_si256(h, b16));
+                        h = _mm256_srli_epi16::<1>(h);
+                        for n in 0..N {
+                            let ap = acts[n].get_unchecked(b).qs.as_ptr();
+                            isum[n] = D::dot2(isum[n], lo, bcast4(ap.add(4 * v)), hi, bcast4(ap.add(16 + 4 * v)));
+                        }
+                    }
+                    let m = if F == Q5_1 { f16x8(blk.add(16)) } else { _mm256_mul_ps(d, _mm256_set1_ps(-16.0)) };
+                    for n in 0..N {
+                        let ab = acts[n].get_unchecked(b);
+                        acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(isum[n]), acc[n]);
+                        acc[n] = _mm256_fmadd_ps(m, _mm256_set1_ps(ab.s), acc[n]);
+                    }
+                }
+                Q4K | Q5K => {
+                    let dmin = f16x8(blk.add(off::K_DMIN));
+                    let qs = blk.add(if F == Q4K { off::Q4K_QS } else { off::Q5K_QS });
+                    let qh = blk.add(off::Q5K_QH);
+                    for c in 0..4 {
+                        let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
+                        let shift = _mm_cvtsi32_si128(2 * c as i32);
+                        for v in (0..8).step_by(2) {
+                            let (r0, r1) = (vec(qs, 8 * c + v), vec(qs, 8 * c + v + 1));
+                            let (mut lo0, mut hi0) = (_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r0), m4));
+                            let (mut lo1, mut hi1) = (_mm256_and_si256(r1, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r1), m4));
+                            if F == Q5K {
+                                // bits 2c and 2c + 1 of each qh byte, moved to bit 4
+                                let h0 = _mm256_srl_epi16(vec(qh, v), shift);
+                                let h1 = _mm256_srl_epi16(vec(qh, v + 1), shift);
+                                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16::<4>(h0), b16));
+                                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_slli_epi16::<3>(h0), b16));
+                                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16::<4>(h1), b16));
+                                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_slli_epi16::<3>(h1), b16));
+                            }
+                            for n in 0..N {
+                                let a_lo = acts[n].get_unchecked(8 * b + 2 * c).qs.as_ptr();
+                                let a_hi = acts[n].get_unchecked(8 * b + 2 * c + 1).qs.as_ptr();
+                                s_lo[n] = D::dot2(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
+                                s_hi[n] = D::dot2(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                            }
+                        }
+                        for (k, sums) in [(0, &s_lo), (1, &s_hi)] {
+                            let j = 2 * c + k;
+                            let dsc = _mm256_mul_ps(d, u8x8(blk.add(off::K_SC + 8 * j)));
+                            let neg_mn = _mm256_xor_ps(_mm256_mul_ps(dmin, u8x8(blk.add(off::K_MN + 8 * j))), sign);
+                            for n in 0..N {
+                                let ab = acts[n].get_unchecked(8 * b + j);
+                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(sums[n]), acc[n]);
+                                acc[n] = _mm256_fmadd_ps(neg_mn, _mm256_set1_ps(ab.s), acc[n]);
+                            }
+                        }
+                    }
+                }
+                _ if N <= D::Q6K_SHARED_UNPACK => {
+                    // few activation rows: each ql / qh vector is loaded and unpacked once for
+                    // the four activation blocks it serves (the same integer sums, the same
+                    // float steps in the same order as below)
+                    let ql = blk.add(off::Q6K_QL);
+                    let qh = blk.add(off::Q6K_QH);
+                    let sc = blk.add(off::Q6K_SC);
+                    for h in 0..2 {
+                        let mut tot = [[_mm256_setzero_si256(); N]; 4];
+                        for sub in 0..2 {
+                            let mut s = [[_mm256_setzero_si256(); N]; 4];
+                            for v in (4 * sub..4 * sub + 4).step_by(2) {
+                                let mut w = [[_mm256_setzero_si256(); 4]; 2];
+                                for (e, w) in w.iter_mut().enumerate() {
+                                    let la = vec(ql, 16 * h + v + e);
+                                    let lb = vec(ql, 16 * h + 8 + v + e);
+                                    let hb = vec(qh, 8 * h + v + e);
+                                    w[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(hb), b48));
+                                    w[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(hb), b48));
+                                    w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), _mm256_and_si256(hb, b48));
+                                    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), _mm256_and_si256(_mm256_srli_epi16::<2>(hb), b48));
+                                }
+                                for i in 0..4 {
+                                    for n in 0..N {
+                                        let ap = acts[n].get_unchecked(8 * b + 4 * h + i).qs.as_ptr();
+                                        s[i][n] = D::dot2(s[i][n], w[0][i], bcast4(ap.add(4 * v)), w[1][i], bcast4(ap.add(4 * v + 4)));
+                                    }
+                                }
+                            }
+                            for i in 0..4 {
+                                let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * (8 * h + 2 * i + sub)) as *const __m128i));
+                                for n in 0..N {
+                                    let a32 = _mm256_set1_epi32(32 * acts[n].get_unchecked(8 * b + 4 * h + i).h[sub] as i32);
+                                    tot[i][n] = _mm256_add_epi32(tot[i][n], _mm256_mullo_epi32(scv, _mm256_sub_epi32(s[i][n], a32)));
+                                }
+                            }
+                        }
+                        for (i, tot) in tot.iter().enumerate() {
+                            for n in 0..N {
+                                let ab = acts[n].get_unchecked(8 * b + 4 * h + i);
+                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot[n]), acc[n]);
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    let ql = blk.add(off::Q6K_QL);
+                    let qh = blk.add(off::Q6K_QH);
+                    let sc = blk.add(off::Q6K_SC);
+                    for h in 0..2 {
+                        for i in 0..4 {
+                            let k = 8 * b + 4 * h + i;
+                            let mut tot = [_mm256_setzero_si256(); N];
+                            for sub in 0..2 {
+                                let mut s = [_mm256_setzero_si256(); N];
+                                for v in (4 * sub..4 * sub + 4).step_by(2) {
+                                    let mut w = [_mm256_setzero_si256(); 2];
+                                    for (e, w) in w.iter_mut().enumerate() {
+                                        let l = vec(ql, 16 * h + 8 * (i & 1) + v + e);
+                                        let l = if i < 2 { _mm256_and_si256(l, m4) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(l), m4) };
+                                        let hb = vec(qh, 8 * h + v + e);
+                                        // bits 2i, 2i + 1 of each qh byte to bits 4, 5
+                                        let hb = match i {
+                                            0 => _mm256_slli_epi16::<4>(hb),
+                                            1 => _mm256_slli_epi16::<2>(hb),
+                                            2 => hb,
+                                            _ => _mm256_srli_epi16::<2>(hb),
+                                        };
+                                        *w = _mm256_or_si256(l, _mm256_and_si256(hb, b48));
+                                    }
+                                    for n in 0..N {
+                                        let ap = acts[n].get_unchecked(k).qs.as_ptr();
+                                        s[n] = D::dot2(s[n], w[0], bcast4(ap.add(4 * v)), w[1], bcast4(ap.add(4 * v + 4)));
+                                    }
+                                }
+                                let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * (8 * h + 2 * i + sub)) as *const __m128i));
+                                for n in 0..N {
+                                    let a32 = _mm256_set1_epi32(32 * acts[n].get_unchecked(k).h[sub] as i32);
+                                    tot[n] = _mm256_add_epi32(tot[n], _mm256_mullo_epi32(scv, _mm256_sub_epi32(s[n], a32)));
+                                }
+                            }
+                            for n in 0..N {
+                                let ab = acts[n].get_unchecked(k);
+                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot[n]), acc[n]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for n in 0..N {
+            // SAFETY: the caller gives N pointers to eight writable floats each.
+            _mm256_storeu_ps(dst[n], acc[n]);
+        }
+    }
+
+    /// One entry point per instruction set, each dispatching on the format.
+    macro_rules! group_fn {
+        ($name:ident, $features:literal, $dot:ty) => {
+            #[target_feature(enable = $features)]
+            pub(crate) unsafe fn $name<const N: usize>(format: WeightFormat, group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
+                match format {
+                    WeightFormat::Q5_0 => group_impl::<$dot, Q5_0, N>(group, blocks, acts, dst),
+                    WeightFormat::Q5_1 => group_impl::<$dot, Q5_1, N>(group, blocks, acts, dst),
+                    WeightFormat::Q4K => group_impl::<$dot, Q4K, N>(group, blocks, acts, dst),
+                    WeightFormat::Q5K => group_impl::<$dot, Q5K, N>(group, blocks, acts, dst),
+                    WeightFormat::Q6K => group_impl::<$dot, Q6K, N>(group, blocks, acts, dst),
+                    _ => unreachable!("{format:?} is not a packed_k format"),
+                }
+            }
+        };
+    }
+    group_fn!(group_avx2, "avx2,fma,f16c", Avx2);
+    group_fn!(group_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", Vnni);
+}
+
+/// Random ggml blocks of `format` (any quant bytes, any 6-bit scales, sane f16 scales): the test
+/// matrices of this module and of the matmul tests.
+#[cfg(test)]
+pub(crate) fn random_raw(rng: &mut rand::rngs::StdRng, format: WeightFormat, rows: usize, cols: usize) -> Vec<u8> {
+    use rand::Rng;
+    let bb = format.block_bytes();
+    let mut raw: Vec<u8> = (0..rows * format.row_bytes(cols)).map(|_| rng.gen()).collect();
+    // byte offsets of the f16 fields, and whether they may be negative
+    let fields: &[(usize, bool)] = match format {
+        WeightFormat::Q5_0 => &[(0, true)],
+        WeightFormat::Q5_1 => &[(0, false), (2, true)],
+        WeightFormat::Q4K | WeightFormat::Q5K => &[(0, false), (2, false)],
+        WeightFormat::Q6K => &[(208, true)],
+        _ => unreachable!("{format:?} is not a packed_k format"),
+    };
+    for blk in raw.chunks_exact_mut(bb) {
+        for &(at, signed) in fields {
+            let mut v = rng.gen_range(0.001f32..0.05);
+            if signed && rng.gen() {
+                v = -v;
+            }
+            blk[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        }
+    }
+    raw
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::dequantize_row;
+    use crate::packed::PackedInt8;
+    use crate::q8::{quantize_rows, QuantizedActivations};
+    use rand::{Rng, SeedableRng};
+
+    pub(crate) const FORMATS: [WeightFormat; 5] = [WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
+
+    fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
+    }
+
+    /// Activation rows: random, and one at the ends of i8 (every element +-127 after quantization).
+    fn activations(rng: &mut rand::rngs::StdRng, cols: usize) -> Vec<QuantizedActivations> {
+        let mut acts: Vec<_> = (0..4).map(|_| quantize_rows(&rand_vec(rng, cols), cols)).collect();
+        acts.push(quantize_rows(&(0..cols).map(|i| if i % 3 == 0 { -1.0 } else { 1.0 }).collect::<Vec<f32>>(), cols));
+        acts
+    }
+
+    fn shapes(f: WeightFormat) -> [(usize, usize); 3] {
+        let k = f.block_len();
+        [(8, k), (13, 3 * k), (21, if k == QK { 576 } else { 1536 })]
+    }
+
+    fn group_bytes(p: &PackedInt8, g: usize, f: WeightFormat, cols: usize) -> (&[u8], usize) {
+        let blocks = cols / f.block_len();
+        let len = blocks * group_block_bytes(f);
+        (&p.bytes_for_tests()[g * len..(g + 1) * len], blocks)
+    }
+
+    /// Every path this CPU has (the dispatched one at 1..8 activation rows, and AVX2 and VNNI
+    /// called directly) gives the scalar reference's bits.
+    #[test]
+    fn simd_equals_the_scalar_reference_bitwise() {
+        fn check<const N: usize>(p: &PackedInt8, f: WeightFormat, cols: usize, acts: &[QuantizedActivations]) {
+            let rows: [&[BlockQ8]; N] = std::array::from_fn(|i| acts[(i * 3 + N) % acts.len()].row(0));
+            for g in 0..p.groups() {
+                let (group, blocks) = group_bytes(p, g, f, cols);
+                let got = p.dot_group::<N>(g, rows);
+                #[allow(unused_mut)]
+                let mut paths = vec![("dispatched", got)];
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let feat = crate::cpu::features();
+                    let mut run = |name, vnni: bool| {
+                        let mut out = [[0f32; GROUP_ROWS]; N];
+                        let dst = out.each_mut().map(|r| r.as_mut_ptr());
+                        // SAFETY: the features were detected; sizes as in dot_group; dst holds N x 8 floats.
+                        unsafe {
+                            if vnni {
+                                x86::group_vnni::<N>(f, group, blocks, rows, dst)
+                            } else {
+                                x86::group_avx2::<N>(f, group, blocks, rows, dst)
+                            }
+                        }
+                        paths.push((name, out));
+                    };
+                    if feat.avx2_fma {
+                        run("avx2", false);
+                    }
+                    if feat.avx512_vnni {
+                        run("vnni", true);
+                    }
+                }
+                for (name, out) in paths {
+                    for (n, a) in rows.iter().enumerate() {
+                        let reference = dot_group_scalar(f, group, blocks, a);
+                        assert_eq!(out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {name} group {g} activation {n} of {N}");
+                    }
+                }
+            }
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        for f in FORMATS {
+            for (rows, cols) in shapes(f) {
+                let p = PackedInt8::pack(f, rows, cols, &random_raw(&mut rng, f, rows, cols)).unwrap();
+                let acts = activations(&mut rng, cols);
+                check::<1>(&p, f, cols, &acts);
+                check::<2>(&p, f, cols, &acts);
+                check::<3>(&p, f, cols, &acts);
+                check::<4>(&p, f, cols, &acts);
+                check::<8>(&p, f, cols, &acts);
+            }
+        }
+    }
+
+    /// Independent oracle: the float dot of the dequantized ggml row (`dequantize_row`) with the
+    /// f32 activations, within what the 8-bit activations allow: each activation is off by at most
+    /// half a step, `amax / 254` of its block, so the dot is off by at most
+    /// `sum_blocks (amax_b / 254) * sum_{i in b} |w_i|`, plus float rounding (relative 1e-5).
+    #[test]
+    fn packed_dot_approximates_the_float_dot_of_dequantized_weights() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for f in FORMATS {
+            let (rows, cols) = (11, if f.block_len() == QK { 576 } else { 1024 });
+            let raw = random_raw(&mut rng, f, rows, cols);
+            let p = PackedInt8::pack(f, rows, cols, &raw).unwrap();
+            for _ in 0..3 {
+                let x = rand_vec(&mut rng, cols);
+                let q = quantize_rows(&x, cols);
+                for r in 0..rows {
+                    let mut wd = vec![0f32; cols];
+                    dequantize_row(f, &raw[r * f.row_bytes(cols)..(r + 1) * f.row_bytes(cols)], &mut wd);
+                    let exact: f64 = wd.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let got = p.dot_group::<1>(r / GROUP_ROWS, [q.row(0)])[0][r % GROUP_ROWS];
+                    let mut bound = 0f64;
+                    let mut mag = 0f64;
+                    for (wb, xb) in wd.chunks_exact(QK).zip(x.chunks_exact(QK)) {
+                        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                        bound += amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>();
+                        mag += wb.iter().zip(xb).map(|(a, b)| (a * b).abs() as f64).sum::<f64>();
+                    }
+                    let bound = bound * 1.0001 + mag * 1e-5 + 1e-6;
+                    assert!((exact - got as f64).abs() <= bound, "{f:?} row {r}: {exact} vs {got} (bound {bound})");
+                    // tighter: against the dequantized activations `d_a * q_a` only float rounding
+                    // remains (a few ulps of the terms' magnitude, far under the activation error)
+                    let mut exact_q = 0f64;
+                    let mut scale = 0f64;
+                    for (wb, ab) in wd.chunks_exact(QK).zip(q.row(0)) {
+                        for (w, &a) in wb.iter().zip(&ab.qs) {
+                            exact_q += *w as f64 * (ab.d as f64 * a as f64);
+                        }
+                        scale += wb.iter().map(|v| v.abs() as f64).sum::<f64>() * ab.d as f64 * 127.0;
+                    }
+                    assert!((exact_q - got as f64).abs() <= scale * 1e-5, "{f:?} row {r}: {exact_q} vs {got} (scale {scale})");
+                }
+                // the padding lanes of the last group are zero
+                let last = p.dot_group::<1>(p.groups() - 1, [q.row(0)])[0];
+                assert!(last[rows % GROUP_ROWS..].iter().all(|&v| v == 0.0));
+            }
+        }
+    }
+
+    /// Every quant at the top of its range (all bits set; Q6_K scales at -128 and +127) against
+    /// activations all at +-127: the largest integer sums, on every path, against the reference
+    /// and against the dequantized float dot.
+    #[test]
+    fn extreme_quants_do_not_overflow_the_integer_sums() {
+        for f in FORMATS {
+            let cols = 2 * f.block_len();
+            let mut raw = vec![0xFFu8; 8 * f.row_bytes(cols)];
+            for (i, blk) in raw.chunks_exact_mut(f.block_bytes()).enumerate() {
+                let scale = f16::from_f32(0.01).to_le_bytes();
+                match f {
+                    WeightFormat::Q5_0 => blk[0..2].copy_from_slice(&scale),
+                    WeightFormat::Q5_1 | WeightFormat::Q4K | WeightFormat::Q5K => {
+                        blk[0..2].copy_from_slice(&scale);
+                        blk[2..4].copy_from_slice(&scale);
+                    }
+                    _ => {
+                        blk[208..210].copy_from_slice(&scale);
+                        for (s, b) in blk[192..208].iter_mut().enumerate() {
+                            *b = if (s + i) % 2 == 0 { 0x80 } else { 0x7F };
+                        }
+                    }
+                }
+            }
+            let p = PackedInt8::pack(f, 8, cols, &raw).unwrap();
+            for x in [vec![1.0f32; cols], vec![-1.0f32; cols], (0..cols).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect()] {
+                let q = quantize_rows(&x, cols);
+                let (group, blocks) = group_bytes(&p, 0, f, cols);
+                let reference = dot_group_scalar(f, group, blocks, q.row(0));
+                let got = p.dot_group::<4>(0, [q.row(0); 4]);
+                for o in got {
+                    assert_eq!(o.map(f32::to_bits), reference.map(f32::to_bits), "{f:?}");
+                }
+                let mut wd = vec![0f32; cols];
+                dequantize_row(f, &raw[..f.row_bytes(cols)], &mut wd);
+                let exact: f32 = wd.iter().zip(&x).map(|(a, b)| a * b).sum();
+                assert!((got[0][0] - exact).abs() <= 1e-4 * wd.iter().map(|v| v.abs()).sum::<f32>(), "{f:?}: {} vs {exact}", got[0][0]);
+            }
+        }
+    }
+}
