@@ -126,6 +126,11 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     let n_heads = f.meta_u32(&key("attention.head_count"))? as usize;
     let n_kv_heads = f.meta_u32(&key("attention.head_count_kv")).unwrap_or(n_heads as u32) as usize;
     let head_dim = f.meta_u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads.max(1));
+    if let Ok(rot) = f.meta_u32(&key("rope.dimension_count")) {
+        if rot as usize != head_dim {
+            return Err(ModelError::Unsupported(format!("{}: partial RoPE ({rot} of {head_dim} dimensions per head) is not supported", f.path)));
+        }
+    }
     let embed = f.matrix("token_embd.weight")?;
     let tied = !f.has_tensor("output.weight");
     let mut arch_options = arch_options(f, &arch, hidden)?;
