@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent NumPy reference forward pass for Llama-family GGUF models.
+"""Independent NumPy reference forward pass for Llama-family, Qwen2, Qwen3 and Gemma 3 GGUF models.
 
 It shares no code with the Rust engine: the GGUF is read with the `gguf` Python package
 (GGUFReader), every weight is dequantized with `gguf.quants.dequantize`, and the forward is
@@ -18,6 +18,22 @@ written from the Llama definition:
         w  = p[S] / sum(p[S])  (expert_weights_norm, default on: Mixtral's softmax over the k)
         h += sum_{e in S} w_e * FFN_e(x)  [+ sigmoid(x . g_sh) * FFN_shared(x), Qwen2-MoE]
     logits = (rmsnorm(h) * output_norm) Wout^T       (Wout = token_embd when tied)
+
+Other architectures, as llama.cpp builds them (src/models/*.cpp), on top of that block:
+
+    qwen2   q, k, v += attn_{q,k,v}.bias; NeoX RoPE (the converter does not permute Q/K)
+    qwen3   q, k = rmsnorm per head (attn_q_norm / attn_k_norm, [head_dim]) before RoPE; NeoX
+    gemma3  h = embed[tokens] * sqrt(hidden); per-head q/k norms; NeoX RoPE;
+            h += rmsnorm(attention out) * post_attention_norm
+            h += rmsnorm(gelu_tanh(x Wgate^T) * (x Wup^T) Wdown^T) * post_ffw_norm
+            layer i is local unless i % P == P - 1 (P = attention.sliding_window_pattern,
+            default 6): a local layer's query at position p sees keys p - W < j <= p only
+            (W = attention.sliding_window; llama.cpp masks j when p - j >= W) and rotates with
+            base 10000 (rope.local.freq_base if given) instead of rope.freq_base.
+            The converter already added 1 to Gemma's norm weights, so they multiply as stored.
+    llama3  RoPE frequency i divided by rope_freqs.weight[i] when the tensor exists, else by the
+            factors of rope.scaling.type = "llama3" (factor, low/high_freq_factor,
+            original_context_length; HF's _compute_llama3_parameters).
 
 RoPE: the HF->GGUF converter permutes the rows of Wq / Wk so that the two halves that HF's
 `rotate_half` (NeoX style) pairs up become adjacent elements.  A GGUF llama model is therefore
@@ -88,6 +104,17 @@ class Config:
     n_experts: int = 0
     n_experts_used: int = 0
     expert_weights_norm: bool = True
+    neox: bool = False
+    embed_scale: float = 1.0
+    gelu: bool = False
+    sliding_window: int = 0  # 0: no local layers
+    sliding_period: int = 0
+    rope_theta_local: float = 10000.0
+    attn_scale: float | None = None
+    llama3: tuple | None = None  # (factor, low_freq_factor, high_freq_factor, original_context_length)
+
+    def is_local(self, layer: int) -> bool:
+        return self.sliding_window > 0 and layer % self.sliding_period < self.sliding_period - 1
 
 
 def read_config(reader: GGUFReader) -> Config:
@@ -99,6 +126,19 @@ def read_config(reader: GGUFReader) -> Config:
     head_dim = int(g("attention.key_length", hidden // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
+    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma3"):
+        raise NotImplementedError(f"architecture {arch!r} is not modelled by this reference")
+    gemma = arch == "gemma3"
+    llama3 = None
+    if g("rope.scaling.type") == "llama3":
+        llama3 = (
+            float(g("rope.scaling.factor", 8.0)),
+            float(g("rope.scaling.low_freq_factor", 1.0)),
+            float(g("rope.scaling.high_freq_factor", 4.0)),
+            int(g("rope.scaling.original_context_length", 8192)),
+        )
+    elif g("rope.scaling.type") not in (None, "none"):
+        raise NotImplementedError(f"rope scaling {g('rope.scaling.type')!r}")
     return Config(
         arch=arch,
         n_layers=int(g("block_count")),
@@ -114,6 +154,14 @@ def read_config(reader: GGUFReader) -> Config:
         n_experts=int(g("expert_count", 0)),
         n_experts_used=int(g("expert_used_count", 0)),
         expert_weights_norm=bool(g("expert_weights_norm", True)),
+        neox=arch in ("qwen2", "qwen3", "gemma3"),
+        embed_scale=float(np.sqrt(np.float32(hidden))) if gemma else 1.0,
+        gelu=gemma,
+        sliding_window=int(g("attention.sliding_window", 0)) if gemma else 0,
+        sliding_period=int(g("attention.sliding_window_pattern", 6)) if gemma else 0,
+        rope_theta_local=float(g("rope.local.freq_base", 10000.0)),
+        attn_scale=None if g("attention.scale") is None else float(g("attention.scale")),
+        llama3=llama3,
     )
 
 
@@ -146,6 +194,19 @@ class Weights:
                 wo=d(p + "attn_output.weight"),
                 ffn_norm=d(p + "ffn_norm.weight"),
             )
+            # Architecture extras: present in the file -> used (qwen2 biases, qwen3/gemma3 q/k
+            # norms, gemma3 post norms).
+            for key, name in [
+                ("bq", "attn_q.bias"),
+                ("bk", "attn_k.bias"),
+                ("bv", "attn_v.bias"),
+                ("q_norm", "attn_q_norm.weight"),
+                ("k_norm", "attn_k_norm.weight"),
+                ("post_attn_norm", "post_attention_norm.weight"),
+                ("post_ffn_norm", "post_ffw_norm.weight"),
+            ]:
+                if p + name in t:
+                    layer[key] = d(p + name).reshape(-1)
             if self.cfg.n_experts:
                 E = self.cfg.n_experts
                 layer["router"] = d(p + "ffn_gate_inp.weight")  # [E, hidden]
@@ -171,8 +232,13 @@ class Weights:
         assert self.layers[0]["wk"].shape == (c.n_kv_heads * c.head_dim, c.hidden)
         if not c.n_experts:
             assert self.layers[0]["down"].shape == (c.hidden, c.ffn)
-        # Bias tensors (qwen2-style) are not supported by this reference: refuse rather than be wrong.
-        assert not any(n.endswith(".bias") for n in t), "bias tensors not supported"
+        self.rope_freqs = d("rope_freqs.weight").reshape(-1).astype(np.float64) if "rope_freqs.weight" in t else None
+        if c.arch == "qwen2":
+            assert "bq" in self.layers[0], "qwen2 without attn_q.bias"
+        if c.arch in ("qwen3", "gemma3"):
+            assert "q_norm" in self.layers[0], f"{c.arch} without attn_q_norm"
+        if c.arch == "gemma3":
+            assert "post_ffn_norm" in self.layers[0], "gemma3 without post_ffw_norm"
 
 
 def load_weights(path: str, dtype: str = "float32") -> Weights:
@@ -206,11 +272,25 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + eps)).astype(x.dtype) * w
 
 
-def rope_normal(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int) -> np.ndarray:
+def llama3_freq_factors(llama3: tuple, rope_dim: int, theta: float) -> np.ndarray:
+    """Divisors of the RoPE frequencies for Llama 3.x scaling (HF _compute_llama3_parameters)."""
+    factor, low, high, old = llama3
+    freq = theta ** (-np.arange(rope_dim // 2, dtype=np.float64) * 2.0 / rope_dim)
+    wavelen = 2 * np.pi / freq
+    smooth = (old / wavelen - low) / (high - low)
+    new = np.where(wavelen < old / high, freq, np.where(wavelen > old / low, freq / factor, (1 - smooth) * freq / factor + smooth * freq))
+    return freq / new
+
+
+def _inv_freq(theta: float, rope_dim: int, freq_factors) -> np.ndarray:
+    inv = theta ** (-np.arange(rope_dim // 2, dtype=np.float64) * 2.0 / rope_dim)
+    return inv if freq_factors is None else inv / freq_factors
+
+
+def rope_normal(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int, freq_factors=None) -> np.ndarray:
     """llama.cpp normal-mode RoPE on [T, heads, head_dim]: rotates pairs (2i, 2i+1)."""
     T = x.shape[0]
-    half = rope_dim // 2
-    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+    inv_freq = _inv_freq(theta, rope_dim, freq_factors)
     ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, half]
     cos = np.cos(ang)[:, None, :].astype(x.dtype)
     sin = np.sin(ang)[:, None, :].astype(x.dtype)
@@ -223,10 +303,11 @@ def rope_normal(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int) -> 
     return out
 
 
-def rope_neox(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int) -> np.ndarray:
-    """NeoX/HF rotate_half RoPE: pairs (i, i + rope_dim/2).  WRONG for GGUF llama weights."""
+def rope_neox(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int, freq_factors=None) -> np.ndarray:
+    """NeoX/HF rotate_half RoPE: pairs (i, i + rope_dim/2).  WRONG for GGUF llama weights, right
+    for qwen2 / qwen3 / gemma3 (llama.cpp's LLAMA_ROPE_TYPE_NEOX)."""
     half = rope_dim // 2
-    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rope_dim)
+    inv_freq = _inv_freq(theta, rope_dim, freq_factors)
     ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]
     cos = np.cos(ang)[:, None, :].astype(x.dtype)
     sin = np.sin(ang)[:, None, :].astype(x.dtype)
@@ -240,6 +321,11 @@ def rope_neox(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int) -> np
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (ggml_gelu, HF gelu_pytorch_tanh)."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def moe_ffn(x: np.ndarray, L: dict, c: Config, lin, margins=None) -> np.ndarray:
@@ -277,7 +363,7 @@ def forward(
     dtype: str = "float32",
     act_quant: str | None = None,
     last_only: bool = False,
-    rope: str = "normal",
+    rope: str | None = None,
     moe_margins: np.ndarray | None = None,
 ) -> np.ndarray:
     """Logits [len(tokens), vocab] (or [1, vocab] with last_only) for one causal sequence.
@@ -285,7 +371,8 @@ def forward(
     moe_margins: optional float64 [len(tokens)] array, lowered to each token's smallest router
     margin over the layers (see `moe_ffn`).
 
-    rope="neox" exists only so the sanity test can show that it is the wrong pairing for GGUF.
+    rope: None picks the architecture's pairing (normal for llama/mistral, NeoX for qwen2, qwen3,
+    gemma3); rope="neox" on a llama file exists so the sanity test can show it is wrong there.
     """
     W = load_weights(model_path, dtype)
     c = W.cfg
@@ -299,40 +386,67 @@ def forward(
     if act_quant not in (None, "none", "q8"):
         raise ValueError(f"unknown act_quant {act_quant!r}")
     aq = quantize_q8_blocks if act_quant == "q8" else (lambda a: a)
+    if rope is None:
+        rope = "neox" if c.neox else "normal"
     rope_fn = {"normal": rope_normal, "neox": rope_neox}[rope]
+    freq_factors = W.rope_freqs
+    if freq_factors is None and c.llama3 is not None:
+        freq_factors = llama3_freq_factors(c.llama3, c.rope_dim, c.rope_theta)
 
     def lin(x, w):
         return aq(x) @ w.T
 
     pos = np.arange(T)
     group = c.n_heads // c.n_kv_heads
-    scale = 1.0 / np.sqrt(c.head_dim)
+    scale = c.attn_scale if c.attn_scale is not None else 1.0 / np.sqrt(c.head_dim)
     mask = np.triu(np.full((T, T), -np.inf, dtype=ft), k=1)
+    # local layers: key j is hidden from query i when i - j >= window
+    dist = pos[:, None] - pos[None, :]
+    local_mask = np.where(dist >= c.sliding_window, -np.inf, 0.0).astype(ft) + mask if c.sliding_window else mask
 
-    h = W.embd[tokens].astype(ft)  # [T, hidden]
-    for L in W.layers:
+    h = W.embd[tokens].astype(ft) * ft(c.embed_scale)  # [T, hidden]
+    for li, L in enumerate(W.layers):
+        local = c.is_local(li)
         x = rmsnorm(h, L["attn_norm"], c.rms_eps)
-        q = lin(x, L["wq"]).reshape(T, c.n_heads, c.head_dim)
-        k = lin(x, L["wk"]).reshape(T, c.n_kv_heads, c.head_dim)
-        v = lin(x, L["wv"]).reshape(T, c.n_kv_heads, c.head_dim)
-        q = rope_fn(q, pos, c.rope_theta, c.rope_dim)
-        k = rope_fn(k, pos, c.rope_theta, c.rope_dim)
+        q = lin(x, L["wq"])
+        k = lin(x, L["wk"])
+        v = lin(x, L["wv"])
+        if "bq" in L:
+            q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
+        q = q.reshape(T, c.n_heads, c.head_dim)
+        k = k.reshape(T, c.n_kv_heads, c.head_dim)
+        v = v.reshape(T, c.n_kv_heads, c.head_dim)
+        if "q_norm" in L:
+            q = rmsnorm(q, L["q_norm"], c.rms_eps)
+            k = rmsnorm(k, L["k_norm"], c.rms_eps)
+        if local:  # own base, no frequency scaling (llama.cpp: rope_freq_scale_train_swa = 1)
+            q = rope_fn(q, pos, c.rope_theta_local, c.rope_dim)
+            k = rope_fn(k, pos, c.rope_theta_local, c.rope_dim)
+        else:
+            q = rope_fn(q, pos, c.rope_theta, c.rope_dim, freq_factors)
+            k = rope_fn(k, pos, c.rope_theta, c.rope_dim, freq_factors)
         # GQA: query head j uses kv head j // group.
         kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
         vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
         qh = q.transpose(1, 0, 2)  # [H, T, d]
-        s = (qh @ kh.transpose(0, 2, 1)) * ft(scale) + mask  # [H, T, T]
+        s = (qh @ kh.transpose(0, 2, 1)) * ft(scale) + (local_mask if local else mask)  # [H, T, T]
         s = s - s.max(axis=-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
         a = (p @ vh).transpose(1, 0, 2).reshape(T, c.n_heads * c.head_dim)
-        h = h + lin(a, L["wo"])
+        o = lin(a, L["wo"])
+        if "post_attn_norm" in L:
+            o = rmsnorm(o, L["post_attn_norm"], c.rms_eps)
+        h = h + o
         x = rmsnorm(h, L["ffn_norm"], c.rms_eps)
         if c.n_experts:
-            h = h + moe_ffn(x, L, c, lin, moe_margins)
+            f = moe_ffn(x, L, c, lin, moe_margins)
         else:
-            g = silu(lin(x, L["gate"])) * lin(x, L["up"])
-            h = h + lin(g, L["down"])
+            g = (gelu_tanh if c.gelu else silu)(lin(x, L["gate"])) * lin(x, L["up"])
+            f = lin(g, L["down"])
+        if "post_ffn_norm" in L:
+            f = rmsnorm(f, L["post_ffn_norm"], c.rms_eps)
+        h = h + f
     if last_only:
         h = h[-1:]
     x = rmsnorm(h, W.output_norm, c.rms_eps)

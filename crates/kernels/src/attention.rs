@@ -61,6 +61,25 @@ const Q_CHUNK: usize = 16;
 /// position order, softmax over its own context, values accumulated in position order — so the
 /// grouping never changes a result.
 pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f32], layout: &KvLayout, seqs: &[SeqSpan], scale: f32) {
+    paged_attention_windowed(q, out, k_cache, v_cache, layout, seqs, scale, None)
+}
+
+/// [`paged_attention`] restricted to a sliding window: with `window = Some(w)` the query at
+/// position `p` sees keys at positions `(p - w, p]` only, the `w` most recent including itself
+/// (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`: key `p0` is masked when `p - p0 >= w`). `None`: the
+/// whole causal context. The cache still holds every position; only the reduction range shrinks.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_windowed(
+    q: &[f32],
+    out: &mut [f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    layout: &KvLayout,
+    seqs: &[SeqSpan],
+    scale: f32,
+    window: Option<usize>,
+) {
+    assert!(window != Some(0), "a sliding window must hold at least the query's own position");
     let hd = layout.head_dim;
     let qw = layout.n_heads * hd;
     let group = layout.n_heads / layout.n_kv_heads;
@@ -83,21 +102,25 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
         // query row t sits at position base + t
         let base = s.context_len - s.q_len;
         let ctx = base + t1;
-        // where position p's keys (and values) for this KV head start
+        // the first position any row of the chunk sees (row t0's window start)
+        let first = window.map_or(0, |w| (base + t0 + 1).saturating_sub(w));
+        // where position first + j's keys (and values) for this KV head start
         let offsets: Vec<usize> =
-            (0..ctx).map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd).collect();
-        let mut scores = vec![0f32; ctx];
+            (first..ctx).map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd).collect();
+        let mut scores = vec![0f32; ctx - first];
         let mut acc = vec![0f32; hd];
         for t in t0..t1 {
             let row = s.q_start + t;
-            // query row t sees positions 0..=base + t
-            let len = base + t + 1;
-            let sc = &mut scores[..len];
+            // query row t sees positions lo..=base + t (lo = 0 without a window)
+            let end = base + t + 1;
+            let lo = window.map_or(0, |w| end.saturating_sub(w));
+            let offs = &offsets[lo - first..end - first];
+            let sc = &mut scores[..end - lo];
             for h in kvh * group..(kvh + 1) * group {
-                scaled_dots(sc, &q[row * qw + h * hd..row * qw + (h + 1) * hd], k_cache, &offsets[..len], scale);
+                scaled_dots(sc, &q[row * qw + h * hd..row * qw + (h + 1) * hd], k_cache, offs, scale);
                 crate::ops::softmax(sc);
                 acc.fill(0.0);
-                weighted_rows_sum(&mut acc, sc, v_cache, &offsets[..len]);
+                weighted_rows_sum(&mut acc, sc, v_cache, offs);
                 // SAFETY: (row, h) belongs to this task only and is within `out` (asserted above).
                 unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), optr.get().add(row * qw + h * hd), hd) };
             }
@@ -105,7 +128,7 @@ pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f
     };
     // Waking the pool costs more than a small attention (a decode step at short context): only
     // go parallel when there are enough query-key products to share.
-    let work: usize = seqs.iter().map(|s| s.q_len * s.context_len).sum::<usize>() * layout.n_heads;
+    let work: usize = seqs.iter().map(|s| s.q_len * window.map_or(s.context_len, |w| w.min(s.context_len))).sum::<usize>() * layout.n_heads;
     if tasks.len() < 2 || work < 2 * 1024 {
         tasks.iter().for_each(run);
     } else {
@@ -196,5 +219,51 @@ mod tests {
                 "position {t}"
             );
         }
+    }
+
+    /// A sliding window of w keeps the w most recent positions, the query's own included
+    /// (llama.cpp's boundary), whether the rows come as one prompt or one at a time.
+    #[test]
+    fn sliding_window_sees_the_last_w_positions_only() {
+        let layout = KvLayout { block_size: 4, n_heads: 2, n_kv_heads: 1, head_dim: 8 };
+        let ctx = 37;
+        let table: Vec<u32> = (0..10).rev().collect();
+        let kvw = layout.kv_width();
+        let mut kc = vec![0f32; 10 * 4 * kvw];
+        let mut vc = kc.clone();
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for p in 0..ctx {
+            let k: Vec<f32> = (0..kvw).map(|i| ((p * kvw + i) as f32 * 0.37).sin()).collect();
+            let v: Vec<f32> = (0..kvw).map(|i| ((p * kvw + i) as f32 * 0.53).cos()).collect();
+            write_kv(&mut kc, &mut vc, &layout, table[p / 4] as usize * 4 + p % 4, &k, &v);
+            ks.push(k);
+            vs.push(v);
+        }
+        let qw = layout.n_heads * layout.head_dim;
+        let q: Vec<f32> = (0..ctx * qw).map(|i| (i as f32 * 0.013).cos()).collect();
+        let w = 5;
+        let mut all = vec![0f32; ctx * qw];
+        let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &table }];
+        paged_attention_windowed(&q, &mut all, &kc, &vc, &layout, &seqs, 0.3, Some(w));
+        for t in [0usize, 3, 4, 5, 16, 17, 36] {
+            let lo = (t + 1).saturating_sub(w);
+            for h in 0..2 {
+                let at = t * qw + h * 8;
+                let want = naive(&q[at..at + 8], &ks[lo..=t], &vs[lo..=t], 0.3);
+                for (a, b) in want.iter().zip(&all[at..at + 8]) {
+                    assert!((a - b).abs() < 1e-5, "position {t} head {h}: {a} vs {b}");
+                }
+            }
+            let mut one = vec![0f32; qw];
+            let seqs = [SeqSpan { q_start: 0, q_len: 1, context_len: t + 1, block_table: &table }];
+            paged_attention_windowed(&q[t * qw..(t + 1) * qw], &mut one, &kc, &vc, &layout, &seqs, 0.3, Some(w));
+            assert_eq!(one, all[t * qw..(t + 1) * qw], "position {t} alone");
+        }
+        // a window at least as long as the context is plain causal attention
+        let mut wide = vec![0f32; ctx * qw];
+        paged_attention_windowed(&q, &mut wide, &kc, &vc, &layout, &seqs, 0.3, Some(ctx));
+        let mut plain = vec![0f32; ctx * qw];
+        paged_attention(&q, &mut plain, &kc, &vc, &layout, &seqs, 0.3);
+        assert_eq!(wide, plain);
     }
 }

@@ -1,5 +1,6 @@
 //! Element-wise and per-row operations of a transformer layer: RMSNorm, rotary position
-//! embedding, SiLU-gated multiply, residual add, softmax. Row-local, so batch-invariant.
+//! embedding, SiLU- and GELU-gated multiply, bias and residual add, softmax. Row-local, so
+//! batch-invariant.
 
 /// out = x / rms(x) * weight, per row of `weight.len()` elements.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -10,6 +11,26 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
             *o = v * scale * w;
         }
+    }
+}
+
+/// In-place [`rms_norm`] per row of `weight.len()` elements: with a `head_dim`-long weight over
+/// `[tokens, heads * head_dim]`, the per-head query/key norm of Qwen3 and Gemma 3.
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let n = weight.len();
+    for xr in x.chunks_exact_mut(n) {
+        let ss = crate::dot::dot_f32(xr, xr);
+        let scale = 1.0 / (ss / n as f32 + eps).sqrt();
+        for (v, &w) in xr.iter_mut().zip(weight) {
+            *v = *v * scale * w;
+        }
+    }
+}
+
+/// Adds `bias` to every row of `bias.len()` elements of `x` (the Q/K/V biases of Qwen2).
+pub fn add_bias(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_assign(row, bias);
     }
 }
 
@@ -63,6 +84,15 @@ impl Rope {
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
         *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+/// out[i] = gelu(gate[i]) * up[i], GELU in its tanh approximation (ggml_gelu; Gemma's
+/// `gelu_pytorch_tanh`): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = 0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)).tanh()) * u;
     }
 }
 
@@ -124,5 +154,25 @@ mod tests {
         silu_mul(&[0.0, 1.0], &[3.0, 2.0], &mut o);
         assert_eq!(o[0], 0.0);
         assert!((o[1] - 2.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_tanh_mul_matches_known_values() {
+        let mut o = [0f32; 4];
+        gelu_tanh_mul(&[0.0, 1.0, -1.0, 3.0], &[1.0, 1.0, 2.0, 1.0], &mut o);
+        // torch.nn.functional.gelu(x, approximate="tanh")
+        for (a, b) in o.iter().zip([0.0, 0.841_192, 2.0 * -0.158_808, 2.996_363]) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn per_head_norm_normalises_each_head_on_its_own() {
+        let mut x = [2.0, 2.0, 3.0, -3.0];
+        rms_norm_in_place(&mut x, &[1.0, 0.5], 0.0);
+        assert_eq!(x, [1.0, 0.5, 1.0, -0.5]);
+        let mut y = [1.0, 2.0, 3.0, 4.0];
+        add_bias(&mut y, &[10.0, 20.0]);
+        assert_eq!(y, [11.0, 22.0, 13.0, 24.0]);
     }
 }

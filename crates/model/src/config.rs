@@ -1,4 +1,6 @@
-//! The hyper-parameters of a Llama-family model, read from GGUF metadata or config.json.
+//! The hyper-parameters of a model, read from GGUF metadata or config.json: the Llama shape,
+//! plus the per-architecture switches (`ArchOptions`) that make one forward pass serve Llama,
+//! Mistral, Qwen2, Qwen3 and Gemma 3.
 
 /// Shape and numerics of the model; everything the forward pass needs besides weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +25,109 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Mixture-of-experts feed-forward (every layer); `None`: dense FFN of `intermediate_size`.
     pub moe: Option<MoeConfig>,
+    /// What the architecture adds to or changes in the Llama block (default: nothing).
+    pub arch_options: ArchOptions,
+}
+
+/// The per-architecture switches, read once at load. Each is data the forward pass applies
+/// (a bias, a norm, a scale, a window), never a branch on the architecture's name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArchOptions {
+    /// Biases on the Q/K/V projections (`attn_{q,k,v}.bias`: Qwen2).
+    pub qkv_bias: bool,
+    /// RMSNorm of every query and key head before RoPE (`attn_{q,k}_norm`: Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// A second RMSNorm on the attention and FFN outputs before each residual add
+    /// (`post_attention_norm`, `post_ffw_norm`: Gemma 2/3 "sandwich" norms).
+    pub post_norms: bool,
+    /// The gate activation of the feed-forward.
+    pub activation: Activation,
+    /// Multiplier of the token embeddings on the way in (Gemma: sqrt(hidden)); 1.0 for Llama.
+    pub embed_scale: f32,
+    /// Attention score scale; `None`: 1/sqrt(head_dim).
+    pub attn_scale: Option<f32>,
+    /// Sliding-window layers (Gemma 3); `None`: every layer attends to its whole context.
+    pub sliding: Option<SlidingWindow>,
+    /// Llama 3.x RoPE frequency scaling, when the file carries its parameters but no
+    /// `rope_freqs.weight` tensor (which, when present, wins: it holds the same factors).
+    pub rope_llama3: Option<Llama3Rope>,
+}
+
+impl Default for ArchOptions {
+    fn default() -> Self {
+        Self {
+            qkv_bias: false,
+            qk_norm: false,
+            post_norms: false,
+            activation: Activation::SiluGate,
+            embed_scale: 1.0,
+            attn_scale: None,
+            sliding: None,
+            rope_llama3: None,
+        }
+    }
+}
+
+/// Feed-forward gate: `act(x Wgate) * (x Wup)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (Llama, Qwen).
+    SiluGate,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanhGate,
+}
+
+/// Gemma 3's local layers: of every `period` layers the first `period - 1` attend to the last
+/// `window` positions only and rotate with their own RoPE base; the last one is global.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    pub period: usize,
+    pub rope_theta: f32,
+}
+
+/// How one layer attends.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AttentionKind {
+    /// The whole causal context, rotated with the model's RoPE.
+    Global,
+    /// The last `window` positions (the query's own included), rotated with `rope_theta`.
+    Sliding { window: usize, rope_theta: f32 },
+}
+
+/// Llama 3.x RoPE scaling (`rope_type: "llama3"` in config.json): long wavelengths are
+/// stretched by `factor`, short ones kept, the band between interpolated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Llama3Rope {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_context_length: usize,
+}
+
+impl Llama3Rope {
+    /// The per-frequency divisors (`rope_freqs.weight` as llama.cpp's converter writes it) for
+    /// `rot_dim / 2` frequencies of RoPE base `theta`: 1 for short wavelengths, `factor` for
+    /// long ones, and 1 / ((1 - s) / factor + s) in between, s = (L / wavelen - low) / (high - low).
+    pub fn freq_factors(&self, rot_dim: usize, theta: f32) -> Vec<f32> {
+        let old = self.original_context_length as f64;
+        let (low, high, factor) = (self.low_freq_factor as f64, self.high_freq_factor as f64, self.factor as f64);
+        let (low_wavelen, high_wavelen) = (old / low, old / high);
+        (0..rot_dim / 2)
+            .map(|i| {
+                let freq = 1.0 / (theta as f64).powf(2.0 * i as f64 / rot_dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / freq;
+                if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    factor as f32
+                } else {
+                    let s = (old / wavelen - low) / (high - low);
+                    (1.0 / ((1.0 - s) / factor + s)) as f32
+                }
+            })
+            .collect()
+    }
 }
 
 /// Shape and routing of a mixture-of-experts feed-forward (Mixtral, Qwen-MoE style).
@@ -53,6 +158,19 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
 
+    /// How layer `layer` attends (global unless the model has sliding-window layers).
+    pub fn attention_kind(&self, layer: usize) -> AttentionKind {
+        match &self.arch_options.sliding {
+            Some(s) if layer % s.period < s.period - 1 => AttentionKind::Sliding { window: s.window, rope_theta: s.rope_theta },
+            _ => AttentionKind::Global,
+        }
+    }
+
+    /// The attention score scale.
+    pub fn attn_scale(&self) -> f32 {
+        self.arch_options.attn_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
+
     /// Checks the shape is self-consistent; the loader calls this once.
     pub fn validate(&self) -> Result<(), crate::ModelError> {
         let bad = |m: String| Err(crate::ModelError::Unsupported(m));
@@ -65,7 +183,15 @@ impl ModelConfig {
         if self.hidden_size % 32 != 0 || self.intermediate_size % 32 != 0 {
             return bad(format!("hidden size {} and FFN size {} must be multiples of 32 for the quantized kernels", self.hidden_size, self.intermediate_size));
         }
+        if let Some(s) = &self.arch_options.sliding {
+            if s.window == 0 || s.period == 0 {
+                return bad(format!("sliding window of {} positions every {} layers", s.window, s.period));
+            }
+        }
         if let Some(m) = &self.moe {
+            if self.arch_options.activation != Activation::SiluGate {
+                return bad(format!("mixture-of-experts layers with {:?} are not supported (SwiGLU experts only)", self.arch_options.activation));
+            }
             if m.n_used == 0 || m.n_used > m.n_experts {
                 return bad(format!("{} experts used per token out of {} experts", m.n_used, m.n_experts));
             }
@@ -74,5 +200,56 @@ impl ModelConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Llama 3.1's published factors (factor 8, low 1, high 4, original context 8192, theta
+    /// 500000, head_dim 128), as llama.cpp's converter writes them into rope_freqs.weight.
+    #[test]
+    fn llama3_freq_factors_match_the_llama_3_1_recipe() {
+        let r = Llama3Rope { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_context_length: 8192 };
+        let f = r.freq_factors(128, 500000.0);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0); // wavelength 2*pi: kept
+        assert_eq!(f[63], 8.0); // longest wavelengths: stretched by the factor
+                                // the band between is monotone and strictly inside (1, 8)
+        let mid: Vec<f32> = f.iter().copied().filter(|&x| x > 1.0 && x < 8.0).collect();
+        assert!(!mid.is_empty() && mid.windows(2).all(|w| w[0] <= w[1]), "{f:?}");
+        // frequency 31: wavelen = 2 pi * 500000^(62/128) ~ 3680, between 2048 and 8192
+        let wl = 2.0 * std::f64::consts::PI * 500000f64.powf(62.0 / 128.0);
+        let s = (8192.0 / wl - 1.0) / 3.0;
+        assert!(f[31] > 1.0 && f[31] < 8.0 && (f[31] as f64 - 1.0 / ((1.0 - s) / 8.0 + s)).abs() < 1e-5, "{}", f[31]);
+    }
+
+    #[test]
+    fn gemma3_layers_are_sliding_except_every_sixth() {
+        let mut c = ModelConfig {
+            arch: "gemma3".into(),
+            vocab_size: 10,
+            hidden_size: 64,
+            intermediate_size: 64,
+            n_layers: 12,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 16,
+            rms_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_linear_scale: 1.0,
+            rope_neox: true,
+            context_length: 100,
+            tied_embeddings: true,
+            moe: None,
+            arch_options: ArchOptions::default(),
+        };
+        assert!((0..12).all(|l| c.attention_kind(l) == AttentionKind::Global));
+        assert_eq!(c.attn_scale(), 0.25);
+        c.arch_options.sliding = Some(SlidingWindow { window: 512, period: 6, rope_theta: 1e4 });
+        let global: Vec<usize> = (0..12).filter(|&l| c.attention_kind(l) == AttentionKind::Global).collect();
+        assert_eq!(global, [5, 11]);
+        assert_eq!(c.attention_kind(0), AttentionKind::Sliding { window: 512, rope_theta: 1e4 });
     }
 }

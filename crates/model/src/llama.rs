@@ -1,14 +1,18 @@
 //! The Llama-family transformer, read top to bottom: weights, then one forward pass over a
 //! flattened batch of variable-length sequences (prefill chunks and decode tokens alike) that
 //! writes keys/values into a paged cache and returns logits only for the rows asked for.
+//!
+//! Qwen2, Qwen3 and Gemma 3 are the same block with extras, each applied when its weights or
+//! config say so (see `ArchOptions`): Q/K/V biases, per-head q/k norms, post-attention and
+//! post-FFN norms, GeGLU, an embedding scale, and sliding-window layers with their own RoPE.
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, AttentionKind, ModelConfig};
 use crate::kv_store::KvStore;
 use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
 use crate::ModelError;
-use specula_kernels::attention::{paged_attention, write_kv};
+use specula_kernels::attention::{paged_attention_windowed, write_kv};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
-use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
+use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, Rope};
 use specula_kernels::QMatrix;
 use std::sync::Arc;
 
@@ -27,6 +31,22 @@ pub struct LayerWeights {
     pub ffn: FeedForward,
 }
 
+/// A layer's weights beyond Llama's, each present when the architecture has it (all `None`
+/// for Llama and Mistral).
+#[derive(Clone, Debug, Default)]
+pub struct LayerExtras {
+    /// `[q_width]`, `[kv_width]`, `[kv_width]`: added to the projections (Qwen2).
+    pub q_bias: Option<Vec<f32>>,
+    pub k_bias: Option<Vec<f32>>,
+    pub v_bias: Option<Vec<f32>>,
+    /// `[head_dim]`: RMSNorm of each query / key head before RoPE (Qwen3, Gemma 3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// `[hidden]`: RMSNorm of the attention / FFN output before its residual add (Gemma 3).
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
 /// A layer's feed-forward block: one SwiGLU MLP, or a routed mixture of them.
 pub enum FeedForward {
     Dense(DenseFfn),
@@ -37,10 +57,14 @@ pub struct LlamaModel {
     pub config: ModelConfig,
     pub embed: QMatrix,
     pub layers: Vec<LayerWeights>,
+    /// One per layer, beside `layers`.
+    pub extras: Vec<LayerExtras>,
     pub final_norm: Vec<f32>,
     /// The output projection (the embedding matrix itself when tied).
     pub lm_head: QMatrix,
     pub rope: Rope,
+    /// The RoPE of the sliding-window layers, when they have their own base (Gemma 3).
+    pub rope_sliding: Option<Rope>,
     /// The rank group's collectives when the experts are spread over ranks (expert parallel).
     expert_exchange: Option<Arc<dyn ExpertExchange>>,
 }
@@ -77,10 +101,26 @@ fn check_norm(v: &[f32], hidden: usize, what: &str) -> Result<(), ModelError> {
 }
 
 impl LlamaModel {
+    /// A model whose layers have no extras (Llama, Mistral).
     pub fn new(
         config: ModelConfig,
         embed: QMatrix,
         layers: Vec<LayerWeights>,
+        final_norm: Vec<f32>,
+        lm_head: QMatrix,
+        rope_freqs: Option<Vec<f32>>,
+    ) -> Result<Self, ModelError> {
+        let extras = vec![LayerExtras::default(); layers.len()];
+        Self::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)
+    }
+
+    /// A model with every layer's extras (one per layer), checked against the config: each
+    /// switch of `config.arch_options` must come with its weights, of the right length.
+    pub fn with_extras(
+        config: ModelConfig,
+        embed: QMatrix,
+        layers: Vec<LayerWeights>,
+        extras: Vec<LayerExtras>,
         final_norm: Vec<f32>,
         lm_head: QMatrix,
         rope_freqs: Option<Vec<f32>>,
@@ -115,16 +155,39 @@ impl LlamaModel {
             check_norm(&l.ffn_norm, c.hidden_size, &format!("layer {i} ffn_norm"))?;
         }
         check_norm(&final_norm, c.hidden_size, "output norm")?;
-        if layers.len() != c.n_layers {
-            return Err(ModelError::BadTensor { name: "layers".into(), message: format!("found {} layers, config says {}", layers.len(), c.n_layers) });
+        if layers.len() != c.n_layers || extras.len() != c.n_layers {
+            return Err(ModelError::BadTensor {
+                name: "layers".into(),
+                message: format!("found {} layers ({} extras), config says {}", layers.len(), extras.len(), c.n_layers),
+            });
         }
-        if let Some(f) = &rope_freqs {
+        let o = &c.arch_options;
+        for (i, e) in extras.iter().enumerate() {
+            let want = |v: &Option<Vec<f32>>, on: bool, len: usize, what: &str| match (v, on) {
+                (Some(v), true) => check_norm(v, len, &format!("layer {i} {what}")),
+                (None, false) => Ok(()),
+                (None, true) => Err(ModelError::BadTensor { name: format!("layer {i} {what}"), message: format!("missing, but {} needs it", c.arch) }),
+                (Some(_), false) => Err(ModelError::BadTensor { name: format!("layer {i} {what}"), message: format!("present, but {} has none", c.arch) }),
+            };
+            want(&e.q_bias, o.qkv_bias, c.q_width(), "attn_q.bias")?;
+            want(&e.k_bias, o.qkv_bias, c.kv_width(), "attn_k.bias")?;
+            want(&e.v_bias, o.qkv_bias, c.kv_width(), "attn_v.bias")?;
+            want(&e.q_norm, o.qk_norm, c.head_dim, "attn_q_norm")?;
+            want(&e.k_norm, o.qk_norm, c.head_dim, "attn_k_norm")?;
+            want(&e.post_attn_norm, o.post_norms, c.hidden_size, "post_attention_norm")?;
+            want(&e.post_ffn_norm, o.post_norms, c.hidden_size, "post_ffw_norm")?;
+        }
+        let llama3 = o.rope_llama3.as_ref().map(|r| r.freq_factors(c.head_dim, c.rope_theta));
+        let freq_factors = rope_freqs.or(llama3);
+        if let Some(f) = &freq_factors {
             if f.len() != c.head_dim / 2 {
                 return Err(ModelError::BadTensor { name: "rope_freqs".into(), message: format!("{} entries, expected {}", f.len(), c.head_dim / 2) });
             }
         }
-        let rope = Rope::new(c.head_dim, c.head_dim, c.rope_theta, c.rope_linear_scale, rope_freqs.as_deref(), c.rope_neox);
-        Ok(Self { config, embed, layers, final_norm, lm_head, rope, expert_exchange: None })
+        let rope = Rope::new(c.head_dim, c.head_dim, c.rope_theta, c.rope_linear_scale, freq_factors.as_deref(), c.rope_neox);
+        // Sliding layers keep the unscaled RoPE of their own base (llama.cpp: rope_freq_scale_train_swa = 1).
+        let rope_sliding = o.sliding.as_ref().map(|s| Rope::new(c.head_dim, c.head_dim, s.rope_theta, 1.0, None, c.rope_neox));
+        Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, expert_exchange: None })
     }
 
     /// Spreads the experts over the ranks of `exchange`'s group: this rank keeps experts
@@ -185,9 +248,14 @@ impl LlamaModel {
         Ok(())
     }
 
-    /// Embedding of one token (dequantized row of the embedding table).
+    /// Embedding of one token (dequantized row of the embedding table, times the
+    /// architecture's embedding scale).
     pub fn embed_into(&self, token: u32, out: &mut [f32]) {
         self.embed.dequantize_row_into(token as usize, out);
+        let s = self.config.arch_options.embed_scale;
+        if s != 1.0 {
+            out.iter_mut().for_each(|v| *v *= s);
+        }
     }
 
     /// Runs the whole batch through the model. Call inside the thread pool that should do the work.
@@ -243,25 +311,41 @@ impl LlamaModel {
         let (mut q, mut k, mut v, mut attn) = (vec![0f32; t * qw], vec![0f32; t * kvw], vec![0f32; t * kvw], vec![0f32; t * qw]);
         let ff_bufs = if c.moe.is_some() { 0 } else { t * ff };
         let (mut gate, mut up, mut act) = (vec![0f32; ff_bufs], vec![0f32; ff_bufs], vec![0f32; ff_bufs]);
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let scale = c.attn_scale();
         let n = batch.logits_rows.len();
         let nf = batch.hidden_layers.len();
         let mut hidden = vec![0f32; n * nf * h];
 
-        for (li, l) in self.layers.iter().enumerate() {
+        for (li, (l, e)) in self.layers.iter().zip(&self.extras).enumerate() {
+            let (window, rope) = match c.attention_kind(li) {
+                AttentionKind::Global => (None, &self.rope),
+                AttentionKind::Sliding { window, .. } => (Some(window), self.rope_sliding.as_ref().unwrap_or(&self.rope)),
+            };
             // attention block
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
             let inp = MatmulInput::new(&xn, h, &[&l.wq, &l.wk, &l.wv]);
             matmul_many(&inp, &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v]);
+            if let (Some(bq), Some(bk), Some(bv)) = (&e.q_bias, &e.k_bias, &e.v_bias) {
+                add_bias(&mut q, bq);
+                add_bias(&mut k, bk);
+                add_bias(&mut v, bv);
+            }
+            if let (Some(nq), Some(nk)) = (&e.q_norm, &e.k_norm) {
+                rms_norm_in_place(&mut q, nq, c.rms_eps);
+                rms_norm_in_place(&mut k, nk, c.rms_eps);
+            }
             for i in 0..t {
-                self.rope.apply(&mut q[i * qw..(i + 1) * qw], positions[i]);
-                self.rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
+                rope.apply(&mut q[i * qw..(i + 1) * qw], positions[i]);
+                rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
                 if batch.slots[i] != NO_SLOT {
                     write_kv(&mut kv.k[li], &mut kv.v[li], &kv.layout, batch.slots[i], &k[i * kvw..(i + 1) * kvw], &v[i * kvw..(i + 1) * kvw]);
                 }
             }
-            paged_attention(&q, &mut attn, &kv.k[li], &kv.v[li], &kv.layout, batch.seqs, scale);
+            paged_attention_windowed(&q, &mut attn, &kv.k[li], &kv.v[li], &kv.layout, batch.seqs, scale, window);
             matmul(&MatmulInput::new(&attn, qw, &[&l.wo]), &l.wo, &mut o);
+            if let Some(w) = &e.post_attn_norm {
+                rms_norm_in_place(&mut o, w, c.rms_eps);
+            }
             add_assign(&mut x, &o);
 
             // feed-forward block
@@ -270,10 +354,16 @@ impl LlamaModel {
                 FeedForward::Dense(f) => {
                     let inp = MatmulInput::new(&xn, h, &[&f.gate, &f.up]);
                     matmul_many(&inp, &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
-                    silu_mul(&gate, &up, &mut act);
+                    match c.arch_options.activation {
+                        Activation::SiluGate => silu_mul(&gate, &up, &mut act),
+                        Activation::GeluTanhGate => gelu_tanh_mul(&gate, &up, &mut act),
+                    }
                     matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut down);
                 }
                 FeedForward::Moe(m) => m.forward(&xn, &active, self.expert_exchange.as_deref(), &mut down)?,
+            }
+            if let Some(w) = &e.post_ffn_norm {
+                rms_norm_in_place(&mut down, w, c.rms_eps);
             }
             add_assign(&mut x, &down);
             for (f, _) in batch.hidden_layers.iter().enumerate().filter(|&(_, &hl)| hl == li) {

@@ -2,9 +2,9 @@
 //! *.safetensors + tokenizer.json). Reports how long loading took.
 
 use crate::chat::{ChatTemplate, CHATML};
-use crate::config::{ModelConfig, MoeConfig};
+use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig, SlidingWindow};
 use crate::gguf::GgufFile;
-use crate::llama::{FeedForward, LayerWeights, LlamaModel};
+use crate::llama::{FeedForward, LayerExtras, LayerWeights, LlamaModel};
 use crate::moe::{DenseFfn, MoeFfn, SharedExpert};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
@@ -29,63 +29,54 @@ pub fn load_model(path: &Path) -> Result<LoadedModel, ModelError> {
     Ok(loaded)
 }
 
+/// The architectures a GGUF may declare (`general.architecture`).
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3"];
+
+/// The model alone (no tokenizer or chat template) from a `.gguf` file: for tools that feed
+/// token ids (the logits oracle), and for files whose tokenizer is not supported yet.
+pub fn load_gguf_weights(path: &Path) -> Result<LlamaModel, ModelError> {
+    Ok(gguf_model(&GgufFile::open(path)?)?.0)
+}
+
+/// What `arch` changes in the Llama block, from its GGUF metadata (llama.cpp's conventions).
+fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, ModelError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let mut o = ArchOptions { attn_scale: f.meta_f32(&key("attention.scale")).ok(), ..Default::default() };
+    match arch {
+        "llama" | "mistral" => {}
+        "qwen2" => o.qkv_bias = true,
+        "qwen3" => o.qk_norm = true,
+        "gemma3" => {
+            o.qk_norm = true;
+            o.post_norms = true;
+            o.activation = Activation::GeluTanhGate;
+            o.embed_scale = (hidden as f32).sqrt();
+            // llama.cpp: 5 local layers (base 10000, window `attention.sliding_window`) then 1 global.
+            let window = f.meta_u32(&key("attention.sliding_window"))? as usize;
+            let period = f.meta_u32(&key("attention.sliding_window_pattern")).unwrap_or(6) as usize;
+            let rope_theta = f.meta_f32(&key("rope.local.freq_base")).unwrap_or(10000.0);
+            o.sliding = Some(SlidingWindow { window, period, rope_theta });
+        }
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "architecture '{other}' in {} is not supported (supported: {})",
+                f.path,
+                SUPPORTED_ARCHITECTURES.join(", ")
+            )))
+        }
+    }
+    Ok(o)
+}
+
+/// RoPE neighbours: llama.cpp rotates these architectures NeoX-style (pairs `i`, `i + d/2`);
+/// Llama's converter permutes Q/K so adjacent pairs are rotated instead.
+fn rope_neox(arch: &str) -> bool {
+    matches!(arch, "qwen2" | "qwen3" | "gemma3")
+}
+
 fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let f = GgufFile::open(path)?;
-    let arch = f.meta_str("general.architecture")?.to_string();
-    if !matches!(arch.as_str(), "llama" | "mistral") {
-        return Err(ModelError::Unsupported(format!("architecture '{arch}' in {} is not supported (llama-family only)", f.path)));
-    }
-    let key = |k: &str| format!("{arch}.{k}");
-    let hidden = f.meta_u32(&key("embedding_length"))? as usize;
-    let n_heads = f.meta_u32(&key("attention.head_count"))? as usize;
-    let n_kv_heads = f.meta_u32(&key("attention.head_count_kv")).unwrap_or(n_heads as u32) as usize;
-    let head_dim = f.meta_u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads.max(1));
-    let embed = f.matrix("token_embd.weight")?;
-    let tied = !f.has_tensor("output.weight");
-    let linear_scale = match f.meta_str(&key("rope.scaling.type")) {
-        Ok("linear") => f.meta_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
-        Ok("none") | Err(_) => 1.0,
-        Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' is not supported"))),
-    };
-    let config = ModelConfig {
-        arch: arch.clone(),
-        vocab_size: embed.rows,
-        hidden_size: hidden,
-        intermediate_size: f.meta_u32(&key("feed_forward_length"))? as usize,
-        n_layers: f.meta_u32(&key("block_count"))? as usize,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        rms_eps: f.meta_f32(&key("attention.layer_norm_rms_epsilon"))?,
-        rope_theta: f.meta_f32(&key("rope.freq_base")).unwrap_or(10000.0),
-        rope_linear_scale: linear_scale,
-        rope_neox: false,
-        context_length: f.meta_u32(&key("context_length")).unwrap_or(2048) as usize,
-        tied_embeddings: tied,
-        moe: moe_config(&f, &arch)?,
-    };
-    let mut layers = Vec::with_capacity(config.n_layers);
-    for i in 0..config.n_layers {
-        let t = |n: &str| format!("blk.{i}.{n}.weight");
-        let ffn = match &config.moe {
-            None => FeedForward::Dense(DenseFfn { gate: f.matrix(&t("ffn_gate"))?, up: f.matrix(&t("ffn_up"))?, down: f.matrix(&t("ffn_down"))? }),
-            Some(m) => FeedForward::Moe(moe_layer(&f, i, m)?),
-        };
-        layers.push(LayerWeights {
-            attn_norm: f.vector(&t("attn_norm"))?,
-            wq: f.matrix(&t("attn_q"))?,
-            wk: f.matrix(&t("attn_k"))?,
-            wv: f.matrix(&t("attn_v"))?,
-            wo: f.matrix(&t("attn_output"))?,
-            ffn_norm: f.vector(&t("ffn_norm"))?,
-            ffn,
-        });
-    }
-    let lm_head = if tied { embed.clone() } else { f.matrix("output.weight")? };
-    let final_norm = f.vector("output_norm.weight")?;
-    let rope_freqs = if f.has_tensor("rope_freqs.weight") { Some(f.vector("rope_freqs.weight")?) } else { None };
-    let weight_bytes = f.content.tensor_infos.values().map(|i| i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()).sum();
-    let model = LlamaModel::new(config, embed, layers, final_norm, lm_head, rope_freqs)?;
+    let (model, weight_bytes) = gguf_model(&f)?;
 
     let (tokenizer, chat_template) = gguf_tokenizer(&f)?;
     let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
@@ -132,6 +123,108 @@ fn gguf_tokenizer(f: &GgufFile) -> Result<(Tokenizer, Option<ChatTemplate>), Mod
         Err(_) => None,
     };
     Ok((tokenizer, chat_template))
+}
+
+/// The model and the bytes of weights it maps, from an open GGUF file.
+fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
+    let arch = f.meta_str("general.architecture")?.to_string();
+    if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+        return Err(ModelError::Unsupported(format!(
+            "architecture '{arch}' in {} is not supported (supported: {})",
+            f.path,
+            SUPPORTED_ARCHITECTURES.join(", ")
+        )));
+    }
+    let key = |k: &str| format!("{arch}.{k}");
+    let hidden = f.meta_u32(&key("embedding_length"))? as usize;
+    let n_heads = f.meta_u32(&key("attention.head_count"))? as usize;
+    let n_kv_heads = f.meta_u32(&key("attention.head_count_kv")).unwrap_or(n_heads as u32) as usize;
+    let head_dim = f.meta_u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads.max(1));
+    if let Ok(rot) = f.meta_u32(&key("rope.dimension_count")) {
+        if rot as usize != head_dim {
+            return Err(ModelError::Unsupported(format!("{}: partial RoPE ({rot} of {head_dim} dimensions per head) is not supported", f.path)));
+        }
+    }
+    let embed = f.matrix("token_embd.weight")?;
+    let tied = !f.has_tensor("output.weight");
+    let mut arch_options = arch_options(f, &arch, hidden)?;
+    let linear_scale = match f.meta_str(&key("rope.scaling.type")) {
+        Ok("linear") => f.meta_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
+        // Llama 3.x; a `rope_freqs.weight` tensor, when present, carries the same factors.
+        Ok("llama3") => {
+            arch_options.rope_llama3 = Some(Llama3Rope {
+                factor: f.meta_f32(&key("rope.scaling.factor")).unwrap_or(8.0),
+                low_freq_factor: f.meta_f32(&key("rope.scaling.low_freq_factor")).unwrap_or(1.0),
+                high_freq_factor: f.meta_f32(&key("rope.scaling.high_freq_factor")).unwrap_or(4.0),
+                original_context_length: f.meta_u32(&key("rope.scaling.original_context_length")).unwrap_or(8192) as usize,
+            });
+            1.0
+        }
+        Ok("none") | Err(_) => 1.0,
+        Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' in {} is not supported (linear, llama3)", f.path))),
+    };
+    let config = ModelConfig {
+        arch: arch.clone(),
+        vocab_size: embed.rows,
+        hidden_size: hidden,
+        intermediate_size: f.meta_u32(&key("feed_forward_length"))? as usize,
+        n_layers: f.meta_u32(&key("block_count"))? as usize,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        rms_eps: f.meta_f32(&key("attention.layer_norm_rms_epsilon"))?,
+        rope_theta: f.meta_f32(&key("rope.freq_base")).unwrap_or(10000.0),
+        rope_linear_scale: linear_scale,
+        rope_neox: rope_neox(&arch),
+        context_length: f.meta_u32(&key("context_length")).unwrap_or(2048) as usize,
+        tied_embeddings: tied,
+        moe: moe_config(f, &arch)?,
+        arch_options,
+    };
+    let (mut layers, mut extras) = (Vec::with_capacity(config.n_layers), Vec::with_capacity(config.n_layers));
+    for i in 0..config.n_layers {
+        let t = |n: &str| format!("blk.{i}.{n}.weight");
+        let ffn = match &config.moe {
+            None => FeedForward::Dense(DenseFfn { gate: f.matrix(&t("ffn_gate"))?, up: f.matrix(&t("ffn_up"))?, down: f.matrix(&t("ffn_down"))? }),
+            Some(m) => FeedForward::Moe(moe_layer(f, i, m)?),
+        };
+        layers.push(LayerWeights {
+            attn_norm: f.vector(&t("attn_norm"))?,
+            wq: f.matrix(&t("attn_q"))?,
+            wk: f.matrix(&t("attn_k"))?,
+            wv: f.matrix(&t("attn_v"))?,
+            wo: f.matrix(&t("attn_output"))?,
+            ffn_norm: f.vector(&t("ffn_norm"))?,
+            ffn,
+        });
+        extras.push(layer_extras(f, i, &config.arch_options)?);
+    }
+    let lm_head = if tied { embed.clone() } else { f.matrix("output.weight")? };
+    let final_norm = f.vector("output_norm.weight")?;
+    let rope_freqs = if f.has_tensor("rope_freqs.weight") { Some(f.vector("rope_freqs.weight")?) } else { None };
+    let weight_bytes = f.content.tensor_infos.values().map(|i| i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()).sum();
+    let model = LlamaModel::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)?;
+    Ok((model, weight_bytes))
+}
+
+/// Layer `i`'s weights beyond Llama's, as `o` asks for them (a missing one names its tensor).
+fn layer_extras(f: &GgufFile, i: usize, o: &ArchOptions) -> Result<LayerExtras, ModelError> {
+    let opt = |on: bool, name: &str| -> Result<Option<Vec<f32>>, ModelError> {
+        if on {
+            f.vector(&format!("blk.{i}.{name}")).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    Ok(LayerExtras {
+        q_bias: opt(o.qkv_bias, "attn_q.bias")?,
+        k_bias: opt(o.qkv_bias, "attn_k.bias")?,
+        v_bias: opt(o.qkv_bias, "attn_v.bias")?,
+        q_norm: opt(o.qk_norm, "attn_q_norm.weight")?,
+        k_norm: opt(o.qk_norm, "attn_k_norm.weight")?,
+        post_attn_norm: opt(o.post_norms, "post_attention_norm.weight")?,
+        post_ffn_norm: opt(o.post_norms, "post_ffw_norm.weight")?,
+    })
 }
 
 /// The MoE shape from `{arch}.expert_count` / `expert_used_count` (None for a dense model).

@@ -70,6 +70,7 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
         context_length: get("max_position_embeddings").unwrap_or(2048),
         tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
         moe: None,
+        arch_options: Default::default(),
     };
 
     let mut entries: HashMap<String, Entry> = HashMap::new();

@@ -40,6 +40,20 @@ pub struct TinySpec {
     pub seed: u64,
     /// Mixture-of-experts FFN in every layer instead of the dense one (`write_tiny_moe`).
     pub moe: Option<TinyMoe>,
+    /// `general.architecture`: "llama" (default), "qwen2" (adds Q/K/V biases), "qwen3" (adds
+    /// per-head q/k norms) or "gemma3" (q/k norms, post norms, sliding-window layers).
+    pub arch: String,
+    /// Head width when it is not hidden / heads (written as `attention.key_length`).
+    pub head_dim: Option<usize>,
+    /// Gemma 3: the window, and the period of the local/global pattern (written as
+    /// `attention.sliding_window_pattern`; every `period`-th layer is global).
+    pub sliding_window: usize,
+    pub sliding_period: usize,
+    /// Writes Llama 3.x RoPE scaling metadata (`rope.scaling.type = "llama3"`, factor 8, low 1,
+    /// high 4, original context 32) instead of none.
+    pub rope_llama3: bool,
+    /// Tensors left out of the file (to test the missing-tensor error).
+    pub omit_tensors: Vec<String>,
 }
 
 /// The MoE part of a tiny model, written with llama.cpp's tensor names: `ffn_gate_inp`
@@ -77,6 +91,12 @@ impl Default for TinySpec {
             tied_embeddings: true,
             seed: 0,
             moe: None,
+            arch: "llama".into(),
+            head_dim: None,
+            sliding_window: 4,
+            sliding_period: 2,
+            rope_llama3: false,
+            omit_tensors: Vec::new(),
         }
     }
 }
@@ -103,8 +123,9 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let mut rng = Normal::new(spec.seed);
     let h = spec.hidden;
     let ff = spec.moe.as_ref().map_or(spec.ffn, |m| m.expert_ffn);
-    let head_dim = h / spec.heads.max(1);
-    let kvw = spec.kv_heads * head_dim;
+    let head_dim = spec.head_dim.unwrap_or(h / spec.heads.max(1));
+    let (qw, kvw) = (spec.heads * head_dim, spec.kv_heads * head_dim);
+    let arch = spec.arch.as_str();
     let format_of = |name: &str| spec.tensor_formats.iter().find(|(n, _)| n == name).map(|(_, f)| *f).unwrap_or(spec.weight_format);
 
     // name, shape [rows, cols] (or [n] for norms), std of the random values, mean (norms ~1)
@@ -112,11 +133,24 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     for i in 0..spec.layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
         plan.push((t("attn_norm"), vec![h], 0.05, 1.0));
-        plan.push((t("attn_q"), vec![h, h], 0.15, 0.0));
+        plan.push((t("attn_q"), vec![qw, h], 0.15, 0.0));
         plan.push((t("attn_k"), vec![kvw, h], 0.15, 0.0));
         plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
-        plan.push((t("attn_output"), vec![h, h], 0.1, 0.0));
+        plan.push((t("attn_output"), vec![h, qw], 0.1, 0.0));
         plan.push((t("ffn_norm"), vec![h], 0.05, 1.0));
+        if arch == "qwen2" {
+            for (n, w) in [("attn_q", qw), ("attn_k", kvw), ("attn_v", kvw)] {
+                plan.push((format!("blk.{i}.{n}.bias"), vec![w], 0.3, 0.0));
+            }
+        }
+        if matches!(arch, "qwen3" | "gemma3") {
+            plan.push((t("attn_q_norm"), vec![head_dim], 0.1, 1.0));
+            plan.push((t("attn_k_norm"), vec![head_dim], 0.1, 1.0));
+        }
+        if arch == "gemma3" {
+            plan.push((t("post_attention_norm"), vec![h], 0.05, 1.0));
+            plan.push((t("post_ffw_norm"), vec![h], 0.05, 1.0));
+        }
         match &spec.moe {
             None => {
                 plan.push((t("ffn_gate"), vec![ff, h], 0.15, 0.0));
@@ -143,6 +177,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         plan.push(("output.weight".into(), vec![TINY_VOCAB, h], 0.2, 0.0));
     }
 
+    plan.retain(|(name, ..)| !spec.omit_tensors.contains(name));
     let mut tensors = Vec::with_capacity(plan.len());
     for (name, shape, std, mean) in &plan {
         let n: usize = shape.iter().product();
@@ -160,37 +195,53 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         .collect();
     let token_types: Vec<Value> = (0..TINY_VOCAB).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
     let s = |x: &str| Value::String(x.into());
-    let mut metadata: Vec<(&str, Value)> = vec![
-        ("general.architecture", s("llama")),
-        ("general.name", s(if spec.moe.is_some() { "tiny-random-moe" } else { "tiny-random-llama" })),
-        ("general.alignment", Value::U32(32)),
-        ("llama.context_length", Value::U32(spec.context_length as u32)),
-        ("llama.embedding_length", Value::U32(h as u32)),
-        ("llama.block_count", Value::U32(spec.layers as u32)),
-        ("llama.feed_forward_length", Value::U32(ff as u32)),
-        ("llama.attention.head_count", Value::U32(spec.heads as u32)),
-        ("llama.attention.head_count_kv", Value::U32(spec.kv_heads as u32)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ("llama.rope.freq_base", Value::F32(10000.0)),
-        ("llama.rope.dimension_count", Value::U32(head_dim as u32)),
-        ("llama.vocab_size", Value::U32(TINY_VOCAB as u32)),
-        ("tokenizer.ggml.model", s("gpt2")),
-        ("tokenizer.ggml.pre", s("default")),
-        ("tokenizer.ggml.tokens", Value::Array(tokens)),
-        ("tokenizer.ggml.token_type", Value::Array(token_types)),
-        ("tokenizer.ggml.merges", Value::Array(Vec::new())),
-        ("tokenizer.ggml.bos_token_id", Value::U32(TINY_IM_START)),
-        ("tokenizer.ggml.eos_token_id", Value::U32(TINY_IM_END)),
-        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+    let k = |key: &str| format!("{arch}.{key}");
+    let mut metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), s(arch)),
+        ("general.name".into(), s(if spec.moe.is_some() { "tiny-random-moe" } else { "tiny-random-llama" })),
+        ("general.alignment".into(), Value::U32(32)),
+        (k("context_length"), Value::U32(spec.context_length as u32)),
+        (k("embedding_length"), Value::U32(h as u32)),
+        (k("block_count"), Value::U32(spec.layers as u32)),
+        (k("feed_forward_length"), Value::U32(ff as u32)),
+        (k("attention.head_count"), Value::U32(spec.heads as u32)),
+        (k("attention.head_count_kv"), Value::U32(spec.kv_heads as u32)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (k("rope.freq_base"), Value::F32(10000.0)),
+        (k("rope.dimension_count"), Value::U32(head_dim as u32)),
+        (k("vocab_size"), Value::U32(TINY_VOCAB as u32)),
+        ("tokenizer.ggml.model".into(), s("gpt2")),
+        ("tokenizer.ggml.pre".into(), s("default")),
+        ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(token_types)),
+        ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(TINY_IM_START)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(TINY_IM_END)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
+    if spec.head_dim.is_some() {
+        metadata.push((k("attention.key_length"), Value::U32(head_dim as u32)));
+        metadata.push((k("attention.value_length"), Value::U32(head_dim as u32)));
+    }
+    if arch == "gemma3" {
+        metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
+        metadata.push((k("attention.sliding_window_pattern"), Value::U32(spec.sliding_period as u32)));
+    }
+    if spec.rope_llama3 {
+        metadata.push((k("rope.scaling.type"), s("llama3")));
+        metadata.push((k("rope.scaling.factor"), Value::F32(8.0)));
+        metadata.push((k("rope.scaling.low_freq_factor"), Value::F32(1.0)));
+        metadata.push((k("rope.scaling.high_freq_factor"), Value::F32(4.0)));
+        metadata.push((k("rope.scaling.original_context_length"), Value::U32(32)));
+    }
     if let Some(m) = &spec.moe {
-        metadata.push(("llama.expert_count", Value::U32(m.experts as u32)));
-        metadata.push(("llama.expert_used_count", Value::U32(m.used as u32)));
+        metadata.push((k("expert_count"), Value::U32(m.experts as u32)));
+        metadata.push((k("expert_used_count"), Value::U32(m.used as u32)));
         if let Some(n) = m.norm_topk {
-            metadata.push(("llama.expert_weights_norm", Value::Bool(n)));
+            metadata.push((k("expert_weights_norm"), Value::Bool(n)));
         }
     }
-    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
 
     let io = |e: std::io::Error| ModelError::Io { path: path.display().to_string(), source: e };

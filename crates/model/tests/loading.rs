@@ -83,11 +83,12 @@ fn gguf_cut_anywhere_is_an_error_not_a_panic() {
 #[test]
 fn unsupported_tensor_type_names_the_tensor_and_type() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = TinySpec { tensor_formats: vec![("blk.1.attn_v.weight".into(), GgmlDType::Q5_0)], ..Default::default() };
-    let err = load_err(&tiny(dir.path(), "q5.gguf", &spec));
+    // Q2_K (blocks of 256, so a hidden size of 256); Q5_0 is supported since the kquant kernels
+    let spec = TinySpec { hidden: 256, tensor_formats: vec![("blk.1.attn_v.weight".into(), GgmlDType::Q2K)], ..Default::default() };
+    let err = load_err(&tiny(dir.path(), "q2k.gguf", &spec));
     assert!(matches!(err, ModelError::UnsupportedTensorType { .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q5_0") && msg.contains("supported:"), "{msg}");
+    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q2K") && msg.contains("supported:"), "{msg}");
 }
 
 #[test]

@@ -21,6 +21,35 @@ pub enum DebugCmd {
     Dequant(DequantArgs),
     /// Write a tiny random mixture-of-experts GGUF (tests and oracles).
     WriteTinyMoe(TinyMoeArgs),
+    /// Write a tiny random dense GGUF of one architecture (tests and oracles).
+    WriteTiny(TinyArgs),
+}
+
+#[derive(Args)]
+pub struct TinyArgs {
+    #[arg(long)]
+    pub output: PathBuf,
+    /// llama, qwen2, qwen3 or gemma3
+    #[arg(long, default_value = "llama")]
+    pub arch: String,
+    /// Head width when not hidden / heads (gemma3 style).
+    #[arg(long)]
+    pub head_dim: Option<usize>,
+    /// gemma3: sliding window and local/global period.
+    #[arg(long, default_value_t = 4)]
+    pub sliding_window: usize,
+    #[arg(long, default_value_t = 2)]
+    pub sliding_period: usize,
+    /// Write Llama 3 RoPE scaling metadata (factor 8, low 1, high 4, original context 32).
+    #[arg(long)]
+    pub rope_llama3: bool,
+    /// f32, f16, q4_0, q4_1, q8_0
+    #[arg(long, default_value = "q8_0")]
+    pub format: String,
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 #[derive(Args)]
@@ -127,29 +156,42 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             std::fs::write(&a.output, serde_json::to_string(&out)?)?;
         }
         DebugCmd::Logits(a) => {
-            let m = load_model(&crate::fetch::resolve_model(&a.model)?)?;
+            // Token ids in, so the tokenizer is not needed (nor required to be supported).
+            let path = crate::fetch::resolve_model(&a.model)?;
+            let model = match path.extension().is_some_and(|e| e == "gguf") {
+                true => specula_model::loader::load_gguf_weights(&path)?,
+                false => load_model(&path)?.model,
+            };
             let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&a.input)?)?;
             let prompts: Vec<Vec<u32>> = serde_json::from_value(v["prompts"].clone()).context("input must be {\"prompts\": [[ids]]}")?;
             let pool = rayon::ThreadPoolBuilder::new().num_threads(a.threads).build()?;
             let mut f = std::io::BufWriter::new(std::fs::File::create(&a.output)?);
             for p in prompts {
-                let logits = pool.install(|| all_position_logits(&m.model, &p, a.chunk))?;
+                let logits = pool.install(|| all_position_logits(&model, &p, a.chunk))?;
                 for x in logits {
                     f.write_all(&x.to_le_bytes())?;
                 }
             }
             f.flush()?;
         }
-        DebugCmd::WriteTinyMoe(a) => {
-            use specula_model::testing::{write_tiny_moe, GgmlDType, TinyMoe, TinySpec};
-            let format = match a.format.as_str() {
-                "f32" => GgmlDType::F32,
-                "f16" => GgmlDType::F16,
-                "q4_0" => GgmlDType::Q4_0,
-                "q4_1" => GgmlDType::Q4_1,
-                "q8_0" => GgmlDType::Q8_0,
-                other => anyhow::bail!("unknown format '{other}' (f32, f16, q4_0, q4_1, q8_0)"),
+        DebugCmd::WriteTiny(a) => {
+            use specula_model::testing::{write_tiny_llama, TinySpec};
+            let spec = TinySpec {
+                weight_format: tiny_format(&a.format)?,
+                layers: a.layers,
+                seed: a.seed,
+                arch: a.arch,
+                head_dim: a.head_dim,
+                sliding_window: a.sliding_window,
+                sliding_period: a.sliding_period,
+                rope_llama3: a.rope_llama3,
+                ..Default::default()
             };
+            write_tiny_llama(&a.output, &spec)?;
+        }
+        DebugCmd::WriteTinyMoe(a) => {
+            use specula_model::testing::{write_tiny_moe, TinyMoe, TinySpec};
+            let format = tiny_format(&a.format)?;
             let moe = TinyMoe { experts: a.experts, used: a.experts_used, expert_ffn: a.expert_ffn, shared_ffn: a.shared_ffn, norm_topk: a.norm_topk };
             write_tiny_moe(&a.output, &TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), ..Default::default() })?;
         }
@@ -187,6 +229,18 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn tiny_format(name: &str) -> Result<specula_model::testing::GgmlDType> {
+    use specula_model::testing::GgmlDType;
+    Ok(match name {
+        "f32" => GgmlDType::F32,
+        "f16" => GgmlDType::F16,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        "q8_0" => GgmlDType::Q8_0,
+        other => anyhow::bail!("unknown format '{other}' (f32, f16, q4_0, q4_1, q8_0)"),
+    })
 }
 
 /// Runs one prompt through a private contiguous KV cache, `chunk` tokens per pass.

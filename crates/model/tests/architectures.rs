@@ -1,0 +1,130 @@
+//! Qwen2, Qwen3, Gemma 3 and Llama 3 RoPE scaling on tiny random models: the loader reads each
+//! architecture's switches, a prompt gives the same logits however it is chunked, sliding-window
+//! layers forget what lies outside their window, and the load errors name what is wrong.
+//! (Numerical agreement with an independent reference is python/tests/test_real_models.py.)
+
+mod common;
+
+use common::logits_alone;
+use specula_model::config::{Activation, AttentionKind};
+use specula_model::testing::{write_tiny_llama, GgmlDType, TinySpec};
+use specula_model::{load_model, LlamaModel};
+use std::path::Path;
+
+fn tiny(dir: &Path, name: &str, spec: &TinySpec) -> LlamaModel {
+    let path = dir.join(format!("{name}.gguf"));
+    write_tiny_llama(&path, spec).unwrap();
+    load_model(&path).unwrap_or_else(|e| panic!("{name}: {e}")).model
+}
+
+fn spec(arch: &str) -> TinySpec {
+    TinySpec { arch: arch.into(), weight_format: GgmlDType::Q8_0, seed: 5, ..Default::default() }
+}
+
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + 11) % 259).collect()
+}
+
+#[test]
+fn each_architecture_loads_its_switches() {
+    let dir = tempfile::tempdir().unwrap();
+    let q2 = tiny(dir.path(), "qwen2", &spec("qwen2"));
+    let o = &q2.config.arch_options;
+    assert!(o.qkv_bias && !o.qk_norm && !o.post_norms && q2.config.rope_neox);
+    assert!(q2.extras.iter().all(|e| e.q_bias.is_some() && e.q_norm.is_none()));
+
+    let q3 = tiny(dir.path(), "qwen3", &spec("qwen3"));
+    let o = &q3.config.arch_options;
+    assert!(!o.qkv_bias && o.qk_norm && !o.post_norms && q3.config.rope_neox);
+
+    let g = tiny(dir.path(), "gemma3", &TinySpec { head_dim: Some(32), layers: 4, ..spec("gemma3") });
+    let (c, o) = (&g.config, &g.config.arch_options);
+    assert!(o.qk_norm && o.post_norms && c.rope_neox && o.activation == Activation::GeluTanhGate);
+    assert_eq!((c.head_dim, c.q_width(), c.hidden_size), (32, 128, 64), "head_dim is independent of hidden / heads");
+    assert_eq!(o.embed_scale, 8.0);
+    assert_eq!(c.attn_scale(), 1.0 / 32f32.sqrt());
+    let kinds: Vec<AttentionKind> = (0..4).map(|l| c.attention_kind(l)).collect();
+    let local = AttentionKind::Sliding { window: 4, rope_theta: 10000.0 };
+    assert_eq!(kinds, [local, AttentionKind::Global, local, AttentionKind::Global]);
+
+    let l3 = tiny(dir.path(), "llama3", &TinySpec { rope_llama3: true, ..spec("llama") });
+    let r = l3.config.arch_options.rope_llama3.as_ref().expect("llama3 scaling read");
+    assert_eq!((r.factor, r.low_freq_factor, r.high_freq_factor, r.original_context_length), (8.0, 1.0, 4.0, 32));
+}
+
+/// Whole prompt, one token at a time, and uneven chunks: bitwise the same logits, for every
+/// architecture (the sliding window is applied per query row, whatever the chunk).
+#[test]
+fn logits_do_not_depend_on_chunking_in_any_architecture() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompt(29);
+    for (name, s) in [
+        ("qwen2", spec("qwen2")),
+        ("qwen3", spec("qwen3")),
+        ("gemma3", TinySpec { head_dim: Some(32), layers: 3, sliding_window: 5, ..spec("gemma3") }),
+        ("llama3", TinySpec { rope_llama3: true, ..spec("llama") }),
+    ] {
+        let m = tiny(dir.path(), name, &s);
+        let whole = logits_alone(&m, &p, &[p.len()], 2);
+        assert!(whole.iter().all(|v| v.is_finite()), "{name}");
+        assert_eq!(logits_alone(&m, &p, &[1], 1), whole, "{name}: one token at a time");
+        assert_eq!(logits_alone(&m, &p, &[3, 7, 2], 2), whole, "{name}: chunks of 3, 7, 2, 2, ...");
+    }
+}
+
+/// Two local layers of window 4: position p sees tokens back to p - 6 and no further, so
+/// changing token 0 changes the logits at positions 0..=6 and none after. With the second layer
+/// global (the default period of 2), every later position changes.
+#[test]
+fn sliding_window_layers_forget_tokens_outside_the_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = 259;
+    let (a, mut b) = (prompt(16), prompt(16));
+    b[0] = (a[0] + 1) % 259;
+    let changed = |m: &LlamaModel| -> Vec<bool> {
+        let (x, y) = (logits_alone(m, &a, &[16], 1), logits_alone(m, &b, &[16], 1));
+        (0..16).map(|p| x[p * vocab..(p + 1) * vocab] != y[p * vocab..(p + 1) * vocab]).collect()
+    };
+    let local = tiny(dir.path(), "all-local", &TinySpec { sliding_window: 4, sliding_period: 3, ..spec("gemma3") });
+    assert!((0..2).all(|l| matches!(local.config.attention_kind(l), AttentionKind::Sliding { .. })));
+    let c = changed(&local);
+    assert!(c[..7].iter().all(|&x| x), "{c:?}");
+    assert!(c[7..].iter().all(|&x| !x), "{c:?}");
+    let mixed = tiny(dir.path(), "local-global", &TinySpec { sliding_window: 4, sliding_period: 2, ..spec("gemma3") });
+    assert!(changed(&mixed).iter().all(|&x| x));
+}
+
+#[test]
+fn llama3_rope_scaling_changes_only_rotated_positions() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompt(12);
+    let plain = logits_alone(&tiny(dir.path(), "plain", &spec("llama")), &p, &[12], 1);
+    let scaled = logits_alone(&tiny(dir.path(), "scaled", &TinySpec { rope_llama3: true, ..spec("llama") }), &p, &[12], 1);
+    let v = 259;
+    assert_eq!(plain[..v], scaled[..v], "position 0 is not rotated");
+    assert_ne!(plain[v..], scaled[v..], "later positions see the scaled frequencies");
+}
+
+fn load_err(dir: &Path, name: &str, spec: &TinySpec) -> String {
+    let path = dir.join(format!("{name}.gguf"));
+    write_tiny_llama(&path, spec).unwrap();
+    let e = load_model(&path).err().unwrap_or_else(|| panic!("{name} loaded")).to_string();
+    assert!(!e.contains('\n'), "one line: {e}");
+    e
+}
+
+#[test]
+fn unknown_architecture_and_missing_tensors_are_one_line_errors_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = load_err(dir.path(), "mamba", &spec("mamba"));
+    assert!(e.contains("architecture 'mamba'") && e.contains("qwen2") && e.contains("gemma3"), "{e}");
+    for (arch, tensor) in
+        [("qwen2", "blk.1.attn_k.bias"), ("qwen3", "blk.0.attn_q_norm.weight"), ("gemma3", "blk.1.post_ffw_norm.weight"), ("llama", "blk.0.ffn_up.weight")]
+    {
+        let e = load_err(dir.path(), arch, &TinySpec { omit_tensors: vec![tensor.into()], ..spec(arch) });
+        assert!(e.contains(tensor) && e.contains("missing"), "{arch}: {e}");
+    }
+    let q2k = vec![("blk.0.attn_q.weight".into(), GgmlDType::Q2K)];
+    let e = load_err(dir.path(), "q2k", &TinySpec { hidden: 256, tensor_formats: q2k, ..spec("qwen2") });
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("Q2K"), "{e}");
+}
