@@ -59,7 +59,7 @@ impl EngineConfig {
         if self.threads == 0 {
             return Err("--threads must be at least 1".into());
         }
-        if self.block_size == 0 || self.block_size % 8 != 0 && self.block_size != 1 {
+        if self.block_size == 0 || !self.block_size.is_multiple_of(8) && self.block_size != 1 {
             return Err(format!("block size {} must be a positive multiple of 8", self.block_size));
         }
         if self.max_model_len == 0 {

@@ -89,7 +89,7 @@ impl Scheduler {
             let provisional = flight.is_some_and(|f| f.sample);
             let base = flight.map_or(s.num_computed, |f| f.end);
             let n = if provisional {
-                if 1 + spec_reserve <= budget {
+                if spec_reserve < budget {
                     1 + spec_reserve
                 } else {
                     1

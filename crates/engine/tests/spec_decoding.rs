@@ -122,7 +122,7 @@ impl Proposer for Perturbed {
             }
             log.drafts += 1;
             self.calls += 1;
-            if (self.calls + i) % 3 != 0 {
+            if !(self.calls + i).is_multiple_of(3) {
                 log.expected_accepted += n as u64;
                 continue;
             }
@@ -366,7 +366,7 @@ fn a_scripted_run_updates_every_counter_exactly() {
 fn a_model_drafting_for_itself_is_always_accepted_under_greedy() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path(), 32);
-    let reqs: Vec<_> = (0..3u32).map(|i| ((i * 50..i * 50 + 10 + i as u32 * 7).collect::<Vec<u32>>(), ignore_eos(SamplingParams::greedy(9)))).collect();
+    let reqs: Vec<_> = (0..3u32).map(|i| ((i * 50..i * 50 + 10 + i * 7).collect::<Vec<u32>>(), ignore_eos(SamplingParams::greedy(9)))).collect();
     let plain = Rig::new(&model, tiny_config(), None).run_batch(&reqs);
     let mut rig = Rig::new(&model, tiny_config(), Some(spec_config(SpecMethod::Draft, 3, Some(&model))));
     let spec = rig.run_batch(&reqs);

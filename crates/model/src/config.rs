@@ -174,13 +174,13 @@ impl ModelConfig {
     /// Checks the shape is self-consistent; the loader calls this once.
     pub fn validate(&self) -> Result<(), crate::ModelError> {
         let bad = |m: String| Err(crate::ModelError::Unsupported(m));
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!("{} attention heads cannot be grouped over {} KV heads", self.n_heads, self.n_kv_heads));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head dimension {} is odd; RoPE needs pairs", self.head_dim));
         }
-        if self.hidden_size % 32 != 0 || self.intermediate_size % 32 != 0 {
+        if !self.hidden_size.is_multiple_of(32) || !self.intermediate_size.is_multiple_of(32) {
             return bad(format!("hidden size {} and FFN size {} must be multiples of 32 for the quantized kernels", self.hidden_size, self.intermediate_size));
         }
         if let Some(s) = &self.arch_options.sliding {

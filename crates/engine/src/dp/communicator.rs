@@ -103,7 +103,7 @@ pub(crate) fn check_gather_shape(size: usize, local: usize, out: usize) -> Resul
 }
 
 pub(crate) fn check_all_to_all_shape(size: usize, send: usize, recv: usize) -> Result<(), DpError> {
-    if send != recv || send % size != 0 {
+    if send != recv || !send.is_multiple_of(size) {
         return Err(DpError::Mismatch(format!("all_to_all needs send and recv of equal length divisible by {size} ranks, got {send} and {recv}")));
     }
     Ok(())

@@ -62,6 +62,7 @@ pub struct LocalGroup;
 
 impl LocalGroup {
     /// `n` communicators, rank i at index i; move each to its rank's thread.
+    #[allow(clippy::new_ret_no_self)]
     pub fn new(n: usize) -> Vec<LocalComm> {
         let shared = Arc::new(Shared {
             size: n,

@@ -228,7 +228,7 @@ impl KvCacheManager {
         let blocks = self.seqs.get_mut(&seq).ok_or(KvCacheError::UnknownSeq(seq))?;
         let mut keep_blocks = num_tokens.div_ceil(bs).min(blocks.table.len());
         let mut kept = num_tokens.min(blocks.table.len() * bs);
-        if kept % bs != 0 {
+        if !kept.is_multiple_of(bs) {
             let partial = blocks.table[kept / bs];
             if self.pool.is_cached(partial) || self.pool.ref_count(partial) > 1 {
                 keep_blocks = kept / bs;

@@ -217,6 +217,8 @@ impl<T: Send + 'static> fmt::Debug for AsyncRunner<T> {
 fn work<T>(name: &str, jobs: Receiver<Message<T>>, results: Sender<Done<T>>) {
     batch_scheduling();
     while let Ok(message) = jobs.recv() {
+        // a test-only variant makes the match refutable in test builds only
+        #[allow(clippy::infallible_destructuring_match)]
         let job = match message {
             Message::Run(job) => job,
             #[cfg(test)]

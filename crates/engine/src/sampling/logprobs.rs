@@ -99,7 +99,7 @@ pub fn batch_logprobs(logits: &[f32], vocab: usize, sampled: &[TokenId], request
     if requested.len() != rows {
         return Err(SamplingError::ShapeMismatch { what: "logprobs requests (one per sampled row)", expected: rows, got: requested.len() });
     }
-    let expected = rows.checked_mul(vocab).unwrap_or(usize::MAX);
+    let expected = rows.saturating_mul(vocab);
     if logits.len() != expected {
         return Err(SamplingError::ShapeMismatch { what: "logits [rows, vocab]", expected, got: logits.len() });
     }

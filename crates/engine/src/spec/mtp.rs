@@ -41,7 +41,7 @@ pub enum HeadWeights {
 /// `m` (a float matrix) as Q8_0, or `m` itself where it is Q8_0 already (a file stored so) or its
 /// rows are not whole Q8_0 blocks.
 fn requantize_q8_0(m: &QMatrix) -> Result<QMatrix, specula_kernels::KernelError> {
-    if m.cols % QK != 0 || m.format == WeightFormat::Q8_0 {
+    if !m.cols.is_multiple_of(QK) || m.format == WeightFormat::Q8_0 {
         return Ok(m.clone());
     }
     let mut row = vec![0f32; m.cols];

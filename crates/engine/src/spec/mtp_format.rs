@@ -508,7 +508,7 @@ impl HeadFile {
             let e = self.entry(name, &[rows, cols])?;
             return self.float_matrix(name, e, rows, cols);
         }
-        if cols % QK != 0 {
+        if !cols.is_multiple_of(QK) {
             return Err(self.err(format!("tensor '{name}' is stored as Q8_0 blocks, but its rows ({cols} values) are not whole blocks of {QK}")));
         }
         let e = self.entry(name, &q8_0_shape(rows, cols))?;

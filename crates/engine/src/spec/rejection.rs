@@ -5,6 +5,7 @@
 //! - greedy: accept while the draft token is the target's (penalized) argmax; then emit the argmax.
 //! - sampling: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on the first rejection
 //!   draw from normalize(max(0, p_i - q_i)); if all k are accepted draw a bonus token from p_k.
+//!
 //! p is the target distribution after the request's own penalties, temperature, top-k/p, min-p
 //! (the exact distribution plain sampling uses), so speculation changes nothing a user observes.
 
