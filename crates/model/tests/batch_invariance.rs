@@ -1,4 +1,4 @@
-//! DESIGN.md invariant 1: a sequence's logits do not depend on how its prompt is chunked, on
+//! Invariant 1 of docs/architecture.md (batch invariance): a sequence's logits do not depend on how its prompt is chunked, on
 //! which sequences share its batch, or on the thread count — bit for bit. On the tiny random model
 //! (always) and on the default model (when SPECULA_MODEL is set; required under CI).
 

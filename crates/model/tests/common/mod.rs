@@ -134,7 +134,7 @@ pub fn assert_bitwise_eq(what: &str, expected: &[f32], got: &[f32], vocab: usize
     }
 }
 
-/// Every batch-invariance check of DESIGN.md invariant 1 on one prompt: chunking, batch
+/// Every batch-invariance check of invariant 1 (docs/architecture.md) on one prompt: chunking, batch
 /// neighbours and thread count never change a bit of its logits.
 pub fn assert_batch_invariant(model: &LlamaModel, prompt: &[u32]) {
     let vocab = model.config.vocab_size;
