@@ -152,13 +152,15 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        WeightFormat::Q5K => {
+        // Q5_K is Q4_K plus a fifth bit per weight (`qh`, bit 2j / 2j+1 of byte l for sub-block
+        // pair j); one loop serves both
+        WeightFormat::Q4K | WeightFormat::Q5K => {
+            let five = format == WeightFormat::Q5K;
             for (o, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(bb)) {
                 let d = f16_at(b, 0);
                 let dmin = f16_at(b, 2);
                 let scales = &b[4..16];
-                let qh = &b[16..16 + QK_K / 8];
-                let qs = &b[16 + QK_K / 8..16 + QK_K / 8 + QK_K / 2];
+                let (qh, qs) = if five { (&b[16..16 + QK_K / 8], &b[16 + QK_K / 8..16 + QK_K / 8 + QK_K / 2]) } else { (&b[0..0], &b[16..16 + QK_K / 2]) };
                 for chunk in 0..4 {
                     let (sc1, m1) = scale_min_k4(2 * chunk, scales);
                     let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
@@ -167,30 +169,9 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                     let q = &qs[chunk * 32..chunk * 32 + 32];
                     let y = &mut o[chunk * 64..chunk * 64 + 64];
                     for l in 0..32 {
-                        let h1 = ((qh[l] >> (2 * chunk)) & 1) << 4;
-                        let h2 = ((qh[l] >> (2 * chunk + 1)) & 1) << 4;
+                        let (h1, h2) = if five { (((qh[l] >> (2 * chunk)) & 1) << 4, ((qh[l] >> (2 * chunk + 1)) & 1) << 4) } else { (0, 0) };
                         y[l] = d1 * ((q[l] & 0xF) | h1) as f32 - mm1;
                         y[l + 32] = d2 * ((q[l] >> 4) | h2) as f32 - mm2;
-                    }
-                }
-            }
-        }
-        WeightFormat::Q4K => {
-            for (o, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(bb)) {
-                let d = f16_at(b, 0);
-                let dmin = f16_at(b, 2);
-                let scales = &b[4..16];
-                let qs = &b[16..16 + QK_K / 2];
-                for chunk in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * chunk, scales);
-                    let (sc2, m2) = scale_min_k4(2 * chunk + 1, scales);
-                    let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
-                    let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
-                    let q = &qs[chunk * 32..chunk * 32 + 32];
-                    let y = &mut o[chunk * 64..chunk * 64 + 64];
-                    for l in 0..32 {
-                        y[l] = d1 * (q[l] & 0xF) as f32 - mm1;
-                        y[l + 32] = d2 * (q[l] >> 4) as f32 - mm2;
                     }
                 }
             }
