@@ -67,10 +67,10 @@ def test_logprobs_equal_plain_decoding(plain, spec, request):
     want = greedy(plain, CODE, max_tokens=16, logprobs=3).choices[0].logprobs
     got = greedy(srv, CODE, max_tokens=16, logprobs=3).choices[0].logprobs
     assert got.tokens == want.tokens
-    assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-3)
-    for g, w in zip(got.top_logprobs, want.top_logprobs):
-        assert set(g) == set(w)
-        assert [g[k] for k in sorted(g)] == pytest.approx([w[k] for k in sorted(w)], abs=1e-3)
+    # the engine is batch invariant: a verified row's logits are the plain step's, bit for bit,
+    # and JSON carries floats exactly
+    assert got.token_logprobs == want.token_logprobs
+    assert got.top_logprobs == want.top_logprobs
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft"])
