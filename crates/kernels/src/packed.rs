@@ -11,6 +11,8 @@
 //! With AVX-512, two groups share each 512-bit instruction (`dot_group_pair_to`): at one or two
 //! activation rows a step is bound by these instructions once the weights stream at memory speed,
 //! and the pair halves them (decode at batch 1-2: about +10% tok/s on a 2-core Sapphire Rapids).
+//! Where 512-bit instructions run as two halves (AMD Zen 4, `CpuFeatures::split_512`) the pair
+//! made one or two activation rows slower, so the matmul uses it there only from three rows on.
 //!
 //! Layout of one *group block* (eight rows, one block index; rows past the matrix's end are zero):
 //! - Q4_1: `d[8]` f16, `m[8]` f16, then 4 vectors of 32 bytes. Byte `t` of lane `r` of vector `v`
