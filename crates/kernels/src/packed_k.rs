@@ -320,39 +320,6 @@ pub(crate) mod x86 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
     }
 
-    /// The two half-block scales of one Q6_K activation block, for the eight lanes (the few-rows
-    /// path; with more rows the per-half form below measured a few % faster).
-    struct Q6kScales {
-        a: __m256i,
-        b: __m256i,
-        /// lane r: `(sc_a, sc_b)` as two i16, against an activation block's `h` pair
-        pair: __m256i,
-    }
-
-    impl Q6kScales {
-        /// `p`: the eight `sc_a` bytes, then the eight `sc_b` bytes.
-        #[inline(always)]
-        unsafe fn load(p: *const u8) -> Self {
-            let raw = _mm_loadu_si128(p as *const __m128i);
-            Self {
-                a: _mm256_cvtepi8_epi32(raw),
-                b: _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(raw)),
-                pair: _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(raw, _mm_srli_si128::<8>(raw))),
-            }
-        }
-
-        /// `t = sc_a (s_a - 32 A_a) + sc_b (s_b - 32 A_b)`, as the exact integer
-        /// `sc_a s_a + sc_b s_b - 32 (sc_a A_a + sc_b A_b)` (every step inside i32: at most
-        /// 2 x 128 x 128016 and 32 x 2 x 128 x 2032); the second product is one `madd` of the
-        /// scale pairs against the activation block's two half sums.
-        #[inline(always)]
-        unsafe fn total(&self, s_a: __m256i, s_b: __m256i, ab: &BlockQ8) -> __m256i {
-            let halves = _mm256_madd_epi16(self.pair, bcast4(ab.h.as_ptr() as *const i8));
-            let t = _mm256_add_epi32(_mm256_mullo_epi32(self.a, s_a), _mm256_mullo_epi32(self.b, s_b));
-            _mm256_sub_epi32(t, _mm256_slli_epi32::<5>(halves))
-        }
-    }
-
     const Q5_0: u8 = 0;
     const Q5_1: u8 = 1;
     const Q4K: u8 = 2;
@@ -473,9 +440,9 @@ pub(crate) mod x86 {
                     let qh = blk.add(off::Q6K_QH);
                     let sc = blk.add(off::Q6K_SC);
                     for h in 0..2 {
-                        // s[sub][i][n]: activation block 4h + i, half `sub`
-                        let mut s = [[[_mm256_setzero_si256(); N]; 4]; 2];
-                        for (sub, s) in s.iter_mut().enumerate() {
+                        let mut tot = [[_mm256_setzero_si256(); N]; 4];
+                        for sub in 0..2 {
+                            let mut s = [[_mm256_setzero_si256(); N]; 4];
                             for v in (4 * sub..4 * sub + 4).step_by(2) {
                                 let mut w = [[_mm256_setzero_si256(); 4]; 2];
                                 for (e, w) in w.iter_mut().enumerate() {
@@ -494,14 +461,18 @@ pub(crate) mod x86 {
                                     }
                                 }
                             }
+                            for i in 0..4 {
+                                let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * (8 * h + 2 * i + sub)) as *const __m128i));
+                                for n in 0..N {
+                                    let a32 = _mm256_set1_epi32(32 * acts[n].get_unchecked(8 * b + 4 * h + i).h[sub] as i32);
+                                    tot[i][n] = _mm256_add_epi32(tot[i][n], _mm256_mullo_epi32(scv, _mm256_sub_epi32(s[i][n], a32)));
+                                }
+                            }
                         }
-                        for (i, (s_a, s_b)) in s[0].iter().zip(&s[1]).enumerate() {
-                            let k = 8 * b + 4 * h + i;
-                            let scales = Q6kScales::load(sc.add(8 * (8 * h + 2 * i)));
+                        for (i, tot) in tot.iter().enumerate() {
                             for n in 0..N {
-                                let ab = acts[n].get_unchecked(k);
-                                let tot = scales.total(s_a[n], s_b[n], ab);
-                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot), acc[n]);
+                                let ab = acts[n].get_unchecked(8 * b + 4 * h + i);
+                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot[n]), acc[n]);
                             }
                         }
                     }
