@@ -11,6 +11,12 @@ pub struct CpuFeatures {
     /// about what one 512-bit pass does, so the kernels' two-group 512-bit pass gains little
     /// (`SPECULA_SPLIT_512=0` / `=1` overrides the detection, for benchmarks).
     pub split_512: bool,
+    /// Whether the int8 kernels prefetch the weights ahead in software when a call has one or
+    /// two activation rows (a weight stream from memory). Off on AMD Zen 4, where those
+    /// prefetches made the stream slower for every format but Q6_K (whose kernel keeps them);
+    /// with more rows they helped there too and stay (`SPECULA_SW_PREFETCH=0` / `=1` overrides,
+    /// for benchmarks).
+    pub sw_prefetch: bool,
 }
 
 /// The features this process uses. `SPECULA_NO_SIMD=1` forces the portable paths and
@@ -19,7 +25,7 @@ pub fn features() -> CpuFeatures {
     static F: OnceLock<CpuFeatures> = OnceLock::new();
     *F.get_or_init(|| {
         if std::env::var_os("SPECULA_NO_SIMD").is_some_and(|v| v == "1") {
-            return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false };
+            return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false };
         }
         let mut f = detect();
         if std::env::var_os("SPECULA_NO_VNNI").is_some_and(|v| v == "1") {
@@ -28,6 +34,11 @@ pub fn features() -> CpuFeatures {
         match std::env::var_os("SPECULA_SPLIT_512") {
             Some(v) if v == "0" => f.split_512 = false,
             Some(v) if v == "1" => f.split_512 = true,
+            _ => {}
+        }
+        match std::env::var_os("SPECULA_SW_PREFETCH") {
+            Some(v) if v == "0" => f.sw_prefetch = false,
+            Some(v) if v == "1" => f.sw_prefetch = true,
             _ => {}
         }
         f
@@ -46,6 +57,7 @@ fn detect() -> CpuFeatures {
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni"),
         split_512: amd_family() == Some(0x19),
+        sw_prefetch: amd_family() != Some(0x19),
     }
 }
 
@@ -65,7 +77,7 @@ fn amd_family() -> Option<u32> {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> CpuFeatures {
-    CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false }
+    CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false }
 }
 
 /// A one-line description for start-up logs.

@@ -414,13 +414,15 @@ mod x86 {
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); N];
+        // weights from memory at one or two rows: see `CpuFeatures::sw_prefetch`
+        let prefetch = N > 2 || crate::cpu::features().sw_prefetch;
         for b in 0..blocks {
             // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
             // every activation row `blocks` blocks (checked by the caller).
             let blk = gp.add(b * gbb);
             // every cache line of the group block PREFETCH_BYTES ahead
             let mut line = 0;
-            while line < gbb {
+            while prefetch && line < gbb {
                 _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES + line) as *const i8);
                 line += 64;
             }

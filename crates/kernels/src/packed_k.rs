@@ -349,12 +349,14 @@ pub(crate) mod x86 {
         let b48 = _mm256_set1_epi8(0x30);
         let sign = _mm256_set1_ps(-0.0);
         let mut acc = [_mm256_setzero_ps(); N];
+        // weights from memory at one or two rows: see `CpuFeatures::sw_prefetch`
+        let prefetch = N > 2 || F == Q6K || crate::cpu::features().sw_prefetch;
         for b in 0..blocks {
             // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
             // every activation row the matching blocks of 32 (checked by the caller).
             let blk = gp.add(b * gbb);
             let mut line = 0;
-            while line < gbb {
+            while prefetch && line < gbb {
                 _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(ahead + line) as *const i8);
                 line += 64;
             }
