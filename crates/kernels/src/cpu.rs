@@ -13,7 +13,7 @@ pub struct CpuFeatures {
     pub split_512: bool,
     /// Whether the int8 kernels prefetch the weights ahead in software when a call has one or
     /// two activation rows (a weight stream from memory). Off on AMD Zen 4, where those
-    /// prefetches made the stream slower for every format but Q6_K (whose kernel keeps them);
+    /// prefetches made the stream slower (Q6_K instead touches the lines of the block it starts);
     /// with more rows they helped there too and stay (`SPECULA_SW_PREFETCH=0` / `=1` overrides,
     /// for benchmarks).
     pub sw_prefetch: bool,
