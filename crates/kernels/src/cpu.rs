@@ -7,6 +7,16 @@ use std::sync::OnceLock;
 pub struct CpuFeatures {
     pub avx2_fma: bool,
     pub avx512_vnni: bool,
+    /// 512-bit instructions run as two 256-bit halves (AMD Zen 4): two 256-bit passes cost
+    /// about what one 512-bit pass does, so the kernels' two-group 512-bit pass gains little
+    /// (`SPECULA_SPLIT_512=0` / `=1` overrides the detection, for benchmarks).
+    pub split_512: bool,
+    /// Whether the int8 kernels prefetch the weights ahead in software when a call has one or
+    /// two activation rows (a weight stream from memory). Off on AMD Zen 4, where those
+    /// prefetches made the stream slower (Q6_K instead touches the lines of the block it starts);
+    /// with more rows they helped there too and stay (`SPECULA_SW_PREFETCH=0` / `=1` overrides,
+    /// for benchmarks).
+    pub sw_prefetch: bool,
 }
 
 /// The features this process uses. `SPECULA_NO_SIMD=1` forces the portable paths and
@@ -15,11 +25,21 @@ pub fn features() -> CpuFeatures {
     static F: OnceLock<CpuFeatures> = OnceLock::new();
     *F.get_or_init(|| {
         if std::env::var_os("SPECULA_NO_SIMD").is_some_and(|v| v == "1") {
-            return CpuFeatures { avx2_fma: false, avx512_vnni: false };
+            return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false };
         }
         let mut f = detect();
         if std::env::var_os("SPECULA_NO_VNNI").is_some_and(|v| v == "1") {
             f.avx512_vnni = false;
+        }
+        match std::env::var_os("SPECULA_SPLIT_512") {
+            Some(v) if v == "0" => f.split_512 = false,
+            Some(v) if v == "1" => f.split_512 = true,
+            _ => {}
+        }
+        match std::env::var_os("SPECULA_SW_PREFETCH") {
+            Some(v) if v == "0" => f.sw_prefetch = false,
+            Some(v) if v == "1" => f.sw_prefetch = true,
+            _ => {}
         }
         f
     })
@@ -36,12 +56,28 @@ fn detect() -> CpuFeatures {
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni"),
+        split_512: amd_family() == Some(0x19),
+        sw_prefetch: amd_family() != Some(0x19),
     }
+}
+
+/// The CPU family of an AMD processor (0x19: Zen 3 / Zen 4), `None` on other vendors.
+#[cfg(target_arch = "x86_64")]
+fn amd_family() -> Option<u32> {
+    use std::arch::x86_64::__cpuid;
+    // leaves 0 and 1 exist on every x86-64 processor
+    let (v, l1) = (__cpuid(0), __cpuid(1));
+    let vendor: Vec<u8> = [v.ebx, v.edx, v.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
+    if vendor != b"AuthenticAMD" {
+        return None;
+    }
+    let base = (l1.eax >> 8) & 0xF;
+    Some(if base == 0xF { base + ((l1.eax >> 20) & 0xFF) } else { base })
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> CpuFeatures {
-    CpuFeatures { avx2_fma: false, avx512_vnni: false }
+    CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false }
 }
 
 /// A one-line description for start-up logs.

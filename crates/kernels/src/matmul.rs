@@ -140,8 +140,11 @@ impl GroupKernel for Int8Kernel<'_> {
     unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]) {
         self.p.dot_group_to::<N>(g, std::array::from_fn(|i| self.q.row(b + i)), dst)
     }
-    fn side_by_side(&self, _n: usize) -> usize {
-        if self.p.pairs_in_one_pass() {
+    fn side_by_side(&self, n: usize) -> usize {
+        // where 512-bit instructions are split in two (Zen 4), the pass of two groups at once
+        // made one or two activation rows slower (matmul_bench, weights from memory); the
+        // results are the same bits either way
+        if self.p.pairs_in_one_pass() && (n > 2 || !crate::cpu::features().split_512) {
             2
         } else {
             1

@@ -11,6 +11,8 @@
 //! With AVX-512, two groups share each 512-bit instruction (`dot_group_pair_to`): at one or two
 //! activation rows a step is bound by these instructions once the weights stream at memory speed,
 //! and the pair halves them (decode at batch 1-2: about +10% tok/s on a 2-core Sapphire Rapids).
+//! Where 512-bit instructions run as two halves (AMD Zen 4, `CpuFeatures::split_512`) the pair
+//! made one or two activation rows slower, so the matmul uses it there only from three rows on.
 //!
 //! Layout of one *group block* (eight rows, one block index; rows past the matrix's end are zero):
 //! - Q4_1: `d[8]` f16, `m[8]` f16, then 4 vectors of 32 bytes. Byte `t` of lane `r` of vector `v`
@@ -82,33 +84,38 @@ impl PackedInt8 {
         let qoff = quants_offset(format);
         let scales = if format == WeightFormat::Q4_1 { 4 } else { 2 };
         let mut bytes = vec![0u8; groups * blocks * gbb];
-        if packed_k::handles(format) {
-            for r in 0..rows {
-                let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
+        let k = packed_k::handles(format);
+        // each group's bytes are written from its own eight rows only: groups pack in parallel
+        // (the layout, and so every result, is the same as one thread's)
+        let pack_group = |(g, out): (usize, &mut [u8])| {
+            for lane in 0..GROUP_ROWS.min(rows - g * GROUP_ROWS) {
+                let r = g * GROUP_ROWS + lane;
                 for b in 0..blocks {
                     let src = &raw[r * row_bytes + b * bb..r * row_bytes + (b + 1) * bb];
-                    packed_k::pack_block(format, src, lane, &mut bytes[(g * blocks + b) * gbb..(g * blocks + b + 1) * gbb]);
+                    let dst = &mut out[b * gbb..(b + 1) * gbb];
+                    if k {
+                        packed_k::pack_block(format, src, lane, dst);
+                        continue;
+                    }
+                    // d (and m): lane r of the f16 arrays
+                    dst[2 * lane..2 * lane + 2].copy_from_slice(&src[0..2]);
+                    if scales == 4 {
+                        dst[2 * GROUP_ROWS + 2 * lane..2 * GROUP_ROWS + 2 * lane + 2].copy_from_slice(&src[2..4]);
+                    }
+                    // quants: four bytes at a time, vector v holds bytes 4v..4v+4 of the block's quants
+                    let qs = &src[scales..];
+                    for (v, chunk) in qs.chunks_exact(4).enumerate() {
+                        let at = qoff + v * 32 + lane * 4;
+                        dst[at..at + 4].copy_from_slice(chunk);
+                    }
                 }
             }
-            return Some(Self { format, rows, blocks, act_blocks: cols / QK, bytes });
-        }
-        for r in 0..rows {
-            let (g, lane) = (r / GROUP_ROWS, r % GROUP_ROWS);
-            for b in 0..blocks {
-                let src = &raw[r * row_bytes + b * bb..r * row_bytes + (b + 1) * bb];
-                let dst = &mut bytes[(g * blocks + b) * gbb..(g * blocks + b + 1) * gbb];
-                // d (and m): lane r of the f16 arrays
-                dst[2 * lane..2 * lane + 2].copy_from_slice(&src[0..2]);
-                if scales == 4 {
-                    dst[2 * GROUP_ROWS + 2 * lane..2 * GROUP_ROWS + 2 * lane + 2].copy_from_slice(&src[2..4]);
-                }
-                // quants: four bytes at a time, vector v holds bytes 4v..4v+4 of the block's quants
-                let qs = &src[scales..];
-                for (v, chunk) in qs.chunks_exact(4).enumerate() {
-                    let at = qoff + v * 32 + lane * 4;
-                    dst[at..at + 4].copy_from_slice(chunk);
-                }
-            }
+        };
+        if bytes.len() >= 1 << 20 {
+            use rayon::prelude::*;
+            bytes.par_chunks_mut((blocks * gbb).max(1)).enumerate().for_each(pack_group);
+        } else {
+            bytes.chunks_mut((blocks * gbb).max(1)).enumerate().for_each(pack_group);
         }
         Some(Self { format, rows, blocks, act_blocks: cols / QK, bytes })
     }
@@ -407,13 +414,15 @@ mod x86 {
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); N];
+        // weights from memory at one or two rows: see `CpuFeatures::sw_prefetch`
+        let prefetch = N > 2 || crate::cpu::features().sw_prefetch;
         for b in 0..blocks {
             // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
             // every activation row `blocks` blocks (checked by the caller).
             let blk = gp.add(b * gbb);
             // every cache line of the group block PREFETCH_BYTES ahead
             let mut line = 0;
-            while line < gbb {
+            while prefetch && line < gbb {
                 _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES + line) as *const i8);
                 line += 64;
             }
@@ -644,6 +653,28 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A matrix large enough to pack in parallel has the bytes of packing its rows piecewise
+    /// (small matrices, packed on one thread), for every layout.
+    #[test]
+    fn parallel_packing_gives_the_sequential_layout() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for f in [WeightFormat::Q8_0, WeightFormat::Q4_0, WeightFormat::Q4K, WeightFormat::Q6K] {
+            let (rows, cols) = (2003, 1024);
+            let raw: Vec<u8> = if packed_k::handles(f) { packed_k::random_raw(&mut rng, f, rows, cols) } else { random_raw(&mut rng, f, rows, cols) };
+            let big = PackedInt8::pack(f, rows, cols, &raw).unwrap();
+            assert!(big.bytes.len() >= 1 << 20, "{f:?}: the test matrix takes the parallel path");
+            let rb = f.row_bytes(cols);
+            let mut pieces = Vec::new();
+            for r in (0..rows).step_by(64) {
+                let end = (r + 64).min(rows);
+                let part = PackedInt8::pack(f, end - r, cols, &raw[r * rb..end * rb]).unwrap();
+                assert!(part.bytes.len() < 1 << 20);
+                pieces.extend_from_slice(&part.bytes);
+            }
+            assert!(big.bytes == pieces, "{f:?}");
         }
     }
 

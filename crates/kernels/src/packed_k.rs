@@ -341,20 +341,25 @@ pub(crate) mod x86 {
     unsafe fn group_impl<D: Dot, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         let gbb = group_block_bytes(format_of(F));
         debug_assert!(group.len() >= blocks * gbb);
-        // how far ahead to prefetch: at least one group block
-        let ahead = gbb.max(1024);
+        // how far ahead to prefetch: at least one group block; where prefetching ahead slowed a
+        // weight stream from memory (`CpuFeatures::sw_prefetch`, one or two rows) none, except
+        // that Q6_K touches each of its block's lines as it starts the block (1 row, down
+        // 1536x8960 and lm_head 151936x1536: 25-28% less CPU than one block ahead)
+        let far = N > 2 || crate::cpu::features().sw_prefetch;
+        let ahead = if far { gbb.max(1024) } else { 0 };
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let b16 = _mm256_set1_epi8(0x10);
         let b48 = _mm256_set1_epi8(0x30);
         let sign = _mm256_set1_ps(-0.0);
         let mut acc = [_mm256_setzero_ps(); N];
+        let prefetch = far || F == Q6K;
         for b in 0..blocks {
             // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
             // every activation row the matching blocks of 32 (checked by the caller).
             let blk = gp.add(b * gbb);
             let mut line = 0;
-            while line < gbb {
+            while prefetch && line < gbb {
                 _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(ahead + line) as *const i8);
                 line += 64;
             }
