@@ -37,6 +37,11 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// None: no logprobs. Some(k): the sampled token's logprob plus the top k alternatives.
     pub logprobs: Option<usize>,
+    /// None: no prompt logprobs. Some(k): for every prompt token after the first, its logprob given
+    /// the tokens before it plus the top k alternatives (raw distribution, like `logprobs`),
+    /// delivered in one [`RequestEvent::PromptLogprobs`] before the first `Delta`.
+    #[serde(default)]
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -56,6 +61,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -115,6 +121,11 @@ impl SamplingParams {
                 return bad("logprobs", format!("requested {k} logprobs but the server allows at most {max_logprobs} (--max-logprobs)"));
             }
         }
+        if let Some(k) = self.prompt_logprobs {
+            if k > max_logprobs {
+                return bad("prompt_logprobs", format!("requested {k} prompt logprobs but the server allows at most {max_logprobs} (--max-logprobs)"));
+            }
+        }
         Ok(())
     }
 }
@@ -161,6 +172,14 @@ pub enum RequestEvent {
         text: String,
         /// One entry per token when logprobs were asked for, else empty.
         logprobs: Vec<TokenLogprob>,
+    },
+    /// The prompt's logprobs (`SamplingParams::prompt_logprobs`): entry `i` is prompt token `i + 1`
+    /// given the tokens before it (the first prompt token has none). Sent once, before the first
+    /// `Delta`.
+    PromptLogprobs {
+        logprobs: Vec<TokenLogprob>,
+        /// Per entry: the prompt token's rank (1 + tokens with a strictly larger logit).
+        ranks: Vec<u32>,
     },
     Finished {
         reason: FinishReason,

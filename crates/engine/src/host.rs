@@ -323,6 +323,21 @@ impl Host {
             Some(p) => unpack(p.words()).map_err(|e| StepError::Apply(format!("logprobs transfer: {e}")))?.rows,
             None => Vec::new(),
         };
+        // prompt logprobs, appended in prompt order; a recompute (preemption) repeats rows already held
+        for p in &out.prompt_logprobs {
+            let Some(s) = self.seqs.get_mut(&p.seq) else { continue };
+            let k = s.params.prompt_logprobs.unwrap_or(0);
+            for j in 0..p.count {
+                if p.first_token + j != s.prompt_lps.len() + 1 {
+                    continue;
+                }
+                let r = lp_rows.get(p.lp_first + j).ok_or_else(|| StepError::Apply(format!("prompt logprobs row {} missing", p.lp_first + j)))?;
+                let mut l = r.logprob.clone();
+                l.top.truncate(k);
+                s.prompt_lps.push(l);
+                s.prompt_ranks.push(r.rank);
+            }
+        }
         let mut results: BTreeMap<SeqId, _> = out.results.into_iter().collect();
         let preempted: &[SeqId] = next.map_or(&[], |p| &p.preempted);
         let mut applied = Applied { seqs: Vec::new(), lp_rows };
@@ -373,6 +388,13 @@ impl Host {
         let mut finished = Vec::new();
         for a in &applied.seqs {
             let Some(s) = self.seqs.get_mut(&a.seq) else { continue };
+            if s.wants_prompt_logprobs() && a.count > 0 {
+                // its first token: the prompt is computed, every prompt logprob is here
+                s.prompt_lps_sent = true;
+                let logprobs = std::mem::take(&mut s.prompt_lps);
+                let ranks = std::mem::take(&mut s.prompt_ranks);
+                s.send(RequestEvent::PromptLogprobs { logprobs, ranks });
+            }
             let mut stopped = false;
             for j in 0..a.count {
                 let tok = s.tokens[a.first + j];

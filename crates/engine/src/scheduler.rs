@@ -6,7 +6,7 @@
 use crate::config::EngineConfig;
 use crate::kv_cache::{KvCacheError, KvCacheManager};
 use crate::sequence::Sequence;
-use crate::types::SeqId;
+use crate::types::{SeqId, TokenId};
 use std::collections::{BTreeMap, VecDeque};
 
 pub use crate::step::{InFlight, ScheduledSeq, StepPlan};
@@ -152,7 +152,10 @@ impl Scheduler {
                 continue;
             };
             s.draft = Default::default();
-            match kv.allocate_prompt(id, &s.tokens) {
+            // A request that wants prompt logprobs needs logits for every prompt row, which cached
+            // KV blocks do not give: it ignores the prefix cache (recomputes) until they are sent.
+            let lookup: &[TokenId] = if s.wants_prompt_logprobs() { &[] } else { &s.tokens };
+            match kv.allocate_prompt(id, lookup) {
                 Ok(cached) => s.num_computed = cached,
                 Err(KvCacheError::SeqExists(_)) => {}
                 Err(_) => break,

@@ -34,6 +34,14 @@ pub struct Sequence {
     /// Has been admitted to the running set at least once (left the waiting count).
     pub admitted: bool,
     pub num_preemptions: usize,
+    /// Prompt logprobs computed so far (`SamplingParams::prompt_logprobs`): entry `i` for prompt
+    /// token `i + 1`, top alternatives already cut to the request's k.
+    pub prompt_lps: Vec<TokenLogprob>,
+    /// The rank of each `prompt_lps` entry's token.
+    pub prompt_ranks: Vec<u32>,
+    /// The prompt logprobs went out (`RequestEvent::PromptLogprobs`): a recompute after
+    /// preemption does not compute them again.
+    pub prompt_lps_sent: bool,
     /// Async scheduling's one rule, as a counter: KV slots reserved for tokens this sequence's
     /// next step was scheduled with before they were known (a decode scheduled ahead of the step
     /// that samples its input: 1 + k). Goes up when the scheduler schedules ahead, down when the
@@ -64,6 +72,9 @@ impl Sequence {
             arrival: Instant::now(),
             admitted: false,
             num_preemptions: 0,
+            prompt_lps: Vec::new(),
+            prompt_ranks: Vec::new(),
+            prompt_lps_sent: false,
             num_placeholders: 0,
         }
     }
@@ -74,6 +85,11 @@ impl Sequence {
 
     pub fn output(&self) -> &[TokenId] {
         &self.tokens[self.prompt_len..]
+    }
+
+    /// Whether this sequence's steps still compute prompt logprobs.
+    pub fn wants_prompt_logprobs(&self) -> bool {
+        self.params.prompt_logprobs.is_some() && !self.prompt_lps_sent
     }
 
     /// KV slots reserved ahead for tokens not known yet (see the field).

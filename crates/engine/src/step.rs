@@ -124,6 +124,33 @@ pub(crate) struct PreparedSeq {
     /// Its sampling state, when the step samples it (history and random stream as the host knows
     /// them: a decode scheduled ahead is missing the step before's tokens until `finalize`).
     pub item: Option<SampleItem>,
+    /// Prompt logprobs this step computes for it, when it asks for them and the step covers prompt
+    /// rows (`first_row` set by finalize).
+    pub prompt_rows: Option<PromptRows>,
+}
+
+/// One sequence's prompt rows in a step: row `j` (position `first_token - 1 + j`) gives the
+/// logprob of prompt token `first_token + j`, which is `targets[j]`. Written by prepare (and
+/// `first_row`, the index into the step's logits rows, by finalize); read by the compute job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct PromptRows {
+    pub seq: SeqId,
+    pub first_row: usize,
+    pub first_token: usize,
+    pub targets: Vec<TokenId>,
+    /// The request's top-k.
+    pub k: usize,
+}
+
+/// Where a sequence's prompt logprobs of one step are in the step's packed logprobs: rows
+/// `lp_first..lp_first + count`, for prompt tokens `first_token..first_token + count`. Written by
+/// the compute job; read by apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PromptLogprobsOut {
+    pub seq: SeqId,
+    pub first_token: usize,
+    pub lp_first: usize,
+    pub count: usize,
 }
 
 /// A step scheduled and prepared, waiting to be finalized and run. Written by `Host::prepare`
@@ -161,6 +188,9 @@ pub(crate) struct StepJob {
     pub step: u64,
     pub inputs: BatchInputs,
     pub items: Vec<SampleItem>,
+    /// Prompt rows whose logprobs are computed (their logits rows come before the sequence's
+    /// sampled rows).
+    pub prompt_rows: Vec<PromptRows>,
 }
 
 /// What one sampled sequence got this step. Written by the compute job (sample, propose); read by
@@ -210,6 +240,8 @@ pub(crate) struct JobOutput {
     pub results: Vec<(SeqId, SeqResult)>,
     /// Every emitted token's logprobs (the batch's largest top-k, computed once), packed.
     pub logprobs: Option<PackedLogprobs>,
+    /// Prompt logprobs among `logprobs`' rows (after every emitted token's).
+    pub prompt_logprobs: Vec<PromptLogprobsOut>,
     pub timings: JobTimings,
     /// The step's input and logits buffers, freed with the output: by the host job when async,
     /// so not between two forward passes.

@@ -76,6 +76,7 @@ impl Stream for ChoiceRun {
         };
         match &event {
             RequestEvent::Delta { tokens, .. } => self.timer.on_tokens(tokens.len()),
+            RequestEvent::PromptLogprobs { .. } => {}
             RequestEvent::Finished { reason, prompt_tokens, completion_tokens } => {
                 self.timer.on_finished(*reason, *prompt_tokens, *completion_tokens);
                 self.guard.disarm();
@@ -116,6 +117,8 @@ pub struct ChoiceOutput {
     pub logprobs: Vec<TokenLogprob>,
     pub finish_reason: FinishReason,
     pub completion_tokens: usize,
+    /// The prompt's logprobs and ranks (entry i: prompt token i + 1), when asked for.
+    pub prompt_logprobs: Option<(Vec<TokenLogprob>, Vec<u32>)>,
 }
 
 /// Waits for every choice to finish; the first failure fails the whole response (500) and the
@@ -123,7 +126,14 @@ pub struct ChoiceOutput {
 pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError> {
     let mut outputs: Vec<ChoiceOutput> = runs
         .iter()
-        .map(|r| ChoiceOutput { index: r.index, text: String::new(), logprobs: Vec::new(), finish_reason: FinishReason::Abort, completion_tokens: 0 })
+        .map(|r| ChoiceOutput {
+            index: r.index,
+            text: String::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Abort,
+            completion_tokens: 0,
+            prompt_logprobs: None,
+        })
         .collect();
     let slot: std::collections::HashMap<usize, usize> = runs.iter().enumerate().map(|(i, r)| (r.index, i)).collect();
     let mut events: ChoiceEvents = futures::stream::select_all(runs);
@@ -139,6 +149,7 @@ pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError
                 out.completion_tokens = completion_tokens;
             }
             RequestEvent::Failed { message } => return Err(ApiError::internal(message)),
+            RequestEvent::PromptLogprobs { logprobs, ranks } => out.prompt_logprobs = Some((logprobs, ranks)),
         }
     }
     outputs.sort_by_key(|o| o.index);

@@ -83,6 +83,8 @@ fn events<W: ChunkWriter>(pump: Pump<W>) -> impl Stream<Item = Event> + Send {
                     p.completion_tokens += completion_tokens;
                     p.queue.push_back(p.writer.finished(index, reason));
                 }
+                // refused for streaming by the routes (prompt logprobs are non-streaming only)
+                Some((_, RequestEvent::PromptLogprobs { .. })) => {}
                 Some((_, RequestEvent::Failed { message })) => {
                     p.queue.push_back(error_event(&ApiError::internal(message)));
                     p.queue.push_back(done_event());

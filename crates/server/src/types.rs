@@ -31,8 +31,10 @@ pub struct CompletionRequest {
     pub ignore_eos: Option<bool>,
     /// Number of alternatives per position (0 = the sampled token's logprob only).
     pub logprobs: Option<i64>,
-    /// Prepend the prompt's text to each choice's text.
+    /// Prepend the prompt's text to each choice's text (with `logprobs`, the prompt's logprobs too).
     pub echo: Option<bool>,
+    /// vLLM's extension: the top-k logprobs of every prompt token (`prompt_logprobs` in each choice).
+    pub prompt_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
 }
@@ -190,31 +192,57 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's `prompt_logprobs`, only when asked for.
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "prompt_logprob_maps")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// The legacy completions logprobs layout: parallel arrays, one entry per token.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
+    /// `null` for the first prompt token when the prompt is echoed.
+    pub token_logprobs: Vec<Option<f32>>,
     /// Token text -> logprob for the alternatives at each position (the sampled token included),
     /// most likely first: sent as JSON objects whose keys keep that order, as OpenAI and vLLM do.
     #[serde(serialize_with = "ordered_maps")]
-    pub top_logprobs: Vec<Vec<(String, f32)>>,
+    pub top_logprobs: Vec<Option<Vec<(String, f32)>>>,
     /// Character offset of each token in the choice's text.
     pub text_offset: Vec<usize>,
 }
 
 /// Each inner list as one JSON object, keys in list order.
 #[allow(clippy::ptr_arg)]
-fn ordered_maps<S: serde::Serializer>(maps: &Vec<Vec<(String, f32)>>, s: S) -> Result<S::Ok, S::Error> {
-    struct Ordered<'a>(&'a [(String, f32)]);
-    impl Serialize for Ordered<'_> {
-        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
-        }
+fn ordered_maps<S: serde::Serializer>(maps: &Vec<Option<Vec<(String, f32)>>>, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(maps.iter().map(|m| m.as_deref().map(Ordered)))
+}
+
+/// A list of pairs serialized as one JSON object, keys in list order.
+pub struct Ordered<'a, V>(pub &'a [(String, V)]);
+
+impl<V: Serialize> Serialize for Ordered<'_, V> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().map(|(k, v)| (k, v)))
     }
-    s.collect_seq(maps.iter().map(|m| Ordered(m)))
+}
+
+/// One entry of vLLM's `prompt_logprobs`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PromptLogprobEntry {
+    pub logprob: f32,
+    pub rank: u32,
+    pub decoded_token: String,
+}
+
+/// vLLM's `prompt_logprobs` of one choice: `null` for the first prompt token, then per token an
+/// object token id -> entry (the prompt token first, then the top alternatives).
+pub type PromptLogprobs = Vec<Option<Vec<(String, PromptLogprobEntry)>>>;
+
+fn prompt_logprob_maps<S: serde::Serializer>(maps: &Option<PromptLogprobs>, s: S) -> Result<S::Ok, S::Error> {
+    match maps {
+        None => s.serialize_none(),
+        Some(maps) => s.collect_seq(maps.iter().map(|m| m.as_deref().map(Ordered))),
+    }
 }
 
 impl CompletionLogprobs {
@@ -318,13 +346,14 @@ mod tests {
     #[test]
     fn completion_top_logprobs_keep_their_order() {
         let lp = CompletionLogprobs {
-            tokens: vec!["b".into()],
-            token_logprobs: vec![-0.1],
-            top_logprobs: vec![vec![("b".into(), -0.1), ("a".into(), -2.0), ("c".into(), -3.0)]],
-            text_offset: vec![0],
+            tokens: vec!["x".into(), "b".into()],
+            token_logprobs: vec![None, Some(-0.1)],
+            top_logprobs: vec![None, Some(vec![("b".into(), -0.1), ("a".into(), -2.0), ("c".into(), -3.0)])],
+            text_offset: vec![0, 1],
         };
         let s = serde_json::to_string(&lp).unwrap();
-        assert!(s.contains(r#""top_logprobs":[{"b":-0.1,"a":-2.0,"c":-3.0}]"#), "{s}");
+        assert!(s.contains(r#""top_logprobs":[null,{"b":-0.1,"a":-2.0,"c":-3.0}]"#), "{s}");
+        assert!(s.contains(r#""token_logprobs":[null,-0.1]"#), "{s}");
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct SamplingFields {
     pub logprobs: Option<i64>,
     /// How the client spelled the logprobs count (`logprobs` or `top_logprobs`).
     pub logprobs_param: &'static str,
+    /// vLLM's `prompt_logprobs`: top-k of every prompt position.
+    pub prompt_logprobs: Option<i64>,
+    /// `max_tokens: 0` is allowed (completions with `echo`: the prompt only, nothing generated).
+    pub allow_zero_max_tokens: bool,
 }
 
 impl From<&CompletionRequest> for SamplingFields {
@@ -63,6 +67,8 @@ impl From<&CompletionRequest> for SamplingFields {
             ignore_eos: r.ignore_eos,
             logprobs: r.logprobs,
             logprobs_param: "logprobs",
+            prompt_logprobs: r.prompt_logprobs,
+            allow_zero_max_tokens: r.echo == Some(true),
         }
     }
 }
@@ -98,6 +104,8 @@ impl SamplingFields {
             ignore_eos: r.ignore_eos,
             logprobs,
             logprobs_param: "top_logprobs",
+            prompt_logprobs: None,
+            allow_zero_max_tokens: false,
         })
     }
 }
@@ -125,7 +133,10 @@ pub fn check_model(requested: Option<&str>, config: &ServerConfig) -> Result<(),
 /// Checks every prompt-independent field.
 pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize) -> Result<SamplingPlan, ApiError> {
     let requested_max_tokens = match f.max_tokens {
-        Some(m) if m <= 0 => return Err(ApiError::invalid_param(f.max_tokens_param, format!("{} must be at least 1, got {m}", f.max_tokens_param))),
+        Some(0) if f.allow_zero_max_tokens => Some(0),
+        Some(m) if m <= 0 => {
+            return Err(ApiError::invalid_param(f.max_tokens_param, format!("{} must be at least 1 (0 only with echo), got {m}", f.max_tokens_param)))
+        }
         Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
         None => None,
     };
@@ -141,6 +152,11 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
     };
     let logprobs = match f.logprobs {
         Some(k) if k < 0 => return Err(ApiError::invalid_param(f.logprobs_param, format!("{} must be >= 0, got {k}", f.logprobs_param))),
+        Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let prompt_logprobs = match f.prompt_logprobs {
+        Some(k) if k < 0 => return Err(ApiError::invalid_param("prompt_logprobs", format!("prompt_logprobs must be >= 0, got {k}"))),
         Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
         None => None,
     };
@@ -179,13 +195,15 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         frequency_penalty: f.frequency_penalty.unwrap_or(defaults.frequency_penalty),
         // Negative seeds are accepted (OpenAI allows them) and wrap to the same 64 bits.
         seed: f.seed.map(|s| s as u64),
-        max_tokens: requested_max_tokens.unwrap_or(1),
+        // 0 (echo only) runs one step and drops its token: the engine always generates one
+        max_tokens: requested_max_tokens.unwrap_or(1).max(1),
         // An empty stop string would end every request at once; it means nothing, so drop it.
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         stop_token_ids,
         logit_bias,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
+        prompt_logprobs,
     };
     base.validate(config.max_logprobs).map_err(|e| {
         let param = match e.param {

@@ -132,9 +132,21 @@ async fn sampling_ranges_are_checked() {
 }
 
 #[tokio::test]
-async fn echo_with_logprobs_is_refused_rather_than_half_answered() {
+async fn bad_prompt_logprob_requests_name_their_field() {
     let s = server();
-    expect_error(&s, "/v1/completions", json!({"prompt": "hi", "echo": true, "logprobs": 1}), StatusCode::BAD_REQUEST, Some("echo")).await;
+    let c = "/v1/completions";
+    expect_error(&s, c, json!({"prompt": "hi", "prompt_logprobs": -1}), StatusCode::BAD_REQUEST, Some("prompt_logprobs")).await;
+    expect_error(&s, c, json!({"prompt": "hi", "prompt_logprobs": 21}), StatusCode::BAD_REQUEST, Some("prompt_logprobs")).await;
+    expect_error(&s, c, json!({"prompt": "hi", "echo": true, "logprobs": 21}), StatusCode::BAD_REQUEST, Some("logprobs")).await;
+    expect_error(&s, c, json!({"prompt": "hi", "echo": true, "logprobs": -1}), StatusCode::BAD_REQUEST, Some("logprobs")).await;
+    // max_tokens 0 means "the prompt only", which needs echo
+    expect_error(&s, c, json!({"prompt": "hi", "max_tokens": 0}), StatusCode::BAD_REQUEST, Some("max_tokens")).await;
+    expect_error(&s, c, json!({"prompt": "hi", "max_tokens": -1, "echo": true}), StatusCode::BAD_REQUEST, Some("max_tokens")).await;
+    // prompt logprobs are answered without streaming only
+    expect_error(&s, c, json!({"prompt": "hi", "echo": true, "logprobs": 1, "stream": true}), StatusCode::BAD_REQUEST, Some("echo")).await;
+    expect_error(&s, c, json!({"prompt": "hi", "prompt_logprobs": 1, "stream": true}), StatusCode::BAD_REQUEST, Some("prompt_logprobs")).await;
+    expect_error(&s, c, json!({"prompt": "hi", "echo": true, "max_tokens": 0, "stream": true}), StatusCode::BAD_REQUEST, Some("max_tokens")).await;
+    assert!(s.submitted().is_empty());
 }
 
 #[tokio::test]

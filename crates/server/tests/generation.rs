@@ -65,6 +65,51 @@ async fn echo_prepends_the_prompt() {
     assert_eq!(v["choices"][0]["text"], "hih");
 }
 
+/// lm-evaluation-harness's loglikelihood request: token-id prompts, echo, logprobs 1, max_tokens
+/// 0 or 1. The fake engine gives prompt token i the logprob -0.25 * i.
+#[tokio::test]
+async fn echo_with_logprobs_returns_the_prompt_logprobs_in_the_legacy_shape() {
+    let s = server();
+    let body = json!({"prompt": [[104, 105, 106], [106, 107]], "echo": true, "logprobs": 1, "max_tokens": 0, "temperature": 0});
+    let (status, v) = s.post("/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let c = &v["choices"];
+    assert_eq!(c[0]["text"], "hij");
+    assert_eq!(c[0]["finish_reason"], "length");
+    assert_eq!(c[0]["logprobs"]["tokens"], json!(["h", "i", "j"]));
+    assert_eq!(c[0]["logprobs"]["token_logprobs"], json!([null, -0.25, -0.5]));
+    assert_eq!(c[0]["logprobs"]["text_offset"], json!([0, 1, 2]));
+    assert_eq!(c[0]["logprobs"]["top_logprobs"], json!([null, {"j": -0.1, "i": -0.25}, {"k": -0.1, "j": -0.5}]));
+    assert_eq!(c[1]["text"], "jk");
+    assert_eq!(c[1]["logprobs"]["token_logprobs"], json!([null, -0.25]));
+    assert!(c[0].get("prompt_logprobs").is_none(), "only when asked for");
+    assert_eq!(v["usage"], json!({"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}));
+    // the engine was asked for the prompt's logprobs with the client's k
+    assert!(s.submitted().iter().all(|(_, _, p)| p.prompt_logprobs == Some(1)));
+
+    // max_tokens 1: the generated token follows the prompt's, offsets continue
+    let (_, v) = s.post("/v1/completions", json!({"prompt": [104, 105], "echo": true, "logprobs": 0, "max_tokens": 1})).await;
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(v["choices"][0]["text"], "hih");
+    assert_eq!(lp["tokens"], json!(["h", "i", "h"]));
+    assert_eq!(lp["token_logprobs"], json!([null, -0.25, -0.5]));
+    assert_eq!(lp["text_offset"], json!([0, 1, 2]));
+    assert_eq!(lp["top_logprobs"][1], json!({"i": -0.25}));
+}
+
+#[tokio::test]
+async fn vllm_prompt_logprobs_field() {
+    let s = server();
+    let (status, v) = s.post("/v1/completions", json!({"prompt": [104, 105, 106], "prompt_logprobs": 1, "max_tokens": 1})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let plp = &v["choices"][0]["prompt_logprobs"];
+    assert_eq!(plp[0], Value::Null);
+    assert_eq!(plp[1], json!({"105": {"logprob": -0.25, "rank": 1, "decoded_token": "i"}, "106": {"logprob": -0.1, "rank": 1, "decoded_token": "j"}}));
+    assert_eq!(plp[2]["106"], json!({"logprob": -0.5, "rank": 2, "decoded_token": "j"}));
+    assert_eq!(plp.as_array().unwrap().len(), 3);
+    assert_eq!(v["choices"][0]["text"], "h", "no echo");
+}
+
 #[tokio::test]
 async fn prompt_lists_and_n_give_prompt_major_choices_with_seed_plus_i() {
     let s = server();

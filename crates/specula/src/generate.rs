@@ -71,6 +71,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
             Some(RequestEvent::Finished { reason, completion_tokens, .. }) => break Ok((reason, completion_tokens)),
             Some(RequestEvent::Failed { message }) => break Err(anyhow::anyhow!(message)),
+            Some(RequestEvent::PromptLogprobs { .. }) => {}
             None => break Err(anyhow::anyhow!("the engine stopped unexpectedly")),
         }
     };

@@ -51,6 +51,7 @@ impl SamplingArgs {
             logit_bias: vec![],
             ignore_eos: self.ignore_eos,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }

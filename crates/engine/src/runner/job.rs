@@ -13,7 +13,7 @@ use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampl
 use crate::sequence::token_finish;
 use crate::spec::adaptive::batch_k_limit;
 use crate::spec::{verify, Draft, DraftRequest, Speculation};
-use crate::step::{JobOutput, JobTimings, SampleItem, SeqResult, StepJob};
+use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
 use crate::types::{SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -66,27 +66,33 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     let forward_end = Instant::now();
     let mut items = job.items;
-    let (results, logprobs) = sample(ctx, state, job.step, &mut items, &out.logits)?;
+    let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
     let results = propose(ctx, state, items, results, &out.hidden)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
-    Ok(JobOutput { results, logprobs, timings, _spent: (inputs, out) })
+    Ok(JobOutput { results, logprobs, prompt_logprobs, timings, _spent: (inputs, out) })
 }
+
+/// What sampling returns: each item's result, the packed logprobs, and where prompt logprobs are
+/// among them.
+type Sampled = (Vec<SeqResult>, Option<PackedLogprobs>, Vec<PromptLogprobsOut>);
 
 /// Per item: one sampled token, or with drafts the accepted prefix plus one token from the
 /// rejection sampler; logprobs of every emitted token from the raw target logits of its row.
-/// Appends the emitted tokens to each item's history for drafting.
+/// Appends the emitted tokens to each item's history for drafting. Prompt logprobs of
+/// `prompt_rows` go into the same packed buffer, after the emitted tokens' rows.
 fn sample(
     ctx: &JobContext,
     state: &mut ComputeState,
     step: u64,
     items: &mut [SampleItem],
+    prompt_rows: &[PromptRows],
     logits: &[f32],
-) -> Result<(Vec<SeqResult>, Option<PackedLogprobs>), String> {
+) -> Result<Sampled, String> {
     let vocab = ctx.model.config.vocab_size;
     let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     // only the largest top-k any sequence of this batch asked for is computed
-    let k_max = items.iter().filter_map(|it| it.params.logprobs).max();
+    let k_max = items.iter().filter_map(|it| it.params.logprobs).chain(prompt_rows.iter().map(|p| p.k)).max();
     let mut lp_rows: Vec<RankedLogprob> = Vec::new();
     let mut verified = false;
     let mut results = Vec::with_capacity(items.len());
@@ -124,6 +130,18 @@ fn sample(
         results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, next_draft: Draft::default(), finished: false });
         FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
+    let mut prompt_out = Vec::with_capacity(prompt_rows.len());
+    if let Some(k) = k_max {
+        for pr in prompt_rows {
+            let lp_first = lp_rows.len();
+            for (j, &tok) in pr.targets.iter().enumerate() {
+                let r = pr.first_row + j;
+                let row = logits.get(r * vocab..(r + 1) * vocab).ok_or("prompt logits rows out of range")?;
+                lp_rows.push(ranked_logprob(row, tok, k).map_err(|e| e.to_string())?);
+            }
+            prompt_out.push(PromptLogprobsOut { seq: pr.seq, first_token: pr.first_token, lp_first, count: pr.targets.len() });
+        }
+    }
     let logprobs = match k_max {
         Some(_) if !lp_rows.is_empty() => {
             let cols = (lp_rows[0].logprob.top.len() + 1) as u32;
@@ -132,7 +150,7 @@ fn sample(
         }
         _ => None,
     };
-    Ok((results, logprobs))
+    Ok((results, logprobs, prompt_out))
 }
 
 /// Drafts for the next step of every sequence that goes on decoding (not one that just emitted a

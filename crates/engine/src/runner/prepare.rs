@@ -14,7 +14,7 @@
 use crate::kv_cache::KvCacheManager;
 use crate::sequence::Sequence;
 use crate::spec::Draft;
-use crate::step::{BatchInputs, Computed, PreparedSeq, PreparedStep, RowRange, SampleItem, SeqResult, StepJob, StepPlan};
+use crate::step::{BatchInputs, Computed, PreparedSeq, PreparedStep, PromptRows, RowRange, SampleItem, SeqResult, StepJob, StepPlan};
 use crate::types::{SeqId, TokenId};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -50,7 +50,21 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
             rng: s.rng.clone(),
             draft: if sch.is_ahead() { Draft::default() } else { s.draft.clone() },
         });
-        out.push(PreparedSeq { block_table, tokens, item });
+        // position p's logits give prompt token p + 1: rows start..min(end, prompt_len - 1)
+        let prompt_rows = match s.params.prompt_logprobs {
+            Some(k) if s.wants_prompt_logprobs() && !sch.is_ahead() && sch.start + 1 < s.prompt_len => {
+                let last = end.min(s.prompt_len - 1);
+                (sch.start < last).then(|| PromptRows {
+                    seq: sch.seq,
+                    first_row: 0,
+                    first_token: sch.start + 1,
+                    targets: s.tokens[sch.start + 1..last + 1].to_vec(),
+                    k,
+                })
+            }
+            _ => None,
+        };
+        out.push(PreparedSeq { block_table, tokens, item, prompt_rows });
     }
     Ok(out)
 }
@@ -93,6 +107,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
         hidden_layers: Vec::new(),
     };
     let mut items = Vec::with_capacity(n_seqs);
+    let mut prompt_rows = Vec::new();
     for (mut sch, mut ps) in plan.seqs.into_iter().zip(seqs) {
         if !alive(sch.seq) || failed.contains(&sch.seq) {
             continue;
@@ -127,6 +142,13 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
         inputs.slots.extend((sch.start..sch.start + n).map(|pos| ps.block_table[pos / block_size] as usize * block_size + pos % block_size));
         inputs.spans.push(RowRange { q_start, q_len: n, context_len: sch.start + n });
         inputs.block_tables.push(ps.block_table);
+        if let Some(mut pr) = ps.prompt_rows.take() {
+            // before the sampled rows, so logits rows stay in batch order
+            let first = q_start + (pr.first_token - 1 - sch.start);
+            pr.first_row = inputs.logits_rows.len();
+            inputs.logits_rows.extend(first..first + pr.targets.len());
+            prompt_rows.push(pr);
+        }
         if let (true, Some(mut it)) = (sch.sample, ps.item) {
             let rows = 1 + sch.num_drafts;
             let first = q_start + n - rows;
@@ -139,7 +161,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
         kept.total_tokens += n;
         kept.seqs.push(sch);
     }
-    (kept, StepJob { step, inputs, items })
+    (kept, StepJob { step, inputs, items, prompt_rows })
 }
 
 #[cfg(test)]
@@ -172,7 +194,7 @@ mod tests {
     fn ahead(seq: u64, start: usize, k: usize, table: Vec<u32>, history: &[TokenId]) -> (ScheduledSeq, PreparedSeq) {
         let id = SeqId(seq);
         let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, placeholders: 1 + k };
-        (sch, PreparedSeq { block_table: table, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)) })
+        (sch, PreparedSeq { block_table: table, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)), prompt_rows: None })
     }
 
     fn result(tokens: Vec<TokenId>, num_drafts: usize, next_draft: Vec<TokenId>, finished: bool, seed: u64) -> SeqResult {
@@ -189,6 +211,7 @@ mod tests {
         let out = JobOutput {
             results: results.into_iter().map(|(s, r)| (SeqId(s), r)).collect(),
             logprobs: None,
+            prompt_logprobs: Vec::new(),
             timings: JobTimings { forward_start: now, forward_end: now, sample: Duration::ZERO, propose: Duration::ZERO },
             _spent: (BatchInputs::default(), specula_model::ForwardOutput { logits: vec![], hidden: vec![] }),
         };
@@ -210,7 +233,7 @@ mod tests {
         let (s4, p4) = ahead(4, 5, 3, vec![15, 16], &[1, 2, 3, 4, 5]);
         // seq 5: a prefill chunk of 3 known tokens, not sampled
         let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, placeholders: 0 };
-        let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None };
+        let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None, prompt_rows: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
         let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5] };
         let before = computed(

@@ -200,6 +200,31 @@ pub struct Client {
     pub ended_at: Option<usize>,
 }
 
+impl Client {
+    /// The prompt logprobs received (`RequestEvent::PromptLogprobs`), checking there was at most
+    /// one such event and that it came before every `Delta`.
+    pub fn prompt_logprobs(&self) -> Option<Vec<specula_engine::TokenLogprob>> {
+        let at: Vec<usize> = self.events.iter().enumerate().filter(|(_, e)| matches!(e, RequestEvent::PromptLogprobs { .. })).map(|(i, _)| i).collect();
+        assert!(at.len() <= 1, "{}: {} PromptLogprobs events", self.id, at.len());
+        let i = *at.first()?;
+        assert!(!self.events[..i].iter().any(|e| matches!(e, RequestEvent::Delta { .. })), "{}: PromptLogprobs after a Delta", self.id);
+        match &self.events[i] {
+            RequestEvent::PromptLogprobs { logprobs, ranks } => {
+                assert_eq!(ranks.len(), logprobs.len(), "{}: one rank per prompt logprob", self.id);
+                for (e, &r) in logprobs.iter().zip(ranks) {
+                    if let Some(at) = e.top.iter().position(|&(t, _)| t == e.token) {
+                        assert!(r as usize <= at + 1, "{}: rank {r} but top position {}", self.id, at + 1);
+                    } else {
+                        assert!(r as usize > e.top.len(), "{}: rank {r} for a token outside the top {}", self.id, e.top.len());
+                    }
+                }
+                Some(logprobs.clone())
+            }
+            _ => unreachable!(),
+        }
+    }
+}
+
 /// How a request ended, after the protocol checks.
 #[derive(Clone, Debug, PartialEq)]
 pub enum End {
@@ -260,7 +285,7 @@ impl Client {
                 assert!(self.tokens().is_empty() || !message.is_empty(), "{}: failure without a message", self.id);
                 End::Failed(message.clone())
             }
-            RequestEvent::Delta { .. } => unreachable!(),
+            RequestEvent::Delta { .. } | RequestEvent::PromptLogprobs { .. } => unreachable!(),
         }
     }
 

@@ -168,6 +168,7 @@ impl Client {
                     out.end = End::Finished(*reason);
                 }
                 RequestEvent::Failed { message } => out.end = End::Failed(message.clone()),
+                RequestEvent::PromptLogprobs { .. } => {}
             }
         }
         assert!(self.rx.is_none() || out.end != End::Disconnected, "{}: no terminal event: {:?}", self.id, self.events);

@@ -6,7 +6,7 @@ use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
 use crate::routes::clamp_logprob as clamp;
 use crate::sse::{self, ChunkWriter};
-use crate::types::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, Usage};
+use crate::types::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, PromptLogprobEntry, PromptLogprobs, Usage};
 use crate::validate::{self, DefaultMaxTokens, SamplingFields};
 use crate::{unix_now, AppState};
 use axum::extract::State;
@@ -31,9 +31,24 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     validate::check_model(req.model.as_deref(), config)?;
     let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
     let echo = req.echo.unwrap_or(false);
-    if echo && plan.base.logprobs.is_some() {
-        return Err(ApiError::invalid_param("echo", "echo with logprobs needs the prompt's logprobs, which specula does not compute; drop one of them"));
+    let stream = req.stream.unwrap_or(false);
+    // `max_tokens: 0` (echo only): the engine runs the prompt and one step whose token is dropped
+    let prompt_only = plan.requested_max_tokens == Some(0);
+    let echo_logprobs = if echo { plan.base.logprobs } else { None };
+    let want_prompt_logprobs = plan.base.prompt_logprobs;
+    if stream && (echo_logprobs.is_some() || want_prompt_logprobs.is_some() || prompt_only) {
+        let param = if prompt_only {
+            "max_tokens"
+        } else if want_prompt_logprobs.is_some() {
+            "prompt_logprobs"
+        } else {
+            "echo"
+        };
+        return Err(ApiError::invalid_param(param, "prompt logprobs and max_tokens 0 are answered only without streaming; drop `stream`"));
     }
+    // the engine computes the largest top-k either field asked for; each keeps its own
+    let mut plan = plan;
+    plan.base.prompt_logprobs = echo_logprobs.into_iter().chain(want_prompt_logprobs).max();
     let prompt = req.prompt.ok_or_else(|| ApiError::invalid_param("prompt", "prompt is required"))?;
     let prompts = tokenize(prompt, &state.tokenizer)?;
     let mut jobs = Vec::with_capacity(prompts.len() * plan.n);
@@ -48,6 +63,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let prompt_tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum();
     let runs = generate::submit(&state.engine, jobs, arrived)?;
     let id = format!("cmpl-{:x}{:08x}", unix_now(), runs[0].id.0);
+    let first_tokens: Vec<Option<TokenId>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.first().copied(), plan.n)).collect();
     let echoes: Vec<String> = prompts.into_iter().flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n)).collect();
     let writer = CompletionChunks {
         id,
@@ -58,8 +74,13 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
         logprobs: plan.base.logprobs.is_some(),
         offsets: echoes.iter().map(|e| e.chars().count()).collect(),
         echoes,
+        prompt_only: false,
+        echo_logprobs: None,
+        want_prompt_logprobs: None,
+        first_tokens,
     };
-    if req.stream.unwrap_or(false) {
+    let writer = CompletionChunks { prompt_only, echo_logprobs, want_prompt_logprobs, ..writer };
+    if stream {
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         let writer = CompletionChunks { include_usage: include_usage.then_some(None), ..writer };
         return Ok(sse::stream_response(runs, writer, include_usage, prompt_tokens));
@@ -95,10 +116,11 @@ fn tokenize(prompt: Prompt, tokenizer: &Tokenizer) -> Result<Vec<PromptInput>, A
 }
 
 /// Logprobs in the legacy layout; `offset` is the character offset where these tokens start and
-/// is advanced past them.
-fn completion_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob], offset: &mut usize) -> CompletionLogprobs {
+/// is advanced past them. `k` cuts each entry's alternatives (None: all).
+fn completion_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob], offset: &mut usize, k: Option<usize>) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     for entry in entries {
+        let entry = &TokenLogprob { token: entry.token, logprob: entry.logprob, top: entry.top[..k.unwrap_or(usize::MAX).min(entry.top.len())].to_vec() };
         let text = tokenizer.token_text(entry.token);
         // Keyed by text, so two ids with the same text (byte pieces shown as U+FFFD) keep the
         // more likely one; vLLM and OpenAI always list the sampled token among the alternatives.
@@ -114,8 +136,36 @@ fn completion_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob], offset: 
         out.text_offset.push(*offset);
         *offset += text.chars().count();
         out.tokens.push(text);
-        out.token_logprobs.push(clamp(entry.logprob));
-        out.top_logprobs.push(top);
+        out.token_logprobs.push(Some(clamp(entry.logprob)));
+        out.top_logprobs.push(Some(top));
+    }
+    out
+}
+
+/// The echoed prompt's logprobs in the legacy layout: the first prompt token with `null`s, then
+/// one entry per prompt logprob. Offsets start at 0 (the echo starts the text).
+fn echo_logprobs(tokenizer: &Tokenizer, first: TokenId, entries: &[TokenLogprob], k: usize) -> (CompletionLogprobs, usize) {
+    let text = tokenizer.token_text(first);
+    let mut offset = text.chars().count();
+    let mut out = CompletionLogprobs { tokens: vec![text], token_logprobs: vec![None], top_logprobs: vec![None], text_offset: vec![0] };
+    out.extend(completion_logprobs(tokenizer, entries, &mut offset, Some(k)));
+    (out, offset)
+}
+
+/// vLLM's `prompt_logprobs` of one choice (see `PromptLogprobs`), top alternatives cut to `k`.
+fn vllm_prompt_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob], ranks: &[u32], k: usize) -> PromptLogprobs {
+    let mut out: PromptLogprobs = vec![None];
+    for (e, &rank) in entries.iter().zip(ranks) {
+        let entry = |id: TokenId, logprob: f32, rank: u32| {
+            (id.to_string(), PromptLogprobEntry { logprob: clamp(logprob), rank, decoded_token: tokenizer.token_text(id) })
+        };
+        let mut m = vec![entry(e.token, e.logprob, rank)];
+        for (j, &(id, lp)) in e.top.iter().take(k).enumerate() {
+            if id != e.token {
+                m.push(entry(id, lp, j as u32 + 1));
+            }
+        }
+        out.push(Some(m));
     }
     out
 }
@@ -134,6 +184,14 @@ struct CompletionChunks {
     echoes: Vec<String>,
     /// Per choice: characters of text sent so far, for `text_offset`.
     offsets: Vec<usize>,
+    /// `max_tokens: 0`: the generated token is dropped (the prompt only).
+    prompt_only: bool,
+    /// With echo and `logprobs: k`: the prompt's logprobs lead each choice's logprobs.
+    echo_logprobs: Option<usize>,
+    /// vLLM's `prompt_logprobs: k`.
+    want_prompt_logprobs: Option<usize>,
+    /// Per choice: its prompt's first token (echo logprobs start with it).
+    first_tokens: Vec<Option<TokenId>>,
 }
 
 impl CompletionChunks {
@@ -142,21 +200,40 @@ impl CompletionChunks {
     }
 
     fn chunk(&self, index: usize, text: String, logprobs: Option<CompletionLogprobs>, reason: Option<FinishReason>) -> Event {
-        let choice = CompletionChoice { index, text, logprobs, finish_reason: reason.map(FinishReason::as_str) };
+        let choice = CompletionChoice { index, text, logprobs, finish_reason: reason.map(FinishReason::as_str), prompt_logprobs: None };
         sse::json_event(&self.object(vec![choice], self.include_usage))
     }
 
-    fn response(mut self, outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> CompletionResponse {
+    fn response(mut self, mut outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> CompletionResponse {
+        if self.prompt_only {
+            for o in &mut outputs {
+                o.text.clear();
+                o.logprobs.clear();
+                o.completion_tokens = 0;
+                o.finish_reason = FinishReason::Length;
+            }
+        }
         let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
         let choices = outputs
             .into_iter()
             .map(|o| {
-                let logprobs = self.logprobs.then(|| completion_logprobs(&self.tokenizer, &o.logprobs, &mut self.offsets[o.index]));
+                let (plp, ranks) = o.prompt_logprobs.unwrap_or_default();
+                let mut logprobs = None;
+                if let (Some(k), Some(first)) = (self.echo_logprobs, self.first_tokens[o.index]) {
+                    let (lp, offset) = echo_logprobs(&self.tokenizer, first, &plp, k);
+                    self.offsets[o.index] = offset;
+                    logprobs = Some(lp);
+                }
+                if self.logprobs {
+                    let gen = completion_logprobs(&self.tokenizer, &o.logprobs, &mut self.offsets[o.index], None);
+                    logprobs.get_or_insert_with(CompletionLogprobs::default).extend(gen);
+                }
                 CompletionChoice {
                     index: o.index,
                     text: std::mem::take(&mut self.echoes[o.index]) + &o.text,
                     logprobs,
                     finish_reason: Some(o.finish_reason.as_str()),
+                    prompt_logprobs: self.want_prompt_logprobs.map(|k| vllm_prompt_logprobs(&self.tokenizer, &plp, &ranks, k)),
                 }
             })
             .collect();
@@ -174,7 +251,7 @@ impl ChunkWriter for CompletionChunks {
         if text.is_empty() && logprobs.is_empty() {
             return None;
         }
-        let logprobs = (!logprobs.is_empty()).then(|| completion_logprobs(&self.tokenizer, logprobs, &mut self.offsets[index]));
+        let logprobs = (!logprobs.is_empty()).then(|| completion_logprobs(&self.tokenizer, logprobs, &mut self.offsets[index], None));
         Some(self.chunk(index, text.to_string(), logprobs, None))
     }
 

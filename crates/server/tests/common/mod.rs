@@ -130,6 +130,20 @@ fn step(a: &mut Active, tokenizer: &Tokenizer) -> bool {
         let _ = a.events.send(RequestEvent::Failed { message: "scripted failure".into() });
         return false;
     }
+    if let (0, Some(k)) = (a.emitted, a.params.prompt_logprobs) {
+        // prompt token i (i >= 1) gets logprob -0.25 * i, rank i, and k alternatives
+        let logprobs: Vec<TokenLogprob> = a.prompt[1..]
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| TokenLogprob {
+                token,
+                logprob: -0.25 * (i + 1) as f32,
+                top: (0..k as u32).map(|j| ((token + 1 + j) % 256, -0.1 - j as f32)).collect(),
+            })
+            .collect();
+        let ranks = (1..a.prompt.len() as u32).collect();
+        let _ = a.events.send(RequestEvent::PromptLogprobs { logprobs, ranks });
+    }
     let token = a.prompt[a.emitted % a.prompt.len()];
     let logprobs = match a.params.logprobs {
         Some(k) => vec![TokenLogprob { token, logprob: -0.5, top: (0..k as u32).map(|j| ((token + 1 + j) % 256, -1.0 - j as f32)).collect() }],

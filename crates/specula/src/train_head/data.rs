@@ -217,6 +217,7 @@ fn collect_answer(rx: &mut tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) -
             Some(RequestEvent::Delta { tokens, .. }) => answer.extend(tokens),
             Some(RequestEvent::Finished { .. }) => return Ok(answer),
             Some(RequestEvent::Failed { message }) => bail!("generation failed: {message}"),
+            Some(RequestEvent::PromptLogprobs { .. }) => {}
             None => bail!("the engine stopped unexpectedly"),
         }
     }
