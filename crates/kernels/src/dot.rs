@@ -25,7 +25,7 @@ pub fn scaled_dots(out: &mut [f32], q: &[f32], rows: &[f32], offsets: &[usize], 
     assert!(offsets.iter().all(|&o| o + n <= rows.len()), "scaled_dots: a row is out of bounds");
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::cpu::features().avx2_fma && n % 8 == 0 {
+        if crate::cpu::features().avx2_fma && n.is_multiple_of(8) {
             // SAFETY: AVX2 and FMA were detected at run time; every row is in bounds (asserted).
             return unsafe { avx2::scaled_dots(out, q, rows, offsets, scale) };
         }
@@ -44,7 +44,7 @@ pub fn weighted_rows_sum(acc: &mut [f32], ws: &[f32], rows: &[f32], offsets: &[u
     assert!(offsets.iter().all(|&o| o + n <= rows.len()), "weighted_rows_sum: a row is out of bounds");
     #[cfg(target_arch = "x86_64")]
     {
-        if crate::cpu::features().avx2_fma && n % 8 == 0 {
+        if crate::cpu::features().avx2_fma && n.is_multiple_of(8) {
             // SAFETY: AVX2 was detected at run time; every row is in bounds (asserted).
             return unsafe { avx2::weighted_rows_sum(acc, ws, rows, offsets) };
         }

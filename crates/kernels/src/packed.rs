@@ -597,8 +597,12 @@ mod x86 {
     group_fn!(group_avx2, "avx2,fma,f16c", Avx2);
     group_fn!(group_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", Vnni);
 
+    /// The eight rows' results against each of N activation rows.
     #[cfg(test)]
-    pub(super) fn both<const N: usize>(p: &PackedInt8, g: usize, acts: [&[BlockQ8]; N]) -> Option<([[f32; GROUP_ROWS]; N], [[f32; GROUP_ROWS]; N])> {
+    type GroupOut<const N: usize> = [[f32; GROUP_ROWS]; N];
+
+    #[cfg(test)]
+    pub(super) fn both<const N: usize>(p: &PackedInt8, g: usize, acts: [&[BlockQ8]; N]) -> Option<(GroupOut<N>, GroupOut<N>)> {
         let f = crate::cpu::features();
         if !(f.avx2_fma && f.avx512_vnni) {
             return None;

@@ -169,7 +169,7 @@ fn helper(s: &Shared) {
                 seen = state >> EPOCH_SHIFT; // a loop that ended before this thread looked
             }
             polls += 1;
-            if polls % 1024 == 0 && start.elapsed() > SPIN {
+            if polls.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let mut sleeping = s.lock.lock().unwrap_or_else(|e| e.into_inner());
                 *sleeping += 1;
                 while s.state.load(Ordering::Acquire) >> EPOCH_SHIFT == seen && !s.stop.load(Ordering::Acquire) {
@@ -248,7 +248,9 @@ pub fn parallel_for(n: usize, f: Task) {
             if slot.as_ref().is_none_or(|p| p.threads() != threads) {
                 *slot = Some(SpinPool::new(threads));
             }
-            slot.as_ref().map(|p| p.run(n, f));
+            if let Some(p) = slot.as_ref() {
+                p.run(n, f);
+            }
         }
         Err(_) => (0..n).for_each(f),
     });

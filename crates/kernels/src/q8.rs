@@ -32,7 +32,7 @@ impl QuantizedActivations {
 
 /// Quantizes `rows` rows of `cols` (a multiple of 32) f32 values.
 pub fn quantize_rows(x: &[f32], cols: usize) -> QuantizedActivations {
-    assert!(cols % QK == 0, "activation width {cols} is not a multiple of {QK}");
+    assert!(cols.is_multiple_of(QK), "activation width {cols} is not a multiple of {QK}");
     let rows = x.len() / cols;
     let bpr = cols / QK;
     let mut blocks = vec![BlockQ8::default(); rows * bpr];

@@ -70,7 +70,7 @@ pub enum Packed {
 
 impl QMatrix {
     pub fn new(format: WeightFormat, rows: usize, cols: usize, bytes: WeightBytes, what: &str) -> Result<Self, KernelError> {
-        if cols % format.block_len() != 0 {
+        if !cols.is_multiple_of(format.block_len()) {
             return Err(KernelError::BlockMisaligned { what: what.to_string(), format, cols, block: format.block_len() });
         }
         let expected = rows * format.row_bytes(cols);
