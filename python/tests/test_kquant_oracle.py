@@ -22,6 +22,14 @@ TYPES = [
 ]
 
 
+def require_binary():
+    """Skips locally without the binary; under CI a missing binary fails the run."""
+    if not os.path.exists(BIN):
+        if os.environ.get("CI"):
+            pytest.fail(f"specula binary missing at {BIN}")
+        pytest.skip(f"specula binary missing at {BIN}")
+
+
 def random_blocks(rng, n_blocks, block_bytes, scale_offsets):
     raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
     for off in scale_offsets:
@@ -32,10 +40,7 @@ def random_blocks(rng, n_blocks, block_bytes, scale_offsets):
 
 @pytest.mark.parametrize("name,gtype,blk,nbytes,scales", TYPES)
 def test_dequantization_matches_gguf_py(tmp_path, name, gtype, blk, nbytes, scales):
-    if not os.path.exists(BIN):
-        if os.environ.get("CI"):
-            pytest.fail(f"specula binary missing at {BIN}")
-        pytest.skip(f"specula binary missing at {BIN}")
+    require_binary()
     rng = np.random.default_rng(1234)
     rows, blocks_per_row = 3, 2
     raw = random_blocks(rng, rows * blocks_per_row, nbytes, scales)
@@ -50,8 +55,7 @@ def test_dequantization_matches_gguf_py(tmp_path, name, gtype, blk, nbytes, scal
 
 
 def test_bad_dequant_arguments_fail_cleanly(tmp_path):
-    if not os.path.exists(BIN):
-        pytest.skip("specula binary missing")
+    require_binary()
     src = tmp_path / "raw.bin"
     src.write_bytes(b"\x00" * 10)
     r = subprocess.run([BIN, "debug", "dequant", "--format", "q4_k", "--cols", "256", "--input", str(src), "--output", str(tmp_path / "o")], capture_output=True, text=True)
