@@ -148,6 +148,9 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
         let candle = if candle_ok { Some(pool.install(|| candle_prefill_tps(&path, &prompt))?) } else { None };
         rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle, llama_cpp: llama_at(threads, prompt.len(), 0) });
+        let score = pool.install(|| mean_tps(args.reps, || score_tps(model, &prompt, SCORE_TOP_K)))?;
+        eprintln!("scoring at {threads} thread(s): {:.2}x plain prefill", score / ours);
+        rows.push(Row { what: format!("score {} tok, top-{SCORE_TOP_K}", prompt.len()), threads, ours: score, candle: None, llama_cpp: None });
         for &b in &args.batch {
             let ours = pool.install(|| mean_tps(args.reps, || decode_tps(model, b, args.decode_steps)))?;
             let candle = if candle_ok { Some(pool.install(|| candle_decode_tps(&path, b, args.decode_steps))?) } else { None };
@@ -201,6 +204,27 @@ fn prefill_tps(model: &LlamaModel, prompt: &[u32]) -> Result<f64> {
     let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
     let start = Instant::now();
     model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt.len() - 1], hidden_layers: &[] }, &mut kv)?;
+    Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Top-k alternatives the scoring measurement asks for (lm-evaluation-harness asks 1; 5 is a
+/// common `logprobs` setting).
+const SCORE_TOP_K: usize = 5;
+
+/// Prompt scoring (what `echo` + `logprobs` and `prompt_logprobs` cost): the prefill with logits
+/// for every prompt row, then each row's log-softmax at the next prompt token and its top-k, as
+/// the engine's compute job does (`ranked_logprob`). Prompt tokens per second.
+fn score_tps(model: &LlamaModel, prompt: &[u32], k: usize) -> Result<f64> {
+    let (mut kv, tables) = kv_for(model, prompt.len(), 1);
+    let seqs = [SeqSpan { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &tables[0] }];
+    let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
+    let rows: Vec<usize> = (0..prompt.len() - 1).collect();
+    let vocab = model.config.vocab_size;
+    let start = Instant::now();
+    let out = model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
+    for (r, row) in out.logits.chunks_exact(vocab).enumerate() {
+        std::hint::black_box(specula_engine::sampling::ranked_logprob(row, prompt[r + 1], k)?);
+    }
     Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
 }
 
