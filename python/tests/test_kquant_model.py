@@ -173,23 +173,6 @@ def test_requantized_model_logits_match_reference(kq_model, specula_bin, tmp_pat
     got_all = lo.engine_logits(specula_bin, kq_model, ids, tmp_path)
     for name, p, got in zip(names, ids, got_all):
         ref = lo.reference_logits(kq_model, tuple(p))
-        assert got.shape == ref.shape and np.isfinite(got).all()
-        d = np.abs(got.astype(np.float64) - ref)
-        lp, lq = lo.log_softmax(ref), lo.log_softmax(got)
-        kl = (np.exp(lp) * (lp - lq)).sum(-1)
-        rows = np.arange(len(p))
-        ref_top, got_top = ref.argmax(-1), got.argmax(-1)
-        gap = ref[rows, ref_top] - ref[rows, got_top]
-        row_rel = d.max(-1) / np.abs(ref).max(-1)
-        summary = (
-            f"{name} ({len(p)} tokens): max|d|={d.max():.3f} mean|d|={d.mean():.4f} row_rel={row_rel.max():.4f} "
-            f"KL mean={kl.mean():.5f} max={kl.max():.4f} top1 agree={np.mean(ref_top == got_top):.3f} max gap={gap.max():.3f}"
-        )
-        print(summary)
-        assert gap.max() <= lo.TOP1_TIE, summary
-        assert np.mean(ref_top == got_top) >= 0.85, summary
-        assert d.max() <= lo.MAX_ABS, summary
-        assert row_rel.max() <= lo.MAX_ROW_REL, summary
-        assert d.mean() <= lo.MEAN_ABS, summary
-        assert kl.mean() <= lo.KL_MEAN, summary
-        assert kl.max() <= lo.KL_MAX, summary
+        # the Q4_1 model's limits, with the top-1 floor this re-encoding measured (0.889 on one prompt;
+        # the reference with simulated 8-bit activations agrees only 0.900 here)
+        lo.compare(name, got, ref, {**lo.LIMITS, "top1_min": 0.85})

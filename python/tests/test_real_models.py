@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 
 import reference_forward as rf
+from test_logits_oracle import compare, engine_logits
 from conftest import run_specula, write_json
 
 CACHE = Path.home() / ".cache" / "specula" / "models"
@@ -132,50 +133,6 @@ def greedy_ids(path: str, text: str) -> list:
         else:
             raise ValueError(f"no token for {s[i]!r}")
     return out
-
-
-def engine_logits(specula_bin: str, model: str, prompts: list, workdir: Path) -> list:
-    inp = write_json(workdir / "in.json", {"prompts": prompts})
-    out = workdir / "out.bin"
-    run_specula(specula_bin, ["debug", "logits", "--model", model, "--input", str(inp), "--output", str(out)])
-    raw = np.fromfile(out, dtype="<f4")
-    vocab = raw.size // sum(len(p) for p in prompts)
-    res, off = [], 0
-    for p in prompts:
-        res.append(raw[off : off + len(p) * vocab].reshape(len(p), vocab))
-        off += len(p) * vocab
-    return res
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
-def compare(name: str, got: np.ndarray, ref: np.ndarray, lim: dict) -> str:
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert np.isfinite(got).all(), f"{name}: non-finite logits"
-    d = np.abs(got.astype(np.float64) - ref)
-    lp, lq = log_softmax(ref), log_softmax(got)
-    kl = (np.exp(lp) * (lp - lq)).sum(-1)
-    rows = np.arange(len(ref))
-    ref_top, got_top = ref.argmax(-1), got.argmax(-1)
-    gap = ref[rows, ref_top] - ref[rows, got_top]
-    row_rel = d.max(-1) / np.abs(ref).max(-1)
-    summary = (
-        f"{name} ({len(ref)} tokens): max|d|={d.max():.3f} mean|d|={d.mean():.4f} row_rel={row_rel.max():.4f} "
-        f"KL mean={kl.mean():.5f} max={kl.max():.4f} top1 agree={np.mean(ref_top == got_top):.3f} max gap={gap.max():.3f}"
-    )
-    print(summary)
-    assert gap.max() <= lim["top1_tie"], f"{summary}: a different top-1 where the reference is not near a tie (position {int(gap.argmax())})"
-    assert np.mean(ref_top == got_top) >= lim["top1_min"], summary
-    assert d.max() <= lim["max_abs"], summary
-    assert d.mean() <= lim["mean_abs"], summary
-    assert row_rel.max() <= lim["row_rel"], summary
-    assert kl.mean() <= lim["kl_mean"], summary
-    assert kl.max() <= lim["kl_max"], summary
-    return summary
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -198,12 +198,19 @@ fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> (KvStore, V
     (kv, tables)
 }
 
-fn prefill_tps(model: &LlamaModel, prompt: &[u32]) -> Result<f64> {
+/// One sequence's whole prompt in one forward pass into a fresh cache, with logits for `rows`;
+/// the logits and when the pass started.
+fn prefill(model: &LlamaModel, prompt: &[u32], rows: &[usize]) -> Result<(Vec<f32>, Instant)> {
     let (mut kv, tables) = kv_for(model, prompt.len(), 1);
     let seqs = [SeqSpan { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &tables[0] }];
     let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
     let start = Instant::now();
-    model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt.len() - 1], hidden_layers: &[] }, &mut kv)?;
+    let out = model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: rows, hidden_layers: &[] }, &mut kv)?;
+    Ok((out.logits, start))
+}
+
+fn prefill_tps(model: &LlamaModel, prompt: &[u32]) -> Result<f64> {
+    let (_, start) = prefill(model, prompt, &[prompt.len() - 1])?;
     Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
 }
 
@@ -215,14 +222,9 @@ const SCORE_TOP_K: usize = 5;
 /// for every prompt row, then each row's log-softmax at the next prompt token and its top-k, as
 /// the engine's compute job does (`ranked_logprob`). Prompt tokens per second.
 fn score_tps(model: &LlamaModel, prompt: &[u32], k: usize) -> Result<f64> {
-    let (mut kv, tables) = kv_for(model, prompt.len(), 1);
-    let seqs = [SeqSpan { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &tables[0] }];
-    let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
     let rows: Vec<usize> = (0..prompt.len() - 1).collect();
-    let vocab = model.config.vocab_size;
-    let start = Instant::now();
-    let out = model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
-    for (r, row) in out.logits.chunks_exact(vocab).enumerate() {
+    let (logits, start) = prefill(model, prompt, &rows)?;
+    for (r, row) in logits.chunks_exact(model.config.vocab_size).enumerate() {
         std::hint::black_box(specula_engine::sampling::ranked_logprob(row, prompt[r + 1], k)?);
     }
     Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
