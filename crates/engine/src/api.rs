@@ -42,6 +42,26 @@ pub struct SamplingParams {
     /// delivered in one [`RequestEvent::PromptLogprobs`] before the first `Delta`.
     #[serde(default)]
     pub prompt_logprobs: Option<usize>,
+    /// None: free text. Some: every sampled token must keep the output inside this language
+    /// (structured outputs, forced tool calls); logprobs stay those of the raw distribution.
+    #[serde(default)]
+    pub constraint: Option<Constraint>,
+}
+
+/// A language the output must stay inside, as the front end asked for it. The engine compiles it
+/// (llguidance) once per request; an invalid one is refused before the request runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Constraint {
+    /// Any JSON object (`response_format: {type: json_object}`).
+    JsonObject,
+    /// JSON valid for this JSON Schema (the schema's JSON text).
+    JsonSchema(String),
+    /// Text matching this regular expression (whole output).
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A Lark grammar as llguidance reads it (may embed `%json { ... }`).
+    Lark(String),
 }
 
 impl Default for SamplingParams {
@@ -62,6 +82,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }

@@ -19,7 +19,7 @@ pub mod spec;
 pub mod step;
 pub mod types;
 
-pub use api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
+pub use api::{Constraint, FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 pub use config::EngineConfig;
 pub use engine::{spawn_engine, Engine};
 pub use error::{EngineError, StepError};

@@ -204,6 +204,7 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
         prompt_logprobs,
+        constraint: None,
     };
     base.validate(config.max_logprobs).map_err(|e| {
         let param = match e.param {

@@ -52,6 +52,7 @@ impl SamplingArgs {
             ignore_eos: self.ignore_eos,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }
