@@ -35,6 +35,9 @@ pub struct SamplingParams {
     #[serde(default)]
     pub logit_bias: Vec<(TokenId, f32)>,
     pub ignore_eos: bool,
+    /// No speculative drafts for this request (an opt-out; the output is the same either way).
+    #[serde(default)]
+    pub disable_speculation: bool,
     /// None: no logprobs. Some(k): the sampled token's logprob plus the top k alternatives.
     pub logprobs: Option<usize>,
     /// None: no prompt logprobs. Some(k): for every prompt token after the first, its logprob given
@@ -80,6 +83,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             logit_bias: Vec::new(),
             ignore_eos: false,
+            disable_speculation: false,
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,

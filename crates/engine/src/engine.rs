@@ -107,7 +107,10 @@ impl Engine {
     pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Result<Self, EngineError> {
         cfg.validate().map_err(EngineError::Config)?;
         self.spec_k = cfg.num_speculative_tokens;
-        self.compute.spec = Some(Speculation::new(cfg, proposer, &self.ctx.model.config));
+        let mut proposer = proposer;
+        let cost = crate::spec::cost_model(&cfg, proposer.as_mut(), &self.ctx.model, &self.ctx.pool)
+            .map_err(|e| EngineError::Config(format!("speculation cost model: {e}")))?;
+        self.compute.spec = Some(Speculation::new(cfg, proposer, cost));
         Ok(self)
     }
 

@@ -49,7 +49,7 @@ fn hidden(h: usize, seed: u64) -> Vec<f32> {
 }
 
 fn request<'a>(seq: u64, tokens: &'a [u32], max_draft: usize, params: &'a SamplingParams, hidden: Option<&'a [f32]>) -> DraftRequest<'a> {
-    DraftRequest { seq: SeqId(seq), tokens, prompt_len: tokens.len().min(2), max_draft, params, hidden }
+    DraftRequest { seq: SeqId(seq), tokens, prompt_len: tokens.len().min(2), max_draft, params, hidden, rng: None }
 }
 
 fn load_err(path: &Path, target: &LlamaModel) -> String {

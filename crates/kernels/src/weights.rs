@@ -105,6 +105,20 @@ impl QMatrix {
         self.bytes.as_slice()
     }
 
+    /// A new matrix of these rows of this one, in this order (each row's bytes copied, then
+    /// repacked): a draft model's output projection pruned to the tokens it may propose.
+    pub fn select_rows(&self, rows: &[usize], what: &str) -> Result<Self, KernelError> {
+        let rb = self.row_bytes();
+        let mut bytes = Vec::with_capacity(rows.len() * rb);
+        for &r in rows {
+            if r >= self.rows {
+                return Err(KernelError::ByteLength { what: format!("{what}: row {r} of {}", self.rows), expected: self.rows, got: r });
+            }
+            bytes.extend_from_slice(self.row(r));
+        }
+        Self::new(self.format, rows.len(), self.cols, WeightBytes::owned(bytes), what)
+    }
+
     /// Dequantizes row `r` into `out` (length `cols`): embeddings lookups and reference paths.
     pub fn dequantize_row_into(&self, r: usize, out: &mut [f32]) {
         crate::formats::dequantize_row(self.format, self.row(r), out)

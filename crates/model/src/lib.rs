@@ -30,7 +30,7 @@ pub enum ModelError {
     BadGguf { path: String, message: String },
     #[error("{0}")]
     MissingMetadata(String),
-    #[error("tensor '{name}' has type {dtype}, which specula does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)")]
+    #[error("tensor '{name}' has type {dtype}, which specula does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")]
     UnsupportedTensorType { name: String, dtype: String },
     #[error("{0}")]
     Unsupported(String),

@@ -382,13 +382,28 @@ impl LlamaModel {
         Ok(ForwardOutput { logits, hidden })
     }
 
+    /// Keeps only these rows of the output projection, in this order: from then on the logits
+    /// have `keep.len()` columns, column `j` the logit of token `keep[j]` (a draft model that may
+    /// propose only a subset of the vocabulary reads a fraction of its lm_head).
+    pub fn restrict_output(&mut self, keep: &[u32]) -> Result<(), ModelError> {
+        let rows: Vec<usize> = keep.iter().map(|&t| t as usize).collect();
+        self.lm_head =
+            self.lm_head.select_rows(&rows, "output projection").map_err(|e| ModelError::BadTensor { name: "output.weight".into(), message: e.to_string() })?;
+        Ok(())
+    }
+
+    /// Columns of the logits: the vocabulary, or the tokens [`Self::restrict_output`] kept.
+    pub fn logits_width(&self) -> usize {
+        self.lm_head.rows
+    }
+
     /// Output norm + lm_head for rows of final hidden states (`rows x hidden`).
     pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>, ModelError> {
         let h = self.config.hidden_size;
         let n = hidden.len() / h;
         let mut hn = vec![0f32; n * h];
         rms_norm(hidden, &self.final_norm, self.config.rms_eps, &mut hn);
-        let mut logits = vec![0f32; n * self.config.vocab_size];
+        let mut logits = vec![0f32; n * self.lm_head.rows];
         if n > 0 {
             matmul(&MatmulInput::new(&hn, h, &[&self.lm_head]), &self.lm_head, &mut logits);
         }

@@ -29,6 +29,9 @@ pub struct CompletionRequest {
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
+    /// Our extension: no speculative drafts for this request (the output is the same either way;
+    /// only its speed differs).
+    pub disable_speculation: Option<bool>,
     /// Number of alternatives per position (0 = the sampled token's logprob only).
     pub logprobs: Option<i64>,
     /// Prepend the prompt's text to each choice's text (with `logprobs`, the prompt's logprobs too).
@@ -61,6 +64,9 @@ pub struct ChatCompletionRequest {
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
+    /// Our extension: no speculative drafts for this request (the output is the same either way;
+    /// only its speed differs).
+    pub disable_speculation: Option<bool>,
     pub logprobs: Option<bool>,
     /// Alternatives per position; needs `logprobs: true`.
     pub top_logprobs: Option<i64>,

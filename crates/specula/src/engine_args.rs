@@ -60,12 +60,16 @@ pub struct SpecArgs {
     /// (default for mtp: the head built in for the default model, heads/README.md).
     #[arg(long)]
     pub draft_model: Option<PathBuf>,
-    /// Smallest n-gram the ngram method matches.
+    /// With --speculative-method draft: the draft proposes only the first N token ids (BPE and
+    /// SentencePiece vocabularies put frequent tokens first) and end-of-sequence tokens, and
+    /// computes only those rows of its output projection (cheaper drafts, slightly fewer
+    /// accepted). Default: the whole vocabulary.
+    #[arg(long)]
+    pub draft_vocab_size: Option<usize>,
+    /// Shortest match (tokens) of the text's suffix that the ngram method drafts from; the longest
+    /// earlier match is found whatever its length, and the draft is at most as long as it.
     #[arg(long, default_value_t = 2)]
     pub ngram_min: usize,
-    /// Largest n-gram the ngram method matches.
-    #[arg(long, default_value_t = 4)]
-    pub ngram_max: usize,
     /// DEBUG/BENCHMARK ONLY: accept every draft token. This CHANGES THE OUTPUT.
     #[arg(long)]
     pub speculative_force_accept: bool,
@@ -75,17 +79,21 @@ pub struct SpecArgs {
     /// With adaptive speculation, no drafts in steps where more sequences decode than this.
     #[arg(long, default_value_t = 8)]
     pub speculative_max_batch: usize,
-    /// With adaptive speculation, at most this many tokens verified per step (k shrinks as the
-    /// batch grows: 8, one pass of the matmul kernel over the weights, allows k = 3 for 2
-    /// sequences, k = 1 for 3 or 4, none for more).
-    #[arg(long, default_value_t = 8)]
+    /// With adaptive speculation, at most this many tokens verified per step (a cap: within it the
+    /// cost model picks each sequence's k from the measured verify curve at the step's batch size
+    /// and the sequence's acceptance).
+    #[arg(long, default_value_t = 32)]
     pub speculative_max_step_tokens: usize,
     /// With adaptive speculation, what verifying one more token costs relative to a one-token
-    /// step (the proposer's own cost is added). The default is measured on a 2-core CPU
-    /// (`specula bench offline --verify-curve` and serving); a GPU verifies a few more tokens
-    /// almost for free (try 0.02).
-    #[arg(long, default_value_t = specula_engine::spec::adaptive::VERIFY_COST_PER_TOKEN, value_parser = parse_cost)]
-    pub speculative_verify_cost: f64,
+    /// step, as a figure instead of a measurement. By default the loaded target's verify curve is
+    /// measured at start-up (a second or two, logged, shown in /metrics); giving this skips that.
+    #[arg(long, value_parser = parse_cost)]
+    pub speculative_verify_cost: Option<f64>,
+    /// With adaptive speculation, one draft token's work relative to a one-token target step, as a
+    /// figure (default: a draft model's is measured with the verify curve; an mtp head's is
+    /// estimated from its shape; n-gram's is 0).
+    #[arg(long, value_parser = parse_cost)]
+    pub speculative_draft_cost: Option<f64>,
     /// With adaptive speculation, an mtp head's greedy draft chain ends at the first token the
     /// head gives less than this probability (0 drafts whatever the head thinks).
     #[arg(long, default_value_t = specula_engine::spec::config::DEFAULT_MTP_MIN_CONFIDENCE, value_parser = parse_probability)]
@@ -115,19 +123,25 @@ impl SpecArgs {
         let method = self.speculative_method?;
         let mut c = SpecConfig::new(method, self.num_speculative_tokens);
         c.ngram_min = self.ngram_min;
-        c.ngram_max = self.ngram_max;
         c.draft_model = self.draft_model.clone();
+        c.draft_vocab = self.draft_vocab_size;
         c.force_accept = self.speculative_force_accept;
         c.adaptive = !self.no_speculative_adaptive;
         c.max_batch_for_speculation = self.speculative_max_batch;
         c.max_step_tokens_for_speculation = self.speculative_max_step_tokens;
         c.verify_cost_per_token = self.speculative_verify_cost;
+        c.draft_cost = self.speculative_draft_cost;
         c.mtp_min_confidence = self.speculative_min_confidence;
         Some(c)
     }
 
     /// The proposer for these flags, if speculation is on (errors name the bad flag).
-    pub fn build(&self, target: &specula_model::LlamaModel, engine: &EngineConfig) -> anyhow::Result<Option<(SpecConfig, Box<dyn Proposer>)>> {
+    pub fn build(
+        &self,
+        target: &specula_model::LlamaModel,
+        target_tokenizer: &specula_model::Tokenizer,
+        engine: &EngineConfig,
+    ) -> anyhow::Result<Option<(SpecConfig, Box<dyn Proposer>)>> {
         let Some(mut cfg) = self.to_config() else { return Ok(None) };
         if cfg.force_accept {
             tracing::warn!("--speculative-force-accept is on: every draft token is accepted and the OUTPUT IS CHANGED (benchmarking only)");
@@ -140,6 +154,10 @@ impl SpecArgs {
         } else if cfg.draft_model.is_some() {
             // a known model's name works here as for --model
             cfg.draft_model = Some(crate::fetch::resolve_model(&cfg.draft_model)?);
+        }
+        if let (SpecMethod::Draft, Some(path)) = (cfg.method, &cfg.draft_model) {
+            let (draft_tokenizer, _) = specula_model::load_tokenizer(path)?;
+            specula_engine::spec::draft_model::check_same_tokenizer(&draft_tokenizer, target_tokenizer)?;
         }
         let p = specula_engine::spec::build_proposer(&cfg, target, engine).map_err(|e| {
             let e = anyhow::Error::from(e);
@@ -224,9 +242,10 @@ mod tests {
         let cli =
             Cli::try_parse_from(["x", "--speculative-method", "mtp", "--speculative-verify-cost", "0.02", "--speculative-min-confidence", "0.7"]).unwrap();
         let c = cli.spec.to_config().unwrap();
-        assert_eq!((c.verify_cost_per_token, c.mtp_min_confidence), (0.02, 0.7));
+        assert_eq!((c.verify_cost_per_token, c.mtp_min_confidence), (Some(0.02), 0.7));
         let defaults = Cli::try_parse_from(["x", "--speculative-method", "ngram"]).unwrap().spec.to_config().unwrap();
-        assert_eq!(defaults.verify_cost_per_token, specula_engine::spec::adaptive::VERIFY_COST_PER_TOKEN);
+        // measured at start-up unless given
+        assert_eq!((defaults.verify_cost_per_token, defaults.draft_cost), (None, None));
         for bad in ["--speculative-verify-cost=-1", "--speculative-verify-cost=nan", "--speculative-min-confidence=1.5", "--speculative-min-confidence=x"] {
             let err = Cli::try_parse_from(["x", "--speculative-method", "mtp", bad]).err().expect("refused");
             assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation, "{bad}: {err}");

@@ -54,7 +54,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompt.len() >= cfg.max_model_len {
         bail!("prompt has {} tokens but --max-model-len is {}", prompt.len(), cfg.max_model_len);
     }
-    let spec = args.engine.spec.build(&loaded.model, &cfg)?;
+    let spec = args.engine.spec.build(&loaded.model, &tokenizer, &cfg)?;
     let (handle, join) = spawn_engine(loaded.model, tokenizer, cfg, spec)?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let start = Instant::now();

@@ -171,7 +171,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         println!("{:<22} {:>7} {:>14.1} {:>14} {:>8} {:>14} {:>8}", r.what, r.threads, r.ours, c, cr, l, lr);
     }
     if args.verify_curve {
-        println!("\nverify cost curve (one sequence, context {VERIFY_CONTEXT}, median of {VERIFY_ROUNDS} interleaved rounds): time of a 1 + k token step relative to a 1-token step");
+        println!("\nverify cost curve (one sequence, context {VERIFY_CONTEXT}, fastest of {VERIFY_ROUNDS} interleaved rounds): time of a 1 + k token step relative to a 1-token step");
         println!("{:>3} {:>8} {:>10} {:>8}", "k", "threads", "step ms", "relative");
         for &threads in &args.threads {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
@@ -296,39 +296,12 @@ fn candle_decode_tps(path: &PathBuf, batch: usize, steps: usize) -> Result<f64> 
 /// Context of the verify-cost measurement: about a chat prompt and half its answer.
 const VERIFY_CONTEXT: usize = 128;
 /// Rounds of the verify-cost measurement; each round times every k once, so the machine's drift
-/// (10-15% over a minute on these shared hosts) hits all k alike, and the median is reported.
+/// (10-15% over a minute on these shared hosts) hits all k alike, and the fastest is reported.
 const VERIFY_ROUNDS: usize = 24;
 
-/// Seconds per step (median over interleaved rounds) of one sequence at context
-/// `VERIFY_CONTEXT` computing 1 + k new tokens, k = 0..=max_k.
+/// Seconds per step of one sequence at context `VERIFY_CONTEXT` computing 1 + k new tokens,
+/// k = 0..=max_k (the engine's start-up measurement, `spec::cost`, with more rounds).
 fn verify_curve(model: &LlamaModel, max_k: usize) -> Result<Vec<f64>> {
-    let ctx = VERIFY_CONTEXT;
-    let (mut kv, tables) = kv_for(model, ctx + max_k + 1, 1);
-    let prompt: Vec<u32> = (0..ctx as u32).map(|i| 100 + i * 7).collect();
-    let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &tables[0] }];
-    let slots: Vec<usize> = (0..ctx).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
-    model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[ctx - 1], hidden_layers: &[] }, &mut kv)?;
-    let mut times = vec![Vec::with_capacity(VERIFY_ROUNDS); max_k + 1];
-    for round in 0..=VERIFY_ROUNDS {
-        for (k, t) in times.iter_mut().enumerate() {
-            let n = k + 1;
-            let toks: Vec<u32> = (0..n as u32).map(|i| 300 + i).collect();
-            let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: ctx + n, block_table: &tables[0] }];
-            let slots: Vec<usize> = (ctx..ctx + n).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
-            let rows: Vec<usize> = (0..n).collect();
-            let start = Instant::now();
-            model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
-            // round 0 warms up
-            if round > 0 {
-                t.push(start.elapsed().as_secs_f64());
-            }
-        }
-    }
-    Ok(times
-        .into_iter()
-        .map(|mut t| {
-            t.sort_by(f64::total_cmp);
-            t[t.len() / 2]
-        })
-        .collect())
+    let points: Vec<usize> = (1..=max_k + 1).collect();
+    Ok(specula_engine::spec::cost::time_forward(model, &points, VERIFY_CONTEXT, VERIFY_ROUNDS)?.into_iter().map(|(_, t)| t).collect())
 }

@@ -50,6 +50,7 @@ impl SamplingArgs {
             stop_token_ids: vec![],
             logit_bias: vec![],
             ignore_eos: self.ignore_eos,
+            disable_speculation: false,
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,

@@ -85,7 +85,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let handle = group.handle.clone();
         (handle, EngineJoin::Group(group))
     } else {
-        let spec = args.engine.spec.build(&loaded.model, &cfg)?;
+        let spec = args.engine.spec.build(&loaded.model, &tokenizer, &cfg)?;
         let (h, j) = spawn_engine(loaded.model, tokenizer.clone(), cfg, spec)?;
         (h, EngineJoin::Single(j))
     };
@@ -208,7 +208,7 @@ fn spawn_dp_group(
         models.push(load_model(path)?.model);
     }
     for model in models {
-        let spec = args.engine.spec.build(&model, &rank_cfg)?;
+        let spec = args.engine.spec.build(&model, &tokenizer, &rank_cfg)?;
         let mut r = RankSetup::new(model);
         if let Some((c, p)) = spec {
             r = r.with_speculation(c, p);

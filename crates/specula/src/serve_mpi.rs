@@ -84,7 +84,7 @@ fn build(args: &ServeArgs, mode: DpMode, size: usize) -> Result<Built> {
     if args.engine.threads.is_none() {
         cfg.threads = default_threads();
     }
-    let spec = args.engine.spec.build(&loaded.model, &cfg)?;
+    let spec = args.engine.spec.build(&loaded.model, &loaded.tokenizer, &cfg)?;
     // this process keeps its 1/N of the experts (fails alike on every rank for a bad N)
     args.engine.setup_expert_parallel_mpi(&mut loaded.model, mode == DpMode::Lockstep)?;
     let desc =

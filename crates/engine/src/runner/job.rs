@@ -11,7 +11,6 @@ use crate::config::{FaultInjection, FaultPhase};
 use crate::error::{panic_message, StepError};
 use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
-use crate::spec::adaptive::batch_k_limit;
 use crate::spec::{verify, Draft, DraftRequest, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
 use crate::types::{SeqId, TokenId};
@@ -179,11 +178,7 @@ fn propose(
     }
     if let Some(sp) = state.spec.as_mut() {
         let decoding = continuing.iter().filter(|&&c| c).count();
-        let k_limit = if sp.cfg.adaptive {
-            batch_k_limit(decoding, sp.cfg.num_speculative_tokens, sp.cfg.max_batch_for_speculation, sp.cfg.max_step_tokens_for_speculation)
-        } else {
-            sp.cfg.num_speculative_tokens
-        };
+        let k_limit = sp.batch_k_limit(decoding);
         let needs_hidden = sp.proposer.needs_hidden();
         // each row's hidden states: one H-wide state per layer the proposer asked for
         let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
@@ -195,7 +190,7 @@ fn propose(
                 if !continuing[i] {
                     continue;
                 }
-                let k = if k_limit > 0 { sp.next_k(it.seq, k_limit) } else { 0 };
+                let k = if k_limit > 0 && !it.params.disable_speculation { sp.next_k(it.seq, k_limit, decoding) } else { 0 };
                 let output_len = it.tokens.len() - it.prompt_len;
                 let room_tokens = it.params.max_tokens.saturating_sub(output_len + 1);
                 let room_ctx = ctx.max_model_len.saturating_sub(it.tokens.len() + 1);
@@ -207,6 +202,7 @@ fn propose(
                     max_draft: k.min(room_tokens).min(room_ctx),
                     params: &it.params,
                     hidden,
+                    rng: Some(&results[i].rng),
                 });
                 which.push(i);
             }

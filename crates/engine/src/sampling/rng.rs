@@ -2,6 +2,12 @@
 //! its batch (invariant 3 of docs/architecture.md). ChaCha12 seeded from the request's seed (or from the OS
 //! source when it has none); the completion index picks an independent ChaCha stream, so the `n`
 //! completions of one seeded request differ. Not for anything needing cryptographic secrecy.
+//!
+//! Tokens are sampled with [`SeqRng::uniform_at`]: the draw for the token at sequence position
+//! `pos` is a fixed word of the stream, whichever step samples that position. A token verified as a
+//! draft is sampled from the target's distribution with the very draw plain decoding uses at that
+//! position (and a draft model samples its own token with it too), so seeded outputs are the same
+//! with or without speculation and with or without async scheduling, token for token.
 
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha12Rng;
@@ -24,10 +30,24 @@ impl SeqRng {
     }
 
     /// A uniform draw in [0, 1) built from the top 53 bits of one `u64`, written out here so the
-    /// value does not depend on `rand`'s float conversion.
+    /// value does not depend on `rand`'s float conversion. The next word of the stream (a
+    /// proposer's own draws); tokens use [`SeqRng::uniform_at`].
     pub fn uniform(&mut self) -> f64 {
-        (self.inner.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+        to_unit(self.inner.next_u64())
     }
+
+    /// The draw for the token at sequence position `pos` (prompt tokens counted): word `4 pos` of
+    /// the stream, the same however many draws came before. `second` picks a second, independent
+    /// draw for that position (word `4 pos + 2`: a rejection's resampling).
+    pub fn uniform_at(&self, pos: usize, second: bool) -> f64 {
+        let mut r = self.inner.clone();
+        r.set_word_pos(pos as u128 * 4 + if second { 2 } else { 0 });
+        to_unit(r.next_u64())
+    }
+}
+
+fn to_unit(x: u64) -> f64 {
+    (x >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 impl std::fmt::Debug for SeqRng {
@@ -74,6 +94,19 @@ mod tests {
     fn draws_lie_in_the_unit_interval() {
         let mut rng = SeqRng::new(Some(7), 3);
         assert!(draws(&mut rng, 10_000).iter().all(|&u| (0.0..1.0).contains(&u)));
+    }
+
+    #[test]
+    fn a_position_has_one_draw_whatever_was_drawn_before() {
+        let mut a = SeqRng::new(Some(42), 0);
+        let b = SeqRng::new(Some(42), 0);
+        let at5 = a.uniform_at(5, false);
+        draws(&mut a, 7);
+        assert_eq!(a.uniform_at(5, false), at5);
+        assert_eq!(b.uniform_at(5, false), at5);
+        assert_ne!(a.uniform_at(5, true), at5);
+        assert_ne!(a.uniform_at(6, false), at5);
+        assert_ne!(SeqRng::new(Some(42), 1).uniform_at(5, false), at5);
     }
 
     const PINNED_SEED_42: [f64; 2] = [0.5265574090027738, 0.5427252099031439];

@@ -98,10 +98,10 @@ impl Sampler {
         Self::default()
     }
 
-    /// One token from `logits` under `params`. Draws exactly one uniform from `rng`, greedy or
-    /// not, before anything can fail, so the sequence's stream advances one step per token.
+    /// One token from `logits` under `params`, for the position after `history`, with that
+    /// position's draw ([`SeqRng::uniform_at`]).
     pub fn sample(&mut self, logits: &[f32], params: &SamplingParams, history: TokenHistory<'_>, rng: &mut SeqRng) -> Result<TokenId, SamplingError> {
-        let u = rng.uniform();
+        let u = rng.uniform_at(history.prompt.len() + history.output.len(), false);
         if params.is_plain_greedy() {
             if logits.is_empty() {
                 return Err(SamplingError::EmptyRow);
@@ -151,10 +151,12 @@ mod tests {
         ps.iter().map(|p| p.ln()).collect()
     }
 
+    /// Tokens for positions 0..n of one sequence (each with its own draw).
     fn sample_n(logits: &[f32], params: &SamplingParams, seed: u64, n: usize) -> Vec<TokenId> {
         let mut sampler = Sampler::new();
         let mut rng = SeqRng::new(Some(seed), 0);
-        (0..n).map(|_| sampler.sample(logits, params, TokenHistory::default(), &mut rng).unwrap()).collect()
+        let out = vec![0; n];
+        (0..n).map(|i| sampler.sample(logits, params, TokenHistory { prompt: &[], output: &out[..i] }, &mut rng).unwrap()).collect()
     }
 
     #[test]
@@ -217,20 +219,20 @@ mod tests {
     }
 
     #[test]
-    fn every_token_consumes_exactly_one_draw() {
+    fn each_position_has_its_own_draw_whatever_came_before() {
         // Greedy and random tokens interleaved: the random ones see the draws they would see in
-        // a stream that sampled every token randomly.
+        // a sequence that sampled every token randomly.
         let logits = ln(&[0.1, 0.2, 0.3, 0.4]);
         let random = SamplingParams::default();
         let greedy = SamplingParams::greedy(1);
         let all_random = sample_n(&logits, &random, 9, 6);
         let mut sampler = Sampler::new();
         let mut rng = SeqRng::new(Some(9), 0);
-        let h = TokenHistory::default();
+        let out = [0; 6];
         let mixed: Vec<TokenId> = (0..6)
             .map(|i| {
                 let p = if i % 2 == 0 { &greedy } else { &random };
-                sampler.sample(&logits, p, h, &mut rng).unwrap()
+                sampler.sample(&logits, p, TokenHistory { prompt: &[], output: &out[..i] }, &mut rng).unwrap()
             })
             .collect();
         for i in [1, 3, 5] {
@@ -242,15 +244,14 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_row_still_consumes_its_draw() {
+    fn a_failed_row_changes_no_later_draw() {
         let mut sampler = Sampler::new();
         let mut rng = SeqRng::new(Some(4), 0);
         let h = TokenHistory::default();
         let p = SamplingParams::default();
         assert_eq!(sampler.sample(&[], &p, h, &mut rng), Err(SamplingError::EmptyRow));
-        let mut fresh = SeqRng::new(Some(4), 0);
-        fresh.uniform();
-        assert_eq!(rng.uniform(), fresh.uniform());
+        let fresh = SeqRng::new(Some(4), 0);
+        assert_eq!(rng.uniform_at(1, false), fresh.uniform_at(1, false));
     }
 
     #[test]

@@ -1,14 +1,15 @@
 //! Choosing how many tokens to draft per sequence and step, so speculation never makes serving
 //! slower. Each sequence keeps an estimate of its per-position acceptance `a`; a step with `k`
-//! drafts then emits `1 + a + ... + a^k` tokens on average and costs about
-//! `1 + k * cost_per_draft_token` plain steps (verifying one more token, measured with
-//! `specula bench offline --verify-curve`, plus the proposer's own work for it). The tracker picks
+//! drafts then emits `1 + a + ... + a^k` tokens on average and costs
+//! [`CostModel::step_cost`] plain steps (the target's verify curve at this batch size, measured at
+//! start-up or given, plus the proposer's own work per draft token). The tracker picks
 //! the k with the best tokens per cost, none when no k beats a plain step, with a one-token probe
 //! every few steps so a sequence whose text turns predictable can recover. A new sequence starts
 //! from the engine-wide acceptance, so a workload the proposer does not predict never pays for a
 //! warm-up at full k. Large batches get fewer drafts per sequence (a step-wide token budget): the
 //! verification of many sequences' drafts is compute-bound on a CPU.
 
+use super::cost::CostModel;
 use specula_model::ModelConfig;
 
 /// Extra cost of verifying one more token in a batch-1 step, relative to the step. Measured in
@@ -82,13 +83,14 @@ impl AcceptanceTracker {
         }
     }
 
-    /// Draft length for the next step: the best `k <= k_max` by expected tokens per cost, or 0
-    /// (with a one-token probe every `PROBE_EVERY` steps while paused).
-    pub fn next_k(&mut self, k_max: usize, cost_per_draft_token: f64) -> usize {
+    /// Draft length for the next step of a sequence decoding among `batch`: the best `k <= k_max`
+    /// by expected tokens per cost, or 0 (with a one-token probe every `PROBE_EVERY` steps while
+    /// paused).
+    pub fn next_k(&mut self, k_max: usize, cost: &CostModel, batch: usize) -> usize {
         if k_max == 0 {
             return 0;
         }
-        let k = best_k(self.alpha(), k_max, cost_per_draft_token);
+        let k = best_k(self.alpha(), k_max, cost, batch);
         if k > 0 {
             self.steps_since_probe = 0;
             return k;
@@ -107,11 +109,12 @@ pub fn expected_tokens(alpha: f64, k: usize) -> f64 {
     (0..=k).map(|i| alpha.powi(i as i32)).sum()
 }
 
-/// The `k` in `0..=k_max` with the most expected tokens per unit of step cost.
-pub fn best_k(alpha: f64, k_max: usize, cost_per_draft_token: f64) -> usize {
+/// The `k` in `0..=k_max` with the most expected tokens per unit of step cost, for a sequence
+/// decoding among `batch`.
+pub fn best_k(alpha: f64, k_max: usize, cost: &CostModel, batch: usize) -> usize {
     let mut best = (0, 1.0);
     for k in 1..=k_max {
-        let gain = expected_tokens(alpha, k) / (1.0 + k as f64 * cost_per_draft_token);
+        let gain = expected_tokens(alpha, k) / cost.step_cost(batch, k);
         // a longer draft must beat the shorter one clearly, not by rounding
         if gain > best.1 * 1.01 {
             best = (k, gain);
@@ -146,6 +149,10 @@ pub fn matmul_cost(c: &ModelConfig) -> f64 {
 mod tests {
     use super::*;
 
+    fn linear(c: f64) -> CostModel {
+        CostModel::linear(c, 0.0)
+    }
+
     #[test]
     fn expected_tokens_is_the_geometric_sum() {
         assert_eq!(expected_tokens(0.5, 0), 1.0);
@@ -156,34 +163,34 @@ mod tests {
     #[test]
     fn k_follows_acceptance_and_cost() {
         // cheap drafts (n-gram) at high acceptance: all of them
-        assert_eq!(best_k(0.9, 4, VERIFY_COST_PER_TOKEN), 4);
+        assert_eq!(best_k(0.9, 4, &linear(VERIFY_COST_PER_TOKEN), 1), 4);
         // a = 0.7: 1 + a + a^2 = 2.19 for 1.56 beats k = 1 (1.7 / 1.28) and k = 3 (2.533 / 1.84)
-        assert_eq!(best_k(0.7, 4, VERIFY_COST_PER_TOKEN), 2);
+        assert_eq!(best_k(0.7, 4, &linear(VERIFY_COST_PER_TOKEN), 1), 2);
         // a = 0.5: one draft (1.5 / 1.28 against 1.75 / 1.56)
-        assert_eq!(best_k(0.5, 4, VERIFY_COST_PER_TOKEN), 1);
+        assert_eq!(best_k(0.5, 4, &linear(VERIFY_COST_PER_TOKEN), 1), 1);
         // low acceptance with a proposer that costs as much again: nothing pays
-        assert_eq!(best_k(0.14, 4, VERIFY_COST_PER_TOKEN + 0.06), 0);
+        assert_eq!(best_k(0.14, 4, &linear(VERIFY_COST_PER_TOKEN + 0.06), 1), 0);
         // break-even: 1 + a > 1 + c  <=>  a > c
-        assert_eq!(best_k(0.10, 3, 0.13), 0);
-        assert_eq!(best_k(0.20, 3, 0.13), 1);
+        assert_eq!(best_k(0.10, 3, &linear(0.13), 1), 0);
+        assert_eq!(best_k(0.20, 3, &linear(0.13), 1), 1);
     }
 
     #[test]
     fn low_acceptance_pauses_drafting_with_probes_and_recovers() {
         let mut t = AcceptanceTracker::default();
         // the optimistic prior (0.7): k = 2
-        assert_eq!(t.next_k(4, VERIFY_COST_PER_TOKEN), 2);
+        assert_eq!(t.next_k(4, &linear(VERIFY_COST_PER_TOKEN), 1), 2);
         for _ in 0..6 {
             t.record(4, 0);
         }
         assert!(t.alpha() < 0.1, "{}", t.alpha());
-        let ks: Vec<usize> = (0..PROBE_EVERY as usize).map(|_| t.next_k(4, VERIFY_COST_PER_TOKEN)).collect();
+        let ks: Vec<usize> = (0..PROBE_EVERY as usize).map(|_| t.next_k(4, &linear(VERIFY_COST_PER_TOKEN), 1)).collect();
         assert_eq!(ks, [vec![0; PROBE_EVERY as usize - 1], vec![1]].concat());
         for _ in 0..20 {
             t.record(1, 1);
         }
         assert!(t.alpha() > 0.95, "{}", t.alpha());
-        assert_eq!(t.next_k(4, VERIFY_COST_PER_TOKEN), 4);
+        assert_eq!(t.next_k(4, &linear(VERIFY_COST_PER_TOKEN), 1), 4);
     }
 
     #[test]
@@ -203,7 +210,7 @@ mod tests {
         let mut t = AcceptanceTracker::from_global(&g);
         assert!(t.alpha() < 0.05);
         // no full-k warm-up for a workload the proposer cannot predict
-        assert_eq!(t.next_k(3, VERIFY_COST_PER_TOKEN), 0);
+        assert_eq!(t.next_k(3, &linear(VERIFY_COST_PER_TOKEN), 1), 0);
     }
 
     #[test]

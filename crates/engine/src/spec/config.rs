@@ -29,10 +29,13 @@ pub struct SpecConfig {
     pub method: SpecMethod,
     /// Most draft tokens proposed per sequence per step.
     pub num_speculative_tokens: usize,
+    /// Shortest earlier match of the text's suffix the ngram method drafts from.
     pub ngram_min: usize,
-    pub ngram_max: usize,
     /// Draft model (GGUF or folder) for `draft`, head file for `mtp`.
     pub draft_model: Option<PathBuf>,
+    /// For `draft`: the draft proposes only the first n token ids (and end-of-sequence tokens),
+    /// computing only those rows of its output projection. None: the whole vocabulary.
+    pub draft_vocab: Option<usize>,
     /// Accept every draft token (upper-bound benchmarks only: CHANGES THE OUTPUT).
     pub force_accept: bool,
     /// Let the engine shrink k (or skip speculation) when the batch is large or acceptance low.
@@ -47,8 +50,13 @@ pub struct SpecConfig {
     /// [`DEFAULT_MTP_MIN_CONFIDENCE`].
     pub mtp_min_confidence: f32,
     /// With `adaptive`, the cost of verifying one more token relative to a one-token step
-    /// (`adaptive::VERIFY_COST_PER_TOKEN` by default; the proposer's own cost is added).
-    pub verify_cost_per_token: f64,
+    /// (`adaptive::VERIFY_COST_PER_TOKEN` by default). None: measure the verify curve of the
+    /// loaded target at start-up (`cost::CostModel`), and the draft model's token too.
+    pub verify_cost_per_token: Option<f64>,
+    /// With `adaptive`, one draft token's work relative to a one-token target step. None: the
+    /// proposer's figure (measured for a draft model when the verify curve is measured, else its
+    /// estimate from the models' shapes; 0 for n-gram).
+    pub draft_cost: Option<f64>,
 }
 
 /// The mtp confidence gate's default. The shipped head is about calibrated on the held-out chat
@@ -68,14 +76,15 @@ impl SpecConfig {
             method,
             num_speculative_tokens: k,
             ngram_min: 2,
-            ngram_max: 4,
             draft_model: None,
+            draft_vocab: None,
             force_accept: false,
             adaptive: true,
             max_batch_for_speculation: 8,
             max_step_tokens_for_speculation: 8,
             mtp_min_confidence: DEFAULT_MTP_MIN_CONFIDENCE,
-            verify_cost_per_token: super::adaptive::VERIFY_COST_PER_TOKEN,
+            verify_cost_per_token: Some(super::adaptive::VERIFY_COST_PER_TOKEN),
+            draft_cost: None,
         }
     }
 
@@ -84,8 +93,8 @@ impl SpecConfig {
         if k == 0 || k > MAX_SPECULATIVE_TOKENS {
             return Err(format!("--num-speculative-tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {k}"));
         }
-        if self.ngram_min == 0 || self.ngram_min > self.ngram_max {
-            return Err(format!("n-gram sizes must satisfy 1 <= min ({}) <= max ({})", self.ngram_min, self.ngram_max));
+        if self.ngram_min == 0 {
+            return Err("--ngram-min must be at least 1".into());
         }
         if self.method == SpecMethod::Draft && self.draft_model.is_none() {
             return Err("--speculative-method draft needs --draft-model PATH".into());

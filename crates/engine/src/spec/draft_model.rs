@@ -1,11 +1,20 @@
 //! Draft-model proposer: a smaller model with the same vocabulary, its own paged KV cache, run
 //! autoregressively for k steps over all speculating sequences in one batch per step. Its KV is
 //! rolled back to what the target accepted, so it never recomputes accepted tokens.
+//!
+//! On a CPU a draft token costs the bytes the draft reads, and a small model's tied output
+//! projection over a 150k vocabulary is a large part of them (Qwen2.5-0.5B: 136 MB of about 300).
+//! With a draft vocabulary (`SpecConfig::draft_vocab`) the draft computes logits only for the
+//! first `n` token ids (BPE and SentencePiece vocabularies are ordered by merge rank / score, so
+//! these are the frequent ones) and the end-of-sequence tokens; it never proposes another token,
+//! and the rejection sampler stays exact (those tokens have draft probability 0). Greedy requests
+//! take the draft's argmax directly (no distribution is built or carried).
 
 use super::proposer::{Draft, DraftRequest, Proposer};
+use super::vocab_map::VocabMap;
 use super::SpecError;
 use crate::kv_cache::KvCacheManager;
-use crate::sampling::{probabilities, sample_from_probs, SeqRng, TokenHistory};
+use crate::sampling::{greedy_argmax, probabilities, sample_from_probs, SeqRng, TokenHistory};
 use crate::types::{SeqId, TokenId};
 use specula_kernels::attention::KvLayout;
 use specula_model::{ForwardBatch, KvStore, LlamaModel, SeqSpan};
@@ -17,6 +26,9 @@ pub struct DraftModelProposer {
     kv: KvCacheManager,
     /// Per sequence: tokens whose draft KV is computed, and the draft's own random stream.
     state: HashMap<SeqId, (usize, SeqRng)>,
+    /// The tokens the draft may propose when its output is restricted (column j of its logits is
+    /// token `d2t(j)`); None: the whole vocabulary.
+    vocab: Option<VocabMap>,
 }
 
 impl DraftModelProposer {
@@ -31,7 +43,28 @@ impl DraftModelProposer {
         let layout = KvLayout { block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
         let kv_store = KvStore::new(c.n_layers, layout, num_blocks);
         let kv = KvCacheManager::new(num_blocks, block_size, false)?;
-        Ok(Self { model, kv_store, kv, state: HashMap::new() })
+        Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None })
+    }
+
+    /// Restricts the draft to the first `n` token ids and `always` (end-of-sequence tokens):
+    /// its lm_head keeps only those rows. `n` at or above the vocabulary: no restriction.
+    pub fn with_draft_vocab(mut self, n: usize, always: &[TokenId]) -> Result<Self, SpecError> {
+        let vocab = self.model.config.vocab_size;
+        if n >= vocab {
+            return Ok(self);
+        }
+        let mut keep: Vec<TokenId> = (0..n as TokenId).collect();
+        keep.extend(always.iter().copied().filter(|&t| t as usize >= n && (t as usize) < vocab));
+        keep.sort_unstable();
+        keep.dedup();
+        self.model.restrict_output(&keep)?;
+        self.vocab = Some(VocabMap::from_d2t(keep, vocab).map_err(SpecError::Config)?);
+        Ok(self)
+    }
+
+    /// Tokens the draft may propose.
+    pub fn draft_vocab_size(&self) -> usize {
+        self.vocab.as_ref().map_or(self.model.config.vocab_size, |m| m.draft_vocab())
     }
 
     fn run(&mut self, items: &[(SeqId, Vec<TokenId>, usize)], pool: &rayon::ThreadPool) -> Result<Vec<f32>, SpecError> {
@@ -60,14 +93,46 @@ impl DraftModelProposer {
     }
 }
 
+/// Refuses a draft whose tokenizer is not the target's: the same number of tokens, the same text
+/// for every id (a draft proposes ids; the same id must mean the same text to both).
+pub fn check_same_tokenizer(draft: &specula_model::Tokenizer, target: &specula_model::Tokenizer) -> Result<(), SpecError> {
+    if draft.vocab_size() != target.vocab_size() {
+        return Err(SpecError::Config(format!(
+            "the draft model's tokenizer has {} tokens but the target's has {}; a draft model must share the target's tokenizer",
+            draft.vocab_size(),
+            target.vocab_size()
+        )));
+    }
+    for id in 0..draft.vocab_size() as TokenId {
+        let (d, t) = (draft.id_to_token(id), target.id_to_token(id));
+        if d != t {
+            return Err(SpecError::Config(format!(
+                "the draft model's token {id} is {d:?} but the target's is {t:?}; a draft model must share the target's tokenizer"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Proposer for DraftModelProposer {
     fn cost_per_draft_token(&self, target: &specula_model::ModelConfig) -> f64 {
         super::adaptive::matmul_cost(&self.model.config) / super::adaptive::matmul_cost(target)
     }
 
+    fn draft_token_seconds(&mut self, pool: &rayon::ThreadPool) -> Result<Option<f64>, SpecError> {
+        Ok(Some(super::cost::measure_one_token(&self.model, pool)?))
+    }
+
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let vocab = self.model.config.vocab_size;
-        let mut drafts: Vec<Draft> = reqs.iter().map(|_| Draft { tokens: vec![], probs: Some(vec![]) }).collect();
+        let width = self.model.logits_width();
+        // Greedy drafts are one-hot. A sampled draft is one-hot too when the engine gave the
+        // sequence's stream: the draft samples each position with the draw the target samples it
+        // with (coupled draws: the same token whenever the two distributions agree there), so the
+        // output is plain decoding's. Without the stream it carries its distributions (lossless,
+        // not token-identical).
+        let mut drafts: Vec<Draft> =
+            reqs.iter().map(|r| Draft { tokens: vec![], probs: (!r.params.is_plain_greedy() && r.rng.is_none()).then(Vec::new) }).collect();
         // which requests take part, with what they feed first
         let mut active: Vec<usize> = Vec::new();
         let mut items = Vec::new();
@@ -88,6 +153,7 @@ impl Proposer for DraftModelProposer {
         }
         let max_k = active.iter().map(|&i| reqs[i].max_draft).max().unwrap_or(0);
         let mut p = Vec::with_capacity(vocab);
+        let mut full = Vec::new();
         for step in 0..max_k {
             if items.is_empty() {
                 break;
@@ -97,17 +163,39 @@ impl Proposer for DraftModelProposer {
             let mut next_active = Vec::new();
             for (j, ((seq, feed, start), &i)) in items.iter().zip(&active).enumerate() {
                 let r = &reqs[i];
-                let row = &logits[j * vocab..(j + 1) * vocab];
-                let mut output: Vec<TokenId> = r.tokens[r.prompt_len..].to_vec();
-                output.extend_from_slice(&drafts[i].tokens);
-                probabilities(row, r.params, TokenHistory { prompt: &r.tokens[..r.prompt_len], output: &output }, &mut p)?;
+                let row = &logits[j * width..(j + 1) * width];
                 let st = self.state.get_mut(seq).expect("state created above");
-                let tok = sample_from_probs(&p, st.1.uniform()).unwrap_or(0);
                 st.0 = start + feed.len();
+                let tok = if r.params.is_plain_greedy() {
+                    let d = greedy_argmax(row).unwrap_or(0);
+                    self.vocab.as_ref().map_or(Some(d), |m| m.d2t(d)).unwrap_or(0)
+                } else {
+                    // the distribution over the whole vocabulary (0 outside a restricted draft's)
+                    let row = match &self.vocab {
+                        None => row,
+                        Some(m) => {
+                            full.clear();
+                            full.resize(vocab, f32::NEG_INFINITY);
+                            for (d, &x) in row.iter().enumerate() {
+                                full[m.d2t_slice()[d] as usize] = x;
+                            }
+                            &full[..]
+                        }
+                    };
+                    let mut output: Vec<TokenId> = r.tokens[r.prompt_len..].to_vec();
+                    output.extend_from_slice(&drafts[i].tokens);
+                    probabilities(row, r.params, TokenHistory { prompt: &r.tokens[..r.prompt_len], output: &output }, &mut p)?;
+                    let u = match r.rng {
+                        Some(rng) => rng.uniform_at(r.tokens.len() + drafts[i].tokens.len(), false),
+                        None => st.1.uniform(),
+                    };
+                    let tok = sample_from_probs(&p, u).unwrap_or(0);
+                    if let Some(q) = drafts[i].probs.as_mut() {
+                        q.push(p.clone());
+                    }
+                    tok
+                };
                 drafts[i].tokens.push(tok);
-                if let Some(q) = drafts[i].probs.as_mut() {
-                    q.push(p.clone());
-                }
                 if step + 1 < r.max_draft {
                     next_items.push((*seq, vec![tok], start + feed.len()));
                     next_active.push(i);

@@ -5,6 +5,7 @@
 
 pub mod adaptive;
 pub mod config;
+pub mod cost;
 pub mod draft_model;
 pub mod metrics;
 pub mod mtp;
@@ -12,6 +13,7 @@ pub mod mtp_format;
 pub mod ngram;
 pub mod proposer;
 pub mod rejection;
+pub mod suffix;
 pub mod vocab_map;
 
 pub use config::{SpecConfig, SpecMethod};
@@ -75,11 +77,14 @@ pub fn build_proposer<'a>(
     cfg.validate().map_err(SpecError::Config)?;
     let target = target.into();
     match cfg.method {
-        SpecMethod::Ngram => Ok(Box::new(ngram::NgramProposer::new(cfg.ngram_min, cfg.ngram_max))),
+        SpecMethod::Ngram => Ok(Box::new(ngram::NgramProposer::new(cfg.ngram_min))),
         SpecMethod::Draft => {
             let path = cfg.draft_model.as_ref().ok_or_else(|| SpecError::Config("--speculative-method draft needs --draft-model PATH".into()))?;
             let loaded = specula_model::load_model(path)?;
-            Ok(Box::new(draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?))
+            let vocab = loaded.model.config.vocab_size;
+            let eos: Vec<crate::types::TokenId> = (0..vocab as crate::types::TokenId).filter(|&t| loaded.tokenizer.is_eos(t)).collect();
+            let p = draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
+            Ok(Box::new(p.with_draft_vocab(cfg.draft_vocab.unwrap_or(vocab), &eos)?))
         }
         SpecMethod::Mtp => {
             let path = cfg.draft_model.as_ref().ok_or_else(|| {
@@ -97,6 +102,39 @@ pub fn build_proposer<'a>(
     }
 }
 
+/// The cost model `cfg` asks for: given figures, or the target's verify curve measured now on
+/// `pool` (a second or two; logged) and the proposer's draft token measured with it.
+pub fn cost_model(
+    cfg: &SpecConfig,
+    proposer: &mut dyn Proposer,
+    target: &specula_model::LlamaModel,
+    pool: &rayon::ThreadPool,
+) -> Result<cost::CostModel, SpecError> {
+    let model = match cfg.verify_cost_per_token {
+        Some(per_token) => cost::CostModel::linear(per_token, cfg.draft_cost.unwrap_or_else(|| proposer.cost_per_draft_token(&target.config))),
+        None => {
+            let start = std::time::Instant::now();
+            let times = cost::measure(target, cfg.num_speculative_tokens, cfg.max_batch_for_speculation, pool)?;
+            let draft = match cfg.draft_cost {
+                Some(d) => d,
+                None => match proposer.draft_token_seconds(pool)? {
+                    Some(s) => s / times[0].1,
+                    None => proposer.cost_per_draft_token(&target.config),
+                },
+            };
+            let m = cost::CostModel::from_times(&times, draft);
+            tracing::info!(
+                "speculation cost model: {} ({:.1} s; give --speculative-verify-cost and --speculative-draft-cost to skip)",
+                m.describe(),
+                start.elapsed().as_secs_f64()
+            );
+            m
+        }
+    };
+    model.publish();
+    Ok(model)
+}
+
 /// Speculative decoding state of an engine: the proposer, the counters and each sequence's
 /// acceptance history (adaptive k). It travels with the step's compute job.
 pub struct Speculation {
@@ -106,39 +144,42 @@ pub struct Speculation {
     pub(crate) trackers: std::collections::BTreeMap<crate::types::SeqId, adaptive::AcceptanceTracker>,
     /// Acceptance over every sequence: where a new sequence's estimate starts.
     pub(crate) global: adaptive::AcceptanceTracker,
-    /// Cost of one more draft token relative to a plain step (verification + proposing).
-    pub(crate) cost_per_draft_token: f64,
+    /// What a step with drafts costs on this target and machine (adaptive k).
+    pub cost: cost::CostModel,
 }
 
 impl Speculation {
-    /// `target` is the verified model's config (for the proposer's relative cost).
-    pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>, target: &specula_model::ModelConfig) -> Self {
+    /// `cost` from [`cost_model`].
+    pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>, cost: cost::CostModel) -> Self {
         let metrics = SpecMetrics::new(cfg.num_speculative_tokens);
-        let cost_per_draft_token = cfg.verify_cost_per_token + proposer.cost_per_draft_token(target);
-        Self { cfg, proposer, metrics, trackers: std::collections::BTreeMap::new(), global: adaptive::AcceptanceTracker::global(), cost_per_draft_token }
+        Self { cfg, proposer, metrics, trackers: std::collections::BTreeMap::new(), global: adaptive::AcceptanceTracker::global(), cost }
+    }
+
+    /// Most drafts per sequence this step, when `decoding` sequences decode: the configured k, or
+    /// with adaptive speculation the batch caps' share.
+    pub(crate) fn batch_k_limit(&self, decoding: usize) -> usize {
+        let c = &self.cfg;
+        if c.adaptive {
+            adaptive::batch_k_limit(decoding, c.num_speculative_tokens, c.max_batch_for_speculation, c.max_step_tokens_for_speculation)
+        } else {
+            c.num_speculative_tokens
+        }
     }
 
     /// Records a verification of `proposed` drafts of which `accepted` were kept.
     pub(crate) fn record(&mut self, seq: crate::types::SeqId, proposed: usize, accepted: usize) {
         self.metrics.record(proposed, accepted);
         self.global.record(proposed, accepted);
-        self.tracker(seq).record(proposed, accepted);
-    }
-
-    /// `seq`'s acceptance tracker, started from the engine-wide estimate on first use.
-    fn tracker(&mut self, seq: crate::types::SeqId) -> &mut adaptive::AcceptanceTracker {
-        let global = &self.global;
-        self.trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global))
+        tracker(&mut self.trackers, &self.global, seq).record(proposed, accepted);
     }
 
     /// Draft length for `seq` this step, at most `k_limit` (the batch's budget; without adaptive
-    /// speculation, exactly `k_limit`).
-    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize) -> usize {
+    /// speculation, exactly `k_limit`), `decoding` sequences decoding in the step.
+    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize) -> usize {
         if !self.cfg.adaptive {
             return k_limit;
         }
-        let cost = self.cost_per_draft_token;
-        self.tracker(seq).next_k(k_limit, cost)
+        tracker(&mut self.trackers, &self.global, seq).next_k(k_limit, &self.cost, decoding)
     }
 
     /// Forgets a sequence that ended.
@@ -146,4 +187,13 @@ impl Speculation {
         self.proposer.remove(seq);
         self.trackers.remove(&seq);
     }
+}
+
+/// `seq`'s acceptance tracker, started from the engine-wide estimate on first use.
+fn tracker<'a>(
+    trackers: &'a mut std::collections::BTreeMap<crate::types::SeqId, adaptive::AcceptanceTracker>,
+    global: &adaptive::AcceptanceTracker,
+    seq: crate::types::SeqId,
+) -> &'a mut adaptive::AcceptanceTracker {
+    trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global))
 }

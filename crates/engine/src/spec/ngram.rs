@@ -1,50 +1,80 @@
-//! N-gram (prompt lookup) proposer: finds the most recent earlier occurrence of the sequence's
-//! last n tokens (n from max down to min) and proposes the tokens that followed it. Costs no
-//! model call, so it pays off whenever the output repeats the input (edits, quotes, code).
+//! N-gram (prompt lookup) proposer: finds the longest suffix of the sequence's text (prompt and
+//! accepted output) that occurred earlier and proposes the tokens that followed it. Costs no model
+//! call, so it pays off whenever the output repeats the input (edits, quotes, code).
+//!
+//! Each sequence keeps a [`SuffixAutomaton`] fed only the tokens accepted since its last step, so a
+//! lookup is O(1) whatever the text's length and the match is the longest there is, not the
+//! longest of a few fixed n. The draft is as long as the match (a match of 40 tokens in a code
+//! edit says the next ones are copied too; one of 2 is a guess), capped by what the engine allows
+//! this step (`max_draft`, from the cost model and the sequence's acceptance).
 
 use super::proposer::{Draft, DraftRequest, Proposer};
+use super::suffix::SuffixAutomaton;
 use super::SpecError;
-use crate::types::TokenId;
+use crate::types::{SeqId, TokenId};
+use std::collections::HashMap;
 
 pub struct NgramProposer {
-    pub min_n: usize,
-    pub max_n: usize,
+    /// Shortest match that is worth a draft.
+    pub min_match: usize,
+    index: HashMap<SeqId, SuffixAutomaton>,
 }
 
 impl NgramProposer {
-    pub fn new(min_n: usize, max_n: usize) -> Self {
-        Self { min_n, max_n }
+    pub fn new(min_match: usize) -> Self {
+        Self { min_match: min_match.max(1), index: HashMap::new() }
     }
 
-    /// The continuation of the latest earlier match of the longest matching suffix.
-    pub fn lookup(&self, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
-        if k == 0 {
+    /// Up to `k` tokens continuing `tokens` after the longest earlier match of its suffix (the
+    /// first occurrence of that match), given the automaton of exactly `tokens`.
+    fn continuation(&self, automaton: &SuffixAutomaton, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
+        let Some((len, end)) = automaton.longest_repeat() else { return Vec::new() };
+        if len < self.min_match || k == 0 {
             return Vec::new();
         }
-        let len = tokens.len();
-        for n in (self.min_n..=self.max_n).rev() {
-            if len <= n {
-                continue;
-            }
-            let suffix = &tokens[len - n..];
-            // latest start i < len - n with tokens[i..i+n] == suffix
-            for i in (0..len - n).rev() {
-                if &tokens[i..i + n] == suffix {
-                    let start = i + n;
-                    let end = (start + k).min(len);
-                    if start < end {
-                        return tokens[start..end].to_vec();
-                    }
-                }
-            }
+        let k = k.min(len);
+        // the continuation may run into the text's own end (a repeating pattern): it then goes on
+        // with the draft's own tokens, which is what the text would be if the pattern continues
+        let mut out = Vec::with_capacity(k);
+        for i in 0..k {
+            let at = end + 1 + i;
+            out.push(if at < tokens.len() { tokens[at] } else { out[at - tokens.len()] });
         }
-        Vec::new()
+        out
+    }
+
+    /// The draft for a text seen for the first time (tests, one-off lookups).
+    pub fn lookup(&self, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
+        let mut a = SuffixAutomaton::new();
+        tokens.iter().for_each(|&t| a.push(t));
+        self.continuation(&a, tokens, k)
     }
 }
 
 impl Proposer for NgramProposer {
     fn propose(&mut self, reqs: &[DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
-        Ok(reqs.iter().map(|r| Draft { tokens: self.lookup(r.tokens, r.max_draft), probs: None }).collect())
+        let mut drafts = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            if r.max_draft == 0 {
+                drafts.push(Draft::default());
+                continue;
+            }
+            let mut automaton = self.index.remove(&r.seq).unwrap_or_default();
+            if automaton.len() > r.tokens.len() {
+                // the sequence lost tokens it had (it should not): index it again
+                automaton = SuffixAutomaton::new();
+            }
+            for &t in &r.tokens[automaton.len()..] {
+                automaton.push(t);
+            }
+            drafts.push(Draft { tokens: self.continuation(&automaton, r.tokens, r.max_draft), probs: None });
+            self.index.insert(r.seq, automaton);
+        }
+        Ok(drafts)
+    }
+
+    fn remove(&mut self, seq: SeqId) {
+        self.index.remove(&seq);
     }
 }
 
@@ -53,27 +83,46 @@ mod tests {
     use super::*;
 
     #[test]
-    fn proposes_what_followed_the_latest_match_of_the_longest_suffix() {
-        let p = NgramProposer::new(1, 3);
-        // ... 1 2 3 [4 5] ... 1 2 3 [9 9] ... 1 2 3 -> latest match of "1 2 3" continues with 9 9
+    fn proposes_what_followed_the_longest_earlier_match() {
+        let p = NgramProposer::new(1);
+        // the text ends "8 1 2 3": "8 1 2 3" never occurred before, "1 2 3" did (first at 0..3)
         let t = [1, 2, 3, 4, 5, 7, 1, 2, 3, 9, 9, 8, 1, 2, 3];
-        assert_eq!(p.lookup(&t, 2), vec![9, 9]);
-        assert_eq!(p.lookup(&t, 5), vec![9, 9, 8, 1, 2]);
+        assert_eq!(p.lookup(&t, 2), vec![4, 5]);
+        // the draft is no longer than the match
+        assert_eq!(p.lookup(&t, 5), vec![4, 5, 7]);
+        // a longer match wins over an earlier shorter one: "7 1 2" then "3"
+        let t = [1, 2, 5, 7, 1, 2, 3, 6, 7, 1, 2];
+        assert_eq!(p.lookup(&t, 1), vec![3]);
     }
 
     #[test]
-    fn falls_back_to_shorter_ngrams_and_proposes_nothing_without_a_match() {
-        let p = NgramProposer::new(1, 3);
-        assert_eq!(p.lookup(&[5, 6, 7, 6], 3), vec![7, 6]);
-        assert_eq!(p.lookup(&[1, 2, 3, 4], 3), Vec::<u32>::new());
-        assert_eq!(p.lookup(&[1, 1], 0), Vec::<u32>::new());
-        let p2 = NgramProposer::new(2, 3);
-        assert_eq!(p2.lookup(&[5, 6, 7, 6], 3), Vec::<u32>::new());
+    fn nothing_below_the_minimum_match_or_without_a_match() {
+        assert_eq!(NgramProposer::new(1).lookup(&[5, 6, 7, 6], 3), vec![7]);
+        assert_eq!(NgramProposer::new(2).lookup(&[5, 6, 7, 6], 3), Vec::<u32>::new());
+        assert_eq!(NgramProposer::new(1).lookup(&[1, 2, 3, 4], 3), Vec::<u32>::new());
+        assert_eq!(NgramProposer::new(1).lookup(&[1, 1], 0), Vec::<u32>::new());
     }
 
     #[test]
-    fn continuation_is_capped_by_the_sequence_end() {
-        let p = NgramProposer::new(2, 2);
-        assert_eq!(p.lookup(&[4, 5, 4, 5], 8), vec![4, 5]);
+    fn a_repeating_pattern_continues_past_the_end_of_the_text() {
+        // "4 5 4 5": the suffix "4 5" first ended at 1; its continuation 4 5 then the draft's own
+        let p = NgramProposer::new(2);
+        assert_eq!(p.lookup(&[4, 5, 4, 5], 2), vec![4, 5]);
+        assert_eq!(p.lookup(&[4, 5, 4, 5, 4, 5, 4, 5], 6), vec![4, 5, 4, 5, 4, 5]);
+    }
+
+    #[test]
+    fn the_per_sequence_index_is_fed_incrementally_and_matches_a_fresh_one() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let params = crate::api::SamplingParams::greedy(8);
+        let mut p = NgramProposer::new(2);
+        let text: Vec<TokenId> = [10, 11, 12, 13, 14, 10, 11, 12, 20, 10, 11, 12, 13].to_vec();
+        for end in 3..=text.len() {
+            let req = DraftRequest { seq: SeqId(7), tokens: &text[..end], prompt_len: 3, max_draft: 4, params: &params, hidden: None, rng: None };
+            let d = p.propose(&[req], &pool).unwrap();
+            assert_eq!(d[0].tokens, NgramProposer::new(2).lookup(&text[..end], 4), "at {end}");
+        }
+        p.remove(SeqId(7));
+        assert!(p.index.is_empty());
     }
 }

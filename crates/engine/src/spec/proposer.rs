@@ -19,6 +19,10 @@ pub struct DraftRequest<'a> {
     /// the last known token). Requests with `max_draft == 0` still carry them, so a proposer that
     /// keeps per-sequence state sees every row.
     pub hidden: Option<&'a [f32]>,
+    /// The sequence's random stream, when the engine drafts for it: a proposer that samples its
+    /// token for position `pos` with `rng.uniform_at(pos, false)` (the draw the target samples
+    /// that position with) and proposes it one-hot keeps seeded outputs those of plain decoding.
+    pub rng: Option<&'a crate::sampling::SeqRng>,
 }
 
 /// A proposal: `tokens.len()` draft tokens and, for stochastic proposers, the distribution each
@@ -45,9 +49,15 @@ pub trait Proposer: Send {
     fn needs_hidden(&self) -> bool {
         !self.hidden_layers().is_empty()
     }
-    /// Work of proposing one draft token relative to a plain step of `target` (adaptive k).
+    /// Work of proposing one draft token relative to a plain step of `target` (adaptive k), as
+    /// estimated from shapes.
     fn cost_per_draft_token(&self, _target: &specula_model::ModelConfig) -> f64 {
         0.0
+    }
+    /// Measured seconds of one draft token at batch 1 (a draft model times its forward pass);
+    /// None: use [`Proposer::cost_per_draft_token`].
+    fn draft_token_seconds(&mut self, _pool: &rayon::ThreadPool) -> Result<Option<f64>, SpecError> {
+        Ok(None)
     }
     /// For leak checks: (free, total) blocks of a proposer-owned KV cache.
     fn kv_blocks(&self) -> Option<(usize, usize)> {

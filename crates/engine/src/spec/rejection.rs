@@ -3,8 +3,13 @@
 //! emitted tokens are distributed exactly as plain sampling from the target would be.
 //!
 //! - greedy: accept while the draft token is the target's (penalized) argmax; then emit the argmax.
-//! - sampling: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); on the first rejection
-//!   draw from normalize(max(0, p_i - q_i)); if all k are accepted draw a bonus token from p_k.
+//! - sampling, one-hot draft (n-gram, a draft model's coupled draw): sample position i from p_i with
+//!   the position's own draw, exactly as plain decoding would, and keep the draft token iff it is
+//!   the one sampled (accepted with probability p_i(x_i); on a mismatch the sampled token is
+//!   distributed as p_i without x_i, the residual). The output is plain decoding's, token for token.
+//! - sampling, stochastic draft (q given): accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
+//!   on the first rejection draw from normalize(max(0, p_i - q_i)); lossless, not token-identical.
+//! - if all k are accepted, the bonus token is sampled from p_k with its position's draw.
 //!
 //! p is the target distribution after the request's own penalties, temperature, top-k/p, min-p
 //! (the exact distribution plain sampling uses), so speculation changes nothing a user observes.
@@ -47,8 +52,10 @@ pub fn verify(
         }
     }
     if params.is_plain_greedy() && !force_accept && !general_path_forced() {
-        return verify_plain_greedy(logits, vocab, draft, rng);
+        return verify_plain_greedy(logits, vocab, draft);
     }
+    // the position of row 0's token: each row is sampled with its own position's draw
+    let base = prompt.len() + output.len();
     // the general path: each row's processed distribution (any parameters)
     let mut hist_output: Vec<TokenId> = output.to_vec();
     let mut p = Vec::with_capacity(vocab);
@@ -56,9 +63,9 @@ pub fn verify(
     for i in 0..=k {
         let row = &logits[i * vocab..(i + 1) * vocab];
         probabilities(row, params, TokenHistory { prompt, output: &hist_output }, &mut p)?;
+        let u = rng.uniform_at(base + i, false);
         if i == k {
             // every draft token accepted: the bonus token
-            let u = rng.uniform();
             tokens.push(sample_from_probs(&p, u).ok_or(SamplingError::NoFiniteLogits)?);
             break;
         }
@@ -66,8 +73,17 @@ pub fn verify(
         if x as usize >= vocab {
             return Err(SamplingError::TokenOutOfVocab { token: x, vocab }.into());
         }
-        let q_x = draft.probs.as_ref().map_or(1.0, |q| q[i][x as usize]);
-        let u = rng.uniform();
+        let Some(q) = &draft.probs else {
+            // one-hot draft: the token plain decoding samples here, kept as the draft iff equal
+            let y = if force_accept { x } else { sample_from_probs(&p, u).ok_or(SamplingError::NoFiniteLogits)? };
+            tokens.push(y);
+            if y != x {
+                break;
+            }
+            hist_output.push(x);
+            continue;
+        };
+        let q_x = q[i][x as usize];
         // compared in f64: rounding u to f32 could turn u < 1 into 1.0 and reject a p >= q token
         let accept = force_accept || (q_x > 0.0 && u < (p[x as usize] as f64 / q_x as f64).min(1.0)) || (p[x as usize] >= 1.0);
         if accept {
@@ -76,17 +92,14 @@ pub fn verify(
             continue;
         }
         // residual distribution max(0, p - q), renormalized
-        match &draft.probs {
-            Some(q) => p.iter_mut().zip(&q[i]).for_each(|(pv, qv)| *pv = (*pv - qv).max(0.0)),
-            None => p[x as usize] = 0.0,
-        }
+        p.iter_mut().zip(&q[i]).for_each(|(pv, qv)| *pv = (*pv - qv).max(0.0));
         let sum: f64 = p.iter().map(|&v| v as f64).sum();
         if sum <= 0.0 {
             return Err(SamplingError::NoFiniteLogits.into());
         }
         let inv = (1.0 / sum) as f32;
         p.iter_mut().for_each(|v| *v *= inv);
-        let u2 = rng.uniform();
+        let u2 = rng.uniform_at(base + i, true);
         tokens.push(sample_from_probs(&p, u2).ok_or(SamplingError::NoFiniteLogits)?);
         break;
     }
@@ -112,10 +125,8 @@ fn general_path_forced() -> bool {
 
 /// `verify` for plain greedy (no penalties), without building distributions: the target's
 /// distribution at each row is one-hot on its argmax, so a draft token is accepted exactly when it
-/// is that argmax, and the first mismatch (or the bonus row) emits the argmax. Draws the same
-/// uniforms as the general path (one per tested draft, one more on rejection, one for the bonus),
-/// so the sequence's stream advances identically.
-fn verify_plain_greedy(logits: &[f32], vocab: usize, draft: &Draft, rng: &mut SeqRng) -> Result<Verdict, SpecError> {
+/// is that argmax, and the first mismatch (or the bonus row) emits the argmax.
+fn verify_plain_greedy(logits: &[f32], vocab: usize, draft: &Draft) -> Result<Verdict, SpecError> {
     let k = draft.tokens.len();
     let mut tokens = Vec::with_capacity(k + 1);
     for i in 0..=k {
@@ -123,13 +134,9 @@ fn verify_plain_greedy(logits: &[f32], vocab: usize, draft: &Draft, rng: &mut Se
         if i < k && draft.tokens[i] as usize >= vocab {
             return Err(SamplingError::TokenOutOfVocab { token: draft.tokens[i], vocab }.into());
         }
-        let _ = rng.uniform();
         if i < k && best == draft.tokens[i] {
             tokens.push(draft.tokens[i]);
             continue;
-        }
-        if i < k {
-            let _ = rng.uniform();
         }
         tokens.push(best);
         break;
@@ -144,8 +151,8 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// The greedy fast path emits what building the one-hot distributions emits, and leaves the
-        /// random stream at the same place, on rows with ties, NaN and infinities.
+        /// The greedy fast path emits what building the one-hot distributions emits, on rows with
+        /// ties, NaN and infinities.
         #[test]
         fn plain_greedy_fast_path_matches_the_general_path(
             rows in proptest::collection::vec(proptest::collection::vec(prop_oneof![
@@ -162,19 +169,49 @@ mod tests {
             let logits: Vec<f32> = rows.concat();
             let draft = Draft { tokens: draft_seed[..k].to_vec(), probs: None };
             let params = SamplingParams::greedy(10);
-            let (mut r1, mut r2) = (SeqRng::new(Some(seed), 0), SeqRng::new(Some(seed), 0));
-            let fast = verify_plain_greedy(&logits, vocab, &draft, &mut r1);
+            let mut r2 = SeqRng::new(Some(seed), 0);
+            let fast = verify_plain_greedy(&logits, vocab, &draft);
             FORCE_GENERAL.with(|f| f.set(true));
             let general = verify(&logits, vocab, &draft, &params, &[1], &[], &mut r2, false);
             FORCE_GENERAL.with(|f| f.set(false));
             match (fast, general) {
-                (Ok(a), Ok(b)) => {
-                    prop_assert_eq!(a, b);
-                    prop_assert_eq!(r1.uniform(), r2.uniform());
-                }
+                (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
                 (Err(_), Err(_)) => {}
                 (a, b) => prop_assert!(false, "fast {:?} vs general {:?}", a, b),
             }
+        }
+    }
+
+    proptest! {
+        /// Sampled verification of a one-hot draft emits what plain decoding samples, token for
+        /// token: the plain tokens y_0.. (each position with its own draw, under a repetition
+        /// penalty so the history matters), cut after the first position where the draft differs.
+        #[test]
+        fn one_hot_drafts_give_plain_decodings_tokens(
+            rows in proptest::collection::vec(proptest::collection::vec(-3.0f32..3.0, 5), 1..6),
+            draft_seed in proptest::collection::vec(0u32..5, 5),
+            follow in proptest::collection::vec(proptest::bool::ANY, 5),
+            seed in 0u64..10_000,
+        ) {
+            let vocab = 5;
+            let k = rows.len() - 1;
+            let logits: Vec<f32> = rows.concat();
+            let params = SamplingParams { temperature: 0.9, repetition_penalty: 1.3, seed: Some(seed), ..SamplingParams::default() };
+            let prompt = [1u32, 2, 3];
+            let rng = SeqRng::new(Some(seed), 0);
+            // plain decoding of the same rows
+            let mut sampler = crate::sampling::Sampler::new();
+            let mut plain = Vec::new();
+            for i in 0..=k {
+                let h = TokenHistory { prompt: &prompt, output: &plain };
+                let y = sampler.sample(&logits[i * vocab..(i + 1) * vocab], &params, h, &mut rng.clone()).unwrap();
+                plain.push(y);
+            }
+            // a draft that follows plain decoding where `follow` says so
+            let draft: Vec<u32> = (0..k).map(|i| if follow[i] { plain[i] } else { draft_seed[i] }).collect();
+            let v = verify(&logits, vocab, &Draft { tokens: draft.clone(), probs: None }, &params, &prompt, &[], &mut rng.clone(), false).unwrap();
+            let cut = (0..k).find(|&i| draft[i] != plain[i]).map_or(k + 1, |i| i + 1);
+            prop_assert_eq!(&v.tokens[..], &plain[..cut]);
         }
     }
 
@@ -220,9 +257,10 @@ mod tests {
         let n = 200_000;
         for stochastic in [false, true] {
             let mut counts = [0usize; 4];
-            let mut rng = SeqRng::new(Some(7), 0);
             let mut qrng = SeqRng::new(Some(8), 0);
-            for _ in 0..n {
+            for i in 0..n {
+                // each trial its own sequence (a position has one draw per sequence)
+                let mut rng = SeqRng::new(Some(7 + i as u64), 0);
                 let (tok, probs) = if stochastic {
                     (sample_from_probs(&q, qrng.uniform()).unwrap(), Some(vec![q.to_vec()]))
                 } else {

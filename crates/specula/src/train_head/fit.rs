@@ -1092,6 +1092,7 @@ mod tests {
                     max_draft,
                     params: &sampling,
                     hidden: Some(&hidden[first_row * fw..(known - 2) * fw]),
+                    rng: None,
                 };
                 draft = Some(proposer.propose(&[req], &pool).unwrap().remove(0));
             }
