@@ -520,3 +520,72 @@ fn a_d2t_map_outside_the_target_vocabulary_is_refused() {
     assert!(msg.contains("d2t[2] = 259") && msg.contains("259 tokens"), "{msg}");
     assert!(VocabMap::from_d2t(vec![0, 5, 258], 259).is_ok());
 }
+
+/// A draft restricted to the first 128 token ids (`SpecConfig::draft_vocab`) proposes nothing
+/// else, computes only those logits, and changes no output: greedy and seeded sampled tokens are
+/// plain decoding's. Its drafts of tokens it may propose are accepted as before (the tiny model
+/// drafts for itself), so acceptance falls only where the target's token lies outside the set.
+#[test]
+fn a_restricted_draft_vocabulary_changes_no_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 32);
+    let reqs: Vec<_> = (0..4u32)
+        .map(|i| {
+            let p =
+                if i % 2 == 0 { SamplingParams::greedy(24) } else { SamplingParams { temperature: 1.0, seed: Some(i as u64), ..SamplingParams::greedy(24) } };
+            ((i * 40..i * 40 + 12).collect::<Vec<u32>>(), ignore_eos(p))
+        })
+        .collect();
+    let plain = Rig::new(&model, tiny_config(), None).run_batch(&reqs);
+    let mut cfg = spec_config(SpecMethod::Draft, 3, Some(&model));
+    cfg.draft_vocab = Some(128);
+    let mut rig = Rig::new(&model, tiny_config(), Some(cfg));
+    let spec = rig.run_batch(&reqs);
+    rig.assert_no_leaks();
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a.tokens, b.tokens, "request {i}: a restricted draft changed the output");
+    }
+    let m = rig.engine.spec_metrics().unwrap();
+    assert!(m.num_accepted_tokens > 0, "{m:?}");
+    let outside = plain.iter().flat_map(|o| &o.tokens).filter(|&&t| t >= 128).count();
+    assert!(outside > 0, "every token lies inside the restricted vocabulary: the test proves little");
+    assert!(m.num_accepted_tokens < m.num_draft_tokens, "tokens outside the draft vocabulary were accepted: {m:?}");
+}
+
+/// Seeded sampling under speculation gives plain decoding's tokens: a one-hot draft (n-gram) is
+/// verified by sampling each position with the draw plain decoding uses there, and a draft model
+/// samples its tokens with that draw too. The model drafting for itself then has every sampled
+/// draft accepted (coupled draws agree whenever the distributions do; independent draws would
+/// reject about half here); another model's drafts are mostly rejected and still change nothing.
+#[test]
+fn seeded_sampling_with_speculation_is_plain_decoding_token_for_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_model(dir.path(), 32);
+    let other = tiny_model(dir.path(), 33);
+    let reqs: Vec<_> = (0..4u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..16).map(|j| 20 + (i * 3 + j % 5)).collect();
+            let p = SamplingParams { temperature: 0.8, top_p: 0.95, repetition_penalty: 1.1, seed: Some(100 + i as u64), ..SamplingParams::greedy(32) };
+            (prompt, ignore_eos(p))
+        })
+        .collect();
+    let plain = Rig::new(&target, tiny_config(), None).run_batch(&reqs);
+    let runs = [
+        ("n-gram", spec_config(SpecMethod::Ngram, 3, None)),
+        ("self draft", spec_config(SpecMethod::Draft, 3, Some(&target))),
+        ("other draft", spec_config(SpecMethod::Draft, 3, Some(&other))),
+    ];
+    for (name, cfg) in runs {
+        let mut rig = Rig::new(&target, tiny_config(), Some(cfg));
+        let spec = rig.run_batch(&reqs);
+        rig.assert_no_leaks();
+        for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+            assert_eq!(a.tokens, b.tokens, "{name}, request {i}: seeded output differs from plain decoding");
+        }
+        let m = rig.engine.spec_metrics().unwrap();
+        assert!(m.num_draft_tokens > 0, "{name}: nothing was drafted, the comparison proves nothing");
+        if name == "self draft" {
+            assert_eq!(m.num_accepted_tokens, m.num_draft_tokens, "{name}: coupled draws of one model must agree: {m:?}");
+        }
+    }
+}
