@@ -40,6 +40,16 @@ pub struct CompletionRequest {
     pub prompt_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Structured outputs: `{type: text | json_object | json_schema, json_schema: {name, schema,
+    /// strict}}` (checked in `validate::structured_constraint`).
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's structured outputs: one of `{json, regex, choice, grammar, json_object}`.
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's older spellings of `structured_outputs`.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -72,6 +82,16 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Structured outputs: `{type: text | json_object | json_schema, json_schema: {name, schema,
+    /// strict}}` (checked in `validate::structured_constraint`).
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's structured outputs: one of `{json, regex, choice, grammar, json_object}`.
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's older spellings of `structured_outputs`.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Default, Clone, Copy, Deserialize)]

@@ -27,6 +27,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
     let plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
+    validate::check_constraint(&plan, &state.tokenizer)?;
     let messages = validate::chat_messages(req.messages.as_deref())?;
     let template = state
         .chat_template
