@@ -142,7 +142,9 @@ def test_round_trip_answers_from_the_tool_result_and_renders_like_jinja2(qwen, c
             {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "condition": "sunny"}'},
     ]
-    r = client.chat.completions.create(model=qwen.model_name, messages=messages, tools=[WEATHER], temperature=0, max_tokens=60)
+    # the client sends the response's message object back as it is
+    sent = ASK_WEATHER + [first.choices[0].message, messages[-1]]
+    r = client.chat.completions.create(model=qwen.model_name, messages=sent, tools=[WEATHER], temperature=0, max_tokens=60)
     c = r.choices[0]
     assert c.finish_reason == "stop"
     assert c.message.tool_calls is None
