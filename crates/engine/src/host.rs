@@ -9,6 +9,7 @@
 
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
 use crate::config::EngineConfig;
+use crate::constraint::ConstraintCompiler;
 use crate::error::{panic_message, EngineError, StepError};
 use crate::handle::QueueCounters;
 use crate::kv_cache::KvCacheManager;
@@ -97,7 +98,7 @@ impl Host {
     /// Accepts a request, or fails it at once with a clear message.
     pub fn add_request(&mut self, req: GenerateRequest) {
         let n = req.prompt.len();
-        let problem = if n == 0 {
+        let mut problem = if n == 0 {
             Some("the prompt is empty".to_string())
         } else if n >= self.cfg.max_model_len {
             Some(format!("prompt has {n} tokens but --max-model-len is {} (room is needed for at least one generated token)", self.cfg.max_model_len))
@@ -105,6 +106,17 @@ impl Host {
             Some(format!("token id {t} is outside the vocabulary of {} tokens", self.vocab_size))
         } else {
             req.params.validate(usize::MAX).err().map(|e| e.message)
+        };
+        // the constraint is compiled once, here, before the request runs
+        let grammar = match (&problem, &req.params.constraint) {
+            (None, Some(c)) => match ConstraintCompiler::for_tokenizer(&self.tokenizer).and_then(|cc| cc.compile(c)) {
+                Ok(g) => Some(g),
+                Err(e) => {
+                    problem = Some(e.0);
+                    None
+                }
+            },
+            _ => None,
         };
         if let Some(message) = problem {
             self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -114,7 +126,9 @@ impl Host {
         let id = SeqId(self.next_seq);
         self.next_seq += 1;
         self.by_request.insert(req.id, id);
-        self.seqs.insert(id, Sequence::new(id, req.id, req.prompt, req.params, req.events));
+        let mut seq = Sequence::new(id, req.id, req.prompt, req.params, req.events);
+        seq.grammar = grammar;
+        self.seqs.insert(id, seq);
         self.scheduler.add(id);
     }
 
@@ -361,6 +375,7 @@ impl Host {
                 continue;
             };
             s.rng = r.rng;
+            s.grammar = r.grammar;
             let first = s.tokens.len();
             let mut finish = None;
             for &tok in &r.tokens {
@@ -369,6 +384,10 @@ impl Host {
                 if finish.is_some() {
                     break;
                 }
+            }
+            if finish.is_none() && r.grammar_finished {
+                // the constraint's language allows nothing more: done, as if EOS came next
+                finish = Some(FinishReason::Stop);
             }
             s.draft = if finish.is_none() && kv_live { r.next_draft } else { Draft::default() };
             if kv_live {

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod config;
+pub mod constraint;
 pub mod dp;
 pub mod engine;
 mod engine_loop;

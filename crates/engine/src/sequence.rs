@@ -4,6 +4,7 @@
 //! the token-level stop rules that decide when a sequence ends.
 
 use crate::api::{FinishReason, RequestEvent, SamplingParams, TokenLogprob};
+use crate::constraint::Grammar;
 use crate::sampling::{SeqRng, StopStrings};
 use crate::spec::Draft;
 use crate::types::{RequestId, SeqId, TokenId};
@@ -24,6 +25,10 @@ pub struct Sequence {
     pub params: SamplingParams,
     pub stops: StopStrings,
     pub rng: SeqRng,
+    /// Where the output stands in its constraint's language (structured outputs): advanced over
+    /// every accepted token by the compute job and handed back with the step's result, like
+    /// `rng`.
+    pub grammar: Option<Grammar>,
     pub decode: DecodeStream,
     /// Text generated so far (sent, plus any held back while a stop string may be forming).
     pub text: String,
@@ -65,6 +70,7 @@ impl Sequence {
             stops: StopStrings::new(&params.stop),
             params,
             rng,
+            grammar: None,
             decode,
             text: String::new(),
             text_sent: 0,

@@ -6,6 +6,7 @@
 //! Each type says which phase writes it and which phase reads it.
 
 use crate::api::SamplingParams;
+use crate::constraint::Grammar;
 use crate::error::StepError;
 use crate::sampling::{PackedLogprobs, SeqRng};
 use crate::spec::Draft;
@@ -180,6 +181,8 @@ pub(crate) struct SampleItem {
     pub tokens: Vec<TokenId>,
     pub prompt_len: usize,
     pub rng: SeqRng,
+    /// Its constraint's state before this step's tokens (structured outputs; `None`: free text).
+    pub grammar: Option<Grammar>,
     pub draft: Draft,
 }
 
@@ -202,9 +205,15 @@ pub(crate) struct SeqResult {
     /// Rows `lp_first..lp_first + tokens.len()` of the step's packed logprobs, when asked for.
     pub lp_first: Option<usize>,
     pub rng: SeqRng,
+    /// Its constraint's state after `tokens`.
+    pub grammar: Option<Grammar>,
+    /// The constraint's language allows nothing more after `tokens`: the output is complete
+    /// (finish reason "stop", as if EOS had been sampled).
+    pub grammar_finished: bool,
     /// Drafts for the next step (empty if none).
     pub next_draft: Draft,
-    /// A token-level finish (stop token, length) among `tokens`: the sequence does not go on.
+    /// A token-level finish (stop token, length, finished grammar) among `tokens`: the sequence
+    /// does not go on.
     pub finished: bool,
 }
 

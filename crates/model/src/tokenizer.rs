@@ -18,6 +18,30 @@ pub struct Tokenizer {
     /// Whether prompts get BOS prepended (GGUF `tokenizer.ggml.add_bos_token`).
     pub add_bos: bool,
     vocab_size: usize,
+    /// How vocabulary strings spell bytes, and which tokens are control tokens
+    /// (`Tokenizer::token_bytes`).
+    pieces: PieceSpelling,
+    /// GGUF token type per id (empty for a tokenizer.json: its added tokens say which are special).
+    token_types: Vec<i32>,
+}
+
+/// How a vocabulary string spells the bytes of its token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PieceSpelling {
+    /// GPT-2 byte-level: each byte is one printable character (`Ġ` is a space).
+    ByteLevel,
+    /// SentencePiece: `▁` is a space, `<0xNN>` is the byte NN, the rest is UTF-8.
+    SentencePiece,
+}
+
+/// One token's bytes as grammar-constrained decoding sees them (`Tokenizer::token_bytes`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenBytes {
+    /// What the token adds to the output text (for a special token: its name, e.g. `<|im_end|>`).
+    pub bytes: Vec<u8>,
+    /// A control token (GGUF type CONTROL, or a tokenizer.json added token marked special): it
+    /// is not text, a grammar can only name it.
+    pub special: bool,
 }
 
 /// The pieces of GGUF tokenizer metadata we use.
@@ -93,7 +117,16 @@ impl Tokenizer {
             .map(|(i, t)| AddedToken::from(t.clone(), spec.token_types[i] == TOKEN_CONTROL).normalized(false))
             .collect();
         inner.add_tokens(&added);
-        Ok(Self { vocab_size: spec.tokens.len(), inner, bos: spec.bos, eos: spec.eos.into_iter().collect(), add_bos: spec.add_bos })
+        let pieces = if spec.model == "llama" { PieceSpelling::SentencePiece } else { PieceSpelling::ByteLevel };
+        Ok(Self {
+            vocab_size: spec.tokens.len(),
+            inner,
+            bos: spec.bos,
+            eos: spec.eos.into_iter().collect(),
+            add_bos: spec.add_bos,
+            pieces,
+            token_types: spec.token_types,
+        })
     }
 
     /// Adds the end-of-turn tokens of the common chat formats that exist in the vocabulary to
@@ -114,7 +147,9 @@ impl Tokenizer {
     pub fn from_file(path: &std::path::Path, bos: Option<TokenId>, eos: Vec<TokenId>) -> Result<Self, ModelError> {
         let inner = HfTokenizer::from_file(path).map_err(|e| ModelError::Tokenizer(format!("loading {}: {e}", path.display())))?;
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Self { inner, bos, eos, add_bos: false, vocab_size })
+        let byte_level = matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) || inner.token_to_id("\u{120}").is_some();
+        let pieces = if byte_level { PieceSpelling::ByteLevel } else { PieceSpelling::SentencePiece };
+        Ok(Self { inner, bos, eos, add_bos: false, vocab_size, pieces, token_types: Vec::new() })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -159,6 +194,67 @@ impl Tokenizer {
     pub fn is_eos(&self, id: TokenId) -> bool {
         self.eos.contains(&id)
     }
+
+    /// Every token's bytes, by id, for grammar-constrained decoding: a byte-level BPE piece is
+    /// mapped back to its raw bytes, a SentencePiece `▁` to a space and `<0xNN>` to byte NN; a
+    /// control token (GGUF type CONTROL, or special in a tokenizer.json) is `special` with its
+    /// name as bytes; other added tokens (GGUF USER_DEFINED, e.g. Qwen's `<tool_call>`) are
+    /// their text. Unknown and unused pieces are special too (no text can produce them).
+    pub fn token_bytes(&self) -> Vec<TokenBytes> {
+        let added = self.inner.get_added_tokens_decoder();
+        let byte_of = byte_level_decoder();
+        (0..self.vocab_size as u32)
+            .map(|id| {
+                let piece = self.inner.id_to_token(id).unwrap_or_default();
+                let ty = self.token_types.get(id as usize).copied();
+                let added_tok = added.get(&id);
+                let special = match ty {
+                    Some(t) => t == TOKEN_CONTROL || t == TOKEN_UNKNOWN || t == TOKEN_UNUSED,
+                    None => added_tok.is_some_and(|a| a.special),
+                };
+                let bytes = if special || ty == Some(TOKEN_USER_DEFINED) || (ty.is_none() && added_tok.is_some()) {
+                    piece.into_bytes()
+                } else {
+                    match self.pieces {
+                        PieceSpelling::ByteLevel => piece.chars().flat_map(|c| byte_of(c).map_or_else(|| c.to_string().into_bytes(), |b| vec![b])).collect(),
+                        PieceSpelling::SentencePiece => sentencepiece_bytes(&piece),
+                    }
+                };
+                TokenBytes { bytes, special }
+            })
+            .collect()
+    }
+}
+
+/// GGUF token types beside NORMAL, CONTROL and USER_DEFINED that `token_bytes` treats as special.
+const TOKEN_UNKNOWN: i32 = 2;
+const TOKEN_UNUSED: i32 = 5;
+
+/// GPT-2's byte-to-character table, inverted: the byte a byte-level BPE character stands for.
+fn byte_level_decoder() -> impl Fn(char) -> Option<u8> {
+    let mut table = std::collections::HashMap::with_capacity(256);
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let c = if printable {
+            char::from(b)
+        } else {
+            n += 1;
+            char::from_u32(255 + n).expect("GPT-2's table maps bytes to U+0100..U+0143")
+        };
+        table.insert(c, b);
+    }
+    move |c| table.get(&c).copied()
+}
+
+/// A SentencePiece piece's bytes: `<0xNN>` is byte NN, `▁` a space.
+fn sentencepiece_bytes(piece: &str) -> Vec<u8> {
+    if piece.len() == 6 && piece.starts_with("<0x") && piece.ends_with('>') {
+        if let Ok(b) = u8::from_str_radix(&piece[3..5], 16) {
+            return vec![b];
+        }
+    }
+    piece.replace('\u{2581}', " ").into_bytes()
 }
 
 /// Turn-ending tokens of the chat formats we know (see `add_end_of_turn_tokens`).
@@ -438,5 +534,34 @@ mod tests {
         t.add_end_of_turn_tokens();
         t.add_end_of_turn_tokens();
         assert_eq!(t.eos, [t.token_to_id("<|im_end|>").unwrap()]);
+    }
+
+    /// Byte-level pieces map back to their raw bytes (every one of the 256), control tokens are
+    /// special under their name, user-defined tokens are their text.
+    #[test]
+    fn token_bytes_of_a_byte_level_vocabulary() {
+        let t = byte_level("qwen2").unwrap();
+        let tb = t.token_bytes();
+        for b in 0..256usize {
+            assert_eq!(tb[b], TokenBytes { bytes: vec![b as u8], special: false }, "byte {b}");
+        }
+        let id = |s: &str| t.token_to_id(s).unwrap() as usize;
+        assert_eq!(tb[id("123")], TokenBytes { bytes: b"123".to_vec(), special: false });
+        assert_eq!(tb[id("<|im_end|>")], TokenBytes { bytes: b"<|im_end|>".to_vec(), special: true });
+        assert_eq!(tb[id("\u{120}")].bytes, b" ");
+    }
+
+    /// SentencePiece: `▁` is a space, `<0xNN>` byte NN; control, unknown are special; the
+    /// user-defined "\n" is its text.
+    #[test]
+    fn token_bytes_of_a_sentencepiece_vocabulary() {
+        let t = sentencepiece(false);
+        let tb = t.token_bytes();
+        let id = |s: &str| t.token_to_id(s).unwrap() as usize;
+        assert_eq!(tb[id("\u{2581}a")], TokenBytes { bytes: b" a".to_vec(), special: false });
+        assert_eq!(tb[id("<0xC3>")], TokenBytes { bytes: vec![0xC3], special: false });
+        assert_eq!(tb[id("<start_of_turn>")], TokenBytes { bytes: b"<start_of_turn>".to_vec(), special: true });
+        assert!(tb[0].special && tb[1].special && tb[2].special);
+        assert_eq!(tb[4], TokenBytes { bytes: b"\n".to_vec(), special: false });
     }
 }

@@ -8,6 +8,7 @@
 
 use super::execute;
 use crate::config::{FaultInjection, FaultPhase};
+use crate::constraint::TokenMask;
 use crate::error::{panic_message, StepError};
 use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
@@ -62,15 +63,49 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     let mut inputs = job.inputs;
     inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
-    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, while_forward).map_err(|e| e.to_string())?;
+    let mut items = job.items;
+    // the grammar masks depend only on what the items carry: computed on this thread while the
+    // forward pass runs on the pool
+    let mut masks = Ok(Vec::new());
+    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, || {
+        while_forward();
+        masks = grammar_masks(&mut items);
+    })
+    .map_err(|e| e.to_string())?;
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     let forward_end = Instant::now();
-    let mut items = job.items;
-    let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &job.prompt_rows, &out.logits)?;
+    let masks = masks?;
+    let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
     let results = propose(ctx, state, items, results, &out.hidden)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
     Ok(JobOutput { results, logprobs, prompt_logprobs, timings, _spent: (inputs, out) })
+}
+
+/// One constrained item's masks for its verified rows, and how many of its draft tokens its
+/// grammar was advanced over to compute them (`Grammar::verification_masks`).
+type ItemMasks = Option<(Vec<TokenMask>, usize)>;
+
+/// The token masks of every constrained item (structured outputs), by item; `None` for free text.
+fn grammar_masks(items: &mut [SampleItem]) -> Result<Vec<ItemMasks>, String> {
+    let start = Instant::now();
+    let mut rows = 0;
+    let masks = items
+        .iter_mut()
+        .map(|it| match it.grammar.as_mut() {
+            None if it.params.constraint.is_some() => Err(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq)),
+            Some(g) => {
+                let m = g.verification_masks(&it.draft.tokens)?;
+                rows += m.0.len();
+                Ok(Some(m))
+            }
+            None => Ok(None),
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    if rows > 0 {
+        tracing::debug!(rows, micros = start.elapsed().as_micros() as u64, "grammar masks computed");
+    }
+    Ok(masks)
 }
 
 /// What sampling returns: each item's result, the packed logprobs, and where prompt logprobs are
@@ -79,6 +114,8 @@ type Sampled = (Vec<SeqResult>, Option<PackedLogprobs>, Vec<PromptLogprobsOut>);
 
 /// Per item: one sampled token, or with drafts the accepted prefix plus one token from the
 /// rejection sampler; logprobs of every emitted token from the raw target logits of its row.
+/// A constrained item samples and verifies its rows with the tokens its grammar forbids at
+/// -inf (`masks`), then its grammar keeps the emitted tokens.
 /// Appends the emitted tokens to each item's history for drafting. Prompt logprobs of
 /// `prompt_rows` go into the same packed buffer, after the emitted tokens' rows.
 fn sample(
@@ -86,6 +123,7 @@ fn sample(
     state: &mut ComputeState,
     step: u64,
     items: &mut [SampleItem],
+    masks: &[ItemMasks],
     prompt_rows: &[PromptRows],
     logits: &[f32],
 ) -> Result<Sampled, String> {
@@ -96,18 +134,37 @@ fn sample(
     let mut lp_rows: Vec<RankedLogprob> = Vec::new();
     let mut verified = false;
     let mut results = Vec::with_capacity(items.len());
-    for it in items.iter_mut() {
+    let mut masked = Vec::new();
+    for (i, it) in items.iter_mut().enumerate() {
         let block = logits.get(it.first_row * vocab..(it.first_row + it.rows) * vocab).ok_or("logits rows out of range")?;
         let num_drafts = it.rows - 1;
         let mut rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
+        let item_masks = masks.get(i).and_then(Option::as_ref);
+        // what sampling and verification read: the raw rows, or the rows masked by the grammar
+        let rows: &[f32] = match item_masks {
+            Some((ms, _)) => {
+                masked.clear();
+                masked.extend_from_slice(block);
+                for (r, m) in ms.iter().enumerate() {
+                    m.apply(&mut masked[r * vocab..(r + 1) * vocab]);
+                }
+                &masked
+            }
+            None => block,
+        };
         let toks: Vec<TokenId> = if num_drafts == 0 {
             let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
-            vec![state.sampler.sample(block, &it.params, history, &mut rng).map_err(|e| e.to_string())?]
+            vec![state.sampler.sample(rows, &it.params, history, &mut rng).map_err(|e| e.to_string())?]
         } else {
             verified = true;
             let (prompt, output) = it.tokens.split_at(it.prompt_len);
-            verify(block, vocab, &it.draft, &it.params, prompt, output, &mut rng, force_accept).map_err(|e| e.to_string())?.tokens
+            verify(rows, vocab, &it.draft, &it.params, prompt, output, &mut rng, force_accept).map_err(|e| e.to_string())?.tokens
         };
+        let mut grammar = it.grammar.take();
+        if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {
+            g.settle(*consumed, &toks)?;
+        }
+        let grammar_finished = grammar.as_ref().is_some_and(|g| g.is_finished());
         let lp_first = match (it.params.logprobs, k_max) {
             (Some(_), Some(k)) => {
                 let start = lp_rows.len();
@@ -127,7 +184,7 @@ fn sample(
             }
         }
         it.tokens.extend_from_slice(&toks);
-        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, next_draft: Draft::default(), finished: false });
+        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, grammar, grammar_finished, next_draft: Draft::default(), finished: false });
         FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
     let mut prompt_out = Vec::with_capacity(prompt_rows.len());
@@ -168,10 +225,12 @@ fn propose(
         .zip(&results)
         .map(|(it, r)| {
             let base = it.tokens.len() - r.tokens.len();
-            !r.tokens
-                .iter()
-                .enumerate()
-                .any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some())
+            !r.grammar_finished
+                && !r
+                    .tokens
+                    .iter()
+                    .enumerate()
+                    .any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some())
         })
         .collect();
     for (r, &c) in results.iter_mut().zip(&continuing) {
@@ -216,6 +275,14 @@ fn propose(
                         for (i, mut d) in which.into_iter().zip(drafts) {
                             if d.tokens.iter().any(|&t| t as usize >= vocab) {
                                 continue; // a proposer bug must not crash verification
+                            }
+                            if let Some(g) = results[i].grammar.as_mut() {
+                                // a draft ends at the first token the grammar forbids
+                                let n = g.valid_prefix(&d.tokens);
+                                d.tokens.truncate(n);
+                                if let Some(p) = d.probs.as_mut() {
+                                    p.truncate(n);
+                                }
                             }
                             if d.tokens.is_empty() {
                                 d.probs = None;

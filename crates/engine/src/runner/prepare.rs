@@ -48,6 +48,8 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
             tokens: history_with_room(&s.tokens),
             prompt_len: s.prompt_len,
             rng: s.rng.clone(),
+            // a decode scheduled ahead takes its grammar from the step before's result (finalize)
+            grammar: if sch.is_ahead() { None } else { s.grammar.clone() },
             draft: if sch.is_ahead() { Draft::default() } else { s.draft.clone() },
         });
         // position p's logits give prompt token p + 1: rows start..min(end, prompt_len - 1)
@@ -131,6 +133,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
             if let Some(it) = ps.item.as_mut() {
                 it.tokens.extend_from_slice(&r.tokens);
                 it.rng = r.rng.clone();
+                it.grammar = r.grammar.clone();
                 it.start = sch.start;
                 it.num_tokens = sch.num_tokens;
                 it.draft = draft;
@@ -186,6 +189,7 @@ mod tests {
             tokens: history.to_vec(),
             prompt_len: 2,
             rng: SeqRng::new(Some(1), 0),
+            grammar: None,
             draft: Draft::default(),
         }
     }
@@ -198,7 +202,16 @@ mod tests {
     }
 
     fn result(tokens: Vec<TokenId>, num_drafts: usize, next_draft: Vec<TokenId>, finished: bool, seed: u64) -> SeqResult {
-        SeqResult { tokens, num_drafts, lp_first: None, rng: SeqRng::new(Some(seed), 0), next_draft: Draft { tokens: next_draft, probs: None }, finished }
+        SeqResult {
+            tokens,
+            num_drafts,
+            lp_first: None,
+            rng: SeqRng::new(Some(seed), 0),
+            grammar: None,
+            grammar_finished: false,
+            next_draft: Draft { tokens: next_draft, probs: None },
+            finished,
+        }
     }
 
     fn computed(plan_seqs: &[u64], results: Vec<(u64, SeqResult)>) -> Computed {

@@ -1,0 +1,376 @@
+//! Structured outputs: a request's [`Constraint`] compiled by llguidance into a per-sequence
+//! [`Grammar`] that says, before each sampled token, which tokens keep the output inside the
+//! language (a mask applied to the logits), and advances on the tokens the sequence accepts.
+//!
+//! - [`ConstraintCompiler`]: the tokenizer as llguidance sees it (a token trie over every token's
+//!   bytes, `Tokenizer::token_bytes`), built once per tokenizer and shared (engine ranks and the
+//!   server's request validation: [`compile_check`]).
+//! - [`Grammar`]: one sequence's matcher. It travels with the sequence's sampling state like its
+//!   random stream (`SampleItem`, `SeqResult`), so sync and async scheduling mask alike.
+//!
+//! Not here: where the mask is applied (the compute job, `runner::job`) and how speculation uses
+//! it (docs/architecture.md, "Structured outputs").
+
+use crate::api::Constraint;
+use crate::types::TokenId;
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+use specula_model::Tokenizer;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// A constraint that cannot be compiled; the text names the problem (for an HTTP 400).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConstraintError(pub String);
+
+/// llguidance's view of one tokenizer: the token trie and a parser factory. Building it walks the
+/// whole vocabulary (a fraction of a second for 150k tokens), so it is built once per tokenizer
+/// ([`ConstraintCompiler::for_tokenizer`]).
+pub struct ConstraintCompiler {
+    factory: ParserFactory,
+    /// The tokenizer's EOS ids: where the grammar may end, any of them may be sampled.
+    eos: Vec<TokenId>,
+    /// Tokens the trie knows (the tokenizer's vocabulary); logits rows may be longer (padding
+    /// rows of the output matrix), and those ids are never allowed.
+    vocab: usize,
+}
+
+impl ConstraintCompiler {
+    /// Builds the token trie from `tokenizer`: byte-level and SentencePiece pieces as their raw
+    /// bytes, control tokens as special tokens a grammar can name (`<|im_end|>` or `<[id]>`),
+    /// other added tokens (e.g. `<tool_call>`) as their text.
+    pub fn new(tokenizer: &Tokenizer) -> Result<Self, ConstraintError> {
+        let eos = tokenizer.eos.clone();
+        let Some(&first_eos) = eos.first() else {
+            return Err(ConstraintError("structured outputs need the model's EOS token, and this tokenizer has none".into()));
+        };
+        let words: Vec<Vec<u8>> = tokenizer
+            .token_bytes()
+            .into_iter()
+            .map(|t| {
+                if t.special {
+                    let mut w = Vec::with_capacity(t.bytes.len() + 1);
+                    w.push(TokTrie::SPECIAL_TOKEN_MARKER);
+                    w.extend_from_slice(&t.bytes);
+                    w
+                } else {
+                    t.bytes
+                }
+            })
+            .collect();
+        let vocab = words.len();
+        if eos.iter().any(|&e| e as usize >= vocab) {
+            return Err(ConstraintError(format!("an EOS id of {eos:?} is outside the tokenizer's {vocab} tokens")));
+        }
+        let info = TokRxInfo::new(vocab as u32, first_eos);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &llguidance::earley::SlicedBiasComputer::general_slices())
+            .map_err(|e| ConstraintError(format!("building the grammar engine for this tokenizer: {e}")))?;
+        factory.quiet();
+        Ok(Self { factory, eos, vocab })
+    }
+
+    /// The compiler of `tokenizer`, built on first use and shared by every caller holding the
+    /// same `Arc` (engine ranks and the server in one process).
+    pub fn for_tokenizer(tokenizer: &Arc<Tokenizer>) -> Result<Arc<Self>, ConstraintError> {
+        static CACHE: OnceLock<Mutex<Vec<(Weak<Tokenizer>, Arc<ConstraintCompiler>)>>> = OnceLock::new();
+        let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
+        // building under the lock: concurrent first users wait for one build instead of racing
+        let mut entries = cache.lock().unwrap_or_else(|p| p.into_inner());
+        entries.retain(|(w, _)| w.strong_count() > 0);
+        if let Some((_, c)) = entries.iter().find(|(w, _)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(tokenizer))) {
+            return Ok(c.clone());
+        }
+        let c = Arc::new(Self::new(tokenizer)?);
+        entries.push((Arc::downgrade(tokenizer), c.clone()));
+        Ok(c)
+    }
+
+    /// Compiles `c` into a fresh matcher at the start of the output.
+    pub fn compile(&self, c: &Constraint) -> Result<Grammar, ConstraintError> {
+        let grammar = top_level_grammar(c)?;
+        let parser = self.factory.create_parser(grammar).map_err(|e| ConstraintError(describe(c, &e.to_string())))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(ConstraintError(describe(c, &e)));
+        }
+        Ok(Grammar { matcher, eos: self.eos.clone(), vocab: self.vocab })
+    }
+}
+
+/// Checks that `c` compiles for `tokenizer` (the server calls it before submitting a request,
+/// so a bad schema, regex or grammar is an HTTP 400 naming the problem).
+pub fn compile_check(tokenizer: &Arc<Tokenizer>, c: &Constraint) -> Result<(), ConstraintError> {
+    ConstraintCompiler::for_tokenizer(tokenizer)?.compile(c).map(|_| ())
+}
+
+/// JSON output layout the schema grammars use unless a schema sets its own `x-guidance`: one
+/// space after `,` and `:`, no other whitespace (small models otherwise tend to pad with
+/// newlines until the token limit).
+fn json_layout() -> Value {
+    serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
+fn top_level_grammar(c: &Constraint) -> Result<TopLevelGrammar, ConstraintError> {
+    Ok(match c {
+        Constraint::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object", "x-guidance": json_layout()})),
+        Constraint::JsonSchema(text) => {
+            let mut schema: Value = serde_json::from_str(text).map_err(|e| ConstraintError(format!("the JSON schema is not valid JSON: {e}")))?;
+            match &mut schema {
+                Value::Object(m) => {
+                    m.entry("x-guidance").or_insert_with(json_layout);
+                }
+                Value::Bool(_) => {}
+                _ => return Err(ConstraintError("the JSON schema must be an object (or true/false)".into())),
+            }
+            TopLevelGrammar::from_json_schema(schema)
+        }
+        Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        Constraint::Choice(options) => {
+            if options.is_empty() {
+                return Err(ConstraintError("choice needs at least one option".into()));
+            }
+            if options.iter().any(String::is_empty) {
+                return Err(ConstraintError("choice options must not be empty strings".into()));
+            }
+            // Lark string literals are JSON strings
+            let alts: Vec<String> = options.iter().map(|o| serde_json::to_string(o).expect("a string serializes")).collect();
+            TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
+        }
+        Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+    })
+}
+
+fn describe(c: &Constraint, err: &str) -> String {
+    let what = match c {
+        Constraint::JsonObject => "json_object",
+        Constraint::JsonSchema(_) => "JSON schema",
+        Constraint::Regex(_) => "regex",
+        Constraint::Choice(_) => "choice",
+        Constraint::Lark(_) => "grammar",
+    };
+    format!("invalid {what}: {err}")
+}
+
+/// One sequence's position in its constraint's language. Cloned with the sequence's sampling
+/// state into each step that samples it (a clone shares llguidance's lexer caches, not its
+/// parser state).
+#[derive(Clone)]
+pub struct Grammar {
+    matcher: Matcher,
+    eos: Vec<TokenId>,
+    vocab: usize,
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammar").field("stopped", &self.matcher.is_stopped()).finish()
+    }
+}
+
+/// The tokens allowed at one position (a bit per token id of the trie's vocabulary).
+#[derive(Clone, Debug)]
+pub struct TokenMask {
+    bits: SimpleVob,
+}
+
+impl TokenMask {
+    pub fn allows(&self, t: TokenId) -> bool {
+        (t as usize) < self.bits.len() && self.bits.is_allowed(t)
+    }
+
+    /// Sets every disallowed token's logit to -inf (ids past the mask, padding rows, included).
+    /// Applied to raw logits, this equals masking after logit bias, penalties and temperature
+    /// (each keeps -inf), before top-k/p.
+    pub fn apply(&self, row: &mut [f32]) {
+        let words = self.bits.as_slice();
+        for (w, chunk) in row.chunks_mut(32).enumerate() {
+            let bits = words.get(w).copied().unwrap_or(0);
+            if bits == u32::MAX && chunk.len() == 32 {
+                continue;
+            }
+            for (j, x) in chunk.iter_mut().enumerate() {
+                if bits & (1 << j) == 0 {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    pub fn num_allowed(&self) -> usize {
+        self.bits.num_set()
+    }
+}
+
+impl Grammar {
+    fn err(&self, what: &str, e: impl std::fmt::Display) -> String {
+        format!("structured output grammar: {what}: {e}")
+    }
+
+    pub fn is_eos(&self, t: TokenId) -> bool {
+        self.eos.contains(&t)
+    }
+
+    /// The tokens allowed next: where the grammar may end, every EOS id; once it can only end,
+    /// only EOS.
+    pub fn mask(&mut self) -> Result<TokenMask, String> {
+        let mut bits = self.matcher.compute_mask_or_eos().map_err(|e| self.err("computing the token mask", e))?;
+        if self.eos.iter().any(|&e| bits.is_allowed(e)) {
+            for &e in &self.eos {
+                bits.allow_token(e);
+            }
+        }
+        Ok(TokenMask { bits })
+    }
+
+    /// Advances over accepted tokens; an EOS ends the output and is not consumed.
+    pub fn consume(&mut self, tokens: &[TokenId]) -> Result<(), String> {
+        let end = tokens.iter().position(|&t| self.is_eos(t)).unwrap_or(tokens.len());
+        if end == 0 {
+            return Ok(());
+        }
+        if let Some(&t) = tokens[..end].iter().find(|&&t| t as usize >= self.vocab) {
+            return Err(self.err("consuming tokens", format!("token {t} is outside the tokenizer's vocabulary")));
+        }
+        self.matcher.consume_tokens(&tokens[..end]).map_err(|e| self.err("consuming tokens", e))
+    }
+
+    /// Steps back over the last `n` consumed tokens.
+    pub fn rollback(&mut self, n: usize) -> Result<(), String> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.matcher.rollback(n).map_err(|e| self.err("rolling back", e))
+    }
+
+    /// How many leading tokens of `draft` the grammar accepts from here (an EOS ends the count:
+    /// drafts never propose the end), without advancing.
+    pub fn valid_prefix(&mut self, draft: &[TokenId]) -> usize {
+        let end = draft.iter().position(|&t| self.is_eos(t) || t as usize >= self.vocab).unwrap_or(draft.len());
+        if end == 0 || self.matcher.is_stopped() {
+            return 0;
+        }
+        self.matcher.validate_tokens(&draft[..end]).unwrap_or(0)
+    }
+
+    /// The output is complete: the grammar allows nothing but its end.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+
+    /// The masks of a verification step: row 0 from the current state, row `i + 1` after draft
+    /// tokens `0..=i`, for as long as the draft stays inside the grammar (rows after the first
+    /// draft token it forbids are never read: the masked target gives that token probability 0,
+    /// so verification stops there). Leaves the grammar advanced over the `consumed` draft tokens
+    /// (the returned count); `settle` then keeps the accepted ones.
+    pub fn verification_masks(&mut self, draft: &[TokenId]) -> Result<(Vec<TokenMask>, usize), String> {
+        let mut masks = Vec::with_capacity(draft.len() + 1);
+        masks.push(self.mask()?);
+        let mut consumed = 0;
+        for &t in draft {
+            let last = masks.last().expect("one mask pushed before the loop");
+            if self.is_eos(t) || !last.allows(t) || self.matcher.is_stopped() {
+                break;
+            }
+            self.consume(&[t])?;
+            consumed += 1;
+            masks.push(self.mask()?);
+        }
+        Ok((masks, consumed))
+    }
+
+    /// After verification over `consumed` draft tokens (advanced by `verification_masks`): keeps
+    /// the accepted ones and consumes the step's last emitted token.
+    pub fn settle(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), String> {
+        let accepted = emitted.len() - 1;
+        if accepted > consumed {
+            return Err(self.err("verification", format!("{accepted} draft tokens accepted but only {consumed} were inside the grammar")));
+        }
+        self.rollback(consumed - accepted)?;
+        self.consume(&emitted[accepted..])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use specula_model::tokenizer::GgufTokenizerSpec;
+
+    /// A byte-level vocabulary: the 256 bytes, "ab", "yes", "no", then `<|end|>` (control, EOS).
+    fn tokenizer() -> Tokenizer {
+        let mut tokens: Vec<String> = (0..=255u8)
+            .map(|b| {
+                let printable = (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+                let n = (0..b).filter(|&x| !((b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || (0xAE..=0xFF).contains(&x))).count() as u32;
+                if printable {
+                    char::from(b).to_string()
+                } else {
+                    char::from_u32(256 + n).unwrap().to_string()
+                }
+            })
+            .collect();
+        tokens.extend(["ab", "yes", "no", "<|end|>"].map(String::from));
+        let mut token_types = vec![1; tokens.len()];
+        *token_types.last_mut().unwrap() = 3;
+        let eos = Some(tokens.len() as u32 - 1);
+        let merges = vec!["a b".into(), "y e".into(), "ye s".into(), "n o".into()];
+        let mut tokens_with_merge_parts = tokens;
+        tokens_with_merge_parts.push("ye".into());
+        let mut token_types = token_types;
+        token_types.push(1);
+        Tokenizer::from_gguf(GgufTokenizerSpec { model: "gpt2", tokens: tokens_with_merge_parts, token_types, merges, eos, ..Default::default() }).unwrap()
+    }
+
+    fn compiler() -> ConstraintCompiler {
+        ConstraintCompiler::new(&tokenizer()).unwrap()
+    }
+
+    const EOS: TokenId = 259;
+
+    /// A choice: the first mask allows the options' first bytes and tokens, not EOS; after
+    /// "yes" the grammar is finished and only EOS is allowed; a rollback goes back.
+    #[test]
+    fn choice_masks_advance_finish_and_roll_back() {
+        let t = tokenizer();
+        let id = |s: &str| t.token_to_id(s).unwrap();
+        let mut g = compiler().compile(&Constraint::Choice(vec!["yes".into(), "no".into()])).unwrap();
+        let m = g.mask().unwrap();
+        assert!(m.allows(id("yes")) && m.allows(id("no")) && m.allows(id("y")) && m.allows(id("n")));
+        assert!(!m.allows(id("ab")) && !m.allows(EOS) && !m.allows(id("x")));
+        let mut row = vec![0.0f32; 300];
+        m.apply(&mut row);
+        assert_eq!(row[id("yes") as usize], 0.0);
+        assert_eq!(row[id("ab") as usize], f32::NEG_INFINITY);
+        assert_eq!(row[299], f32::NEG_INFINITY, "ids past the vocabulary are never allowed");
+        assert_eq!(g.valid_prefix(&[id("yes"), id("no")]), 1);
+        g.consume(&[id("yes")]).unwrap();
+        assert!(g.is_finished());
+        let m = g.mask().unwrap();
+        assert_eq!((m.allows(EOS), m.num_allowed()), (true, 1));
+        g.rollback(1).unwrap();
+        assert!(!g.is_finished());
+        let (masks, consumed) = g.verification_masks(&[id("n"), id("x"), id("o")]).unwrap();
+        assert_eq!((masks.len(), consumed), (2, 1));
+        assert!(masks[1].allows(id("o")) && !masks[1].allows(id("x")));
+        // the draft "n" accepted, then "o" sampled: "no" is complete
+        g.settle(consumed, &[id("n"), id("o")]).unwrap();
+        assert!(g.is_finished());
+    }
+
+    #[test]
+    fn invalid_constraints_are_refused_with_the_reason() {
+        let c = compiler();
+        let e = c.compile(&Constraint::Regex("a(b".into())).unwrap_err().0;
+        assert!(e.starts_with("invalid regex"), "{e}");
+        let e = c.compile(&Constraint::JsonSchema("{\"type\": \"object\",".into())).unwrap_err().0;
+        assert!(e.contains("not valid JSON"), "{e}");
+        let e = c.compile(&Constraint::JsonSchema("{\"type\": \"array\", \"uniqueItems\": true}".into())).unwrap_err().0;
+        assert!(e.contains("uniqueItems"), "{e}");
+        let e = c.compile(&Constraint::Lark("start: foo".into())).unwrap_err().0;
+        assert!(e.starts_with("invalid grammar"), "{e}");
+        assert!(c.compile(&Constraint::Choice(vec![])).is_err());
+    }
+}
