@@ -209,9 +209,20 @@ pub fn call_grammar(functions: &[&FunctionTool], repeat: bool) -> String {
     for (i, f) in functions.iter().enumerate() {
         let head = format!("{CALL_OPEN}\n{{\"name\": \"{}\", \"arguments\": ", f.name);
         g.push_str(&format!("call_{i}: {} args_{i} {}\n", literal(&head), literal(&format!("}}\n{CALL_CLOSE}"))));
-        g.push_str(&format!("args_{i}: %json {}\n", f.parameters));
+        g.push_str(&format!("args_{i}: %json {}\n", with_json_layout(&f.parameters)));
     }
     g
+}
+
+/// `schema` with Qwen's JSON layout (`", "` and `": "`, no other whitespace, as its template
+/// prints arguments) unless it sets its own `x-guidance`: with free whitespace small models pad
+/// with newlines until the token limit.
+fn with_json_layout(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Value::Object(m) = &mut schema {
+        m.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}));
+    }
+    schema
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -722,7 +733,7 @@ mod tests {
     fn the_named_function_grammar_forces_its_call() {
         let set = ToolSet::from_request(Some(&weather_tools()), Some(&json!({"type": "function", "function": {"name": "get_weather"}}))).unwrap().unwrap();
         let Some(Constraint::Lark(g)) = set.constraint() else { panic!("no grammar") };
-        let schema = &set.functions[0].parameters;
+        let schema = with_json_layout(&set.functions[0].parameters);
         assert_eq!(
             g,
             format!(
@@ -732,10 +743,8 @@ mod tests {
                  args_0: %json {schema}\n"
             )
         );
-        assert_eq!(
-            serde_json::from_str::<Value>(&schema.to_string()).unwrap(),
-            json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
-        );
+        let layout = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        assert_eq!(schema, json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "x-guidance": layout}));
     }
 
     #[test]
@@ -745,7 +754,7 @@ mod tests {
         let lines: Vec<&str> = g.lines().collect();
         assert_eq!(lines[0], "start: call (\"\\n\" call)*");
         assert_eq!(lines[1], "call: call_0 | call_1");
-        assert_eq!(lines[5], format!("args_1: %json {}", json!({"type": "object", "properties": {}})));
+        assert_eq!(lines[5], format!("args_1: %json {}", with_json_layout(&json!({"type": "object", "properties": {}}))));
         assert!(lines[4].contains("\\\"name\\\": \\\"now\\\""), "{}", lines[4]);
         let auto = ToolSet::from_request(Some(&weather_tools()), None).unwrap().unwrap();
         assert_eq!(auto.constraint(), None);

@@ -138,6 +138,11 @@ async fn bad_tools_and_tool_choices_are_400s_naming_the_field() {
         (json!({"tools": tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice"),
         (json!({"tools": tools(), "tool_choice": "always"}), "tool_choice"),
         (json!({"tool_choice": "required"}), "tool_choice"),
+        // a schema only the grammar compiler finds wrong, when a call is forced
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strng"}}}}}], "tool_choice": "required"}),
+            "tools",
+        ),
     ];
     for (extra, param) in cases {
         let mut body = json!({"messages": user});
@@ -151,4 +156,28 @@ async fn bad_tools_and_tool_choices_are_400s_naming_the_field() {
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": bad_args})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
     assert_eq!(error_of(&v)["param"], "messages[0].tool_calls[0].function.arguments");
+}
+
+/// The forced-call grammar, compiled by the engine's llguidance compiler over the test tokenizer
+/// (byte tokens): a call of the named tool with valid arguments is accepted to the end, anything
+/// else is refused somewhere along the way.
+#[test]
+fn the_forced_call_grammar_accepts_exactly_valid_calls() {
+    use specula_engine::constraint::ConstraintCompiler;
+    let tokenizer = tokenizer();
+    let compiler = ConstraintCompiler::new(&tokenizer).unwrap();
+    let set = |choice: Value| specula_server::tools::ToolSet::from_request(Some(&tools()), Some(&choice)).unwrap().unwrap();
+    let accepts = |choice: Value, text: &str| {
+        let mut grammar = compiler.compile(&set(choice).constraint().unwrap()).unwrap();
+        let ids = tokenizer.encode(text).unwrap();
+        grammar.consume(&ids).is_ok() && grammar.mask().unwrap().allows(260)
+    };
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    assert!(accepts(named.clone(), CALL));
+    assert!(accepts(json!("required"), &format!("{CALL}\n{CALL}")));
+    assert!(!accepts(named.clone(), &format!("{CALL}\n{CALL}")), "a named function is called once");
+    assert!(!accepts(named.clone(), "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>"), "city is required");
+    assert!(!accepts(named.clone(), "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": 3}}\n</tool_call>"));
+    assert!(!accepts(named.clone(), "<tool_call>\n{\"name\": \"other\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"));
+    assert!(!accepts(named, "Sure! <tool_call>"));
 }

@@ -19,6 +19,7 @@ use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use specula_engine::api::{FinishReason, TokenLogprob};
+use specula_engine::constraint::compile_check;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
 use std::sync::Arc;
@@ -39,6 +40,9 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
     let text = tools::render(template, messages, tool_set.as_ref(), true)?;
     if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
+        // a parameters schema the grammar engine cannot compile is the client's to fix
+        compile_check(&state.tokenizer, &constraint)
+            .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;
         plan.base.constraint = Some(constraint);
     }
     // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
