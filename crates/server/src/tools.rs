@@ -52,6 +52,8 @@ pub struct ToolSet {
     /// The same tools in the same order, checked.
     pub functions: Vec<FunctionTool>,
     pub choice: ToolChoice,
+    /// `parallel_tool_calls` (default true): with false, `"required"` forces exactly one call.
+    pub parallel: bool,
 }
 
 /// OpenAI's rule for function names, which also keeps them safe inside grammar literals.
@@ -169,7 +171,7 @@ impl ToolSet {
                 Some(_) => Err(ApiError::invalid_param("tool_choice", "tool_choice other than \"none\" needs `tools`")),
             };
         }
-        Ok(Some(ToolSet { definitions: list, functions, choice: choice.unwrap_or(ToolChoice::Auto) }))
+        Ok(Some(ToolSet { definitions: list, functions, choice: choice.unwrap_or(ToolChoice::Auto), parallel: true }))
     }
 
     /// Whether the model's output is searched for calls (every choice but `"none"`).
@@ -181,12 +183,13 @@ impl ToolSet {
         self.functions.iter().map(|f| f.name.clone()).collect()
     }
 
-    /// The grammar that forces the call(s) for `"required"` (one or more calls of any tool) and a
-    /// named function (exactly one call of it); `None` for `"auto"` and `"none"`.
+    /// The grammar that forces the call(s) for `"required"` (one or more calls of any tool, one
+    /// without `parallel`) and a named function (exactly one call of it); `None` for `"auto"` and
+    /// `"none"`.
     pub fn constraint(&self) -> Option<Constraint> {
         match &self.choice {
             ToolChoice::None | ToolChoice::Auto => None,
-            ToolChoice::Required => Some(Constraint::Lark(call_grammar(&self.functions.iter().collect::<Vec<_>>(), true))),
+            ToolChoice::Required => Some(Constraint::Lark(call_grammar(&self.functions.iter().collect::<Vec<_>>(), self.parallel))),
             ToolChoice::Function(name) => {
                 let function: Vec<&FunctionTool> = self.functions.iter().filter(|f| &f.name == name).collect();
                 Some(Constraint::Lark(call_grammar(&function, false)))
@@ -756,6 +759,9 @@ mod tests {
         assert_eq!(lines[1], "call: call_0 | call_1");
         assert_eq!(lines[5], format!("args_1: %json {}", with_json_layout(&json!({"type": "object", "properties": {}}))));
         assert!(lines[4].contains("\\\"name\\\": \\\"now\\\""), "{}", lines[4]);
+        let single = ToolSet { parallel: false, ..set };
+        let Some(Constraint::Lark(g)) = single.constraint() else { panic!("no grammar") };
+        assert!(g.starts_with("start: call\ncall: call_0 | call_1\n"), "{g}");
         let auto = ToolSet::from_request(Some(&weather_tools()), None).unwrap().unwrap();
         assert_eq!(auto.constraint(), None);
     }

@@ -72,7 +72,8 @@ pub struct ChatCompletionRequest {
     /// `"auto"` (the default with tools), `"none"`, `"required"` or
     /// `{"type": "function", "function": {"name": ...}}`; checked with `tools`.
     pub tool_choice: Option<serde_json::Value>,
-    /// Accepted for compatibility; every parsed call is returned whatever its value.
+    /// false: `tool_choice: "required"` forces exactly one call. Calls the model makes on its own
+    /// (`auto`) are all returned whatever its value.
     pub parallel_tool_calls: Option<bool>,
 }
 

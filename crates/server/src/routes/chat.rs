@@ -31,7 +31,8 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
     let mut plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
-    let tool_set = ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?;
+    let tool_set =
+        ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
     let texts = validate::chat_messages(req.messages.as_deref())?;
     let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
     let template = state
