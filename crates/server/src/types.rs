@@ -37,6 +37,16 @@ pub struct CompletionRequest {
     pub prompt_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Structured outputs: `{type: text | json_object | json_schema, json_schema: {name, schema,
+    /// strict}}` (checked in `validate::structured_constraint`).
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's structured outputs: one of `{json, regex, choice, grammar, json_object}`.
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's older spellings of `structured_outputs`.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -75,6 +85,16 @@ pub struct ChatCompletionRequest {
     /// false: `tool_choice: "required"` forces exactly one call. Calls the model makes on its own
     /// (`auto`) are all returned whatever its value.
     pub parallel_tool_calls: Option<bool>,
+    /// Structured outputs: `{type: text | json_object | json_schema, json_schema: {name, schema,
+    /// strict}}` (checked in `validate::structured_constraint`).
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's structured outputs: one of `{json, regex, choice, grammar, json_object}`.
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's older spellings of `structured_outputs`.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Default, Clone, Copy, Deserialize)]

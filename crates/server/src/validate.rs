@@ -6,9 +6,12 @@
 use crate::error::ApiError;
 use crate::types::{ChatCompletionRequest, CompletionRequest, MessageContent, RequestMessage, Stop};
 use crate::ServerConfig;
-use specula_engine::api::SamplingParams;
+use serde_json::Value;
+use specula_engine::api::{Constraint, SamplingParams};
+use specula_engine::constraint::compile_check;
 use specula_engine::types::TokenId;
-use specula_model::ChatMessage;
+use specula_model::{ChatMessage, Tokenizer};
+use std::sync::Arc;
 
 /// What `max_tokens` becomes when the client leaves it out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +48,32 @@ pub struct SamplingFields {
     pub prompt_logprobs: Option<i64>,
     /// `max_tokens: 0` is allowed (completions with `echo`: the prompt only, nothing generated).
     pub allow_zero_max_tokens: bool,
+    /// The structured-output fields, as sent (`structured_constraint`).
+    pub structured: StructuredFields,
+}
+
+/// Every way a client can ask for structured output, as sent; at most one may be given.
+#[derive(Debug, Default, Clone)]
+pub struct StructuredFields {
+    pub response_format: Option<serde_json::Value>,
+    pub structured_outputs: Option<serde_json::Value>,
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
+}
+
+macro_rules! structured_fields {
+    ($r:expr) => {
+        StructuredFields {
+            response_format: $r.response_format.clone(),
+            structured_outputs: $r.structured_outputs.clone(),
+            guided_json: $r.guided_json.clone(),
+            guided_regex: $r.guided_regex.clone(),
+            guided_choice: $r.guided_choice.clone(),
+            guided_grammar: $r.guided_grammar.clone(),
+        }
+    };
 }
 
 impl From<&CompletionRequest> for SamplingFields {
@@ -69,6 +98,7 @@ impl From<&CompletionRequest> for SamplingFields {
             logprobs_param: "logprobs",
             prompt_logprobs: r.prompt_logprobs,
             allow_zero_max_tokens: r.echo == Some(true),
+            structured: structured_fields!(r),
         }
     }
 }
@@ -106,6 +136,7 @@ impl SamplingFields {
             logprobs_param: "top_logprobs",
             prompt_logprobs: None,
             allow_zero_max_tokens: false,
+            structured: structured_fields!(r),
         })
     }
 }
@@ -120,6 +151,8 @@ pub struct SamplingPlan {
     /// `max_tokens` as the client asked, if it did.
     pub requested_max_tokens: Option<usize>,
     max_tokens_param: &'static str,
+    /// The field `base.constraint` came from, for errors found when it is compiled.
+    pub constraint_param: &'static str,
 }
 
 /// 404 unless the request names the served model; a missing `model` means the served one.
@@ -184,6 +217,10 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
     if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
         return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {bad} is outside the vocabulary (size {vocab_size})")));
     }
+    let (constraint, constraint_param) = match structured_constraint(&f.structured)? {
+        Some((c, p)) => (Some(c), p),
+        None => (None, ""),
+    };
     let defaults = SamplingParams::default();
     let base = SamplingParams {
         temperature: f.temperature.unwrap_or(defaults.temperature),
@@ -204,7 +241,7 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs,
         prompt_logprobs,
-        constraint: None,
+        constraint,
     };
     base.validate(config.max_logprobs).map_err(|e| {
         let param = match e.param {
@@ -214,7 +251,122 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         };
         ApiError::invalid_param(param, e.message.replace("max_tokens", f.max_tokens_param))
     })?;
-    Ok(SamplingPlan { n, base, requested_max_tokens, max_tokens_param: f.max_tokens_param })
+    Ok(SamplingPlan { n, base, requested_max_tokens, max_tokens_param: f.max_tokens_param, constraint_param })
+}
+
+/// The constraint the structured-output fields ask for (at most one of them may be given), and
+/// the field it came from. Shapes: `response_format` `{type: text | json_object | json_schema,
+/// json_schema: {name, schema, strict}}`; vLLM's `structured_outputs` with one of `json` (a
+/// schema, or its JSON text), `regex`, `choice` (strings), `grammar` (Lark, llguidance's
+/// dialect) or `json_object: true`; and the older `guided_json`, `guided_regex`,
+/// `guided_choice`, `guided_grammar`.
+pub fn structured_constraint(s: &StructuredFields) -> Result<Option<(Constraint, &'static str)>, ApiError> {
+    let given: Vec<&'static str> = [
+        ("response_format", &s.response_format),
+        ("structured_outputs", &s.structured_outputs),
+        ("guided_json", &s.guided_json),
+        ("guided_regex", &s.guided_regex),
+        ("guided_choice", &s.guided_choice),
+        ("guided_grammar", &s.guided_grammar),
+    ]
+    .into_iter()
+    .filter(|(_, v)| v.as_ref().is_some_and(|v| !v.is_null()))
+    .map(|(n, _)| n)
+    .collect();
+    // `response_format: {type: text}` asks for nothing and may accompany the others
+    let text_format = s.response_format.as_ref().is_some_and(|v| v.get("type").and_then(Value::as_str) == Some("text"));
+    let asking: Vec<&str> = given.iter().copied().filter(|&n| !(n == "response_format" && text_format)).collect();
+    if asking.len() > 1 {
+        return Err(ApiError::invalid_param(asking[1], format!("only one structured-output field may be given, got {}", asking.join(" and "))));
+    }
+    let Some(&field) = asking.first() else { return Ok(None) };
+    let c = match field {
+        "response_format" => return response_format(s.response_format.as_ref().expect("given")),
+        "structured_outputs" => return structured_outputs(s.structured_outputs.as_ref().expect("given")),
+        "guided_json" => json_schema(s.guided_json.as_ref().expect("given"), "guided_json")?,
+        "guided_regex" => Constraint::Regex(string(s.guided_regex.as_ref().expect("given"), "guided_regex")?),
+        "guided_choice" => choice(s.guided_choice.as_ref().expect("given"), "guided_choice")?,
+        _ => Constraint::Lark(string(s.guided_grammar.as_ref().expect("given"), "guided_grammar")?),
+    };
+    Ok(Some((c, field)))
+}
+
+fn response_format(v: &Value) -> Result<Option<(Constraint, &'static str)>, ApiError> {
+    const P: &str = "response_format";
+    let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| ApiError::invalid_param(P, "response_format must be an object with a string `type`"))?;
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some((Constraint::JsonObject, P))),
+        "json_schema" => {
+            let js = v
+                .get("json_schema")
+                .filter(|j| j.is_object())
+                .ok_or_else(|| ApiError::invalid_param(P, "response_format of type json_schema needs `json_schema: {name, schema, strict}`"))?;
+            // OpenAI's schema is optional: without one, any JSON value
+            let schema = js.get("schema").cloned().unwrap_or_else(|| Value::Object(Default::default()));
+            Ok(Some((json_schema(&schema, P)?, P)))
+        }
+        other => Err(ApiError::invalid_param(P, format!("response_format type '{other}' is not supported (text, json_object, json_schema)"))),
+    }
+}
+
+fn structured_outputs(v: &Value) -> Result<Option<(Constraint, &'static str)>, ApiError> {
+    const P: &str = "structured_outputs";
+    let obj = v.as_object().ok_or_else(|| ApiError::invalid_param(P, "structured_outputs must be an object with one of json, regex, choice, grammar"))?;
+    let kinds: Vec<&str> = ["json", "regex", "choice", "grammar", "json_object"]
+        .into_iter()
+        .filter(|k| obj.get(*k).is_some_and(|x| !x.is_null() && x != &Value::Bool(false)))
+        .collect();
+    if kinds.len() != 1 {
+        return Err(ApiError::invalid_param(
+            P,
+            format!("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got {}", kinds.len()),
+        ));
+    }
+    let c = match kinds[0] {
+        "json" => json_schema(&obj["json"], "structured_outputs.json")?,
+        "regex" => Constraint::Regex(string(&obj["regex"], "structured_outputs.regex")?),
+        "choice" => choice(&obj["choice"], "structured_outputs.choice")?,
+        "grammar" => Constraint::Lark(string(&obj["grammar"], "structured_outputs.grammar")?),
+        _ => Constraint::JsonObject,
+    };
+    Ok(Some((c, P)))
+}
+
+/// A JSON schema given as an object (or boolean), or as its JSON text.
+fn json_schema(v: &Value, param: &'static str) -> Result<Constraint, ApiError> {
+    let schema = match v {
+        Value::String(s) => serde_json::from_str(s).map_err(|e| ApiError::invalid_param(param, format!("{param} is not a JSON schema: {e}")))?,
+        other => other.clone(),
+    };
+    if !(schema.is_object() || schema.is_boolean()) {
+        return Err(ApiError::invalid_param(param, format!("{param} must be a JSON schema object")));
+    }
+    Ok(Constraint::JsonSchema(schema.to_string()))
+}
+
+fn string(v: &Value, param: &'static str) -> Result<String, ApiError> {
+    match v.as_str() {
+        Some(s) if !s.is_empty() => Ok(s.to_string()),
+        _ => Err(ApiError::invalid_param(param, format!("{param} must be a non-empty string"))),
+    }
+}
+
+fn choice(v: &Value, param: &'static str) -> Result<Constraint, ApiError> {
+    let opts: Option<Vec<String>> = v.as_array().and_then(|a| a.iter().map(|x| x.as_str().map(str::to_string)).collect());
+    match opts {
+        Some(o) if !o.is_empty() && o.iter().all(|s| !s.is_empty()) => Ok(Constraint::Choice(o)),
+        _ => Err(ApiError::invalid_param(param, format!("{param} must be a non-empty list of non-empty strings"))),
+    }
+}
+
+/// Compiles the plan's constraint (if any) for this tokenizer, so an invalid schema, regex or
+/// grammar is a 400 naming the problem before anything runs.
+pub fn check_constraint(plan: &SamplingPlan, tokenizer: &Arc<Tokenizer>) -> Result<(), ApiError> {
+    match &plan.base.constraint {
+        Some(c) => compile_check(tokenizer, c).map_err(|e| ApiError::invalid_param(plan.constraint_param, e.0)),
+        None => Ok(()),
+    }
 }
 
 /// A prompt the engine can run: not empty, every id in the vocabulary, room left to generate.
@@ -393,5 +545,44 @@ mod tests {
         assert_eq!(SamplingFields::from_chat(&r).unwrap_err().param.as_deref(), Some("top_logprobs"));
         let r = ChatCompletionRequest { logprobs: Some(true), top_logprobs: Some(2), ..Default::default() };
         assert_eq!(SamplingFields::from_chat(&r).unwrap().logprobs, Some(2));
+    }
+
+    fn structured(s: StructuredFields) -> Result<Option<(Constraint, &'static str)>, ApiError> {
+        structured_constraint(&s)
+    }
+
+    /// Every request shape maps to its constraint and names its field; bad shapes are 400s
+    /// naming the field.
+    #[test]
+    fn structured_output_fields_map_to_constraints() {
+        use serde_json::json;
+        let rf = |v| StructuredFields { response_format: Some(v), ..Default::default() };
+        assert_eq!(structured(rf(json!({"type": "text"}))).unwrap(), None);
+        assert_eq!(structured(rf(json!({"type": "json_object"}))).unwrap(), Some((Constraint::JsonObject, "response_format")));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(
+            structured(rf(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}))).unwrap(),
+            Some((Constraint::JsonSchema(schema.to_string()), "response_format"))
+        );
+        assert_eq!(structured(rf(json!({"type": "xml"}))).unwrap_err().param.as_deref(), Some("response_format"));
+        assert_eq!(structured(rf(json!({"type": "json_schema"}))).unwrap_err().param.as_deref(), Some("response_format"));
+        let so = |v| StructuredFields { structured_outputs: Some(v), ..Default::default() };
+        assert_eq!(structured(so(json!({"regex": "a+"}))).unwrap(), Some((Constraint::Regex("a+".into()), "structured_outputs")));
+        assert_eq!(structured(so(json!({"choice": ["x", "y"]}))).unwrap(), Some((Constraint::Choice(vec!["x".into(), "y".into()]), "structured_outputs")));
+        assert_eq!(
+            structured(so(json!({"json": "{\"type\": \"string\"}"}))).unwrap(),
+            Some((Constraint::JsonSchema("{\"type\":\"string\"}".into()), "structured_outputs"))
+        );
+        assert_eq!(structured(so(json!({"grammar": "start: \"a\""}))).unwrap(), Some((Constraint::Lark("start: \"a\"".into()), "structured_outputs")));
+        assert_eq!(structured(so(json!({"json_object": true}))).unwrap(), Some((Constraint::JsonObject, "structured_outputs")));
+        assert!(structured(so(json!({"regex": "a", "choice": ["b"]}))).is_err());
+        assert_eq!(structured(so(json!({"choice": []}))).unwrap_err().param.as_deref(), Some("structured_outputs.choice"));
+        let old = StructuredFields { guided_choice: Some(json!(["a"])), ..Default::default() };
+        assert_eq!(structured(old).unwrap(), Some((Constraint::Choice(vec!["a".into()]), "guided_choice")));
+        let two = StructuredFields { guided_regex: Some(json!("a")), response_format: Some(json!({"type": "json_object"})), ..Default::default() };
+        assert!(structured(two).unwrap_err().message.contains("only one"));
+        // `text` beside another field asks for nothing more
+        let text_and = StructuredFields { guided_regex: Some(json!("a")), response_format: Some(json!({"type": "text"})), ..Default::default() };
+        assert_eq!(structured(text_and).unwrap(), Some((Constraint::Regex("a".into()), "guided_regex")));
     }
 }

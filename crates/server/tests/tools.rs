@@ -138,6 +138,7 @@ async fn bad_tools_and_tool_choices_are_400s_naming_the_field() {
         (json!({"tools": tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}), "tool_choice"),
         (json!({"tools": tools(), "tool_choice": "always"}), "tool_choice"),
         (json!({"tool_choice": "required"}), "tool_choice"),
+        (json!({"tools": tools(), "tool_choice": "required", "response_format": {"type": "json_object"}}), "tool_choice"),
         // a schema only the grammar compiler finds wrong, when a call is forced
         (
             json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "strng"}}}}}], "tool_choice": "required"}),

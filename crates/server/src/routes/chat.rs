@@ -31,6 +31,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
     let mut plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
+    validate::check_constraint(&plan, &state.tokenizer)?;
     let tool_set =
         ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
     let texts = validate::chat_messages(req.messages.as_deref())?;
@@ -41,6 +42,15 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
     let text = tools::render(template, messages, tool_set.as_ref(), true)?;
     if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
+        if plan.base.constraint.is_some() {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                format!(
+                    "tool_choice \"required\" or a named function forces the output into tool calls, so it cannot be combined with `{}`",
+                    plan.constraint_param
+                ),
+            ));
+        }
         // a parameters schema the grammar engine cannot compile is the client's to fix
         compile_check(&state.tokenizer, &constraint)
             .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;

@@ -30,6 +30,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
     let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
+    validate::check_constraint(&plan, &state.tokenizer)?;
     let echo = req.echo.unwrap_or(false);
     let stream = req.stream.unwrap_or(false);
     // `max_tokens: 0` (echo only): the engine runs the prompt and one step whose token is dropped
