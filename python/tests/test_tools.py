@@ -236,6 +236,16 @@ def test_stream_reassembles_into_the_non_streamed_message(qwen, client, messages
         assert calls and reasons == ["tool_calls"]
 
 
+def test_forced_call_streams_like_the_non_streamed_one(qwen, client):
+    kw = dict(messages=SAY_HELLO, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    whole = forced(client, qwen, **kw).choices[0]
+    content, calls, reasons = reassemble(forced(client, qwen, stream=True, **kw))
+    assert content == "" and whole.message.content is None
+    assert len(calls) == 1 and reasons == ["tool_calls"]
+    assert calls == [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), schema_of(calls[0]["name"]))
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------
