@@ -182,3 +182,27 @@ fn the_forced_call_grammar_accepts_exactly_valid_calls() {
     assert!(!accepts(named.clone(), "<tool_call>\n{\"name\": \"other\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"));
     assert!(!accepts(named, "Sure! <tool_call>"));
 }
+
+#[tokio::test]
+async fn each_streamed_choice_numbers_its_own_calls() {
+    let s = tool_server();
+    let mut body = request(true);
+    body["n"] = json!(2);
+    let resp = s.post_raw("/v1/chat/completions", body.to_string()).await;
+    let data = sse_data(&text_of(resp).await);
+    let mut first_call_index = [None, None];
+    let mut reasons = [Value::Null, Value::Null];
+    for d in &data[..data.len() - 1] {
+        let chunk: Value = serde_json::from_str(d).unwrap();
+        let c = &chunk["choices"][0];
+        let choice = c["index"].as_u64().unwrap() as usize;
+        if let Some(piece) = c["delta"]["tool_calls"].as_array().and_then(|p| p.first()) {
+            first_call_index[choice].get_or_insert(piece["index"].as_u64().unwrap());
+        }
+        if !c["finish_reason"].is_null() {
+            reasons[choice] = c["finish_reason"].clone();
+        }
+    }
+    assert_eq!(first_call_index, [Some(0), Some(0)]);
+    assert_eq!(reasons, [json!("tool_calls"), json!("tool_calls")]);
+}
