@@ -20,6 +20,9 @@ use serde_json::Value;
 use specula_model::Tokenizer;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+/// One tokenizer's compiler in `ConstraintCompiler::for_tokenizer`'s cache.
+type CacheEntry = (Weak<Tokenizer>, Arc<ConstraintCompiler>);
+
 /// A constraint that cannot be compiled; the text names the problem (for an HTTP 400).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{0}")]
@@ -76,7 +79,7 @@ impl ConstraintCompiler {
     /// The compiler of `tokenizer`, built on first use and shared by every caller holding the
     /// same `Arc` (engine ranks and the server in one process).
     pub fn for_tokenizer(tokenizer: &Arc<Tokenizer>) -> Result<Arc<Self>, ConstraintError> {
-        static CACHE: OnceLock<Mutex<Vec<(Weak<Tokenizer>, Arc<ConstraintCompiler>)>>> = OnceLock::new();
+        static CACHE: OnceLock<Mutex<Vec<CacheEntry>>> = OnceLock::new();
         let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
         // building under the lock: concurrent first users wait for one build instead of racing
         let mut entries = cache.lock().unwrap_or_else(|p| p.into_inner());
@@ -299,29 +302,25 @@ mod tests {
     use super::*;
     use specula_model::tokenizer::GgufTokenizerSpec;
 
-    /// A byte-level vocabulary: the 256 bytes, "ab", "yes", "no", then `<|end|>` (control, EOS).
+    /// A byte-level vocabulary: the 256 bytes (GPT-2's byte characters), "ab", "yes", "no",
+    /// `<|end|>` (control, EOS), then "ye" (a merge step of "yes").
     fn tokenizer() -> Tokenizer {
+        let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         let mut tokens: Vec<String> = (0..=255u8)
             .map(|b| {
-                let printable = (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
-                let n = (0..b).filter(|&x| !((b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || (0xAE..=0xFF).contains(&x))).count() as u32;
-                if printable {
+                let remapped = (0..b).filter(|&x| !printable(x)).count() as u32;
+                if printable(b) {
                     char::from(b).to_string()
                 } else {
-                    char::from_u32(256 + n).unwrap().to_string()
+                    char::from_u32(256 + remapped).unwrap().to_string()
                 }
             })
             .collect();
-        tokens.extend(["ab", "yes", "no", "<|end|>"].map(String::from));
+        tokens.extend(["ab", "yes", "no", "<|end|>", "ye"].map(String::from));
         let mut token_types = vec![1; tokens.len()];
-        *token_types.last_mut().unwrap() = 3;
-        let eos = Some(tokens.len() as u32 - 1);
+        token_types[EOS as usize] = 3;
         let merges = vec!["a b".into(), "y e".into(), "ye s".into(), "n o".into()];
-        let mut tokens_with_merge_parts = tokens;
-        tokens_with_merge_parts.push("ye".into());
-        let mut token_types = token_types;
-        token_types.push(1);
-        Tokenizer::from_gguf(GgufTokenizerSpec { model: "gpt2", tokens: tokens_with_merge_parts, token_types, merges, eos, ..Default::default() }).unwrap()
+        Tokenizer::from_gguf(GgufTokenizerSpec { model: "gpt2", tokens, token_types, merges, eos: Some(EOS), ..Default::default() }).unwrap()
     }
 
     fn compiler() -> ConstraintCompiler {

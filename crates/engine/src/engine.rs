@@ -327,7 +327,7 @@ impl Engine {
     fn finalize(&mut self, p: PreparedStep, stats: &mut StepStats) -> (StepPlan, StepJob) {
         let t = Instant::now();
         let host = self.host.as_ref().expect("the host state is home between engine calls");
-        let settled = finalize(p, self.computed.as_ref(), |id| host.seqs.contains_key(&id), self.cfg.block_size);
+        let settled = finalize(p, self.computed.as_mut(), |id| host.seqs.contains_key(&id), self.cfg.block_size);
         stats.timings.finalize += t.elapsed();
         settled
     }

@@ -152,7 +152,7 @@ fn sample(
             }
             None => block,
         };
-        let toks: Vec<TokenId> = if num_drafts == 0 {
+        let mut toks: Vec<TokenId> = if num_drafts == 0 {
             let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
             vec![state.sampler.sample(rows, &it.params, history, &mut rng).map_err(|e| e.to_string())?]
         } else {
@@ -165,6 +165,13 @@ fn sample(
             g.settle(*consumed, &toks)?;
         }
         let grammar_finished = grammar.as_ref().is_some_and(|g| g.is_finished());
+        // drafts the rejection sampler accepted (for the acceptance counters)
+        let verified_accepted = toks.len() - 1;
+        if grammar_finished && toks.len() > 1 && grammar.as_ref().is_some_and(|g| toks.last().is_some_and(|&t| g.is_eos(t))) {
+            // an accepted draft completed the grammar, so the row after it could only give EOS:
+            // the output ends at that draft token, as it does without speculation (no EOS token)
+            toks.pop();
+        }
         let lp_first = match (it.params.logprobs, k_max) {
             (Some(_), Some(k)) => {
                 let start = lp_rows.len();
@@ -178,7 +185,7 @@ fn sample(
         if num_drafts > 0 {
             if let Some(sp) = state.spec.as_mut() {
                 let accepted = toks.len() - 1;
-                sp.record(it.seq, num_drafts, accepted);
+                sp.record(it.seq, num_drafts, verified_accepted);
                 // the one rollback rule (`ScheduledSeq::kept_end`): valid KV ends after the accepted drafts
                 sp.proposer.rollback(it.seq, it.start + it.num_tokens - (num_drafts - accepted));
             }

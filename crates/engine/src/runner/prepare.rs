@@ -85,16 +85,19 @@ const HISTORY_ROOM: usize = 64;
 /// Settles a prepared step from the output of the step before it (`before`, if it has not been
 /// applied to the host state yet) and assembles its batch. `alive` says whether a sequence still
 /// runs (not finished, aborted or failed since the step was prepared). Returns the plan as it will
-/// run (every entry final) and its compute job; the plan may be empty.
-pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl Fn(SeqId) -> bool, block_size: usize) -> (StepPlan, StepJob) {
-    let results: BTreeMap<SeqId, &SeqResult> = match before.map(|c| &c.outcome) {
-        Some(Ok(out)) => out.results.iter().map(|(id, r)| (*id, r)).collect(),
-        _ => BTreeMap::new(),
-    };
+/// run (every entry final) and its compute job; the plan may be empty. A sequence's grammar
+/// (structured outputs) moves from `before`'s result into this step's item, so it is not copied
+/// between two forward passes; applying `before` then leaves the sequence without one until this
+/// step is applied.
+pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: impl Fn(SeqId) -> bool, block_size: usize) -> (StepPlan, StepJob) {
     // a failed step's sequences are failed when it is applied: nothing of theirs runs
-    let failed: BTreeSet<SeqId> = match before {
+    let failed: BTreeSet<SeqId> = match before.as_deref() {
         Some(c) if c.outcome.is_err() => c.plan.seqs.iter().map(|s| s.seq).collect(),
         _ => BTreeSet::new(),
+    };
+    let mut results: BTreeMap<SeqId, &mut SeqResult> = match before.map(|c| &mut c.outcome) {
+        Some(Ok(out)) => out.results.iter_mut().map(|(id, r)| (*id, r)).collect(),
+        _ => BTreeMap::new(),
     };
     let PreparedStep { step, plan, seqs } = p;
     let n_seqs = plan.seqs.len();
@@ -116,7 +119,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
         }
         if sch.is_ahead() {
             // the step before sampled this sequence: no result means it did not run it after all
-            let Some(r) = results.get(&sch.seq) else { continue };
+            let Some(r) = results.get_mut(&sch.seq) else { continue };
             if r.finished {
                 continue;
             }
@@ -133,7 +136,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl F
             if let Some(it) = ps.item.as_mut() {
                 it.tokens.extend_from_slice(&r.tokens);
                 it.rng = r.rng.clone();
-                it.grammar = r.grammar.clone();
+                it.grammar = r.grammar.take();
                 it.start = sch.start;
                 it.num_tokens = sch.num_tokens;
                 it.draft = draft;
@@ -249,12 +252,12 @@ mod tests {
         let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None, prompt_rows: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
         let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5] };
-        let before = computed(
+        let mut before = computed(
             &[1, 2, 3],
             vec![(1, result(vec![50, 51], 3, vec![60, 61], false, 9)), (2, result(vec![70], 0, vec![], true, 9)), (3, result(vec![71], 0, vec![], false, 9))],
         );
 
-        let (plan, job) = finalize(prepared, Some(&before), |id| id != SeqId(3), BS);
+        let (plan, job) = finalize(prepared, Some(&mut before), |id| id != SeqId(3), BS);
 
         assert_eq!(job.step, 7);
         let ids: Vec<u64> = plan.seqs.iter().map(|s| s.seq.0).collect();
@@ -286,16 +289,16 @@ mod tests {
     fn finalize_drops_oversized_drafts_and_the_sequences_of_a_failed_step() {
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
         let prepared = PreparedStep { step: 1, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
-        let before = computed(&[1], vec![(1, result(vec![8], 0, vec![60, 61, 62], false, 3))]);
-        let (plan, job) = finalize(prepared, Some(&before), |_| true, BS);
+        let mut before = computed(&[1], vec![(1, result(vec![8], 0, vec![60, 61, 62], false, 3))]);
+        let (plan, job) = finalize(prepared, Some(&mut before), |_| true, BS);
         assert_eq!((plan.seqs[0].start, plan.seqs[0].num_tokens, plan.seqs[0].num_drafts), (4, 1, 0));
         assert_eq!(job.inputs.tokens, vec![8]);
         assert!(job.items[0].draft.tokens.is_empty());
 
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
         let prepared = PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
-        let failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, message: "boom".into() }) };
-        let (plan, job) = finalize(prepared, Some(&failed), |_| true, BS);
+        let mut failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, message: "boom".into() }) };
+        let (plan, job) = finalize(prepared, Some(&mut failed), |_| true, BS);
         assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());
     }
 }
