@@ -72,7 +72,8 @@ impl ChatTemplate {
 /// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False, indent=indent,
 /// separators=separators, sort_keys=sort_keys)`, so ", " and ": " separators (", " becomes ","
 /// with an indent), non-ASCII kept, no HTML escaping. Maps come out in minijinja's key order
-/// (sorted: neither minijinja nor serde_json is built with `preserve_order` here).
+/// (sorted: minijinja is built without `preserve_order`, so its maps are sorted even though
+/// serde_json keeps insertion order since llguidance turned that feature on).
 fn py_tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;

@@ -17,6 +17,7 @@ pub mod generate;
 pub mod metrics;
 pub mod routes;
 pub mod sse;
+pub mod tools;
 pub mod types;
 pub mod validate;
 

@@ -19,10 +19,12 @@ use std::convert::Infallible;
 pub trait ChunkWriter: Send + 'static {
     /// Chunks sent before any engine event (chat: the `role` delta; completions: echoed prompts).
     fn opening(&mut self) -> Vec<Event>;
-    /// A chunk for new tokens of choice `index`, or nothing when there is nothing to show yet.
-    fn delta(&mut self, index: usize, tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Option<Event>;
-    /// The chunk that carries choice `index`'s finish reason.
-    fn finished(&mut self, index: usize, reason: FinishReason) -> Event;
+    /// The chunks for new tokens of choice `index`: usually one, none when there is nothing to
+    /// show yet, several when held-back text comes out at once (a parsed tool call).
+    fn delta(&mut self, index: usize, tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Vec<Event>;
+    /// The chunks that end choice `index`: anything still held back, then the one that carries
+    /// its finish reason.
+    fn finished(&mut self, index: usize, reason: FinishReason) -> Vec<Event>;
     /// The last chunk when `include_usage` was asked for: no choices, only usage.
     fn usage(&mut self, usage: Usage) -> Event;
 }
@@ -81,7 +83,7 @@ fn events<W: ChunkWriter>(pump: Pump<W>) -> impl Stream<Item = Event> + Send {
                 }
                 Some((index, RequestEvent::Finished { reason, completion_tokens, .. })) => {
                     p.completion_tokens += completion_tokens;
-                    p.queue.push_back(p.writer.finished(index, reason));
+                    p.queue.extend(p.writer.finished(index, reason));
                 }
                 // refused for streaming by the routes (prompt logprobs are non-streaming only)
                 Some((_, RequestEvent::PromptLogprobs { .. })) => {}

@@ -82,6 +82,15 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// OpenAI function tools, as sent: checked (with the paths of the fields at fault) by
+    /// `tools::ToolSet::from_request`, so a malformed one is a 400 naming e.g. `tools[1].type`.
+    pub tools: Option<serde_json::Value>,
+    /// `"auto"` (the default with tools), `"none"`, `"required"` or
+    /// `{"type": "function", "function": {"name": ...}}`; checked with `tools`.
+    pub tool_choice: Option<serde_json::Value>,
+    /// false: `tool_choice: "required"` forces exactly one call. Calls the model makes on its own
+    /// (`auto`) are all returned whatever its value.
+    pub parallel_tool_calls: Option<bool>,
     /// Structured outputs: `{type: text | json_object | json_schema, json_schema: {name, schema,
     /// strict}}` (checked in `validate::structured_constraint`).
     pub response_format: Option<serde_json::Value>,
@@ -160,6 +169,32 @@ pub struct RequestMessage {
     /// Absent or null for e.g. an assistant turn that only called tools; rendered as "".
     #[serde(default)]
     pub content: Option<MessageContent>,
+    /// An assistant turn's tool calls (OpenAI: `arguments` is a JSON string).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<RequestToolCall>>,
+    /// A `tool` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// The author's name (a `tool` message: the function's), passed to the template as given.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// One call in an assistant message the client sends back (`message.tool_calls[i]` of an
+/// earlier response).
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestToolCall {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub function: RequestFunctionCall,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RequestFunctionCall {
+    pub name: String,
+    /// The arguments as a JSON text (OpenAI's shape); a JSON object is accepted too.
+    pub arguments: serde_json::Value,
 }
 
 /// A message's content: plain text, or a list of parts of which only `text` parts are supported.
@@ -294,7 +329,47 @@ pub struct ChatChoice {
 #[derive(Debug, Clone, Serialize)]
 pub struct ResponseMessage {
     pub role: &'static str,
-    pub content: String,
+    /// Null when the model only called tools.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// A call the model made, as OpenAI returns it in `message.tool_calls`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCall {
+    /// `call_...`, unique per server process.
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as JSON text (always a valid JSON value).
+    pub arguments: String,
+}
+
+/// One piece of a streamed call in `delta.tool_calls`: the first carries `id`, `type` and the
+/// name, the later ones pieces of `arguments` only.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallDelta {
+    /// Which call of the message this piece belongs to (0, 1, ...).
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 /// `chat.completion.chunk` (one streamed chunk).
@@ -314,6 +389,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]

@@ -1,14 +1,17 @@
 //! `POST /v1/chat/completions`: messages rendered with the model's chat template (generation
-//! prompt added), `chat.completion` objects or `chat.completion.chunk` streams out.
+//! prompt added), `chat.completion` objects or `chat.completion.chunk` streams out. With `tools`,
+//! the output is searched for calls (`tools.rs`) and they come back as `message.tool_calls`, or
+//! streamed as `delta.tool_calls` once each call is complete.
 
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
 use crate::routes::clamp_logprob as clamp;
 use crate::sse::{self, ChunkWriter};
+use crate::tools::{self, CallParser, ParsedCall, Piece, ToolSet};
 use crate::types::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob,
-    ResponseMessage, Usage,
+    FunctionCall, FunctionCallDelta, ResponseMessage, ToolCall, ToolCallDelta, Usage,
 };
 use crate::validate::{self, DefaultMaxTokens, SamplingFields};
 use crate::{unix_now, AppState};
@@ -16,6 +19,7 @@ use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use specula_engine::api::{FinishReason, TokenLogprob};
+use specula_engine::constraint::compile_check;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
 use std::sync::Arc;
@@ -26,14 +30,32 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let config = &state.config;
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
-    let plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
+    let mut plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
     validate::check_constraint(&plan, &state.tokenizer)?;
-    let messages = validate::chat_messages(req.messages.as_deref())?;
+    let tool_set =
+        ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
+    let texts = validate::chat_messages(req.messages.as_deref())?;
+    let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
     let template = state
         .chat_template
         .as_ref()
         .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
-    let text = template.render(&messages, true).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let text = tools::render(template, messages, tool_set.as_ref(), true)?;
+    if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
+        if plan.base.constraint.is_some() {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                format!(
+                    "tool_choice \"required\" or a named function forces the output into tool calls, so it cannot be combined with `{}`",
+                    plan.constraint_param
+                ),
+            ));
+        }
+        // a parameters schema the grammar engine cannot compile is the client's to fix
+        compile_check(&state.tokenizer, &constraint)
+            .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;
+        plan.base.constraint = Some(constraint);
+    }
     // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
     let prompt = state.tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
     validate::check_prompt(&prompt, "messages", config, vocab)?;
@@ -52,10 +74,14 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         n: plan.n,
         logprobs: plan.base.logprobs.is_some(),
         include_usage: None,
+        tool_names: tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names),
+        parsers: Vec::new(),
+        calls_sent: vec![0; plan.n],
     };
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        let writer = ChatChunks { include_usage: include_usage.then_some(None), ..writer };
+        let parsers = writer.tool_names.iter().flat_map(|names| (0..plan.n).map(|_| CallParser::new(names.clone()))).collect();
+        let writer = ChatChunks { include_usage: include_usage.then_some(None), parsers, ..writer };
         return Ok(sse::stream_response(runs, writer, include_usage, prompt.len()));
     }
     let outputs = generate::collect(runs).await?;
@@ -97,6 +123,17 @@ struct ChatChunks {
     logprobs: bool,
     /// `Some(None)` (usage: null on every chunk) when the client asked for a usage chunk.
     include_usage: Option<Option<Usage>>,
+    /// The request's tool names when the output is searched for calls (tools given, choice not
+    /// `"none"`).
+    tool_names: Option<Vec<String>>,
+    /// Streaming with tools: one parser per choice (empty otherwise).
+    parsers: Vec<CallParser>,
+    /// Streaming: calls sent so far, per choice (the next call's `index`).
+    calls_sent: Vec<usize>,
+}
+
+fn tool_call(call: ParsedCall) -> ToolCall {
+    ToolCall { id: tools::call_id(), kind: "function", function: FunctionCall { name: call.name, arguments: call.arguments } }
 }
 
 impl ChatChunks {
@@ -111,20 +148,57 @@ impl ChatChunks {
         })
     }
 
-    fn choice_chunk(&self, index: usize, delta: ChatDelta, logprobs: Option<ChatLogprobs>, reason: Option<FinishReason>) -> Event {
-        let choice = ChatChunkChoice { index, delta, logprobs, finish_reason: reason.map(FinishReason::as_str) };
+    fn choice_chunk(&self, index: usize, delta: ChatDelta, logprobs: Option<ChatLogprobs>, reason: Option<&'static str>) -> Event {
+        let choice = ChatChunkChoice { index, delta, logprobs, finish_reason: reason };
         self.chunk(vec![choice], self.include_usage)
+    }
+
+    /// The deltas for what a choice's call parser let out: content as it is, each call as one
+    /// chunk with its id, type and name, then one with its arguments.
+    fn piece_deltas(&mut self, index: usize, pieces: Vec<Piece>) -> Vec<ChatDelta> {
+        let mut deltas = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) => deltas.push(ChatDelta { content: Some(text), ..Default::default() }),
+                Piece::Call(call) => {
+                    let call_index = self.calls_sent[index];
+                    self.calls_sent[index] += 1;
+                    let head = ToolCallDelta {
+                        index: call_index,
+                        id: Some(tools::call_id()),
+                        kind: Some("function"),
+                        function: FunctionCallDelta { name: Some(call.name), arguments: String::new() },
+                    };
+                    let arguments =
+                        ToolCallDelta { index: call_index, id: None, kind: None, function: FunctionCallDelta { name: None, arguments: call.arguments } };
+                    deltas.push(ChatDelta { tool_calls: Some(vec![head]), ..Default::default() });
+                    deltas.push(ChatDelta { tool_calls: Some(vec![arguments]), ..Default::default() });
+                }
+            }
+        }
+        deltas
     }
 
     fn response(self, outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> ChatCompletionResponse {
         let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
         let choices = outputs
             .into_iter()
-            .map(|o| ChatChoice {
-                index: o.index,
-                logprobs: self.logprobs.then(|| chat_logprobs(&self.tokenizer, &o.logprobs)),
-                message: ResponseMessage { role: "assistant", content: o.text },
-                finish_reason: Some(o.finish_reason.as_str()),
+            .map(|o| {
+                let (message, finish_reason) = match &self.tool_names {
+                    None => (ResponseMessage { role: "assistant", content: Some(o.text), tool_calls: Vec::new() }, o.finish_reason.as_str()),
+                    Some(names) => {
+                        let parsed = CallParser::parse(&o.text, names.clone());
+                        let reason = if parsed.calls.is_empty() { o.finish_reason.as_str() } else { "tool_calls" };
+                        let tool_calls = parsed.calls.into_iter().map(tool_call).collect();
+                        (ResponseMessage { role: "assistant", content: parsed.content, tool_calls }, reason)
+                    }
+                };
+                ChatChoice {
+                    index: o.index,
+                    logprobs: self.logprobs.then(|| chat_logprobs(&self.tokenizer, &o.logprobs)),
+                    message,
+                    finish_reason: Some(finish_reason),
+                }
             })
             .collect();
         ChatCompletionResponse {
@@ -143,23 +217,39 @@ impl ChunkWriter for ChatChunks {
     fn opening(&mut self) -> Vec<Event> {
         (0..self.n)
             .map(|index| {
-                let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()) };
+                let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), tool_calls: None };
                 self.choice_chunk(index, delta, None, None)
             })
             .collect()
     }
 
-    fn delta(&mut self, index: usize, _tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Option<Event> {
+    /// With tools, the text goes through the choice's call parser first; logprobs ride on the
+    /// first chunk that goes out (an empty delta when the parser holds the text back).
+    fn delta(&mut self, index: usize, _tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Vec<Event> {
         if text.is_empty() && logprobs.is_empty() {
-            return None;
+            return Vec::new();
         }
-        let logprobs = (!logprobs.is_empty()).then(|| chat_logprobs(&self.tokenizer, logprobs));
-        let delta = ChatDelta { role: None, content: Some(text.to_string()) };
-        Some(self.choice_chunk(index, delta, logprobs, None))
+        let mut logprobs = (!logprobs.is_empty()).then(|| chat_logprobs(&self.tokenizer, logprobs));
+        let mut deltas = match self.parsers.get_mut(index) {
+            Some(parser) => {
+                let pieces = parser.push(text);
+                self.piece_deltas(index, pieces)
+            }
+            None => vec![ChatDelta { content: Some(text.to_string()), ..Default::default() }],
+        };
+        if deltas.is_empty() && logprobs.is_some() {
+            deltas.push(ChatDelta::default());
+        }
+        deltas.into_iter().map(|delta| self.choice_chunk(index, delta, logprobs.take(), None)).collect()
     }
 
-    fn finished(&mut self, index: usize, reason: FinishReason) -> Event {
-        self.choice_chunk(index, ChatDelta::default(), None, Some(reason))
+    /// Lets out what the call parser still holds; `tool_calls` is the reason once a call was sent.
+    fn finished(&mut self, index: usize, reason: FinishReason) -> Vec<Event> {
+        let pieces = self.parsers.get_mut(index).map(CallParser::finish).unwrap_or_default();
+        let mut events: Vec<Event> = self.piece_deltas(index, pieces).into_iter().map(|delta| self.choice_chunk(index, delta, None, None)).collect();
+        let reason = if self.calls_sent[index] > 0 { "tool_calls" } else { reason.as_str() };
+        events.push(self.choice_chunk(index, ChatDelta::default(), None, Some(reason)));
+        events
     }
 
     fn usage(&mut self, usage: Usage) -> Event {

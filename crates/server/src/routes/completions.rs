@@ -248,16 +248,16 @@ impl ChunkWriter for CompletionChunks {
         echoes.into_iter().enumerate().filter(|(_, text)| !text.is_empty()).map(|(index, text)| self.chunk(index, text, None, None)).collect()
     }
 
-    fn delta(&mut self, index: usize, _tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Option<Event> {
+    fn delta(&mut self, index: usize, _tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Vec<Event> {
         if text.is_empty() && logprobs.is_empty() {
-            return None;
+            return Vec::new();
         }
         let logprobs = (!logprobs.is_empty()).then(|| completion_logprobs(&self.tokenizer, logprobs, &mut self.offsets[index], None));
-        Some(self.chunk(index, text.to_string(), logprobs, None))
+        vec![self.chunk(index, text.to_string(), logprobs, None)]
     }
 
-    fn finished(&mut self, index: usize, reason: FinishReason) -> Event {
-        self.chunk(index, String::new(), None, Some(reason))
+    fn finished(&mut self, index: usize, reason: FinishReason) -> Vec<Event> {
+        vec![self.chunk(index, String::new(), None, Some(reason))]
     }
 
     fn usage(&mut self, usage: Usage) -> Event {

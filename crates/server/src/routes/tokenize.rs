@@ -5,6 +5,7 @@
 
 use crate::error::ApiError;
 use crate::extract::ApiJson;
+use crate::tools::{self, ToolSet};
 use crate::types::RequestMessage;
 use crate::validate;
 use crate::AppState;
@@ -26,6 +27,8 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// With `messages`: end with the assistant's turn header (default true).
     pub add_generation_prompt: Option<bool>,
+    /// With `messages`: tools rendered as `/v1/chat/completions` renders them.
+    pub tools: Option<Value>,
     /// Also return each token's vocabulary string.
     #[serde(default)]
     pub return_token_strs: bool,
@@ -60,12 +63,14 @@ pub async fn tokenize(State(state): State<AppState>, ApiJson(req): ApiJson<Token
             ids.map_err(|e| ApiError::invalid_param("prompt", format!("cannot tokenize the prompt: {e}")))?
         }
         (None, Some(messages)) => {
-            let messages = validate::chat_messages(Some(messages))?;
+            let tool_set = ToolSet::from_request(req.tools.as_ref(), None)?;
+            let texts = validate::chat_messages(Some(messages))?;
+            let messages = tools::template_messages(messages, texts)?;
             let template = state
                 .chat_template
                 .as_ref()
                 .ok_or_else(|| ApiError::invalid_param("messages", "this model has no chat template; tokenize a `prompt` instead"))?;
-            let text = template.render(&messages, req.add_generation_prompt.unwrap_or(true)).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+            let text = tools::render(template, messages, tool_set.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
             let ids = if req.add_special_tokens.unwrap_or(false) { tok.encode_prompt(&text) } else { tok.encode(&text) };
             ids.map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?
         }
