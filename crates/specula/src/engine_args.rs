@@ -63,7 +63,8 @@ pub struct SpecArgs {
     /// With --speculative-method draft: the draft proposes only the first N token ids (BPE and
     /// SentencePiece vocabularies put frequent tokens first) and end-of-sequence tokens, and
     /// computes only those rows of its output projection (cheaper drafts, slightly fewer
-    /// accepted). Default: the whole vocabulary.
+    /// accepted); 0: the whole vocabulary. Default: 32768 for vocabularies over 65536 tokens,
+    /// else the whole vocabulary.
     #[arg(long)]
     pub draft_vocab_size: Option<usize>,
     /// Shortest match (tokens) of the text's suffix that the ngram method drafts from; the longest

@@ -84,7 +84,13 @@ pub fn build_proposer<'a>(
             let vocab = loaded.model.config.vocab_size;
             let eos: Vec<crate::types::TokenId> = (0..vocab as crate::types::TokenId).filter(|&t| loaded.tokenizer.is_eos(t)).collect();
             let p = draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
-            Ok(Box::new(p.with_draft_vocab(cfg.draft_vocab.unwrap_or(vocab), &eos)?))
+            let n = match cfg.draft_vocab {
+                Some(0) => vocab,
+                Some(n) => n,
+                None if vocab > 2 * config::DEFAULT_DRAFT_VOCAB => config::DEFAULT_DRAFT_VOCAB,
+                None => vocab,
+            };
+            Ok(Box::new(p.with_draft_vocab(n, &eos)?))
         }
         SpecMethod::Mtp => {
             let path = cfg.draft_model.as_ref().ok_or_else(|| {
