@@ -372,4 +372,20 @@ mod tests {
         assert!(e.starts_with("invalid grammar"), "{e}");
         assert!(c.compile(&Constraint::Choice(vec![])).is_err());
     }
+
+    /// Requests reach MPI ranks as JSON (`dp::bridge`): every constraint survives the trip.
+    #[test]
+    fn constraints_cross_to_mpi_ranks_unchanged() {
+        for c in [
+            Constraint::JsonObject,
+            Constraint::JsonSchema("{\"type\": \"string\"}".into()),
+            Constraint::Regex("a+".into()),
+            Constraint::Choice(vec!["x".into(), "y".into()]),
+            Constraint::Lark("start: \"a\"".into()),
+        ] {
+            let p = crate::api::SamplingParams { constraint: Some(c), ..Default::default() };
+            let back: crate::api::SamplingParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+            assert_eq!(back, p);
+        }
+    }
 }
