@@ -76,7 +76,7 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
             // long contiguous runs (about a quarter of its share of the matrix) so the hardware
             // prefetcher sees one stream instead of 16-row pieces interleaved with the other
             // threads'. The split never changes a row's arithmetic.
-            _ if input.rows <= 4 => rows_per_task.max((w.rows / (4 * rayon::current_num_threads().max(1))).next_multiple_of(GROUP_ROWS)),
+            _ if input.rows <= 8 => rows_per_task.max((w.rows / (4 * rayon::current_num_threads().max(1))).next_multiple_of(GROUP_ROWS)),
             _ => rows_per_task,
         };
         let mut r = 0;
@@ -258,6 +258,26 @@ fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usiz
             while wide && b + 8 <= b1 {
                 write_group::<K, 8>(k, g, b, optr, rows);
                 b += 8;
+            }
+            // 5 to 7 rows in one pass over the group's weights, not 4 + the rest: a verify step
+            // of 1 + k tokens (k = 4..6) reads each weight once
+            if wide {
+                let n = match b1 - b {
+                    7 => {
+                        write_group::<K, 7>(k, g, b, optr, rows);
+                        7
+                    }
+                    6 => {
+                        write_group::<K, 6>(k, g, b, optr, rows);
+                        6
+                    }
+                    5 => {
+                        write_group::<K, 5>(k, g, b, optr, rows);
+                        5
+                    }
+                    _ => 0,
+                };
+                b += n;
             }
             while b + 4 <= b1 {
                 write_group::<K, 4>(k, g, b, optr, rows);

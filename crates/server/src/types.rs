@@ -40,16 +40,9 @@ pub struct CompletionRequest {
     pub prompt_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    /// Structured outputs: `{type: text | json_object | json_schema, json_schema: {name, schema,
-    /// strict}}` (checked in `validate::structured_constraint`).
-    pub response_format: Option<serde_json::Value>,
-    /// vLLM's structured outputs: one of `{json, regex, choice, grammar, json_object}`.
-    pub structured_outputs: Option<serde_json::Value>,
-    /// vLLM's older spellings of `structured_outputs`.
-    pub guided_json: Option<serde_json::Value>,
-    pub guided_regex: Option<serde_json::Value>,
-    pub guided_choice: Option<serde_json::Value>,
-    pub guided_grammar: Option<serde_json::Value>,
+    /// Structured outputs, every way a client can ask for them.
+    #[serde(flatten)]
+    pub structured: StructuredFields,
 }
 
 /// `POST /v1/chat/completions`.
@@ -91,8 +84,16 @@ pub struct ChatCompletionRequest {
     /// false: `tool_choice: "required"` forces exactly one call. Calls the model makes on its own
     /// (`auto`) are all returned whatever its value.
     pub parallel_tool_calls: Option<bool>,
-    /// Structured outputs: `{type: text | json_object | json_schema, json_schema: {name, schema,
-    /// strict}}` (checked in `validate::structured_constraint`).
+    /// Structured outputs, every way a client can ask for them.
+    #[serde(flatten)]
+    pub structured: StructuredFields,
+}
+
+/// Every way a client can ask for structured output, as sent; at most one may be given (checked in
+/// `validate::structured_constraint`).
+#[derive(Debug, Default, Clone, Deserialize)]
+pub struct StructuredFields {
+    /// `{type: text | json_object | json_schema, json_schema: {name, schema, strict}}`.
     pub response_format: Option<serde_json::Value>,
     /// vLLM's structured outputs: one of `{json, regex, choice, grammar, json_object}`.
     pub structured_outputs: Option<serde_json::Value>,

@@ -4,7 +4,7 @@
 //! Knows nothing of HTTP beyond `ApiError`, and nothing of how requests are run.
 
 use crate::error::ApiError;
-use crate::types::{ChatCompletionRequest, CompletionRequest, MessageContent, RequestMessage, Stop};
+use crate::types::{ChatCompletionRequest, CompletionRequest, MessageContent, RequestMessage, Stop, StructuredFields};
 use crate::ServerConfig;
 use serde_json::Value;
 use specula_engine::api::{Constraint, SamplingParams};
@@ -53,30 +53,6 @@ pub struct SamplingFields {
     pub structured: StructuredFields,
 }
 
-/// Every way a client can ask for structured output, as sent; at most one may be given.
-#[derive(Debug, Default, Clone)]
-pub struct StructuredFields {
-    pub response_format: Option<serde_json::Value>,
-    pub structured_outputs: Option<serde_json::Value>,
-    pub guided_json: Option<serde_json::Value>,
-    pub guided_regex: Option<serde_json::Value>,
-    pub guided_choice: Option<serde_json::Value>,
-    pub guided_grammar: Option<serde_json::Value>,
-}
-
-macro_rules! structured_fields {
-    ($r:expr) => {
-        StructuredFields {
-            response_format: $r.response_format.clone(),
-            structured_outputs: $r.structured_outputs.clone(),
-            guided_json: $r.guided_json.clone(),
-            guided_regex: $r.guided_regex.clone(),
-            guided_choice: $r.guided_choice.clone(),
-            guided_grammar: $r.guided_grammar.clone(),
-        }
-    };
-}
-
 impl From<&CompletionRequest> for SamplingFields {
     fn from(r: &CompletionRequest) -> Self {
         Self {
@@ -100,7 +76,7 @@ impl From<&CompletionRequest> for SamplingFields {
             logprobs_param: "logprobs",
             prompt_logprobs: r.prompt_logprobs,
             allow_zero_max_tokens: r.echo == Some(true),
-            structured: structured_fields!(r),
+            structured: r.structured.clone(),
         }
     }
 }
@@ -139,7 +115,7 @@ impl SamplingFields {
             logprobs_param: "top_logprobs",
             prompt_logprobs: None,
             allow_zero_max_tokens: false,
-            structured: structured_fields!(r),
+            structured: r.structured.clone(),
         })
     }
 }

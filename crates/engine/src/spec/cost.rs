@@ -14,14 +14,14 @@ use std::time::Instant;
 /// Rows (new tokens in one forward pass) at which the verify curve is measured; between them it is
 /// interpolated, past the last one extended along the last segment's slope (the compute-bound
 /// regime, where time grows linearly with rows).
-const CURVE_POINTS: [usize; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32];
+const CURVE_POINTS: [usize; 9] = [1, 2, 3, 4, 6, 8, 12, 16, 32];
 
 /// Context the measured sequence already holds: about a short chat prompt.
 const MEASURE_CONTEXT: usize = 64;
 
 /// Timed rounds; each round times every point once (so drift hits them alike) and the fastest
 /// round of each point is kept (the least disturbed by other work on the machine).
-const MEASURE_ROUNDS: usize = 3;
+const MEASURE_ROUNDS: usize = 2;
 
 /// Relative costs of a step, from measurement or given.
 #[derive(Clone, Debug, PartialEq)]
@@ -29,8 +29,13 @@ pub struct CostModel {
     /// (rows, time of a forward pass over that many new tokens / time of one), rows ascending,
     /// starting at (1, 1.0).
     curve: Vec<(usize, f64)>,
-    /// One draft token's work relative to a one-token target step (0 for n-gram lookups).
+    /// One draft token's work relative to a one-token target step (0 for n-gram lookups), at
+    /// batch 1.
     pub draft: f64,
+    /// Measured draft steps: (sequences drafting, time of one draft step for them / the target's
+    /// one-token step). Empty: a draft step for B sequences costs `draft` x the target's step for
+    /// B (the draft scales like the target).
+    draft_curve: Vec<(usize, f64)>,
     /// Whether the figures were measured here (else given).
     pub measured: bool,
 }
@@ -38,7 +43,7 @@ pub struct CostModel {
 impl CostModel {
     /// Each verified token beyond the first costs `per_token` of a one-token step.
     pub fn linear(per_token: f64, draft: f64) -> Self {
-        Self { curve: vec![(1, 1.0), (2, 1.0 + per_token)], draft, measured: false }
+        Self { curve: vec![(1, 1.0), (2, 1.0 + per_token)], draft, draft_curve: Vec::new(), measured: false }
     }
 
     /// From measured seconds per forward pass at each row count (`(rows, seconds)`, rows
@@ -50,29 +55,43 @@ impl CostModel {
         for i in 1..curve.len() {
             curve[i].1 = curve[i].1.max(curve[i - 1].1);
         }
-        Self { curve, draft, measured: true }
+        Self { curve, draft, draft_curve: Vec::new(), measured: true }
+    }
+
+    /// With a draft model's measured step times (`(sequences, seconds)`, ascending, from 1),
+    /// relative to this model's one-token step of `target_one_token` seconds.
+    pub fn with_draft_times(mut self, times: &[(usize, f64)], target_one_token: f64) -> Self {
+        let t1 = target_one_token.max(1e-12);
+        self.draft_curve = times.iter().map(|&(n, t)| (n, t / t1)).collect();
+        for i in 1..self.draft_curve.len() {
+            self.draft_curve[i].1 = self.draft_curve[i].1.max(self.draft_curve[i - 1].1);
+        }
+        if let Some(&(_, d)) = self.draft_curve.first() {
+            self.draft = d;
+        }
+        self
     }
 
     /// Time of a forward pass over `rows` new tokens relative to one.
     pub fn relative(&self, rows: usize) -> f64 {
-        let rows = rows.max(1);
-        let c = &self.curve;
-        if let Some(i) = c.iter().position(|&(n, _)| n >= rows) {
-            if c[i].0 == rows || i == 0 {
-                return c[i].1;
-            }
-            let ((n0, r0), (n1, r1)) = (c[i - 1], c[i]);
-            return r0 + (r1 - r0) * (rows - n0) as f64 / (n1 - n0) as f64;
+        interpolate(&self.curve, rows)
+    }
+
+    /// One draft step for `batch` sequences relative to the target's one-token step.
+    fn draft_step(&self, batch: usize) -> f64 {
+        if self.draft_curve.is_empty() {
+            self.draft * self.relative(batch)
+        } else {
+            interpolate(&self.draft_curve, batch)
         }
-        let ((n0, r0), (n1, r1)) = if c.len() >= 2 { (c[c.len() - 2], c[c.len() - 1]) } else { ((0, 0.0), c[0]) };
-        r1 + (r1 - r0) / (n1 - n0) as f64 * (rows - n1) as f64
     }
 
     /// Cost of a step in which `batch` sequences each verify `k` drafts (and propose them),
     /// relative to the same batch's plain step.
     pub fn step_cost(&self, batch: usize, k: usize) -> f64 {
         let batch = batch.max(1);
-        self.relative(batch * (1 + k)) / self.relative(batch) + k as f64 * self.draft
+        let plain = self.relative(batch);
+        (self.relative(batch * (1 + k)) + k as f64 * self.draft_step(batch)) / plain
     }
 
     /// The measured points, for logs and `/metrics`.
@@ -82,18 +101,38 @@ impl CostModel {
 
     /// One line for the log.
     pub fn describe(&self) -> String {
-        let pts: Vec<String> = self.curve.iter().map(|(n, r)| format!("{n}:{r:.2}")).collect();
-        format!("{} verify cost (rows:relative) {}, draft token {:.3}", if self.measured { "measured" } else { "given" }, pts.join(" "), self.draft)
+        let pts = |c: &[(usize, f64)]| c.iter().map(|(n, r)| format!("{n}:{r:.2}")).collect::<Vec<_>>().join(" ");
+        let draft = if self.draft_curve.is_empty() { format!("{:.3}", self.draft) } else { pts(&self.draft_curve) };
+        format!(
+            "{} verify cost (rows:relative) {}, draft step (sequences:relative) {draft}",
+            if self.measured { "measured" } else { "given" },
+            pts(&self.curve)
+        )
     }
 
     /// Publishes the figures as gauges (`specula:spec_verify_relative_cost{rows}`,
-    /// `specula:spec_draft_relative_cost`).
+    /// `specula:spec_draft_relative_cost`, the draft token at batch 1).
     pub fn publish(&self) {
         for &(n, r) in &self.curve {
             metrics::gauge!("specula:spec_verify_relative_cost", "rows" => n.to_string()).set(r);
         }
         metrics::gauge!("specula:spec_draft_relative_cost").set(self.draft);
     }
+}
+
+/// A piecewise-linear curve through `c` (ascending, from row count 1), extended past its last
+/// point along its last segment's slope.
+fn interpolate(c: &[(usize, f64)], rows: usize) -> f64 {
+    let rows = rows.max(1);
+    if let Some(i) = c.iter().position(|&(n, _)| n >= rows) {
+        if c[i].0 == rows || i == 0 {
+            return c[i].1;
+        }
+        let ((n0, r0), (n1, r1)) = (c[i - 1], c[i]);
+        return r0 + (r1 - r0) * (rows - n0) as f64 / (n1 - n0) as f64;
+    }
+    let ((n0, r0), (n1, r1)) = if c.len() >= 2 { (c[c.len() - 2], c[c.len() - 1]) } else { ((0, 0.0), c[0]) };
+    r1 + (r1 - r0) / (n1 - n0) as f64 * (rows - n1) as f64
 }
 
 /// The row counts measured for drafts of up to `max_k` tokens at up to `max_batch` sequences.
@@ -148,9 +187,16 @@ pub fn measure(model: &LlamaModel, max_k: usize, max_batch: usize, pool: &rayon:
     pool.install(|| time_forward(model, &points, MEASURE_CONTEXT, MEASURE_ROUNDS))
 }
 
-/// Seconds of one one-token step of `model` (a draft model), measured like the verify curve.
-pub fn measure_one_token(model: &LlamaModel, pool: &rayon::ThreadPool) -> Result<f64, ModelError> {
-    Ok(pool.install(|| time_forward(model, &[1], MEASURE_CONTEXT, MEASURE_ROUNDS))?[0].1)
+/// Seconds of a forward pass of `model` (a draft model) over each row count in `rows`, measured
+/// like the verify curve (one sequence's rows stand for as many sequences' one token each: the
+/// matmuls, which dominate, are the same).
+pub fn measure_steps(model: &LlamaModel, rows: &[usize], pool: &rayon::ThreadPool) -> Result<Vec<(usize, f64)>, ModelError> {
+    pool.install(|| time_forward(model, rows, MEASURE_CONTEXT, MEASURE_ROUNDS))
+}
+
+/// The batch sizes a draft model's step is measured at, up to `max_batch`.
+pub fn draft_batches(max_batch: usize) -> Vec<usize> {
+    CURVE_POINTS.iter().copied().filter(|&n| n <= max_batch.max(1)).collect()
 }
 
 #[cfg(test)]
@@ -191,5 +237,6 @@ mod tests {
         assert_eq!(curve_points(3, 1), vec![1, 2, 3, 4, 6, 8]);
         assert_eq!(curve_points(15, 1), vec![1, 2, 3, 4, 6, 8, 12, 16]);
         assert_eq!(curve_points(3, 8), CURVE_POINTS.to_vec());
+        assert_eq!(curve_points(3, 3), vec![1, 2, 3, 4, 6, 8, 12]);
     }
 }

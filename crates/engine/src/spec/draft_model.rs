@@ -119,8 +119,8 @@ impl Proposer for DraftModelProposer {
         super::adaptive::matmul_cost(&self.model.config) / super::adaptive::matmul_cost(target)
     }
 
-    fn draft_token_seconds(&mut self, pool: &rayon::ThreadPool) -> Result<Option<f64>, SpecError> {
-        Ok(Some(super::cost::measure_one_token(&self.model, pool)?))
+    fn draft_step_seconds(&mut self, batches: &[usize], pool: &rayon::ThreadPool) -> Result<Option<Vec<(usize, f64)>>, SpecError> {
+        Ok(Some(super::cost::measure_steps(&self.model, batches, pool)?))
     }
 
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {

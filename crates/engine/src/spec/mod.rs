@@ -121,14 +121,13 @@ pub fn cost_model(
         None => {
             let start = std::time::Instant::now();
             let times = cost::measure(target, cfg.num_speculative_tokens, cfg.max_batch_for_speculation, pool)?;
-            let draft = match cfg.draft_cost {
-                Some(d) => d,
-                None => match proposer.draft_token_seconds(pool)? {
-                    Some(s) => s / times[0].1,
-                    None => proposer.cost_per_draft_token(&target.config),
+            let m = match cfg.draft_cost {
+                Some(d) => cost::CostModel::from_times(&times, d),
+                None => match proposer.draft_step_seconds(&cost::draft_batches(cfg.max_batch_for_speculation), pool)? {
+                    Some(draft) => cost::CostModel::from_times(&times, 0.0).with_draft_times(&draft, times[0].1),
+                    None => cost::CostModel::from_times(&times, proposer.cost_per_draft_token(&target.config)),
                 },
             };
-            let m = cost::CostModel::from_times(&times, draft);
             tracing::info!(
                 "speculation cost model: {} ({:.1} s; give --speculative-verify-cost and --speculative-draft-cost to skip)",
                 m.describe(),

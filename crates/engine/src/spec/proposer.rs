@@ -54,9 +54,9 @@ pub trait Proposer: Send {
     fn cost_per_draft_token(&self, _target: &specula_model::ModelConfig) -> f64 {
         0.0
     }
-    /// Measured seconds of one draft token at batch 1 (a draft model times its forward pass);
-    /// None: use [`Proposer::cost_per_draft_token`].
-    fn draft_token_seconds(&mut self, _pool: &rayon::ThreadPool) -> Result<Option<f64>, SpecError> {
+    /// Measured seconds of one draft step for each number of drafting sequences in `batches` (a
+    /// draft model times its forward pass); None: use [`Proposer::cost_per_draft_token`].
+    fn draft_step_seconds(&mut self, _batches: &[usize], _pool: &rayon::ThreadPool) -> Result<Option<Vec<(usize, f64)>>, SpecError> {
         Ok(None)
     }
     /// For leak checks: (free, total) blocks of a proposer-owned KV cache.
