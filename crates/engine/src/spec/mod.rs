@@ -161,11 +161,14 @@ impl Speculation {
     }
 
     /// Most drafts per sequence this step, when `decoding` sequences decode: the configured k, or
-    /// with adaptive speculation the batch caps' share.
+    /// with adaptive speculation the batch caps' share, cut to what could pay at this batch size
+    /// even if every draft were accepted (none when nothing could: then no sequence probes either,
+    /// and a draft model is not run at all).
     pub(crate) fn batch_k_limit(&self, decoding: usize) -> usize {
         let c = &self.cfg;
         if c.adaptive {
-            adaptive::batch_k_limit(decoding, c.num_speculative_tokens, c.max_batch_for_speculation, c.max_step_tokens_for_speculation)
+            let cap = adaptive::batch_k_limit(decoding, c.num_speculative_tokens, c.max_batch_for_speculation, c.max_step_tokens_for_speculation);
+            adaptive::best_k(1.0, cap, &self.cost, decoding)
         } else {
             c.num_speculative_tokens
         }

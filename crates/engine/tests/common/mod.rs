@@ -118,9 +118,16 @@ impl Harness {
         let spec_cfg = match spec {
             Spec::None => None,
             Spec::Ngram(k) => Some(SpecConfig { ngram_min: 1, ..SpecConfig::new(SpecMethod::Ngram, k) }),
-            Spec::SelfDraft(k) => Some(SpecConfig { draft_model: Some(model.path.clone()), ..SpecConfig::new(SpecMethod::Draft, k) }),
-            Spec::OtherDraft(k) => Some(SpecConfig { draft_model: Some(model.draft.clone()), ..SpecConfig::new(SpecMethod::Draft, k) }),
-            Spec::Mtp(k) => Some(SpecConfig { draft_model: Some(model.path.with_file_name("head.safetensors")), ..SpecConfig::new(SpecMethod::Mtp, k) }),
+            // a draft token given as a tenth of a target step: the tiny draft models and head are
+            // about as large as the tiny target, so by their shapes drafting would never pay and
+            // adaptive k would never draft (nothing to compare)
+            Spec::SelfDraft(k) => Some(SpecConfig { draft_model: Some(model.path.clone()), draft_cost: Some(0.1), ..SpecConfig::new(SpecMethod::Draft, k) }),
+            Spec::OtherDraft(k) => Some(SpecConfig { draft_model: Some(model.draft.clone()), draft_cost: Some(0.1), ..SpecConfig::new(SpecMethod::Draft, k) }),
+            Spec::Mtp(k) => Some(SpecConfig {
+                draft_model: Some(model.path.with_file_name("head.safetensors")),
+                draft_cost: Some(0.1),
+                ..SpecConfig::new(SpecMethod::Mtp, k)
+            }),
         };
         if let Some(sc) = spec_cfg {
             let sc = SpecConfig { adaptive, ..sc };
