@@ -94,11 +94,6 @@ impl CostModel {
         (self.relative(batch * (1 + k)) + k as f64 * self.draft_step(batch)) / plain
     }
 
-    /// The measured points, for logs and `/metrics`.
-    pub fn curve(&self) -> &[(usize, f64)] {
-        &self.curve
-    }
-
     /// One line for the log.
     pub fn describe(&self) -> String {
         let pts = |c: &[(usize, f64)]| c.iter().map(|(n, r)| format!("{n}:{r:.2}")).collect::<Vec<_>>().join(" ");
@@ -183,8 +178,7 @@ pub fn time_forward(model: &LlamaModel, points: &[usize], context: usize, rounds
 /// Measures `model`'s verify curve for drafts of up to `max_k` tokens at up to `max_batch`
 /// sequences; `draft` is the draft token's relative cost (see [`measure_draft`]).
 pub fn measure(model: &LlamaModel, max_k: usize, max_batch: usize, pool: &rayon::ThreadPool) -> Result<Vec<(usize, f64)>, ModelError> {
-    let points = curve_points(max_k, max_batch);
-    pool.install(|| time_forward(model, &points, MEASURE_CONTEXT, MEASURE_ROUNDS))
+    measure_steps(model, &curve_points(max_k, max_batch), pool)
 }
 
 /// Seconds of a forward pass of `model` (a draft model) over each row count in `rows`, measured

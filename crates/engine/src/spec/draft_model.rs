@@ -62,11 +62,6 @@ impl DraftModelProposer {
         Ok(self)
     }
 
-    /// Tokens the draft may propose.
-    pub fn draft_vocab_size(&self) -> usize {
-        self.vocab.as_ref().map_or(self.model.config.vocab_size, |m| m.draft_vocab())
-    }
-
     fn run(&mut self, items: &[(SeqId, Vec<TokenId>, usize)], pool: &rayon::ThreadPool) -> Result<Vec<f32>, SpecError> {
         // items: (seq, tokens to feed, start position)
         let mut tokens = Vec::new();
@@ -174,11 +169,7 @@ impl Proposer for DraftModelProposer {
                     let row = match &self.vocab {
                         None => row,
                         Some(m) => {
-                            full.clear();
-                            full.resize(vocab, f32::NEG_INFINITY);
-                            for (d, &x) in row.iter().enumerate() {
-                                full[m.d2t_slice()[d] as usize] = x;
-                            }
+                            m.spread_into(row, f32::NEG_INFINITY, &mut full);
                             &full[..]
                         }
                     };

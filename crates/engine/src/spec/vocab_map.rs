@@ -49,11 +49,19 @@ impl VocabMap {
 
     /// Spreads a draft-vocabulary distribution over the target vocabulary (0 outside the set).
     pub fn to_target_probs(&self, draft_probs: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; self.target_vocab()];
-        for (d, &p) in draft_probs.iter().enumerate() {
-            out[self.d2t[d] as usize] = p;
-        }
+        let mut out = Vec::new();
+        self.spread_into(draft_probs, 0.0, &mut out);
         out
+    }
+
+    /// Writes `draft_row` (one value per draft id) into `out` over the target vocabulary, `fill`
+    /// for the target tokens outside the draft's set (0 for probabilities, -inf for logits).
+    pub fn spread_into(&self, draft_row: &[f32], fill: f32, out: &mut Vec<f32>) {
+        out.clear();
+        out.resize(self.target_vocab(), fill);
+        for (&t, &x) in self.d2t.iter().zip(draft_row) {
+            out[t as usize] = x;
+        }
     }
 }
 
