@@ -17,29 +17,33 @@ if [ "${SPECULA_SKIP_LINT:-0}" != "1" ]; then
   cargo clippy --workspace --all-targets -- -D warnings
 fi
 
-cargo build --release --workspace --bins
-bin=./target/release/specula
+# One build for everything below: the `ci` profile is release with debug assertions and overflow
+# checks on (Cargo.toml), so the invariant checks run in the Rust tests and in the binary the
+# Python tests drive.
+profile=ci
+cargo build --profile $profile --workspace --bins
+bin=./target/$profile/specula
 $bin fetch-model
 $bin fetch-model qwen2.5-coder-0.5b-instruct
 $bin fetch-model gemma-3-270m
 export SPECULA_MODEL="${SPECULA_MODEL:-$($bin fetch-model --print-path)}"
 export SPECULA_MODEL_QWEN05="${SPECULA_MODEL_QWEN05:-$($bin fetch-model qwen2.5-coder-0.5b-instruct --print-path)}"
 export SPECULA_MODEL_GEMMA="${SPECULA_MODEL_GEMMA:-$($bin fetch-model gemma-3-270m --print-path)}"
-export SPECULA_BIN="$PWD/target/release/specula"
+export SPECULA_BIN="$PWD/target/$profile/specula"
 
-cargo test --release --workspace
+cargo test --profile $profile --workspace
 
 # MPI data parallelism across processes (needs Open MPI, and libclang for the mpi crate's
 # bindings; .ci/run installs both)
 if command -v mpirun >/dev/null && ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
-  cargo test --release -p specula-engine --features mpi --test dp_mpi
+  cargo test --profile $profile -p specula-engine --features mpi --test dp_mpi
   # the MPI-enabled binary for python/tests/test_server_mpi.py (only the engine, server and
   # binary crates build again with the feature), kept beside the plain one, which goes back in
   # place (both builds stay cached, so that is a copy, not a rebuild)
-  cargo build --release -p specula --features mpi
-  cp target/release/specula target/release/specula-mpi
-  cargo build --release -p specula
-  export SPECULA_MPI_BIN="$PWD/target/release/specula-mpi"
+  cargo build --profile $profile -p specula --features mpi
+  cp target/$profile/specula target/$profile/specula-mpi
+  cargo build --profile $profile -p specula
+  export SPECULA_MPI_BIN="$PWD/target/$profile/specula-mpi"
 elif [ -n "${CI:-}" ]; then
   echo "error: mpirun or libclang is missing, so the MPI tests cannot run (.ci/run installs openmpi-bin, libopenmpi-dev, libclang-dev)" >&2
   exit 1
