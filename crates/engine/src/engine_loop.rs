@@ -1,40 +1,121 @@
-//! The engine loop, written once: take commands, step while there is work, sleep on the channel
-//! when there is none, and stop after a shutdown's grace period or when every handle is gone.
-//! `Engine::run` (one engine) and a data-parallel replica (`dp::group`) run it with their own
-//! [`LoopHook`]; a lockstep rank (`dp::lockstep`), whose steps are agreed with its peers, shares
-//! its command handling ([`Commands`]).
+//! The engine loop, written once: take commands (sleeping on the channel when there is nothing to
+//! do), run an iteration's work, and stop after a shutdown's grace period or when every handle is
+//! gone. `Engine::run` (one engine), a data-parallel replica (`dp::group`) and a lockstep rank
+//! (`dp::lockstep`, whose iteration is an agreement with its peers and then its share of the
+//! agreed step) run it with their own [`LoopHook`].
 
 use crate::api::RequestEvent;
 use crate::engine::Engine;
 use crate::handle::EngineCommand;
 use crate::step::StepStats;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-/// What a loop adds around the engine's own work. Every method defaults to nothing.
+/// Whether an iteration first waits for a command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// Take what is there and go on.
+    No,
+    /// Sleep until a command comes or this much time passed.
+    Until(Duration),
+    /// Sleep until a command comes (or every handle is gone).
+    Forever,
+}
+
+/// Whether the loop goes on after an iteration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Flow {
+    Continue,
+    Stop,
+}
+
+/// What a loop adds around the engine's own work. Every method has the plain engine's behaviour
+/// as its default.
 pub(crate) trait LoopHook {
     /// Once, before the first command.
     fn on_start(&mut self, _engine: &mut Engine) {}
-    /// Before sleeping on the channel with no work.
+
+    /// Whether this iteration waits for a command first: while the engine has nothing to do.
+    fn wait(&self, engine: &Engine, commands: &Commands) -> Wait {
+        if engine.has_work() || commands.is_stopping() {
+            Wait::No
+        } else {
+            Wait::Forever
+        }
+    }
+
+    /// Before sleeping on the channel.
     fn on_idle(&mut self, _engine: &mut Engine) {}
-    /// After each step.
+
+    /// One iteration's work, once the commands that came were applied: a step while there is
+    /// work; stop once a shutdown (or the last handle gone) left none, or the grace period ended.
+    fn iterate(&mut self, engine: &mut Engine, commands: &mut Commands) -> Flow {
+        if commands.is_stopping() {
+            if !engine.has_work() {
+                return Flow::Stop;
+            }
+            if commands.grace_over() {
+                engine.fail_all("the server is shutting down and the grace period for in-flight requests ended");
+                return Flow::Stop;
+            }
+        }
+        if engine.has_work() {
+            let stats = engine.step();
+            self.after_step(engine, &stats);
+        }
+        Flow::Continue
+    }
+
+    /// After each step of the default `iterate`.
     fn after_step(&mut self, _engine: &mut Engine, _stats: &StepStats) {}
-    /// Once, after the loop ended and what the pipeline held was settled.
+
+    /// Once, after the loop ended, what the pipeline held was settled and commands that came
+    /// after the last iteration were refused.
     fn on_stop(&mut self, _engine: &mut Engine) {}
 }
 
-/// Shutdown state of one loop's command handling.
+/// One loop's command handling and shutdown state.
 #[derive(Debug, Default)]
 pub(crate) struct Commands {
     /// When in-flight requests must be done; set by the first shutdown (own or agreed).
     pub shutdown_at: Option<Instant>,
+    /// Every handle is gone: no command can come any more.
+    pub channel_closed: bool,
 }
 
 impl Commands {
     pub fn begin_shutdown(&mut self, grace: Duration) {
         if self.shutdown_at.is_none() {
             self.shutdown_at = Some(Instant::now() + grace);
+        }
+    }
+
+    /// A shutdown began or no handle is left: the loop ends once its work is done.
+    pub fn is_stopping(&self) -> bool {
+        self.shutdown_at.is_some() || self.channel_closed
+    }
+
+    /// Waits as `wait` says, then applies every command there is to `engine`.
+    pub fn receive(&mut self, engine: &mut Engine, rx: &Receiver<EngineCommand>, wait: Wait) {
+        if !self.channel_closed {
+            let first = match wait {
+                Wait::No => None,
+                Wait::Forever => Some(rx.recv().map_err(|_| RecvTimeoutError::Disconnected)),
+                Wait::Until(d) => Some(rx.recv_timeout(d)),
+            };
+            match first {
+                Some(Ok(cmd)) => self.apply(engine, cmd),
+                Some(Err(RecvTimeoutError::Disconnected)) => self.channel_closed = true,
+                Some(Err(RecvTimeoutError::Timeout)) | None => {}
+            }
+        }
+        while !self.channel_closed {
+            match rx.try_recv() {
+                Ok(cmd) => self.apply(engine, cmd),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => self.channel_closed = true,
+            }
         }
     }
 
@@ -70,31 +151,19 @@ impl Engine {
         let mut commands = Commands::default();
         hook.on_start(&mut self);
         loop {
-            if !self.has_work() && commands.shutdown_at.is_none() {
+            let wait = hook.wait(&self, &commands);
+            if wait != Wait::No {
                 hook.on_idle(&mut self);
-                match rx.recv() {
-                    Ok(cmd) => commands.apply(&mut self, cmd),
-                    Err(_) => break,
-                }
             }
-            while let Ok(cmd) = rx.try_recv() {
-                commands.apply(&mut self, cmd);
-            }
-            if commands.shutdown_at.is_some() {
-                if !self.has_work() {
-                    break;
-                }
-                if commands.grace_over() {
-                    self.fail_all("the server is shutting down and the grace period for in-flight requests ended");
-                    break;
-                }
-            }
-            if self.has_work() {
-                let stats = self.step();
-                hook.after_step(&mut self, &stats);
+            commands.receive(&mut self, &rx, wait);
+            if hook.iterate(&mut self, &mut commands) == Flow::Stop {
+                break;
             }
         }
         self.discard_in_flight();
+        // what came after the last iteration is refused, not dropped
+        commands.begin_shutdown(Duration::ZERO);
+        commands.receive(&mut self, &rx, Wait::No);
         hook.on_stop(&mut self);
     }
 

@@ -104,8 +104,6 @@ impl RankStats {
     }
 }
 
-pub(crate) use crate::engine_loop::Commands;
-
 /// Publishes one rank's gauges and counter increments under a `rank` label, and keeps the
 /// unlabeled gauges (`specula:num_requests_running`, `..._waiting`, `kv_cache_usage_perc`) as the
 /// aggregate over the ranks this process knows (its own, and on MPI rank 0 the remote ones):
