@@ -210,8 +210,12 @@ impl Engine {
         let mut stats = StepStats::default();
         let host = self.host_mut();
         host.reap_disconnected();
+        debug_assert!(
+            host.seqs.values().all(|s| s.num_scheduled == s.num_computed && s.num_placeholders() == 0),
+            "synchronously nothing is in flight between steps (docs/architecture.md, counters)"
+        );
         let t = Instant::now();
-        let plan = host.schedule(None, 0);
+        let plan = host.schedule(0);
         stats.timings.schedule = t.elapsed();
         let t = Instant::now();
         let prepared = host.prepare(plan);
@@ -393,7 +397,7 @@ impl Engine {
             return StepPlan::default();
         }
         let _s = tracing::trace_span!("schedule").entered();
-        self.host_mut().schedule(None, 0)
+        self.host_mut().schedule(0)
     }
 
     /// Requests running and waiting, and the KV pool's usage: a data-parallel rank's gauges.

@@ -18,7 +18,7 @@ use crate::sampling::{unpack, RankedLogprob, StopCheck};
 use crate::scheduler::Scheduler;
 use crate::sequence::{is_stop_token, token_finish, Sequence};
 use crate::spec::Draft;
-use crate::step::{Computed, HostWork, InFlight, JobOutput, PreparedStep, StepPlan, StepTimings};
+use crate::step::{Computed, HostWork, JobOutput, PreparedStep, StepPlan, StepTimings};
 use crate::types::{RequestId, SeqId, TokenId};
 use specula_model::Tokenizer;
 use std::collections::BTreeMap;
@@ -194,20 +194,15 @@ impl Host {
         }
     }
 
-    /// Schedules the next step, ahead of `running` (the step computing now) if any.
-    pub fn schedule(&mut self, running: Option<&StepPlan>, spec_k: usize) -> StepPlan {
+    /// Schedules the next step; with a step still running (async), ahead of it: the sequences'
+    /// counters say what is in flight (`Scheduler::schedule`), and a decode scheduled ahead
+    /// reserves `spec_k` draft tokens.
+    pub fn schedule(&mut self, spec_k: usize) -> StepPlan {
         if !self.scheduler.has_work() {
             return StepPlan::default();
         }
         let _s = tracing::trace_span!("schedule").entered();
-        let plan = match running {
-            None => self.scheduler.schedule(&mut self.seqs, &mut self.kv),
-            Some(running) => {
-                let flight: BTreeMap<SeqId, InFlight> =
-                    running.seqs.iter().map(|s| (s.seq, InFlight { end: s.start + s.num_tokens, sample: s.sample })).collect();
-                self.scheduler.schedule_ahead(&mut self.seqs, &mut self.kv, &flight, spec_k)
-            }
-        };
+        let plan = self.scheduler.schedule(&mut self.seqs, &mut self.kv, spec_k);
         self.counters.waiting.fetch_sub(plan.newly_admitted.len(), Ordering::Relaxed);
         plan
     }
@@ -299,6 +294,7 @@ impl Host {
         for sch in next.seqs.iter().filter(|s| s.is_ahead()) {
             if let Some(s) = self.seqs.get_mut(&sch.seq) {
                 s.land_placeholders(sch.placeholders);
+                s.num_scheduled = sch.start + sch.num_tokens;
                 let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
             }
         }
@@ -318,7 +314,7 @@ impl Host {
         self.reap_disconnected();
         work.update = t.elapsed();
         let t = Instant::now();
-        let plan = self.schedule(running, spec_k);
+        let plan = self.schedule(spec_k);
         work.schedule = t.elapsed();
         let t = Instant::now();
         let prepared = self.prepare(plan);
@@ -363,6 +359,11 @@ impl Host {
             let rejected = result.as_ref().map_or(0, |r| r.num_rejected());
             if kv_live {
                 s.num_computed = sch.kept_end(rejected);
+                if !next.is_some_and(|p| p.seqs.iter().any(|n| n.seq == sch.seq)) {
+                    // nothing scheduled after this step: the next one starts where this one kept
+                    // (a step scheduled ahead is brought there by `settle`)
+                    s.num_scheduled = s.num_computed;
+                }
                 // a step scheduled ahead of this one keeps its reserved slots until it is settled
                 if rejected > 0 && s.num_placeholders() == 0 {
                     let _ = self.kv.truncate(sch.seq, s.num_computed);

@@ -9,7 +9,7 @@ use crate::sequence::Sequence;
 use crate::types::{SeqId, TokenId};
 use std::collections::{BTreeMap, VecDeque};
 
-pub use crate::step::{InFlight, ScheduledSeq, StepPlan};
+pub use crate::step::{ScheduledSeq, StepPlan};
 
 pub struct Scheduler {
     cfg: EngineConfig,
@@ -58,22 +58,15 @@ impl Scheduler {
         self.waiting.iter()
     }
 
-    pub fn schedule(&mut self, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager) -> StepPlan {
-        self.schedule_ahead(seqs, kv, &BTreeMap::new(), 0)
-    }
-
-    /// Plans the next step while the step described by `in_flight` still runs (async scheduling;
-    /// with nothing in flight this is [`Self::schedule`]). A sequence that samples in the running
-    /// step gets a decode of `1 + spec_reserve` placeholder tokens, its KV reserved for the worst
-    /// case (every in-flight draft accepted), counted in `Sequence::num_placeholders`; the engine
+    /// Plans the next step. What a sequence gets follows from its counters alone: it runs from
+    /// `num_scheduled` (its computed tokens, plus those of a step still running, with async
+    /// scheduling) to the end of its known tokens and drafts. When the step running samples it
+    /// (`Sequence::samples_in_flight`), its next input is not known yet: it gets a decode of
+    /// `1 + spec_reserve` placeholder tokens scheduled ahead, its KV reserved for the worst case
+    /// (every in-flight draft accepted), counted in `Sequence::num_placeholders`; the engine
     /// settles it from the running step's output and gives the unused slots back (`Host::settle`).
-    pub fn schedule_ahead(
-        &mut self,
-        seqs: &mut BTreeMap<SeqId, Sequence>,
-        kv: &mut KvCacheManager,
-        in_flight: &BTreeMap<SeqId, InFlight>,
-        spec_reserve: usize,
-    ) -> StepPlan {
+    /// Synchronously nothing is in flight and `spec_reserve` is never used.
+    pub fn schedule(&mut self, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager, spec_reserve: usize) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.cfg.max_num_batched_tokens;
 
@@ -85,10 +78,9 @@ impl Scheduler {
                 self.running.remove(i);
                 continue;
             };
-            let flight = in_flight.get(&id).copied();
-            let provisional = flight.is_some_and(|f| f.sample);
-            let base = flight.map_or(s.num_computed, |f| f.end);
-            let n = if provisional {
+            let ahead = s.samples_in_flight();
+            let base = s.num_scheduled;
+            let n = if ahead {
                 if spec_reserve < budget {
                     1 + spec_reserve
                 } else {
@@ -121,13 +113,14 @@ impl Scheduler {
                 break;
             }
             let s = seqs.get_mut(&id).expect("present above");
-            let sch = if provisional {
+            let sch = if ahead {
                 s.add_placeholders(n);
                 ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, placeholders: n }
             } else {
                 let num_drafts = if base + n == s.tokens.len() + s.draft.tokens.len() { s.draft.tokens.len() } else { 0 };
                 ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts, sample: base + n >= s.tokens.len(), placeholders: 0 }
             };
+            s.num_scheduled = base + n;
             plan.seqs.push(sch);
             budget -= n;
             i += 1;
@@ -156,7 +149,10 @@ impl Scheduler {
             // KV blocks do not give: it ignores the prefix cache (recomputes) until they are sent.
             let lookup: &[TokenId] = if s.wants_prompt_logprobs() { &[] } else { &s.tokens };
             match kv.allocate_prompt(id, lookup) {
-                Ok(cached) => s.num_computed = cached,
+                Ok(cached) => {
+                    s.num_computed = cached;
+                    s.num_scheduled = cached;
+                }
                 Err(KvCacheError::SeqExists(_)) => {}
                 Err(_) => break,
             }
@@ -164,6 +160,7 @@ impl Scheduler {
             if kv.ensure_capacity(id, s.num_computed + n).is_err() {
                 let _ = kv.free(id);
                 s.num_computed = 0;
+                s.num_scheduled = 0;
                 break;
             }
             self.waiting.pop_front();
@@ -172,6 +169,7 @@ impl Scheduler {
                 s.admitted = true;
                 plan.newly_admitted.push(id);
             }
+            s.num_scheduled = s.num_computed + n;
             plan.seqs.push(ScheduledSeq {
                 seq: id,
                 start: s.num_computed,
@@ -188,6 +186,7 @@ impl Scheduler {
     fn preempt(s: &mut Sequence, kv: &mut KvCacheManager) {
         let _ = kv.free(s.id);
         s.num_computed = 0;
+        s.num_scheduled = 0;
         s.draft = Default::default();
         s.num_preemptions += 1;
         metrics::counter!("specula:num_preemptions_total").increment(1);

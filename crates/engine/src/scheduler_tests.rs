@@ -31,7 +31,12 @@ impl Rig {
     }
 
     fn schedule(&mut self) -> StepPlan {
-        self.sched.schedule(&mut self.seqs, &mut self.kv)
+        self.sched.schedule(&mut self.seqs, &mut self.kv, 0)
+    }
+
+    /// Plans a step while the last one planned is still computing (async scheduling).
+    fn schedule_ahead(&mut self, spec_reserve: usize) -> StepPlan {
+        self.sched.schedule(&mut self.seqs, &mut self.kv, spec_reserve)
     }
 
     /// What a step's result does to the host state, faked: every scheduled token is computed and
@@ -40,6 +45,7 @@ impl Rig {
         for sch in &plan.seqs {
             let s = self.seqs.get_mut(&sch.seq).unwrap();
             s.num_computed = sch.start + sch.num_tokens - sch.num_drafts;
+            s.num_scheduled = s.num_computed;
             s.draft = Draft::default();
             if sch.sample {
                 s.tokens.push(7);
@@ -159,8 +165,8 @@ fn scheduling_ahead_reserves_kv_for_one_plus_k_placeholders() {
     let p1 = r.schedule();
     assert_eq!(shape(&p1), vec![(1, 0, 6, 0, true), (2, 0, 20, 0, true)]);
     // p1 is still computing: seq 1 samples in it and ends its KV at 6, seq 2 at 20
-    let in_flight: BTreeMap<SeqId, InFlight> = p1.seqs.iter().map(|s| (s.seq, InFlight { end: s.start + s.num_tokens, sample: s.sample })).collect();
-    let p2 = r.sched.schedule_ahead(&mut r.seqs, &mut r.kv, &in_flight, 3);
+    assert!(r.seqs[&SeqId(1)].samples_in_flight() && r.seqs[&SeqId(2)].samples_in_flight());
+    let p2 = r.schedule_ahead(3);
     assert_eq!(
         p2.seqs,
         vec![
@@ -174,8 +180,10 @@ fn scheduling_ahead_reserves_kv_for_one_plus_k_placeholders() {
     // KV for the worst case: 6 + 4 = 10 slots (2 blocks), 20 + 4 = 24 slots (3 blocks)
     assert_eq!(r.kv.capacity(SeqId(1)).unwrap(), 2 * BS);
     assert_eq!(r.kv.capacity(SeqId(2)).unwrap(), 3 * BS);
-    // nothing is known of those tokens yet: the sequences' own state is untouched
+    // nothing is known of those tokens yet: the sequences' own state is untouched, but for
+    // where their next step starts
     assert_eq!((r.seqs[&SeqId(1)].num_computed, r.seqs[&SeqId(1)].tokens.len()), (0, 6));
+    assert_eq!((r.seqs[&SeqId(1)].num_scheduled, r.seqs[&SeqId(2)].num_scheduled), (10, 24));
 
     r.seqs.get_mut(&SeqId(1)).unwrap().land_placeholders(4);
     assert_eq!(r.seqs[&SeqId(1)].num_placeholders(), 0);
@@ -187,11 +195,30 @@ fn a_budget_too_small_for_the_drafts_schedules_one_placeholder_ahead() {
     r.add(1, 5);
     let p1 = r.schedule();
     assert_eq!(shape(&p1), vec![(1, 0, 5, 0, true)]);
-    let in_flight = BTreeMap::from([(SeqId(1), InFlight { end: 5, sample: true })]);
     // 1 + 7 > 6: one token ahead, no drafts
-    let p2 = r.sched.schedule_ahead(&mut r.seqs, &mut r.kv, &in_flight, 7);
+    let p2 = r.schedule_ahead(7);
     assert_eq!(p2.seqs, vec![ScheduledSeq { seq: SeqId(1), start: 5, num_tokens: 1, num_drafts: 0, sample: true, placeholders: 1 }]);
     assert_eq!(r.seqs[&SeqId(1)].num_placeholders(), 1);
+}
+
+/// A prefill chunk in flight does not sample: the next chunk is scheduled ahead of it from where
+/// it ends, with known tokens and no placeholders; the chunk that ends the prompt samples, so the
+/// step after it is a placeholder decode.
+#[test]
+fn a_prefill_chunk_in_flight_is_followed_by_the_next_chunk_not_by_placeholders() {
+    let mut r = Rig::new(4, 8, 64);
+    r.add(1, 12);
+    let p1 = r.schedule();
+    assert_eq!(shape(&p1), vec![(1, 0, 8, 0, false)]);
+    assert!(!r.seqs[&SeqId(1)].samples_in_flight());
+    let p2 = r.schedule_ahead(3);
+    assert_eq!(shape(&p2), vec![(1, 8, 4, 0, true)]);
+    assert_eq!(r.seqs[&SeqId(1)].num_placeholders(), 0);
+    // p1 lands (it is not the last planned step, so the sequence still starts at 12 next)
+    r.seqs.get_mut(&SeqId(1)).unwrap().num_computed = 8;
+    assert!(r.seqs[&SeqId(1)].samples_in_flight());
+    let p3 = r.schedule_ahead(3);
+    assert_eq!(p3.seqs, vec![ScheduledSeq { seq: SeqId(1), start: 12, num_tokens: 4, num_drafts: 3, sample: true, placeholders: 4 }]);
 }
 
 #[test]

@@ -20,6 +20,12 @@ pub struct Sequence {
     pub prompt_len: usize,
     /// Tokens whose keys/values are in the KV cache (a prefix of `tokens`).
     pub num_computed: usize,
+    /// Where the next step starts: `num_computed` plus the tokens a step that was scheduled but
+    /// not applied yet computes (async scheduling: the step running while the next one is
+    /// planned). The scheduler sets it when it schedules a step, `Host::apply` and `Host::settle`
+    /// bring it back to what was kept. Equal to `num_computed` whenever nothing is in flight
+    /// (always, synchronously).
+    pub num_scheduled: usize,
     /// Draft tokens (and their draft distributions) proposed for verification in the next step.
     pub draft: Draft,
     pub params: SamplingParams,
@@ -66,6 +72,7 @@ impl Sequence {
             tokens: prompt,
             prompt_len,
             num_computed: 0,
+            num_scheduled: 0,
             draft: Draft::default(),
             stops: StopStrings::new(&params.stop),
             params,
@@ -96,6 +103,13 @@ impl Sequence {
     /// Whether this sequence's steps still compute prompt logprobs.
     pub fn wants_prompt_logprobs(&self) -> bool {
         self.params.prompt_logprobs.is_some() && !self.prompt_lps_sent
+    }
+
+    /// Whether a step in flight ends on this sequence's last known token: it samples, so the
+    /// next step's input tokens are not known yet and it can only be scheduled ahead, with
+    /// placeholders.
+    pub fn samples_in_flight(&self) -> bool {
+        self.num_scheduled > self.num_computed && self.num_scheduled >= self.tokens.len()
     }
 
     /// KV slots reserved ahead for tokens not known yet (see the field).

@@ -38,16 +38,6 @@ pub struct ScheduledSeq {
     pub placeholders: usize,
 }
 
-/// What a submitted step that has not been applied yet does to one of its sequences: the KV is
-/// computed up to `end` at most (drafts may still be rejected), and when it samples, new tokens
-/// (1 + up to k drafts) follow that the scheduler cannot see yet. Written by the host from the
-/// running step's plan; read by the scheduler when it schedules ahead.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct InFlight {
-    pub end: usize,
-    pub sample: bool,
-}
-
 /// The scheduler's decision for one step. `seqs` sums to `total_tokens`. Written by the scheduler
 /// (late admissions by `Host::admit_late`, settling by `runner::finalize`); read by prepare,
 /// finalize, compute (the batch shape) and apply.
@@ -61,6 +51,15 @@ pub struct StepPlan {
     pub newly_admitted: Vec<SeqId>,
 }
 
+/// Where a sequence's valid KV ends after a step that computed `num_tokens` from `start`, once
+/// `rejected` of its drafts were rejected: the one rollback rule, read by the proposer's rollback
+/// (`SampleItem::kept_end`), the host's (`ScheduledSeq::kept_end` in `Host::apply`) and the
+/// settling of a step scheduled ahead (`runner::finalize` moves its start back by `rejected`).
+pub fn kept_end(start: usize, num_tokens: usize, rejected: usize) -> usize {
+    debug_assert!(rejected < num_tokens, "{rejected} drafts rejected of a step of {num_tokens} tokens");
+    start + num_tokens - rejected
+}
+
 impl ScheduledSeq {
     /// Whether it was scheduled ahead of the step that samples its input tokens.
     pub fn is_ahead(&self) -> bool {
@@ -68,9 +67,9 @@ impl ScheduledSeq {
     }
 
     /// Where the sequence's valid KV ends after this step, once `rejected` of its drafts were
-    /// rejected: the one rollback rule (the proposer's, the host's and the next step's settling).
+    /// rejected (see [`kept_end`]).
     pub fn kept_end(&self, rejected: usize) -> usize {
-        self.start + self.num_tokens - rejected
+        kept_end(self.start, self.num_tokens, rejected)
     }
 }
 
@@ -184,6 +183,13 @@ pub(crate) struct SampleItem {
     /// Its constraint's state before this step's tokens (structured outputs; `None`: free text).
     pub grammar: Option<Grammar>,
     pub draft: Draft,
+}
+
+impl SampleItem {
+    /// Where its valid KV ends after this step with `rejected` drafts rejected ([`kept_end`]).
+    pub fn kept_end(&self, rejected: usize) -> usize {
+        kept_end(self.start, self.num_tokens, rejected)
+    }
 }
 
 /// One step's compute job. Written by finalize; read by `runner::job::run_job`.

@@ -12,7 +12,7 @@ use crate::constraint::TokenMask;
 use crate::error::{panic_message, StepError};
 use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
-use crate::spec::{verify, Draft, DraftRequest, Speculation};
+use crate::spec::{verify, CatchUp, Draft, DraftRequest, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
 use crate::types::{SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
@@ -185,8 +185,8 @@ fn sample(
             if let Some(sp) = state.spec.as_mut() {
                 let accepted = toks.len() - 1;
                 sp.record(it.seq, num_drafts, verified_accepted);
-                // the one rollback rule (`ScheduledSeq::kept_end`): valid KV ends after the accepted drafts
-                sp.proposer.rollback(it.seq, it.start + it.num_tokens - (num_drafts - accepted));
+                // valid KV ends after the accepted drafts (the one rollback rule, `step::kept_end`)
+                sp.proposer.rollback(it.seq, it.kept_end(num_drafts - accepted));
             }
         }
         it.tokens.extend_from_slice(&toks);
@@ -256,10 +256,16 @@ fn propose(
                 if !continuing[i] {
                     continue;
                 }
-                let k = if k_limit > 0 && !it.params.disable_speculation { sp.next_k(it.seq, k_limit, decoding) } else { 0 };
                 let output_len = it.tokens.len() - it.prompt_len;
                 let room_tokens = it.params.max_tokens.saturating_sub(output_len + 1);
                 let room_ctx = ctx.max_model_len.saturating_sub(it.tokens.len() + 1);
+                let k = if k_limit > 0 && !it.params.disable_speculation {
+                    let catch_up =
+                        CatchUp { backlog: sp.proposer.backlog(it.seq, it.tokens.len()), first_decode: output_len <= 1, room: room_tokens.min(room_ctx) };
+                    sp.next_k(it.seq, k_limit, decoding, catch_up)
+                } else {
+                    0
+                };
                 let hidden = hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h);
                 reqs.push(DraftRequest {
                     seq: it.seq,

@@ -123,6 +123,21 @@ pub fn best_k(alpha: f64, k_max: usize, cost: &CostModel, batch: usize) -> usize
     best.0
 }
 
+/// Tokens a sequence is expected to still generate when its `max_tokens` allows more: the gain a
+/// proposer's catch-up is weighed against (`catch_up_pays`).
+pub const CATCH_UP_HORIZON: usize = 256;
+
+/// Whether drafting `k` tokens per step for a sequence decoding among `batch`, at acceptance
+/// `alpha`, repays a catch-up over `backlog` tokens first (a draft model that did not draft for
+/// the sequence while the batch was too large for speculation to pay, and must now feed its
+/// prompt and everything generated since): the plain steps saved over the next `remaining`
+/// tokens against the catch-up's cost, both in target one-token steps.
+pub fn catch_up_pays(alpha: f64, k: usize, cost: &CostModel, batch: usize, backlog: usize, remaining: usize) -> bool {
+    let gain = expected_tokens(alpha, k) / cost.step_cost(batch, k);
+    let saved = remaining as f64 * (1.0 - 1.0 / gain).max(0.0) * cost.relative(batch.max(1));
+    saved > cost.catch_up(backlog)
+}
+
 /// Most drafts per sequence in a step where `decoding` sequences decode: none above `max_batch`
 /// sequences, and at most `max_step_tokens` tokens verified in the step.
 pub fn batch_k_limit(decoding: usize, k: usize, max_batch: usize, max_step_tokens: usize) -> usize {
@@ -211,6 +226,22 @@ mod tests {
         assert!(t.alpha() < 0.05);
         // no full-k warm-up for a workload the proposer cannot predict
         assert_eq!(t.next_k(3, &linear(VERIFY_COST_PER_TOKEN), 1), 0);
+    }
+
+    #[test]
+    fn a_catch_up_must_be_repaid_by_the_steps_it_saves() {
+        // verify: +0.1 per row; a draft step over n rows costs 0.02 n (a draft model)
+        let cost = CostModel::from_times(&[(1, 1.0), (2, 1.1), (32, 4.1)], 0.0).with_draft_times(&[(1, 0.02), (32, 0.64)], 1.0);
+        assert!((cost.catch_up(500) - 10.0).abs() < 1e-9, "{}", cost.catch_up(500));
+        // a = 0.9, k = 4: 4.1 tokens for 1.4 + 0.08 -> gain 2.77, saves 64% of each plain step
+        assert!(catch_up_pays(0.9, 4, &cost, 1, 500, 256));
+        assert!(!catch_up_pays(0.9, 4, &cost, 1, 500, 10));
+        // little gain (a = 0.3, k = 1: 1.3 / 1.12): a long backlog does not pay
+        assert!(!catch_up_pays(0.3, 1, &cost, 1, 2000, 256));
+        // nothing to catch up: any gain pays
+        assert!(catch_up_pays(0.3, 1, &cost, 1, 0, 256));
+        // no gain at all: nothing pays
+        assert!(!catch_up_pays(0.0, 1, &cost, 1, 0, 256));
     }
 
     #[test]

@@ -86,6 +86,16 @@ impl CostModel {
         }
     }
 
+    /// A proposer's catch-up over `tokens` tokens of one sequence (a draft model feeding what it
+    /// missed) relative to the target's one-token step: a draft step over that many rows.
+    pub fn catch_up(&self, tokens: usize) -> f64 {
+        if tokens == 0 {
+            0.0
+        } else {
+            self.draft_step(tokens)
+        }
+    }
+
     /// Cost of a step in which `batch` sequences each verify `k` drafts (and propose them),
     /// relative to the same batch's plain step.
     pub fn step_cost(&self, batch: usize, k: usize) -> f64 {
@@ -188,9 +198,12 @@ pub fn measure_steps(model: &LlamaModel, rows: &[usize], pool: &rayon::ThreadPoo
     pool.install(|| time_forward(model, rows, MEASURE_CONTEXT, MEASURE_ROUNDS))
 }
 
-/// The batch sizes a draft model's step is measured at, up to `max_batch`.
+/// The batch sizes a draft model's step is measured at: up to `max_batch`, and up to the last
+/// curve point in any case, so the curve's last segment has the slope of a compute-bound pass
+/// over many rows (what a catch-up over a sequence's missed tokens costs, [`CostModel::catch_up`]).
 pub fn draft_batches(max_batch: usize) -> Vec<usize> {
-    CURVE_POINTS.iter().copied().filter(|&n| n <= max_batch.max(1)).collect()
+    let last = CURVE_POINTS[CURVE_POINTS.len() - 1];
+    CURVE_POINTS.iter().copied().filter(|&n| n <= max_batch.max(last)).collect()
 }
 
 #[cfg(test)]

@@ -211,6 +211,10 @@ impl Proposer for DraftModelProposer {
         }
     }
 
+    fn backlog(&self, seq: SeqId, known: usize) -> usize {
+        known.saturating_sub(1 + self.state.get(&seq).map_or(0, |s| s.0))
+    }
+
     fn remove(&mut self, seq: SeqId) {
         self.state.remove(&seq);
         let _ = self.kv.free(seq);

@@ -182,12 +182,26 @@ impl Speculation {
     }
 
     /// Draft length for `seq` this step, at most `k_limit` (the batch's budget; without adaptive
-    /// speculation, exactly `k_limit`), `decoding` sequences decoding in the step.
-    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize) -> usize {
+    /// speculation, exactly `k_limit`), `decoding` sequences decoding in the step. `catch_up`: the
+    /// sequence's tokens the proposer must process first ([`Proposer::backlog`]) and the tokens it
+    /// may still generate; at its first decode step the proposer catches up with its prompt
+    /// unconditionally (as a draft model prefilling beside the target), later only where that
+    /// repays itself ([`adaptive::catch_up_pays`]).
+    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize, catch_up: CatchUp) -> usize {
         if !self.cfg.adaptive {
             return k_limit;
         }
-        tracker(&mut self.trackers, &self.global, seq).next_k(k_limit, &self.cost, decoding)
+        let t = tracker(&mut self.trackers, &self.global, seq);
+        let k = t.next_k(k_limit, &self.cost, decoding);
+        if k == 0 || catch_up.backlog == 0 || catch_up.first_decode {
+            return k;
+        }
+        let remaining = catch_up.room.min(adaptive::CATCH_UP_HORIZON);
+        if adaptive::catch_up_pays(t.alpha(), k, &self.cost, decoding, catch_up.backlog, remaining) {
+            k
+        } else {
+            0
+        }
     }
 
     /// Forgets a sequence that ended.
@@ -195,6 +209,18 @@ impl Speculation {
         self.proposer.remove(seq);
         self.trackers.remove(&seq);
     }
+}
+
+/// A sequence's standing with the proposer when its draft length is chosen
+/// (`Speculation::next_k`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct CatchUp {
+    /// Tokens the proposer must process before drafting, beyond the newest ([`Proposer::backlog`]).
+    pub backlog: usize,
+    /// The sequence's first decode step (only the token its prefill sampled is output).
+    pub first_decode: bool,
+    /// Tokens it may still generate (`max_tokens` and the context allow).
+    pub room: usize,
 }
 
 /// `seq`'s acceptance tracker, started from the engine-wide estimate on first use.

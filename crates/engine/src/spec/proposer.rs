@@ -40,6 +40,12 @@ pub trait Proposer: Send {
     fn rollback(&mut self, _seq: SeqId, _kept: usize) {}
     /// The sequence ended: release its state.
     fn remove(&mut self, _seq: SeqId) {}
+    /// Tokens of the sequence (which has `known` tokens) that the proposer must process before
+    /// it can draft, beyond the newest one: a draft model's KV lags by this much when it did not
+    /// draft for the sequence for a while. Adaptive k weighs that catch-up against its gain.
+    fn backlog(&self, _seq: SeqId, _known: usize) -> usize {
+        0
+    }
     /// The target layers whose hidden states `DraftRequest::hidden` carries, in order
     /// (`n_layers - 1`: the final hidden state before the output norm); empty: none.
     fn hidden_layers(&self) -> &[usize] {
