@@ -19,6 +19,7 @@ use crate::host::{record_timings, Host, HostDone};
 use crate::runner::job::{run_job, ComputeState, JobContext};
 use crate::runner::{finalize, AsyncRunner};
 use crate::sampling::Sampler;
+use crate::spec::cost::CostModel;
 use crate::spec::{Proposer, SpecConfig, SpecMetrics, Speculation};
 use crate::step::{Computed, JobTimings, PreparedStep, StepJob, StepPlan};
 use crate::types::{RequestId, SeqId};
@@ -103,15 +104,33 @@ impl Engine {
         })
     }
 
-    /// Turns on speculative decoding with `proposer`.
-    pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Result<Self, EngineError> {
+    /// Turns on speculative decoding with `proposer`, its cost model measured now (or given by
+    /// `cfg`'s figures).
+    pub fn with_speculation(self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Result<Self, EngineError> {
+        self.with_speculation_cost(cfg, proposer, None)
+    }
+
+    /// [`Self::with_speculation`] with the cost model another engine of the same model, proposer
+    /// and thread count measured (a data-parallel group measures once, on its first rank).
+    pub fn with_speculation_cost(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>, cost: Option<CostModel>) -> Result<Self, EngineError> {
         cfg.validate().map_err(EngineError::Config)?;
         self.spec_k = cfg.num_speculative_tokens;
         let mut proposer = proposer;
-        let cost = crate::spec::cost_model(&cfg, proposer.as_mut(), &self.ctx.model, &self.ctx.pool)
-            .map_err(|e| EngineError::Config(format!("speculation cost model: {e}")))?;
+        let cost = match cost {
+            Some(c) => {
+                c.publish();
+                c
+            }
+            None => crate::spec::cost_model(&cfg, proposer.as_mut(), &self.ctx.model, &self.ctx.pool)
+                .map_err(|e| EngineError::Config(format!("speculation cost model: {e}")))?,
+        };
         self.compute.spec = Some(Speculation::new(cfg, proposer, cost));
         Ok(self)
+    }
+
+    /// The speculation cost model in use, when speculating.
+    pub fn spec_cost(&self) -> Option<&CostModel> {
+        self.compute.spec.as_ref().map(|s| &s.cost)
     }
 
     /// Acceptance counters, when speculating.

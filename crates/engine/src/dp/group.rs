@@ -14,6 +14,7 @@ use crate::engine::Engine;
 use crate::engine_loop::LoopHook;
 use crate::error::EngineError;
 use crate::handle::{EngineCommand, EngineHandle};
+use crate::spec::cost::CostModel;
 use crate::spec::SpecConfig;
 use crate::step::StepStats;
 use specula_model::Tokenizer;
@@ -113,10 +114,15 @@ pub struct BuiltRank {
 /// threads). An MPI process builds its rank this way before the start-up check, so that a
 /// configuration error reaches every rank instead of leaving them waiting.
 pub fn build_rank(setup: RankSetup, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig) -> Result<BuiltRank, EngineError> {
+    build_rank_with_cost(setup, tokenizer, cfg, None)
+}
+
+/// [`build_rank`] with the speculation cost model a rank built before measured (`None`: measure).
+fn build_rank_with_cost(setup: RankSetup, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig, cost: Option<CostModel>) -> Result<BuiltRank, EngineError> {
     let (handle, rx, counters) = EngineHandle::channel(cfg.max_waiting);
     let mut engine = Engine::new(setup.model, tokenizer, cfg.clone(), counters)?;
     if let Some((c, p)) = setup.spec {
-        engine = engine.with_speculation(c, p)?;
+        engine = engine.with_speculation_cost(c, p, cost)?;
     }
     Ok(BuiltRank { engine, rx, handle })
 }
@@ -133,7 +139,16 @@ fn build_engines(
         return Err(EngineError::Config("--data-parallel-size must be at least 1".into()));
     }
     let rank_cfg = rank_config(cfg, n);
-    ranks.into_iter().map(|setup| build_rank(setup, tokenizer.clone(), &rank_cfg).map(|b| (b.engine, b.rx, b.handle))).collect()
+    // every rank has the same model, proposer and threads: the first measures what speculation
+    // costs (a few seconds for a real model) and the others take its figures
+    let mut cost = None;
+    let mut built = Vec::with_capacity(n);
+    for setup in ranks {
+        let b = build_rank_with_cost(setup, tokenizer.clone(), &rank_cfg, cost.clone())?;
+        cost = cost.or_else(|| b.engine.spec_cost().cloned());
+        built.push((b.engine, b.rx, b.handle));
+    }
+    Ok(built)
 }
 
 fn routed(rank_handles: &[EngineHandle], cfg: &EngineConfig) -> Result<Arc<ReplicaRouter>, EngineError> {
