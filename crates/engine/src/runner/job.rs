@@ -137,7 +137,7 @@ fn sample(
     for (i, it) in items.iter_mut().enumerate() {
         let block = logits.get(it.first_row * vocab..(it.first_row + it.rows) * vocab).ok_or("logits rows out of range")?;
         let num_drafts = it.rows - 1;
-        let mut rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
+        let rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
         let item_masks = masks.get(i).and_then(Option::as_ref);
         // what sampling and verification read: the raw rows, or the rows masked by the grammar
         let rows: &[f32] = match item_masks {
@@ -153,11 +153,11 @@ fn sample(
         };
         let mut toks: Vec<TokenId> = if num_drafts == 0 {
             let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
-            vec![state.sampler.sample(rows, &it.params, history, &mut rng).map_err(|e| e.to_string())?]
+            vec![state.sampler.sample(rows, &it.params, history, &rng).map_err(|e| e.to_string())?]
         } else {
             verified = true;
             let (prompt, output) = it.tokens.split_at(it.prompt_len);
-            verify(rows, vocab, &it.draft, &it.params, prompt, output, &mut rng, force_accept).map_err(|e| e.to_string())?.tokens
+            verify(rows, vocab, &it.draft, &it.params, prompt, output, &rng, force_accept).map_err(|e| e.to_string())?.tokens
         };
         let mut grammar = it.grammar.take();
         if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {

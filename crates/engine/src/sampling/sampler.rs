@@ -100,7 +100,7 @@ impl Sampler {
 
     /// One token from `logits` under `params`, for the position after `history`, with that
     /// position's draw ([`SeqRng::uniform_at`]).
-    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams, history: TokenHistory<'_>, rng: &mut SeqRng) -> Result<TokenId, SamplingError> {
+    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams, history: TokenHistory<'_>, rng: &SeqRng) -> Result<TokenId, SamplingError> {
         let u = rng.uniform_at(history.prompt.len() + history.output.len(), false);
         if params.is_plain_greedy() {
             if logits.is_empty() {
@@ -154,9 +154,9 @@ mod tests {
     /// Tokens for positions 0..n of one sequence (each with its own draw).
     fn sample_n(logits: &[f32], params: &SamplingParams, seed: u64, n: usize) -> Vec<TokenId> {
         let mut sampler = Sampler::new();
-        let mut rng = SeqRng::new(Some(seed), 0);
+        let rng = SeqRng::new(Some(seed), 0);
         let out = vec![0; n];
-        (0..n).map(|i| sampler.sample(logits, params, TokenHistory { prompt: &[], output: &out[..i] }, &mut rng).unwrap()).collect()
+        (0..n).map(|i| sampler.sample(logits, params, TokenHistory { prompt: &[], output: &out[..i] }, &rng).unwrap()).collect()
     }
 
     #[test]
@@ -227,12 +227,12 @@ mod tests {
         let greedy = SamplingParams::greedy(1);
         let all_random = sample_n(&logits, &random, 9, 6);
         let mut sampler = Sampler::new();
-        let mut rng = SeqRng::new(Some(9), 0);
+        let rng = SeqRng::new(Some(9), 0);
         let out = [0; 6];
         let mixed: Vec<TokenId> = (0..6)
             .map(|i| {
                 let p = if i % 2 == 0 { &greedy } else { &random };
-                sampler.sample(&logits, p, TokenHistory { prompt: &[], output: &out[..i] }, &mut rng).unwrap()
+                sampler.sample(&logits, p, TokenHistory { prompt: &[], output: &out[..i] }, &rng).unwrap()
             })
             .collect();
         for i in [1, 3, 5] {
@@ -246,10 +246,10 @@ mod tests {
     #[test]
     fn a_failed_row_changes_no_later_draw() {
         let mut sampler = Sampler::new();
-        let mut rng = SeqRng::new(Some(4), 0);
+        let rng = SeqRng::new(Some(4), 0);
         let h = TokenHistory::default();
         let p = SamplingParams::default();
-        assert_eq!(sampler.sample(&[], &p, h, &mut rng), Err(SamplingError::EmptyRow));
+        assert_eq!(sampler.sample(&[], &p, h, &rng), Err(SamplingError::EmptyRow));
         let fresh = SeqRng::new(Some(4), 0);
         assert_eq!(rng.uniform_at(1, false), fresh.uniform_at(1, false));
     }

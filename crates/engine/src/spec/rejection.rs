@@ -39,7 +39,7 @@ pub fn verify(
     params: &SamplingParams,
     prompt: &[TokenId],
     output: &[TokenId],
-    rng: &mut SeqRng,
+    rng: &SeqRng,
     force_accept: bool,
 ) -> Result<Verdict, SpecError> {
     let k = draft.tokens.len();
@@ -169,10 +169,10 @@ mod tests {
             let logits: Vec<f32> = rows.concat();
             let draft = Draft { tokens: draft_seed[..k].to_vec(), probs: None };
             let params = SamplingParams::greedy(10);
-            let mut r2 = SeqRng::new(Some(seed), 0);
+            let r2 = SeqRng::new(Some(seed), 0);
             let fast = verify_plain_greedy(&logits, vocab, &draft);
             FORCE_GENERAL.with(|f| f.set(true));
-            let general = verify(&logits, vocab, &draft, &params, &[1], &[], &mut r2, false);
+            let general = verify(&logits, vocab, &draft, &params, &[1], &[], &r2, false);
             FORCE_GENERAL.with(|f| f.set(false));
             match (fast, general) {
                 (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
@@ -204,12 +204,12 @@ mod tests {
             let mut plain = Vec::new();
             for i in 0..=k {
                 let h = TokenHistory { prompt: &prompt, output: &plain };
-                let y = sampler.sample(&logits[i * vocab..(i + 1) * vocab], &params, h, &mut rng.clone()).unwrap();
+                let y = sampler.sample(&logits[i * vocab..(i + 1) * vocab], &params, h, &rng.clone()).unwrap();
                 plain.push(y);
             }
             // a draft that follows plain decoding where `follow` says so
             let draft: Vec<u32> = (0..k).map(|i| if follow[i] { plain[i] } else { draft_seed[i] }).collect();
-            let v = verify(&logits, vocab, &Draft { tokens: draft.clone(), probs: None }, &params, &prompt, &[], &mut rng.clone(), false).unwrap();
+            let v = verify(&logits, vocab, &Draft { tokens: draft.clone(), probs: None }, &params, &prompt, &[], &rng.clone(), false).unwrap();
             let cut = (0..k).find(|&i| draft[i] != plain[i]).map_or(k + 1, |i| i + 1);
             prop_assert_eq!(&v.tokens[..], &plain[..cut]);
         }
@@ -225,20 +225,20 @@ mod tests {
         // rows: argmax 2, argmax 3, argmax 1
         let logits = [0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0, 5.0, 0.0, 0.0];
         let params = SamplingParams::greedy(10);
-        let mut rng = SeqRng::new(Some(1), 0);
-        let v = verify(&logits, vocab, &Draft { tokens: vec![2, 0], probs: None }, &params, &[1], &[], &mut rng, false).unwrap();
+        let rng = SeqRng::new(Some(1), 0);
+        let v = verify(&logits, vocab, &Draft { tokens: vec![2, 0], probs: None }, &params, &[1], &[], &rng, false).unwrap();
         assert_eq!(v, Verdict { tokens: vec![2, 3], num_accepted: 1 });
-        let v = verify(&logits, vocab, &Draft { tokens: vec![2, 3], probs: None }, &params, &[1], &[], &mut rng, false).unwrap();
+        let v = verify(&logits, vocab, &Draft { tokens: vec![2, 3], probs: None }, &params, &[1], &[], &rng, false).unwrap();
         assert_eq!(v, Verdict { tokens: vec![2, 3, 1], num_accepted: 2 });
-        let v = verify(&logits, vocab, &Draft { tokens: vec![0, 3], probs: None }, &params, &[1], &[], &mut rng, false).unwrap();
+        let v = verify(&logits, vocab, &Draft { tokens: vec![0, 3], probs: None }, &params, &[1], &[], &rng, false).unwrap();
         assert_eq!(v, Verdict { tokens: vec![2], num_accepted: 0 });
     }
 
     #[test]
     fn force_accept_keeps_every_draft_token() {
         let logits = [0.0, 5.0, 0.0, 5.0, 0.0, 5.0];
-        let mut rng = SeqRng::new(Some(1), 0);
-        let v = verify(&logits, 2, &Draft { tokens: vec![0, 0], probs: None }, &SamplingParams::greedy(5), &[], &[], &mut rng, true).unwrap();
+        let rng = SeqRng::new(Some(1), 0);
+        let v = verify(&logits, 2, &Draft { tokens: vec![0, 0], probs: None }, &SamplingParams::greedy(5), &[], &[], &rng, true).unwrap();
         assert_eq!(v.tokens, vec![0, 0, 1]);
     }
 
@@ -260,13 +260,13 @@ mod tests {
             let mut qrng = SeqRng::new(Some(8), 0);
             for i in 0..n {
                 // each trial its own sequence (a position has one draw per sequence)
-                let mut rng = SeqRng::new(Some(7 + i as u64), 0);
+                let rng = SeqRng::new(Some(7 + i as u64), 0);
                 let (tok, probs) = if stochastic {
                     (sample_from_probs(&q, qrng.uniform()).unwrap(), Some(vec![q.to_vec()]))
                 } else {
                     (0, None) // n-gram style: always proposes token 0, one-hot q
                 };
-                let v = verify(&logits, vocab, &Draft { tokens: vec![tok], probs }, &params, &[], &[], &mut rng, false).unwrap();
+                let v = verify(&logits, vocab, &Draft { tokens: vec![tok], probs }, &params, &[], &[], &rng, false).unwrap();
                 counts[v.tokens[0] as usize] += 1;
             }
             for t in 0..4 {
@@ -278,10 +278,10 @@ mod tests {
 
     #[test]
     fn shape_errors_are_reported_not_panicked() {
-        let mut rng = SeqRng::new(Some(1), 0);
-        let e = verify(&[0.0; 3], 2, &Draft { tokens: vec![0], probs: None }, &SamplingParams::greedy(1), &[], &[], &mut rng, false);
+        let rng = SeqRng::new(Some(1), 0);
+        let e = verify(&[0.0; 3], 2, &Draft { tokens: vec![0], probs: None }, &SamplingParams::greedy(1), &[], &[], &rng, false);
         assert!(e.is_err());
-        let e = verify(&[0.0; 4], 2, &Draft { tokens: vec![5], probs: None }, &SamplingParams::greedy(1), &[], &[], &mut rng, false);
+        let e = verify(&[0.0; 4], 2, &Draft { tokens: vec![5], probs: None }, &SamplingParams::greedy(1), &[], &[], &rng, false);
         assert!(e.is_err());
     }
 }
