@@ -7,9 +7,9 @@ template), SPECULA_MODEL_GEMMA (Gemma 3 270m base: no template in the file, so G
 instruction-tuned template is rendered from GEMMA3_TEMPLATE below). Missing models skip, or
 fail when CI is set.
 
-Known difference, avoided in the cases here: minijinja maps iterate in sorted key order, so
-`tojson` of a tool definition sorts its keys where Python keeps insertion order; the tool dicts
-below are written with sorted keys.
+Maps keep their insertion order on both sides (minijinja is built with `preserve_order`), so
+`tojson` of a tool definition writes its keys as the request gave them, as Python does; the tool
+dicts below are deliberately not in sorted order.
 """
 
 import json
@@ -66,21 +66,22 @@ GEMMA3_TEMPLATE = (
     "{%- endif -%}\n"
 )
 
+# written in the order OpenAI documents them (not sorted): `tojson` must keep insertion order
 WEATHER_TOOL = {
-    "function": {
-        "description": "Current weather in a city — °C",
-        "name": "get_weather",
-        "parameters": {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"], "type": "object"},
-    },
     "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city — °C",
+        "parameters": {"type": "object", "properties": {"days": {"type": "integer"}, "city": {"type": "string"}}, "required": ["city"]},
+    },
 }
-CLOCK_TOOL = {"function": {"description": "The time", "name": "now", "parameters": {"properties": {}, "type": "object"}}, "type": "function"}
+CLOCK_TOOL = {"type": "function", "function": {"name": "now", "description": "The time", "parameters": {"type": "object", "properties": {}}}}
 
 U = {"role": "user", "content": "What's the weather in Paris?"}
 A = {"role": "assistant", "content": "  It is sunny.  "}
 S = {"role": "system", "content": "You are terse."}
-CALL = {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": {"city": "Paris", "days": 2}, "name": "get_weather"}, "type": "function"}]}
-CALL2 = {"role": "assistant", "content": "Checking.", "tool_calls": [{"function": {"arguments": {"city": "Köln"}, "name": "get_weather"}}, {"function": {"arguments": {}, "name": "now"}}]}
+CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"days": 2, "city": "Paris"}}}]}
+CALL2 = {"role": "assistant", "content": "Checking.", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Köln"}}}, {"function": {"name": "now", "arguments": {}}}]}
 RESULT = {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_0"}
 RESULT2 = {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
 

@@ -71,9 +71,9 @@ impl ChatTemplate {
 
 /// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False, indent=indent,
 /// separators=separators, sort_keys=sort_keys)`, so ", " and ": " separators (", " becomes ","
-/// with an indent), non-ASCII kept, no HTML escaping. Maps come out in minijinja's key order
-/// (sorted: minijinja is built without `preserve_order`, so its maps are sorted even though
-/// serde_json keeps insertion order since llguidance turned that feature on).
+/// with an indent), non-ASCII kept, no HTML escaping. Maps come out in insertion order, as
+/// Python's dicts do (minijinja and serde_json are built with `preserve_order`), so a tool
+/// definition is printed with its keys as the request gave them.
 fn py_tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
@@ -233,6 +233,10 @@ mod tests {
         let tools = serde_json::json!([{"a": [1, 2.5, 3.0, null, true], "b": {"c": "é<\"\n"}}, {}]);
         let s = t.render_with(&[msg("user", "x")], Some(&tools), false).unwrap();
         assert_eq!(s, "{\"a\": [1, 2.5, 3.0, null, true], \"b\": {\"c\": \"é<\\\"\\n\"}}|{}|");
+        // keys in insertion order, not sorted (Python's dicts)
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"b": 1, "a": 2}}}]);
+        let s = t.render_with(&[msg("user", "x")], Some(&tools), false).unwrap();
+        assert_eq!(s, "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"d\", \"parameters\": {\"b\": 1, \"a\": 2}}}|");
         let t = ChatTemplate::new("{{ tools | tojson(indent=2) }}", "", "").unwrap();
         assert_eq!(t.render_with(&[msg("user", "x")], Some(&serde_json::json!([{"a": [1]}])), false).unwrap(), "[\n  {\n    \"a\": [\n      1\n    ]\n  }\n]");
     }
