@@ -166,7 +166,7 @@ async fn bad_tools_and_tool_choices_are_400s_naming_the_field() {
 fn the_forced_call_grammar_accepts_exactly_valid_calls() {
     use specula_engine::constraint::ConstraintCompiler;
     let tokenizer = tokenizer();
-    let compiler = ConstraintCompiler::new(&tokenizer).unwrap();
+    let compiler = ConstraintCompiler::new(&std::sync::Arc::new(self::tokenizer())).unwrap();
     let set = |choice: Value| specula_server::tools::ToolSet::from_request(Some(&tools()), Some(&choice)).unwrap().unwrap();
     let accepts = |choice: Value, text: &str| {
         let mut grammar = compiler.compile(&set(choice).constraint().unwrap()).unwrap();
