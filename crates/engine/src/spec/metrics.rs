@@ -63,12 +63,12 @@ impl SpecMetrics {
     }
 }
 
-/// Publishes forced draft tokens (jump-forward) verified and accepted: `specula:spec_forced_tokens`
-/// and `specula:spec_forced_accepted_tokens`, also without a speculative method.
+/// Publishes forced draft tokens (jump-forward) verified and accepted: `specula:spec_forced_tokens_total`
+/// and `specula:spec_forced_accepted_tokens_total`, also without a speculative method.
 pub fn record_forced(forced: usize, accepted: usize) {
     if forced > 0 {
-        metrics::counter!("specula:spec_forced_tokens").increment(forced as u64);
-        metrics::counter!("specula:spec_forced_accepted_tokens").increment(accepted as u64);
+        metrics::counter!("specula:spec_forced_tokens_total").increment(forced as u64);
+        metrics::counter!("specula:spec_forced_accepted_tokens_total").increment(accepted as u64);
     }
 }
 
