@@ -413,11 +413,9 @@ fn seeded_sampling_with_jump_forward_is_plain_constrained_sampling() {
         .map(|(i, (p, s))| (p, SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(40 + i as u64), ..s }))
         .collect();
     let (base, _, _) = run_counting(&model, without_jump_forward(config(false)), None, &reqs);
-    for (name, cfg, spec) in [
-        ("jump-forward", config(false), None),
-        ("jump-forward+async", config(true), None),
-        ("jump-forward+ngram+async", config(true), Some(SpecMethod::Ngram)),
-    ] {
+    for (name, cfg, spec) in
+        [("jump-forward", config(false), None), ("jump-forward+async", config(true), None), ("jump-forward+ngram+async", config(true), Some(SpecMethod::Ngram))]
+    {
         let (out, forced, _) = run_counting(&model, cfg, spec, &reqs);
         for (i, (a, b)) in base.iter().zip(&out).enumerate() {
             assert_eq!((&a.tokens, &a.end), (&b.tokens, &b.end), "{name}: request {i} differs");

@@ -871,7 +871,10 @@ mod tests {
         assert_eq!(p.push("_call>"), vec![Piece::CallArguments("}}".into())]);
         assert_eq!(p.finish(), vec![]);
         // the name is not first, or the arguments are no object: the block is parsed whole
-        for text in ["<tool_call>{\"arguments\": {\"city\": \"Rome\"}, \"name\": \"get_weather\"}</tool_call>", "<tool_call>{\"name\": \"now\", \"arguments\": \"{}\"}</tool_call>"] {
+        for text in [
+            "<tool_call>{\"arguments\": {\"city\": \"Rome\"}, \"name\": \"get_weather\"}</tool_call>",
+            "<tool_call>{\"name\": \"now\", \"arguments\": \"{}\"}</tool_call>",
+        ] {
             let mut p = CallParser::new(names());
             let mut pieces = p.push(text);
             pieces.extend(p.finish());
