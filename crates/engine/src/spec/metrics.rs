@@ -91,5 +91,11 @@ mod tests {
         assert_eq!(m.accepted_per_pos, vec![2, 1, 1]);
         assert_eq!(m.acceptance_rate(), Some(0.5));
         assert!((m.mean_acceptance_length().unwrap() - (1.0 + 4.0 / 3.0)).abs() < 1e-12);
+        // forced drafts (jump-forward) are counted apart: the proposer's rate does not move
+        m.record_forced(5, 5);
+        m.record_forced(2, 1);
+        assert_eq!((m.num_forced_tokens, m.num_forced_accepted_tokens), (7, 6));
+        assert_eq!((m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens), (3, 8, 4));
+        assert_eq!(m.acceptance_rate(), Some(0.5));
     }
 }
