@@ -26,6 +26,7 @@ CONFIGS = {
     "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", "3"],
     "async": ["--async-scheduling"],
     "ngram+async": ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--async-scheduling"],
+    "no-jump-forward": ["--structured-jump-forward=false"],
 }
 
 
@@ -212,6 +213,11 @@ def test_greedy_outputs_are_the_same_with_speculation_and_async_scheduling(model
     base = run_all(get_server(model, "plain"))
     assert re.fullmatch(PHONE, base[2][0]), base[2]
     jsonschema.validate(json.loads(base[0][0]), PERSON_SCHEMA)
-    configs = ["ngram", "async", "ngram+async"] if model == "default" else ["ngram+async"]
+    # jump-forward (on by default) drafted the grammar's forced tokens, and every one was accepted
+    m = get_server(model, "plain").metrics()
+    forced, accepted = m.get("specula:spec_forced_tokens_total", 0), m.get("specula:spec_forced_accepted_tokens_total", 0)
+    assert forced > 0 and accepted == forced, (forced, accepted)
+    configs = ["no-jump-forward", "ngram", "async", "ngram+async"] if model == "default" else ["no-jump-forward", "ngram+async"]
     for config in configs:
         assert run_all(get_server(model, config)) == base, config
+    assert "specula:spec_forced_tokens_total" not in get_server(model, "no-jump-forward").metrics_text()

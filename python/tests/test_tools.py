@@ -91,7 +91,7 @@ def check_call(call, names):
 def forced(client, qwen, **kw):
     """A request that needs the engine's constraints; skips when the server says it has none."""
     try:
-        return client.chat.completions.create(model=qwen.model_name, temperature=0, max_tokens=80, **kw)
+        return client.chat.completions.create(model=qwen.model_name, temperature=0, **{"max_tokens": 80, **kw})
     except (openai.BadRequestError, openai.InternalServerError) as e:
         text = str(e).lower()
         if "constraint" in text and ("not supported" in text or "unsupported" in text):
@@ -208,16 +208,25 @@ def test_none_returns_text_only(qwen, client):
 # ---------------------------------------------------------------------------------------------
 
 
-def reassemble(stream):
+def reassemble(stream, fragments=None):
+    """Content, calls and finish reasons of a stream; `fragments` (a dict) gets how many chunks
+    carried a non-empty piece of each call's arguments."""
     content, calls, reasons = "", {}, []
+    fragments = {} if fragments is None else fragments
     for chunk in stream:
         for c in chunk.choices:
             d = c.delta
             content += d.content or ""
             for t in d.tool_calls or []:
                 if t.index not in calls:
+                    # OpenAI's first chunk of a call: id, type, name, and empty arguments
                     assert t.id and t.id.startswith("call_") and t.type == "function" and t.function.name, t
+                    assert t.function.arguments == "", t
                     calls[t.index] = {"name": t.function.name, "arguments": ""}
+                    fragments[t.index] = 0
+                else:
+                    assert t.id is None and t.function.name is None, t
+                fragments[t.index] += bool(t.function.arguments)
                 calls[t.index]["arguments"] += t.function.arguments or ""
             if c.finish_reason:
                 reasons.append(c.finish_reason)
@@ -244,6 +253,37 @@ def test_forced_call_streams_like_the_non_streamed_one(qwen, client):
     assert len(calls) == 1 and reasons == ["tool_calls"]
     assert calls == [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls]
     jsonschema.validate(json.loads(calls[0]["arguments"]), schema_of(calls[0]["name"]))
+
+
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "save_note",
+        "description": "Save a note",
+        "parameters": {
+            "type": "object",
+            "properties": {"title": {"type": "string"}, "body": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+            "required": ["title", "body", "tags"],
+        },
+    },
+}
+
+
+def test_a_long_calls_arguments_stream_in_fragments(qwen, client):
+    """As OpenAI streams a call: the name first, then the arguments piece by piece as they are
+    generated (not in one piece once the call is complete), adding up to the non-streamed call."""
+    kw = dict(messages=[{"role": "user", "content": "Save a note titled Groceries listing milk, eggs, bread, coffee, apples and rice for the week, tagged food and home."}],
+              tools=[NOTE], tool_choice={"type": "function", "function": {"name": "save_note"}}, max_tokens=200)
+    whole = forced(client, qwen, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    fragments = {}
+    content, calls, reasons = reassemble(forced(client, qwen, stream=True, **kw), fragments)
+    assert calls == [{"name": t.function.name, "arguments": t.function.arguments} for t in whole.message.tool_calls]
+    assert reasons == ["tool_calls"] and content == ""
+    args = json.loads(calls[0]["arguments"])
+    jsonschema.validate(args, NOTE["function"]["parameters"])
+    assert len(calls[0]["arguments"]) > 40, calls
+    assert fragments[0] > 3, f"{fragments[0]} argument fragments for {calls[0]['arguments']!r}"
 
 
 # ---------------------------------------------------------------------------------------------

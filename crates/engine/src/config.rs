@@ -22,6 +22,11 @@ pub struct EngineConfig {
     pub shutdown_grace: std::time::Duration,
     /// Schedule and prepare step N+1 while step N computes (`--async-scheduling`).
     pub async_scheduling: bool,
+    /// Jump-forward for structured outputs (`--structured-jump-forward`): where a request's
+    /// grammar forces the next tokens, they are drafted (before the speculative proposer's own
+    /// drafts, or alone when no speculative method is configured) and accepted by construction.
+    /// Changes no output, only how many steps it takes.
+    pub jump_forward: bool,
     /// Publish the unlabeled engine gauges (running, waiting, KV usage, prefix cache) after each
     /// step. Off for data-parallel ranks, whose labeled per-rank gauges and their aggregate are
     /// published by the rank loop (two writers would make a scrape see one rank's numbers).
@@ -44,6 +49,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             shutdown_grace: std::time::Duration::from_secs(10),
             async_scheduling: false,
+            jump_forward: true,
             publish_gauges: true,
             fault_injection: None,
         }

@@ -14,11 +14,15 @@
 use crate::api::Constraint;
 use crate::types::TokenId;
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{ApproximateTokEnv, InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::toktrie::{InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use specula_model::Tokenizer;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// Most forced tokens proposed as drafts per step when the engine has no speculative method
+/// (jump-forward, `EngineConfig::jump_forward`); with one, the engine's k bounds them.
+pub const JUMP_FORWARD_MAX_TOKENS: usize = 8;
 
 /// One tokenizer's compiler in `ConstraintCompiler::for_tokenizer`'s cache.
 type CacheEntry = (Weak<Tokenizer>, Arc<ConstraintCompiler>);
@@ -43,8 +47,9 @@ pub struct ConstraintCompiler {
 impl ConstraintCompiler {
     /// Builds the token trie from `tokenizer`: byte-level and SentencePiece pieces as their raw
     /// bytes, control tokens as special tokens a grammar can name (`<|im_end|>` or `<[id]>`),
-    /// other added tokens (e.g. `<tool_call>`) as their text.
-    pub fn new(tokenizer: &Tokenizer) -> Result<Self, ConstraintError> {
+    /// other added tokens (e.g. `<tool_call>`) as their text. Forced text is tokenized by the
+    /// tokenizer itself ([`CanonicalTokEnv`]), so llguidance forces the canonical tokens there.
+    pub fn new(tokenizer: &Arc<Tokenizer>) -> Result<Self, ConstraintError> {
         let eos = tokenizer.eos.clone();
         let Some(&first_eos) = eos.first() else {
             return Err(ConstraintError("structured outputs need the model's EOS token, and this tokenizer has none".into()));
@@ -69,7 +74,7 @@ impl ConstraintCompiler {
         }
         let info = TokRxInfo::new(vocab as u32, first_eos);
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos);
-        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let env: TokEnv = Arc::new(CanonicalTokEnv { trie, tokenizer: tokenizer.clone() });
         let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &llguidance::earley::SlicedBiasComputer::general_slices())
             .map_err(|e| ConstraintError(format!("building the grammar engine for this tokenizer: {e}")))?;
         factory.quiet();
@@ -101,6 +106,43 @@ impl ConstraintCompiler {
             return Err(ConstraintError(describe(c, &e)));
         }
         Ok(Grammar { matcher, eos: self.eos.clone(), vocab: self.vocab })
+    }
+}
+
+/// llguidance's tokenizer environment: the trie, and the model's own tokenizer for text the
+/// grammar forces. Being canonical lets llguidance force tokens: where the grammar admits only
+/// one continuation for some bytes ahead, the mask holds only the first token of their canonical
+/// tokenization (one-hot, so verification accepts a forced draft token by construction), and
+/// [`Grammar::forced_tokens`] lists them (jump-forward).
+struct CanonicalTokEnv {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for CanonicalTokEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    /// The tokenizer's encoding when it spells exactly `s` in the trie's bytes (not so for a
+    /// piece that is not whole UTF-8, a SentencePiece dummy prefix, or text naming a control
+    /// token); otherwise the trie's greedy tokenization, which does.
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+        if let Ok(text) = std::str::from_utf8(s) {
+            if let Ok(ids) = self.tokenizer.encode(text) {
+                let mut at = 0;
+                let spells = ids.iter().all(|&t| {
+                    let b = self.trie.token(t);
+                    let ok = !b.is_empty() && b[0] != TokTrie::SPECIAL_TOKEN_MARKER && s[at..].starts_with(b);
+                    at += b.len();
+                    ok
+                });
+                if spells && at == s.len() {
+                    return ids;
+                }
+            }
+        }
+        self.trie.greedy_tokenize(s)
     }
 }
 
@@ -249,6 +291,28 @@ impl Grammar {
         self.matcher.rollback(n).map_err(|e| self.err("rolling back", e))
     }
 
+    /// The tokens the grammar forces from here, at most `max`: each one the only token its
+    /// position's mask allows (llguidance's forced bytes, canonically tokenized), so drafted
+    /// they are accepted by construction. Found one at a time (the first forced token of each
+    /// state, exactly what that state's mask allows), so they are what verification will mask;
+    /// the grammar is left where it was.
+    pub fn forced_tokens(&mut self, max: usize) -> Vec<TokenId> {
+        let mut forced = Vec::new();
+        while forced.len() < max && !self.matcher.is_stopped() {
+            let Some(&t) = self.matcher.compute_ff_tokens().first() else { break };
+            let valid = !self.is_eos(t) && (t as usize) < self.vocab && self.matcher.validate_tokens(&[t]).is_ok_and(|n| n == 1);
+            if !valid || self.matcher.consume_tokens(&[t]).is_err() {
+                break;
+            }
+            forced.push(t);
+        }
+        if !forced.is_empty() && self.matcher.rollback(forced.len()).is_err() {
+            // cannot happen after consuming them; an error state makes the next mask fail the step
+            return Vec::new();
+        }
+        forced
+    }
+
     /// How many leading tokens of `draft` the grammar accepts from here (an EOS ends the count:
     /// drafts never propose the end), without advancing.
     pub fn valid_prefix(&mut self, draft: &[TokenId]) -> usize {
@@ -257,6 +321,18 @@ impl Grammar {
             return 0;
         }
         self.matcher.validate_tokens(&draft[..end]).unwrap_or(0)
+    }
+
+    /// How many leading tokens of `draft` the grammar accepts after `forced` (tokens it accepts
+    /// from here, e.g. [`Grammar::forced_tokens`]), without advancing.
+    pub fn valid_prefix_after(&mut self, forced: &[TokenId], draft: &[TokenId]) -> Result<usize, String> {
+        if forced.is_empty() {
+            return Ok(self.valid_prefix(draft));
+        }
+        self.consume(forced)?;
+        let n = self.valid_prefix(draft);
+        self.rollback(forced.len())?;
+        Ok(n)
     }
 
     /// The output is complete: the grammar allows nothing but its end.
@@ -324,7 +400,7 @@ mod tests {
     }
 
     fn compiler() -> ConstraintCompiler {
-        ConstraintCompiler::new(&tokenizer()).unwrap()
+        ConstraintCompiler::new(&Arc::new(tokenizer())).unwrap()
     }
 
     const EOS: TokenId = 259;
@@ -357,6 +433,35 @@ mod tests {
         // the draft "n" accepted, then "o" sampled: "no" is complete
         g.settle(consumed, &[id("n"), id("o")]).unwrap();
         assert!(g.is_finished());
+    }
+
+    /// Jump-forward: an object whose one key is required has `{"ab": ` forced. The forced tokens
+    /// spell exactly that text; each is the only token its position's mask allows (so a draft of
+    /// them is accepted by construction); listing them leaves the grammar where it was.
+    #[test]
+    fn forced_tokens_spell_the_forced_text_each_alone_in_its_mask() {
+        let t = tokenizer();
+        let schema = r#"{"type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"], "additionalProperties": false}"#;
+        let mut g = compiler().compile(&Constraint::JsonSchema(schema.into())).unwrap();
+        let forced = g.forced_tokens(16);
+        assert_eq!(t.decode(&forced, false).unwrap(), "{\"ab\": ", "{forced:?}");
+        assert!(forced.contains(&t.token_to_id("ab").unwrap()), "the canonical tokenization: {forced:?}");
+        assert_eq!(g.forced_tokens(2), forced[..2], "at most max");
+        for &f in &forced {
+            let m = g.mask().unwrap();
+            assert_eq!((m.num_allowed(), m.allows(f)), (1, true), "token {f}");
+            g.consume(&[f]).unwrap();
+        }
+        // an integer is free: nothing forced, digits allowed
+        assert!(g.forced_tokens(16).is_empty());
+        let m = g.mask().unwrap();
+        assert!(m.allows(t.token_to_id("7").unwrap()) && m.num_allowed() > 1);
+        g.consume(&[t.token_to_id("7").unwrap()]).unwrap();
+        // after the proposer's draft "7" would come "}" (a digit or the end of the object)
+        assert_eq!(g.valid_prefix_after(&[], &[t.token_to_id("}").unwrap()]).unwrap(), 1);
+        g.rollback(1 + forced.len()).unwrap();
+        assert_eq!(g.valid_prefix_after(&forced, &[t.token_to_id("7").unwrap(), t.token_to_id("}").unwrap()]).unwrap(), 2);
+        assert_eq!(g.forced_tokens(16), forced, "the grammar is back at the start");
     }
 
     #[test]

@@ -87,7 +87,14 @@ impl Engine {
             "{}",
             specula_kernels::cpu::describe()
         );
-        let ctx = JobContext { model: Arc::new(model), tokenizer, pool: Arc::new(pool), max_model_len: cfg.max_model_len, fault: cfg.fault_injection };
+        let ctx = JobContext {
+            model: Arc::new(model),
+            tokenizer,
+            pool: Arc::new(pool),
+            max_model_len: cfg.max_model_len,
+            fault: cfg.fault_injection,
+            jump_forward: cfg.jump_forward,
+        };
         Ok(Self {
             cfg,
             ctx,

@@ -4,6 +4,7 @@
 //! preempted (its blocks freed, recomputed later from its tokens): never an error, never a hang.
 
 use crate::config::EngineConfig;
+use crate::constraint::JUMP_FORWARD_MAX_TOKENS;
 use crate::kv_cache::{KvCacheError, KvCacheManager};
 use crate::sequence::Sequence;
 use crate::types::{SeqId, TokenId};
@@ -80,9 +81,11 @@ impl Scheduler {
             };
             let ahead = s.samples_in_flight();
             let base = s.num_scheduled;
+            // a constrained sequence may get forced drafts without a speculative method (jump-forward)
+            let reserve = if spec_reserve == 0 && self.cfg.jump_forward && s.params.constraint.is_some() { JUMP_FORWARD_MAX_TOKENS } else { spec_reserve };
             let n = if ahead {
-                if spec_reserve < budget {
-                    1 + spec_reserve
+                if reserve < budget {
+                    1 + reserve
                 } else {
                     1
                 }

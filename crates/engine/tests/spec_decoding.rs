@@ -353,7 +353,7 @@ fn a_scripted_run_updates_every_counter_exactly() {
     assert_eq!(out.tokens, truth, "greedy output under speculation");
     assert_eq!(out.step_sizes, vec![1, 4, 1, 2, 3, 2], "tokens emitted per step");
     let m = rig.engine.spec_metrics().unwrap();
-    assert_eq!(*m, SpecMetrics { num_drafts: 5, num_draft_tokens: 13, num_accepted_tokens: 7, accepted_per_pos: vec![4, 2, 1] },);
+    assert_eq!(*m, SpecMetrics { num_drafts: 5, num_draft_tokens: 13, num_accepted_tokens: 7, accepted_per_pos: vec![4, 2, 1], ..Default::default() },);
     assert_eq!(m.mean_acceptance_length(), Some(2.4));
     assert_eq!(m.acceptance_rate(), Some(7.0 / 13.0));
     assert_metrics_consistent(m);
@@ -376,7 +376,7 @@ fn a_model_drafting_for_itself_is_always_accepted_under_greedy() {
         assert_eq!(o.step_sizes, vec![1, 4, 4]);
     }
     let m = rig.engine.spec_metrics().unwrap();
-    assert_eq!(*m, SpecMetrics { num_drafts: 6, num_draft_tokens: 18, num_accepted_tokens: 18, accepted_per_pos: vec![6, 6, 6] });
+    assert_eq!(*m, SpecMetrics { num_drafts: 6, num_draft_tokens: 18, num_accepted_tokens: 18, accepted_per_pos: vec![6, 6, 6], ..Default::default() });
     assert_eq!(m.mean_acceptance_length(), Some(4.0));
 }
 

@@ -96,6 +96,13 @@ fn check(c: &Constraint, text: &str, complete: bool) {
                     assert!(obj["name"].as_str().is_some_and(|n| n.chars().count() <= 20), "{text:?}");
                     assert!(obj["age"].as_u64().is_some_and(|a| a <= 150), "{text:?}");
                     assert!(["Paris", "Rome", "Oslo"].contains(&obj["city"].as_str().unwrap_or("")), "{text:?}");
+                } else if s == RECORD_SCHEMA {
+                    let keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+                    let want = ["first_name", "last_name", "email_address", "is_active_member", "country_of_residence", "year_of_birth"];
+                    assert_eq!(keys, want, "{text:?}");
+                    assert!(obj["is_active_member"].is_boolean() && obj["first_name"].as_str().is_some_and(|n| n.chars().count() <= 12), "{text:?}");
+                    assert!(["France", "Italy", "Norway"].contains(&obj["country_of_residence"].as_str().unwrap_or("")), "{text:?}");
+                    assert!(obj["year_of_birth"].as_u64().is_some_and(|y| (1900..=2025).contains(&y)), "{text:?}");
                 } else {
                     let n = obj["n"].as_array().unwrap_or_else(|| panic!("{text:?}: n is no array"));
                     assert!(n.len() <= 12 && n.iter().all(|x| x.is_i64()), "{text:?}");
@@ -310,4 +317,110 @@ fn constrained_sampling_with_ngram_speculation_follows_the_masked_target_distrib
     let critical = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46][df.min(6) - 1];
     eprintln!("counts {counts:?} expected {expected:?} over {total}: chi2 {stat:.2} (df {df}, critical {critical})");
     assert!(stat < critical, "chi-square {stat:.2} >= {critical} (df {df}): counts {counts:?}, expected probabilities {expected:?}");
+}
+
+/// A schema whose output is mostly boilerplate: every key required, in order, no others, so
+/// each key (with its quotes, colon and separators) is forced by the grammar.
+const RECORD_SCHEMA: &str = r#"{"type": "object", "properties": {"first_name": {"type": "string", "maxLength": 12}, "last_name": {"type": "string", "maxLength": 12}, "email_address": {"type": "string", "maxLength": 24}, "is_active_member": {"type": "boolean"}, "country_of_residence": {"enum": ["France", "Italy", "Norway"]}, "year_of_birth": {"type": "integer", "minimum": 1900, "maximum": 2025}}, "required": ["first_name", "last_name", "email_address", "is_active_member", "country_of_residence", "year_of_birth"], "additionalProperties": false}"#;
+
+/// Schema-heavy requests: the record schema and the person schema.
+fn schema_requests(model: &Path, max_tokens: usize) -> Vec<(Vec<u32>, SamplingParams)> {
+    let record = Constraint::JsonSchema(RECORD_SCHEMA.into());
+    let person = Constraint::JsonSchema(PERSON_SCHEMA.into());
+    vec![
+        (chat(model, "Make up a club member record as JSON."), params(&record, max_tokens)),
+        (chat(model, "Describe a person called Bob, 40, from Rome, as JSON."), params(&person, max_tokens)),
+        (chat(model, "A member record for Ann Lee, born 1990, living in Norway, as JSON."), params(&record, max_tokens)),
+    ]
+}
+
+fn without_jump_forward(cfg: EngineConfig) -> EngineConfig {
+    EngineConfig { jump_forward: false, ..cfg }
+}
+
+/// Outcomes, forced draft tokens (proposed, accepted; speculation only) and the proposer's
+/// (proposed, accepted) draft tokens.
+fn run_counting(model: &Path, cfg: EngineConfig, spec: Option<SpecMethod>, reqs: &[(Vec<u32>, SamplingParams)]) -> (Vec<Outcome>, (u64, u64), (u64, u64)) {
+    let mut rig = Rig::new(model, cfg, spec.map(|m| spec_config(m, 4, None)));
+    let out = rig.run_batch(reqs);
+    rig.assert_no_leaks();
+    let m = rig.engine.spec_metrics();
+    let forced = m.map_or((0, 0), |m| (m.num_forced_tokens, m.num_forced_accepted_tokens));
+    let proposer = m.map_or((0, 0), |m| (m.num_draft_tokens, m.num_accepted_tokens));
+    (out, forced, proposer)
+}
+
+/// Jump-forward: on schema-heavy outputs the grammar's forced tokens are drafted and accepted
+/// (several tokens per step without any speculative method; counted apart from the n-gram
+/// proposer's drafts with one), and greedy outputs are token for token plain constrained
+/// decoding's (jump-forward off, no speculation), sync and async.
+#[test]
+fn jump_forward_drafts_forced_tokens_that_are_accepted_and_change_no_greedy_output() {
+    let Some(model) = model_for_tests("jump_forward_drafts_forced_tokens_that_are_accepted_and_change_no_greedy_output") else {
+        return;
+    };
+    let tok = tokenizer(&model);
+    let reqs = schema_requests(&model, 80);
+    let (base, forced, _) = run_counting(&model, without_jump_forward(config(false)), None, &reqs);
+    assert_eq!(forced, (0, 0));
+    assert!(base.iter().all(|o| o.step_sizes.iter().all(|&n| n == 1)), "plain decoding emits one token per step");
+    for ((_, p), o) in reqs.iter().zip(&base) {
+        let text = tok.decode(&o.tokens, true).unwrap();
+        eprintln!("{text:?} ({:?})", o.end);
+        check(p.constraint.as_ref().unwrap(), &text, o.end == End::Finished(FinishReason::Stop));
+    }
+    let base_tokens: usize = base.iter().map(|o| o.tokens.len()).sum();
+    for (name, cfg, spec) in [
+        ("jump-forward", config(false), None),
+        ("jump-forward+async", config(true), None),
+        ("jump-forward+ngram", config(false), Some(SpecMethod::Ngram)),
+        ("jump-forward+ngram+async", config(true), Some(SpecMethod::Ngram)),
+        ("ngram without jump-forward", without_jump_forward(config(true)), Some(SpecMethod::Ngram)),
+    ] {
+        let (out, forced, proposer) = run_counting(&model, cfg.clone(), spec, &reqs);
+        for (i, (a, b)) in base.iter().zip(&out).enumerate() {
+            assert_eq!((&a.tokens, &a.end), (&b.tokens, &b.end), "{name}: request {i} differs");
+        }
+        let steps: usize = out.iter().map(|o| o.step_sizes.len()).sum();
+        eprintln!("{name}: {base_tokens} tokens in {steps} steps' deltas; forced (proposed, accepted) {forced:?}, proposer {proposer:?}");
+        if cfg.jump_forward {
+            // forced tokens arrive with the token after them: far fewer deltas than tokens
+            assert!(steps * 10 < base_tokens * 8, "{name}: {steps} deltas for {base_tokens} tokens");
+        }
+        match (cfg.jump_forward, spec) {
+            (true, Some(_)) => {
+                assert!(forced.0 > 10, "{name}: forced drafts {forced:?}");
+                // one-hot masks: every forced draft token verified is accepted
+                assert_eq!(forced.0, forced.1, "{name}");
+            }
+            (false, Some(_)) => assert_eq!(forced, (0, 0), "{name}"),
+            _ => {}
+        }
+    }
+}
+
+/// Seeded constrained sampling with jump-forward is plain constrained sampling token for token
+/// (a forced position's masked distribution is one-hot, and every position keeps its own draw),
+/// sync and async, without and with n-gram speculation.
+#[test]
+fn seeded_sampling_with_jump_forward_is_plain_constrained_sampling() {
+    let Some(model) = model_for_tests("seeded_sampling_with_jump_forward_is_plain_constrained_sampling") else {
+        return;
+    };
+    let reqs: Vec<(Vec<u32>, SamplingParams)> = schema_requests(&model, 80)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (p, s))| (p, SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(40 + i as u64), ..s }))
+        .collect();
+    let (base, _, _) = run_counting(&model, without_jump_forward(config(false)), None, &reqs);
+    for (name, cfg, spec) in
+        [("jump-forward", config(false), None), ("jump-forward+async", config(true), None), ("jump-forward+ngram+async", config(true), Some(SpecMethod::Ngram))]
+    {
+        let (out, forced, _) = run_counting(&model, cfg, spec, &reqs);
+        for (i, (a, b)) in base.iter().zip(&out).enumerate() {
+            assert_eq!((&a.tokens, &a.end), (&b.tokens, &b.end), "{name}: request {i} differs");
+        }
+        assert!(out.iter().any(|o| o.step_sizes.iter().any(|&n| n > 1)), "{name}: no step emitted forced drafts");
+        assert_eq!(forced.0, forced.1, "{name}: a forced draft token was rejected");
+    }
 }

@@ -399,7 +399,13 @@ pub struct ParsedCall {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Piece {
     Content(String),
+    /// A whole call (a block that is not in the streamable form, once it closed and parsed).
     Call(ParsedCall),
+    /// A call in the streamable form `{"name": "<name>", "arguments": {` starts: its arguments
+    /// follow as [`Piece::CallArguments`] fragments.
+    CallStart(String),
+    /// The next fragment of the arguments of the call last started.
+    CallArguments(String),
 }
 
 /// The parse of a whole output.
@@ -442,8 +448,120 @@ fn parse_json_calls(text: &str, names: &[String]) -> Option<Vec<ParsedCall>> {
     values.iter().map(|v| call_from_json(v).filter(|c| names.contains(&c.name))).collect()
 }
 
+impl ParsedMessage {
+    /// The message the pieces of one output add up to.
+    pub fn from_pieces(pieces: impl IntoIterator<Item = Piece>) -> Self {
+        let mut message = ParsedMessage::default();
+        let mut content = String::new();
+        for piece in pieces {
+            match piece {
+                Piece::Content(text) => content.push_str(&text),
+                Piece::Call(call) => message.calls.push(call),
+                Piece::CallStart(name) => message.calls.push(ParsedCall { name, arguments: String::new() }),
+                Piece::CallArguments(text) => match message.calls.last_mut() {
+                    Some(call) => call.arguments.push_str(&text),
+                    None => content.push_str(&text), // not produced by the parser
+                },
+            }
+        }
+        message.content = (!content.is_empty()).then_some(content);
+        message
+    }
+}
+
+/// How the text after `<tool_call>` begins.
+#[derive(Debug, PartialEq, Eq)]
+enum Head {
+    /// Not decided yet: more text may still make it the streamable form.
+    Open,
+    /// Not the streamable form: the block is parsed whole once it closes.
+    Other,
+    /// `{"name": "<name>", "arguments": ` (any whitespace between), the arguments object's `{`
+    /// next; `len` bytes of the body.
+    Streamable { name: String, len: usize },
+}
+
+/// Whether `body` (the text after `<tool_call>` so far) opens a call in the form whose arguments
+/// can be streamed as they come: the name first, then an arguments object. The decision reads
+/// only the text up to the arguments' `{`, so it is the same however the output is split.
+fn streamable_head(body: &str) -> Head {
+    let mut rest = body;
+    // each literal: Open if the text ends inside it, Other if it differs
+    let lit = |r: &mut &str, l: &str| -> Option<Head> {
+        *r = r.trim_start();
+        if r.starts_with(l) {
+            *r = &r[l.len()..];
+            None
+        } else if l.starts_with(*r) {
+            Some(Head::Open)
+        } else {
+            Some(Head::Other)
+        }
+    };
+    for l in ["{", "\"name\"", ":", "\""] {
+        if let Some(h) = lit(&mut rest, l) {
+            return h;
+        }
+    }
+    let Some(end) = rest.find(['"', '\\']) else { return Head::Open };
+    if rest.as_bytes()[end] == b'\\' || end == 0 {
+        return Head::Other; // an escaped or empty name: parsed whole
+    }
+    let name = rest[..end].to_string();
+    rest = &rest[end + 1..];
+    for l in [",", "\"arguments\"", ":", "{"] {
+        if let Some(h) = lit(&mut rest, l) {
+            return h;
+        }
+    }
+    Head::Streamable { name, len: body.len() - rest.len() - 1 }
+}
+
+/// A streamed call's arguments, with the whitespace outside strings dropped (compact JSON, as
+/// a whole call's arguments are written) and the closing braces at the end held back: the last
+/// one closes the call's object, not the arguments.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Arguments {
+    in_string: bool,
+    escaped: bool,
+    /// Compacted text not let out yet (a run of `}` outside strings).
+    held: String,
+}
+
+impl Arguments {
+    /// Takes raw body text; returns what can be let out.
+    fn push(&mut self, text: &str) -> String {
+        let mut out = std::mem::take(&mut self.held);
+        for c in text.chars() {
+            if self.escaped {
+                self.escaped = false;
+            } else if self.in_string {
+                self.escaped = c == '\\';
+                self.in_string = c != '"';
+            } else if c == '"' {
+                self.in_string = true;
+            } else if c.is_whitespace() {
+                continue;
+            }
+            out.push(c);
+        }
+        if !self.in_string {
+            let body = out.trim_end_matches('}').len();
+            self.held = out.split_off(body);
+        }
+        out
+    }
+
+    /// The end of the call: what is left without the call object's closing brace.
+    fn close(&mut self) -> String {
+        let mut rest = std::mem::take(&mut self.held);
+        rest.pop();
+        rest
+    }
+}
+
 /// Where the parser is in the output.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Mode {
     /// Nothing but whitespace (or a prefix of `<|python_tag|>`) seen yet.
     Start,
@@ -451,11 +569,16 @@ enum Mode {
     Text,
     /// Inside `<tool_call>`: `pending` is the body so far.
     InCall,
+    /// Inside a `<tool_call>` in the streamable form, its name sent: `pending` holds at most a
+    /// possible start of `</tool_call>`, the arguments go out as they come.
+    StreamingCall(Arguments),
     /// The output opened with `{` or `<|python_tag|>`: held whole until the end (Llama's form).
     WholeJson,
 }
 
-/// Finds calls in the model's text as it arrives, and lets out the content around them. The
+/// Finds calls in the model's text as it arrives, and lets out the content around them and the
+/// calls: a call in the form Qwen writes (name, then an arguments object) as soon as its name is
+/// known, then its arguments piece by piece; any other block whole once it closed. The
 /// whitespace around the content is dropped (leading at once, trailing held until more content
 /// follows), so the streamed content adds up to the non-streaming one. A whole output goes
 /// through the same machine ([`CallParser::parse`]).
@@ -482,16 +605,7 @@ impl CallParser {
         let mut parser = Self::new(names);
         let mut pieces = parser.push(text);
         pieces.extend(parser.finish());
-        let mut message = ParsedMessage::default();
-        let mut content = String::new();
-        for piece in pieces {
-            match piece {
-                Piece::Content(text) => content.push_str(&text),
-                Piece::Call(call) => message.calls.push(call),
-            }
-        }
-        message.content = (!content.is_empty()).then_some(content);
-        message
+        ParsedMessage::from_pieces(pieces)
     }
 
     /// Takes the next piece of output; returns what can be let out now.
@@ -520,6 +634,35 @@ impl CallParser {
                         return out;
                     }
                 },
+                Mode::InCall if matches!(self.call_head(), Head::Streamable { .. }) => {
+                    let Head::Streamable { name, len } = self.call_head() else { unreachable!("matched above") };
+                    self.pending.drain(..len);
+                    out.push(Piece::CallStart(name));
+                    self.mode = Mode::StreamingCall(Arguments::default());
+                }
+                Mode::StreamingCall(ref mut args) => {
+                    let (raw, closed) = match self.pending.find(CALL_CLOSE) {
+                        Some(at) => {
+                            let raw: String = self.pending.drain(..at + CALL_CLOSE.len()).collect();
+                            (raw[..at].to_string(), true)
+                        }
+                        None => {
+                            let keep = partial_tag_len(&self.pending, CALL_CLOSE);
+                            (self.pending.drain(..self.pending.len() - keep).collect(), false)
+                        }
+                    };
+                    let mut text = args.push(&raw);
+                    if closed {
+                        text.push_str(&args.close());
+                        self.mode = Mode::Text;
+                    }
+                    if !text.is_empty() {
+                        out.push(Piece::CallArguments(text));
+                    }
+                    if !closed {
+                        return out;
+                    }
+                }
                 Mode::InCall => match self.pending.find(CALL_CLOSE) {
                     Some(at) => {
                         let block: String = self.pending.drain(..at + CALL_CLOSE.len()).collect();
@@ -537,13 +680,24 @@ impl CallParser {
         }
     }
 
+    /// How the call in `pending` begins (the text before a `</tool_call>` only).
+    fn call_head(&self) -> Head {
+        streamable_head(self.pending.find(CALL_CLOSE).map_or(&self.pending[..], |at| &self.pending[..at]))
+    }
+
     /// The end of the output: lets out whatever was held. A `<tool_call>` left open is a call if
     /// its body parses; bare JSON is a call if it is one.
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
         let pending = std::mem::take(&mut self.pending);
-        match self.mode {
+        match std::mem::replace(&mut self.mode, Mode::Text) {
             Mode::Start | Mode::Text => self.content(&pending, &mut out),
+            Mode::StreamingCall(mut args) => {
+                let text = args.push(&pending) + &args.close();
+                if !text.is_empty() {
+                    out.push(Piece::CallArguments(text));
+                }
+            }
             Mode::InCall => match parse_hermes_body(&pending) {
                 Some(call) => out.push(Piece::Call(call)),
                 None => self.content(&format!("{CALL_OPEN}{pending}"), &mut out),
@@ -670,6 +824,9 @@ mod tests {
             "{\"name\": \"now\", \"parameters\": {}}",
             "<|python_tag|>{\"name\": \"now\", \"parameters\": {}}",
             "<|pyth",
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a}\\\"}\", \"n\": {\"x\": [1, {}]}}}\n</tool_call>",
+            "<tool_call>{\"name\": \"now\", \"arguments\": {} }   ",
+            "<tool_call>{\"name\": \"now\"</tool_call> x",
         ];
         for text in texts {
             let whole = CallParser::parse(text, names());
@@ -681,9 +838,7 @@ mod tests {
                     pieces.extend(parser.push(&chunk.iter().collect::<String>()));
                 }
                 pieces.extend(parser.finish());
-                let content: String = pieces.iter().filter_map(|p| if let Piece::Content(c) = p { Some(c.as_str()) } else { None }).collect();
-                let calls: Vec<ParsedCall> = pieces.into_iter().filter_map(|p| if let Piece::Call(c) = p { Some(c) } else { None }).collect();
-                assert_eq!((content, calls), (whole.content.clone().unwrap_or_default(), whole.calls.clone()), "{text:?} in pieces of {step}");
+                assert_eq!(ParsedMessage::from_pieces(pieces), whole, "{text:?} in pieces of {step}");
             }
         }
     }
@@ -693,8 +848,38 @@ mod tests {
         let mut p = CallParser::new(names());
         assert_eq!(p.push("Checking the weather <tool"), vec![Piece::Content("Checking the weather".into())]);
         assert_eq!(p.push("_call>\n{\"name\": \"now\", "), vec![]);
-        assert_eq!(p.push("\"arguments\": {}}\n</tool_call>"), vec![Piece::Call(call("now", "{}"))]);
+        assert_eq!(p.push("\"arguments\": {}}\n</tool_call>"), vec![Piece::CallStart("now".into()), Piece::CallArguments("{}".into())]);
         assert_eq!(p.finish(), vec![]);
+    }
+
+    /// A call in Qwen's form goes out as it is written: its name as soon as it is known, then its
+    /// arguments in fragments (whitespace outside strings dropped, the call object's closing
+    /// brace held back and dropped), adding up to the whole parse's arguments.
+    #[test]
+    fn a_call_streams_its_name_then_its_arguments_in_fragments() {
+        let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Köln } \\\" x\", \"days\": [1, 2], \"opts\": {\"unit\": \"C\"}}}\n</tool_call>";
+        let whole = CallParser::parse(text, names());
+        assert_eq!(whole.calls, vec![call("get_weather", r#"{"city":"Köln } \" x","days":[1,2],"opts":{"unit":"C"}}"#)]);
+        let serde: Value = serde_json::from_str(&whole.calls[0].arguments).unwrap();
+        assert_eq!(serde["city"], "Köln } \" x");
+        let mut p = CallParser::new(names());
+        assert_eq!(p.push("<tool_call>\n{\"name\": \"get_wea"), vec![]);
+        assert_eq!(p.push("ther\", \"arguments\": "), vec![]);
+        assert_eq!(p.push("{\"city\": \"Kö"), vec![Piece::CallStart("get_weather".into()), Piece::CallArguments("{\"city\":\"Kö".into())]);
+        assert_eq!(p.push("ln\", \"opts\": {\"unit\": \"C\"}"), vec![Piece::CallArguments("ln\",\"opts\":{\"unit\":\"C\"".into())]);
+        assert_eq!(p.push("}}\n</tool"), vec![]);
+        assert_eq!(p.push("_call>"), vec![Piece::CallArguments("}}".into())]);
+        assert_eq!(p.finish(), vec![]);
+        // the name is not first, or the arguments are no object: the block is parsed whole
+        for text in [
+            "<tool_call>{\"arguments\": {\"city\": \"Rome\"}, \"name\": \"get_weather\"}</tool_call>",
+            "<tool_call>{\"name\": \"now\", \"arguments\": \"{}\"}</tool_call>",
+        ] {
+            let mut p = CallParser::new(names());
+            let mut pieces = p.push(text);
+            pieces.extend(p.finish());
+            assert!(matches!(&pieces[..], [Piece::Call(_)]), "{text}: {pieces:?}");
+        }
     }
 
     #[test]

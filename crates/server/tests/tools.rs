@@ -48,15 +48,16 @@ async fn the_echoed_call_comes_back_as_tool_calls() {
     assert_eq!(params.constraint, None, "auto needs no grammar");
 }
 
-#[tokio::test]
-async fn streamed_calls_reassemble_into_the_non_streamed_message() {
-    let s = tool_server();
-    let (_, whole) = s.post("/v1/chat/completions", request(false)).await;
-    let resp = s.post_raw("/v1/chat/completions", request(true).to_string()).await;
+/// The calls of a streamed response put together from their pieces (each piece's arguments
+/// appended to its call's), the content, the finish reason, and how many pieces carried
+/// arguments per call. The first piece of a call must carry its id, type, name and arguments "".
+async fn streamed_calls(s: &TestServer, body: Value) -> (String, Vec<Value>, Value, Vec<usize>) {
+    let resp = s.post_raw("/v1/chat/completions", body.to_string()).await;
     let data = sse_data(&text_of(resp).await);
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
     let mut content = String::new();
     let mut calls: Vec<Value> = Vec::new();
+    let mut fragments: Vec<usize> = Vec::new();
     let mut reason = Value::Null;
     for d in &data[..data.len() - 1] {
         let chunk: Value = serde_json::from_str(d).unwrap();
@@ -66,8 +67,13 @@ async fn streamed_calls_reassemble_into_the_non_streamed_message() {
             let i = piece["index"].as_u64().unwrap() as usize;
             if i == calls.len() {
                 assert!(piece["id"].as_str().unwrap().starts_with("call_") && piece["function"]["name"].is_string(), "first piece: {piece}");
+                assert_eq!((&piece["type"], &piece["function"]["arguments"]), (&json!("function"), &json!("")), "first piece: {piece}");
                 calls.push(json!({"type": piece["type"], "function": {"name": piece["function"]["name"], "arguments": ""}}));
+                fragments.push(0);
+            } else {
+                assert!(piece.get("id").is_none() && piece["function"].get("name").is_none(), "a later piece: {piece}");
             }
+            fragments[i] += usize::from(!piece["function"]["arguments"].as_str().unwrap().is_empty());
             let args = format!("{}{}", calls[i]["function"]["arguments"].as_str().unwrap(), piece["function"]["arguments"].as_str().unwrap());
             calls[i]["function"]["arguments"] = Value::String(args);
         }
@@ -75,11 +81,42 @@ async fn streamed_calls_reassemble_into_the_non_streamed_message() {
             reason = c["finish_reason"].clone();
         }
     }
+    (content, calls, reason, fragments)
+}
+
+/// The calls of a non-streamed message, without their ids (as `streamed_calls` builds them).
+fn message_calls(message: &Value) -> Vec<Value> {
+    message["tool_calls"].as_array().unwrap().iter().map(|c| json!({"type": c["type"], "function": c["function"]})).collect()
+}
+
+#[tokio::test]
+async fn streamed_calls_reassemble_into_the_non_streamed_message() {
+    let s = tool_server();
+    let (_, whole) = s.post("/v1/chat/completions", request(false)).await;
+    let (content, calls, reason, _) = streamed_calls(&s, request(true)).await;
     let message = &whole["choices"][0]["message"];
     assert_eq!(content, message["content"].as_str().unwrap());
-    let want: Vec<Value> = message["tool_calls"].as_array().unwrap().iter().map(|c| json!({"type": c["type"], "function": c["function"]})).collect();
+    assert_eq!(calls, message_calls(message));
+    assert_eq!(reason, "tool_calls");
+}
+
+/// A long call's arguments stream in several fragments as the tokens come, not in one piece at
+/// the end, and add up to the non-streamed arguments (valid JSON, whitespace outside strings
+/// dropped).
+#[tokio::test]
+async fn a_long_calls_arguments_stream_in_fragments() {
+    let s = tool_server();
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"note\": \"rain or shine, tell me the weather for the whole week ahead, hour by hour\", \"days\": [1, 2, 3]}}\n</tool_call>";
+    let body = |stream: bool| json!({"messages": [{"role": "user", "content": call}], "tools": tools(), "max_tokens": 900, "stream": stream});
+    let (_, whole) = s.post("/v1/chat/completions", body(false)).await;
+    let message = &whole["choices"][0]["message"];
+    let want = message_calls(message);
+    let args: Value = serde_json::from_str(want[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris", "note": "rain or shine, tell me the weather for the whole week ahead, hour by hour", "days": [1, 2, 3]}));
+    let (_, calls, reason, fragments) = streamed_calls(&s, body(true)).await;
     assert_eq!(calls, want);
     assert_eq!(reason, "tool_calls");
+    assert!(fragments[0] > 5, "the arguments came in {} fragments", fragments[0]);
 }
 
 #[tokio::test]
@@ -166,7 +203,7 @@ async fn bad_tools_and_tool_choices_are_400s_naming_the_field() {
 fn the_forced_call_grammar_accepts_exactly_valid_calls() {
     use specula_engine::constraint::ConstraintCompiler;
     let tokenizer = tokenizer();
-    let compiler = ConstraintCompiler::new(&tokenizer).unwrap();
+    let compiler = ConstraintCompiler::new(&std::sync::Arc::new(self::tokenizer())).unwrap();
     let set = |choice: Value| specula_server::tools::ToolSet::from_request(Some(&tools()), Some(&choice)).unwrap().unwrap();
     let accepts = |choice: Value, text: &str| {
         let mut grammar = compiler.compile(&set(choice).constraint().unwrap()).unwrap();

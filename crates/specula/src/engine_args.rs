@@ -43,6 +43,11 @@ pub struct EngineArgs {
     /// Schedule and prepare step N+1 on a worker while step N computes (outputs are identical).
     #[arg(long)]
     pub async_scheduling: bool,
+    /// Structured outputs: draft the tokens a request's grammar forces (schema keys, quotes,
+    /// separators) so they are verified with the next token instead of one step each (on by
+    /// default; outputs are identical; --structured-jump-forward=false to disable).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub structured_jump_forward: bool,
     #[command(flatten)]
     pub spec: SpecArgs,
 }
@@ -222,6 +227,7 @@ impl EngineArgs {
             max_waiting: self.max_waiting,
             shutdown_grace: std::time::Duration::from_secs(10),
             async_scheduling: self.async_scheduling,
+            jump_forward: self.structured_jump_forward,
             ..Default::default()
         })
     }

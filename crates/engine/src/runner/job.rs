@@ -8,7 +8,7 @@
 
 use super::execute;
 use crate::config::{FaultInjection, FaultPhase};
-use crate::constraint::TokenMask;
+use crate::constraint::{TokenMask, JUMP_FORWARD_MAX_TOKENS};
 use crate::error::{panic_message, StepError};
 use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
@@ -33,6 +33,8 @@ pub(crate) struct JobContext {
     pub max_model_len: usize,
     /// The test-only fault switch (`EngineConfig::fault_injection`).
     pub fault: Option<FaultInjection>,
+    /// Forced tokens of constrained sequences are drafted (`EngineConfig::jump_forward`).
+    pub jump_forward: bool,
 }
 
 /// The mutable compute state a job takes from the engine and hands back with its result.
@@ -181,12 +183,26 @@ fn sample(
             }
             _ => None,
         };
+        // forced drafts (jump-forward): the leading draft tokens at positions whose mask allowed
+        // only that token, counted apart from the proposer's
+        let forced = match item_masks {
+            Some((ms, _)) if ctx.jump_forward => it.draft.tokens.iter().zip(ms).take_while(|(&t, m)| m.allows(t) && m.num_allowed() == 1).count(),
+            _ => 0,
+        };
+        let forced_accepted = verified_accepted.min(forced);
         if num_drafts > 0 {
             if let Some(sp) = state.spec.as_mut() {
                 let accepted = toks.len() - 1;
-                sp.record(it.seq, num_drafts, verified_accepted);
+                if forced > 0 {
+                    sp.metrics.record_forced(forced, forced_accepted);
+                }
+                if num_drafts > forced {
+                    sp.record(it.seq, num_drafts - forced, verified_accepted - forced_accepted);
+                }
                 // valid KV ends after the accepted drafts (the one rollback rule, `step::kept_end`)
                 sp.proposer.rollback(it.seq, it.kept_end(num_drafts - accepted));
+            } else {
+                crate::spec::metrics::record_forced(forced, forced_accepted);
             }
         }
         it.tokens.extend_from_slice(&toks);
@@ -217,7 +233,10 @@ fn sample(
 }
 
 /// Drafts for the next step of every sequence that goes on decoding (not one that just emitted a
-/// stop token or reached its length), from its history including this step's tokens.
+/// stop token or reached its length), from its history including this step's tokens: first the
+/// tokens its grammar forces (jump-forward, structured outputs), then the proposer's draft after
+/// them, cut at the first token the grammar forbids; together within the engine's k (without a
+/// speculative method, [`JUMP_FORWARD_MAX_TOKENS`] forced tokens) and the sequence's room.
 fn propose(
     ctx: &JobContext,
     state: &mut ComputeState,
@@ -242,13 +261,41 @@ fn propose(
     for (r, &c) in results.iter_mut().zip(&continuing) {
         r.finished = !c;
     }
+    let decoding = continuing.iter().filter(|&&c| c).count();
+    // tokens each sequence may still get after the next one (its length and the context)
+    let room: Vec<usize> = items
+        .iter()
+        .map(|it| {
+            let output_len = it.tokens.len() - it.prompt_len;
+            it.params.max_tokens.saturating_sub(output_len + 1).min(ctx.max_model_len.saturating_sub(it.tokens.len() + 1))
+        })
+        .collect();
+    // jump-forward: the tokens each constrained sequence's grammar forces next, drafted first
+    let forced_cap = match state.spec.as_ref() {
+        _ if !ctx.jump_forward || decoding == 0 => 0,
+        Some(sp) => sp.forced_limit(decoding),
+        None => JUMP_FORWARD_MAX_TOKENS,
+    };
+    let mut forced: Vec<Vec<TokenId>> = vec![Vec::new(); items.len()];
+    for (i, r) in results.iter_mut().enumerate() {
+        if let (true, true, Some(g)) = (forced_cap > 0, continuing[i], r.grammar.as_mut()) {
+            forced[i] = g.forced_tokens(forced_cap.min(room[i]));
+            r.next_draft = Draft { tokens: forced[i].clone(), probs: None };
+        }
+    }
     if let Some(sp) = state.spec.as_mut() {
-        let decoding = continuing.iter().filter(|&&c| c).count();
         let k_limit = sp.batch_k_limit(decoding);
+        // forced and proposed drafts together: at most the engine's k (what a decode scheduled
+        // ahead reserved)
+        let k_engine = sp.cfg.num_speculative_tokens;
         let needs_hidden = sp.proposer.needs_hidden();
         // each row's hidden states: one H-wide state per layer the proposer asked for
         let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
         if decoding > 0 && (k_limit > 0 || needs_hidden) {
+            // the proposer drafts after the forced tokens (one that reads the target's hidden
+            // states cannot: it drafts only where nothing is forced)
+            let extended: Vec<Option<Vec<TokenId>>> =
+                items.iter().zip(&forced).map(|(it, f)| (!f.is_empty() && !needs_hidden).then(|| [&it.tokens[..], &f[..]].concat())).collect();
             let mut reqs = Vec::with_capacity(decoding);
             let mut which = Vec::with_capacity(decoding);
             // hidden rows follow the logits rows: the rows that produced the item's emitted tokens
@@ -256,22 +303,21 @@ fn propose(
                 if !continuing[i] {
                     continue;
                 }
-                let output_len = it.tokens.len() - it.prompt_len;
-                let room_tokens = it.params.max_tokens.saturating_sub(output_len + 1);
-                let room_ctx = ctx.max_model_len.saturating_sub(it.tokens.len() + 1);
                 let k = if k_limit > 0 && !it.params.disable_speculation {
-                    let catch_up =
-                        CatchUp { backlog: sp.proposer.backlog(it.seq, it.tokens.len()), first_decode: output_len <= 1, room: room_tokens.min(room_ctx) };
+                    let output_len = it.tokens.len() - it.prompt_len;
+                    let catch_up = CatchUp { backlog: sp.proposer.backlog(it.seq, it.tokens.len()), first_decode: output_len <= 1, room: room[i] };
                     sp.next_k(it.seq, k_limit, decoding, catch_up)
                 } else {
                     0
                 };
+                let f = forced[i].len();
+                let max_draft = if f > 0 && needs_hidden { 0 } else { k.min(room[i].saturating_sub(f)).min(k_engine.saturating_sub(f)) };
                 let hidden = hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h);
                 reqs.push(DraftRequest {
                     seq: it.seq,
-                    tokens: &it.tokens,
+                    tokens: extended[i].as_deref().unwrap_or(&it.tokens),
                     prompt_len: it.prompt_len,
-                    max_draft: k.min(room_tokens).min(room_ctx),
+                    max_draft,
                     params: &it.params,
                     hidden,
                     rng: Some(&results[i].rng),
@@ -285,16 +331,22 @@ fn propose(
                             if d.tokens.iter().any(|&t| t as usize >= vocab) {
                                 continue; // a proposer bug must not crash verification
                             }
+                            let f = &forced[i];
                             if let Some(g) = results[i].grammar.as_mut() {
                                 // a draft ends at the first token the grammar forbids
-                                let n = g.valid_prefix(&d.tokens);
+                                let n = g.valid_prefix_after(f, &d.tokens)?;
                                 d.tokens.truncate(n);
                                 if let Some(p) = d.probs.as_mut() {
                                     p.truncate(n);
                                 }
                             }
                             if d.tokens.is_empty() {
-                                d.probs = None;
+                                continue; // the forced tokens alone, if any
+                            }
+                            if !f.is_empty() {
+                                // the proposer's draft distributions get one-hot rows for the forced tokens
+                                d.probs = d.probs.map(|p| f.iter().map(|&t| one_hot(t, vocab)).chain(p).collect());
+                                d.tokens.splice(0..0, f.iter().copied());
                             }
                             results[i].next_draft = d;
                         }
@@ -305,4 +357,11 @@ fn propose(
         }
     }
     Ok(items.iter().map(|it| it.seq).zip(results).collect())
+}
+
+/// A draft distribution certain of `t`.
+fn one_hot(t: TokenId, vocab: usize) -> Vec<f32> {
+    let mut row = vec![0.0; vocab];
+    row[t as usize] = 1.0;
+    row
 }

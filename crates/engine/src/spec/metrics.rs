@@ -10,6 +10,11 @@ pub struct SpecMetrics {
     pub num_accepted_tokens: u64,
     /// `accepted_per_pos[i]`: drafts whose token at position i was accepted.
     pub accepted_per_pos: Vec<u64>,
+    /// Forced draft tokens (structured outputs' jump-forward: the grammar allowed only that
+    /// token there) verified, and how many were accepted. Counted apart from the proposer's
+    /// drafts above, so the proposer's acceptance rate is its own.
+    pub num_forced_tokens: u64,
+    pub num_forced_accepted_tokens: u64,
 }
 
 impl SpecMetrics {
@@ -39,6 +44,14 @@ impl SpecMetrics {
         }
     }
 
+    /// Records `forced` forced draft tokens verified, `accepted` of them kept (see
+    /// [`record_forced`]).
+    pub fn record_forced(&mut self, forced: usize, accepted: usize) {
+        self.num_forced_tokens += forced as u64;
+        self.num_forced_accepted_tokens += accepted as u64;
+        record_forced(forced, accepted);
+    }
+
     /// Accepted / proposed draft tokens.
     pub fn acceptance_rate(&self) -> Option<f64> {
         (self.num_draft_tokens > 0).then(|| self.num_accepted_tokens as f64 / self.num_draft_tokens as f64)
@@ -47,6 +60,15 @@ impl SpecMetrics {
     /// Tokens emitted per verification step: 1 + accepted / drafts.
     pub fn mean_acceptance_length(&self) -> Option<f64> {
         (self.num_drafts > 0).then(|| 1.0 + self.num_accepted_tokens as f64 / self.num_drafts as f64)
+    }
+}
+
+/// Publishes forced draft tokens (jump-forward) verified and accepted: `specula:spec_forced_tokens_total`
+/// and `specula:spec_forced_accepted_tokens_total`, also without a speculative method.
+pub fn record_forced(forced: usize, accepted: usize) {
+    if forced > 0 {
+        metrics::counter!("specula:spec_forced_tokens_total").increment(forced as u64);
+        metrics::counter!("specula:spec_forced_accepted_tokens_total").increment(accepted as u64);
     }
 }
 
@@ -69,5 +91,11 @@ mod tests {
         assert_eq!(m.accepted_per_pos, vec![2, 1, 1]);
         assert_eq!(m.acceptance_rate(), Some(0.5));
         assert!((m.mean_acceptance_length().unwrap() - (1.0 + 4.0 / 3.0)).abs() < 1e-12);
+        // forced drafts (jump-forward) are counted apart: the proposer's rate does not move
+        m.record_forced(5, 5);
+        m.record_forced(2, 1);
+        assert_eq!((m.num_forced_tokens, m.num_forced_accepted_tokens), (7, 6));
+        assert_eq!((m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens), (3, 8, 4));
+        assert_eq!(m.acceptance_rate(), Some(0.5));
     }
 }

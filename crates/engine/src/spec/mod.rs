@@ -174,6 +174,19 @@ impl Speculation {
         }
     }
 
+    /// Most forced draft tokens (jump-forward) per sequence this step, `decoding` sequences
+    /// decoding: they are accepted by construction, so as many as pay if every draft is accepted
+    /// (the configured k without adaptive speculation). The proposer's drafts after them share
+    /// the engine's k.
+    pub(crate) fn forced_limit(&self, decoding: usize) -> usize {
+        let c = &self.cfg;
+        if c.adaptive {
+            adaptive::best_k(1.0, c.num_speculative_tokens, &self.cost, decoding)
+        } else {
+            c.num_speculative_tokens
+        }
+    }
+
     /// Records a verification of `proposed` drafts of which `accepted` were kept.
     pub(crate) fn record(&mut self, seq: crate::types::SeqId, proposed: usize, accepted: usize) {
         self.metrics.record(proposed, accepted);

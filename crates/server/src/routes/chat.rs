@@ -1,7 +1,7 @@
 //! `POST /v1/chat/completions`: messages rendered with the model's chat template (generation
 //! prompt added), `chat.completion` objects or `chat.completion.chunk` streams out. With `tools`,
 //! the output is searched for calls (`tools.rs`) and they come back as `message.tool_calls`, or
-//! streamed as `delta.tool_calls` once each call is complete.
+//! streamed as `delta.tool_calls` (a call's name once known, then its arguments as they come).
 
 use crate::error::ApiError;
 use crate::extract::ApiJson;
@@ -154,7 +154,8 @@ impl ChatChunks {
     }
 
     /// The deltas for what a choice's call parser let out: content as it is, each call as one
-    /// chunk with its id, type and name, then one with its arguments.
+    /// chunk with its id, type and name (arguments ""), then its arguments: in the fragments the
+    /// parser lets out as they are generated, or in one piece for a call parsed whole.
     fn piece_deltas(&mut self, index: usize, pieces: Vec<Piece>) -> Vec<ChatDelta> {
         let mut deltas = Vec::new();
         for piece in pieces {
@@ -173,6 +174,18 @@ impl ChatChunks {
                         ToolCallDelta { index: call_index, id: None, kind: None, function: FunctionCallDelta { name: None, arguments: call.arguments } };
                     deltas.push(ChatDelta { tool_calls: Some(vec![head]), ..Default::default() });
                     deltas.push(ChatDelta { tool_calls: Some(vec![arguments]), ..Default::default() });
+                }
+                Piece::CallStart(name) => {
+                    let call_index = self.calls_sent[index];
+                    self.calls_sent[index] += 1;
+                    let function = FunctionCallDelta { name: Some(name), arguments: String::new() };
+                    let head = ToolCallDelta { index: call_index, id: Some(tools::call_id()), kind: Some("function"), function };
+                    deltas.push(ChatDelta { tool_calls: Some(vec![head]), ..Default::default() });
+                }
+                Piece::CallArguments(arguments) => {
+                    let function = FunctionCallDelta { name: None, arguments };
+                    let piece = ToolCallDelta { index: self.calls_sent[index].saturating_sub(1), id: None, kind: None, function };
+                    deltas.push(ChatDelta { tool_calls: Some(vec![piece]), ..Default::default() });
                 }
             }
         }
