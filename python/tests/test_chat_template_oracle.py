@@ -166,7 +166,7 @@ def test_qwen_template_with_and_without_tools(specula_bin, tmp_path):
     res = engine_render(specula_bin, path, QWEN_CASES, tmp_path)
     compare(res["renders"], QWEN_CASES, template, bos, eos)
     assert "# Tools" in res["renders"][3]["text"] and "# Tools" not in res["renders"][0]["text"]
-    assert '"name": "get_weather", "arguments": {"city": "Paris", "days": 2}' in res["renders"][5]["text"]
+    assert '"name": "get_weather", "arguments": {"days": 2, "city": "Paris"}' in res["renders"][5]["text"]  # the request's key order
     # Generation stops at <|im_end|> (151645, also the file's EOS); <|endoftext|> is BOS/pad, not EOS.
     assert res["eos"] == [151645] and res["add_bos"] is False
 
