@@ -108,6 +108,9 @@ pub enum FaultPhase {
     Sample,
     /// Applying the step's output to its sequences (host).
     Apply,
+    /// The grammar of each constrained sequence of the step, when its masks are computed
+    /// (compute): a matcher error at run time, which fails those sequences only.
+    Grammar,
 }
 
 /// A test-only switch: fails `phase` of engine step `step` (steps are numbered from 1 as they

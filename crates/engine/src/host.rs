@@ -351,9 +351,15 @@ impl Host {
         let mut results: BTreeMap<SeqId, _> = out.results.into_iter().collect();
         let preempted: &[SeqId] = next.map_or(&[], |p| &p.preempted);
         let mut applied = Applied { seqs: Vec::new(), lp_rows };
+        // sequences that failed in the step on their own: failed once the others are applied
+        let mut failed = Vec::new();
         for sch in &plan.seqs {
             let Some(s) = self.seqs.get_mut(&sch.seq) else { continue };
-            let result = results.remove(&sch.seq);
+            let mut result = results.remove(&sch.seq);
+            if let Some(message) = result.as_mut().and_then(|r| r.failed.take()) {
+                failed.push((sch.seq, message));
+                continue;
+            }
             // preempted while this step ran: its KV is gone and it recomputes from its tokens
             let kv_live = !preempted.contains(&sch.seq);
             let rejected = result.as_ref().map_or(0, |r| r.num_rejected());
@@ -396,6 +402,9 @@ impl Host {
                 let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed.min(s.tokens.len())]);
             }
             applied.seqs.push(AppliedSeq { seq: sch.seq, first, count: s.tokens.len() - first, lp_first: r.lp_first, finish });
+        }
+        for (id, message) in failed {
+            self.fail(id, &message);
         }
         Ok(applied)
     }

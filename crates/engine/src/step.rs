@@ -221,11 +221,30 @@ pub(crate) struct SeqResult {
     /// A token-level finish (stop token, length, finished grammar) among `tokens`: the sequence
     /// does not go on.
     pub finished: bool,
+    /// This sequence alone failed in the step (its grammar's matcher failed at run time): it
+    /// emitted nothing (`tokens` is empty) and apply fails its request with this message; the
+    /// step's other sequences go on (invariant 5).
+    pub failed: Option<String>,
 }
 
 impl SeqResult {
+    /// A result for a sequence that failed in the step on its own (see `failed`).
+    pub fn failed(rng: SeqRng, message: String) -> Self {
+        SeqResult {
+            tokens: Vec::new(),
+            num_drafts: 0,
+            lp_first: None,
+            rng,
+            grammar: None,
+            grammar_finished: false,
+            next_draft: Draft::default(),
+            finished: true,
+            failed: Some(message),
+        }
+    }
+
     pub fn num_accepted(&self) -> usize {
-        self.tokens.len() - 1
+        self.tokens.len().saturating_sub(1)
     }
 
     /// Draft tokens the step verified and rejected: their KV slots hold nothing valid.

@@ -8,6 +8,7 @@
 mod spec_support;
 
 use spec_support::{spec_config, End, Outcome, Rig};
+use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::constraint::compile_check;
 use specula_engine::spec::SpecMethod;
 use specula_engine::{Constraint, EngineConfig, FinishReason, SamplingParams};
@@ -202,6 +203,44 @@ fn seeded_constrained_sampling_is_the_same_with_async_scheduling_on_and_off() {
         for ((_, c), o) in requests(&model).iter().zip(&sync) {
             let End::Finished(reason) = &o.end else { panic!("{c:?}: {:?}", o.end) };
             check(c, &tok.decode(&o.tokens, true).unwrap(), *reason == FinishReason::Stop);
+        }
+    }
+}
+
+#[test]
+fn a_grammar_that_fails_at_run_time_fails_its_own_request_only() {
+    // invariant 5: a matcher error (or a panic inside llguidance) while a step runs fails the
+    // constrained request whose grammar failed; the free requests of the same step go on exactly
+    // as without the fault, every KV block comes back, and the engine serves the next request
+    let Some(model) = model_for_tests("a_grammar_that_fails_at_run_time_fails_its_own_request_only") else {
+        return;
+    };
+    let (schema_prompt, schema) = requests(&model).swap_remove(2);
+    let batch = vec![
+        (chat(&model, "Name three colors."), SamplingParams::greedy(24)),
+        (schema_prompt, params(&schema, 40)),
+        (chat(&model, "Count from one to five."), SamplingParams::greedy(24)),
+    ];
+    for (async_scheduling, spec) in [(false, None), (true, None), (false, Some(SpecMethod::Ngram)), (true, Some(SpecMethod::Ngram))] {
+        let (base, _) = run(&model, config(async_scheduling), spec, &batch);
+        assert!(base.iter().all(|o| matches!(o.end, End::Finished(_))), "{base:?}");
+        for kind in [FaultKind::Error, FaultKind::Panic] {
+            let what = format!("async {async_scheduling}, {spec:?}, {kind:?}");
+            // step 3 samples the constrained sequence's third token
+            let fault = Some(FaultInjection { step: 3, kind, phase: FaultPhase::Grammar });
+            let mut rig = Rig::new(&model, EngineConfig { fault_injection: fault, ..config(async_scheduling) }, spec.map(|m| spec_config(m, 3, None)));
+            let out = rig.run_batch(&batch);
+            for i in [0, 2] {
+                assert_eq!((&out[i].tokens, &out[i].end), (&base[i].tokens, &base[i].end), "{what}: free request {i}");
+            }
+            let End::Failed(message) = &out[1].end else { panic!("{what}: the constrained request did not fail: {:?}", out[1]) };
+            assert!(message.contains("structured output failed"), "{what}: {message}");
+            assert!(out[1].tokens.len() < base[1].tokens.len(), "{what}: {:?}", out[1]);
+            rig.assert_no_leaks();
+            // the engine goes on: the same constrained request again completes as it did
+            let again = rig.run_batch(&batch[1..2]);
+            assert_eq!((&again[0].tokens, &again[0].end), (&base[1].tokens, &base[1].end), "{what}: the request after the fault");
+            rig.assert_no_leaks();
         }
     }
 }

@@ -10,7 +10,7 @@ use super::execute;
 use crate::config::{FaultInjection, FaultPhase};
 use crate::constraint::{TokenMask, JUMP_FORWARD_MAX_TOKENS};
 use crate::error::{panic_message, StepError};
-use crate::sampling::{pack, ranked_logprob, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
+use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
 use crate::spec::{verify, CatchUp, Draft, DraftRequest, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
@@ -67,15 +67,14 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     let mut items = job.items;
     // the grammar masks depend only on what the items carry: computed on this thread while the
     // forward pass runs on the pool
-    let mut masks = Ok(Vec::new());
+    let mut masks = Vec::new();
     let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, || {
         while_forward();
-        masks = grammar_masks(&mut items);
+        masks = grammar_masks(&mut items, ctx.fault, job.step);
     })
     .map_err(|e| e.to_string())?;
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     let forward_end = Instant::now();
-    let masks = masks?;
     let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
     let results = propose(ctx, state, items, results, &out.hidden)?;
@@ -84,29 +83,36 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
 }
 
 /// One constrained item's masks for its verified rows, and how many of its draft tokens its
-/// grammar was advanced over to compute them (`Grammar::verification_masks`).
-type ItemMasks = Option<(Vec<TokenMask>, usize)>;
+/// grammar was advanced over to compute them (`Grammar::verification_masks`); `None` for free
+/// text; an error fails that item alone (its grammar's matcher failed at run time).
+type ItemMasks = Result<Option<(Vec<TokenMask>, usize)>, String>;
 
-/// The token masks of every constrained item (structured outputs), by item; `None` for free text.
-fn grammar_masks(items: &mut [SampleItem]) -> Result<Vec<ItemMasks>, String> {
+/// The token masks of every constrained item (structured outputs), by item. A matcher that fails
+/// (an error, or a panic inside llguidance) fails its own item only; the others are masked as usual.
+fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: u64) -> Vec<ItemMasks> {
     let start = Instant::now();
     let mut rows = 0;
-    let masks = items
+    let masks: Vec<ItemMasks> = items
         .iter_mut()
         .map(|it| match it.grammar.as_mut() {
             None if it.params.constraint.is_some() => Err(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq)),
             Some(g) => {
-                let m = g.verification_masks(&it.draft.tokens)?;
+                let m = catch_unwind(AssertUnwindSafe(|| {
+                    FaultInjection::trip(fault, step, FaultPhase::Grammar)?;
+                    g.verification_masks(&it.draft.tokens)
+                }))
+                .unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_message(&p))))
+                .map_err(|e| format!("structured output failed: {e}"))?;
                 rows += m.0.len();
                 Ok(Some(m))
             }
             None => Ok(None),
         })
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect();
     if rows > 0 {
         tracing::debug!(rows, micros = start.elapsed().as_micros() as u64, "grammar masks computed");
     }
-    Ok(masks)
+    masks
 }
 
 /// What sampling returns: each item's result, the packed logprobs, and where prompt logprobs are
@@ -140,7 +146,15 @@ fn sample(
         let block = logits.get(it.first_row * vocab..(it.first_row + it.rows) * vocab).ok_or("logits rows out of range")?;
         let num_drafts = it.rows - 1;
         let rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
-        let item_masks = masks.get(i).and_then(Option::as_ref);
+        let item_masks = match masks.get(i) {
+            Some(Err(message)) => {
+                tracing::warn!(seq = %it.seq, "step {step}: {message}");
+                results.push(SeqResult::failed(rng, message.clone()));
+                continue;
+            }
+            Some(Ok(m)) => m.as_ref(),
+            None => None,
+        };
         // what sampling and verification read: the raw rows, or the rows masked by the grammar
         let rows: &[f32] = match item_masks {
             Some((ms, _)) => {
@@ -163,7 +177,12 @@ fn sample(
         };
         let mut grammar = it.grammar.take();
         if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {
-            g.settle(*consumed, &toks)?;
+            if let Err(e) = g.settle(*consumed, &toks) {
+                let message = format!("structured output failed: {e}");
+                tracing::warn!(seq = %it.seq, "step {step}: {message}");
+                results.push(SeqResult::failed(rng, message));
+                continue;
+            }
         }
         let grammar_finished = grammar.as_ref().is_some_and(|g| g.is_finished());
         // drafts the rejection sampler accepted (for the acceptance counters)
@@ -206,20 +225,19 @@ fn sample(
             }
         }
         it.tokens.extend_from_slice(&toks);
-        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, grammar, grammar_finished, next_draft: Draft::default(), finished: false });
+        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, grammar, grammar_finished, next_draft: Draft::default(), finished: false, failed: None });
         FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
     let mut prompt_out = Vec::with_capacity(prompt_rows.len());
     if let Some(k) = k_max {
+        // every prompt row's logprob and top-k, spread over the compute pool (idle once the
+        // forward pass is done): scoring a prompt asks one per token
+        let mut rows = Vec::with_capacity(prompt_rows.iter().map(|p| p.targets.len()).sum());
         for pr in prompt_rows {
-            let lp_first = lp_rows.len();
-            for (j, &tok) in pr.targets.iter().enumerate() {
-                let r = pr.first_row + j;
-                let row = logits.get(r * vocab..(r + 1) * vocab).ok_or("prompt logits rows out of range")?;
-                lp_rows.push(ranked_logprob(row, tok, k).map_err(|e| e.to_string())?);
-            }
-            prompt_out.push(PromptLogprobsOut { seq: pr.seq, first_token: pr.first_token, lp_first, count: pr.targets.len() });
+            prompt_out.push(PromptLogprobsOut { seq: pr.seq, first_token: pr.first_token, lp_first: lp_rows.len() + rows.len(), count: pr.targets.len() });
+            rows.extend(pr.targets.iter().enumerate().map(|(j, &tok)| (pr.first_row + j, tok)));
         }
+        lp_rows.extend(ctx.pool.install(|| ranked_logprobs(logits, vocab, &rows, k)).map_err(|e| format!("prompt logprobs: {e}"))?);
     }
     let logprobs = match k_max {
         Some(_) if !lp_rows.is_empty() => {
@@ -250,7 +268,8 @@ fn propose(
         .zip(&results)
         .map(|(it, r)| {
             let base = it.tokens.len() - r.tokens.len();
-            !r.grammar_finished
+            r.failed.is_none()
+                && !r.grammar_finished
                 && !r
                     .tokens
                     .iter()
@@ -333,8 +352,12 @@ fn propose(
                             }
                             let f = &forced[i];
                             if let Some(g) = results[i].grammar.as_mut() {
-                                // a draft ends at the first token the grammar forbids
-                                let n = g.valid_prefix_after(f, &d.tokens)?;
+                                // a draft ends at the first token the grammar forbids (none if
+                                // the matcher fails: the next step's masks fail the sequence)
+                                let n = g.valid_prefix_after(f, &d.tokens).unwrap_or_else(|e| {
+                                    tracing::warn!(seq = %items[i].seq, "grammar failed on a draft: {e}");
+                                    0
+                                });
                                 d.tokens.truncate(n);
                                 if let Some(p) = d.probs.as_mut() {
                                     p.truncate(n);

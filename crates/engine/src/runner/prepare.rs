@@ -214,6 +214,7 @@ mod tests {
             grammar_finished: false,
             next_draft: Draft { tokens: next_draft, probs: None },
             finished,
+            failed: None,
         }
     }
 
