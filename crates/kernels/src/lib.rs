@@ -9,6 +9,7 @@ pub mod attention;
 pub mod cpu;
 pub mod dot;
 pub mod formats;
+pub mod logits;
 pub mod matmul;
 pub mod ops;
 pub mod packed;

@@ -220,13 +220,12 @@ const SCORE_TOP_K: usize = 5;
 
 /// Prompt scoring (what `echo` + `logprobs` and `prompt_logprobs` cost): the prefill with logits
 /// for every prompt row, then each row's log-softmax at the next prompt token and its top-k, as
-/// the engine's compute job does (`ranked_logprob`). Prompt tokens per second.
+/// the engine's compute job does (`ranked_logprobs`, over the pool's threads). Prompt tokens per second.
 fn score_tps(model: &LlamaModel, prompt: &[u32], k: usize) -> Result<f64> {
     let rows: Vec<usize> = (0..prompt.len() - 1).collect();
     let (logits, start) = prefill(model, prompt, &rows)?;
-    for (r, row) in logits.chunks_exact(model.config.vocab_size).enumerate() {
-        std::hint::black_box(specula_engine::sampling::ranked_logprob(row, prompt[r + 1], k)?);
-    }
+    let targets: Vec<(usize, u32)> = rows.iter().map(|&r| (r, prompt[r + 1])).collect();
+    std::hint::black_box(specula_engine::sampling::ranked_logprobs(&logits, model.config.vocab_size, &targets, k)?);
     Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
 }
 

@@ -8,6 +8,8 @@
 use super::SamplingError;
 use crate::api::TokenLogprob;
 use crate::types::TokenId;
+use rayon::prelude::*;
+use specula_kernels::logits::{exp_sum, max_and_count_above};
 use std::cmp::Ordering;
 
 /// One emitted token's logprob entry plus its rank among all tokens.
@@ -26,15 +28,18 @@ fn clean(x: f32) -> f32 {
     }
 }
 
-/// `log(sum(exp(row)))`, accumulated in f64; -inf for an empty or all -inf/NaN row.
+/// `log(sum(exp(row)))`: the row's maximum plus the log of `sum(exp(x - max))` (f32 lanes summed
+/// in f64, `specula_kernels::logits`); -inf for an empty or all -inf/NaN row.
 pub fn logsumexp(row: &[f32]) -> f64 {
-    let max = row.iter().map(|&x| clean(x)).fold(f32::NEG_INFINITY, f32::max);
+    let (max, _) = max_and_count_above(row, f32::MAX);
+    lse_with_max(row, max)
+}
+
+fn lse_with_max(row: &[f32], max: f32) -> f64 {
     if max == f32::NEG_INFINITY {
         return f64::NEG_INFINITY;
     }
-    let max = f64::from(max);
-    let sum: f64 = row.iter().map(|&x| (f64::from(clean(x)) - max).exp()).sum();
-    max + sum.ln()
+    f64::from(max) + exp_sum(row, max).ln()
 }
 
 /// `logit - logsumexp`, or -inf when the row has no mass at all.
@@ -56,20 +61,37 @@ fn higher_first(row: &[f32], a: u32, b: u32) -> Ordering {
     clean(row[b as usize]).total_cmp(&clean(row[a as usize])).then(a.cmp(&b))
 }
 
-/// Ids of the `k` largest logits, best first (ties: lower id first). Partial selection over the
-/// ids, then a sort of the `k` selected only.
+/// Ids scanned at a time by `top_k_ids`: a span whose largest logit is below the k-th best so far
+/// is skipped after one (vectorised) maximum.
+const TOP_K_SPAN: usize = 64;
+
+/// Ids of the `k` largest logits, best first (ties: lower id first). One scan that keeps the best
+/// `k` so far in order; once there are `k`, a span of ids whose maximum is below the k-th is
+/// skipped whole (for a logits row, almost all of them). Never a sort of the vocabulary.
 fn top_k_ids(row: &[f32], k: usize) -> Vec<u32> {
     let k = k.min(row.len());
+    let mut best: Vec<u32> = Vec::with_capacity(k + 1);
     if k == 0 {
-        return Vec::new();
+        return best;
     }
-    let mut ids: Vec<u32> = (0..row.len() as u32).collect();
-    if k < ids.len() {
-        ids.select_nth_unstable_by(k - 1, |&a, &b| higher_first(row, a, b));
-        ids.truncate(k);
+    for (span, xs) in row.chunks(TOP_K_SPAN).enumerate() {
+        if best.len() == k {
+            let kth = clean(row[best[k - 1] as usize]);
+            if xs.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(clean(x))) < kth {
+                continue;
+            }
+        }
+        for j in 0..xs.len() {
+            let id = (span * TOP_K_SPAN + j) as u32;
+            if best.len() == k && higher_first(row, id, best[k - 1]) != Ordering::Less {
+                continue;
+            }
+            let at = best.partition_point(|&b| higher_first(row, b, id) == Ordering::Less);
+            best.insert(at, id);
+            best.truncate(k);
+        }
     }
-    ids.sort_unstable_by(|&a, &b| higher_first(row, a, b));
-    ids
+    best
 }
 
 /// The `k` most likely tokens with their logprobs, best first (ties: lower id first); fewer than
@@ -81,12 +103,26 @@ pub fn top_k_logprobs(row: &[f32], k: usize) -> Vec<(TokenId, f32)> {
 
 /// The entry for `token`, sampled from `row`, with the top `k` alternatives and its rank.
 pub fn ranked_logprob(row: &[f32], token: TokenId, k: usize) -> Result<RankedLogprob, SamplingError> {
-    let sampled = *row.get(token as usize).ok_or(SamplingError::TokenOutOfVocab { token, vocab: row.len() })?;
-    let lse = logsumexp(row);
-    let sampled = clean(sampled);
-    let better = row.iter().filter(|&&x| clean(x) > sampled).count();
+    let sampled = clean(*row.get(token as usize).ok_or(SamplingError::TokenOutOfVocab { token, vocab: row.len() })?);
+    let (max, better) = max_and_count_above(row, sampled);
+    let lse = lse_with_max(row, max);
     let top = top_k_ids(row, k).into_iter().map(|i| (i, logprob_of(row[i as usize], lse))).collect();
     Ok(RankedLogprob { logprob: TokenLogprob { token, logprob: logprob_of(sampled, lse), top }, rank: u32::try_from(better + 1).unwrap_or(u32::MAX) })
+}
+
+/// [`ranked_logprob`] of many rows of `logits` (`[rows, vocab]` row-major): `(row, token)` pairs,
+/// each row's entry with the top `k`, in the order given. Rows are spread over the current rayon
+/// pool's threads (scoring a prompt asks one per prompt token); each row's result is the same
+/// whatever the split.
+pub fn ranked_logprobs(logits: &[f32], vocab: usize, rows: &[(usize, TokenId)], k: usize) -> Result<Vec<RankedLogprob>, SamplingError> {
+    let total = logits.len() / vocab.max(1);
+    rows.par_iter()
+        .with_min_len(4)
+        .map(|&(r, token)| {
+            let row = logits.get(r * vocab..(r + 1) * vocab).ok_or(SamplingError::ShapeMismatch { what: "logits rows", expected: r + 1, got: total })?;
+            ranked_logprob(row, token, k)
+        })
+        .collect()
 }
 
 /// Logprobs for one step's sampled rows. `logits` is `[rows, vocab]` row-major, `sampled[r]` the
@@ -117,6 +153,7 @@ pub fn batch_logprobs(logits: &[f32], vocab: usize, sampled: &[TokenId], request
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn assert_close(got: f32, want: f32) {
         assert!((got - want).abs() < 1e-6, "{got} vs {want}");
@@ -148,6 +185,42 @@ mod tests {
         let all: Vec<TokenId> = top_k_logprobs(&row, 100).into_iter().map(|(t, _)| t).collect();
         assert_eq!(all, vec![1, 3, 2, 0, 5, 4]);
         assert_eq!(top_k_logprobs(&row, 0), vec![]);
+    }
+
+    proptest! {
+        // the span-skipping scan against the definition: every id sorted by `higher_first`, the
+        // first k; rows with ties, -0.0 / 0.0, NaN and +-inf, longer than a few spans
+        #[test]
+        fn top_k_ids_are_the_first_k_of_the_sorted_ids(
+            row in proptest::collection::vec(prop_oneof![
+                (-4i32..4).prop_map(|x| x as f32 * 0.5),
+                proptest::num::f32::ANY,
+                Just(-0.0f32),
+                Just(f32::INFINITY),
+            ], 1..400),
+            k in 0usize..24,
+        ) {
+            let mut want: Vec<u32> = (0..row.len() as u32).collect();
+            want.sort_by(|&a, &b| higher_first(&row, a, b));
+            want.truncate(k);
+            prop_assert_eq!(top_k_ids(&row, k), want);
+            let tok = (k % row.len()) as u32;
+            let rank = 1 + row.iter().filter(|&&x| clean(x) > clean(row[tok as usize])).count() as u32;
+            prop_assert_eq!(ranked_logprob(&row, tok, k).unwrap().rank, rank);
+        }
+    }
+
+    #[test]
+    fn ranked_logprobs_over_rows_equal_one_row_at_a_time() {
+        let vocab = 300;
+        let logits: Vec<f32> = (0..vocab * 9).map(|i| ((i * 7919) % 1000) as f32 / 37.0).collect();
+        let rows: Vec<(usize, TokenId)> = (0..9).map(|r| ((r * 4) % 9, (r * 31) as TokenId)).collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let got = pool.install(|| ranked_logprobs(&logits, vocab, &rows, 5)).unwrap();
+        for (g, &(r, t)) in got.iter().zip(&rows) {
+            assert_eq!(*g, ranked_logprob(&logits[r * vocab..(r + 1) * vocab], t, 5).unwrap());
+        }
+        assert!(ranked_logprobs(&logits, vocab, &[(9, 0)], 1).is_err());
     }
 
     #[test]

@@ -11,7 +11,7 @@ pub mod rng;
 pub mod sampler;
 pub mod stop;
 
-pub use logprobs::{batch_logprobs, log_softmax, logsumexp, ranked_logprob, top_k_logprobs, RankedLogprob};
+pub use logprobs::{batch_logprobs, log_softmax, logsumexp, ranked_logprob, ranked_logprobs, top_k_logprobs, RankedLogprob};
 pub use packing::{pack, pack_header, unpack, unpack_header, Header, PackError, PackedLogprobs, Unpacked};
 pub use processors::{probabilities, probabilities_in_place, TokenHistory};
 pub use rng::SeqRng;
