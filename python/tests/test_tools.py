@@ -7,8 +7,8 @@ tool's parameters), streams calls that reassemble into the non-streamed ones, an
 `tools` / `tool_choice` with 400s naming the field. The default model (SmolLM2, whose template
 knows nothing of tools) gets the tools in a Hermes-style system message.
 
-The forced calls need the engine to apply `SamplingParams.constraint` (structured outputs); they
-skip only when the server answers that constraints are not supported.
+The forced calls need the engine to apply `SamplingParams.constraint` (structured outputs), which
+it does: a server answering that constraints are not supported fails them (never a skip).
 """
 
 from __future__ import annotations
@@ -83,13 +83,14 @@ def check_call(call, names):
 
 
 def forced(client, qwen, **kw):
-    """A request that needs the engine's constraints; skips when the server says it has none."""
+    """A request that needs the engine's constraints. The engine applies them, so a server that
+    says it has none fails the test (CI must not pass by skipping)."""
     try:
         return client.chat.completions.create(model=qwen.model_name, temperature=0, **{"max_tokens": 80, **kw})
     except (openai.BadRequestError, openai.InternalServerError) as e:
         text = str(e).lower()
         if "constraint" in text and ("not supported" in text or "unsupported" in text):
-            pytest.skip(f"the engine does not apply constraints yet: {e}")
+            pytest.fail(f"the server says constraints are unsupported, but the engine applies them: {e}")
         raise
 
 

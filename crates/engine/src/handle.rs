@@ -1,9 +1,11 @@
 //! The front end's side of the engine: a cheap, cloneable handle that submits requests and
-//! aborts them over a channel to the engine thread (or, with data parallelism, through a router
-//! to the rank's thread). Holds no engine state.
+//! aborts them over a channel to the engine thread (or, with data parallelism, through a
+//! [`Router`] to the rank's thread). Holds no engine state.
+//!
+//! The handle knows a router only through the [`Router`] trait, which `dp::ReplicaRouter`
+//! implements: `dp` builds on handles (a router holds each rank's), not the other way round.
 
 use crate::api::GenerateRequest;
-use crate::dp::ReplicaRouter;
 use crate::types::RequestId;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -35,6 +37,19 @@ pub struct QueueCounters {
     pub waiting: AtomicUsize,
 }
 
+/// Where a routed handle's commands go: something that spreads requests over several engines,
+/// each behind its own handle (`dp::ReplicaRouter`).
+pub trait Router: Send + Sync {
+    /// Routes a request to one engine; refuses as that engine's handle does.
+    fn submit(&self, req: GenerateRequest) -> Result<(), SubmitError>;
+    /// Sends the abort to the engine that owns the request; harmless if it already ended.
+    fn abort(&self, id: RequestId);
+    /// Stops every engine taking work.
+    fn shutdown(&self);
+    /// Requests waiting on all engines.
+    fn waiting(&self) -> usize;
+}
+
 #[derive(Clone)]
 pub struct EngineHandle {
     target: Target,
@@ -47,7 +62,7 @@ enum Target {
     /// One engine thread's channel.
     Engine { tx: Sender<EngineCommand>, counters: Arc<QueueCounters>, max_waiting: usize },
     /// Data-parallel ranks behind a router (each rank has its own `Engine` target).
-    Ranks(Arc<ReplicaRouter>),
+    Ranks(Arc<dyn Router>),
 }
 
 impl EngineHandle {
@@ -60,7 +75,7 @@ impl EngineHandle {
     }
 
     /// A handle that routes over data-parallel ranks (`dp::ReplicaRouter`).
-    pub fn routed(router: Arc<ReplicaRouter>) -> Self {
+    pub fn routed(router: Arc<dyn Router>) -> Self {
         Self { target: Target::Ranks(router), next_id: Arc::new(AtomicU64::new(1)) }
     }
 

@@ -8,7 +8,7 @@
 //! the engine calls the same methods inline.
 
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, FaultInjection, FaultPhase};
 use crate::constraint::ConstraintCompiler;
 use crate::error::{panic_message, EngineError, StepError};
 use crate::handle::QueueCounters;
@@ -26,9 +26,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// Kept where it was first defined: the switch lives with the configuration now.
-pub use crate::config::{FaultInjection, FaultKind, FaultPhase};
 
 /// What a host job hands back: the host, and the next step prepared (none if nothing is to run,
 /// or if preparing it failed, in which case its requests have been failed).

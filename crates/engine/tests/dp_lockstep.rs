@@ -1,15 +1,18 @@
 //! Lockstep data parallelism never hangs (docs/architecture.md invariant 6): four in-process ranks on the
 //! tiny model with one request, with requests arriving seconds apart on different ranks, with an
 //! abort mid-stream, idle then a burst; exactly one metadata collective per step; greedy outputs
-//! equal a single engine's. Every wait has a deadline, so a hang fails instead of stalling.
+//! equal a single engine's; a fault injected into one rank, in any phase of one step, fails only
+//! that step's requests and every rank gives back every KV block. Every wait has a deadline, so
+//! a hang fails instead of stalling.
 
 mod common;
 mod dp_support;
 
 use common::{greedy, prompt, TinyModel};
 use dp_support::*;
-use specula_engine::dp::{CollectiveKind, CountingComm, LocalGroup, RankStats};
-use specula_engine::{FinishReason, RequestEvent};
+use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
+use specula_engine::dp::{CollectiveKind, CountingComm, DpGroup, LocalGroup, RankStats};
+use specula_engine::{EngineConfig, FinishReason, RequestEvent, SamplingParams};
 use std::time::{Duration, Instant};
 
 fn get(c: &std::sync::atomic::AtomicU64) -> u64 {
@@ -187,5 +190,68 @@ fn shutdown_with_work_on_one_rank_drains_it_then_stops_every_rank() {
     assert_eq!(s.finished(FinishReason::Length).len(), 50, "in-flight work finishes within the grace period");
     if refused.is_ok() {
         assert!(matches!(late_rx.try_recv(), Ok(RequestEvent::Failed { .. })), "a request arriving during shutdown is refused");
+    }
+}
+
+/// A fault injected into rank 1 alone, in one phase of its step 4 (prepare, forward pass,
+/// sampling, apply), as an error or a panic (docs/architecture.md invariants 4, 5 and 6): exactly
+/// that step's two requests fail, naming the injected fault; the request waiting beside them on
+/// rank 1 and the one running on rank 0 meanwhile complete (rank 0's with a single engine's
+/// tokens); rank 1 serves a request submitted afterwards; every KV block of every rank is back;
+/// the group shuts down cleanly. Every wait is bounded (`HANG`), so a hung group fails the test.
+#[test]
+fn a_fault_injected_into_one_rank_in_any_phase_fails_only_that_step_and_every_rank_returns_every_block() {
+    let _serial = serial();
+    let m = TinyModel::new();
+    let beside = (prompt(15, 9), greedy(24));
+    let expected = single_engine_outputs(&m, std::slice::from_ref(&beside));
+    for phase in [FaultPhase::Prepare, FaultPhase::Forward, FaultPhase::Sample, FaultPhase::Apply] {
+        for kind in [FaultKind::Error, FaultKind::Panic] {
+            lockstep_fault_case(&m, phase, kind, &beside, &expected[0]);
+        }
+    }
+}
+
+fn lockstep_fault_case(m: &TinyModel, phase: FaultPhase, kind: FaultKind, beside: &(Vec<u32>, SamplingParams), beside_tokens: &[u32]) {
+    let case = format!("rank 1, step 4, {phase:?} {kind:?}");
+    // two requests run per step on a rank; a third waits for a slot
+    let cfg = EngineConfig { max_num_seqs: 2, ..dp_config(2) };
+    let group = lockstep_with_fault(m, 2, cfg, 1, FaultInjection { step: 4, kind, phase });
+    let mut other = submit(&group.rank_handles[0], beside.0.clone(), beside.1.clone());
+    let mut a = submit(&group.rank_handles[1], prompt(10, 1), greedy(30));
+    let mut b = submit(&group.rank_handles[1], prompt(10, 2), greedy(30));
+    let mut c = submit(&group.rank_handles[1], prompt(10, 3), greedy(5));
+    for x in [&mut a, &mut b] {
+        match x.wait_end() {
+            RequestEvent::Failed { message } => assert!(message.contains("injected"), "{case}: {message}"),
+            e => panic!("{case}: a request of the failed step did not fail: {e:?}"),
+        }
+        assert!(x.tokens().len() < 30, "{case}");
+    }
+    assert_eq!(c.finished(FinishReason::Length).len(), 5, "{case}: the request waiting beside the failed step must survive");
+    assert_eq!(other.finished(FinishReason::Length), beside_tokens, "{case}: the other rank's request");
+    let mut after = submit(&group.rank_handles[1], prompt(12, 4), greedy(6));
+    assert_eq!(after.finished(FinishReason::Length).len(), 6, "{case}: the faulty rank still serves");
+    wait_until_every_block_is_back(&group, &case);
+    let stats = group.stats.clone();
+    let results = shutdown_and_join(group);
+    assert!(results.iter().all(|r| r.is_ok()), "{case}: {results:?}");
+    for (r, s) in stats.iter().enumerate() {
+        let snap = s.snapshot();
+        assert_eq!((snap.kv_usage, snap.running, snap.waiting), (0.0, 0, 0), "{case}: rank {r} after shutdown");
+        assert_eq!(snap.agreements, stats[0].snapshot().agreements, "{case}: rank {r} agreed a different number of times");
+    }
+}
+
+/// Waits (at most `HANG`) until every rank's gauges, published after each step, show no request
+/// and no KV block held: what a request that ended left behind shows here, before shutdown
+/// would free it.
+fn wait_until_every_block_is_back(group: &DpGroup, case: &str) {
+    let deadline = Instant::now() + HANG;
+    for (r, s) in group.stats.iter().enumerate() {
+        while s.snapshot().kv_usage > 0.0 || s.snapshot().running > 0 || s.snapshot().waiting > 0 {
+            assert!(Instant::now() < deadline, "{case}: rank {r} still holds KV blocks or requests: {:?}", s.snapshot());
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 }

@@ -120,7 +120,8 @@ pub fn build_rank(setup: RankSetup, tokenizer: Arc<Tokenizer>, cfg: &EngineConfi
 /// [`build_rank`] with the speculation cost model a rank built before measured (`None`: measure).
 fn build_rank_with_cost(setup: RankSetup, tokenizer: Arc<Tokenizer>, cfg: &EngineConfig, cost: Option<CostModel>) -> Result<BuiltRank, EngineError> {
     let (handle, rx, counters) = EngineHandle::channel(cfg.max_waiting);
-    let mut engine = Engine::new(setup.model, tokenizer, cfg.clone(), counters)?;
+    let cfg = setup.config(cfg);
+    let mut engine = Engine::new(setup.model, tokenizer, cfg, counters)?;
     if let Some((c, p)) = setup.spec {
         engine = engine.with_speculation_cost(c, p, cost)?;
     }

@@ -3,6 +3,7 @@
 //! `rank` label (the engine's own unlabeled gauges are written by every rank of the process), and
 //! what a rank is built from.
 
+use crate::config::{EngineConfig, FaultInjection};
 use crate::engine::Engine;
 use crate::spec::{Proposer, SpecConfig};
 use serde::{Deserialize, Serialize};
@@ -16,16 +17,32 @@ use std::time::Duration;
 pub struct RankSetup {
     pub model: LlamaModel,
     pub spec: Option<(SpecConfig, Box<dyn Proposer>)>,
+    /// This rank's own test-only fault switch; replaces the group configuration's
+    /// `EngineConfig::fault_injection` on this rank (see [`Self::with_fault_injection`]).
+    fault_injection: Option<FaultInjection>,
 }
 
 impl RankSetup {
     pub fn new(model: LlamaModel) -> Self {
-        Self { model, spec: None }
+        Self { model, spec: None, fault_injection: None }
     }
 
     pub fn with_speculation(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>) -> Self {
         self.spec = Some((cfg, proposer));
         self
+    }
+
+    /// Test-only: injects `fault` into this rank alone (the group's configuration applies to
+    /// every rank, and its switch would trip on each rank that prepares the step).
+    #[doc(hidden)]
+    pub fn with_fault_injection(mut self, fault: FaultInjection) -> Self {
+        self.fault_injection = Some(fault);
+        self
+    }
+
+    /// The configuration this rank runs with: `cfg`, with this rank's own fault switch.
+    pub(crate) fn config(&self, cfg: &EngineConfig) -> EngineConfig {
+        EngineConfig { fault_injection: self.fault_injection.or(cfg.fault_injection), ..cfg.clone() }
     }
 }
 

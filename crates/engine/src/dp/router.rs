@@ -9,7 +9,7 @@
 //! the rank's outstanding count.
 
 use crate::api::{GenerateRequest, RequestEvent};
-use crate::handle::{EngineHandle, SubmitError};
+use crate::handle::{EngineHandle, Router, SubmitError};
 use crate::types::{RequestId, TokenId};
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{HashMap, VecDeque};
@@ -246,6 +246,25 @@ impl ReplicaRouter {
     /// Requests waiting on all ranks.
     pub fn waiting(&self) -> usize {
         self.ranks.iter().map(|r| r.waiting()).sum()
+    }
+}
+
+/// What `EngineHandle::routed` fronts.
+impl Router for ReplicaRouter {
+    fn submit(&self, req: GenerateRequest) -> Result<(), SubmitError> {
+        ReplicaRouter::submit(self, req)
+    }
+
+    fn abort(&self, id: RequestId) {
+        ReplicaRouter::abort(self, id)
+    }
+
+    fn shutdown(&self) {
+        ReplicaRouter::shutdown(self)
+    }
+
+    fn waiting(&self) -> usize {
+        ReplicaRouter::waiting(self)
     }
 }
 

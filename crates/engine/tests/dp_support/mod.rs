@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 use crate::common::{tiny_config, TinyModel};
+use specula_engine::config::FaultInjection;
 use specula_engine::dp::{spawn_lockstep, spawn_replicas, Communicator, DpError, DpGroup, LocalGroup, RankSetup};
 use specula_engine::handle::EngineHandle;
 use specula_engine::types::RequestId;
@@ -48,6 +49,14 @@ pub fn lockstep_on<C: Communicator + Send + 'static>(m: &TinyModel, comms: Vec<C
 
 pub fn lockstep(m: &TinyModel, n: usize) -> DpGroup {
     lockstep_on(m, LocalGroup::new(n))
+}
+
+/// A lockstep group of `n` in-process ranks on `cfg`, with `fault` injected into rank `rank` alone.
+pub fn lockstep_with_fault(m: &TinyModel, n: usize, cfg: EngineConfig, rank: usize, fault: FaultInjection) -> DpGroup {
+    let (mut ranks, tokenizer) = setups(m, n);
+    let faulty = ranks.remove(rank).with_fault_injection(fault);
+    ranks.insert(rank, faulty);
+    spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg).expect("start lockstep group")
 }
 
 pub fn replicas(m: &TinyModel, n: usize) -> DpGroup {
