@@ -1,6 +1,6 @@
 """Prompt logprobs through the real server with the official openai client: the loglikelihood
 requests lm-evaluation-harness sends (token-id prompts, `echo: true`, `logprobs: 1`,
-`max_tokens: 0` or 1) and vLLM's `prompt_logprobs`.
+`max_tokens: 0` or 1), vLLM's `prompt_logprobs` (completions and chat), and all of them streamed.
 
 Oracles and tolerances:
 - the engine's own logits (`specula debug logits`): the server's prompt logprobs are the
@@ -13,6 +13,9 @@ Oracles and tolerances:
   2 * 0.35 of the reference's;
 - a second server with n-gram speculation and async scheduling: identical numbers (the engine is
   batch-invariant and logprobs come from the raw distribution).
+- chat's prompt logprobs against completions' for the token ids /tokenize gives for the same
+  messages, and a stream's pieces against the whole response: identical (the same prompt through
+  the same engine at temperature 0).
 """
 
 from __future__ import annotations
@@ -118,6 +121,88 @@ def test_vllm_prompt_logprobs_field(plain, prompts):
         assert len(plp[i]) <= 4
 
 
+def test_chat_prompt_logprobs_equal_the_completions_ones_for_the_rendered_prompt(plain):
+    """Chat's top-level `prompt_logprobs` are those of the conversation as rendered: the same as
+    completions' for the token ids /tokenize gives for the same messages (bit for bit: the same
+    prompt through the same engine)."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
+    ids = plain.http().post("/tokenize", json={"messages": messages}).json()["tokens"]
+    client = plain.client()
+    chat = client.chat.completions.create(model=plain.model_name, messages=messages, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 2})
+    assert chat.usage.prompt_tokens == len(ids)
+    got = chat.model_extra["prompt_logprobs"]
+    cmpl = client.completions.create(model=plain.model_name, prompt=ids, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    want = cmpl.choices[0].model_extra["prompt_logprobs"]
+    assert got == want
+    assert got[0] is None and len(got) == len(ids)
+    assert all(str(ids[i]) in got[i] and len(got[i]) <= 3 for i in range(1, len(ids)))
+    # and they are the engine's: the log-softmax of its logits at the next prompt token
+    want_lp = expected(ids, debug_logits([ids])[0])
+    for i in range(1, len(ids)):
+        assert abs(got[i][str(ids[i])]["logprob"] - want_lp[i - 1]) <= 1e-4
+
+
+def streamed_pieces(stream):
+    """Per choice index: text, the legacy logprob lists and vLLM's prompt_logprobs, concatenated
+    over the chunks; the finish reason; and the usage chunk's usage."""
+    out, usage = {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            o = out.setdefault(c.index, {"text": "", "logprobs": None, "prompt_logprobs": None, "finish_reason": None})
+            assert o["finish_reason"] is None, "nothing after the finish reason"
+            o["text"] += c.text
+            if c.logprobs is not None:
+                lp = o["logprobs"] = o["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                for key in lp:
+                    lp[key] += getattr(c.logprobs, key)
+            plp = (c.model_extra or {}).get("prompt_logprobs")
+            if plp is not None:
+                assert o["prompt_logprobs"] is None, "prompt_logprobs sent twice"
+                o["prompt_logprobs"] = plp
+            o["finish_reason"] = c.finish_reason or o["finish_reason"]
+    return out, usage
+
+
+@pytest.mark.parametrize("kw", [
+    dict(echo=True, logprobs=1, max_tokens=0),
+    dict(echo=True, logprobs=2, max_tokens=4),
+    dict(echo=True, max_tokens=0),
+    dict(echo=True, logprobs=0, max_tokens=3, extra_body={"prompt_logprobs": 2}),
+    dict(logprobs=1, max_tokens=3, extra_body={"prompt_logprobs": 1}),
+], ids=["echo-logprobs-max0", "echo-logprobs-gen", "echo-max0", "echo-prompt-logprobs", "prompt-logprobs"])
+def test_streamed_echo_and_prompt_logprobs_concatenate_to_the_whole_response(plain, prompts, kw):
+    """stream=True with echo + logprobs, prompt_logprobs and max_tokens 0 (the official client):
+    each choice opens with the echoed prompt and its logprobs (null first), then the generated
+    deltas; put together they are the non-streamed response, to the bit (temperature 0)."""
+    client = plain.client()
+    whole = client.completions.create(model=plain.model_name, prompt=prompts, temperature=0, **kw)
+    stream = client.completions.create(model=plain.model_name, prompt=prompts, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, **kw)
+    pieces, usage = streamed_pieces(stream)
+    assert sorted(pieces) == [c.index for c in sorted(whole.choices, key=lambda c: c.index)]
+    for c in whole.choices:
+        got = pieces[c.index]
+        assert got["text"] == c.text
+        assert got["finish_reason"] == c.finish_reason
+        if c.logprobs is None:
+            assert got["logprobs"] is None
+        else:
+            for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"]:
+                assert got["logprobs"][key] == getattr(c.logprobs, key), key
+            if kw.get("echo"):
+                assert got["logprobs"]["token_logprobs"][0] is None
+        assert got["prompt_logprobs"] == (c.model_extra or {}).get("prompt_logprobs")
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    if kw.get("max_tokens") == 0:
+        assert usage.completion_tokens == 0
+        assert all(pieces[c.index]["text"] == c.text for c in whole.choices)
+
+
 def test_bad_values_are_400(plain):
     import openai
 
@@ -125,6 +210,10 @@ def test_bad_values_are_400(plain):
     for extra in [{"prompt_logprobs": -1}, {"prompt_logprobs": 10_000}]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=plain.model_name, prompt=[1, 2, 3], max_tokens=1, extra_body=extra)
+        assert "prompt_logprobs" in str(e.value.body), e.value.body
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=plain.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           extra_body=extra)
         assert "prompt_logprobs" in str(e.value.body), e.value.body
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=plain.model_name, prompt=[1, 2, 3], max_tokens=0)

@@ -73,6 +73,9 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     /// Alternatives per position; needs `logprobs: true`.
     pub top_logprobs: Option<i64>,
+    /// vLLM's extension: the top-k logprobs of every prompt token (the rendered conversation's),
+    /// as a top-level `prompt_logprobs` in the response. Not with `stream` (as in vLLM).
+    pub prompt_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     /// OpenAI function tools, as sent: checked (with the paths of the fields at fault) by
@@ -243,6 +246,10 @@ pub struct ResponseObject<C> {
     /// every chunk but the last.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Option<Usage>>,
+    /// vLLM's `prompt_logprobs` of a chat response (top level: every choice shares the prompt);
+    /// only when asked for. Completions carry theirs in each choice.
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "prompt_logprob_maps")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// `text_completion` object: the whole response, or one streamed chunk.
@@ -462,9 +469,18 @@ mod tests {
 
     #[test]
     fn streamed_usage_is_null_until_the_last_chunk() {
-        let chunk = |usage| CompletionResponse { id: "cmpl-1".into(), object: "text_completion", created: 0, model: "m".into(), choices: vec![], usage };
+        let chunk = |usage| CompletionResponse {
+            id: "cmpl-1".into(),
+            object: "text_completion",
+            created: 0,
+            model: "m".into(),
+            choices: vec![],
+            usage,
+            prompt_logprobs: None,
+        };
         let v = serde_json::to_value(chunk(None)).unwrap();
         assert!(v.get("usage").is_none());
+        assert!(v.get("prompt_logprobs").is_none(), "only a chat response asked for them has them");
         let v = serde_json::to_value(chunk(Some(None))).unwrap();
         assert!(v["usage"].is_null() && v.get("usage").is_some());
         let v = serde_json::to_value(chunk(Some(Some(Usage::new(2, 3))))).unwrap();

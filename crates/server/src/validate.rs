@@ -113,7 +113,7 @@ impl SamplingFields {
             disable_speculation: r.disable_speculation,
             logprobs,
             logprobs_param: "top_logprobs",
-            prompt_logprobs: None,
+            prompt_logprobs: r.prompt_logprobs,
             allow_zero_max_tokens: false,
             structured: r.structured.clone(),
         })
@@ -525,6 +525,15 @@ mod tests {
         assert_eq!(SamplingFields::from_chat(&r).unwrap_err().param.as_deref(), Some("top_logprobs"));
         let r = ChatCompletionRequest { logprobs: Some(true), top_logprobs: Some(2), ..Default::default() };
         assert_eq!(SamplingFields::from_chat(&r).unwrap().logprobs, Some(2));
+    }
+
+    #[test]
+    fn chat_prompt_logprobs_are_checked_as_on_completions() {
+        let fields = |k| SamplingFields::from_chat(&ChatCompletionRequest { prompt_logprobs: Some(k), ..Default::default() }).unwrap();
+        assert_eq!(plan(fields(3)).unwrap().base.prompt_logprobs, Some(3));
+        for k in [-1, 21] {
+            assert_eq!(plan(fields(k)).unwrap_err().param.as_deref(), Some("prompt_logprobs"));
+        }
     }
 
     fn structured(s: StructuredFields) -> Result<Option<(Constraint, &'static str)>, ApiError> {

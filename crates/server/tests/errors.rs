@@ -142,10 +142,12 @@ async fn bad_prompt_logprob_requests_name_their_field() {
     // max_tokens 0 means "the prompt only", which needs echo
     expect_error(&s, c, json!({"prompt": "hi", "max_tokens": 0}), StatusCode::BAD_REQUEST, Some("max_tokens")).await;
     expect_error(&s, c, json!({"prompt": "hi", "max_tokens": -1, "echo": true}), StatusCode::BAD_REQUEST, Some("max_tokens")).await;
-    // prompt logprobs are answered without streaming only
-    expect_error(&s, c, json!({"prompt": "hi", "echo": true, "logprobs": 1, "stream": true}), StatusCode::BAD_REQUEST, Some("echo")).await;
-    expect_error(&s, c, json!({"prompt": "hi", "prompt_logprobs": 1, "stream": true}), StatusCode::BAD_REQUEST, Some("prompt_logprobs")).await;
-    expect_error(&s, c, json!({"prompt": "hi", "echo": true, "max_tokens": 0, "stream": true}), StatusCode::BAD_REQUEST, Some("max_tokens")).await;
+    // chat: the same checks; its stream has no place for them (as in vLLM)
+    let chat = "/v1/chat/completions";
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    expect_error(&s, chat, json!({"messages": messages, "prompt_logprobs": -1}), StatusCode::BAD_REQUEST, Some("prompt_logprobs")).await;
+    expect_error(&s, chat, json!({"messages": messages, "prompt_logprobs": 21}), StatusCode::BAD_REQUEST, Some("prompt_logprobs")).await;
+    expect_error(&s, chat, json!({"messages": messages, "prompt_logprobs": 1, "stream": true}), StatusCode::BAD_REQUEST, Some("prompt_logprobs")).await;
     assert!(s.submitted().is_empty());
 }
 

@@ -110,6 +110,120 @@ async fn vllm_prompt_logprobs_field() {
     assert_eq!(v["choices"][0]["text"], "h", "no echo");
 }
 
+/// Chat's `prompt_logprobs`: one top-level list for the rendered conversation (every choice shares
+/// it), shaped as on completions.
+#[tokio::test]
+async fn chat_prompt_logprobs_are_top_level() {
+    let s = server();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": 2, "prompt_logprobs": 1});
+    let (status, v) = s.post("/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    let (_, prompt, params) = s.submitted().remove(0);
+    assert_eq!(params.prompt_logprobs, Some(1));
+    let plp = v["prompt_logprobs"].as_array().expect("top-level prompt_logprobs");
+    assert_eq!(plp.len(), prompt.len());
+    assert_eq!(plp[0], Value::Null);
+    for (i, entry) in plp.iter().enumerate().skip(1) {
+        let (token, alt) = (prompt[i], (prompt[i] + 1) % 256);
+        let mut want = serde_json::Map::new();
+        want.insert(token.to_string(), json!({"logprob": -0.25 * i as f64, "rank": i, "decoded_token": s.tokenizer.token_text(token)}));
+        if alt != token {
+            want.insert(alt.to_string(), json!({"logprob": -0.1, "rank": 1, "decoded_token": s.tokenizer.token_text(alt)}));
+        }
+        assert_eq!(entry, &Value::Object(want), "position {i}");
+    }
+    assert!(v["choices"].as_array().unwrap().iter().all(|c| c.get("prompt_logprobs").is_none()));
+    // only when asked for
+    let (_, v) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})).await;
+    assert!(v.get("prompt_logprobs").is_none(), "{v}");
+}
+
+/// A stream's pieces, concatenated per choice: text and the legacy logprob lists (None when no
+/// chunk carried logprobs), vLLM's `prompt_logprobs` (at most one chunk may carry them), the
+/// finish reason and the usage chunk's usage.
+#[derive(Debug, Default, PartialEq)]
+struct Streamed {
+    text: String,
+    logprobs: Option<Value>,
+    prompt_logprobs: Option<Value>,
+    finish_reason: Option<Value>,
+}
+
+fn concatenate(chunks: &[Value], choices: usize) -> (Vec<Streamed>, Option<Value>) {
+    let mut out: Vec<Streamed> = (0..choices).map(|_| Streamed::default()).collect();
+    let mut usage = None;
+    for chunk in chunks {
+        if chunk["choices"].as_array().unwrap().is_empty() {
+            usage = Some(chunk["usage"].clone());
+            continue;
+        }
+        let c = &chunk["choices"][0];
+        let o = &mut out[c["index"].as_u64().unwrap() as usize];
+        assert!(o.finish_reason.is_none(), "nothing after the finish reason: {chunk}");
+        o.text.push_str(c["text"].as_str().unwrap());
+        if !c["logprobs"].is_null() {
+            let lp = o.logprobs.get_or_insert_with(|| json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}));
+            for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+                lp[key].as_array_mut().unwrap().extend(c["logprobs"][key].as_array().unwrap().iter().cloned());
+            }
+        }
+        if let Some(plp) = c.get("prompt_logprobs") {
+            assert!(o.prompt_logprobs.replace(plp.clone()).is_none(), "prompt_logprobs sent twice");
+        }
+        if !c["finish_reason"].is_null() {
+            o.finish_reason = Some(c["finish_reason"].clone());
+        }
+    }
+    (out, usage)
+}
+
+/// Streaming with echo + logprobs, `prompt_logprobs` and `max_tokens: 0`: each choice opens with
+/// the echoed prompt and its logprobs, then the generated deltas; the pieces put together are the
+/// whole response's text and logprob lists.
+#[tokio::test]
+async fn streamed_prompt_logprobs_concatenate_to_the_whole_response() {
+    let s = server();
+    let cases = [
+        json!({"prompt": [[104, 105, 106], [106, 107]], "echo": true, "logprobs": 1, "max_tokens": 0}),
+        json!({"prompt": [[104, 105, 106], [106, 107]], "echo": true, "logprobs": 2, "max_tokens": 3, "n": 2}),
+        json!({"prompt": "hello", "echo": true, "logprobs": 0, "max_tokens": 2, "prompt_logprobs": 2}),
+        json!({"prompt": "hello", "logprobs": 1, "max_tokens": 2, "prompt_logprobs": 0}),
+        json!({"prompt": "hello", "max_tokens": 2, "prompt_logprobs": 1}),
+        json!({"prompt": ["hello", "hi"], "echo": true, "max_tokens": 0}),
+    ];
+    for body in cases {
+        let (status, whole) = s.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, StatusCode::OK, "{body} -> {whole}");
+        let mut streamed_body = body.clone();
+        streamed_body["stream"] = json!(true);
+        streamed_body["stream_options"] = json!({"include_usage": true});
+        let resp = s.post_raw("/v1/completions", streamed_body.to_string()).await;
+        assert_eq!(resp.status(), StatusCode::OK, "{body}");
+        let chunks = parse_chunks(&text_of(resp).await);
+        let choices = whole["choices"].as_array().unwrap();
+        let (streamed, usage) = concatenate(&chunks, choices.len());
+        for (c, got) in choices.iter().zip(&streamed) {
+            let want = Streamed {
+                text: c["text"].as_str().unwrap().to_string(),
+                logprobs: (!c["logprobs"].is_null()).then(|| c["logprobs"].clone()),
+                prompt_logprobs: c.get("prompt_logprobs").cloned(),
+                finish_reason: Some(c["finish_reason"].clone()),
+            };
+            assert_eq!(got, &want, "{body}");
+        }
+        assert_eq!(usage.as_ref(), Some(&whole["usage"]), "{body}");
+        // the echo (with its logprobs, the first one null) opens each choice
+        if body["echo"] == json!(true) {
+            for (i, c) in choices.iter().enumerate() {
+                let first = &chunks.iter().find(|k| k["choices"][0]["index"] == json!(i)).unwrap()["choices"][0];
+                let text = first["text"].as_str().unwrap();
+                assert!(!text.is_empty() && c["text"].as_str().unwrap().starts_with(text), "{first}");
+                assert!(body.get("logprobs").is_none() || first["logprobs"]["token_logprobs"][0].is_null(), "{first}");
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn prompt_lists_and_n_give_prompt_major_choices_with_seed_plus_i() {
     let s = server();

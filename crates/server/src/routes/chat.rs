@@ -6,7 +6,7 @@
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
-use crate::routes::clamp_logprob as clamp;
+use crate::routes::{self, clamp_logprob as clamp};
 use crate::sse::{self, ChunkWriter};
 use crate::tools::{self, CallParser, ParsedCall, Piece, ToolSet};
 use crate::types::{
@@ -31,6 +31,11 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
     let mut plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
+    let stream = req.stream.unwrap_or(false);
+    if stream && plan.base.prompt_logprobs.is_some() {
+        // vLLM refuses it too: a chat stream has no place for the prompt's logprobs
+        return Err(ApiError::invalid_param("prompt_logprobs", "prompt_logprobs are answered on chat completions only without streaming; drop `stream`"));
+    }
     validate::check_constraint(&plan, &state.tokenizer)?;
     let tool_set =
         ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
@@ -73,12 +78,13 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         tokenizer: state.tokenizer.clone(),
         n: plan.n,
         logprobs: plan.base.logprobs.is_some(),
+        prompt_logprobs: plan.base.prompt_logprobs,
         include_usage: None,
         tool_names: tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names),
         parsers: Vec::new(),
         calls_sent: vec![0; plan.n],
     };
-    if req.stream.unwrap_or(false) {
+    if stream {
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         let parsers = writer.tool_names.iter().flat_map(|names| (0..plan.n).map(|_| CallParser::new(names.clone()))).collect();
         let writer = ChatChunks { include_usage: include_usage.then_some(None), parsers, ..writer };
@@ -121,6 +127,8 @@ struct ChatChunks {
     n: usize,
     /// Whether the client asked for logprobs (then every choice carries them, even if empty).
     logprobs: bool,
+    /// vLLM's `prompt_logprobs: k` (not streamed).
+    prompt_logprobs: Option<usize>,
     /// `Some(None)` (usage: null on every chunk) when the client asked for a usage chunk.
     include_usage: Option<Option<Usage>>,
     /// The request's tool names when the output is searched for calls (tools given, choice not
@@ -145,6 +153,7 @@ impl ChatChunks {
             model: self.model.clone(),
             choices,
             usage,
+            prompt_logprobs: None,
         })
     }
 
@@ -194,6 +203,11 @@ impl ChatChunks {
 
     fn response(self, outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> ChatCompletionResponse {
         let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
+        // every choice ran the same prompt; the first one's prompt logprobs stand for all
+        let prompt_logprobs = self.prompt_logprobs.map(|k| {
+            let (entries, ranks) = outputs.iter().find_map(|o| o.prompt_logprobs.as_ref()).map_or((&[][..], &[][..]), |(e, r)| (&e[..], &r[..]));
+            routes::vllm_prompt_logprobs(&self.tokenizer, entries, ranks, k)
+        });
         let choices = outputs
             .into_iter()
             .map(|o| {
@@ -221,6 +235,7 @@ impl ChatChunks {
             model: self.model,
             choices,
             usage: Some(Some(Usage::new(prompt_tokens, completion_tokens))),
+            prompt_logprobs,
         }
     }
 }

@@ -4,9 +4,9 @@
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
-use crate::routes::clamp_logprob as clamp;
+use crate::routes::{clamp_logprob as clamp, vllm_prompt_logprobs};
 use crate::sse::{self, ChunkWriter};
-use crate::types::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, PromptLogprobEntry, PromptLogprobs, Usage};
+use crate::types::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, PromptLogprobs, Usage};
 use crate::validate::{self, DefaultMaxTokens, SamplingFields};
 use crate::{unix_now, AppState};
 use axum::extract::State;
@@ -32,21 +32,10 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
     validate::check_constraint(&plan, &state.tokenizer)?;
     let echo = req.echo.unwrap_or(false);
-    let stream = req.stream.unwrap_or(false);
     // `max_tokens: 0` (echo only): the engine runs the prompt and one step whose token is dropped
     let prompt_only = plan.requested_max_tokens == Some(0);
     let echo_logprobs = if echo { plan.base.logprobs } else { None };
     let want_prompt_logprobs = plan.base.prompt_logprobs;
-    if stream && (echo_logprobs.is_some() || want_prompt_logprobs.is_some() || prompt_only) {
-        let param = if prompt_only {
-            "max_tokens"
-        } else if want_prompt_logprobs.is_some() {
-            "prompt_logprobs"
-        } else {
-            "echo"
-        };
-        return Err(ApiError::invalid_param(param, "prompt logprobs and max_tokens 0 are answered only without streaming; drop `stream`"));
-    }
     // the engine computes the largest top-k either field asked for; each keeps its own
     let mut plan = plan;
     plan.base.prompt_logprobs = echo_logprobs.into_iter().chain(want_prompt_logprobs).max();
@@ -66,6 +55,8 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let id = format!("cmpl-{:x}{:08x}", unix_now(), runs[0].id.0);
     let first_tokens: Vec<Option<TokenId>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.first().copied(), plan.n)).collect();
     let echoes: Vec<String> = prompts.into_iter().flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n)).collect();
+    // with prompt logprobs, a choice's stream opens once they are here (echo or not)
+    let prompt_pending = vec![echo_logprobs.is_some() || want_prompt_logprobs.is_some(); echoes.len()];
     let writer = CompletionChunks {
         id,
         created: unix_now(),
@@ -75,13 +66,13 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
         logprobs: plan.base.logprobs.is_some(),
         offsets: echoes.iter().map(|e| e.chars().count()).collect(),
         echoes,
-        prompt_only: false,
-        echo_logprobs: None,
-        want_prompt_logprobs: None,
+        prompt_only,
+        echo_logprobs,
+        want_prompt_logprobs,
         first_tokens,
+        prompt_pending,
     };
-    let writer = CompletionChunks { prompt_only, echo_logprobs, want_prompt_logprobs, ..writer };
-    if stream {
+    if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         let writer = CompletionChunks { include_usage: include_usage.then_some(None), ..writer };
         return Ok(sse::stream_response(runs, writer, include_usage, prompt_tokens));
@@ -153,24 +144,6 @@ fn echo_logprobs(tokenizer: &Tokenizer, first: TokenId, entries: &[TokenLogprob]
     (out, offset)
 }
 
-/// vLLM's `prompt_logprobs` of one choice (see `PromptLogprobs`), top alternatives cut to `k`.
-fn vllm_prompt_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob], ranks: &[u32], k: usize) -> PromptLogprobs {
-    let mut out: PromptLogprobs = vec![None];
-    for (e, &rank) in entries.iter().zip(ranks) {
-        let entry = |id: TokenId, logprob: f32, rank: u32| {
-            (id.to_string(), PromptLogprobEntry { logprob: clamp(logprob), rank, decoded_token: tokenizer.token_text(id) })
-        };
-        let mut m = vec![entry(e.token, e.logprob, rank)];
-        for (j, &(id, lp)) in e.top.iter().take(k).enumerate() {
-            if id != e.token {
-                m.push(entry(id, lp, j as u32 + 1));
-            }
-        }
-        out.push(Some(m));
-    }
-    out
-}
-
 /// Builds `text_completion` objects for one request: streamed chunks and the whole response.
 struct CompletionChunks {
     id: String,
@@ -193,16 +166,51 @@ struct CompletionChunks {
     want_prompt_logprobs: Option<usize>,
     /// Per choice: its prompt's first token (echo logprobs start with it).
     first_tokens: Vec<Option<TokenId>>,
+    /// Streaming, per choice: its opening chunk (echo and prompt logprobs) waits on the engine's
+    /// prompt logprobs.
+    prompt_pending: Vec<bool>,
 }
 
 impl CompletionChunks {
     fn object(&self, choices: Vec<CompletionChoice>, usage: Option<Option<Usage>>) -> CompletionResponse {
-        CompletionResponse { id: self.id.clone(), object: "text_completion", created: self.created, model: self.model.clone(), choices, usage }
+        CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            prompt_logprobs: None,
+        }
     }
 
     fn chunk(&self, index: usize, text: String, logprobs: Option<CompletionLogprobs>, reason: Option<FinishReason>) -> Event {
         let choice = CompletionChoice { index, text, logprobs, finish_reason: reason.map(FinishReason::as_str), prompt_logprobs: None };
         sse::json_event(&self.object(vec![choice], self.include_usage))
+    }
+
+    /// Choice `index`'s prompt parts as asked: the echoed prompt's logprobs (legacy shape; the
+    /// generated text's offsets continue after them) and vLLM's `prompt_logprobs`.
+    fn prompt_parts(&mut self, index: usize, entries: &[TokenLogprob], ranks: &[u32]) -> (Option<CompletionLogprobs>, Option<PromptLogprobs>) {
+        let mut logprobs = None;
+        if let (Some(k), Some(first)) = (self.echo_logprobs, self.first_tokens[index]) {
+            let (lp, offset) = echo_logprobs(&self.tokenizer, first, entries, k);
+            self.offsets[index] = offset;
+            logprobs = Some(lp);
+        }
+        (logprobs, self.want_prompt_logprobs.map(|k| vllm_prompt_logprobs(&self.tokenizer, entries, ranks, k)))
+    }
+
+    /// Streaming: the chunk that opens choice `index` when it asked for prompt logprobs (the
+    /// echoed text with its logprobs, and/or vLLM's `prompt_logprobs`), once; nothing after that.
+    fn prompt_chunk(&mut self, index: usize, entries: &[TokenLogprob], ranks: &[u32]) -> Vec<Event> {
+        if !std::mem::take(&mut self.prompt_pending[index]) {
+            return Vec::new();
+        }
+        let (logprobs, prompt_logprobs) = self.prompt_parts(index, entries, ranks);
+        let text = std::mem::take(&mut self.echoes[index]);
+        let choice = CompletionChoice { index, text, logprobs, finish_reason: None, prompt_logprobs };
+        vec![sse::json_event(&self.object(vec![choice], self.include_usage))]
     }
 
     fn response(mut self, mut outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> CompletionResponse {
@@ -219,12 +227,7 @@ impl CompletionChunks {
             .into_iter()
             .map(|o| {
                 let (plp, ranks) = o.prompt_logprobs.unwrap_or_default();
-                let mut logprobs = None;
-                if let (Some(k), Some(first)) = (self.echo_logprobs, self.first_tokens[o.index]) {
-                    let (lp, offset) = echo_logprobs(&self.tokenizer, first, &plp, k);
-                    self.offsets[o.index] = offset;
-                    logprobs = Some(lp);
-                }
+                let (mut logprobs, prompt_logprobs) = self.prompt_parts(o.index, &plp, &ranks);
                 if self.logprobs {
                     let gen = completion_logprobs(&self.tokenizer, &o.logprobs, &mut self.offsets[o.index], None);
                     logprobs.get_or_insert_with(CompletionLogprobs::default).extend(gen);
@@ -234,7 +237,7 @@ impl CompletionChunks {
                     text: std::mem::take(&mut self.echoes[o.index]) + &o.text,
                     logprobs,
                     finish_reason: Some(o.finish_reason.as_str()),
-                    prompt_logprobs: self.want_prompt_logprobs.map(|k| vllm_prompt_logprobs(&self.tokenizer, &plp, &ranks, k)),
+                    prompt_logprobs,
                 }
             })
             .collect();
@@ -243,24 +246,43 @@ impl CompletionChunks {
 }
 
 impl ChunkWriter for CompletionChunks {
+    /// Echoed prompts that wait on no prompt logprobs.
     fn opening(&mut self) -> Vec<Event> {
-        let echoes = std::mem::take(&mut self.echoes);
-        echoes.into_iter().enumerate().filter(|(_, text)| !text.is_empty()).map(|(index, text)| self.chunk(index, text, None, None)).collect()
+        let mut events = Vec::new();
+        for index in 0..self.echoes.len() {
+            if !self.prompt_pending[index] && !self.echoes[index].is_empty() {
+                let text = std::mem::take(&mut self.echoes[index]);
+                events.push(self.chunk(index, text, None, None));
+            }
+        }
+        events
     }
 
+    fn prompt_logprobs(&mut self, index: usize, logprobs: &[TokenLogprob], ranks: &[u32]) -> Vec<Event> {
+        self.prompt_chunk(index, logprobs, ranks)
+    }
+
+    /// `max_tokens: 0`: the engine's one token is dropped, as in the whole response.
     fn delta(&mut self, index: usize, _tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Vec<Event> {
-        if text.is_empty() && logprobs.is_empty() {
-            return Vec::new();
+        // the engine sends prompt logprobs before the first delta; the opening goes first regardless
+        let mut events = self.prompt_chunk(index, &[], &[]);
+        if self.prompt_only || (text.is_empty() && logprobs.is_empty()) {
+            return events;
         }
         let logprobs = (!logprobs.is_empty()).then(|| completion_logprobs(&self.tokenizer, logprobs, &mut self.offsets[index], None));
-        vec![self.chunk(index, text.to_string(), logprobs, None)]
+        events.push(self.chunk(index, text.to_string(), logprobs, None));
+        events
     }
 
     fn finished(&mut self, index: usize, reason: FinishReason) -> Vec<Event> {
-        vec![self.chunk(index, String::new(), None, Some(reason))]
+        let mut events = self.prompt_chunk(index, &[], &[]);
+        let reason = if self.prompt_only { FinishReason::Length } else { reason };
+        events.push(self.chunk(index, String::new(), None, Some(reason)));
+        events
     }
 
     fn usage(&mut self, usage: Usage) -> Event {
+        let usage = if self.prompt_only { Usage::new(usage.prompt_tokens, 0) } else { usage };
         sse::json_event(&self.object(Vec::new(), Some(Some(usage))))
     }
 }

@@ -5,7 +5,11 @@ pub mod completions;
 pub mod models;
 pub mod tokenize;
 
+use crate::types::{PromptLogprobEntry, PromptLogprobs};
 use axum::http::StatusCode;
+use specula_engine::api::TokenLogprob;
+use specula_engine::types::TokenId;
+use specula_model::Tokenizer;
 
 /// `GET /health`: 200 with an empty body while the server is up (vLLM's behaviour). Never behind auth.
 pub async fn health() -> StatusCode {
@@ -15,4 +19,23 @@ pub async fn health() -> StatusCode {
 /// JSON has no -inf; like vLLM, impossible tokens are reported at -9999.
 pub(crate) fn clamp_logprob(logprob: f32) -> f32 {
     logprob.max(-9999.0)
+}
+
+/// vLLM's `prompt_logprobs` (see `PromptLogprobs`): a completions choice's, or a chat response's
+/// (top level); top alternatives cut to `k`.
+pub(crate) fn vllm_prompt_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob], ranks: &[u32], k: usize) -> PromptLogprobs {
+    let mut out: PromptLogprobs = vec![None];
+    for (e, &rank) in entries.iter().zip(ranks) {
+        let entry = |id: TokenId, logprob: f32, rank: u32| {
+            (id.to_string(), PromptLogprobEntry { logprob: clamp_logprob(logprob), rank, decoded_token: tokenizer.token_text(id) })
+        };
+        let mut m = vec![entry(e.token, e.logprob, rank)];
+        for (j, &(id, lp)) in e.top.iter().take(k).enumerate() {
+            if id != e.token {
+                m.push(entry(id, lp, j as u32 + 1));
+            }
+        }
+        out.push(Some(m));
+    }
+    out
 }
