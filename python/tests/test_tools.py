@@ -327,3 +327,75 @@ def test_default_model_gets_the_tools_in_a_system_message():
         assert r.usage.prompt_tokens == len(tokens)
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# the same calls with speculation and async scheduling
+# ---------------------------------------------------------------------------------------------
+
+SPEC_ASYNC = ("--speculative-method", "ngram", "--async-scheduling")
+
+
+def calls_of(r, validate):
+    """What a greedy answer says, without the random call ids: finish reason, text, and each
+    call's name and arguments (with `validate`, checked against the tool's schema: a forced call
+    must be valid; a free one, as OpenAI's, may not be, e.g. cut by max_tokens)."""
+    c = r.choices[0]
+    calls = []
+    for call in c.message.tool_calls or []:
+        if validate:
+            check_call(call, [t["function"]["name"] for t in TOOLS])
+        calls.append((call.function.name, call.function.arguments))
+    return c.finish_reason, c.message.content, calls
+
+
+def tool_requests(tools):
+    weather, time = tools
+    return {
+        "auto": dict(messages=ASK_WEATHER, tools=[weather]),
+        "required": dict(messages=SAY_HELLO, tools=tools, tool_choice="required"),
+        "named": dict(messages=ASK_WEATHER, tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}}),
+        "none": dict(messages=ASK_WEATHER, tools=[weather], tool_choice="none"),
+    }
+
+
+def answers(srv, tools=TOOLS, max_tokens=60):
+    client = srv.client()
+    return {name: calls_of(forced(client, srv, max_tokens=max_tokens, **kw), name in ("required", "named"))
+            for name, kw in tool_requests(tools).items()}
+
+
+def strict(tool):
+    """The tool with no properties beyond its own: a forced call then has a bounded length (SmolLM2
+    otherwise goes on adding keys the schema allows until max_tokens cuts the call)."""
+    return {**tool, "function": {**tool["function"], "parameters": {**tool["function"]["parameters"], "additionalProperties": False}}}
+
+
+def test_qwen_tool_calls_are_the_same_with_ngram_speculation_and_async_scheduling(qwen):
+    plain = answers(qwen)
+    assert plain["auto"][0] == "tool_calls" and plain["required"][0] == "tool_calls", plain
+    assert [c[0] for c in plain["named"][2]] == ["get_time"], plain
+    spec = SpeculaServer(*SPEC_ASYNC)
+    spec.model = qwen.model
+    spec.start()
+    try:
+        assert answers(spec) == plain
+    finally:
+        spec.stop()
+
+
+def test_default_model_forced_calls_are_valid_and_the_same_with_ngram_speculation_and_async_scheduling():
+    """SmolLM2 (no tools in its template) through the openai client: required and named calls are
+    valid JSON for the tool's parameters (the grammar forces them), and every answer is the same
+    with n-gram speculation and async scheduling."""
+    outs = []
+    for args in [(), SPEC_ASYNC]:
+        srv = SpeculaServer(*args).start()
+        try:
+            outs.append(answers(srv, [strict(t) for t in TOOLS], max_tokens=120))
+        finally:
+            srv.stop()
+    plain, spec = outs
+    assert plain["required"][0] == "tool_calls" and plain["required"][2], plain
+    assert [c[0] for c in plain["named"][2]] == ["get_time"], plain
+    assert spec == plain
