@@ -225,7 +225,17 @@ fn sample(
             }
         }
         it.tokens.extend_from_slice(&toks);
-        results.push(SeqResult { tokens: toks, num_drafts, lp_first, rng, grammar, grammar_finished, next_draft: Draft::default(), finished: false, failed: None });
+        results.push(SeqResult {
+            tokens: toks,
+            num_drafts,
+            lp_first,
+            rng,
+            grammar,
+            grammar_finished,
+            next_draft: Draft::default(),
+            finished: false,
+            failed: None,
+        });
         FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
     let mut prompt_out = Vec::with_capacity(prompt_rows.len());
