@@ -15,8 +15,9 @@ const LANES: usize = 8;
 /// rounding error of a long row).
 const BLOCK: usize = 512;
 
+/// A logit as the samplers and logprobs read it: NaN as -inf (probability 0), +inf as `f32::MAX`.
 #[inline(always)]
-fn clean(x: f32) -> f32 {
+pub fn clean(x: f32) -> f32 {
     if x.is_nan() {
         f32::NEG_INFINITY
     } else {

@@ -9,7 +9,7 @@ use super::SamplingError;
 use crate::api::TokenLogprob;
 use crate::types::TokenId;
 use rayon::prelude::*;
-use specula_kernels::logits::{exp_sum, max_and_count_above};
+use specula_kernels::logits::{clean, exp_sum, max_and_count_above};
 use std::cmp::Ordering;
 
 /// One emitted token's logprob entry plus its rank among all tokens.
@@ -18,14 +18,6 @@ pub struct RankedLogprob {
     pub logprob: TokenLogprob,
     /// 1 + the number of tokens with a strictly larger raw logit (the argmax has rank 1).
     pub rank: u32,
-}
-
-fn clean(x: f32) -> f32 {
-    if x.is_nan() {
-        f32::NEG_INFINITY
-    } else {
-        x.min(f32::MAX)
-    }
 }
 
 /// `log(sum(exp(row)))`: the row's maximum plus the log of `sum(exp(x - max))` (f32 lanes summed

@@ -20,14 +20,7 @@ pub use super::processors::argmax;
 /// `None` for an empty row or one with no finite or +inf value.
 pub fn greedy_argmax(row: &[f32]) -> Option<TokenId> {
     const LANES: usize = 16;
-    #[inline(always)]
-    fn clean(x: f32) -> f32 {
-        if x.is_nan() {
-            f32::NEG_INFINITY
-        } else {
-            x.min(f32::MAX)
-        }
-    }
+    use specula_kernels::logits::clean;
     let mut max = [f32::NEG_INFINITY; LANES];
     let mut at = [0u32; LANES];
     let chunks = row.chunks_exact(LANES);
