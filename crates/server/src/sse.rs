@@ -20,14 +20,14 @@ pub trait ChunkWriter: Send + 'static {
     /// Chunks sent before any engine event (chat: the `role` delta; completions: echoed prompts
     /// that wait on no prompt logprobs).
     fn opening(&mut self) -> Vec<Event>;
-    /// The chunks for new tokens of choice `index`: usually one, none when there is nothing to
-    /// show yet, several when held-back text comes out at once (a parsed tool call).
     /// The chunks for choice `index`'s prompt logprobs (entry i: prompt token i + 1), which the
     /// engine sends once, before the choice's first delta, when they were asked for. None by
     /// default (chat refuses streamed prompt logprobs).
     fn prompt_logprobs(&mut self, _index: usize, _logprobs: &[TokenLogprob], _ranks: &[u32]) -> Vec<Event> {
         Vec::new()
     }
+    /// The chunks for new tokens of choice `index`: usually one, none when there is nothing to
+    /// show yet, several when held-back text comes out at once (a parsed tool call).
     fn delta(&mut self, index: usize, tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Vec<Event>;
     /// The chunks that end choice `index`: anything still held back, then the one that carries
     /// its finish reason.

@@ -101,8 +101,7 @@ fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: 
                     FaultInjection::trip(fault, step, FaultPhase::Grammar)?;
                     g.verification_masks(&it.draft.tokens)
                 }))
-                .unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_message(&p))))
-                .map_err(|e| format!("structured output failed: {e}"))?;
+                .unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_message(&p))))?;
                 rows += m.0.len();
                 Ok(Some(m))
             }
@@ -113,6 +112,14 @@ fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: 
         tracing::debug!(rows, micros = start.elapsed().as_micros() as u64, "grammar masks computed");
     }
     masks
+}
+
+/// The result of a constrained item whose grammar failed at run time (its masks, or consuming the
+/// sampled tokens): logged, no tokens, and its request alone fails with the error.
+fn grammar_failure(seq: SeqId, step: u64, rng: SeqRng, error: impl std::fmt::Display) -> SeqResult {
+    let message = format!("structured output failed: {error}");
+    tracing::warn!(seq = %seq, "step {step}: {message}");
+    SeqResult::failed(rng, message)
 }
 
 /// What sampling returns: each item's result, the packed logprobs, and where prompt logprobs are
@@ -147,9 +154,8 @@ fn sample(
         let num_drafts = it.rows - 1;
         let rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
         let item_masks = match masks.get(i) {
-            Some(Err(message)) => {
-                tracing::warn!(seq = %it.seq, "step {step}: {message}");
-                results.push(SeqResult::failed(rng, message.clone()));
+            Some(Err(e)) => {
+                results.push(grammar_failure(it.seq, step, rng, e));
                 continue;
             }
             Some(Ok(m)) => m.as_ref(),
@@ -178,9 +184,7 @@ fn sample(
         let mut grammar = it.grammar.take();
         if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {
             if let Err(e) = g.settle(*consumed, &toks) {
-                let message = format!("structured output failed: {e}");
-                tracing::warn!(seq = %it.seq, "step {step}: {message}");
-                results.push(SeqResult::failed(rng, message));
+                results.push(grammar_failure(it.seq, step, rng, e));
                 continue;
             }
         }
