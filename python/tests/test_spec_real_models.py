@@ -23,11 +23,13 @@ CONFIGS = {
     "plain": [],
     "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", "8"],
     "ngram-async": ["--speculative-method", "ngram", "--num-speculative-tokens", "8", "--async-scheduling"],
-    # the target drafting for itself costs as much as it saves: a given draft cost keeps adaptive k
-    # drafting (this test is about identical outputs, not speed)
-    "draft": ["--speculative-method", "draft", "--draft-model", "{model}", "--num-speculative-tokens", "4", "--speculative-draft-cost", "0.1"],
+    # the target drafting for itself costs as much as it saves: given draft and verify costs keep
+    # adaptive k drafting (this test is about identical outputs, not speed); a verify curve
+    # measured at start-up on a busy machine could make it decide never to draft
+    "draft": ["--speculative-method", "draft", "--draft-model", "{model}", "--num-speculative-tokens", "4", "--speculative-draft-cost", "0.1",
+              "--speculative-verify-cost", "0.1"],
     "draft-async": ["--speculative-method", "draft", "--draft-model", "{model}", "--num-speculative-tokens", "4", "--speculative-draft-cost", "0.1",
-                    "--async-scheduling"],
+                    "--speculative-verify-cost", "0.1", "--async-scheduling"],
 }
 
 
