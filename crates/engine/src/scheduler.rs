@@ -184,6 +184,10 @@ impl Scheduler {
             plan.total_tokens += n;
             budget -= n;
         }
+        // the decode batch they join holds at most max_num_seqs
+        let prefilling = self.running.iter().filter(|id| seqs.get(id).is_some_and(|s| s.num_scheduled + 1 < s.tokens.len())).count();
+        let decoding = self.running.len() - prefilling;
+        plan.pending_prefill = (prefilling + self.waiting.len()).min(self.cfg.max_num_seqs.saturating_sub(decoding));
     }
 
     fn preempt(s: &mut Sequence, kv: &mut KvCacheManager) {

@@ -49,6 +49,10 @@ pub struct StepPlan {
     pub preempted: Vec<SeqId>,
     /// Sequences that left the waiting queue for the first time this step.
     pub newly_admitted: Vec<SeqId>,
+    /// Sequences still to join the decode batch once the step has run: waiting, or with more
+    /// of their prompt (or recompute) than the next token left to compute. Adaptive k weighs a
+    /// proposer's catch-up against the batch they will make (`Speculation::next_k`).
+    pub pending_prefill: usize,
 }
 
 /// Where a sequence's valid KV ends after a step that computed `num_tokens` from `start`, once
@@ -200,6 +204,8 @@ pub(crate) struct StepJob {
     /// Prompt rows whose logprobs are computed (their logits rows come before the sequence's
     /// sampled rows).
     pub prompt_rows: Vec<PromptRows>,
+    /// The plan's `pending_prefill`.
+    pub pending_prefill: usize,
 }
 
 /// What one sampled sequence got this step. Written by the compute job (sample, propose); read by

@@ -77,7 +77,7 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     let forward_end = Instant::now();
     let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
-    let results = propose(ctx, state, items, results, &out.hidden)?;
+    let results = propose(ctx, state, items, results, &out.hidden, job.pending_prefill)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
     Ok(JobOutput { results, logprobs, prompt_logprobs, timings, _spent: (inputs, out) })
 }
@@ -275,6 +275,7 @@ fn propose(
     items: Vec<SampleItem>,
     mut results: Vec<SeqResult>,
     hidden: &[f32],
+    pending_prefill: usize,
 ) -> Result<Vec<(SeqId, SeqResult)>, String> {
     let vocab = ctx.model.config.vocab_size;
     let continuing: Vec<bool> = items
@@ -338,7 +339,12 @@ fn propose(
                 }
                 let k = if k_limit > 0 && !it.params.disable_speculation {
                     let output_len = it.tokens.len() - it.prompt_len;
-                    let catch_up = CatchUp { backlog: sp.proposer.backlog(it.seq, it.tokens.len()), first_decode: output_len <= 1, room: room[i] };
+                    let catch_up = CatchUp {
+                        backlog: sp.proposer.backlog(it.seq, it.tokens.len()),
+                        first_decode: output_len <= 1,
+                        room: room[i],
+                        batch_soon: decoding + pending_prefill,
+                    };
                     sp.next_k(it.seq, k_limit, decoding, catch_up)
                 } else {
                     0

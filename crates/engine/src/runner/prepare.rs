@@ -101,7 +101,9 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
     };
     let PreparedStep { step, plan, seqs } = p;
     let n_seqs = plan.seqs.len();
-    let mut kept = StepPlan { seqs: Vec::with_capacity(n_seqs), preempted: plan.preempted, newly_admitted: plan.newly_admitted, ..Default::default() };
+    let pending_prefill = plan.pending_prefill;
+    let mut kept =
+        StepPlan { seqs: Vec::with_capacity(n_seqs), preempted: plan.preempted, newly_admitted: plan.newly_admitted, pending_prefill, ..Default::default() };
     let mut inputs = BatchInputs {
         tokens: Vec::with_capacity(plan.total_tokens),
         slots: Vec::with_capacity(plan.total_tokens),
@@ -167,7 +169,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
         kept.total_tokens += n;
         kept.seqs.push(sch);
     }
-    (kept, StepJob { step, inputs, items, prompt_rows })
+    (kept, StepJob { step, inputs, items, prompt_rows, pending_prefill })
 }
 
 #[cfg(test)]

@@ -197,20 +197,33 @@ impl Speculation {
     /// Draft length for `seq` this step, at most `k_limit` (the batch's budget; without adaptive
     /// speculation, exactly `k_limit`), `decoding` sequences decoding in the step. `catch_up`: the
     /// sequence's tokens the proposer must process first ([`Proposer::backlog`]) and the tokens it
-    /// may still generate; at its first decode step the proposer catches up with its prompt
-    /// unconditionally (as a draft model prefilling beside the target), later only where that
-    /// repays itself ([`adaptive::catch_up_pays`]).
+    /// may still generate, and the batch expected once the waiting prompts are in; at its first
+    /// decode step the proposer catches up with its prompt (as a draft model prefilling beside
+    /// the target) unless drafting stops once that batch forms, later only where the catch-up
+    /// repays itself in that batch ([`adaptive::catch_up_pays`]).
     pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize, catch_up: CatchUp) -> usize {
         if !self.cfg.adaptive {
             return k_limit;
         }
+        let soon = catch_up.batch_soon.max(decoding);
+        let drafting_stops_soon = catch_up.batch_soon > decoding && self.batch_k_limit(soon) == 0;
         let t = tracker(&mut self.trackers, &self.global, seq);
         let k = t.next_k(k_limit, &self.cost, decoding);
-        if k == 0 || catch_up.backlog == 0 || catch_up.first_decode {
+        if k == 0 || catch_up.backlog == 0 {
+            return k;
+        }
+        // a catch-up is repaid over the steps after it, in the batch the sequences still
+        // prefilling are about to make: none where drafting stops then (a draft model fed the
+        // prompts of the first few sequences to finish their prefill, at c8, only to stop
+        // drafting once the other prompts were in)
+        if drafting_stops_soon {
+            return 0;
+        }
+        if catch_up.first_decode {
             return k;
         }
         let remaining = catch_up.room.min(adaptive::CATCH_UP_HORIZON);
-        if adaptive::catch_up_pays(t.alpha(), k, &self.cost, decoding, catch_up.backlog, remaining) {
+        if adaptive::catch_up_pays(t.alpha(), k, &self.cost, soon, catch_up.backlog, remaining) {
             k
         } else {
             0
@@ -234,6 +247,9 @@ pub(crate) struct CatchUp {
     pub first_decode: bool,
     /// Tokens it may still generate (`max_tokens` and the context allow).
     pub room: usize,
+    /// Sequences expected to decode once the prompts being prefilled are in (this step's
+    /// decoding ones and `StepPlan::pending_prefill`).
+    pub batch_soon: usize,
 }
 
 /// `seq`'s acceptance tracker, started from the engine-wide estimate on first use.
@@ -243,4 +259,32 @@ fn tracker<'a>(
     seq: crate::types::SeqId,
 ) -> &'a mut adaptive::AcceptanceTracker {
     trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::SeqId;
+
+    /// A draft model's catch-up with its prompt at a sequence's first decode: taken while the
+    /// batch it will decode in keeps drafting, skipped where the sequences still prefilling will
+    /// make a batch too large to draft for (the catch-up would be wasted).
+    #[test]
+    fn a_first_decode_catches_up_only_if_drafting_goes_on_once_the_waiting_prompts_are_in() {
+        let mut cfg = SpecConfig::new(SpecMethod::Draft, 4);
+        cfg.max_batch_for_speculation = 4;
+        let cost = cost::CostModel::linear(0.05, 0.1);
+        let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
+        let first = |batch_soon| CatchUp { backlog: 500, first_decode: true, room: 256, batch_soon };
+        let k_limit = sp.batch_k_limit(1);
+        assert!(k_limit > 0);
+        // alone, or with a batch of 4 to come: drafting goes on, the catch-up is worth it
+        assert!(sp.next_k(SeqId(1), k_limit, 1, first(1)) > 0);
+        assert!(sp.next_k(SeqId(2), k_limit, 1, first(4)) > 0);
+        // 7 prompts still prefilling: a batch of 8 drafts nothing, so no catch-up now
+        assert_eq!(sp.batch_k_limit(8), 0);
+        assert_eq!(sp.next_k(SeqId(3), k_limit, 1, first(8)), 0);
+        // nothing to catch up with (an n-gram proposer): the batch to come does not matter
+        assert!(sp.next_k(SeqId(4), k_limit, 1, CatchUp { backlog: 0, ..first(8) }) > 0);
+    }
 }
