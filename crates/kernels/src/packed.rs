@@ -49,7 +49,8 @@ pub struct PackedInt8 {
     blocks: usize,
     /// Activation blocks of 32 per row.
     act_blocks: usize,
-    bytes: Vec<u8>,
+    /// Huge-page backed when large (`buffer`).
+    bytes: crate::buffer::Buffer,
 }
 
 /// Bytes of one group block (eight rows, one block index) of `format`.
@@ -83,7 +84,7 @@ impl PackedInt8 {
         let gbb = group_block_bytes(format);
         let qoff = quants_offset(format);
         let scales = if format == WeightFormat::Q4_1 { 4 } else { 2 };
-        let mut bytes = vec![0u8; groups * blocks * gbb];
+        let mut bytes = crate::buffer::Buffer::zeroed(groups * blocks * gbb);
         let k = packed_k::handles(format);
         // each group's bytes are written from its own eight rows only: groups pack in parallel
         // (the layout, and so every result, is the same as one thread's)
@@ -678,7 +679,7 @@ mod tests {
                 assert!(part.bytes.len() < 1 << 20);
                 pieces.extend_from_slice(&part.bytes);
             }
-            assert!(big.bytes == pieces, "{f:?}");
+            assert!(big.bytes[..] == pieces[..], "{f:?}");
         }
     }
 

@@ -2,6 +2,9 @@
 //! and decode tokens/s at several batch sizes and thread counts — printed beside candle's own
 //! quantized Llama (candle-transformers, llama-family files only) and, with `--llama-bench`,
 //! llama.cpp's `llama-bench` (prefill and decode at batch 1) on the same GGUF in the same run.
+//! Decode at batch 1 is also given as a share of this machine's memory bound: the bytes a decode
+//! step reads (every weight but the embedding table's unused rows) at the read bandwidth
+//! measured in the same run.
 
 use anyhow::{Context, Result};
 use candle_core::quantized::gguf_file;
@@ -143,8 +146,10 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     };
     let llama_at = |threads: usize, p: usize, n: usize| llama.iter().find(|e| e.0 == threads && e.1 == p && e.2 == n).map(|e| e.3);
     let mut rows = Vec::new();
+    let mut bounds = Vec::new();
     for &threads in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+        bounds.push((threads, pool.install(read_bandwidth)));
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
         let candle = if candle_ok { Some(pool.install(|| candle_prefill_tps(&path, &prompt))?) } else { None };
         rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle, llama_cpp: llama_at(threads, prompt.len(), 0) });
@@ -170,6 +175,15 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         let (l, lr) = cell(r.llama_cpp, r.ours);
         println!("{:<22} {:>7} {:>14.1} {:>14} {:>8} {:>14} {:>8}", r.what, r.threads, r.ours, c, cr, l, lr);
     }
+    let per_token = decode_bytes(model, loaded.weight_bytes);
+    println!("\nmemory bound of decode batch 1: {:.2} GB read per token", per_token / 1e9);
+    println!("{:>7} {:>16} {:>12} {:>14} {:>8}", "threads", "read GB/s", "bound tok/s", "specula tok/s", "share");
+    for &(threads, bw) in &bounds {
+        let ours = rows.iter().find(|r| r.threads == threads && r.what == "decode batch 1").map(|r| r.ours);
+        let bound = bw / per_token;
+        let (o, share) = ours.map_or(("-".into(), "-".into()), |o| (format!("{o:.1}"), format!("{:.0}%", 100.0 * o / bound)));
+        println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8}", threads, bw / 1e9, bound, o, share);
+    }
     if args.verify_curve {
         println!("\nverify cost curve (one sequence, context {VERIFY_CONTEXT}, fastest of {VERIFY_ROUNDS} interleaved rounds): time of a 1 + k token step relative to a 1-token step");
         println!("{:>3} {:>8} {:>10} {:>8}", "k", "threads", "step ms", "relative");
@@ -187,6 +201,45 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
     }
     Ok(())
+}
+
+/// Bytes one decode step of one sequence reads: every weight, less the embedding table (one row
+/// of it is read) unless it is the output projection too.
+fn decode_bytes(model: &LlamaModel, weight_bytes: usize) -> f64 {
+    let embed = model.embed.rows * model.embed.row_bytes();
+    let tied = std::ptr::eq(model.embed.row(0).as_ptr(), model.lm_head.row(0).as_ptr());
+    (weight_bytes - if tied { 0 } else { embed }) as f64
+}
+
+/// Bytes read per second by the current pool's threads streaming a 1 GiB buffer (huge-page
+/// backed, as the packed weights are), each its own contiguous share: the fastest of 5 passes.
+fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    const LEN: usize = 1 << 30;
+    let mut buf = specula_kernels::buffer::Buffer::zeroed(LEN);
+    buf.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| c.fill(i as u8 | 1));
+    let share = LEN / rayon::current_num_threads();
+    let mut best = f64::MAX;
+    let mut check = 0u64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        check = check.wrapping_add(buf.par_chunks(share).map(sum_words).reduce(|| 0, u64::wrapping_add));
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(check);
+    LEN as f64 / best
+}
+
+/// Wrapping sum of the 64-bit words of `b` in eight independent lanes (vectorised by the compiler).
+fn sum_words(b: &[u8]) -> u64 {
+    let mut acc = [0u64; 8];
+    for c in b.chunks_exact(64) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let w = u64::from_ne_bytes(c[8 * j..8 * j + 8].try_into().expect("8 bytes"));
+            *a = a.wrapping_add(w);
+        }
+    }
+    acc.iter().fold(0, |x, &y| x.wrapping_add(y))
 }
 
 fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> (KvStore, Vec<Vec<u32>>) {
