@@ -230,3 +230,31 @@ fn placeholders_never_go_below_zero() {
     s.add_placeholders(1);
     s.land_placeholders(2);
 }
+
+/// `pending_prefill` counts the sequences still to join the decode batch (waiting, or with more
+/// than their next token left to compute), at most the seats `max_num_seqs` leaves beside the
+/// decoding ones, and the same whether the step before has landed (sync) or is still computing
+/// (async, planned ahead).
+#[test]
+fn pending_prefill_counts_the_sequences_about_to_join_the_decode_batch_alike_sync_and_ahead() {
+    let plan_both = |land_first: bool| {
+        let mut r = Rig::new(3, 10, 64);
+        r.add(1, 4);
+        r.add(2, 9);
+        r.add(3, 5);
+        r.add(4, 5);
+        let p1 = r.schedule();
+        // seq 1 whole and 6 tokens of seq 2; seqs 3 and 4 wait, and one seat is left for them
+        assert_eq!(shape(&p1), vec![(1, 0, 4, 0, true), (2, 0, 6, 0, false)]);
+        assert_eq!(p1.pending_prefill, 2);
+        if land_first {
+            r.land(&p1);
+        }
+        let p2 = if land_first { r.schedule() } else { r.schedule_ahead(0) };
+        // seq 1 decodes, seq 2 finishes its prompt, seq 3 takes the last seat and its first 5
+        // tokens: nothing pends but seq 4, which has no seat (3 running)
+        (shape(&p2).iter().map(|s| s.0).collect::<Vec<_>>(), p2.pending_prefill)
+    };
+    assert_eq!(plan_both(true), (vec![1, 2, 3], 0));
+    assert_eq!(plan_both(false), (vec![1, 2, 3], 0));
+}
