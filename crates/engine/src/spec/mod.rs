@@ -205,10 +205,9 @@ impl Speculation {
         if !self.cfg.adaptive {
             return k_limit;
         }
-        let soon = catch_up.batch_soon.max(decoding);
-        let drafting_stops_soon = catch_up.batch_soon > decoding && self.batch_k_limit(soon) == 0;
         let t = tracker(&mut self.trackers, &self.global, seq);
         let k = t.next_k(k_limit, &self.cost, decoding);
+        let alpha = t.alpha();
         if k == 0 || catch_up.backlog == 0 {
             return k;
         }
@@ -216,14 +215,15 @@ impl Speculation {
         // prefilling are about to make: none where drafting stops then (a draft model fed the
         // prompts of the first few sequences to finish their prefill, at c8, only to stop
         // drafting once the other prompts were in)
-        if drafting_stops_soon {
+        let soon = catch_up.batch_soon.max(decoding);
+        if soon > decoding && self.batch_k_limit(soon) == 0 {
             return 0;
         }
         if catch_up.first_decode {
             return k;
         }
         let remaining = catch_up.room.min(adaptive::CATCH_UP_HORIZON);
-        if adaptive::catch_up_pays(t.alpha(), k, &self.cost, soon, catch_up.backlog, remaining) {
+        if adaptive::catch_up_pays(alpha, k, &self.cost, soon, catch_up.backlog, remaining) {
             k
         } else {
             0
