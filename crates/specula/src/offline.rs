@@ -146,10 +146,16 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     };
     let llama_at = |threads: usize, p: usize, n: usize| llama.iter().find(|e| e.0 == threads && e.1 == p && e.2 == n).map(|e| e.3);
     let mut rows = Vec::new();
-    let mut bounds = Vec::new();
+    // the memory bound first, so its 1 GiB is gone before the model is timed
+    let stream = bandwidth_buffer();
+    let bounds = args
+        .threads
+        .iter()
+        .map(|&threads| Ok((threads, rayon::ThreadPoolBuilder::new().num_threads(threads).build()?.install(|| read_bandwidth(&stream)))))
+        .collect::<Result<Vec<_>>>()?;
+    drop(stream);
     for &threads in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-        bounds.push((threads, pool.install(read_bandwidth)));
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
         let candle = if candle_ok { Some(pool.install(|| candle_prefill_tps(&path, &prompt))?) } else { None };
         rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle, llama_cpp: llama_at(threads, prompt.len(), 0) });
@@ -211,14 +217,20 @@ fn decode_bytes(model: &LlamaModel, weight_bytes: usize) -> f64 {
     (weight_bytes - if tied { 0 } else { embed }) as f64
 }
 
-/// Bytes read per second by the current pool's threads streaming a 1 GiB buffer (huge-page
-/// backed, as the packed weights are), each its own contiguous share: the fastest of 5 passes.
-fn read_bandwidth() -> f64 {
+/// What `read_bandwidth` streams: 1 GiB, huge-page backed as the packed weights are, every page
+/// written once (so none is a shared zero page). Made once for every thread count.
+fn bandwidth_buffer() -> specula_kernels::buffer::Buffer {
     use rayon::prelude::*;
-    const LEN: usize = 1 << 30;
-    let mut buf = specula_kernels::buffer::Buffer::zeroed(LEN);
+    let mut buf = specula_kernels::buffer::Buffer::zeroed(1 << 30);
     buf.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| c.fill(i as u8 | 1));
-    let share = LEN / rayon::current_num_threads();
+    buf
+}
+
+/// Bytes read per second by the current pool's threads streaming `buf`, each its own contiguous
+/// share: the fastest of 5 passes.
+fn read_bandwidth(buf: &[u8]) -> f64 {
+    use rayon::prelude::*;
+    let share = buf.len().div_ceil(rayon::current_num_threads());
     let mut best = f64::MAX;
     let mut check = 0u64;
     for _ in 0..5 {
@@ -227,7 +239,7 @@ fn read_bandwidth() -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     std::hint::black_box(check);
-    LEN as f64 / best
+    buf.len() as f64 / best
 }
 
 /// Wrapping sum of the 64-bit words of `b` in eight independent lanes (vectorised by the compiler).
