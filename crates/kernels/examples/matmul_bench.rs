@@ -4,7 +4,8 @@
 //!
 //! For each (format, shape): one activation row against enough copies of the matrix to total
 //! ~160 MB (env BENCH_MB), rotated so the weights stream from memory as in decode (GB/s of weights), and many
-//! rows against one copy (prefill: rows x weight elements / s, "Gw/s"). Reports the median of
+//! rows against one copy (prefill: rows x weight elements / s, "Gw/s"; BENCH_ROTATE=1 streams every
+//! row count from memory). Reports the median of
 //! several rounds; on a shared machine compare builds interleaved, not across sessions.
 
 use rand::{Rng, SeedableRng};
@@ -70,6 +71,7 @@ fn main() {
         ("0.5B lm Q8_0", WeightFormat::Q8_0, 151936, 896),
         ("gate/up Q5K", WeightFormat::Q5K, 8960, 1536),
     ];
+    let rotate = std::env::var("BENCH_ROTATE").is_ok_and(|v| v == "1");
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     println!("{:<14} {:>6} {:>4} {:>10} {:>9} {:>9}", "shape", "rows", "thr", "us/call", "GB/s", "Gw/s");
     println!("(last column at 1 thread: CPU us/call of the calling thread)");
@@ -95,7 +97,9 @@ fn main() {
             for &th in &threads {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(th).build().unwrap();
                 let (per_call, cpu) = pool.install(|| {
-                    let set = if n <= 2 { &ms[..] } else { &ms[..1] };
+                    // BENCH_ROTATE=1: every row count streams its weights from memory (a verify
+                    // step of a few rows reads each layer's weights once, as decode does)
+                    let set = if n <= 2 || rotate { &ms[..] } else { &ms[..1] };
                     // calls per round: ~30 ms of work
                     let mut calls = 1usize;
                     let mut times = Vec::new();

@@ -262,6 +262,8 @@ pub(crate) mod x86 {
         /// vectors' products fit: 16 x 15 x 127 = 30480) that `finish4` turns into i32 sums.
         unsafe fn dot2_q4(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
         unsafe fn finish4(acc: __m256i) -> __m256i;
+        /// `acc` plus the i16 pair products of `a` and `b` summed per i32 lane (exact).
+        unsafe fn madd_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
     }
     struct Avx2;
     struct Vnni;
@@ -281,6 +283,10 @@ pub(crate) mod x86 {
         unsafe fn finish4(acc: __m256i) -> __m256i {
             _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
         }
+        #[inline(always)]
+        unsafe fn madd_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+            _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+        }
     }
     impl Dot for Vnni {
         const Q6K_SHARED_UNPACK: usize = 2;
@@ -295,6 +301,10 @@ pub(crate) mod x86 {
         #[inline(always)]
         unsafe fn finish4(acc: __m256i) -> __m256i {
             acc
+        }
+        #[inline(always)]
+        unsafe fn madd_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+            _mm256_dpwssd_epi32(acc, a, b)
         }
     }
 
@@ -320,6 +330,36 @@ pub(crate) mod x86 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
     }
 
+    /// Q6_K's scales of one activation block (sub-blocks `s` and `s + 1` of a super-block) for
+    /// the eight rows: as i32 lanes, and as the i16 pair (-32 sc_0, -32 sc_1) of each lane.
+    struct Q6kScales {
+        sc0: __m256i,
+        sc1: __m256i,
+        neg32: __m256i,
+    }
+
+    impl Q6kScales {
+        #[inline(always)]
+        unsafe fn load(sc: *const u8, s: usize) -> Self {
+            let sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * s) as *const __m128i));
+            let sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * s + 8) as *const __m128i));
+            let pair = _mm256_or_si256(_mm256_and_si256(sc0, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(sc1));
+            // -32 sc fits i16 (|sc| <= 128)
+            let neg32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16::<5>(pair));
+            Self { sc0, sc1, neg32 }
+        }
+
+        /// The block's exact integer total `sc_0 (s_0 - 32 A_0) + sc_1 (s_1 - 32 A_1)` from the
+        /// halves' quant sums `s0`, `s1` and the activations' half sums `A` (`BlockQ8::h`, one
+        /// 32-bit broadcast for both): `sc_0 s_0 + sc_1 s_1 + (-32 sc_0) A_0 + (-32 sc_1) A_1`.
+        #[inline(always)]
+        unsafe fn total<D: Dot>(&self, s0: __m256i, s1: __m256i, a: &BlockQ8) -> __m256i {
+            let hs = _mm256_set1_epi32((a.h.as_ptr() as *const i32).read_unaligned());
+            let t = _mm256_add_epi32(_mm256_mullo_epi32(self.sc0, s0), _mm256_mullo_epi32(self.sc1, s1));
+            D::madd_add(t, self.neg32, hs)
+        }
+    }
+
     const Q5_0: u8 = 0;
     const Q5_1: u8 = 1;
     const Q4K: u8 = 2;
@@ -341,16 +381,19 @@ pub(crate) mod x86 {
     unsafe fn group_impl<D: Dot, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         let gbb = group_block_bytes(format_of(F));
         debug_assert!(group.len() >= blocks * gbb);
-        // how far ahead to prefetch: at least one group block; where prefetching ahead slowed a
-        // weight stream from memory (`CpuFeatures::sw_prefetch`, one or two rows) none, except
-        // that Q6_K touches each of its block's lines as it starts the block (1 row, down
-        // 1536x8960 and lm_head 151936x1536: 25-28% less CPU than one block ahead)
-        let far = N > 2 || crate::cpu::features().sw_prefetch;
+        // how far ahead to prefetch: one group block (at least 1 KB) where that pays, else none,
+        // except that Q6_K touches each of its block's lines as it starts the block.
+        // - `CpuFeatures::sw_prefetch` CPUs: always.
+        // - Elsewhere (Zen 4) prefetching ahead slowed weights streamed from memory at few
+        //   activation rows and sped them up at many (matmul_bench, BENCH_ROTATE=1, 1 and 2
+        //   threads): Q4_K gate/up 1.5x slower at 3 rows, even at 5, 1.2-1.3x faster at 8;
+        //   Q6_K down 1.05x faster at 5 rows, 1.3x at 8. The Q6_K touch: 1 row, down and
+        //   lm_head, 25-28% less CPU than one block ahead.
+        let far = crate::cpu::features().sw_prefetch || N >= if F == Q6K { 5 } else { 6 };
         let ahead = if far { gbb.max(1024) } else { 0 };
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let b16 = _mm256_set1_epi8(0x10);
-        let b48 = _mm256_set1_epi8(0x30);
         let sign = _mm256_set1_ps(-0.0);
         let mut acc = [_mm256_setzero_ps(); N];
         let prefetch = far || F == Q6K;
@@ -441,88 +484,30 @@ pub(crate) mod x86 {
                     // few activation rows: each ql / qh vector is loaded and unpacked once for
                     // the four activation blocks it serves (the same integer sums, the same
                     // float steps in the same order as below)
-                    let ql = blk.add(off::Q6K_QL);
-                    let qh = blk.add(off::Q6K_QH);
-                    let sc = blk.add(off::Q6K_SC);
                     for h in 0..2 {
-                        let mut tot = [[_mm256_setzero_si256(); N]; 4];
-                        for sub in 0..2 {
-                            let mut s = [[_mm256_setzero_si256(); N]; 4];
-                            for v in (4 * sub..4 * sub + 4).step_by(2) {
-                                let mut w = [[_mm256_setzero_si256(); 4]; 2];
-                                for (e, w) in w.iter_mut().enumerate() {
-                                    let la = vec(ql, 16 * h + v + e);
-                                    let lb = vec(ql, 16 * h + 8 + v + e);
-                                    let hb = vec(qh, 8 * h + v + e);
-                                    w[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(hb), b48));
-                                    w[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(hb), b48));
-                                    w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), _mm256_and_si256(hb, b48));
-                                    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), _mm256_and_si256(_mm256_srli_epi16::<2>(hb), b48));
-                                }
-                                for i in 0..4 {
-                                    for n in 0..N {
-                                        let ap = acts[n].get_unchecked(8 * b + 4 * h + i).qs.as_ptr();
-                                        s[i][n] = D::dot2(s[i][n], w[0][i], bcast4(ap.add(4 * v)), w[1][i], bcast4(ap.add(4 * v + 4)));
-                                    }
-                                }
-                            }
-                            for i in 0..4 {
-                                let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * (8 * h + 2 * i + sub)) as *const __m128i));
-                                for n in 0..N {
-                                    let a32 = _mm256_set1_epi32(32 * acts[n].get_unchecked(8 * b + 4 * h + i).h[sub] as i32);
-                                    tot[i][n] = _mm256_add_epi32(tot[i][n], _mm256_mullo_epi32(scv, _mm256_sub_epi32(s[i][n], a32)));
-                                }
-                            }
-                        }
-                        for (i, tot) in tot.iter().enumerate() {
+                        let a: [[*const i8; N]; 4] = std::array::from_fn(|i| std::array::from_fn(|n| acts[n].get_unchecked(8 * b + 4 * h + i).qs.as_ptr()));
+                        let mut s0 = [[_mm256_setzero_si256(); N]; 4];
+                        q6k_shared_pair::<D, N>(blk, h, 0, &a, &mut s0);
+                        q6k_shared_pair::<D, N>(blk, h, 2, &a, &mut s0);
+                        let mut s1 = [[_mm256_setzero_si256(); N]; 4];
+                        q6k_shared_pair::<D, N>(blk, h, 4, &a, &mut s1);
+                        q6k_shared_pair::<D, N>(blk, h, 6, &a, &mut s1);
+                        for i in 0..4 {
+                            let scales = Q6kScales::load(blk.add(off::Q6K_SC), 8 * h + 2 * i);
                             for n in 0..N {
                                 let ab = acts[n].get_unchecked(8 * b + 4 * h + i);
-                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot[n]), acc[n]);
+                                let tot = scales.total::<D>(s0[i][n], s1[i][n], ab);
+                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot), acc[n]);
                             }
                         }
                     }
                 }
                 _ => {
-                    let ql = blk.add(off::Q6K_QL);
-                    let qh = blk.add(off::Q6K_QH);
-                    let sc = blk.add(off::Q6K_SC);
                     for h in 0..2 {
-                        for i in 0..4 {
-                            let k = 8 * b + 4 * h + i;
-                            let mut tot = [_mm256_setzero_si256(); N];
-                            for sub in 0..2 {
-                                let mut s = [_mm256_setzero_si256(); N];
-                                for v in (4 * sub..4 * sub + 4).step_by(2) {
-                                    let mut w = [_mm256_setzero_si256(); 2];
-                                    for (e, w) in w.iter_mut().enumerate() {
-                                        let l = vec(ql, 16 * h + 8 * (i & 1) + v + e);
-                                        let l = if i < 2 { _mm256_and_si256(l, m4) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(l), m4) };
-                                        let hb = vec(qh, 8 * h + v + e);
-                                        // bits 2i, 2i + 1 of each qh byte to bits 4, 5
-                                        let hb = match i {
-                                            0 => _mm256_slli_epi16::<4>(hb),
-                                            1 => _mm256_slli_epi16::<2>(hb),
-                                            2 => hb,
-                                            _ => _mm256_srli_epi16::<2>(hb),
-                                        };
-                                        *w = _mm256_or_si256(l, _mm256_and_si256(hb, b48));
-                                    }
-                                    for n in 0..N {
-                                        let ap = acts[n].get_unchecked(k).qs.as_ptr();
-                                        s[n] = D::dot2(s[n], w[0], bcast4(ap.add(4 * v)), w[1], bcast4(ap.add(4 * v + 4)));
-                                    }
-                                }
-                                let scv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.add(8 * (8 * h + 2 * i + sub)) as *const __m128i));
-                                for n in 0..N {
-                                    let a32 = _mm256_set1_epi32(32 * acts[n].get_unchecked(k).h[sub] as i32);
-                                    tot[n] = _mm256_add_epi32(tot[n], _mm256_mullo_epi32(scv, _mm256_sub_epi32(s[n], a32)));
-                                }
-                            }
-                            for n in 0..N {
-                                let ab = acts[n].get_unchecked(k);
-                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot[n]), acc[n]);
-                            }
-                        }
+                        q6k_act_block::<D, N, 0>(blk, b, h, d, &acts, &mut acc);
+                        q6k_act_block::<D, N, 1>(blk, b, h, d, &acts, &mut acc);
+                        q6k_act_block::<D, N, 2>(blk, b, h, d, &acts, &mut acc);
+                        q6k_act_block::<D, N, 3>(blk, b, h, d, &acts, &mut acc);
                     }
                 }
             }
@@ -530,6 +515,80 @@ pub(crate) mod x86 {
         for n in 0..N {
             // SAFETY: the caller gives N pointers to eight writable floats each.
             _mm256_storeu_ps(dst[n], acc[n]);
+        }
+    }
+
+    /// Q6_K weight vector `u` of half `h` unpacked for activation block `4h + I`: its 6-bit quants
+    /// (the low or high nibble of `ql`, bits `2I, 2I + 1` of `qh` moved to bits 4, 5).
+    #[inline(always)]
+    unsafe fn q6k_unpack<const I: usize>(blk: *const u8, h: usize, u: usize) -> __m256i {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let l = vec(blk.add(off::Q6K_QL), 16 * h + 8 * (I & 1) + u);
+        let l = if I < 2 { _mm256_and_si256(l, m4) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(l), m4) };
+        let hb = vec(blk.add(off::Q6K_QH), 8 * h + u);
+        let hb = match I {
+            0 => _mm256_slli_epi16::<4>(hb),
+            1 => _mm256_slli_epi16::<2>(hb),
+            2 => hb,
+            _ => _mm256_srli_epi16::<2>(hb),
+        };
+        _mm256_or_si256(l, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)))
+    }
+
+    /// Q6_K with few activation rows: weight vectors `v, v + 1` of half `h`, each unpacked once for
+    /// the four activation blocks `4h + i` it serves, added to `s[i][n]` (`a[i][n]`: block
+    /// `4h + i`'s quants of activation row `n`).
+    #[inline(always)]
+    unsafe fn q6k_shared_pair<D: Dot, const N: usize>(blk: *const u8, h: usize, v: usize, a: &[[*const i8; N]; 4], s: &mut [[__m256i; N]; 4]) {
+        let w0 = [q6k_unpack::<0>(blk, h, v), q6k_unpack::<1>(blk, h, v), q6k_unpack::<2>(blk, h, v), q6k_unpack::<3>(blk, h, v)];
+        let w1 = [q6k_unpack::<0>(blk, h, v + 1), q6k_unpack::<1>(blk, h, v + 1), q6k_unpack::<2>(blk, h, v + 1), q6k_unpack::<3>(blk, h, v + 1)];
+        for i in 0..4 {
+            for n in 0..N {
+                s[i][n] = D::dot2(s[i][n], w0[i], bcast4(a[i][n].add(4 * v)), w1[i], bcast4(a[i][n].add(4 * v + 4)));
+            }
+        }
+    }
+
+    /// Q6_K's quant sums of one half (16 elements: weight vectors `v0..v0 + 4`) of activation
+    /// block `4h + I` against each activation row's `a[n]` (that block's quants).
+    #[inline(always)]
+    unsafe fn q6k_half<D: Dot, const N: usize, const I: usize>(blk: *const u8, h: usize, v0: usize, a: &[*const i8; N]) -> [__m256i; N] {
+        let w = [q6k_unpack::<I>(blk, h, v0), q6k_unpack::<I>(blk, h, v0 + 1), q6k_unpack::<I>(blk, h, v0 + 2), q6k_unpack::<I>(blk, h, v0 + 3)];
+        let mut s = [_mm256_setzero_si256(); N];
+        for n in 0..N {
+            let p = a[n].add(4 * v0);
+            s[n] = D::dot2(s[n], w[0], bcast4(p), w[1], bcast4(p.add(4)));
+            s[n] = D::dot2(s[n], w[2], bcast4(p.add(8)), w[3], bcast4(p.add(12)));
+        }
+        s
+    }
+
+    /// Q6_K with many activation rows: activation block `4h + I` of super-block `b` (each weight
+    /// vector unpacked once for all N rows) added to `acc`. `I` is a constant so that the nibble
+    /// and bit selection are fixed shifts and every accumulator stays in a register (a loop over
+    /// `I` was compiled with the sums on the stack).
+    #[inline(always)]
+    unsafe fn q6k_act_block<D: Dot, const N: usize, const I: usize>(
+        blk: *const u8,
+        b: usize,
+        h: usize,
+        d: __m256,
+        acts: &[&[BlockQ8]; N],
+        acc: &mut [__m256; N],
+    ) {
+        let k = 8 * b + 4 * h + I;
+        let a: [*const i8; N] = std::array::from_fn(|n| acts[n].get_unchecked(k).qs.as_ptr());
+        // each activation block loads its weight vectors afresh (from L1): without the barrier
+        // the compiler keeps the vectors two or four blocks share live across them, spills them
+        // and streams the weights from memory at half the speed (lm_head, 3 rows)
+        let blk = std::hint::black_box(blk);
+        let s0 = q6k_half::<D, N, I>(blk, h, 0, &a);
+        let s1 = q6k_half::<D, N, I>(blk, h, 4, &a);
+        let scales = Q6kScales::load(blk.add(off::Q6K_SC), 8 * h + 2 * I);
+        for n in 0..N {
+            let ab = acts[n].get_unchecked(k);
+            let tot = scales.total::<D>(s0[n], s1[n], ab);
+            acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot), acc[n]);
         }
     }
 
