@@ -5,8 +5,8 @@
 //! For each (format, shape): one activation row against enough copies of the matrix to total
 //! ~160 MB (env BENCH_MB), rotated so the weights stream from memory as in decode (GB/s of weights), and many
 //! rows against one copy (prefill: rows x weight elements / s, "Gw/s"; BENCH_ROTATE=1 streams every
-//! row count from memory). Reports the median of
-//! several rounds; on a shared machine compare builds interleaved, not across sessions.
+//! row count from memory). Reports the median of several rounds; on a shared machine compare
+//! builds interleaved, not across sessions.
 
 use rand::{Rng, SeedableRng};
 use specula_kernels::matmul::{matmul, MatmulInput};

@@ -349,14 +349,16 @@ pub(crate) mod x86 {
             Self { sc0, sc1, neg32 }
         }
 
-        /// The block's exact integer total `sc_0 (s_0 - 32 A_0) + sc_1 (s_1 - 32 A_1)` from the
-        /// halves' quant sums `s0`, `s1` and the activations' half sums `A` (`BlockQ8::h`, one
-        /// 32-bit broadcast for both): `sc_0 s_0 + sc_1 s_1 + (-32 sc_0) A_0 + (-32 sc_1) A_1`.
+        /// `acc` plus the block: `fma(d * d_a, tot, acc)` with the exact integer total
+        /// `tot = sc_0 (s_0 - 32 A_0) + sc_1 (s_1 - 32 A_1)` from the halves' quant sums `s0`,
+        /// `s1` and the activations' half sums `A` (`BlockQ8::h`, one 32-bit broadcast for both),
+        /// computed as `sc_0 s_0 + sc_1 s_1 + (-32 sc_0) A_0 + (-32 sc_1) A_1`.
         #[inline(always)]
-        unsafe fn total<D: Dot>(&self, s0: __m256i, s1: __m256i, a: &BlockQ8) -> __m256i {
+        unsafe fn add_block<D: Dot>(&self, acc: __m256, d: __m256, s0: __m256i, s1: __m256i, a: &BlockQ8) -> __m256 {
             let hs = _mm256_set1_epi32((a.h.as_ptr() as *const i32).read_unaligned());
             let t = _mm256_add_epi32(_mm256_mullo_epi32(self.sc0, s0), _mm256_mullo_epi32(self.sc1, s1));
-            D::madd_add(t, self.neg32, hs)
+            let tot = D::madd_add(t, self.neg32, hs);
+            _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(tot), acc)
         }
     }
 
@@ -495,9 +497,7 @@ pub(crate) mod x86 {
                         for i in 0..4 {
                             let scales = Q6kScales::load(blk.add(off::Q6K_SC), 8 * h + 2 * i);
                             for n in 0..N {
-                                let ab = acts[n].get_unchecked(8 * b + 4 * h + i);
-                                let tot = scales.total::<D>(s0[i][n], s1[i][n], ab);
-                                acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot), acc[n]);
+                                acc[n] = scales.add_block::<D>(acc[n], d, s0[i][n], s1[i][n], acts[n].get_unchecked(8 * b + 4 * h + i));
                             }
                         }
                     }
@@ -586,9 +586,7 @@ pub(crate) mod x86 {
         let s1 = q6k_half::<D, N, I>(blk, h, 4, &a);
         let scales = Q6kScales::load(blk.add(off::Q6K_SC), 8 * h + 2 * I);
         for n in 0..N {
-            let ab = acts[n].get_unchecked(k);
-            let tot = scales.total::<D>(s0[n], s1[n], ab);
-            acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(ab.d)), _mm256_cvtepi32_ps(tot), acc[n]);
+            acc[n] = scales.add_block::<D>(acc[n], d, s0[n], s1[n], acts[n].get_unchecked(k));
         }
     }
 
