@@ -9,6 +9,7 @@ pub mod attention;
 pub mod buffer;
 pub mod cpu;
 pub mod dot;
+pub mod exp;
 pub mod formats;
 pub mod logits;
 pub mod matmul;

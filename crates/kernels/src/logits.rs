@@ -3,12 +3,13 @@
 //! because it is what scoring a prompt costs besides the lm_head (every prompt row, a
 //! 151 936-wide row on Qwen): written as eight independent lanes, so the compiler vectorises it
 //! (SSE2 everywhere, AVX2 where the CPU has it, chosen at run time), with one polynomial `exp`
-//! instead of a libm call per logit. The lanes and the order of every addition are fixed, so the
+//! (`crate::exp`) instead of a libm call per logit. The lanes and the order of every addition are fixed, so the
 //! result is the same bits on every path and for every thread count.
 //!
 //! Logits are read "cleaned": NaN as -inf (probability 0) and +inf as `f32::MAX`.
 
 use crate::cpu::features;
+use crate::exp::exp;
 
 const LANES: usize = 8;
 /// Elements summed in f32 lanes before the lanes are added into the f64 total (bounds the f32
@@ -22,36 +23,6 @@ pub fn clean(x: f32) -> f32 {
         f32::NEG_INFINITY
     } else {
         x.min(f32::MAX)
-    }
-}
-
-/// `exp(x)` for `x <= 0` (Cephes' single-precision polynomial, about 1 ulp), 0 below -87.3 and
-/// for -inf. Branch-free, so a loop of it vectorises.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    // round(x / ln 2) by the 1.5 * 2^23 trick (no SSE4.1 rounding needed)
-    const MAGIC: f32 = 12_582_912.0;
-    let xc = x.max(-87.0);
-    let t = xc * LOG2E + MAGIC;
-    let n = t - MAGIC;
-    let r = xc - n * C1 - n * C2;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    p = p * r * r + r + 1.0;
-    // 2^n from the exponent bits (n in [-126, 0] here)
-    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let scale = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-    if x < -87.0 {
-        0.0
-    } else {
-        p * scale
     }
 }
 
@@ -123,11 +94,11 @@ fn exp_sum_lanes(row: &[f32], max: f32) -> f64 {
         let tail = chunks.remainder();
         for c in chunks {
             for l in 0..LANES {
-                acc[l] += exp_nonpositive(clean(c[l]) - max);
+                acc[l] += exp(clean(c[l]) - max);
             }
         }
         for &x in tail {
-            acc[0] += exp_nonpositive(clean(x) - max);
+            acc[0] += exp(clean(x) - max);
         }
         total += acc.iter().map(|&a| f64::from(a)).sum::<f64>();
     }
@@ -137,20 +108,6 @@ fn exp_sum_lanes(row: &[f32], max: f32) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_polynomial_exp_is_within_two_ulp_of_libm() {
-        let mut x = -87.0f32;
-        while x <= 0.0 {
-            let want = x.exp();
-            let got = exp_nonpositive(x);
-            assert!((got - want).abs() <= 2.0 * f32::EPSILON * want.max(f32::MIN_POSITIVE), "exp({x}) = {got}, libm {want}");
-            x += 0.0137;
-        }
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_nonpositive(-100.0), 0.0);
-    }
 
     fn row(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed;

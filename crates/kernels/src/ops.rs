@@ -2,6 +2,8 @@
 //! embedding, SiLU- and GELU-gated multiply, bias and residual add, softmax. Row-local, so
 //! batch-invariant.
 
+use crate::exp::Gate;
+
 /// out = x / rms(x) * weight, per row of `weight.len()` elements.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
@@ -82,18 +84,37 @@ impl Rope {
 
 /// out[i] = silu(gate[i]) * up[i]
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
-    }
+    gate_mul_parallel(Gate::Silu, gate, up, out);
 }
 
 /// out[i] = gelu(gate[i]) * up[i], GELU in its tanh approximation (ggml_gelu; Gemma's
 /// `gelu_pytorch_tanh`): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
 pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = 0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)).tanh()) * u;
+    gate_mul_parallel(Gate::GeluTanh, gate, up, out);
+}
+
+/// Elements per task of a gated activation; a multiple of the eight SIMD lanes, so every element
+/// goes through the same path whatever the split.
+const GATE_CHUNK: usize = 8192;
+
+/// A prompt's or a verify step's rows are shared by the pool (serial, the other core waited);
+/// one decode row is not worth waking it.
+fn gate_mul_parallel(kind: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == up.len() && up.len() == out.len(), "gated activation: buffers of different lengths");
+    if out.len() < 4 * GATE_CHUNK {
+        return crate::exp::gate_mul(kind, gate, up, out);
     }
+    struct Out(*mut f32);
+    // SAFETY: each task writes its own chunk of `out` only.
+    unsafe impl Sync for Out {}
+    let (n, o) = (out.len(), Out(out.as_mut_ptr()));
+    crate::pool::parallel_for(n.div_ceil(GATE_CHUNK), &|c| {
+        let (a, b) = (c * GATE_CHUNK, ((c + 1) * GATE_CHUNK).min(n));
+        let o = &o;
+        // SAFETY: chunks are disjoint and within `out`, which outlives the loop.
+        let dst = unsafe { std::slice::from_raw_parts_mut(o.0.add(a), b - a) };
+        crate::exp::gate_mul(kind, &gate[a..b], &up[a..b], dst);
+    });
 }
 
 /// x += y
@@ -103,16 +124,9 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// In-place numerically stable softmax.
+/// In-place numerically stable softmax (see [`crate::exp::softmax`]).
 pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v *= inv);
+    crate::exp::softmax(x)
 }
 
 #[cfg(test)]
