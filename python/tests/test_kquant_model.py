@@ -9,11 +9,19 @@ bytes); `test_hand_encoders_round_trip_through_gguf_py` checks those encoders ag
 dequantization.
 
 Measured (re-encoded SmolLM2-135M, the six prompts): the engine's max|d| 1.35-2.74, mean|d|
-0.16-0.29, KL mean <= 0.0089, KL max <= 0.14, top-1 agreement 0.889-1.0 with every differing top-1
+0.15-0.29, KL mean <= 0.0132, KL max <= 0.183, top-1 agreement 0.889-1.0 with every differing top-1
 within 0.47 of the reference's best. The reference with 8-bit activations simulated, against the
 exact reference, on the same model: top-1 agreement 0.900 (non_latin), 0.953 (chat), mean|d| up to
 0.256, max|d| up to 2.34 -- this model sits nearer ties than the Q4_1 one, so the top-1 agreement
-floor here is 0.85 instead of 0.90; every other limit is test_logits_oracle's.
+floor here is 0.85 instead of 0.90.
+
+The worst single position is fragile too. The simulated reference with a two-ulp jitter on every
+activation before its 8-bit rounding (four seeds; what changing an exp or a summation order in
+the engine amounts to) reaches KL max 0.115-0.171 on chat and 0.017-0.174 on english, and two
+engine builds that differ only that way measured 0.092 and 0.183 at one position of chat. So the
+KL max limit here is 0.25 instead of 0.15 (the rope-theta bug of test_logits_oracle gives
+0.29-1.6 and fails its mean|d| and KL-mean limits, which stay); every other limit is
+test_logits_oracle's.
 """
 
 import numpy as np
@@ -174,5 +182,6 @@ def test_requantized_model_logits_match_reference(kq_model, specula_bin, tmp_pat
     for name, p, got in zip(names, ids, got_all):
         ref = lo.reference_logits(kq_model, tuple(p))
         # the Q4_1 model's limits, with the top-1 floor this re-encoding measured (0.889 on one prompt;
-        # the reference with simulated 8-bit activations agrees only 0.900 here)
-        lo.compare(name, got, ref, {**lo.LIMITS, "top1_min": 0.85})
+        # the reference with simulated 8-bit activations agrees only 0.900 here) and the KL max of
+        # its rounding envelope (see the module docstring)
+        lo.compare(name, got, ref, {**lo.LIMITS, "top1_min": 0.85, "kl_max": 0.25})
