@@ -93,27 +93,45 @@ pub(crate) fn gate_mul(kind: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     gate_mul_lanes(kind, gate, up, out)
 }
 
-/// Eight partial sums, element i into lane i % 8, combined in a fixed order.
+/// `x[i] = exp(x[i] - max)`, then their sum in eight partial sums (element i into lane i % 8)
+/// combined in a fixed order. Two loops, not one: the compiler vectorises a plain loop of `exp`,
+/// not one fused with the lane sums.
 #[inline(always)]
 fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
+    x.iter_mut().for_each(|v| *v = exp(*v - max));
+    lane_sum(x)
+}
+
+/// Sum in eight partial sums (element i into lane i % 8), combined in a fixed order.
+#[inline(always)]
+fn lane_sum(x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
-    let mut chunks = x.chunks_exact_mut(8);
-    for c in &mut chunks {
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
         for l in 0..8 {
-            c[l] = exp(c[l] - max);
             acc[l] += c[l];
         }
     }
-    for (l, v) in chunks.into_remainder().iter_mut().enumerate() {
-        *v = exp(*v - max);
-        acc[l] += *v;
+    for (l, &v) in tail.iter().enumerate() {
+        acc[l] += v;
     }
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
 #[inline(always)]
 fn softmax_lanes(x: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    // the maximum in eight lanes too (a single running max is a serial chain of dependent
+    // compares; max is exact, so the lanes give the same value)
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] = lanes[l].max(c[l]);
+        }
+    }
+    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let inv = 1.0 / exp_shifted_sum(x, max);
     x.iter_mut().for_each(|v| *v *= inv);
 }

@@ -87,18 +87,21 @@ unsafe fn exp_sum_avx2(row: &[f32], max: f32) -> f64 {
 #[inline(always)]
 fn exp_sum_lanes(row: &[f32], max: f32) -> f64 {
     let mut total = 0f64;
-    let blocks = row.chunks(BLOCK);
-    for b in blocks {
+    let mut buf = [0f32; BLOCK];
+    for b in row.chunks(BLOCK) {
+        // the exps in a plain loop (which the compiler vectorises), then their lane sums
+        let e = &mut buf[..b.len()];
+        e.iter_mut().zip(b).for_each(|(o, &x)| *o = exp(clean(x) - max));
         let mut acc = [0f32; LANES];
-        let chunks = b.chunks_exact(LANES);
+        let chunks = e.chunks_exact(LANES);
         let tail = chunks.remainder();
         for c in chunks {
             for l in 0..LANES {
-                acc[l] += exp(clean(c[l]) - max);
+                acc[l] += c[l];
             }
         }
         for &x in tail {
-            acc[0] += exp(clean(x) - max);
+            acc[0] += x;
         }
         total += acc.iter().map(|&a| f64::from(a)).sum::<f64>();
     }
