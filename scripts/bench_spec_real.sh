@@ -13,6 +13,9 @@
 # DRAFT_VOCAB=N: --draft-vocab-size N for specula's draft (0: its whole vocabulary; default 32768).
 # K_NGRAM / K_DRAFT: most draft tokens per step (specula's adaptive k picks fewer when its
 # measured cost model says so; llama-server drafts up to them).
+# ROUNDS=N: the whole sequence of runs N times (results in OUTDIR/rN). The host's memory bandwidth
+# moves within minutes and the unspeculated decode moves with it, so each round's speed-ups are
+# taken against that round's own baseline, and the last table gives their medians.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-target/bench-spec}
@@ -46,40 +49,57 @@ server_cmd() {
   esac
 }
 
-for run in $RUNS; do
-  case $run in llama-*) [ -n "${LLAMA_SERVER:-}" ] || { echo "== $run skipped (LLAMA_SERVER not set)"; continue; } ;; esac
-  for c in $CONC; do
-    name="$run-c$c"
-    echo "== $name (load average $(cut -d' ' -f1-3 /proc/loadavg))"
-    # shellcheck disable=SC2046
-    $(server_cmd "$run") >"$OUT/$name.server.log" 2>&1 &
-    pid=$!
-    if ! wait_up; then echo "   server did not come up (see $OUT/$name.server.log)"; kill "$pid"; wait "$pid"; continue; fi
-    BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --dataset file --dataset-path "$DATA" --no-progress --temperature 0)
-    "${BENCH[@]}" --num-prompts 2 --max-concurrency 2 --seed 1 >/dev/null 2>&1 # warm-up
-    "${BENCH[@]}" --num-prompts "$N" --max-concurrency "$c" --seed 0 --label "$name" --output-json "$OUT/$name.json" >"$OUT/$name.bench.txt" 2>&1
-    kill -INT "$pid"; wait "$pid"
+ROUNDS=${ROUNDS:-1}
+for round in $(seq 1 "$ROUNDS"); do
+  dir=$OUT/r$round
+  mkdir -p "$dir"
+  for run in $RUNS; do
+    case $run in llama-*) [ -n "${LLAMA_SERVER:-}" ] || { echo "== $run skipped (LLAMA_SERVER not set)"; continue; } ;; esac
+    for c in $CONC; do
+      name="$run-c$c"
+      echo "== round $round $name (load average $(cut -d' ' -f1-3 /proc/loadavg))"
+      # shellcheck disable=SC2046
+      $(server_cmd "$run") >"$dir/$name.server.log" 2>&1 &
+      pid=$!
+      if ! wait_up; then echo "   server did not come up (see $dir/$name.server.log)"; kill "$pid"; wait "$pid"; continue; fi
+      BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --dataset file --dataset-path "$DATA" --no-progress --temperature 0)
+      "${BENCH[@]}" --num-prompts 2 --max-concurrency 2 --seed 1 >/dev/null 2>&1 # warm-up
+      "${BENCH[@]}" --num-prompts "$N" --max-concurrency "$c" --seed 0 --label "$name" --output-json "$dir/$name.json" >"$dir/$name.bench.txt" 2>&1
+      kill -INT "$pid"; wait "$pid"
+    done
   done
 done
 
-python3 - "$OUT" $RUNS <<'PY'
-import json, sys, pathlib
-out, runs = pathlib.Path(sys.argv[1]), sys.argv[2:]
-rows = {}
-for f in sorted(out.glob("*.json")):
-    d = json.loads(f.read_text())
-    for r in d["results"]:
-        rows[(d["label"].rsplit("-c", 1)[0], r["max_concurrency"])] = r
-print(f"\n{'server':<16} {'conc':>4} {'ok':>4} {'tok/s':>7} {'TPOT ms':>8} {'speed-up':>8} {'accept':>7} {'acc.len':>7}")
-for run in runs:
-    for (name, c), r in sorted(rows.items(), key=lambda kv: kv[0][1]):
-        if name != run:
-            continue
-        base = rows.get((name.split("-")[0] + "-none", c))
-        up = f"{r['output_throughput'] / base['output_throughput']:.2f}x" if base and base["output_throughput"] else "-"
-        s = r.get("spec_decode_metrics") or r.get("spec_decode") or {}
-        acc = s.get("acceptance_rate")
-        alen = s.get("mean_acceptance_length")
-        f = lambda v, p: "-" if v is None else f"{v:.{p}f}"
-        print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {up:>8} {f(acc, 3):>7} {f(alen, 2):>7}")
+python3 - "$OUT" "$ROUNDS" $RUNS <<'PY'
+import json, sys, pathlib, statistics
+out, rounds, runs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+f = lambda v, p: "-" if v is None else f"{v:.{p}f}"
+ups = {}
+for rnd in range(1, rounds + 1):
+    rows = {}
+    for p in sorted((out / f"r{rnd}").glob("*.json")):
+        d = json.loads(p.read_text())
+        for r in d["results"]:
+            rows[(d["label"].rsplit("-c", 1)[0], r["max_concurrency"])] = r
+    print(f"\n{'round ' + str(rnd) if rounds > 1 else ''}")
+    print(f"{'server':<16} {'conc':>4} {'ok':>4} {'tok/s':>7} {'TPOT ms':>8} {'speed-up':>8} {'accept':>7} {'acc.len':>7}")
+    for run in runs:
+        for (name, c), r in sorted(rows.items(), key=lambda kv: kv[0][1]):
+            if name != run:
+                continue
+            base = rows.get((name.split("-")[0] + "-none", c))
+            up = r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None
+            ups.setdefault((name, c), []).append((r["output_throughput"], up))
+            s = r.get("spec_decode_metrics") or r.get("spec_decode") or {}
+            print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {f(up, 2) + 'x' if up else '-':>8} {f(s.get('acceptance_rate'), 3):>7} {f(s.get('mean_acceptance_length'), 2):>7}")
+if rounds > 1:
+    print(f"\nmedians over {rounds} rounds (speed-up: the median of each round's against its own baseline)")
+    print(f"{'server':<16} {'conc':>4} {'tok/s':>7} {'speed-up':>8}  per round")
+    for run in runs:
+        for (name, c), v in sorted(ups.items(), key=lambda kv: kv[0][1]):
+            if name != run:
+                continue
+            us = [u for _, u in v if u is not None]
+            med = f(statistics.median(us), 2) + "x" if us else "-"
+            print(f"{name:<16} {c:>4} {statistics.median(t for t, _ in v):>7.1f} {med:>8}  {' '.join(f(u, 2) for u in us)}")
 PY
