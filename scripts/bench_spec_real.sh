@@ -74,6 +74,8 @@ python3 - "$OUT" "$ROUNDS" $RUNS <<'PY'
 import json, sys, pathlib, statistics
 out, rounds, runs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 f = lambda v, p: "-" if v is None else f"{v:.{p}f}"
+# (name, conc, value) of a {(name, conc): value} dict, in the order of `runs`, then by concurrency
+ordered = lambda d: [(n, c, v) for run in runs for (n, c), v in sorted(d.items(), key=lambda kv: kv[0][1]) if n == run]
 ups = {}
 for rnd in range(1, rounds + 1):
     rows = {}
@@ -83,23 +85,17 @@ for rnd in range(1, rounds + 1):
             rows[(d["label"].rsplit("-c", 1)[0], r["max_concurrency"])] = r
     print(f"\n{'round ' + str(rnd) if rounds > 1 else ''}")
     print(f"{'server':<16} {'conc':>4} {'ok':>4} {'tok/s':>7} {'TPOT ms':>8} {'speed-up':>8} {'accept':>7} {'acc.len':>7}")
-    for run in runs:
-        for (name, c), r in sorted(rows.items(), key=lambda kv: kv[0][1]):
-            if name != run:
-                continue
-            base = rows.get((name.split("-")[0] + "-none", c))
-            up = r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None
-            ups.setdefault((name, c), []).append((r["output_throughput"], up))
-            s = r.get("spec_decode_metrics") or r.get("spec_decode") or {}
-            print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {f(up, 2) + 'x' if up else '-':>8} {f(s.get('acceptance_rate'), 3):>7} {f(s.get('mean_acceptance_length'), 2):>7}")
+    for name, c, r in ordered(rows):
+        base = rows.get((name.split("-")[0] + "-none", c))
+        up = r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None
+        ups.setdefault((name, c), []).append((r["output_throughput"], up))
+        s = r.get("spec_decode_metrics") or r.get("spec_decode") or {}
+        print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {f(up, 2) + 'x' if up else '-':>8} {f(s.get('acceptance_rate'), 3):>7} {f(s.get('mean_acceptance_length'), 2):>7}")
 if rounds > 1:
     print(f"\nmedians over {rounds} rounds (speed-up: the median of each round's against its own baseline)")
     print(f"{'server':<16} {'conc':>4} {'tok/s':>7} {'speed-up':>8}  per round")
-    for run in runs:
-        for (name, c), v in sorted(ups.items(), key=lambda kv: kv[0][1]):
-            if name != run:
-                continue
-            us = [u for _, u in v if u is not None]
-            med = f(statistics.median(us), 2) + "x" if us else "-"
-            print(f"{name:<16} {c:>4} {statistics.median(t for t, _ in v):>7.1f} {med:>8}  {' '.join(f(u, 2) for u in us)}")
+    for name, c, v in ordered(ups):
+        us = [u for _, u in v if u is not None]
+        med = f(statistics.median(us), 2) + "x" if us else "-"
+        print(f"{name:<16} {c:>4} {statistics.median(t for t, _ in v):>7.1f} {med:>8}  {' '.join(f(u, 2) for u in us)}")
 PY
