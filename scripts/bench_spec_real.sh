@@ -15,7 +15,9 @@
 # measured cost model says so; llama-server drafts up to them).
 # ROUNDS=N: the whole sequence of runs N times (results in OUTDIR/rN). The host's memory bandwidth
 # moves within minutes and the unspeculated decode moves with it, so each round's speed-ups are
-# taken against that round's own baseline, and the last table gives their medians.
+# taken against that round's own baseline, and the last table gives their medians. The "verify 8"
+# column is the cost of verifying 8 tokens against one that specula's server measured at start-up
+# (its cost model): about 2.3 when the bandwidth is low, 3.0 when it is high.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-target/bench-spec}
@@ -65,13 +67,14 @@ for round in $(seq 1 "$ROUNDS"); do
       BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --dataset file --dataset-path "$DATA" --no-progress --temperature 0)
       "${BENCH[@]}" --num-prompts 2 --max-concurrency 2 --seed 1 >/dev/null 2>&1 # warm-up
       "${BENCH[@]}" --num-prompts "$N" --max-concurrency "$c" --seed 0 --label "$name" --output-json "$dir/$name.json" >"$dir/$name.bench.txt" 2>&1
+      curl -sf "http://127.0.0.1:$PORT/metrics" >"$dir/$name.metrics.txt" 2>/dev/null || true
       kill -INT "$pid"; wait "$pid"
     done
   done
 done
 
 python3 - "$OUT" "$ROUNDS" $RUNS <<'PY'
-import json, sys, pathlib, statistics
+import json, re, sys, pathlib, statistics
 out, rounds, runs = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 f = lambda v, p: "-" if v is None else f"{v:.{p}f}"
 # (name, conc, value) of a {(name, conc): value} dict, in the order of `runs`, then by concurrency
@@ -84,13 +87,15 @@ for rnd in range(1, rounds + 1):
         for r in d["results"]:
             rows[(d["label"].rsplit("-c", 1)[0], r["max_concurrency"])] = r
     print(f"\n{'round ' + str(rnd) if rounds > 1 else ''}")
-    print(f"{'server':<16} {'conc':>4} {'ok':>4} {'tok/s':>7} {'TPOT ms':>8} {'speed-up':>8} {'accept':>7} {'acc.len':>7}")
+    print(f"{'server':<16} {'conc':>4} {'ok':>4} {'tok/s':>7} {'TPOT ms':>8} {'speed-up':>8} {'accept':>7} {'acc.len':>7} {'verify 8':>8}")
     for name, c, r in ordered(rows):
         base = rows.get((name.split("-")[0] + "-none", c))
         up = r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None
         ups.setdefault((name, c), []).append((r["output_throughput"], up))
         s = r.get("spec_decode_metrics") or r.get("spec_decode") or {}
-        print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {f(up, 2) + 'x' if up else '-':>8} {f(s.get('acceptance_rate'), 3):>7} {f(s.get('mean_acceptance_length'), 2):>7}")
+        m = out / f"r{rnd}" / f"{name}-c{c}.metrics.txt"
+        v8 = re.search(r'spec_verify_relative_cost\{rows="8"\} (\S+)', m.read_text()) if m.exists() else None
+        print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {f(up, 2) + 'x' if up else '-':>8} {f(s.get('acceptance_rate'), 3):>7} {f(s.get('mean_acceptance_length'), 2):>7} {f(float(v8.group(1)) if v8 else None, 2):>8}")
 if rounds > 1:
     print(f"\nmedians over {rounds} rounds (speed-up: the median of each round's against its own baseline)")
     print(f"{'server':<16} {'conc':>4} {'tok/s':>7} {'speed-up':>8}  per round")
