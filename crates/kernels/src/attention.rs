@@ -4,7 +4,7 @@
 //! many values. Each (query token, head) pair is reduced over its context positions in order,
 //! independent of which other sequences share the batch or how a prompt was chunked.
 
-use crate::dot::{scaled_dots, weighted_rows_sum};
+use crate::dot::{scaled_dots_heads, weighted_rows_sum};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
@@ -107,7 +107,7 @@ pub fn paged_attention_windowed(
         // where position first + j's keys (and values) for this KV head start
         let offsets: Vec<usize> =
             (first..ctx).map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd).collect();
-        let mut scores = vec![0f32; ctx - first];
+        let mut scores = vec![0f32; group * (ctx - first)];
         let mut acc = vec![0f32; hd];
         for t in t0..t1 {
             let row = s.q_start + t;
@@ -115,14 +115,17 @@ pub fn paged_attention_windowed(
             let end = base + t + 1;
             let lo = window.map_or(0, |w| end.saturating_sub(w));
             let offs = &offsets[lo - first..end - first];
-            let sc = &mut scores[..end - lo];
-            for h in kvh * group..(kvh + 1) * group {
-                scaled_dots(sc, &q[row * qw + h * hd..row * qw + (h + 1) * hd], k_cache, offs, scale);
-                crate::ops::softmax(sc);
+            let len = end - lo;
+            // the group's scores at once (each key read once for several heads), head-major
+            let sc = &mut scores[..group * len];
+            let h0 = kvh * group;
+            scaled_dots_heads(sc, &q[row * qw + h0 * hd..row * qw + (h0 + group) * hd], group, k_cache, offs, scale);
+            for (j, s) in sc.chunks_exact_mut(len).enumerate() {
+                crate::ops::softmax(s);
                 acc.fill(0.0);
-                weighted_rows_sum(&mut acc, sc, v_cache, offs);
-                // SAFETY: (row, h) belongs to this task only and is within `out` (asserted above).
-                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), optr.get().add(row * qw + h * hd), hd) };
+                weighted_rows_sum(&mut acc, s, v_cache, offs);
+                // SAFETY: (row, h0 + j) belongs to this task only and is within `out` (asserted above).
+                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), optr.get().add(row * qw + (h0 + j) * hd), hd) };
             }
         }
     };
