@@ -48,8 +48,9 @@ pub fn exp(x: f32) -> f32 {
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
-/// Which gate [`gate_mul`] applies. Both are `g * sigmoid(a) * u`: SiLU with a = g; GELU's tanh
-/// approximation 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3).
+/// Which gate `gate_mul` applies (`ops::silu_mul`, `ops::gelu_tanh_mul`). Both are
+/// `g * sigmoid(a) * u`: SiLU with a = g; GELU's tanh approximation 0.5 g (1 + tanh(y)) =
+/// g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gate {
     Silu,

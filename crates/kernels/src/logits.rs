@@ -3,8 +3,8 @@
 //! because it is what scoring a prompt costs besides the lm_head (every prompt row, a
 //! 151 936-wide row on Qwen): written as eight independent lanes, so the compiler vectorises it
 //! (SSE2 everywhere, AVX2 where the CPU has it, chosen at run time), with one polynomial `exp`
-//! (`crate::exp`) instead of a libm call per logit. The lanes and the order of every addition are fixed, so the
-//! result is the same bits on every path and for every thread count.
+//! (`crate::exp`) instead of a libm call per logit. The lanes and the order of every addition are
+//! fixed, so the result is the same bits on every path and for every thread count.
 //!
 //! Logits are read "cleaned": NaN as -inf (probability 0) and +inf as `f32::MAX`.
 

@@ -124,10 +124,8 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// In-place numerically stable softmax (see [`crate::exp::softmax`]).
-pub fn softmax(x: &mut [f32]) {
-    crate::exp::softmax(x)
-}
+/// In-place numerically stable softmax.
+pub use crate::exp::softmax;
 
 #[cfg(test)]
 mod tests {
