@@ -362,6 +362,9 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Activation bytes of a pass past which its weights are prefetched ahead at any number of
+    /// rows (a 32 KiB L1 data cache).
+    const L1_ACT_BYTES: usize = 32 * 1024;
     const Q5_0: u8 = 0;
     const Q5_1: u8 = 1;
     const Q4K: u8 = 2;
@@ -391,7 +394,12 @@ pub(crate) mod x86 {
         //   threads): Q4_K gate/up 1.5x slower at 3 rows, even at 5, 1.2-1.3x faster at 8;
         //   Q6_K down 1.05x faster at 5 rows, 1.3x at 8. The Q6_K touch: 1 row, down and
         //   lm_head, 25-28% less CPU than one block ahead.
-        let far = crate::cpu::features().sw_prefetch || N >= if F == Q6K { 5 } else { 6 };
+        // - Long rows (a 1.5B model's ffn_down, 8960 columns) whose activations of the pass
+        //   outgrow L1: ahead from three rows on, Q4_K 1.1-1.2x faster at 3-5 rows (the same
+        //   measurement, three interleaved rounds). Not Q6_K: its touch below did as well or
+        //   better there (3 rows: 1.08x slower ahead).
+        let act_bytes = N * blocks * if F == Q5_0 || F == Q5_1 { 1 } else { 8 } * std::mem::size_of::<BlockQ8>();
+        let far = crate::cpu::features().sw_prefetch || N >= if F == Q6K { 5 } else { 6 } || (F != Q6K && act_bytes > L1_ACT_BYTES);
         let ahead = if far { gbb.max(1024) } else { 0 };
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
