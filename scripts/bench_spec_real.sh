@@ -11,6 +11,7 @@
 # Defaults: target qwen2.5-coder-1.5b-instruct, draft qwen2.5-coder-0.5b-instruct (fetched by name),
 # DATA=bench/code_edit.jsonl (bench/make_code_bench.py), CONCURRENCY="1 8", NUM_PROMPTS=16, 2 threads.
 # DRAFT_VOCAB=N: --draft-vocab-size N for specula's draft (0: its whole vocabulary; default 32768).
+# DRAFT_WEIGHTS=stored|q4_0: --draft-weights for specula's draft (default q4_0: re-encoded smaller).
 # K_NGRAM / K_DRAFT: most draft tokens per step (specula's adaptive k picks fewer when its
 # measured cost model says so; llama-server drafts up to them).
 # ROUNDS=N: the whole sequence of runs N times (results in OUTDIR/rN). The host's memory bandwidth
@@ -43,7 +44,7 @@ server_cmd() {
   case $1 in
     specula-none) echo "$BIN" serve --model "$TARGET" "${s[@]}" ;;
     specula-ngram) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" ;;
-    specula-draft) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method draft --draft-model "$DRAFT" --num-speculative-tokens "$K_DRAFT" ${DRAFT_VOCAB:+--draft-vocab-size "$DRAFT_VOCAB"} ;;
+    specula-draft) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method draft --draft-model "$DRAFT" --num-speculative-tokens "$K_DRAFT" ${DRAFT_VOCAB:+--draft-vocab-size "$DRAFT_VOCAB"} ${DRAFT_WEIGHTS:+--draft-weights "$DRAFT_WEIGHTS"} ;;
     llama-none) echo "$LLAMA_SERVER" "${l[@]}" ;;
     llama-ngram) echo "$LLAMA_SERVER" "${l[@]}" --spec-type "${LLAMA_NGRAM_TYPE:-ngram-simple}" --spec-ngram-simple-size-m "$K_NGRAM" ;;
     llama-draft) echo "$LLAMA_SERVER" "${l[@]}" --model-draft "$DRAFT" --spec-draft-n-max "$K_DRAFT" ;;

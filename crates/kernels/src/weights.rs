@@ -119,8 +119,57 @@ impl QMatrix {
         Self::new(self.format, rows.len(), self.cols, WeightBytes::owned(bytes), what)
     }
 
+    /// This matrix re-encoded as `format` (each row dequantized, then quantized round-to-nearest
+    /// by `formats::quantize_row`, rows in parallel): a draft model made smaller than its file.
+    /// `format` must be one `quantize_row` writes, and `cols` a multiple of its block.
+    pub fn requantize(&self, format: WeightFormat, what: &str) -> Result<Self, KernelError> {
+        use rayon::prelude::*;
+        let rows: Vec<Vec<u8>> = (0..self.rows)
+            .into_par_iter()
+            .map(|r| {
+                let mut x = vec![0f32; self.cols];
+                self.dequantize_row_into(r, &mut x);
+                crate::formats::quantize_row(format, &x)
+            })
+            .collect();
+        Self::new(format, self.rows, self.cols, WeightBytes::owned(rows.concat()), what)
+    }
+
     /// Dequantizes row `r` into `out` (length `cols`): embeddings lookups and reference paths.
     pub fn dequantize_row_into(&self, r: usize, out: &mut [f32]) {
         crate::formats::dequantize_row(self.format, self.row(r), out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::{dequantize_row, quantize_row, QK};
+    use rand::{Rng, SeedableRng};
+
+    /// A Q8_0 matrix re-encoded as Q4_0: the format and shape change, every value lands within
+    /// one Q4_0 step of its block (ggml's round-to-nearest; the value opposite the block's
+    /// largest magnitude may clamp by up to a whole step), and the matmul reads the new bytes.
+    #[test]
+    fn requantize_stays_within_a_step_of_the_original() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (rows, cols) = (19, 96);
+        let x: Vec<f32> = (0..rows * cols).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let raw: Vec<u8> = x.chunks_exact(cols).flat_map(|r| quantize_row(WeightFormat::Q8_0, r)).collect();
+        let m = QMatrix::new(WeightFormat::Q8_0, rows, cols, WeightBytes::owned(raw), "test").unwrap();
+        let q = m.requantize(WeightFormat::Q4_0, "test q4_0").unwrap();
+        assert_eq!((q.format, q.rows, q.cols), (WeightFormat::Q4_0, rows, cols));
+        assert_eq!(q.bytes().len(), rows * WeightFormat::Q4_0.row_bytes(cols));
+        let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in 0..rows {
+            m.dequantize_row_into(r, &mut a);
+            dequantize_row(WeightFormat::Q4_0, q.row(r), &mut b);
+            for (ab, bb) in a.chunks_exact(QK).zip(b.chunks_exact(QK)) {
+                let step = ab.iter().fold(0f32, |s, v| s.max(v.abs())) / 8.0;
+                for (u, v) in ab.iter().zip(bb) {
+                    assert!((u - v).abs() <= step * 1.01, "row {r}: {u} vs {v} (step {step})");
+                }
+            }
+        }
     }
 }

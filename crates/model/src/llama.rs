@@ -13,7 +13,7 @@ use crate::ModelError;
 use specula_kernels::attention::{paged_attention_windowed, write_kv};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, Rope};
-use specula_kernels::QMatrix;
+use specula_kernels::{QMatrix, WeightFormat};
 use std::sync::Arc;
 
 pub use specula_kernels::attention::SeqSpan;
@@ -390,6 +390,34 @@ impl LlamaModel {
         self.lm_head =
             self.lm_head.select_rows(&rows, "output projection").map_err(|e| ModelError::BadTensor { name: "output.weight".into(), message: e.to_string() })?;
         Ok(())
+    }
+
+    /// Re-encodes every projection (attention, dense feed-forward, output) stored with more bits
+    /// per weight than Q4_0 as Q4_0: a draft model then reads fewer bytes per token. Returns the
+    /// bytes of the projections before and after.
+    pub fn requantize_q4_0(&mut self) -> Result<(usize, usize), ModelError> {
+        let (mut before, mut after) = (0, 0);
+        let mut one = |m: &mut QMatrix, name: &str| -> Result<(), ModelError> {
+            before += m.bytes().len();
+            let wider = !matches!(m.format, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q4K);
+            if wider && m.cols.is_multiple_of(WeightFormat::Q4_0.block_len()) {
+                *m = m.requantize(WeightFormat::Q4_0, name).map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })?;
+            }
+            after += m.bytes().len();
+            Ok(())
+        };
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            for (m, what) in [(&mut l.wq, "attn_q"), (&mut l.wk, "attn_k"), (&mut l.wv, "attn_v"), (&mut l.wo, "attn_output")] {
+                one(m, &format!("blk.{i}.{what}"))?;
+            }
+            if let FeedForward::Dense(f) = &mut l.ffn {
+                for (m, what) in [(&mut f.gate, "ffn_gate"), (&mut f.up, "ffn_up"), (&mut f.down, "ffn_down")] {
+                    one(m, &format!("blk.{i}.{what}"))?;
+                }
+            }
+        }
+        one(&mut self.lm_head, "output")?;
+        Ok((before, after))
     }
 
     /// Columns of the logits: the vocabulary, or the tokens [`Self::restrict_output`] kept.

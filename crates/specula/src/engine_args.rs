@@ -1,7 +1,7 @@
 //! Engine flags shared by `serve`, `generate` and `bench offline` (vLLM names where one exists).
 
 use clap::Args;
-use specula_engine::spec::{Proposer, SpecConfig, SpecMethod};
+use specula_engine::spec::{DraftWeights, Proposer, SpecConfig, SpecMethod};
 use specula_engine::EngineConfig;
 use std::path::PathBuf;
 
@@ -72,6 +72,11 @@ pub struct SpecArgs {
     /// else the whole vocabulary.
     #[arg(long)]
     pub draft_vocab_size: Option<usize>,
+    /// With --speculative-method draft: `q4_0` re-encodes the draft model's projections stored
+    /// with more bits per weight as Q4_0 at load (a draft token costs the bytes it reads; the
+    /// output stays exact), `stored` keeps the file's encoding.
+    #[arg(long, default_value = "q4_0")]
+    pub draft_weights: DraftWeights,
     /// Shortest match (tokens) of the text's suffix that the ngram method drafts from; the longest
     /// earlier match is found whatever its length, and the draft is at most as long as it.
     #[arg(long, default_value_t = 2)]
@@ -131,6 +136,7 @@ impl SpecArgs {
         c.ngram_min = self.ngram_min;
         c.draft_model = self.draft_model.clone();
         c.draft_vocab = self.draft_vocab_size;
+        c.draft_weights = self.draft_weights;
         c.force_accept = self.speculative_force_accept;
         c.adaptive = !self.no_speculative_adaptive;
         c.max_batch_for_speculation = self.speculative_max_batch;

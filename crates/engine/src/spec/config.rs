@@ -24,6 +24,31 @@ impl std::str::FromStr for SpecMethod {
     }
 }
 
+/// How a draft model's projections are held in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftWeights {
+    /// Re-encoded as Q4_0 at load where stored with more bits per weight (`LlamaModel::
+    /// requantize_q4_0`). A draft token costs the bytes the draft reads, and the drafts barely
+    /// change: Qwen2.5-Coder-0.5B's Q4_K_M file (Q5_0 / Q8_0 / Q6_K for most matrices) drafting
+    /// for the 1.5B on the code edits at c1 (scripts/bench_spec_real.sh, two interleaved pairs,
+    /// 2-core Zen 4) gave 34.1 and 33.5 tok/s against 31.8 and 30.9 as stored, acceptance 0.94
+    /// and 0.92 against 0.93 and 0.93. Verification keeps the output exact either way.
+    Q4_0,
+    /// As the file stores them.
+    Stored,
+}
+
+impl std::str::FromStr for DraftWeights {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "q4_0" => Ok(Self::Q4_0),
+            "stored" => Ok(Self::Stored),
+            other => Err(format!("unknown draft weights '{other}' (expected q4_0 or stored)")),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct SpecConfig {
     pub method: SpecMethod,
@@ -37,6 +62,8 @@ pub struct SpecConfig {
     /// computing only those rows of its output projection; 0: the whole vocabulary. None:
     /// [`DEFAULT_DRAFT_VOCAB`] for vocabularies of more than twice that, else the whole one.
     pub draft_vocab: Option<usize>,
+    /// For `draft`: the draft model's projections as stored or re-encoded smaller.
+    pub draft_weights: DraftWeights,
     /// Accept every draft token (upper-bound benchmarks only: CHANGES THE OUTPUT).
     pub force_accept: bool,
     /// Let the engine shrink k (or skip speculation) when the batch is large or acceptance low.
@@ -86,6 +113,7 @@ impl SpecConfig {
             ngram_min: 2,
             draft_model: None,
             draft_vocab: None,
+            draft_weights: DraftWeights::Q4_0,
             force_accept: false,
             adaptive: true,
             max_batch_for_speculation: 8,

@@ -16,7 +16,7 @@ pub mod rejection;
 pub mod suffix;
 pub mod vocab_map;
 
-pub use config::{SpecConfig, SpecMethod};
+pub use config::{DraftWeights, SpecConfig, SpecMethod};
 pub use metrics::SpecMetrics;
 pub use proposer::{Draft, DraftRequest, Proposer};
 pub use rejection::{verify, Verdict};
@@ -83,7 +83,18 @@ pub fn build_proposer<'a>(
             let loaded = specula_model::load_model(path)?;
             let vocab = loaded.model.config.vocab_size;
             let eos: Vec<crate::types::TokenId> = (0..vocab as crate::types::TokenId).filter(|&t| loaded.tokenizer.is_eos(t)).collect();
-            let p = draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
+            let mut model = loaded.model;
+            if cfg.draft_weights == config::DraftWeights::Q4_0 {
+                let t = std::time::Instant::now();
+                let (before, after) = model.requantize_q4_0()?;
+                tracing::info!(
+                    "draft model projections re-encoded as Q4_0 where wider: {:.1} -> {:.1} MB in {:.1} s (--draft-weights stored keeps the file's)",
+                    before as f64 / 1e6,
+                    after as f64 / 1e6,
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            let p = draft_model::DraftModelProposer::new(model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
             let n = match cfg.draft_vocab {
                 Some(0) => vocab,
                 Some(n) => n,

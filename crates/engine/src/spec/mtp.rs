@@ -13,10 +13,10 @@ use crate::api::SamplingParams;
 use crate::sampling::{argmax, probabilities, sample_from_probs, SeqRng, TokenHistory};
 use crate::types::{SeqId, TokenId};
 use specula_kernels::attention::{paged_attention, KvLayout, SeqSpan};
-use specula_kernels::formats::{quantize_row, QK};
+use specula_kernels::formats::QK;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
-use specula_kernels::{QMatrix, WeightBytes, WeightFormat};
+use specula_kernels::{QMatrix, WeightFormat};
 use specula_model::llama::{FeedForward, LayerWeights};
 use specula_model::DenseFfn;
 use specula_model::LlamaModel;
@@ -44,13 +44,7 @@ fn requantize_q8_0(m: &QMatrix) -> Result<QMatrix, specula_kernels::KernelError>
     if !m.cols.is_multiple_of(QK) || m.format == WeightFormat::Q8_0 {
         return Ok(m.clone());
     }
-    let mut row = vec![0f32; m.cols];
-    let mut bytes = Vec::with_capacity(m.rows * WeightFormat::Q8_0.row_bytes(m.cols));
-    for r in 0..m.rows {
-        m.dequantize_row_into(r, &mut row);
-        bytes.extend(quantize_row(WeightFormat::Q8_0, &row));
-    }
-    QMatrix::new(WeightFormat::Q8_0, m.rows, m.cols, WeightBytes::owned(bytes), "mtp head (Q8_0)")
+    m.requantize(WeightFormat::Q8_0, "mtp head (Q8_0)")
 }
 
 /// A loaded head, checked against the target it will draft for.
