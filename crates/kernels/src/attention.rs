@@ -39,17 +39,6 @@ pub fn write_kv(k_cache: &mut [f32], v_cache: &mut [f32], layout: &KvLayout, slo
     v_cache[slot * w..(slot + 1) * w].copy_from_slice(v);
 }
 
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own (token, head) slices of the output.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
-    fn get(&self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// Query rows per task: long prompts are split so both cores share their attention.
 const Q_CHUNK: usize = 16;
 
@@ -96,7 +85,7 @@ pub fn paged_attention_windowed(
         }
     }
     assert!(out.len() >= q.len());
-    let optr = OutPtr(out.as_mut_ptr());
+    let optr = crate::pool::DisjointOut::new(out);
     let run = |&(si, kvh, t0, t1): &(usize, usize, usize, usize)| {
         let s = &seqs[si];
         // query row t sits at position base + t
@@ -124,8 +113,8 @@ pub fn paged_attention_windowed(
                 crate::ops::softmax(s);
                 acc.fill(0.0);
                 weighted_rows_sum(&mut acc, s, v_cache, offs);
-                // SAFETY: (row, h0 + j) belongs to this task only and is within `out` (asserted above).
-                unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr(), optr.get().add(row * qw + (h0 + j) * hd), hd) };
+                // SAFETY: (row, h0 + j) belongs to this task only.
+                unsafe { optr.slice(row * qw + (h0 + j) * hd, hd) }.copy_from_slice(&acc);
             }
         }
     };

@@ -8,6 +8,7 @@
 use crate::dot::dot_f32;
 use crate::packed::{PackedInt8, GROUP_ROWS, MAX_ACTS};
 use crate::packed_float::PackedFloat;
+use crate::pool::DisjointOut;
 use crate::q8::{quantize_rows, QuantizedActivations};
 use crate::weights::{Packed, QMatrix};
 use rayon::prelude::*;
@@ -43,18 +44,6 @@ fn quantize_parallel(x: &[f32], cols: usize) -> QuantizedActivations {
     out
 }
 
-/// Raw pointer to an output buffer that tasks write at disjoint indices.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32, usize);
-// SAFETY: every task writes a disjoint set of (batch row, weight row) elements.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
-    fn get(&self) -> (*mut f32, usize) {
-        (self.0, self.1)
-    }
-}
-
 const BATCH_TILE: usize = 64;
 
 /// `outs[m]` (shape `input.rows x ws[m].rows`) = input x ws[m]^T, for every m, in one parallel region.
@@ -64,7 +53,8 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
         assert_eq!(w.cols, input.cols, "matmul: weight has {} columns, input {}", w.cols, input.cols);
         assert_eq!(o.len(), input.rows * w.rows, "matmul: output buffer has the wrong size");
     }
-    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr(), o.len())).collect();
+    // every task writes a disjoint set of (batch row, weight row) elements
+    let ptrs: Vec<DisjointOut> = outs.iter_mut().map(|o| DisjointOut::new(o)).collect();
     // a multiple of the packed kernels' 8-row groups
     let rows_per_task = if input.rows <= 4 { 16 } else { 32 };
     let mut tasks = Vec::new();
@@ -221,9 +211,9 @@ fn write_groups<K: GroupKernel, const G: usize, const N: usize>(k: &K, g: usize,
 /// Weight rows `r0..r1` (`r0` a multiple of 8) of a packed matrix with `rows` rows against `n`
 /// activation rows: eight weight rows and up to `k.widest()` activation rows per kernel call,
 /// activation rows in tiles so a task's weights stay in cache.
-fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usize, out: OutPtr) {
+fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usize, out: DisjointOut) {
     debug_assert_eq!(r0 % GROUP_ROWS, 0);
-    let (optr, olen) = out.get();
+    let (optr, olen) = out.raw();
     assert!(n * rows <= olen);
     let wide = k.widest() >= 8;
     let mut b0 = 0;
@@ -294,7 +284,7 @@ fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usiz
     }
 }
 
-fn f32_rows(w: &QMatrix, input: &MatmulInput, r0: usize, r1: usize, out: OutPtr) {
+fn f32_rows(w: &QMatrix, input: &MatmulInput, r0: usize, r1: usize, out: DisjointOut) {
     let mut buf = vec![0f32; w.cols];
     for r in r0..r1 {
         w.dequantize_row_into(r, &mut buf);
@@ -306,8 +296,8 @@ fn f32_rows(w: &QMatrix, input: &MatmulInput, r0: usize, r1: usize, out: OutPtr)
 }
 
 #[inline]
-fn store(out: OutPtr, idx: usize, v: f32) {
-    let (ptr, len) = out.get();
+fn store(out: DisjointOut, idx: usize, v: f32) {
+    let (ptr, len) = out.raw();
     assert!(idx < len);
     // SAFETY: idx is in bounds (checked above) and no other task writes this (batch, row) element.
     unsafe { *ptr.add(idx) = v }

@@ -104,15 +104,11 @@ fn gate_mul_parallel(kind: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     if out.len() < 4 * GATE_CHUNK {
         return crate::exp::gate_mul(kind, gate, up, out);
     }
-    struct Out(*mut f32);
-    // SAFETY: each task writes its own chunk of `out` only.
-    unsafe impl Sync for Out {}
-    let (n, o) = (out.len(), Out(out.as_mut_ptr()));
+    let (n, o) = (out.len(), crate::pool::DisjointOut::new(out));
     crate::pool::parallel_for(n.div_ceil(GATE_CHUNK), &|c| {
         let (a, b) = (c * GATE_CHUNK, ((c + 1) * GATE_CHUNK).min(n));
-        let o = &o;
-        // SAFETY: chunks are disjoint and within `out`, which outlives the loop.
-        let dst = unsafe { std::slice::from_raw_parts_mut(o.0.add(a), b - a) };
+        // SAFETY: each task writes its own chunk only.
+        let dst = unsafe { o.slice(a, b - a) };
         crate::exp::gate_mul(kind, &gate[a..b], &up[a..b], dst);
     });
 }

@@ -15,6 +15,41 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// An output buffer that `parallel_for`'s tasks write at disjoint places: each task may write
+/// only indices no other task touches (its own rows, chunk or heads), and the buffer outlives the
+/// loop. Shared by reference between the tasks.
+#[derive(Clone, Copy)]
+pub(crate) struct DisjointOut {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: tasks write disjoint indices only (the contract of every use) and the buffer outlives
+// the parallel loop that holds this.
+unsafe impl Send for DisjointOut {}
+unsafe impl Sync for DisjointOut {}
+
+impl DisjointOut {
+    pub(crate) fn new(out: &mut [f32]) -> Self {
+        Self { ptr: out.as_mut_ptr(), len: out.len() }
+    }
+
+    /// The buffer's start and length.
+    pub(crate) fn raw(&self) -> (*mut f32, usize) {
+        (self.ptr, self.len)
+    }
+
+    /// `len` elements at `start` (checked to lie inside the buffer).
+    ///
+    /// # Safety
+    /// No other task reads or writes these elements while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [f32] {
+        assert!(start.checked_add(len).is_some_and(|e| e <= self.len), "disjoint output: {start}+{len} outside {}", self.len);
+        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
+    }
+}
+
 /// How long an idle helper spins before parking.
 const SPIN: Duration = Duration::from_micros(300);
 
