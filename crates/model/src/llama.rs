@@ -392,9 +392,10 @@ impl LlamaModel {
         Ok(())
     }
 
-    /// Re-encodes every projection (attention, dense feed-forward, output) stored with more bits
-    /// per weight than Q4_0 as Q4_0: a draft model then reads fewer bytes per token. Returns the
-    /// bytes of the projections before and after.
+    /// Re-encodes every projection (attention, dense feed-forward, output) stored in a wider
+    /// format than the 4-bit ones (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, float) as Q4_0, where its rows
+    /// are whole Q4_0 blocks: a draft model then reads fewer bytes per token. Returns the bytes
+    /// of the projections before and after.
     pub fn requantize_q4_0(&mut self) -> Result<(usize, usize), ModelError> {
         let (mut before, mut after) = (0, 0);
         let mut one = |m: &mut QMatrix, name: &str| -> Result<(), ModelError> {
