@@ -18,10 +18,11 @@ ngram = server_fixture(*KV, "--speculative-method", "ngram", "--num-speculative-
 
 @pytest.fixture(scope="module")
 def draft(plain):
-    """The model drafting for itself: every greedy draft is accepted, so verification is exercised fully."""
+    """The model drafting for itself (its weights as stored, not re-encoded as Q4_0): every greedy
+    draft is accepted, so verification is exercised fully."""
     from server_fixture import SpeculaServer
 
-    srv = SpeculaServer(*KV, "--speculative-method", "draft", "--draft-model", str(plain.model),
+    srv = SpeculaServer(*KV, "--speculative-method", "draft", "--draft-model", str(plain.model), "--draft-weights", "stored",
                         "--num-speculative-tokens", "3", "--no-speculative-adaptive").start()
     try:
         yield srv

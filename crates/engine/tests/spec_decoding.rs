@@ -11,7 +11,7 @@ mod spec_support;
 
 use spec_support::{spec_config, tiny_model, Client, End, Outcome, Rig, Rng};
 use specula_engine::spec::vocab_map::VocabMap;
-use specula_engine::spec::{build_proposer, Draft, DraftRequest, Proposer, SpecConfig, SpecError, SpecMethod, SpecMetrics};
+use specula_engine::spec::{build_proposer, Draft, DraftRequest, DraftWeights, Proposer, SpecConfig, SpecError, SpecMethod, SpecMetrics};
 use specula_engine::types::SeqId;
 use specula_engine::{EngineConfig, FinishReason, SamplingParams};
 use specula_model::testing::model_for_tests;
@@ -574,6 +574,8 @@ fn seeded_sampling_with_speculation_is_plain_decoding_token_for_token() {
         ("n-gram", spec_config(SpecMethod::Ngram, 3, None)),
         ("self draft", spec_config(SpecMethod::Draft, 3, Some(&target))),
         ("other draft", spec_config(SpecMethod::Draft, 3, Some(&other))),
+        // the default: the draft re-encoded as Q4_0, no longer the target's twin
+        ("self draft as Q4_0", SpecConfig { draft_weights: DraftWeights::Q4_0, ..spec_config(SpecMethod::Draft, 3, Some(&target)) }),
     ];
     for (name, cfg) in runs {
         let mut rig = Rig::new(&target, tiny_config(), Some(cfg));

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use specula_engine::handle::QueueCounters;
-use specula_engine::spec::{build_proposer, SpecConfig, SpecMethod};
+use specula_engine::spec::{build_proposer, DraftWeights, SpecConfig, SpecMethod};
 use specula_engine::types::RequestId;
 use specula_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
 use specula_model::testing::{write_tiny_llama, TinySpec};
@@ -331,7 +331,8 @@ pub fn seeded(max_tokens: usize, temperature: f32, seed: u64) -> SamplingParams 
     SamplingParams { temperature, seed: Some(seed), max_tokens, ignore_eos: true, ..Default::default() }
 }
 
-/// A draft-model speculation config with the tests' cost figures (see `Harness::on_with`).
+/// A draft-model speculation config with the tests' cost figures (see `Harness::on_with`), the
+/// draft's weights as stored (a self draft is then the target itself).
 fn draft_spec(k: usize) -> SpecConfig {
-    SpecConfig { draft_cost: Some(0.1), verify_cost_per_token: Some(0.05), ..SpecConfig::new(SpecMethod::Draft, k) }
+    SpecConfig { draft_cost: Some(0.1), verify_cost_per_token: Some(0.05), draft_weights: DraftWeights::Stored, ..SpecConfig::new(SpecMethod::Draft, k) }
 }

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use specula_engine::handle::QueueCounters;
-use specula_engine::spec::{build_proposer, Proposer, SpecConfig, SpecMethod};
+use specula_engine::spec::{build_proposer, DraftWeights, Proposer, SpecConfig, SpecMethod};
 use specula_engine::types::RequestId;
 use specula_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 use specula_model::load_model;
@@ -25,8 +25,11 @@ pub fn tiny_model(dir: &Path, seed: u64) -> PathBuf {
 
 /// Speculation settings for the tests: adaptive k off, so every decoding sequence is offered
 /// `k` drafts every step and the verification path always runs.
+/// The draft model's weights stay as stored: a model drafting for itself is then the target
+/// itself, which several tests' exact acceptance counts rest on (the default re-encodes a draft
+/// as Q4_0; `seeded_sampling_with_speculation_is_plain_decoding_token_for_token` runs that too).
 pub fn spec_config(method: SpecMethod, k: usize, draft: Option<&Path>) -> SpecConfig {
-    SpecConfig { adaptive: false, draft_model: draft.map(Path::to_path_buf), ..SpecConfig::new(method, k) }
+    SpecConfig { adaptive: false, draft_model: draft.map(Path::to_path_buf), draft_weights: DraftWeights::Stored, ..SpecConfig::new(method, k) }
 }
 
 /// An engine and the queue counters it shares with its (simulated) front end.
