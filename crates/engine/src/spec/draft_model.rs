@@ -62,6 +62,21 @@ impl DraftModelProposer {
         Ok(self)
     }
 
+    /// Re-encodes the draft's projections stored wider than 4 bits as Q4_0
+    /// (`LlamaModel::requantize_q4_0`, `SpecConfig::draft_weights`): a draft token costs the bytes
+    /// it reads. Called after `with_draft_vocab`, so only the output rows kept are converted.
+    pub fn with_q4_0_weights(mut self) -> Result<Self, SpecError> {
+        let t = std::time::Instant::now();
+        let (before, after) = self.model.requantize_q4_0()?;
+        tracing::info!(
+            "draft model projections re-encoded as Q4_0 where wider: {:.1} -> {:.1} MB in {:.1} s (--draft-weights stored keeps the file's)",
+            before as f64 / 1e6,
+            after as f64 / 1e6,
+            t.elapsed().as_secs_f64()
+        );
+        Ok(self)
+    }
+
     fn run(&mut self, items: &[(SeqId, Vec<TokenId>, usize)], pool: &rayon::ThreadPool) -> Result<Vec<f32>, SpecError> {
         // items: (seq, tokens to feed, start position)
         let mut tokens = Vec::new();

@@ -83,25 +83,16 @@ pub fn build_proposer<'a>(
             let loaded = specula_model::load_model(path)?;
             let vocab = loaded.model.config.vocab_size;
             let eos: Vec<crate::types::TokenId> = (0..vocab as crate::types::TokenId).filter(|&t| loaded.tokenizer.is_eos(t)).collect();
-            let mut model = loaded.model;
-            if cfg.draft_weights == config::DraftWeights::Q4_0 {
-                let t = std::time::Instant::now();
-                let (before, after) = model.requantize_q4_0()?;
-                tracing::info!(
-                    "draft model projections re-encoded as Q4_0 where wider: {:.1} -> {:.1} MB in {:.1} s (--draft-weights stored keeps the file's)",
-                    before as f64 / 1e6,
-                    after as f64 / 1e6,
-                    t.elapsed().as_secs_f64()
-                );
-            }
-            let p = draft_model::DraftModelProposer::new(model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
+            let p = draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
             let n = match cfg.draft_vocab {
                 Some(0) => vocab,
                 Some(n) => n,
                 None if vocab > 2 * config::DEFAULT_DRAFT_VOCAB => config::DEFAULT_DRAFT_VOCAB,
                 None => vocab,
             };
-            Ok(Box::new(p.with_draft_vocab(n, &eos)?))
+            // re-encoded after the output is restricted: only the rows kept are converted
+            let p = p.with_draft_vocab(n, &eos)?;
+            Ok(Box::new(if cfg.draft_weights == config::DraftWeights::Q4_0 { p.with_q4_0_weights()? } else { p }))
         }
         SpecMethod::Mtp => {
             let path = cfg.draft_model.as_ref().ok_or_else(|| {
