@@ -1,9 +1,10 @@
 """Speculative decoding on a real model (Qwen2.5-Coder-0.5B-Instruct, a Q4_K_M GGUF): n-gram and
 draft-model speculation, with and without async scheduling, give exactly the output of plain
 decoding on code-edit prompts (bench/code_edit.jsonl): greedy text and its logprobs bit for bit,
-and seeded sampling token for token. The draft model is the target itself (the real 0.5B/1.5B
-pair is measured by scripts/bench_spec_real.sh, too slow for the test suite), so every greedy draft
-is accepted and verification, rollback and the draft's own KV run on real shapes. The mtp configs
+and seeded sampling token for token. The draft model is the target itself, re-encoded as Q4_0 (the
+default `--draft-weights`; the real 0.5B/1.5B pair is measured by scripts/bench_spec_real.sh, too
+slow for the test suite), so most greedy drafts are accepted, and verification, rollback and the
+draft's own KV run on real shapes. The mtp configs
 run the head shipped for this model (heads/qwen2.5-coder-0.5b-instruct-q4_k_m.mtp.safetensors),
 checked against its sha256, which must also get some of its drafts accepted; greedy only there,
 since an mtp draft sampled at temperature keeps plain decoding's distribution, not its tokens."""

@@ -398,7 +398,7 @@ pub(crate) mod x86 {
         //   outgrow L1: ahead from three rows on, Q4_K 1.1-1.2x faster at 3-5 rows (the same
         //   measurement, three interleaved rounds). Not Q6_K: its touch below did as well or
         //   better there (3 rows: 1.08x slower ahead).
-        let act_bytes = N * blocks * if F == Q5_0 || F == Q5_1 { 1 } else { 8 } * std::mem::size_of::<BlockQ8>();
+        let act_bytes = N * blocks * (format_of(F).block_len() / QK) * std::mem::size_of::<BlockQ8>();
         let far = crate::cpu::features().sw_prefetch || N >= if F == Q6K { 5 } else { 6 } || (F != Q6K && act_bytes > L1_ACT_BYTES);
         let ahead = if far { gbb.max(1024) } else { 0 };
         let gp = group.as_ptr();
