@@ -11,11 +11,10 @@ pub struct CpuFeatures {
     /// about what one 512-bit pass does, so the kernels' two-group 512-bit pass gains little
     /// (`SPECULA_SPLIT_512=0` / `=1` overrides the detection, for benchmarks).
     pub split_512: bool,
-    /// Whether the int8 kernels prefetch the weights ahead in software when a call has one or
-    /// two activation rows (a weight stream from memory). Off on AMD Zen 4, where those
-    /// prefetches made the stream slower (Q6_K instead touches the lines of the block it starts);
-    /// with more rows they helped there too and stay (`SPECULA_SW_PREFETCH=0` / `=1` overrides,
-    /// for benchmarks).
+    /// Whether the int8 kernels prefetch the weights one block ahead into L1 at every activation
+    /// row count. Off on AMD Zen 4, where those prefetches made a stream from memory at few rows
+    /// slower; there the k-quant kernels prefetch into L2 further ahead instead, by their own
+    /// rules (`packed_k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks).
     pub sw_prefetch: bool,
 }
 

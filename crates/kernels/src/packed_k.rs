@@ -365,6 +365,11 @@ pub(crate) mod x86 {
     /// Activation bytes of a pass past which its weights are prefetched ahead at any number of
     /// rows (a 32 KiB L1 data cache).
     const L1_ACT_BYTES: usize = 32 * 1024;
+    /// How far ahead the k-quant kernels prefetch their weights into L2 (see `group_impl`):
+    /// 4 KiB was slower than 8, 16 KiB no faster.
+    const L2_AHEAD: usize = 8 * 1024;
+    /// Rows (input columns) this long are prefetched into L2 at any activation row count.
+    const LONG_ROW: usize = 4096;
     const Q5_0: u8 = 0;
     const Q5_1: u8 = 1;
     const Q4K: u8 = 2;
@@ -386,33 +391,43 @@ pub(crate) mod x86 {
     unsafe fn group_impl<D: Dot, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         let gbb = group_block_bytes(format_of(F));
         debug_assert!(group.len() >= blocks * gbb);
-        // how far ahead to prefetch: one group block (at least 1 KB) where that pays, else none,
-        // except that Q6_K touches each of its block's lines as it starts the block.
-        // - `CpuFeatures::sw_prefetch` CPUs: always.
-        // - Elsewhere (Zen 4) prefetching ahead slowed weights streamed from memory at few
-        //   activation rows and sped them up at many (matmul_bench, BENCH_ROTATE=1, 1 and 2
-        //   threads): Q4_K gate/up 1.5x slower at 3 rows, even at 5, 1.2-1.3x faster at 8;
-        //   Q6_K down 1.05x faster at 5 rows, 1.3x at 8. The Q6_K touch: 1 row, down and
-        //   lm_head, 25-28% less CPU than one block ahead.
-        // - Long rows (a 1.5B model's ffn_down, 8960 columns) whose activations of the pass
-        //   outgrow L1: ahead from three rows on, Q4_K 1.1-1.2x faster at 3-5 rows (the same
-        //   measurement, three interleaved rounds). Not Q6_K: its touch below did as well or
-        //   better there (3 rows: 1.08x slower ahead).
+        // Software prefetch of the weights, two ways (all measured with matmul_bench,
+        // BENCH_ROTATE=1, weights streamed from memory, 2 threads, interleaved):
+        // - Into L2, `L2_AHEAD` bytes ahead, on Zen 4 for the k-quants: always for Q6_K, from five
+        //   activation rows on for Q4_K/Q5_K, and at any row count for long rows (`LONG_ROW`,
+        //   a 1.5B model's ffn_down). Without it the time of a pass streamed from memory was its
+        //   memory time *plus* its compute time (Q4_K ffn_down at 5 rows, 1 thread: 883 us = 414
+        //   at 1 row + 488 in cache); with it the two overlap: 3 rows 1.5-1.7x faster, 5 rows 1.4-1.6x,
+        //   8 rows 1.1-1.3x; Q6_K at 1 row 1.3-1.8x (the lm_head 5.4-9.0 ms -> 3.5-6.0). Q4_K with
+        //   short rows at one or two rows was 10-28% slower with it (the hardware prefetcher
+        //   already keeps up), Q5_0 slower at 1-5 rows: those keep the rules below. One group
+        //   block ahead into L1 (the `_MM_HINT_T0` below) did not give the overlap.
+        // - Otherwise one group block (at least 1 KB) ahead into L1 where that pays, else none:
+        //   - `CpuFeatures::sw_prefetch` CPUs (not Zen 4): always, at every format.
+        //   - Zen 4, Q5_0/Q5_1 and short Q4_K/Q5_K rows: from six activation rows on (fewer:
+        //     the stream slowed), and where a pass's activations outgrow L1 (`L1_ACT_BYTES`).
+        let features = crate::cpu::features();
+        let row_len = blocks * format_of(F).block_len();
+        let l2_ahead = !features.sw_prefetch && matches!(F, Q4K | Q5K | Q6K) && (F == Q6K || N >= 5 || row_len >= LONG_ROW);
         let act_bytes = N * blocks * (format_of(F).block_len() / QK) * std::mem::size_of::<BlockQ8>();
-        let far = crate::cpu::features().sw_prefetch || N >= if F == Q6K { 5 } else { 6 } || (F != Q6K && act_bytes > L1_ACT_BYTES);
-        let ahead = if far { gbb.max(1024) } else { 0 };
+        let far = !l2_ahead && (features.sw_prefetch || N >= 6 || act_bytes > L1_ACT_BYTES);
+        let ahead = gbb.max(1024);
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let b16 = _mm256_set1_epi8(0x10);
         let sign = _mm256_set1_ps(-0.0);
         let mut acc = [_mm256_setzero_ps(); N];
-        let prefetch = far || F == Q6K;
         for b in 0..blocks {
             // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
-            // every activation row the matching blocks of 32 (checked by the caller).
+            // every activation row the matching blocks of 32 (checked by the caller). A prefetch
+            // past the end of the matrix is a hint and never faults.
             let blk = gp.add(b * gbb);
             let mut line = 0;
-            while prefetch && line < gbb {
+            while l2_ahead && line < gbb {
+                _mm_prefetch::<_MM_HINT_T1>(blk.wrapping_add(L2_AHEAD + line) as *const i8);
+                line += 64;
+            }
+            while far && line < gbb {
                 _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(ahead + line) as *const i8);
                 line += 64;
             }
