@@ -383,6 +383,33 @@ mod tests {
     }
 
     #[test]
+    fn verify_sized_batches_split_in_long_runs_give_the_same_bits() {
+        // 400 weight rows: up to a batch tile (64 activation rows) two threads take runs of 56
+        // rows, above it 32-row tasks; a row's result is the same bits either way
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        for f in [WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q4_0] {
+            let cols = if f.block_len() > 128 { 512 } else { 128 };
+            let w = random_matrix(&mut rng, f, 400, cols);
+            let x: Vec<f32> = (0..cols * 80).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+            let run = |xs: &[f32], threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| {
+                    let inp = MatmulInput::new(xs, cols, &[&w]);
+                    let mut out = vec![0f32; inp.rows * w.rows];
+                    matmul(&inp, &w, &mut out);
+                    out
+                })
+            };
+            let full = run(&x, 2);
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for n in [9, 12, 16, 33, 64] {
+                let part = run(&x[..n * cols], 2);
+                assert_eq!(bits(&part), bits(&full[..n * 400]), "{f:?}: batch of {n}");
+            }
+        }
+    }
+
+    #[test]
     fn matmul_many_equals_separate_matmuls() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (a, b) = (random_matrix(&mut rng, WeightFormat::Q4_1, 40, 64), random_matrix(&mut rng, WeightFormat::Q8_0, 24, 64));
