@@ -328,6 +328,17 @@ mod tests {
         QMatrix::new(f, rows, cols, WeightBytes::owned(bytes), "test").unwrap()
     }
 
+    /// `xs x w^T` on a pool of `threads` threads.
+    fn run_on_threads(w: &QMatrix, xs: &[f32], threads: usize) -> Vec<f32> {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let inp = MatmulInput::new(xs, w.cols, &[w]);
+            let mut out = vec![0f32; inp.rows * w.rows];
+            matmul(&inp, w, &mut out);
+            out
+        })
+    }
+
     #[test]
     fn a_rows_result_is_bitwise_independent_of_batch_and_threads() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
@@ -346,15 +357,7 @@ mod tests {
             let w = random_matrix(&mut rng, f, 100, cols);
             assert!(w.packed().is_some(), "{f:?} has a packed kernel");
             let x: Vec<f32> = (0..cols * 70).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
-            let run = |xs: &[f32], threads: usize| {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-                pool.install(|| {
-                    let inp = MatmulInput::new(xs, cols, &[&w]);
-                    let mut out = vec![0f32; inp.rows * w.rows];
-                    matmul(&inp, &w, &mut out);
-                    out
-                })
-            };
+            let run = |xs: &[f32], threads: usize| run_on_threads(&w, xs, threads);
             let full = run(&x, 2);
             // row 5 alone, with one thread
             let alone = run(&x[5 * cols..6 * cols], 1);
@@ -391,15 +394,7 @@ mod tests {
             let cols = if f.block_len() > 128 { 512 } else { 128 };
             let w = random_matrix(&mut rng, f, 400, cols);
             let x: Vec<f32> = (0..cols * 80).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
-            let run = |xs: &[f32], threads: usize| {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-                pool.install(|| {
-                    let inp = MatmulInput::new(xs, cols, &[&w]);
-                    let mut out = vec![0f32; inp.rows * w.rows];
-                    matmul(&inp, &w, &mut out);
-                    out
-                })
-            };
+            let run = |xs: &[f32], threads: usize| run_on_threads(&w, xs, threads);
             let full = run(&x, 2);
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             for n in [9, 12, 16, 33, 64] {
