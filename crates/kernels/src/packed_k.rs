@@ -399,13 +399,14 @@ pub(crate) mod x86 {
         //   memory time *plus* its compute time (Q4_K ffn_down at 5 rows, 1 thread: 883 us = 414
         //   at 1 row + 488 in cache); with it the two overlap: 3 rows 1.5-1.7x faster, 5 rows 1.4-1.6x,
         //   8 rows 1.1-1.3x; Q6_K at 1 row 1.3-1.8x (the lm_head 5.4-9.0 ms -> 3.5-6.0). Q4_K with
-        //   short rows at one or two rows was 10-28% slower with it (the hardware prefetcher
-        //   already keeps up), Q5_0 slower at 1-5 rows: those keep the rules below. One group
-        //   block ahead into L1 (the `_MM_HINT_T0` below) did not give the overlap.
+        //   short rows was 10-28% slower with it at one or two rows (the hardware prefetcher
+        //   already keeps up) and no faster at three or four: those rows take no prefetch. Q5_0
+        //   was slower at 1-5 rows: Q5_0/Q5_1 keep the rules below. One group block ahead into
+        //   L1 (the `_MM_HINT_T0` below) did not give the overlap.
         // - Otherwise one group block (at least 1 KB) ahead into L1 where that pays, else none:
         //   - `CpuFeatures::sw_prefetch` CPUs (not Zen 4): always, at every format.
-        //   - Zen 4, Q5_0/Q5_1 and short Q4_K/Q5_K rows: from six activation rows on (fewer:
-        //     the stream slowed), and where a pass's activations outgrow L1 (`L1_ACT_BYTES`).
+        //   - Zen 4, Q5_0/Q5_1: from six activation rows on (fewer: the stream slowed), and
+        //     where a pass's activations outgrow L1 (`L1_ACT_BYTES`).
         let features = crate::cpu::features();
         let row_len = blocks * format_of(F).block_len();
         let l2_ahead = !features.sw_prefetch && matches!(F, Q4K | Q5K | Q6K) && (F == Q6K || N >= 5 || row_len >= LONG_ROW);
