@@ -410,7 +410,7 @@ pub(crate) mod x86 {
         let features = crate::cpu::features();
         let row_len = blocks * format_of(F).block_len();
         let l2_ahead = !features.sw_prefetch && matches!(F, Q4K | Q5K | Q6K) && (F == Q6K || N >= 5 || row_len >= LONG_ROW);
-        let act_bytes = N * blocks * (format_of(F).block_len() / QK) * std::mem::size_of::<BlockQ8>();
+        let act_bytes = N * (row_len / QK) * std::mem::size_of::<BlockQ8>();
         let far = !l2_ahead && (features.sw_prefetch || N >= 6 || act_bytes > L1_ACT_BYTES);
         let ahead = gbb.max(1024);
         let gp = group.as_ptr();
