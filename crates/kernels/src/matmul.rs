@@ -64,8 +64,8 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
             Some(Packed::Float(_)) => rows_per_task.max(crate::packed_float::groups_side_by_side(input.rows) * GROUP_ROWS),
             // Decode and verification (up to one batch tile of activation rows) stream the
             // weights from memory once: each thread takes long contiguous runs (about a quarter
-            // of its share of the matrix) so the prefetchers see one stream instead of 32-row
-            // pieces interleaved with the other thread's. Up to 8 rows from the start; up to a
+            // of its share of the matrix) so the prefetchers see one stream instead of 16- or
+            // 32-row pieces interleaved with the other thread's. Up to 8 rows from the start; up to a
             // whole tile since the 9-16-row verify steps of n-gram drafts (matmul_bench,
             // BENCH_ROTATE=1, 2 threads): the lm_head 1.24-1.34x faster at 9-16 rows, 1.05-1.1x
             // at 32-64, gate/up 1.08-1.18x, nothing slower. The split never changes a row's
