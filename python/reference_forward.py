@@ -45,7 +45,10 @@ Optional `act_quant="q8"` mimics what a llama.cpp-style engine does before integ
 products: the input of every weight matmul is rounded to 8-bit blocks of 32 values
 (d = max|x| / 127, q = round(x / d)), like ggml's Q8_0/Q8_1.  It is used to estimate how far
 an exact-arithmetic engine with quantized activations may legitimately drift from the exact
-float reference.
+float reference.  `act_quant="q8k"` is what specula's kernels read: as "q8", except that the
+inputs of Q4_K / Q5_K matrices take one scale per super-block of 256 (like ggml's Q8_K) in every
+row where no value carries more than SUPER_PEAK_ENERGY of its super-block's energy (specula's
+`q8::quantize_rows_super`).
 
 CLI:
     python3 python/reference_forward.py --model M.gguf --tokens 1,2,3 --out logits.npy
@@ -179,7 +182,18 @@ class Weights:
         self.cfg = read_config(reader)
         self.dtype = dtype
         t = {x.name: x for x in reader.tensors}
-        d = lambda name: dequant(t[name], dtype)  # noqa: E731
+        # ids of the matrices stored as Q4_K / Q5_K (their inputs: `quantize_q8_super`)
+        self.super_scaled: set[int] = set()
+
+        def d(name):
+            w = dequant(t[name], dtype)
+            if t[name].tensor_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
+                b = w
+                while isinstance(b, np.ndarray):  # and the array owning its memory
+                    self.super_scaled.add(id(b))
+                    b = b.base
+            return w
+
         self.embd = d("token_embd.weight")  # [vocab, hidden]
         self.output = d("output.weight") if "output.weight" in t else self.embd  # tied
         self.output_norm = d("output_norm.weight")
@@ -265,6 +279,24 @@ def quantize_q8_blocks(x: np.ndarray, block: int = 32) -> np.ndarray:
     inv = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0), 0.0)
     q = np.clip(np.round(xb * inv), -127, 127)
     return (q * d16).reshape(shape).astype(x.dtype)
+
+
+SUPER_SPAN = 256
+SUPER_PEAK_ENERGY = 0.75  # specula's q8::SUPER_PEAK_ENERGY
+
+
+def quantize_q8_super(x: np.ndarray) -> np.ndarray:
+    """Round-trip x as specula's Q4_K / Q5_K kernels read it: a row gets one 8-bit scale per
+    super-block of 256 where, in every super-block, max x^2 <= SUPER_PEAK_ENERGY * sum x^2, and
+    one per block of 32 otherwise (a row with a massive activation)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).astype(np.float32)
+    sq = x2.reshape(x2.shape[0], -1, SUPER_SPAN) ** 2
+    fits = (sq.max(axis=-1) <= np.float32(SUPER_PEAK_ENERGY) * sq.sum(axis=-1)).all(axis=-1)
+    out = quantize_q8_blocks(x2)
+    if fits.any():
+        out[fits] = quantize_q8_blocks(x2[fits], block=SUPER_SPAN)
+    return out.reshape(shape).astype(x.dtype)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -357,6 +389,16 @@ def moe_ffn(x: np.ndarray, L: dict, c: Config, lin, margins=None) -> np.ndarray:
     return out
 
 
+def _reads_super(W: Weights, w: np.ndarray) -> bool:
+    """Whether `w` (a matrix of W, or a view of one: an expert of a stacked MoE tensor) is stored
+    as Q4_K / Q5_K."""
+    while w is not None:
+        if id(w) in W.super_scaled:
+            return True
+        w = w.base if isinstance(w.base, np.ndarray) else None
+    return False
+
+
 def forward(
     model_path: str,
     tokens,
@@ -383,9 +425,14 @@ def forward(
         raise ValueError(f"token id out of range [0, {c.vocab})")
     T = len(tokens)
     ft = W.dtype
-    if act_quant not in (None, "none", "q8"):
+    if act_quant not in (None, "none", "q8", "q8k"):
         raise ValueError(f"unknown act_quant {act_quant!r}")
-    aq = quantize_q8_blocks if act_quant == "q8" else (lambda a: a)
+
+    def aq(a, w):
+        if act_quant == "q8k" and _reads_super(W, w):
+            return quantize_q8_super(a)
+        return quantize_q8_blocks(a) if act_quant in ("q8", "q8k") else a
+
     if rope is None:
         rope = "neox" if c.neox else "normal"
     rope_fn = {"normal": rope_normal, "neox": rope_neox}[rope]
@@ -394,7 +441,7 @@ def forward(
         freq_factors = llama3_freq_factors(c.llama3, c.rope_dim, c.rope_theta)
 
     def lin(x, w):
-        return aq(x) @ w.T
+        return aq(x, w) @ w.T
 
     pos = np.arange(T)
     group = c.n_heads // c.n_kv_heads
@@ -462,7 +509,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
     ap.add_argument("--out", required=True, help="output .npy: float32 [n_tokens, vocab]")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute precision")
-    ap.add_argument("--act-quant", default="none", choices=["none", "q8"], help="simulate 8-bit activation blocks")
+    ap.add_argument("--act-quant", default="none", choices=["none", "q8", "q8k"], help="simulate 8-bit activation blocks (q8k: as specula's kernels)")
     ap.add_argument("--last-only", action="store_true", help="only the last position's logits")
     a = ap.parse_args(argv)
     if not a.model:

@@ -14,27 +14,38 @@ model's real tokenizer, which this test must not depend on): valid ids forming n
 
 Tolerances, and why
 -------------------
-As in test_logits_oracle.py, the engine rounds every matmul input to 8-bit blocks of 32 and the
-reference does not, so the limit is set from the reference run with that rounding simulated
-(`act_quant="q8"`) against the exact reference, measured on these prompts:
+As in test_logits_oracle.py, the engine rounds every matmul input to 8-bit blocks of 32 (and the
+inputs of Q4_K / Q5_K matrices to one scale per super-block of 256 in rows without a massive
+activation: kernels q8::quantize_rows_super) and the reference does not, so the limit is set from
+the reference run with that rounding simulated (`act_quant="q8k"`; `"q8"`: blocks of 32
+everywhere) against the exact reference, measured on these prompts:
 
                                    max|d|   mean|d|   row_rel   KL mean   KL max    top-1
-    qwen 0.5B   engine             0.46     0.054     0.034     0.00047   0.0027    100%
+    qwen 0.5B   engine             0.47     0.056     0.035     0.00039   0.0029    100%
+                reference + q8k    0.44     0.055     -         0.00039   0.0026    100%
                 reference + q8     0.44     0.049     0.032     0.00038   0.0026    100%
-    gemma 270m  engine             1.16     0.119     0.042     0.0021    0.010     99.3%
+    gemma 270m  engine             1.38     0.139     0.048     0.0032    0.011     99.5%
+                reference + q8k    2.22     0.145     -         0.0021    0.040     99.6%
                 reference + q8     1.39     0.122     0.046     0.0022    0.0065    99.3%
-    qwen 1.5B   engine             2.52     0.064     0.122     0.018     0.27      100%
+    qwen 1.5B   engine             2.55     0.074     0.123     0.019     0.28      100%
+                reference + q8k    2.67     0.074     -         0.020     0.29      100%
                 reference + q8     2.69     0.067     0.130     0.021     0.31      93%
                 (and with the float fallback for Q4_K/Q6_K, before the integer kernels
                  landed: max|d| < 5e-4, i.e. the same function as the reference)
 
+Gemma's worst single position is fragile under super-block scales (only its ffn_down is Q4_K,
+and its GELU outputs are peaky): the simulated KL max at one position of the long prompt moved
+0.040 / 0.057 / 0.017 / 0.0065 as the share of a super-block's energy allowed to one value went
+0.75 / 0.5 / 0.3 / 0 (blocks everywhere), with the KL mean at 0.0003-0.0006 throughout.  Its KL
+max limit is therefore 2x the simulated 0.040.
+
 The sliding window is checked on its own: the 47 positions past 512 are a small part of the
 long Gemma prompt, so a model without the window would pass the whole-prompt limits (its
 mean|d| there is diluted to ~0.16).  Measured at positions >= 512 only: engine vs reference
-mean|d| 0.146 (max 1.16); engine vs the reference with the window removed mean|d| 0.62 (max
-6.6).  Limit: WINDOW_TAIL_MEAN_ABS.
+mean|d| 0.151 (0.146, max 1.16, with blocks of 32 everywhere); engine vs the reference with the
+window removed mean|d| 0.62 (max 6.6).  Limit: WINDOW_TAIL_MEAN_ABS.
 
-The limits below are about 2-3x the larger of the two (the engine always sits inside the
+The limits below are about 2-3x the larger of the two (the engine sits at or inside the
 simulated envelope), per model since the envelopes differ by 10x between models.  A different
 top-1 is allowed only where the reference's two best logits are within TOP1_TIE.
 """
@@ -54,9 +65,9 @@ CACHE = Path.home() / ".cache" / "specula" / "models"
 
 # name: (env var, default file, opt-in env var or None, limits)
 LIMITS_QWEN05 = dict(max_abs=1.5, mean_abs=0.15, row_rel=0.1, kl_mean=0.0015, kl_max=0.01, top1_tie=0.5, top1_min=0.95)
-LIMITS_GEMMA = dict(max_abs=3.0, mean_abs=0.3, row_rel=0.1, kl_mean=0.006, kl_max=0.03, top1_tie=0.5, top1_min=0.95)
+LIMITS_GEMMA = dict(max_abs=4.0, mean_abs=0.3, row_rel=0.1, kl_mean=0.006, kl_max=0.08, top1_tie=0.5, top1_min=0.95)
 LIMITS_QWEN15 = dict(max_abs=6.0, mean_abs=0.2, row_rel=0.3, kl_mean=0.06, kl_max=0.8, top1_tie=1.0, top1_min=0.85)
-WINDOW_TAIL_MEAN_ABS = 0.3  # mean|d| at positions >= the sliding window; measured 0.146, no window 0.62
+WINDOW_TAIL_MEAN_ABS = 0.3  # mean|d| at positions >= the sliding window; measured 0.151, no window 0.62
 MODELS = {
     "qwen05": ("SPECULA_MODEL_QWEN05", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", None, LIMITS_QWEN05),
     "gemma": ("SPECULA_MODEL_GEMMA", "gemma-3-270m-q4_k_m.gguf", None, LIMITS_GEMMA),

@@ -23,7 +23,7 @@ pub mod weights;
 
 pub use formats::WeightFormat;
 pub use matmul::{matmul, matmul_many};
-pub use q8::{quantize_rows, BlockQ8, QuantizedActivations};
+pub use q8::{quantize_rows, quantize_rows_super, ActSpan, BlockQ8, QuantizedActivations, SUPER_SPAN};
 pub use weights::{QMatrix, WeightBytes};
 
 /// Errors raised when weights or shapes handed to a kernel do not fit.

@@ -9,7 +9,7 @@ use crate::dot::dot_f32;
 use crate::packed::{PackedInt8, GROUP_ROWS, MAX_ACTS};
 use crate::packed_float::PackedFloat;
 use crate::pool::DisjointOut;
-use crate::q8::{quantize_rows, QuantizedActivations};
+use crate::q8::{quantize_rows, quantize_rows_super, ActSpan, QuantizedActivations};
 use crate::weights::{Packed, QMatrix};
 use rayon::prelude::*;
 
@@ -18,7 +18,17 @@ pub struct MatmulInput<'a> {
     pub x: &'a [f32],
     pub rows: usize,
     pub cols: usize,
+    /// Block scales, every row: what the int8 kernels read.
     q8: Option<QuantizedActivations>,
+    /// What the Q4_K / Q5_K kernels read: super-block scales where a row allows them.
+    q8_super: Option<SuperInput>,
+}
+
+/// `quantize_rows_super`'s rows, and which of them got super-block scales.
+struct SuperInput {
+    q: QuantizedActivations,
+    super_rows: Vec<usize>,
+    block_rows: Vec<usize>,
 }
 
 impl<'a> MatmulInput<'a> {
@@ -26,22 +36,24 @@ impl<'a> MatmulInput<'a> {
     pub fn new(x: &'a [f32], cols: usize, ws: &[&QMatrix]) -> Self {
         assert_eq!(x.len() % cols, 0, "activation length {} is not a multiple of {cols}", x.len());
         let rows = x.len() / cols;
-        let q8 = ws.iter().any(|w| w.format.has_int8_dot()).then(|| quantize_parallel(x, cols));
-        Self { x, rows, cols, q8 }
+        let int8 = |w: &&&QMatrix| matches!(w.packed(), Some(Packed::Int8(_)));
+        let reads_super = |w: &&&QMatrix| matches!(w.packed(), Some(Packed::Int8(p)) if p.reads_super_span());
+        let q8 = ws.iter().filter(int8).any(|w| !reads_super(&w)).then(|| quantize_parallel(x, cols, quantize_rows));
+        let q8_super = ws.iter().any(|w| reads_super(&w)).then(|| {
+            let q = quantize_parallel(x, cols, quantize_rows_super);
+            let (super_rows, block_rows) = (0..rows).partition(|&r| q.spans[r] == ActSpan::Super);
+            SuperInput { q, super_rows, block_rows }
+        });
+        Self { x, rows, cols, q8, q8_super }
     }
 }
 
-fn quantize_parallel(x: &[f32], cols: usize) -> QuantizedActivations {
+fn quantize_parallel(x: &[f32], cols: usize, quantize: fn(&[f32], usize) -> QuantizedActivations) -> QuantizedActivations {
     let rows = x.len() / cols;
     if rows < 32 {
-        return quantize_rows(x, cols);
+        return quantize(x, cols);
     }
-    let parts: Vec<QuantizedActivations> = x.par_chunks(16 * cols).map(|c| quantize_rows(c, cols)).collect();
-    let mut out = QuantizedActivations { blocks: Vec::with_capacity(rows * cols / 32), rows, blocks_per_row: cols / 32 };
-    for p in parts {
-        out.blocks.extend_from_slice(&p.blocks);
-    }
-    out
+    QuantizedActivations::concat(x.par_chunks(16 * cols).map(|c| quantize(c, cols)).collect())
 }
 
 const BATCH_TILE: usize = 64;
@@ -84,9 +96,22 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
         let w = ws[m];
         let out = ptrs[m];
         match w.packed() {
+            Some(Packed::Int8(p)) if p.reads_super_span() => {
+                let s = input.q8_super.as_ref().expect("super-span input prepared by MatmulInput::new");
+                let q = &s.q;
+                if s.block_rows.is_empty() || s.super_rows.is_empty() {
+                    let span = if s.block_rows.is_empty() { ActSpan::Super } else { ActSpan::Block };
+                    packed_rows(&Int8Kernel { p, q, span, rows: None }, p.rows(), input.rows, r0, r1, out);
+                } else {
+                    // each row's own kernel; a row's results are the same bits in either batch
+                    for (span, rows) in [(ActSpan::Super, &s.super_rows), (ActSpan::Block, &s.block_rows)] {
+                        packed_rows(&Int8Kernel { p, q, span, rows: Some(rows) }, p.rows(), rows.len(), r0, r1, out);
+                    }
+                }
+            }
             Some(Packed::Int8(p)) => {
                 let q = input.q8.as_ref().expect("int8 input prepared by MatmulInput::new");
-                packed_rows(&Int8Kernel { p, q }, p.rows(), input.rows, r0, r1, out);
+                packed_rows(&Int8Kernel { p, q, span: ActSpan::Block, rows: None }, p.rows(), input.rows, r0, r1, out);
             }
             Some(Packed::Float(p)) => packed_rows(&FloatKernel { p, input }, p.rows(), input.rows, r0, r1, out),
             None => f32_rows(w, input, r0, r1, out),
@@ -107,6 +132,11 @@ trait GroupKernel {
     /// # Safety
     /// Every `dst[i]` must be valid for eight writes that no other thread makes.
     unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]);
+    /// The output row of the kernel's activation row `b` (the kernel may run a subset of the
+    /// batch's rows).
+    fn out_row(&self, b: usize) -> usize {
+        b
+    }
     /// Groups per call the kernel reads side by side for `n` activation rows (1: one at a time).
     fn side_by_side(&self, _n: usize) -> usize {
         1
@@ -125,6 +155,17 @@ trait GroupKernel {
 struct Int8Kernel<'a> {
     p: &'a PackedInt8,
     q: &'a QuantizedActivations,
+    /// The scale span of every row this kernel runs.
+    span: ActSpan,
+    /// The rows of `q` it runs, in order (`None`: all of them).
+    rows: Option<&'a [usize]>,
+}
+
+impl Int8Kernel<'_> {
+    #[inline]
+    fn acts<const N: usize>(&self, b: usize) -> [&[crate::q8::BlockQ8]; N] {
+        std::array::from_fn(|i| self.q.row(self.out_row(b + i)))
+    }
 }
 
 impl GroupKernel for Int8Kernel<'_> {
@@ -137,7 +178,11 @@ impl GroupKernel for Int8Kernel<'_> {
         }
     }
     unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]) {
-        self.p.dot_group_to::<N>(g, std::array::from_fn(|i| self.q.row(b + i)), dst)
+        self.p.dot_group_span_to::<N>(g, self.span, self.acts(b), dst)
+    }
+    #[inline]
+    fn out_row(&self, b: usize) -> usize {
+        self.rows.map_or(b, |r| r[b])
     }
     fn side_by_side(&self, n: usize) -> usize {
         // where 512-bit instructions are split in two (Zen 4), the pass of two groups at once
@@ -150,12 +195,12 @@ impl GroupKernel for Int8Kernel<'_> {
         }
     }
     unsafe fn run_groups<const G: usize, const N: usize>(&self, g: usize, b: usize, dst: [[*mut f32; N]; G]) {
-        let acts = std::array::from_fn(|i| self.q.row(b + i));
-        if G == 2 {
+        let acts = self.acts(b);
+        if G == 2 && self.span == ActSpan::Block {
             self.p.dot_group_pair_to::<N>(g, acts, [dst[0], dst[1]]);
         } else {
             for (j, d) in dst.into_iter().enumerate() {
-                self.p.dot_group_to::<N>(g + j, acts, d);
+                self.p.dot_group_span_to::<N>(g + j, self.span, acts, d);
             }
         }
     }
@@ -189,16 +234,16 @@ impl GroupKernel for FloatKernel<'_> {
 fn write_group<K: GroupKernel, const N: usize>(k: &K, g: usize, b: usize, optr: *mut f32, rows: usize) {
     let base = g * GROUP_ROWS;
     if base + GROUP_ROWS <= rows {
-        // SAFETY: (b + i) * rows + base + 8 <= activation rows * rows, inside the output, and this
+        // SAFETY: out_row(b + i) * rows + base + 8 <= activation rows * rows, inside the output, and this
         // task alone writes rows base..base + 8.
-        unsafe { k.run::<N>(g, b, std::array::from_fn(|i| optr.add((b + i) * rows + base))) };
+        unsafe { k.run::<N>(g, b, std::array::from_fn(|i| optr.add(k.out_row(b + i) * rows + base))) };
     } else {
         let mut buf = [[0f32; GROUP_ROWS]; N];
         // SAFETY: each pointer addresses one row of `buf`.
         unsafe { k.run::<N>(g, b, buf.each_mut().map(|r| r.as_mut_ptr())) };
         for (i, y) in buf.iter().enumerate() {
             // SAFETY: as above, for the rows - base valid lanes.
-            unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add((b + i) * rows + base), rows - base) };
+            unsafe { std::ptr::copy_nonoverlapping(y.as_ptr(), optr.add(k.out_row(b + i) * rows + base), rows - base) };
         }
     }
 }
@@ -209,7 +254,7 @@ fn write_groups<K: GroupKernel, const G: usize, const N: usize>(k: &K, g: usize,
     debug_assert!((g + G) * GROUP_ROWS <= rows);
     // SAFETY: as in write_group: every row base..base + 8 of these groups is inside the output and
     // written by this task alone.
-    unsafe { k.run_groups::<G, N>(g, b, std::array::from_fn(|j| std::array::from_fn(|i| optr.add((b + i) * rows + (g + j) * GROUP_ROWS)))) };
+    unsafe { k.run_groups::<G, N>(g, b, std::array::from_fn(|j| std::array::from_fn(|i| optr.add(k.out_row(b + i) * rows + (g + j) * GROUP_ROWS)))) };
 }
 
 /// Weight rows `r0..r1` (`r0` a multiple of 8) of a packed matrix with `rows` rows against `n`
@@ -218,7 +263,7 @@ fn write_groups<K: GroupKernel, const G: usize, const N: usize>(k: &K, g: usize,
 fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usize, out: DisjointOut) {
     debug_assert_eq!(r0 % GROUP_ROWS, 0);
     let (optr, olen) = out.raw();
-    assert!(n * rows <= olen);
+    assert!((0..n).all(|b| (k.out_row(b) + 1) * rows <= olen), "matmul: an activation row outside the output");
     let wide = k.widest() >= 8;
     let mut b0 = 0;
     while b0 < n {
@@ -356,7 +401,16 @@ mod tests {
             let cols = if f.block_len() > 128 { 512 } else { 128 };
             let w = random_matrix(&mut rng, f, 100, cols);
             assert!(w.packed().is_some(), "{f:?} has a packed kernel");
-            let x: Vec<f32> = (0..cols * 70).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+            let mut x: Vec<f32> = (0..cols * 70).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+            // every third row from row 2 on has one value that dwarfs its super-block: Q4_K / Q5_K
+            // take those rows on block scales, the rest on super-block scales, in one batch
+            for r in (2..70).step_by(3) {
+                x[r * cols + 37] = 400.0;
+            }
+            if crate::packed_k::reads_super_span(f) {
+                let spans = crate::q8::quantize_rows_super(&x, cols).spans;
+                assert_eq!(spans.iter().filter(|&&s| s == ActSpan::Block).count(), 23, "{f:?}");
+            }
             let run = |xs: &[f32], threads: usize| run_on_threads(&w, xs, threads);
             let full = run(&x, 2);
             // row 5 alone, with one thread
@@ -415,6 +469,18 @@ mod tests {
         let (mut za, mut zb) = (vec![0f32; 3 * 40], vec![0f32; 3 * 24]);
         matmul(&MatmulInput::new(&x, 64, &[&a]), &a, &mut za);
         matmul(&MatmulInput::new(&x, 64, &[&b]), &b, &mut zb);
+        assert_eq!(ya, za);
+        assert_eq!(yb, zb);
+        // a k-quant that reads super-block scales beside one that does not, on rows of both kinds
+        let (a, b) = (random_matrix(&mut rng, WeightFormat::Q4K, 24, 512), random_matrix(&mut rng, WeightFormat::Q6K, 16, 512));
+        let mut x: Vec<f32> = (0..512 * 5).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        x[512 + 300] = 90.0;
+        let inp = MatmulInput::new(&x, 512, &[&a, &b]);
+        let (mut ya, mut yb) = (vec![0f32; 5 * 24], vec![0f32; 5 * 16]);
+        matmul_many(&inp, &[&a, &b], &mut [&mut ya, &mut yb]);
+        let (mut za, mut zb) = (vec![0f32; 5 * 24], vec![0f32; 5 * 16]);
+        matmul(&MatmulInput::new(&x, 512, &[&a]), &a, &mut za);
+        matmul(&MatmulInput::new(&x, 512, &[&b]), &b, &mut zb);
         assert_eq!(ya, za);
         assert_eq!(yb, zb);
     }

@@ -32,7 +32,7 @@
 
 use crate::formats::{WeightFormat, QK};
 use crate::packed_k;
-use crate::q8::BlockQ8;
+use crate::q8::{ActSpan, BlockQ8};
 use half::f16;
 
 /// Rows per group: the lanes of one 256-bit vector of f32.
@@ -148,10 +148,21 @@ impl PackedInt8 {
     /// Results of the eight rows of group `g` against each of `N` (1..=MAX_ACTS) activation rows:
     /// `out[n][lane]` = row `8g + lane` dot activation `n` (lanes past the last row are 0).
     pub fn dot_group<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N]) -> [[f32; GROUP_ROWS]; N] {
+        self.dot_group_span(g, ActSpan::Block, acts)
+    }
+
+    /// As `dot_group` for activation rows of scale span `span` (`ActSpan::Super` only where
+    /// `reads_super_span`).
+    pub fn dot_group_span<const N: usize>(&self, g: usize, span: ActSpan, acts: [&[BlockQ8]; N]) -> [[f32; GROUP_ROWS]; N] {
         let mut out = [[0f32; GROUP_ROWS]; N];
         // SAFETY: each pointer addresses one row of `out`: eight writable floats.
-        unsafe { self.dot_group_to(g, acts, out.each_mut().map(|r| r.as_mut_ptr())) };
+        unsafe { self.dot_group_span_to(g, span, acts, out.each_mut().map(|r| r.as_mut_ptr())) };
         out
+    }
+
+    /// Whether this matrix has a kernel for `ActSpan::Super` activation rows (Q4_K, Q5_K).
+    pub fn reads_super_span(&self) -> bool {
+        packed_k::reads_super_span(self.format)
     }
 
     /// As `dot_group`, writing activation `n`'s eight results at `dst[n]` (the matmul writes them
@@ -161,7 +172,17 @@ impl PackedInt8 {
     /// Every `dst[n]` must be valid for writes of eight `f32`, and no other thread may access them.
     #[inline]
     pub unsafe fn dot_group_to<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
+        self.dot_group_span_to(g, ActSpan::Block, acts, dst)
+    }
+
+    /// As `dot_group_to` for activation rows of scale span `span`.
+    ///
+    /// # Safety
+    /// As `dot_group_to`.
+    #[inline]
+    pub unsafe fn dot_group_span_to<const N: usize>(&self, g: usize, span: ActSpan, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         debug_assert!((1..=MAX_ACTS).contains(&N));
+        assert!(span == ActSpan::Block || self.reads_super_span(), "{:?} has no kernel for super-block activation scales", self.format);
         for a in &acts {
             assert_eq!(a.len(), self.act_blocks, "activation row has the wrong number of blocks");
         }
@@ -169,7 +190,7 @@ impl PackedInt8 {
         if packed_k::handles(self.format) {
             // SAFETY: `group` holds `blocks` group blocks and every activation row the matching
             // `act_blocks` blocks (checked above); dst as the caller promised.
-            return packed_k::dot_group_to::<N>(self.format, group, self.blocks, acts, dst);
+            return packed_k::dot_group_to::<N>(self.format, span, group, self.blocks, acts, dst);
         }
         #[cfg(target_arch = "x86_64")]
         {
@@ -231,7 +252,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// against the eight rows of a group.
 pub fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize, a: &[BlockQ8]) -> [f32; GROUP_ROWS] {
     if packed_k::handles(format) {
-        return packed_k::dot_group_scalar(format, group, blocks, a);
+        return packed_k::dot_group_scalar(format, ActSpan::Block, group, blocks, a);
     }
     let gbb = group_block_bytes(format);
     let qoff = quants_offset(format);

@@ -26,6 +26,11 @@
 //!   `acc = fma(d * d_a, s, acc)`, then `acc = fma(m, s_a, acc)` (Q5_0: `m = -16 d`).
 //! - Q4_K / Q5_K: `s_j` likewise for sub-block `j`; `acc = fma((d * sc_j) * d_a, s_j, acc)`, then
 //!   `acc = fma(-(dmin * m_j), s_a, acc)` (`d * sc_j` and `dmin * m_j` are exact in f32).
+//! - Q4_K / Q5_K against `ActSpan::Super` rows (one scale `d_a` per super-block, ggml's Q8_K):
+//!   with `B_j` block `j`'s activation sum, per super-block `T = sum_j sc_j s_j` and
+//!   `M = sum_j m_j B_j` exact in i32, then `acc = fma(d * d_a, T, acc)` and
+//!   `acc = fma(-(dmin * d_a), M, acc)`: two float steps per super-block instead of sixteen (the
+//!   integer-to-float conversions and fmas were a fifth of the kernel's time).
 //! - Q6_K: per half of 16, `s` over the unsigned 6-bit quants and `A` the activations' sum
 //!   (`BlockQ8::h`);
 //!   `t = sc_a (s_a - 32 A_a) + sc_b (s_b - 32 A_b)` exact in i32; `acc = fma(d * d_a, t, acc)`.
@@ -36,12 +41,17 @@
 
 use crate::formats::{scale_min_k4, WeightFormat, QK, QK_K};
 use crate::packed::GROUP_ROWS;
-use crate::q8::BlockQ8;
+use crate::q8::{ActSpan, BlockQ8};
 use half::f16;
 
 /// Whether `format` is laid out and computed here (rather than in `packed.rs`).
 pub(crate) fn handles(format: WeightFormat) -> bool {
     matches!(format, WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K)
+}
+
+/// Whether `format` has a kernel for `ActSpan::Super` activation rows.
+pub(crate) fn reads_super_span(format: WeightFormat) -> bool {
+    matches!(format, WeightFormat::Q4K | WeightFormat::Q5K)
 }
 
 /// Offsets inside a group block.
@@ -139,7 +149,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 
 /// Scalar reference (the arithmetic of the module header): one activation row (`8 * blocks`
 /// blocks of 32 for the k-quants, `blocks` for Q5_0 / Q5_1) against the eight rows of a group.
-pub(crate) fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize, a: &[BlockQ8]) -> [f32; GROUP_ROWS] {
+pub(crate) fn dot_group_scalar(format: WeightFormat, span: ActSpan, group: &[u8], blocks: usize, a: &[BlockQ8]) -> [f32; GROUP_ROWS] {
     let gbb = group_block_bytes(format);
     let mut acc = [0f32; GROUP_ROWS];
     for b in 0..blocks {
@@ -168,9 +178,13 @@ pub(crate) fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize
                 WeightFormat::Q4K | WeightFormat::Q5K => {
                     let dmin = f16_at(blk, off::K_DMIN + 2 * lane);
                     let qs_off = if format == WeightFormat::Q4K { off::Q4K_QS } else { off::Q5K_QS };
+                    // ActSpan::Super: one activation scale for the super-block's eight blocks
+                    let d_a = a[8 * b].d;
+                    let (mut t, mut m) = (0i32, 0i32);
                     for j in 0..8 {
                         let (c, high) = (j / 2, j % 2 == 1);
                         let ab = &a[8 * b + j];
+                        debug_assert!(span == ActSpan::Block || ab.d.to_bits() == d_a.to_bits(), "super-span activations need one scale per super-block");
                         let mut s = 0i32;
                         for v in 0..8 {
                             for t in 0..4 {
@@ -182,10 +196,19 @@ pub(crate) fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize
                                 s += x as i32 * ab.qs[4 * v + t] as i32;
                             }
                         }
-                        let dsc = d * blk[off::K_SC + 8 * j + lane] as f32;
-                        let mn = dmin * blk[off::K_MN + 8 * j + lane] as f32;
-                        *acc = (dsc * ab.d).mul_add(s as f32, *acc);
-                        *acc = (-mn).mul_add(ab.s, *acc);
+                        if span == ActSpan::Block {
+                            let dsc = d * blk[off::K_SC + 8 * j + lane] as f32;
+                            let mn = dmin * blk[off::K_MN + 8 * j + lane] as f32;
+                            *acc = (dsc * ab.d).mul_add(s as f32, *acc);
+                            *acc = (-mn).mul_add(ab.s, *acc);
+                        } else {
+                            t += blk[off::K_SC + 8 * j + lane] as i32 * s;
+                            m += blk[off::K_MN + 8 * j + lane] as i32 * (ab.h[0] as i32 + ab.h[1] as i32);
+                        }
+                    }
+                    if span == ActSpan::Super {
+                        *acc = (d * d_a).mul_add(t as f32, *acc);
+                        *acc = (-(dmin * d_a)).mul_add(m as f32, *acc);
                     }
                 }
                 WeightFormat::Q6K => {
@@ -226,22 +249,22 @@ pub(crate) fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize
 /// `group` holds `blocks` group blocks, every activation row the matching number of blocks of 32
 /// (checked by the caller), and every `dst[n]` is valid for eight writes no other thread makes.
 #[inline]
-pub(crate) unsafe fn dot_group_to<const N: usize>(format: WeightFormat, group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
+pub(crate) unsafe fn dot_group_to<const N: usize>(format: WeightFormat, span: ActSpan, group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
     #[cfg(target_arch = "x86_64")]
     {
         let f = crate::cpu::features();
         if f.avx512_vnni {
             // SAFETY: AVX2, FMA, F16C and AVX-512 VNNI/VL were detected at run time; sizes and dst
             // as the caller promised.
-            return x86::group_vnni::<N>(format, group, blocks, acts, dst);
+            return x86::group_vnni::<N>(format, span, group, blocks, acts, dst);
         }
         if f.avx2_fma {
             // SAFETY: AVX2, FMA and F16C were detected at run time; sizes and dst as promised.
-            return x86::group_avx2::<N>(format, group, blocks, acts, dst);
+            return x86::group_avx2::<N>(format, span, group, blocks, acts, dst);
         }
     }
     for (a, d) in acts.iter().zip(dst) {
-        let y = dot_group_scalar(format, group, blocks, a);
+        let y = dot_group_scalar(format, span, group, blocks, a);
         // SAFETY: d is valid for eight writes (the caller's promise).
         std::ptr::copy_nonoverlapping(y.as_ptr(), d, GROUP_ROWS);
     }
@@ -259,11 +282,15 @@ pub(crate) mod x86 {
         const Q6K_SHARED_UNPACK: usize;
         unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
         /// As `dot2` for 4-bit quants (<= 15), in a partial form (AVX2: i16 lanes, which eight
-        /// vectors' products fit: 16 x 15 x 127 = 30480) that `finish4` turns into i32 sums.
+        /// vectors' products fit: 16 x 15 x 127 = 30480) that `finish4` or `scaled_q4` turns into
+        /// i32 sums.
         unsafe fn dot2_q4(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
         unsafe fn finish4(acc: __m256i) -> __m256i;
         /// `acc` plus the i16 pair products of `a` and `b` summed per i32 lane (exact).
         unsafe fn madd_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+        /// The i32 sums of a Q4_K sub-block (`dot2_q4`'s partial form, not yet `finish4`ed) times
+        /// the lanes' scales (`sc32`: i32 lanes; `sc16`: the same in both i16 halves of a lane).
+        unsafe fn scaled_q4(acc: __m256i, sc32: __m256i, sc16: __m256i) -> __m256i;
     }
     struct Avx2;
     struct Vnni;
@@ -287,6 +314,11 @@ pub(crate) mod x86 {
         unsafe fn madd_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
             _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
         }
+        #[inline(always)]
+        unsafe fn scaled_q4(acc: __m256i, _sc32: __m256i, sc16: __m256i) -> __m256i {
+            // the i16 partial sums (<= 30480) times the scale (<= 63), pairs added: exact in i32
+            _mm256_madd_epi16(acc, sc16)
+        }
     }
     impl Dot for Vnni {
         const Q6K_SHARED_UNPACK: usize = 2;
@@ -305,6 +337,10 @@ pub(crate) mod x86 {
         #[inline(always)]
         unsafe fn madd_add(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
             _mm256_dpwssd_epi32(acc, a, b)
+        }
+        #[inline(always)]
+        unsafe fn scaled_q4(acc: __m256i, sc32: __m256i, _sc16: __m256i) -> __m256i {
+            _mm256_mullo_epi32(acc, sc32)
         }
     }
 
@@ -328,6 +364,14 @@ pub(crate) mod x86 {
     #[inline(always)]
     unsafe fn u8x8(p: *const u8) -> __m256 {
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    /// Eight unsigned bytes at `p` (the lanes' 6-bit scales or mins of one sub-block) as i32
+    /// lanes, and as the same value in both i16 halves of each lane.
+    #[inline(always)]
+    unsafe fn sc_lanes(p: *const u8) -> (__m256i, __m256i) {
+        let x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        (x, _mm256_or_si256(x, _mm256_slli_epi32::<16>(x)))
     }
 
     /// Q6_K's scales of one activation block (sub-blocks `s` and `s + 1` of a super-block) for
@@ -375,13 +419,16 @@ pub(crate) mod x86 {
     const Q4K: u8 = 2;
     const Q5K: u8 = 3;
     const Q6K: u8 = 4;
+    /// Q4_K / Q5_K against activations with one scale per super-block (`q8::SUPER_SPAN`).
+    const Q4K_S: u8 = 5;
+    const Q5K_S: u8 = 6;
 
     const fn format_of(f: u8) -> WeightFormat {
         match f {
             Q5_0 => WeightFormat::Q5_0,
             Q5_1 => WeightFormat::Q5_1,
-            Q4K => WeightFormat::Q4K,
-            Q5K => WeightFormat::Q5K,
+            Q4K | Q4K_S => WeightFormat::Q4K,
+            Q5K | Q5K_S => WeightFormat::Q5K,
             _ => WeightFormat::Q6K,
         }
     }
@@ -409,7 +456,7 @@ pub(crate) mod x86 {
         //     where a pass's activations outgrow L1 (`L1_ACT_BYTES`).
         let features = crate::cpu::features();
         let row_len = blocks * format_of(F).block_len();
-        let l2_ahead = !features.sw_prefetch && matches!(F, Q4K | Q5K | Q6K) && (F == Q6K || N >= 5 || row_len >= LONG_ROW);
+        let l2_ahead = !features.sw_prefetch && matches!(F, Q4K | Q5K | Q4K_S | Q5K_S | Q6K) && (F == Q6K || N >= 5 || row_len >= LONG_ROW);
         let act_bytes = N * (row_len / QK) * std::mem::size_of::<BlockQ8>();
         let far = !l2_ahead && (features.sw_prefetch || N >= 6 || act_bytes > L1_ACT_BYTES);
         let ahead = gbb.max(1024);
@@ -504,6 +551,63 @@ pub(crate) mod x86 {
                                 acc[n] = _mm256_fmadd_ps(neg_mn, _mm256_set1_ps(ab.s), acc[n]);
                             }
                         }
+                    }
+                }
+                Q4K_S | Q5K_S => {
+                    // T = sum_j sc_j s_j per activation row, exact in i32 (see the module header)
+                    let qs = blk.add(if F == Q4K_S { off::Q4K_QS } else { off::Q5K_QS });
+                    let qh = blk.add(off::Q5K_QH);
+                    let mut t = [_mm256_setzero_si256(); N];
+                    for c in 0..4 {
+                        let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
+                        let shift = _mm_cvtsi32_si128(2 * c as i32);
+                        for v in (0..8).step_by(2) {
+                            let (r0, r1) = (vec(qs, 8 * c + v), vec(qs, 8 * c + v + 1));
+                            let (mut lo0, mut hi0) = (_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r0), m4));
+                            let (mut lo1, mut hi1) = (_mm256_and_si256(r1, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r1), m4));
+                            if F == Q5K_S {
+                                // bits 2c and 2c + 1 of each qh byte, moved to bit 4
+                                let h0 = _mm256_srl_epi16(vec(qh, v), shift);
+                                let h1 = _mm256_srl_epi16(vec(qh, v + 1), shift);
+                                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16::<4>(h0), b16));
+                                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_slli_epi16::<3>(h0), b16));
+                                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16::<4>(h1), b16));
+                                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_slli_epi16::<3>(h1), b16));
+                            }
+                            for n in 0..N {
+                                let a_lo = acts[n].get_unchecked(8 * b + 2 * c).qs.as_ptr();
+                                let a_hi = acts[n].get_unchecked(8 * b + 2 * c + 1).qs.as_ptr();
+                                if F == Q4K_S {
+                                    s_lo[n] = D::dot2_q4(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
+                                    s_hi[n] = D::dot2_q4(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                                } else {
+                                    s_lo[n] = D::dot2(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
+                                    s_hi[n] = D::dot2(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                                }
+                            }
+                        }
+                        let sc = [sc_lanes(blk.add(off::K_SC + 16 * c)), sc_lanes(blk.add(off::K_SC + 16 * c + 8))];
+                        for n in 0..N {
+                            let (lo, hi) = if F == Q4K_S {
+                                (D::scaled_q4(s_lo[n], sc[0].0, sc[0].1), D::scaled_q4(s_hi[n], sc[1].0, sc[1].1))
+                            } else {
+                                (_mm256_mullo_epi32(s_lo[n], sc[0].0), _mm256_mullo_epi32(s_hi[n], sc[1].0))
+                            };
+                            t[n] = _mm256_add_epi32(t[n], _mm256_add_epi32(lo, hi));
+                        }
+                    }
+                    // M = sum_j m_j B_j: each lane's (m_j, m_j) against the block's half sums
+                    let mn: [__m256i; 8] = std::array::from_fn(|j| sc_lanes(blk.add(off::K_MN + 8 * j)).1);
+                    let dmin = f16x8(blk.add(off::K_DMIN));
+                    for n in 0..N {
+                        let mut m = _mm256_setzero_si256();
+                        for (j, mn) in mn.iter().enumerate() {
+                            let h = acts[n].get_unchecked(8 * b + j).h.as_ptr() as *const i32;
+                            m = D::madd_add(m, *mn, _mm256_set1_epi32(h.read_unaligned()));
+                        }
+                        let d_a = _mm256_set1_ps(acts[n].get_unchecked(8 * b).d);
+                        acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, d_a), _mm256_cvtepi32_ps(t[n]), acc[n]);
+                        acc[n] = _mm256_fmadd_ps(_mm256_xor_ps(_mm256_mul_ps(dmin, d_a), sign), _mm256_cvtepi32_ps(m), acc[n]);
                     }
                 }
                 _ if N <= D::Q6K_SHARED_UNPACK => {
@@ -618,13 +722,23 @@ pub(crate) mod x86 {
     macro_rules! group_fn {
         ($name:ident, $features:literal, $dot:ty) => {
             #[target_feature(enable = $features)]
-            pub(crate) unsafe fn $name<const N: usize>(format: WeightFormat, group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
-                match format {
-                    WeightFormat::Q5_0 => group_impl::<$dot, Q5_0, N>(group, blocks, acts, dst),
-                    WeightFormat::Q5_1 => group_impl::<$dot, Q5_1, N>(group, blocks, acts, dst),
-                    WeightFormat::Q4K => group_impl::<$dot, Q4K, N>(group, blocks, acts, dst),
-                    WeightFormat::Q5K => group_impl::<$dot, Q5K, N>(group, blocks, acts, dst),
-                    WeightFormat::Q6K => group_impl::<$dot, Q6K, N>(group, blocks, acts, dst),
+            pub(crate) unsafe fn $name<const N: usize>(
+                format: WeightFormat,
+                span: ActSpan,
+                group: &[u8],
+                blocks: usize,
+                acts: [&[BlockQ8]; N],
+                dst: [*mut f32; N],
+            ) {
+                match (format, span) {
+                    (WeightFormat::Q4K, ActSpan::Super) => group_impl::<$dot, Q4K_S, N>(group, blocks, acts, dst),
+                    (WeightFormat::Q5K, ActSpan::Super) => group_impl::<$dot, Q5K_S, N>(group, blocks, acts, dst),
+                    (_, ActSpan::Super) => unreachable!("{format:?} reads activations with one scale per block"),
+                    (WeightFormat::Q5_0, _) => group_impl::<$dot, Q5_0, N>(group, blocks, acts, dst),
+                    (WeightFormat::Q5_1, _) => group_impl::<$dot, Q5_1, N>(group, blocks, acts, dst),
+                    (WeightFormat::Q4K, _) => group_impl::<$dot, Q4K, N>(group, blocks, acts, dst),
+                    (WeightFormat::Q5K, _) => group_impl::<$dot, Q5K, N>(group, blocks, acts, dst),
+                    (WeightFormat::Q6K, _) => group_impl::<$dot, Q6K, N>(group, blocks, acts, dst),
                     _ => unreachable!("{format:?} is not a packed_k format"),
                 }
             }
@@ -666,7 +780,7 @@ mod tests {
     use super::*;
     use crate::formats::dequantize_row;
     use crate::packed::PackedInt8;
-    use crate::q8::{quantize_rows, QuantizedActivations};
+    use crate::q8::{quantize_rows, quantize_rows_super, QuantizedActivations, SUPER_SPAN};
     use rand::{Rng, SeedableRng};
 
     pub(crate) const FORMATS: [WeightFormat; 5] = [WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
@@ -675,10 +789,33 @@ mod tests {
         (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
     }
 
+    /// Every kernel: each format against block-scaled rows, Q4_K / Q5_K against super-scaled too.
+    fn cases() -> Vec<(WeightFormat, ActSpan)> {
+        let mut c: Vec<_> = FORMATS.iter().map(|&f| (f, ActSpan::Block)).collect();
+        c.extend(FORMATS.iter().filter(|&&f| reads_super_span(f)).map(|&f| (f, ActSpan::Super)));
+        c
+    }
+
+    /// `x` (one row) quantized with scale span `span`.
+    fn quantize(x: &[f32], span: ActSpan) -> QuantizedActivations {
+        let q = if span == ActSpan::Super { quantize_rows_super(x, x.len()) } else { quantize_rows(x, x.len()) };
+        assert_eq!(q.spans, [span], "a test row that does not take {span:?} scales");
+        q
+    }
+
+    /// Values that share one scale.
+    fn span_len(span: ActSpan) -> usize {
+        if span == ActSpan::Super {
+            SUPER_SPAN
+        } else {
+            QK
+        }
+    }
+
     /// Activation rows: random, and one at the ends of i8 (every element +-127 after quantization).
-    fn activations(rng: &mut rand::rngs::StdRng, cols: usize) -> Vec<QuantizedActivations> {
-        let mut acts: Vec<_> = (0..4).map(|_| quantize_rows(&rand_vec(rng, cols), cols)).collect();
-        acts.push(quantize_rows(&(0..cols).map(|i| if i % 3 == 0 { -1.0 } else { 1.0 }).collect::<Vec<f32>>(), cols));
+    fn activations(rng: &mut rand::rngs::StdRng, cols: usize, span: ActSpan) -> Vec<QuantizedActivations> {
+        let mut acts: Vec<_> = (0..4).map(|_| quantize(&rand_vec(rng, cols), span)).collect();
+        acts.push(quantize(&(0..cols).map(|i| if i % 3 == 0 { -1.0 } else { 1.0 }).collect::<Vec<f32>>(), span));
         acts
     }
 
@@ -697,11 +834,11 @@ mod tests {
     /// called directly) gives the scalar reference's bits.
     #[test]
     fn simd_equals_the_scalar_reference_bitwise() {
-        fn check<const N: usize>(p: &PackedInt8, f: WeightFormat, cols: usize, acts: &[QuantizedActivations]) {
+        fn check<const N: usize>(p: &PackedInt8, f: WeightFormat, span: ActSpan, cols: usize, acts: &[QuantizedActivations]) {
             let rows: [&[BlockQ8]; N] = std::array::from_fn(|i| acts[(i * 3 + N) % acts.len()].row(0));
             for g in 0..p.groups() {
                 let (group, blocks) = group_bytes(p, g, f, cols);
-                let got = p.dot_group::<N>(g, rows);
+                let got = p.dot_group_span::<N>(g, span, rows);
                 #[allow(unused_mut)]
                 let mut paths = vec![("dispatched", got)];
                 #[cfg(target_arch = "x86_64")]
@@ -713,9 +850,9 @@ mod tests {
                         // SAFETY: the features were detected; sizes as in dot_group; dst holds N x 8 floats.
                         unsafe {
                             if vnni {
-                                x86::group_vnni::<N>(f, group, blocks, rows, dst)
+                                x86::group_vnni::<N>(f, span, group, blocks, rows, dst)
                             } else {
-                                x86::group_avx2::<N>(f, group, blocks, rows, dst)
+                                x86::group_avx2::<N>(f, span, group, blocks, rows, dst)
                             }
                         }
                         paths.push((name, out));
@@ -729,54 +866,56 @@ mod tests {
                 }
                 for (name, out) in paths {
                     for (n, a) in rows.iter().enumerate() {
-                        let reference = dot_group_scalar(f, group, blocks, a);
-                        assert_eq!(out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {name} group {g} activation {n} of {N}");
+                        let reference = dot_group_scalar(f, span, group, blocks, a);
+                        assert_eq!(out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {span:?} {name} group {g} activation {n} of {N}");
                     }
                 }
             }
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-        for f in FORMATS {
+        for (f, span) in cases() {
             for (rows, cols) in shapes(f) {
                 let p = PackedInt8::pack(f, rows, cols, &random_raw(&mut rng, f, rows, cols)).unwrap();
-                let acts = activations(&mut rng, cols);
-                check::<1>(&p, f, cols, &acts);
-                check::<2>(&p, f, cols, &acts);
-                check::<3>(&p, f, cols, &acts);
-                check::<4>(&p, f, cols, &acts);
-                check::<8>(&p, f, cols, &acts);
+                let acts = activations(&mut rng, cols, span);
+                check::<1>(&p, f, span, cols, &acts);
+                check::<2>(&p, f, span, cols, &acts);
+                check::<3>(&p, f, span, cols, &acts);
+                check::<4>(&p, f, span, cols, &acts);
+                check::<8>(&p, f, span, cols, &acts);
             }
         }
     }
 
     /// Independent oracle: the float dot of the dequantized ggml row (`dequantize_row`) with the
     /// f32 activations, within what the 8-bit activations allow: each activation is off by at most
-    /// half a step, `amax / 254` of its block, so the dot is off by at most
-    /// `sum_blocks (amax_b / 254) * sum_{i in b} |w_i|`, plus float rounding (relative 1e-5).
+    /// half a step, `amax / 254` of the values sharing its scale (a block of 32, or a super-block),
+    /// so the dot is off by at most `sum_blocks (amax_b / 254) * sum_{i in b} |w_i|`, plus float
+    /// rounding (relative 1e-5).
     #[test]
     fn packed_dot_approximates_the_float_dot_of_dequantized_weights() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        for f in FORMATS {
+        for (f, span) in cases() {
             let (rows, cols) = (11, if f.block_len() == QK { 576 } else { 1024 });
             let raw = random_raw(&mut rng, f, rows, cols);
             let p = PackedInt8::pack(f, rows, cols, &raw).unwrap();
             for _ in 0..3 {
                 let x = rand_vec(&mut rng, cols);
-                let q = quantize_rows(&x, cols);
+                let q = quantize(&x, span);
                 for r in 0..rows {
                     let mut wd = vec![0f32; cols];
                     dequantize_row(f, &raw[r * f.row_bytes(cols)..(r + 1) * f.row_bytes(cols)], &mut wd);
                     let exact: f64 = wd.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                    let got = p.dot_group::<1>(r / GROUP_ROWS, [q.row(0)])[0][r % GROUP_ROWS];
+                    let got = p.dot_group_span::<1>(r / GROUP_ROWS, span, [q.row(0)])[0][r % GROUP_ROWS];
                     let mut bound = 0f64;
                     let mut mag = 0f64;
-                    for (wb, xb) in wd.chunks_exact(QK).zip(x.chunks_exact(QK)) {
-                        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                    for (i, (wb, xb)) in wd.chunks_exact(QK).zip(x.chunks_exact(QK)).enumerate() {
+                        let shared = &x[i * QK / span_len(span) * span_len(span)..][..span_len(span)];
+                        let amax = shared.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
                         bound += amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>();
                         mag += wb.iter().zip(xb).map(|(a, b)| (a * b).abs() as f64).sum::<f64>();
                     }
                     let bound = bound * 1.0001 + mag * 1e-5 + 1e-6;
-                    assert!((exact - got as f64).abs() <= bound, "{f:?} row {r}: {exact} vs {got} (bound {bound})");
+                    assert!((exact - got as f64).abs() <= bound, "{f:?} {span:?} row {r}: {exact} vs {got} (bound {bound})");
                     // tighter: against the dequantized activations `d_a * q_a` only float rounding
                     // remains (a few ulps of the terms' magnitude, far under the activation error)
                     let mut exact_q = 0f64;
@@ -787,10 +926,10 @@ mod tests {
                         }
                         scale += wb.iter().map(|v| v.abs() as f64).sum::<f64>() * ab.d as f64 * 127.0;
                     }
-                    assert!((exact_q - got as f64).abs() <= scale * 1e-5, "{f:?} row {r}: {exact_q} vs {got} (scale {scale})");
+                    assert!((exact_q - got as f64).abs() <= scale * 1e-5, "{f:?} {span:?} row {r}: {exact_q} vs {got} (scale {scale})");
                 }
                 // the padding lanes of the last group are zero
-                let last = p.dot_group::<1>(p.groups() - 1, [q.row(0)])[0];
+                let last = p.dot_group_span::<1>(p.groups() - 1, span, [q.row(0)])[0];
                 assert!(last[rows % GROUP_ROWS..].iter().all(|&v| v == 0.0));
             }
         }
@@ -801,7 +940,7 @@ mod tests {
     /// and against the dequantized float dot.
     #[test]
     fn extreme_quants_do_not_overflow_the_integer_sums() {
-        for f in FORMATS {
+        for (f, span) in cases() {
             let cols = 2 * f.block_len();
             let mut raw = vec![0xFFu8; 8 * f.row_bytes(cols)];
             for (i, blk) in raw.chunks_exact_mut(f.block_bytes()).enumerate() {
@@ -822,17 +961,17 @@ mod tests {
             }
             let p = PackedInt8::pack(f, 8, cols, &raw).unwrap();
             for x in [vec![1.0f32; cols], vec![-1.0f32; cols], (0..cols).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect()] {
-                let q = quantize_rows(&x, cols);
+                let q = quantize(&x, span);
                 let (group, blocks) = group_bytes(&p, 0, f, cols);
-                let reference = dot_group_scalar(f, group, blocks, q.row(0));
-                let got = p.dot_group::<4>(0, [q.row(0); 4]);
+                let reference = dot_group_scalar(f, span, group, blocks, q.row(0));
+                let got = p.dot_group_span::<4>(0, span, [q.row(0); 4]);
                 for o in got {
-                    assert_eq!(o.map(f32::to_bits), reference.map(f32::to_bits), "{f:?}");
+                    assert_eq!(o.map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {span:?}");
                 }
                 let mut wd = vec![0f32; cols];
                 dequantize_row(f, &raw[..f.row_bytes(cols)], &mut wd);
                 let exact: f32 = wd.iter().zip(&x).map(|(a, b)| a * b).sum();
-                assert!((got[0][0] - exact).abs() <= 1e-4 * wd.iter().map(|v| v.abs()).sum::<f32>(), "{f:?}: {} vs {exact}", got[0][0]);
+                assert!((got[0][0] - exact).abs() <= 1e-4 * wd.iter().map(|v| v.abs()).sum::<f32>(), "{f:?} {span:?}: {} vs {exact}", got[0][0]);
             }
         }
     }
