@@ -508,33 +508,7 @@ pub(crate) mod x86 {
                     let qs = blk.add(if F == Q4K { off::Q4K_QS } else { off::Q5K_QS });
                     let qh = blk.add(off::Q5K_QH);
                     for c in 0..4 {
-                        let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
-                        let shift = _mm_cvtsi32_si128(2 * c as i32);
-                        for v in (0..8).step_by(2) {
-                            let (r0, r1) = (vec(qs, 8 * c + v), vec(qs, 8 * c + v + 1));
-                            let (mut lo0, mut hi0) = (_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r0), m4));
-                            let (mut lo1, mut hi1) = (_mm256_and_si256(r1, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r1), m4));
-                            if F == Q5K {
-                                // bits 2c and 2c + 1 of each qh byte, moved to bit 4
-                                let h0 = _mm256_srl_epi16(vec(qh, v), shift);
-                                let h1 = _mm256_srl_epi16(vec(qh, v + 1), shift);
-                                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16::<4>(h0), b16));
-                                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_slli_epi16::<3>(h0), b16));
-                                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16::<4>(h1), b16));
-                                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_slli_epi16::<3>(h1), b16));
-                            }
-                            for n in 0..N {
-                                let a_lo = acts[n].get_unchecked(8 * b + 2 * c).qs.as_ptr();
-                                let a_hi = acts[n].get_unchecked(8 * b + 2 * c + 1).qs.as_ptr();
-                                if F == Q4K {
-                                    s_lo[n] = D::dot2_q4(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
-                                    s_hi[n] = D::dot2_q4(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
-                                } else {
-                                    s_lo[n] = D::dot2(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
-                                    s_hi[n] = D::dot2(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
-                                }
-                            }
-                        }
+                        let (mut s_lo, mut s_hi) = k_pair_sums::<D, F, N>(qs, qh, c, b, &acts);
                         if F == Q4K {
                             for n in 0..N {
                                 s_lo[n] = D::finish4(s_lo[n]);
@@ -559,33 +533,7 @@ pub(crate) mod x86 {
                     let qh = blk.add(off::Q5K_QH);
                     let mut t = [_mm256_setzero_si256(); N];
                     for c in 0..4 {
-                        let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
-                        let shift = _mm_cvtsi32_si128(2 * c as i32);
-                        for v in (0..8).step_by(2) {
-                            let (r0, r1) = (vec(qs, 8 * c + v), vec(qs, 8 * c + v + 1));
-                            let (mut lo0, mut hi0) = (_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r0), m4));
-                            let (mut lo1, mut hi1) = (_mm256_and_si256(r1, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r1), m4));
-                            if F == Q5K_S {
-                                // bits 2c and 2c + 1 of each qh byte, moved to bit 4
-                                let h0 = _mm256_srl_epi16(vec(qh, v), shift);
-                                let h1 = _mm256_srl_epi16(vec(qh, v + 1), shift);
-                                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16::<4>(h0), b16));
-                                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_slli_epi16::<3>(h0), b16));
-                                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16::<4>(h1), b16));
-                                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_slli_epi16::<3>(h1), b16));
-                            }
-                            for n in 0..N {
-                                let a_lo = acts[n].get_unchecked(8 * b + 2 * c).qs.as_ptr();
-                                let a_hi = acts[n].get_unchecked(8 * b + 2 * c + 1).qs.as_ptr();
-                                if F == Q4K_S {
-                                    s_lo[n] = D::dot2_q4(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
-                                    s_hi[n] = D::dot2_q4(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
-                                } else {
-                                    s_lo[n] = D::dot2(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
-                                    s_hi[n] = D::dot2(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
-                                }
-                            }
-                        }
+                        let (s_lo, s_hi) = k_pair_sums::<D, F, N>(qs, qh, c, b, &acts);
                         let sc = [sc_lanes(blk.add(off::K_SC + 16 * c)), sc_lanes(blk.add(off::K_SC + 16 * c + 8))];
                         for n in 0..N {
                             let (lo, hi) = if F == Q4K_S {
@@ -644,6 +592,50 @@ pub(crate) mod x86 {
             // SAFETY: the caller gives N pointers to eight writable floats each.
             _mm256_storeu_ps(dst[n], acc[n]);
         }
+    }
+
+    /// The integer sums of Q4_K / Q5_K sub-blocks `2c` (low nibbles) and `2c + 1` (high) of
+    /// super-block `b` against each activation row (Q4_K: `dot2_q4`'s partial form), shared by the
+    /// kernels for block and for super-block activation scales.
+    #[inline(always)]
+    unsafe fn k_pair_sums<D: Dot, const F: u8, const N: usize>(
+        qs: *const u8,
+        qh: *const u8,
+        c: usize,
+        b: usize,
+        acts: &[&[BlockQ8]; N],
+    ) -> ([__m256i; N], [__m256i; N]) {
+        let q5 = matches!(F, Q5K | Q5K_S);
+        let m4 = _mm256_set1_epi8(0x0F);
+        let b16 = _mm256_set1_epi8(0x10);
+        let (mut s_lo, mut s_hi) = ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
+        let shift = _mm_cvtsi32_si128(2 * c as i32);
+        for v in (0..8).step_by(2) {
+            let (r0, r1) = (vec(qs, 8 * c + v), vec(qs, 8 * c + v + 1));
+            let (mut lo0, mut hi0) = (_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r0), m4));
+            let (mut lo1, mut hi1) = (_mm256_and_si256(r1, m4), _mm256_and_si256(_mm256_srli_epi16::<4>(r1), m4));
+            if q5 {
+                // bits 2c and 2c + 1 of each qh byte, moved to bit 4
+                let h0 = _mm256_srl_epi16(vec(qh, v), shift);
+                let h1 = _mm256_srl_epi16(vec(qh, v + 1), shift);
+                lo0 = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16::<4>(h0), b16));
+                hi0 = _mm256_or_si256(hi0, _mm256_and_si256(_mm256_slli_epi16::<3>(h0), b16));
+                lo1 = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16::<4>(h1), b16));
+                hi1 = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_slli_epi16::<3>(h1), b16));
+            }
+            for n in 0..N {
+                let a_lo = acts[n].get_unchecked(8 * b + 2 * c).qs.as_ptr();
+                let a_hi = acts[n].get_unchecked(8 * b + 2 * c + 1).qs.as_ptr();
+                if !q5 {
+                    s_lo[n] = D::dot2_q4(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
+                    s_hi[n] = D::dot2_q4(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                } else {
+                    s_lo[n] = D::dot2(s_lo[n], lo0, bcast4(a_lo.add(4 * v)), lo1, bcast4(a_lo.add(4 * v + 4)));
+                    s_hi[n] = D::dot2(s_hi[n], hi0, bcast4(a_hi.add(4 * v)), hi1, bcast4(a_hi.add(4 * v + 4)));
+                }
+            }
+        }
+        (s_lo, s_hi)
     }
 
     /// Q6_K weight vector `u` of half `h` unpacked for activation block `4h + I`: its 6-bit quants
