@@ -379,12 +379,17 @@ impl Engine {
         self.host().export_gauges();
     }
 
-    /// The proposer forgets the sequences the host removed.
+    /// The proposer forgets the sequences the host removed; speculation learns the finished ones'
+    /// output lengths.
     fn forget_removed(&mut self) {
         let removed = self.host_mut().take_removed();
+        let lengths = self.host_mut().take_finished_lengths();
         if let Some(sp) = self.compute.spec.as_mut() {
             for id in removed {
                 sp.remove(id);
+            }
+            for len in lengths {
+                sp.record_output_length(len);
             }
         }
     }

@@ -67,6 +67,9 @@ pub(crate) struct Host {
     steps: u64,
     /// Sequences removed since the engine last asked: the proposer forgets them.
     removed: Vec<SeqId>,
+    /// Output lengths of the sequences that finished since the engine last asked (speculation
+    /// weighs a draft model's catch-ups against them).
+    finished_lengths: Vec<usize>,
 }
 
 impl Host {
@@ -84,12 +87,18 @@ impl Host {
             next_seq: 1,
             steps: 0,
             removed: Vec::new(),
+            finished_lengths: Vec::new(),
         })
     }
 
     /// Sequences removed since the last call.
     pub fn take_removed(&mut self) -> Vec<SeqId> {
         std::mem::take(&mut self.removed)
+    }
+
+    /// Output lengths of the sequences that finished since the last call.
+    pub fn take_finished_lengths(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.finished_lengths)
     }
 
     /// Accepts a request, or fails it at once with a clear message.
@@ -161,6 +170,7 @@ impl Host {
 
     fn finish(&mut self, id: SeqId, reason: FinishReason) {
         if let Some(s) = self.remove(id) {
+            self.finished_lengths.push(s.output_len());
             // flush text held back for a possible stop string that never came
             if s.text_sent < s.text.len() {
                 s.send_delta(vec![], s.text[s.text_sent..].to_string(), vec![]);

@@ -343,6 +343,7 @@ fn propose(
                         backlog: sp.proposer.backlog(it.seq, it.tokens.len()),
                         first_decode: output_len <= 1,
                         room: room[i],
+                        generated: output_len,
                         batch_soon: decoding + pending_prefill,
                     };
                     sp.next_k(it.seq, k_limit, decoding, catch_up)

@@ -123,9 +123,44 @@ pub fn best_k(alpha: f64, k_max: usize, cost: &CostModel, batch: usize) -> usize
     best.0
 }
 
-/// Tokens a sequence is expected to still generate when its `max_tokens` allows more: the gain a
-/// proposer's catch-up is weighed against (`catch_up_pays`).
+/// Tokens a sequence is expected to still generate when its `max_tokens` allows more and no
+/// finished output says otherwise: the gain a proposer's catch-up is weighed against
+/// (`catch_up_pays`).
 pub const CATCH_UP_HORIZON: usize = 256;
+
+/// The output lengths of the last `OutputLengths::WINDOW` sequences that finished: how much a
+/// running sequence is expected to still generate (its mean residual length), which a catch-up
+/// is weighed against. `max_tokens` alone overstated it: at concurrency 8 a draft model caught up
+/// with sequences about to end, its catch-ups cost 6.1 s of a run to save 5.2 s of target time.
+#[derive(Clone, Debug, Default)]
+pub struct OutputLengths {
+    recent: std::collections::VecDeque<usize>,
+}
+
+impl OutputLengths {
+    pub const WINDOW: usize = 256;
+    /// Finished outputs longer than a sequence's current length needed before they are trusted.
+    pub const MIN_SAMPLES: usize = 4;
+
+    pub fn record(&mut self, len: usize) {
+        if self.recent.len() == Self::WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(len);
+    }
+
+    /// Tokens a sequence that has generated `generated` and may generate `room` more is expected
+    /// to still generate: the mean of `L - generated` over the finished lengths `L > generated`
+    /// (at least `MIN_SAMPLES` of them; else `CATCH_UP_HORIZON`), at most `room` and the horizon.
+    pub fn expected_remaining(&self, generated: usize, room: usize) -> usize {
+        let cap = room.min(CATCH_UP_HORIZON);
+        let (n, sum) = self.recent.iter().filter(|&&l| l > generated).fold((0usize, 0usize), |(n, s), &l| (n + 1, s + (l - generated)));
+        if n < Self::MIN_SAMPLES {
+            return cap;
+        }
+        cap.min(sum.div_ceil(n))
+    }
+}
 
 /// Whether drafting `k` tokens per step for a sequence decoding among `batch`, at acceptance
 /// `alpha`, repays a catch-up over `backlog` tokens first (a draft model that did not draft for
@@ -166,6 +201,29 @@ mod tests {
 
     fn linear(c: f64) -> CostModel {
         CostModel::linear(c, 0.0)
+    }
+
+    #[test]
+    fn expected_remaining_is_the_mean_residual_of_finished_lengths() {
+        let mut l = OutputLengths::default();
+        // nothing finished yet: max_tokens' room, up to the horizon
+        assert_eq!(l.expected_remaining(10, 1000), CATCH_UP_HORIZON);
+        assert_eq!(l.expected_remaining(10, 40), 40);
+        for len in [100, 200, 220, 240, 260] {
+            l.record(len);
+        }
+        // at 150 tokens: (50 + 70 + 90 + 110) / 4 = 80
+        assert_eq!(l.expected_remaining(150, 1000), 80);
+        assert_eq!(l.expected_remaining(150, 30), 30);
+        // at 0: the mean, 204
+        assert_eq!(l.expected_remaining(0, 1000), CATCH_UP_HORIZON.min(204));
+        // past all but one finished length: too few to say, the room again
+        assert_eq!(l.expected_remaining(250, 1000), CATCH_UP_HORIZON);
+        // the window keeps the newest
+        for _ in 0..OutputLengths::WINDOW {
+            l.record(10);
+        }
+        assert_eq!(l.expected_remaining(0, 1000), 10);
     }
 
     #[test]

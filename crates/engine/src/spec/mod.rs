@@ -153,13 +153,23 @@ pub struct Speculation {
     pub(crate) global: adaptive::AcceptanceTracker,
     /// What a step with drafts costs on this target and machine (adaptive k).
     pub cost: cost::CostModel,
+    /// Lengths of the finished outputs: the tokens a catch-up is repaid over.
+    pub(crate) output_lengths: adaptive::OutputLengths,
 }
 
 impl Speculation {
     /// `cost` from [`cost_model`].
     pub fn new(cfg: SpecConfig, proposer: Box<dyn Proposer>, cost: cost::CostModel) -> Self {
         let metrics = SpecMetrics::new(cfg.num_speculative_tokens);
-        Self { cfg, proposer, metrics, trackers: std::collections::BTreeMap::new(), global: adaptive::AcceptanceTracker::global(), cost }
+        Self {
+            cfg,
+            proposer,
+            metrics,
+            trackers: std::collections::BTreeMap::new(),
+            global: adaptive::AcceptanceTracker::global(),
+            cost,
+            output_lengths: adaptive::OutputLengths::default(),
+        }
     }
 
     /// Most drafts per sequence this step, when `decoding` sequences decode: the configured k, or
@@ -224,12 +234,17 @@ impl Speculation {
         if catch_up.first_decode {
             return k;
         }
-        let remaining = catch_up.room.min(adaptive::CATCH_UP_HORIZON);
+        let remaining = self.output_lengths.expected_remaining(catch_up.generated, catch_up.room);
         if adaptive::catch_up_pays(alpha, k, &self.cost, soon, catch_up.backlog, remaining) {
             k
         } else {
             0
         }
+    }
+
+    /// Records the output length of a sequence that finished (not one that failed or was aborted).
+    pub(crate) fn record_output_length(&mut self, len: usize) {
+        self.output_lengths.record(len);
     }
 
     /// Forgets a sequence that ended.
@@ -249,6 +264,8 @@ pub(crate) struct CatchUp {
     pub first_decode: bool,
     /// Tokens it may still generate (`max_tokens` and the context allow).
     pub room: usize,
+    /// Tokens it has generated.
+    pub generated: usize,
     /// Sequences expected to decode once the prompts being prefilled are in (this step's
     /// decoding ones and `StepPlan::pending_prefill`).
     pub batch_soon: usize,
@@ -277,7 +294,7 @@ mod tests {
         cfg.max_batch_for_speculation = 4;
         let cost = cost::CostModel::linear(0.05, 0.1);
         let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
-        let first = |batch_soon| CatchUp { backlog: 500, first_decode: true, room: 256, batch_soon };
+        let first = |batch_soon| CatchUp { backlog: 500, first_decode: true, room: 256, generated: 1, batch_soon };
         let k_limit = sp.batch_k_limit(1);
         assert!(k_limit > 0);
         // alone, or with a batch of 4 to come: drafting goes on, the catch-up is worth it
@@ -288,5 +305,25 @@ mod tests {
         assert_eq!(sp.next_k(SeqId(3), k_limit, 1, first(8)), 0);
         // nothing to catch up with (an n-gram proposer): the batch to come does not matter
         assert!(sp.next_k(SeqId(4), k_limit, 1, CatchUp { backlog: 0, ..first(8) }) > 0);
+    }
+
+    /// A later catch-up is weighed against what the sequence is expected to still generate: with
+    /// outputs that ended near 200 tokens, one at 190 tokens is not repaid; at 20 it is.
+    #[test]
+    fn a_late_catch_up_is_weighed_against_the_lengths_of_finished_outputs() {
+        let cfg = SpecConfig::new(SpecMethod::Draft, 4);
+        // a catch-up over 60 tokens costs about 3 target steps here
+        let cost = cost::CostModel::linear(0.5, 0.1);
+        let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
+        let k_limit = sp.batch_k_limit(1);
+        let late = |generated| CatchUp { backlog: 60, first_decode: false, room: 1000 - generated, generated, batch_soon: 1 };
+        // no finished output yet: the horizon, which repays the catch-up
+        assert!(sp.next_k(SeqId(1), k_limit, 1, late(190)) > 0);
+        for len in [195, 198, 200, 202, 205] {
+            sp.record_output_length(len);
+        }
+        assert_eq!(sp.output_lengths.expected_remaining(190, 810), 10);
+        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, late(190)), 0);
+        assert!(sp.next_k(SeqId(2), k_limit, 1, late(20)) > 0);
     }
 }
