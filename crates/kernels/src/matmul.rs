@@ -460,28 +460,25 @@ mod tests {
 
     #[test]
     fn matmul_many_equals_separate_matmuls() {
+        // a and b sharing the input x (rows of `cols`), in one call and one at a time
+        let check = |a: &QMatrix, b: &QMatrix, x: &[f32]| {
+            let (cols, n) = (a.cols, x.len() / a.cols);
+            let (mut ya, mut yb) = (vec![0f32; n * a.rows], vec![0f32; n * b.rows]);
+            matmul_many(&MatmulInput::new(x, cols, &[a, b]), &[a, b], &mut [&mut ya, &mut yb]);
+            let (mut za, mut zb) = (vec![0f32; n * a.rows], vec![0f32; n * b.rows]);
+            matmul(&MatmulInput::new(x, cols, &[a]), a, &mut za);
+            matmul(&MatmulInput::new(x, cols, &[b]), b, &mut zb);
+            assert_eq!(ya, za);
+            assert_eq!(yb, zb);
+        };
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (a, b) = (random_matrix(&mut rng, WeightFormat::Q4_1, 40, 64), random_matrix(&mut rng, WeightFormat::Q8_0, 24, 64));
         let x: Vec<f32> = (0..64 * 3).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-        let inp = MatmulInput::new(&x, 64, &[&a, &b]);
-        let (mut ya, mut yb) = (vec![0f32; 3 * 40], vec![0f32; 3 * 24]);
-        matmul_many(&inp, &[&a, &b], &mut [&mut ya, &mut yb]);
-        let (mut za, mut zb) = (vec![0f32; 3 * 40], vec![0f32; 3 * 24]);
-        matmul(&MatmulInput::new(&x, 64, &[&a]), &a, &mut za);
-        matmul(&MatmulInput::new(&x, 64, &[&b]), &b, &mut zb);
-        assert_eq!(ya, za);
-        assert_eq!(yb, zb);
+        check(&a, &b, &x);
         // a k-quant that reads super-block scales beside one that does not, on rows of both kinds
         let (a, b) = (random_matrix(&mut rng, WeightFormat::Q4K, 24, 512), random_matrix(&mut rng, WeightFormat::Q6K, 16, 512));
         let mut x: Vec<f32> = (0..512 * 5).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
         x[512 + 300] = 90.0;
-        let inp = MatmulInput::new(&x, 512, &[&a, &b]);
-        let (mut ya, mut yb) = (vec![0f32; 5 * 24], vec![0f32; 5 * 16]);
-        matmul_many(&inp, &[&a, &b], &mut [&mut ya, &mut yb]);
-        let (mut za, mut zb) = (vec![0f32; 5 * 24], vec![0f32; 5 * 16]);
-        matmul(&MatmulInput::new(&x, 512, &[&a]), &a, &mut za);
-        matmul(&MatmulInput::new(&x, 512, &[&b]), &b, &mut zb);
-        assert_eq!(ya, za);
-        assert_eq!(yb, zb);
+        check(&a, &b, &x);
     }
 }

@@ -222,17 +222,21 @@ mod tests {
         let x: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
         let q = quantize_rows(&x, 64);
         assert_eq!((q.rows, q.blocks_per_row), (1, 2));
-        for (bi, b) in q.row(0).iter().enumerate() {
-            let mut sum = 0i32;
-            for j in 0..QK {
-                let v = x[bi * QK + j];
-                assert!((b.d * b.qs[j] as f32 - v).abs() <= b.d * 0.5 + 1e-6);
-                sum += b.qs[j] as i32;
-            }
-            assert_eq!(b.s, b.d * sum as f32);
-            let half: i32 = b.qs[..16].iter().map(|&q| q as i32).sum();
-            assert_eq!((b.h[0] as i32, b.h[1] as i32), (half, sum - half));
+        for (b, xs) in q.row(0).iter().zip(x.chunks_exact(QK)) {
+            assert_reconstructs(b, xs);
         }
+    }
+
+    /// `b` holds `xs` within half its step, and its sums `s` and `h` match its quants.
+    fn assert_reconstructs(b: &BlockQ8, xs: &[f32]) {
+        let mut sum = 0i32;
+        for (&q, &v) in b.qs.iter().zip(xs) {
+            assert!((b.d * q as f32 - v).abs() <= b.d * 0.5 + 1e-6);
+            sum += q as i32;
+        }
+        assert_eq!(b.s, b.d * sum as f32);
+        let half: i32 = b.qs[..16].iter().map(|&q| q as i32).sum();
+        assert_eq!((b.h[0] as i32, b.h[1] as i32), (half, sum - half));
     }
 
     #[test]
@@ -265,16 +269,9 @@ mod tests {
         assert_eq!(q.spans, [ActSpan::Super, ActSpan::Super]);
         for (r, xs) in x.chunks_exact(SUPER_SPAN).enumerate() {
             let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
-            for (bi, b) in q.row(r).iter().enumerate() {
+            for (b, xs) in q.row(r).iter().zip(xs.chunks_exact(QK)) {
                 assert_eq!(b.d, amax / 127.0);
-                let mut sum = 0i32;
-                for j in 0..QK {
-                    let v = xs[bi * QK + j];
-                    assert!((b.d * b.qs[j] as f32 - v).abs() <= b.d * 0.5 + 1e-6);
-                    sum += b.qs[j] as i32;
-                }
-                assert_eq!(b.s, b.d * sum as f32);
-                assert_eq!(b.h[0] as i32 + b.h[1] as i32, sum);
+                assert_reconstructs(b, xs);
             }
         }
     }
