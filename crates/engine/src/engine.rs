@@ -94,6 +94,8 @@ impl Engine {
             max_model_len: cfg.max_model_len,
             fault: cfg.fault_injection,
             jump_forward: cfg.jump_forward,
+            queue: counters.clone(),
+            max_num_seqs: cfg.max_num_seqs,
         };
         Ok(Self {
             cfg,

@@ -79,7 +79,9 @@ pub struct SpecArgs {
     pub draft_weights: DraftWeights,
     /// Shortest match (tokens) of the text's suffix that the ngram method drafts from; the longest
     /// earlier match is found whatever its length, and the draft is at most as long as it.
-    #[arg(long, default_value_t = 2)]
+    /// Adaptive k keeps one acceptance estimate per band of match length, so short matches are
+    /// drafted only while their drafts pay.
+    #[arg(long, default_value_t = 1)]
     pub ngram_min: usize,
     /// DEBUG/BENCHMARK ONLY: accept every draft token. This CHANGES THE OUTPUT.
     #[arg(long)]

@@ -35,6 +35,10 @@ pub(crate) struct JobContext {
     pub fault: Option<FaultInjection>,
     /// Forced tokens of constrained sequences are drafted (`EngineConfig::jump_forward`).
     pub jump_forward: bool,
+    /// The engine's queue counters: requests submitted and not yet scheduled, read live.
+    pub queue: Arc<crate::handle::QueueCounters>,
+    /// Most sequences a step runs (`EngineConfig::max_num_seqs`).
+    pub max_num_seqs: usize,
 }
 
 /// The mutable compute state a job takes from the engine and hands back with its result.
@@ -75,6 +79,14 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     .map_err(|e| e.to_string())?;
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     let forward_end = Instant::now();
+    tracing::trace!(
+        step = job.step,
+        tokens = inputs.tokens.len(),
+        logits_rows = inputs.logits_rows.len(),
+        context = inputs.spans.iter().map(|s| s.context_len).max().unwrap_or(0),
+        micros = (forward_end - forward_start).as_micros() as u64,
+        "forward pass"
+    );
     let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
     let results = propose(ctx, state, items, results, &out.hidden, job.pending_prefill)?;
@@ -330,6 +342,8 @@ fn propose(
             // states cannot: it drafts only where nothing is forced)
             let extended: Vec<Option<Vec<TokenId>>> =
                 items.iter().zip(&forced).map(|(it, f)| (!f.is_empty() && !needs_hidden).then(|| [&it.tokens[..], &f[..]].concat())).collect();
+            let arrived = ctx.queue.waiting.load(std::sync::atomic::Ordering::Relaxed);
+            let batch_soon = CatchUp::batch_soon(decoding, pending_prefill, arrived, ctx.max_num_seqs);
             let mut reqs = Vec::with_capacity(decoding);
             let mut which = Vec::with_capacity(decoding);
             // hidden rows follow the logits rows: the rows that produced the item's emitted tokens
@@ -344,9 +358,10 @@ fn propose(
                         first_decode: output_len <= 1,
                         room: room[i],
                         generated: output_len,
-                        batch_soon: decoding + pending_prefill,
+                        batch_soon,
                     };
-                    sp.next_k(it.seq, k_limit, decoding, catch_up)
+                    let support = sp.proposer.support(it.seq, extended[i].as_deref().unwrap_or(&it.tokens));
+                    sp.next_k(it.seq, k_limit, decoding, catch_up, support)
                 } else {
                     0
                 };

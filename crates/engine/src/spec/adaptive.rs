@@ -23,7 +23,7 @@ use specula_model::ModelConfig;
 pub const VERIFY_COST_PER_TOKEN: f64 = 0.28;
 
 /// Steps a paused sequence waits before probing with one draft token.
-const PROBE_EVERY: u32 = 8;
+pub const PROBE_EVERY: u32 = 8;
 
 /// How fast old observations fade (per verify step).
 const DECAY: f64 = 0.8;
@@ -121,6 +121,23 @@ pub fn best_k(alpha: f64, k_max: usize, cost: &CostModel, batch: usize) -> usize
         }
     }
     best.0
+}
+
+/// Bands of a proposer's support (`Proposer::support`: the n-gram match length) that keep
+/// their own acceptance estimate: 1, 2, 3-4, 5-8, 9-16, 17 and more tokens. On the code-edit
+/// set (Qwen2.5-Coder-1.5B, greedy) a draft's first token was kept 32% of the time after a
+/// 1-token match, and 13.5 of 16 drafts were kept after matches of 12 and more.
+pub const SUPPORT_BANDS: usize = 6;
+
+/// The band of a support of `len` >= 1 tokens.
+pub fn support_band(len: usize) -> usize {
+    match len {
+        0..=2 => len.saturating_sub(1),
+        3..=4 => 2,
+        5..=8 => 3,
+        9..=16 => 4,
+        _ => 5,
+    }
 }
 
 /// Tokens a sequence is expected to still generate when its `max_tokens` allows more and no
@@ -284,6 +301,13 @@ mod tests {
         assert!(t.alpha() < 0.05);
         // no full-k warm-up for a workload the proposer cannot predict
         assert_eq!(t.next_k(3, &linear(VERIFY_COST_PER_TOKEN), 1), 0);
+    }
+
+    #[test]
+    fn support_bands_split_guesses_from_copies() {
+        let bands: Vec<usize> = (1..=20).map(support_band).collect();
+        assert_eq!(bands, [0, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5]);
+        assert!(bands.iter().all(|&b| b < SUPPORT_BANDS));
     }
 
     #[test]

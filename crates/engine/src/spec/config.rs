@@ -110,7 +110,7 @@ impl SpecConfig {
         Self {
             method,
             num_speculative_tokens: k,
-            ngram_min: 2,
+            ngram_min: 1,
             draft_model: None,
             draft_vocab: None,
             draft_weights: DraftWeights::Q4_0,

@@ -162,6 +162,7 @@ impl Proposer for DraftModelProposer {
             items.push((r.seq, r.tokens[computed..].to_vec(), computed));
         }
         let max_k = active.iter().map(|&i| reqs[i].max_draft).max().unwrap_or(0);
+        let (start, first_rows, drafting) = (std::time::Instant::now(), items.iter().map(|it| it.1.len()).sum::<usize>(), items.len());
         let mut p = Vec::with_capacity(vocab);
         let mut full = Vec::new();
         for step in 0..max_k {
@@ -209,6 +210,9 @@ impl Proposer for DraftModelProposer {
             }
             items = next_items;
             active = next_active;
+        }
+        if drafting > 0 {
+            tracing::debug!(drafting, first_rows, max_k, micros = start.elapsed().as_micros() as u64, "draft model proposed");
         }
         Ok(drafts)
     }

@@ -155,6 +155,11 @@ pub struct Speculation {
     pub cost: cost::CostModel,
     /// Lengths of the finished outputs: the tokens a catch-up is repaid over.
     pub(crate) output_lengths: adaptive::OutputLengths,
+    /// Engine-wide acceptance per band of the proposer's support (`Proposer::support`), for a
+    /// proposer that reports one.
+    pub(crate) by_support: Vec<adaptive::AcceptanceTracker>,
+    /// The support of each sequence's draft that awaits verification (its band is credited then).
+    supported: std::collections::BTreeMap<crate::types::SeqId, usize>,
 }
 
 impl Speculation {
@@ -169,6 +174,8 @@ impl Speculation {
             global: adaptive::AcceptanceTracker::global(),
             cost,
             output_lengths: adaptive::OutputLengths::default(),
+            by_support: (0..adaptive::SUPPORT_BANDS).map(|_| adaptive::AcceptanceTracker::global()).collect(),
+            supported: std::collections::BTreeMap::new(),
         }
     }
 
@@ -204,6 +211,9 @@ impl Speculation {
         self.metrics.record(proposed, accepted);
         self.global.record(proposed, accepted);
         tracker(&mut self.trackers, &self.global, seq).record(proposed, accepted);
+        if let Some(len) = self.supported.remove(&seq) {
+            self.by_support[adaptive::support_band(len)].record(proposed, accepted);
+        }
     }
 
     /// Draft length for `seq` this step, at most `k_limit` (the batch's budget; without adaptive
@@ -212,14 +222,29 @@ impl Speculation {
     /// may still generate, and the batch expected once the waiting prompts are in; at its first
     /// decode step the proposer catches up with its prompt (as a draft model prefilling beside
     /// the target) unless drafting stops once that batch forms, later only where the catch-up
-    /// repays itself in that batch ([`adaptive::catch_up_pays`]).
-    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize, catch_up: CatchUp) -> usize {
+    /// repays itself in that batch ([`adaptive::catch_up_pays`]). `support`: how far the
+    /// proposer's draft is backed ([`Proposer::support`]); where given, the acceptance of its
+    /// band decides instead of the sequence's own, and no more than that many tokens are drafted.
+    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize, catch_up: CatchUp, support: Option<usize>) -> usize {
         if !self.cfg.adaptive {
             return k_limit;
         }
-        let t = tracker(&mut self.trackers, &self.global, seq);
-        let k = t.next_k(k_limit, &self.cost, decoding);
-        let alpha = t.alpha();
+        self.supported.remove(&seq);
+        let (k, alpha) = match support {
+            Some(0) => return 0,
+            Some(len) => {
+                let t = &mut self.by_support[adaptive::support_band(len)];
+                let k = t.next_k(k_limit.min(len), &self.cost, decoding);
+                if k > 0 {
+                    self.supported.insert(seq, len);
+                }
+                (k, t.alpha())
+            }
+            None => {
+                let t = tracker(&mut self.trackers, &self.global, seq);
+                (t.next_k(k_limit, &self.cost, decoding), t.alpha())
+            }
+        };
         if k == 0 || catch_up.backlog == 0 {
             return k;
         }
@@ -232,10 +257,12 @@ impl Speculation {
             return 0;
         }
         if catch_up.first_decode {
+            tracing::debug!(%seq, backlog = catch_up.backlog, decoding, soon, k, "proposer catches up with a prompt");
             return k;
         }
         let remaining = self.output_lengths.expected_remaining(catch_up.generated, catch_up.room);
         if adaptive::catch_up_pays(alpha, k, &self.cost, soon, catch_up.backlog, remaining) {
+            tracing::debug!(%seq, backlog = catch_up.backlog, decoding, soon, k, alpha, remaining, "proposer catches up");
             k
         } else {
             0
@@ -251,6 +278,7 @@ impl Speculation {
     pub(crate) fn remove(&mut self, seq: crate::types::SeqId) {
         self.proposer.remove(seq);
         self.trackers.remove(&seq);
+        self.supported.remove(&seq);
     }
 }
 
@@ -269,6 +297,17 @@ pub(crate) struct CatchUp {
     /// Sequences expected to decode once the prompts being prefilled are in (this step's
     /// decoding ones and `StepPlan::pending_prefill`).
     pub batch_soon: usize,
+}
+
+impl CatchUp {
+    /// The batch expected once the prompts on their way are in, for `decoding` sequences: the
+    /// step plan's `pending_prefill`, or the requests submitted and not yet scheduled when the
+    /// job proposes (`arrived`, read live) where more, up to `max_num_seqs` in all. A plan made
+    /// before the requests came saw none of them: at concurrency 8 the first sequence's draft
+    /// model caught up with its 300-token prompt, to stop drafting one step later.
+    pub fn batch_soon(decoding: usize, plan_pending: usize, arrived: usize, max_num_seqs: usize) -> usize {
+        decoding + plan_pending.max(arrived.min(max_num_seqs.saturating_sub(decoding)))
+    }
 }
 
 /// `seq`'s acceptance tracker, started from the engine-wide estimate on first use.
@@ -298,13 +337,25 @@ mod tests {
         let k_limit = sp.batch_k_limit(1);
         assert!(k_limit > 0);
         // alone, or with a batch of 4 to come: drafting goes on, the catch-up is worth it
-        assert!(sp.next_k(SeqId(1), k_limit, 1, first(1)) > 0);
-        assert!(sp.next_k(SeqId(2), k_limit, 1, first(4)) > 0);
+        assert!(sp.next_k(SeqId(1), k_limit, 1, first(1), None) > 0);
+        assert!(sp.next_k(SeqId(2), k_limit, 1, first(4), None) > 0);
         // 7 prompts still prefilling: a batch of 8 drafts nothing, so no catch-up now
         assert_eq!(sp.batch_k_limit(8), 0);
-        assert_eq!(sp.next_k(SeqId(3), k_limit, 1, first(8)), 0);
+        assert_eq!(sp.next_k(SeqId(3), k_limit, 1, first(8), None), 0);
         // nothing to catch up with (an n-gram proposer): the batch to come does not matter
-        assert!(sp.next_k(SeqId(4), k_limit, 1, CatchUp { backlog: 0, ..first(8) }) > 0);
+        assert!(sp.next_k(SeqId(4), k_limit, 1, CatchUp { backlog: 0, ..first(8) }, None) > 0);
+    }
+
+    #[test]
+    fn the_batch_to_come_counts_requests_that_arrived_after_the_plan() {
+        // the plan saw none waiting, seven arrived since: a batch of eight
+        assert_eq!(CatchUp::batch_soon(1, 0, 7, 16), 8);
+        // never more than the engine runs at once
+        assert_eq!(CatchUp::batch_soon(1, 0, 20, 8), 8);
+        assert_eq!(CatchUp::batch_soon(8, 0, 5, 8), 8);
+        // the plan's count where it is larger (sequences part-way through their prefill)
+        assert_eq!(CatchUp::batch_soon(2, 3, 1, 16), 5);
+        assert_eq!(CatchUp::batch_soon(2, 0, 0, 16), 2);
     }
 
     /// A later catch-up is weighed against what the sequence is expected to still generate: with
@@ -318,12 +369,51 @@ mod tests {
         let k_limit = sp.batch_k_limit(1);
         let late = |generated| CatchUp { backlog: 60, first_decode: false, room: 1000 - generated, generated, batch_soon: 1 };
         // no finished output yet: the horizon, which repays the catch-up
-        assert!(sp.next_k(SeqId(1), k_limit, 1, late(190)) > 0);
+        assert!(sp.next_k(SeqId(1), k_limit, 1, late(190), None) > 0);
         for len in [195, 198, 200, 202, 205] {
             sp.record_output_length(len);
         }
         assert_eq!(sp.output_lengths.expected_remaining(190, 810), 10);
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, late(190)), 0);
-        assert!(sp.next_k(SeqId(2), k_limit, 1, late(20)) > 0);
+        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, late(190), None), 0);
+        assert!(sp.next_k(SeqId(2), k_limit, 1, late(20), None) > 0);
+    }
+
+    /// With a proposer's support, each band's own acceptance decides: after short matches whose
+    /// drafts are all rejected they stop being drafted (a probe now and then), while long matches
+    /// that are copied keep drafting, never past the match; a sequence's own record is unchanged.
+    #[test]
+    fn each_band_of_support_keeps_its_own_acceptance() {
+        let mut cfg = SpecConfig::new(SpecMethod::Ngram, 16);
+        cfg.max_step_tokens_for_speculation = 17;
+        let cost = cost::CostModel::linear(0.05, 0.0);
+        let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(1)), cost);
+        let k_limit = sp.batch_k_limit(1);
+        assert_eq!(k_limit, 16);
+        let none = CatchUp::default();
+        // no match: nothing to draft, not even a probe
+        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(0)), 0);
+        for _ in 0..40 {
+            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(1));
+            if k > 0 {
+                assert_eq!(k, 1, "never past the match");
+                sp.record(SeqId(1), k, 0);
+            }
+            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(20));
+            assert!(k > 0 && k <= 16);
+            sp.record(SeqId(1), k, k);
+        }
+        let short = sp.by_support[adaptive::support_band(1)].alpha();
+        let long = sp.by_support[adaptive::support_band(20)].alpha();
+        assert!(short < 0.1 && long > 0.95, "{short} {long}");
+        // short matches are now drafted only as a probe, one step in PROBE_EVERY
+        let drafted = (0..2 * adaptive::PROBE_EVERY).filter(|_| sp.next_k(SeqId(1), k_limit, 1, none, Some(1)) > 0).count();
+        assert_eq!(drafted, 2);
+        assert!(sp.next_k(SeqId(1), k_limit, 1, none, Some(9)) > 0, "an untried band starts from the prior");
+        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(20)), 16);
+        // once the sequence ended, a late record credits no band
+        let before = sp.by_support[adaptive::support_band(1)].alpha();
+        sp.remove(SeqId(1));
+        sp.record(SeqId(1), 1, 1);
+        assert_eq!(sp.by_support[adaptive::support_band(1)].alpha(), before);
     }
 }

@@ -25,29 +25,24 @@ impl NgramProposer {
         Self { min_match: min_match.max(1), index: HashMap::new() }
     }
 
-    /// Up to `k` tokens continuing `tokens` after the longest earlier match of its suffix (the
-    /// first occurrence of that match), given the automaton of exactly `tokens`.
-    fn continuation(&self, automaton: &SuffixAutomaton, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
-        let Some((len, end)) = automaton.longest_repeat() else { return Vec::new() };
-        if len < self.min_match || k == 0 {
-            return Vec::new();
+    /// `seq`'s automaton, fed up to `tokens` (only the tokens it has not seen; indexed afresh
+    /// if the sequence lost tokens it had, which it should not).
+    fn fed(&mut self, seq: SeqId, tokens: &[TokenId]) -> &SuffixAutomaton {
+        let automaton = self.index.entry(seq).or_default();
+        if automaton.len() > tokens.len() {
+            *automaton = SuffixAutomaton::new();
         }
-        let k = k.min(len);
-        // the continuation may run into the text's own end (a repeating pattern): it then goes on
-        // with the draft's own tokens, which is what the text would be if the pattern continues
-        let mut out = Vec::with_capacity(k);
-        for i in 0..k {
-            let at = end + 1 + i;
-            out.push(if at < tokens.len() { tokens[at] } else { out[at - tokens.len()] });
+        for &t in &tokens[automaton.len()..] {
+            automaton.push(t);
         }
-        out
+        automaton
     }
 
     /// The draft for a text seen for the first time (tests, one-off lookups).
     pub fn lookup(&self, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
         let mut a = SuffixAutomaton::new();
         tokens.iter().for_each(|&t| a.push(t));
-        self.continuation(&a, tokens, k)
+        continuation(self.min_match, &a, tokens, k)
     }
 }
 
@@ -59,23 +54,41 @@ impl Proposer for NgramProposer {
                 drafts.push(Draft::default());
                 continue;
             }
-            let mut automaton = self.index.remove(&r.seq).unwrap_or_default();
-            if automaton.len() > r.tokens.len() {
-                // the sequence lost tokens it had (it should not): index it again
-                automaton = SuffixAutomaton::new();
-            }
-            for &t in &r.tokens[automaton.len()..] {
-                automaton.push(t);
-            }
-            drafts.push(Draft { tokens: self.continuation(&automaton, r.tokens, r.max_draft), probs: None });
-            self.index.insert(r.seq, automaton);
+            let min = self.min_match;
+            let tokens = continuation(min, self.fed(r.seq, r.tokens), r.tokens, r.max_draft);
+            drafts.push(Draft { tokens, probs: None });
         }
         Ok(drafts)
+    }
+
+    fn support(&mut self, seq: SeqId, tokens: &[TokenId]) -> Option<usize> {
+        let min = self.min_match;
+        let len = self.fed(seq, tokens).longest_repeat().map_or(0, |(len, _)| len);
+        Some(if len < min { 0 } else { len })
     }
 
     fn remove(&mut self, seq: SeqId) {
         self.index.remove(&seq);
     }
+}
+
+/// Up to `k` tokens continuing `tokens` after the longest earlier match of its suffix (the
+/// first occurrence of that match), given the automaton of exactly `tokens`; nothing for a match
+/// shorter than `min_match`.
+fn continuation(min_match: usize, automaton: &SuffixAutomaton, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
+    let Some((len, end)) = automaton.longest_repeat() else { return Vec::new() };
+    if len < min_match || k == 0 {
+        return Vec::new();
+    }
+    let k = k.min(len);
+    // the continuation may run into the text's own end (a repeating pattern): it then goes on
+    // with the draft's own tokens, which is what the text would be if the pattern continues
+    let mut out = Vec::with_capacity(k);
+    for i in 0..k {
+        let at = end + 1 + i;
+        out.push(if at < tokens.len() { tokens[at] } else { out[at - tokens.len()] });
+    }
+    out
 }
 
 #[cfg(test)]
@@ -109,6 +122,23 @@ mod tests {
         let p = NgramProposer::new(2);
         assert_eq!(p.lookup(&[4, 5, 4, 5], 2), vec![4, 5]);
         assert_eq!(p.lookup(&[4, 5, 4, 5, 4, 5, 4, 5], 6), vec![4, 5, 4, 5, 4, 5]);
+    }
+
+    #[test]
+    fn support_is_the_length_of_the_match_the_draft_continues() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let params = crate::api::SamplingParams::greedy(8);
+        let text: Vec<TokenId> = vec![1, 2, 3, 4, 5, 7, 1, 2, 3, 9, 8, 1, 2, 3];
+        let mut p = NgramProposer::new(2);
+        // "1 2 3" occurred before: a 3-token match, and the draft is at most that long
+        assert_eq!(p.support(SeqId(1), &text), Some(3));
+        let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: 8, params: &params, hidden: None, rng: None };
+        assert_eq!(p.propose(&[req], &pool).unwrap()[0].tokens, vec![4, 5, 7]);
+        // one more token: "6" never occurred before, nothing matches
+        let longer: Vec<TokenId> = [&text[..], &[6]].concat();
+        assert_eq!(p.support(SeqId(1), &longer), Some(0));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6]), Some(1));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3]), Some(0));
     }
 
     #[test]
