@@ -262,7 +262,10 @@ impl Speculation {
         }
         let remaining = self.output_lengths.expected_remaining(catch_up.generated, catch_up.room);
         if adaptive::catch_up_pays(alpha, k, &self.cost, soon, catch_up.backlog, remaining) {
-            tracing::debug!(%seq, backlog = catch_up.backlog, decoding, soon, k, alpha, remaining, "proposer catches up");
+            if catch_up.backlog > 1 {
+                // (one token behind is a draft model's usual state after its drafts were kept)
+                tracing::debug!(%seq, backlog = catch_up.backlog, decoding, soon, k, alpha, remaining, "proposer catches up");
+            }
             k
         } else {
             0
