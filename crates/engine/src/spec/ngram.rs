@@ -63,8 +63,7 @@ impl Proposer for NgramProposer {
 
     fn support(&mut self, seq: SeqId, tokens: &[TokenId]) -> Option<usize> {
         let min = self.min_match;
-        let len = self.fed(seq, tokens).longest_repeat().map_or(0, |(len, _)| len);
-        Some(if len < min { 0 } else { len })
+        Some(draftable_match(min, self.fed(seq, tokens)).map_or(0, |(len, _)| len))
     }
 
     fn remove(&mut self, seq: SeqId) {
@@ -72,12 +71,18 @@ impl Proposer for NgramProposer {
     }
 }
 
+/// The longest earlier match of the text's suffix (length, end of its first occurrence), if it
+/// is at least `min_match` long: what a draft continues, and what `support` reports.
+fn draftable_match(min_match: usize, automaton: &SuffixAutomaton) -> Option<(usize, usize)> {
+    automaton.longest_repeat().filter(|&(len, _)| len >= min_match)
+}
+
 /// Up to `k` tokens continuing `tokens` after the longest earlier match of its suffix (the
 /// first occurrence of that match), given the automaton of exactly `tokens`; nothing for a match
 /// shorter than `min_match`.
 fn continuation(min_match: usize, automaton: &SuffixAutomaton, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
-    let Some((len, end)) = automaton.longest_repeat() else { return Vec::new() };
-    if len < min_match || k == 0 {
+    let Some((len, end)) = draftable_match(min_match, automaton) else { return Vec::new() };
+    if k == 0 {
         return Vec::new();
     }
     let k = k.min(len);
