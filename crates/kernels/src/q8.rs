@@ -109,17 +109,21 @@ fn quantize_with(x: &[f32], cols: usize, span_of: impl Fn(&[f32]) -> ActSpan) ->
 }
 
 /// Whether one scale serves a super-block: no value holds more than `SUPER_PEAK_ENERGY` of its
-/// energy. Eight running sums in a fixed order: the same answer on every CPU.
+/// energy. Eight running sums in a fixed order: the same answer on every CPU. The peak is kept
+/// per lane too (a maximum does not round, so the answer is the same), which lets the compiler
+/// keep both in vectors instead of chaining every element through one scalar maximum.
 fn fits_one_scale(xs: &[f32]) -> bool {
     let mut sum = [0f32; 8];
-    let mut peak = 0f32;
+    let mut peak = [0f32; 8];
     for c in xs.chunks_exact(8) {
         for i in 0..8 {
-            sum[i] += c[i] * c[i];
-            peak = peak.max(c[i] * c[i]);
+            let e = c[i] * c[i];
+            sum[i] += e;
+            peak[i] = if e > peak[i] { e } else { peak[i] };
         }
     }
     let energy = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+    let peak = peak.iter().fold(0f32, |m, &e| if e > m { e } else { m });
     peak <= SUPER_PEAK_ENERGY * energy
 }
 
