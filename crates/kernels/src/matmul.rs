@@ -50,8 +50,17 @@ impl<'a> MatmulInput<'a> {
 
 fn quantize_parallel(x: &[f32], cols: usize, quantize: fn(&[f32], usize) -> QuantizedActivations) -> QuantizedActivations {
     let rows = x.len() / cols;
-    if rows < 32 {
+    if rows < 2 {
         return quantize(x, cols);
+    }
+    if rows < 32 {
+        // a verify step's rows, one per task on the spinning pool (a rayon wake-up costs more
+        // than a row: 6 us at 8960 wide); each row's bytes do not depend on who quantizes it
+        let parts: Vec<std::sync::OnceLock<QuantizedActivations>> = (0..rows).map(|_| std::sync::OnceLock::new()).collect();
+        crate::pool::parallel_for(rows, &|r| {
+            let _ = parts[r].set(quantize(&x[r * cols..(r + 1) * cols], cols));
+        });
+        return QuantizedActivations::concat(parts.into_iter().map(|p| p.into_inner().expect("every row quantized")).collect());
     }
     QuantizedActivations::concat(x.par_chunks(16 * cols).map(|c| quantize(c, cols)).collect())
 }
