@@ -4,7 +4,7 @@
 //! many values. Each (query token, head) pair is reduced over its context positions in order,
 //! independent of which other sequences share the batch or how a prompt was chunked.
 
-use crate::dot::{scaled_dots_heads, weighted_rows_sum_heads};
+use crate::dot::{scaled_dots_heads, weighted_rows_sum};
 
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
@@ -97,7 +97,7 @@ pub fn paged_attention_windowed(
         let offsets: Vec<usize> =
             (first..ctx).map(|p| (s.block_table[p / layout.block_size] as usize * layout.block_size + p % layout.block_size) * kvw + kvh * hd).collect();
         let mut scores = vec![0f32; group * (ctx - first)];
-        let mut acc = vec![0f32; group * hd];
+        let mut acc = vec![0f32; hd];
         for t in t0..t1 {
             let row = s.q_start + t;
             // query row t sees positions lo..=base + t (lo = 0 without a window)
@@ -109,14 +109,13 @@ pub fn paged_attention_windowed(
             let sc = &mut scores[..group * len];
             let h0 = kvh * group;
             scaled_dots_heads(sc, &q[row * qw + h0 * hd..row * qw + (h0 + group) * hd], group, k_cache, offs, scale);
-            for s in sc.chunks_exact_mut(len) {
+            for (j, s) in sc.chunks_exact_mut(len).enumerate() {
                 crate::ops::softmax(s);
+                acc.fill(0.0);
+                weighted_rows_sum(&mut acc, s, v_cache, offs);
+                // SAFETY: (row, h0 + j) belongs to this task only.
+                unsafe { optr.slice(row * qw + (h0 + j) * hd, hd) }.copy_from_slice(&acc);
             }
-            // the group's weighted value sums at once (each value row read once for two heads)
-            acc.fill(0.0);
-            weighted_rows_sum_heads(&mut acc, sc, group, v_cache, offs);
-            // SAFETY: (row, heads h0..h0 + group) belong to this task only.
-            unsafe { optr.slice(row * qw + h0 * hd, group * hd) }.copy_from_slice(&acc);
         }
     };
     // Waking the pool costs more than a small attention (a decode step at short context): only

@@ -71,40 +71,23 @@ pub fn scaled_dots_heads(out: &mut [f32], qs: &[f32], heads: usize, rows: &[f32]
     }
 }
 
-/// Attention's weighted sums of value rows for the `heads` query heads that share one KV head:
-/// `acc[h * n + i] += ws[h * keys + p] * rows[offsets[p] + i]` for every `p` in order, one fused
-/// multiply-add per term (`f32::mul_add`: every path gives the same bits), `n = acc.len() / heads`,
-/// `keys = offsets.len()`. Two heads at a time read each value row once for both, and the fused
-/// form is one instruction per term where a multiply and an add were two.
-pub fn weighted_rows_sum_heads(acc: &mut [f32], ws: &[f32], heads: usize, rows: &[f32], offsets: &[usize]) {
-    let keys = offsets.len();
-    assert!(heads > 0 && acc.len().is_multiple_of(heads) && ws.len() == heads * keys);
-    let n = acc.len() / heads;
-    assert!(offsets.iter().all(|&o| o + n <= rows.len()), "weighted_rows_sum_heads: a row is out of bounds");
+/// `acc[i] += ws[p] * rows[offsets[p] + i]` for every `p` in order (a multiply then an add per
+/// term, no fused rounding, so every path gives the same bits): attention's weighted sum of value
+/// rows, with the accumulator kept in registers across all rows.
+pub fn weighted_rows_sum(acc: &mut [f32], ws: &[f32], rows: &[f32], offsets: &[usize]) {
+    assert_eq!(ws.len(), offsets.len());
+    let n = acc.len();
+    assert!(offsets.iter().all(|&o| o + n <= rows.len()), "weighted_rows_sum: a row is out of bounds");
     #[cfg(target_arch = "x86_64")]
     {
         if crate::cpu::features().avx2_fma && n.is_multiple_of(8) {
-            let mut h = 0;
-            while h < heads {
-                let (a, w) = (&mut acc[h * n..], &ws[h * keys..]);
-                // SAFETY: AVX2 and FMA were detected at run time; every row is in bounds
-                // (asserted); `a` and `w` hold the sums and weights of the heads from h on.
-                h += unsafe {
-                    if heads - h >= 2 {
-                        avx2::weighted_rows_sum_heads::<2>(a, w, n, rows, offsets)
-                    } else {
-                        avx2::weighted_rows_sum_heads::<1>(a, w, n, rows, offsets)
-                    }
-                };
-            }
-            return;
+            // SAFETY: AVX2 was detected at run time; every row is in bounds (asserted).
+            return unsafe { avx2::weighted_rows_sum(acc, ws, rows, offsets) };
         }
     }
-    for (a, w) in acc.chunks_exact_mut(n.max(1)).zip(ws.chunks_exact(keys.max(1))) {
-        for (&w, &o) in w.iter().zip(offsets) {
-            for (a, &v) in a.iter_mut().zip(&rows[o..o + n]) {
-                *a = w.mul_add(v, *a);
-            }
+    for (&w, &o) in ws.iter().zip(offsets) {
+        for (a, &v) in acc.iter_mut().zip(&rows[o..o + n]) {
+            *a += w * v;
         }
     }
 }
@@ -231,43 +214,31 @@ mod avx2 {
         }
     }
 
-    /// `H` heads' weighted sums (`weighted_rows_sum_heads`), 32 columns per pass: each value
-    /// row's four vectors are loaded once for the `H` heads. Returns `H`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn weighted_rows_sum_heads<const H: usize>(acc: &mut [f32], ws: &[f32], n: usize, rows: &[f32], offsets: &[usize]) -> usize {
-        const R: usize = 4; // registers of 8 floats per head and pass: 32 columns
-        let keys = offsets.len();
-        let (pr, pa, pw) = (rows.as_ptr(), acc.as_mut_ptr(), ws.as_ptr());
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn weighted_rows_sum(acc: &mut [f32], ws: &[f32], rows: &[f32], offsets: &[usize]) {
+        const R: usize = 8; // registers of 8 floats per pass: 64 columns
+        let n = acc.len();
+        let pr = rows.as_ptr();
         let mut c0 = 0;
         while c0 < n {
             let regs = ((n - c0) / 8).min(R);
-            let mut a = [[_mm256_setzero_ps(); R]; H];
-            for (h, a) in a.iter_mut().enumerate() {
-                for (r, a) in a.iter_mut().enumerate().take(regs) {
-                    // SAFETY: the caller passes H heads of n sums; c0 + 8r + 8 <= n.
-                    *a = _mm256_loadu_ps(pa.add(h * n + c0 + 8 * r));
-                }
+            let mut a = [_mm256_setzero_ps(); R];
+            for (r, a) in a.iter_mut().enumerate().take(regs) {
+                *a = _mm256_loadu_ps(acc.as_ptr().add(c0 + 8 * r));
             }
-            for (p, &o) in offsets.iter().enumerate() {
+            for (&w, &o) in ws.iter().zip(offsets) {
+                let wv = _mm256_set1_ps(w);
                 let row = pr.add(o + c0);
-                // SAFETY: o + n <= rows.len() (checked by the caller) and c0 + 8r + 8 <= n.
-                let v: [__m256; R] = std::array::from_fn(|r| if r < regs { _mm256_loadu_ps(row.add(8 * r)) } else { _mm256_setzero_ps() });
-                for (h, a) in a.iter_mut().enumerate() {
-                    // SAFETY: ws holds H heads of `keys` weights.
-                    let wv = _mm256_set1_ps(*pw.add(h * keys + p));
-                    for (r, a) in a.iter_mut().enumerate().take(regs) {
-                        *a = _mm256_fmadd_ps(wv, v[r], *a);
-                    }
+                for (r, a) in a.iter_mut().enumerate().take(regs) {
+                    // SAFETY: o + n <= rows.len() (checked by the caller) and c0 + 8r + 8 <= n.
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * r))));
                 }
             }
-            for (h, a) in a.iter().enumerate() {
-                for (r, a) in a.iter().enumerate().take(regs) {
-                    _mm256_storeu_ps(pa.add(h * n + c0 + 8 * r), *a);
-                }
+            for (r, a) in a.iter().enumerate().take(regs) {
+                _mm256_storeu_ps(acc.as_mut_ptr().add(c0 + 8 * r), *a);
             }
             c0 += 8 * regs;
         }
-        H
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -329,27 +300,21 @@ mod tests {
         }
     }
 
-    /// Every head's sums are the scalar fused loop's bits, for odd and even head counts and
-    /// widths that are and are not a multiple of the 32-column pass.
     #[test]
-    fn weighted_rows_sum_heads_equals_the_scalar_fused_loop_bitwise() {
-        let rows: Vec<f32> = (0..10 * 136).map(|i| (i as f32 * 0.19).sin()).collect();
-        let offsets = [0usize, 272, 136, 1224, 680, 952];
-        for heads in [1usize, 2, 3, 6] {
-            for n in [8usize, 40, 128, 136] {
-                let ws: Vec<f32> = (0..heads * offsets.len()).map(|i| (i as f32 * 0.37).cos() * 0.5).collect();
-                let mut fast: Vec<f32> = (0..heads * n).map(|i| i as f32 * 0.01).collect();
-                let mut slow = fast.clone();
-                weighted_rows_sum_heads(&mut fast, &ws, heads, &rows, &offsets);
-                for h in 0..heads {
-                    for (p, o) in offsets.iter().enumerate() {
-                        for i in 0..n {
-                            slow[h * n + i] = ws[h * offsets.len() + p].mul_add(rows[o + i], slow[h * n + i]);
-                        }
-                    }
+    fn weighted_rows_sum_equals_the_scalar_loop_bitwise() {
+        let rows: Vec<f32> = (0..10 * 80).map(|i| (i as f32 * 0.19).sin()).collect();
+        let offsets = [0usize, 160, 80, 720, 400];
+        let ws = [0.3f32, -0.2, 0.05, 0.7, 0.15];
+        for n in [8usize, 64, 80] {
+            let mut fast: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+            let mut slow = fast.clone();
+            weighted_rows_sum(&mut fast, &ws, &rows, &offsets);
+            for (w, o) in ws.iter().zip(offsets) {
+                for (i, a) in slow.iter_mut().enumerate() {
+                    *a += w * rows[o + i];
                 }
-                assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{heads} heads, n {n}");
             }
+            assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n}");
         }
     }
 
