@@ -346,9 +346,10 @@ fn propose(
             let batch_soon = CatchUp::batch_soon(decoding, pending_prefill, arrived, ctx.max_num_seqs);
             let may_draft = |i: usize| continuing[i] && k_limit > 0 && !items[i].params.disable_speculation;
             let first_decode = |it: &SampleItem| it.tokens.len() - it.prompt_len <= 1;
-            let batch_backlog = CatchUp::batch_backlog(
-                items.iter().enumerate().filter(|&(i, it)| may_draft(i) && !first_decode(it)).map(|(_, it)| sp.proposer.backlog(it.seq, it.tokens.len())),
-            );
+            // what the proposer must process first for each sequence that may draft (0 for the others)
+            let backlogs: Vec<usize> =
+                items.iter().enumerate().map(|(i, it)| if may_draft(i) { sp.proposer.backlog(it.seq, it.tokens.len()) } else { 0 }).collect();
+            let batch_backlog = CatchUp::batch_backlog(items.iter().zip(&backlogs).filter(|(it, _)| !first_decode(it)).map(|(_, &b)| b));
             let mut reqs = Vec::with_capacity(decoding);
             let mut which = Vec::with_capacity(decoding);
             // hidden rows follow the logits rows: the rows that produced the item's emitted tokens
@@ -358,14 +359,8 @@ fn propose(
                 }
                 let k = if may_draft(i) {
                     let output_len = it.tokens.len() - it.prompt_len;
-                    let catch_up = CatchUp {
-                        backlog: sp.proposer.backlog(it.seq, it.tokens.len()),
-                        first_decode: first_decode(it),
-                        room: room[i],
-                        generated: output_len,
-                        batch_soon,
-                        batch_backlog,
-                    };
+                    let catch_up =
+                        CatchUp { backlog: backlogs[i], first_decode: first_decode(it), room: room[i], generated: output_len, batch_soon, batch_backlog };
                     let support = sp.proposer.support(it.seq, extended[i].as_deref().unwrap_or(&it.tokens));
                     sp.next_k(it.seq, k_limit, decoding, catch_up, support)
                 } else {
