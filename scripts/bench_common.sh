@@ -8,3 +8,9 @@ wait_up() {
   done
   return 1
 }
+
+# Puts a known model in the cache (fetching it on first use; progress on stderr) and prints its path:
+# model_path [NAME] (the default model when NAME is left out). Needs $BIN.
+model_path() {
+  "$BIN" fetch-model "$@" >&2 && "$BIN" fetch-model "$@" --print-path
+}

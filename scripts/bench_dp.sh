@@ -15,13 +15,13 @@ cd "$(dirname "$0")/.."
 OUT=${1:-target/bench-dp}
 mkdir -p "$OUT"
 BIN=${SPECULA_MPI_BIN:-$PWD/target/release/specula-mpi}
-MODEL=${SPECULA_MODEL:-$("$BIN" fetch-model --print-path)}
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
+MODEL=${SPECULA_MODEL:-$(model_path)}
 PORT=${PORT:-18555}
 BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --max-concurrency 8 --random-input-len 128 --random-output-len 64 --no-progress)
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -np 2)
 
-# shellcheck source=bench_common.sh
-source scripts/bench_common.sh
 
 one() {
   local name=$1; shift

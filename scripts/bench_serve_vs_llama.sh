@@ -15,7 +15,9 @@ cd "$(dirname "$0")/.."
 OUT=${1:-target/bench-serve}
 mkdir -p "$OUT"
 BIN=${SPECULA_BIN:-$PWD/target/release/specula}
-MODEL=${SPECULA_MODEL:-$("$BIN" fetch-model --print-path)}
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
+MODEL=${SPECULA_MODEL:-$(model_path)}
 THREADS=${THREADS:-2}
 CONC=${CONCURRENCY:-1,4,8}
 N=${NUM_PROMPTS:-16}
@@ -31,8 +33,6 @@ case "$WORKLOAD" in
 esac
 BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --max-concurrency "$CONC" "${LOAD[@]}" --no-progress)
 
-# shellcheck source=bench_common.sh
-source scripts/bench_common.sh
 
 one() {
   local name=$1; shift

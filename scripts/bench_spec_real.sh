@@ -24,8 +24,10 @@ cd "$(dirname "$0")/.."
 OUT=${1:-target/bench-spec}
 mkdir -p "$OUT"
 BIN=${SPECULA_BIN:-$PWD/target/release/specula}
-TARGET=${TARGET:-$("$BIN" fetch-model qwen2.5-coder-1.5b-instruct --print-path)}
-DRAFT=${DRAFT:-$("$BIN" fetch-model qwen2.5-coder-0.5b-instruct --print-path)}
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
+TARGET=${TARGET:-$(model_path qwen2.5-coder-1.5b-instruct)}
+DRAFT=${DRAFT:-$(model_path qwen2.5-coder-0.5b-instruct)}
 THREADS=${THREADS:-2}
 CONC=${CONCURRENCY:-1 8}
 N=${NUM_PROMPTS:-16}
@@ -35,8 +37,6 @@ K_DRAFT=${K_DRAFT:-4}
 PORT=${PORT:-18567}
 RUNS=${RUNS:-specula-none specula-ngram specula-draft llama-none llama-ngram llama-draft}
 
-# shellcheck source=bench_common.sh
-source scripts/bench_common.sh
 
 server_cmd() {
   local s=(--port "$PORT" --threads "$THREADS" --max-num-seqs 8)

@@ -15,7 +15,9 @@ cd "$(dirname "$0")/.."
 OUT=${1:-target/bench-structured}
 mkdir -p "$OUT"
 BIN=${SPECULA_BIN:-$PWD/target/release/specula}
-MODEL=$("$BIN" fetch-model ${MODEL:-} --print-path)
+# shellcheck source=bench_common.sh
+source scripts/bench_common.sh
+MODEL=$(model_path ${MODEL:-})
 THREADS=${THREADS:-2}
 CONC=${CONCURRENCY:-1 8}
 N=${NUM_PROMPTS:-16}
@@ -32,8 +34,6 @@ else
 fi
 BODY="{\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"thing\",\"schema\":$SCHEMA}}}"
 
-# shellcheck source=bench_common.sh
-source scripts/bench_common.sh
 
 pids=()
 for jf in true false; do

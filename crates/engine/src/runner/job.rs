@@ -361,7 +361,7 @@ fn propose(
                     let output_len = it.tokens.len() - it.prompt_len;
                     let catch_up =
                         CatchUp { backlog: backlogs[i], first_decode: first_decode(it), room: room[i], generated: output_len, batch_soon, batch_backlog };
-                    let support = sp.proposer.support(it.seq, extended[i].as_deref().unwrap_or(&it.tokens));
+                    let support = sp.proposer.support(it.seq, extended[i].as_deref().unwrap_or(&it.tokens), it.prompt_len);
                     sp.next_k(it.seq, k_limit, decoding, catch_up, support)
                 } else {
                     0

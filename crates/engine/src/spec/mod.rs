@@ -7,6 +7,7 @@ pub mod adaptive;
 pub mod config;
 pub mod cost;
 pub mod draft_model;
+pub mod edits;
 pub mod metrics;
 pub mod mtp;
 pub mod mtp_format;

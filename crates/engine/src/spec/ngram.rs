@@ -7,7 +7,12 @@
 //! longest of a few fixed n. The draft is as long as the match (a match of 40 tokens in a code
 //! edit says the next ones are copied too; one of 2 is a guess), capped by what the engine allows
 //! this step (`max_draft`, from the cost model and the sequence's acceptance).
+//!
+//! Code edits copy the prompt with a few spans changed, most of them many times: the edits learned
+//! while the output is written ([`super::edits`]) give a second index, of the prompt with them
+//! applied, and the draft comes from whichever index matches the text's suffix longer.
 
+use super::edits::EditLearner;
 use super::proposer::{Draft, DraftRequest, Proposer};
 use super::suffix::SuffixAutomaton;
 use super::SpecError;
@@ -17,7 +22,100 @@ use std::collections::HashMap;
 pub struct NgramProposer {
     /// Shortest match that is worth a draft.
     pub min_match: usize,
-    index: HashMap<SeqId, SuffixAutomaton>,
+    index: HashMap<SeqId, SeqIndex>,
+}
+
+/// One sequence's lookup state.
+struct SeqIndex {
+    prompt_len: usize,
+    /// The sequence's text (prompt and output) as it is.
+    plain: SuffixAutomaton,
+    /// The edits the output made to the prompt so far ([`super::edits`]).
+    learner: EditLearner,
+    /// From the first learned edit on: the prompt with the edits applied, and the automaton of it
+    /// followed by the output (rebuilt when an edit is learned, fed like `plain` otherwise).
+    edited: Option<Edited>,
+}
+
+struct Edited {
+    source: Vec<TokenId>,
+    automaton: SuffixAutomaton,
+}
+
+/// The match a draft continues: its length, the end of its first occurrence, and in which text.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Match {
+    len: usize,
+    end: usize,
+    edited: bool,
+}
+
+impl SeqIndex {
+    fn new(prompt_len: usize) -> Self {
+        Self { prompt_len, plain: SuffixAutomaton::new(), learner: EditLearner::default(), edited: None }
+    }
+
+    /// Token `i` of the text `m` was found in (`tokens`: the sequence's).
+    fn at(&self, tokens: &[TokenId], edited: bool, i: usize) -> TokenId {
+        match (&self.edited, edited) {
+            (Some(e), true) if i < e.source.len() => e.source[i],
+            (Some(e), true) => tokens[self.prompt_len + i - e.source.len()],
+            _ => tokens[i],
+        }
+    }
+
+    /// Length of the text `m` was found in.
+    fn text_len(&self, tokens: &[TokenId], edited: bool) -> usize {
+        match (&self.edited, edited) {
+            (Some(e), true) => e.source.len() + tokens.len() - self.prompt_len,
+            _ => tokens.len(),
+        }
+    }
+
+    /// Learns from the step that brought the text to `tokens` (fed to the automata already).
+    fn learn(&mut self, tokens: &[TokenId]) {
+        loop {
+            let edited = self.edited.is_some();
+            let (n, source_len) = (self.text_len(tokens, edited), self.edited.as_ref().map_or(self.prompt_len, |e| e.source.len()));
+            let m = self.edited.as_ref().map_or(&self.plain, |e| &e.automaton).longest_repeat();
+            let mut learner = std::mem::take(&mut self.learner);
+            let learned = learner.observe(|i| self.at(tokens, edited, i), n, source_len, m);
+            self.learner = learner;
+            if !learned {
+                return;
+            }
+            let source = self.learner.apply(&tokens[..self.prompt_len]);
+            let mut automaton = SuffixAutomaton::new();
+            source.iter().chain(&tokens[self.prompt_len..]).for_each(|&t| automaton.push(t));
+            self.edited = Some(Edited { source, automaton });
+        }
+    }
+
+    /// The longest earlier match of the text's suffix, in the plain or the edited text (the
+    /// edited one on a tie: it is what the output has been writing), if at least `min_match` long.
+    fn best_match(&self, min_match: usize) -> Option<Match> {
+        let plain = self.plain.longest_repeat().map(|(len, end)| Match { len, end, edited: false });
+        let edited = self.edited.as_ref().and_then(|e| e.automaton.longest_repeat()).map(|(len, end)| Match { len, end, edited: true });
+        let best = match (plain, edited) {
+            (Some(p), Some(e)) => Some(if e.len >= p.len { e } else { p }),
+            (p, e) => p.or(e),
+        };
+        best.filter(|m| m.len >= min_match)
+    }
+
+    /// Up to `k` tokens continuing the text after the best match (its first occurrence).
+    fn continuation(&self, min_match: usize, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
+        let Some(m) = self.best_match(min_match) else { return Vec::new() };
+        let (k, n) = (k.min(m.len), self.text_len(tokens, m.edited));
+        // the continuation may run into the text's own end (a repeating pattern): it then goes on
+        // with the draft's own tokens, which is what the text would be if the pattern continues
+        let mut out = Vec::with_capacity(k);
+        for i in 0..k {
+            let at = m.end + 1 + i;
+            out.push(if at < n { self.at(tokens, m.edited, at) } else { out[at - n] });
+        }
+        out
+    }
 }
 
 impl NgramProposer {
@@ -25,24 +123,31 @@ impl NgramProposer {
         Self { min_match: min_match.max(1), index: HashMap::new() }
     }
 
-    /// `seq`'s automaton, fed up to `tokens` (only the tokens it has not seen; indexed afresh
-    /// if the sequence lost tokens it had, which it should not).
-    fn fed(&mut self, seq: SeqId, tokens: &[TokenId]) -> &SuffixAutomaton {
-        let automaton = self.index.entry(seq).or_default();
-        if automaton.len() > tokens.len() {
-            *automaton = SuffixAutomaton::new();
+    /// `seq`'s index, fed up to `tokens` (only the tokens it has not seen; indexed afresh if the
+    /// sequence lost tokens it had, which it should not), having learned from them.
+    fn fed(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize) -> &SeqIndex {
+        let s = self.index.entry(seq).or_insert_with(|| SeqIndex::new(prompt_len));
+        if s.plain.len() > tokens.len() || s.prompt_len != prompt_len {
+            *s = SeqIndex::new(prompt_len);
         }
-        for &t in &tokens[automaton.len()..] {
-            automaton.push(t);
+        let old = s.plain.len();
+        for &t in &tokens[old..] {
+            s.plain.push(t);
+            if let Some(e) = s.edited.as_mut() {
+                e.automaton.push(t);
+            }
         }
-        automaton
+        if tokens.len() > old && tokens.len() > prompt_len {
+            s.learn(tokens);
+        }
+        s
     }
 
-    /// The draft for a text seen for the first time (tests, one-off lookups).
+    /// The draft for a text seen for the first time (tests, one-off lookups; no edits learned).
     pub fn lookup(&self, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
-        let mut a = SuffixAutomaton::new();
-        tokens.iter().for_each(|&t| a.push(t));
-        continuation(self.min_match, &a, tokens, k)
+        let mut s = SeqIndex::new(tokens.len());
+        tokens.iter().for_each(|&t| s.plain.push(t));
+        s.continuation(self.min_match, tokens, k)
     }
 }
 
@@ -55,45 +160,20 @@ impl Proposer for NgramProposer {
                 continue;
             }
             let min = self.min_match;
-            let tokens = continuation(min, self.fed(r.seq, r.tokens), r.tokens, r.max_draft);
+            let tokens = self.fed(r.seq, r.tokens, r.prompt_len).continuation(min, r.tokens, r.max_draft);
             drafts.push(Draft { tokens, probs: None });
         }
         Ok(drafts)
     }
 
-    fn support(&mut self, seq: SeqId, tokens: &[TokenId]) -> Option<usize> {
+    fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize) -> Option<usize> {
         let min = self.min_match;
-        Some(draftable_match(min, self.fed(seq, tokens)).map_or(0, |(len, _)| len))
+        Some(self.fed(seq, tokens, prompt_len).best_match(min).map_or(0, |m| m.len))
     }
 
     fn remove(&mut self, seq: SeqId) {
         self.index.remove(&seq);
     }
-}
-
-/// The longest earlier match of the text's suffix (length, end of its first occurrence), if it
-/// is at least `min_match` long: what a draft continues, and what `support` reports.
-fn draftable_match(min_match: usize, automaton: &SuffixAutomaton) -> Option<(usize, usize)> {
-    automaton.longest_repeat().filter(|&(len, _)| len >= min_match)
-}
-
-/// Up to `k` tokens continuing `tokens` after the longest earlier match of its suffix (the
-/// first occurrence of that match), given the automaton of exactly `tokens`; nothing for a match
-/// shorter than `min_match`.
-fn continuation(min_match: usize, automaton: &SuffixAutomaton, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
-    let Some((len, end)) = draftable_match(min_match, automaton) else { return Vec::new() };
-    if k == 0 {
-        return Vec::new();
-    }
-    let k = k.min(len);
-    // the continuation may run into the text's own end (a repeating pattern): it then goes on
-    // with the draft's own tokens, which is what the text would be if the pattern continues
-    let mut out = Vec::with_capacity(k);
-    for i in 0..k {
-        let at = end + 1 + i;
-        out.push(if at < tokens.len() { tokens[at] } else { out[at - tokens.len()] });
-    }
-    out
 }
 
 #[cfg(test)]
@@ -136,14 +216,36 @@ mod tests {
         let text: Vec<TokenId> = vec![1, 2, 3, 4, 5, 7, 1, 2, 3, 9, 8, 1, 2, 3];
         let mut p = NgramProposer::new(2);
         // "1 2 3" occurred before: a 3-token match, and the draft is at most that long
-        assert_eq!(p.support(SeqId(1), &text), Some(3));
+        assert_eq!(p.support(SeqId(1), &text, 2), Some(3));
         let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: 8, params: &params, hidden: None, rng: None };
         assert_eq!(p.propose(&[req], &pool).unwrap()[0].tokens, vec![4, 5, 7]);
         // one more token: "6" never occurred before, nothing matches
         let longer: Vec<TokenId> = [&text[..], &[6]].concat();
-        assert_eq!(p.support(SeqId(1), &longer), Some(0));
-        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6]), Some(1));
-        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3]), Some(0));
+        assert_eq!(p.support(SeqId(1), &longer, 2), Some(0));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6], 4), Some(1));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3], 3), Some(0));
+    }
+
+    #[test]
+    fn after_an_edit_repeats_the_draft_copies_the_edited_prompt() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let params = crate::api::SamplingParams::greedy(8);
+        // a prompt with three uses of token 50; the output copies it with 50 renamed to 60
+        let prompt: Vec<TokenId> = vec![1, 2, 50, 3, 4, 5, 6, 2, 50, 3, 7, 8, 9, 10, 2, 50, 3, 11, 12];
+        let output: Vec<TokenId> = prompt.iter().map(|&t| if t == 50 { 60 } else { t }).collect();
+        let mut p = NgramProposer::new(1);
+        let mut drafts = Vec::new();
+        for end in 0..output.len() {
+            let text = [&prompt[..], &output[..end]].concat();
+            let req = DraftRequest { seq: SeqId(3), tokens: &text, prompt_len: prompt.len(), max_draft: 1, params: &params, hidden: None, rng: None };
+            drafts.push(p.propose(&[req], &pool).unwrap()[0].tokens.clone());
+        }
+        // the rename is learned once the output copies the prompt again after the second use
+        // (positions 7..10); the third use (output position 15) is drafted renamed, the plain
+        // lookup drafts the prompt's 50 there
+        assert_eq!(drafts[15], vec![60]);
+        assert_eq!(NgramProposer::new(1).lookup(&[&prompt[..], &output[..15]].concat(), 1), vec![50]);
+        assert_eq!(p.index[&SeqId(3)].learner.edits(), &[super::super::edits::Edit { from: vec![50], to: vec![60] }]);
     }
 
     #[test]

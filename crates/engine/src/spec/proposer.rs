@@ -46,14 +46,15 @@ pub trait Proposer: Send {
     fn backlog(&self, _seq: SeqId, _known: usize) -> usize {
         0
     }
-    /// How far this proposer's next draft for the sequence (whose known tokens are `tokens`) is
+    /// How far this proposer's next draft for the sequence (whose known tokens are `tokens`, the
+    /// first `prompt_len` its prompt) is
     /// backed, where it can tell before drafting: the n-gram proposer gives the length of the
     /// earlier match it would continue, 0 when it has nothing to draft. Adaptive k then keeps one
     /// acceptance estimate per band of it ([`super::adaptive::support_band`]) instead of the
     /// sequence's own: a match of 1 token is a guess, one of 40 a copy, and a single estimate
     /// over both drafts too much after the one and too little after the other. `None`: no such
     /// figure (the sequence's own estimate decides).
-    fn support(&mut self, _seq: SeqId, _tokens: &[TokenId]) -> Option<usize> {
+    fn support(&mut self, _seq: SeqId, _tokens: &[TokenId], _prompt_len: usize) -> Option<usize> {
         None
     }
     /// The target layers whose hidden states `DraftRequest::hidden` carries, in order
