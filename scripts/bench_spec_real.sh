@@ -3,7 +3,9 @@
 # n-gram and with a draft model, against llama.cpp's llama-server on the same GGUFs without
 # speculation, with its n-gram speculation and with --model-draft, one after the other in one run,
 # at each concurrency level, greedy. Prints one table (output tok/s, TPOT, speed-up over the same
-# server without speculation, acceptance rate, mean accepted length per verify step).
+# server without speculation, in output tok/s (prefill included: the time to the first token is
+# the same with and without speculation) and in TPOT (decode only), acceptance rate, mean accepted
+# length per verify step).
 #
 #   LLAMA_SERVER=/path/to/llama-server scripts/bench_spec_real.sh [OUTDIR]
 #   DATA=bench/code_gen.jsonl CONCURRENCY=1 NUM_PROMPTS=8 RUNS="specula-none specula-ngram" ...
@@ -88,20 +90,23 @@ for rnd in range(1, rounds + 1):
         for r in d["results"]:
             rows[(d["label"].rsplit("-c", 1)[0], r["max_concurrency"])] = r
     print(f"\n{'round ' + str(rnd) if rounds > 1 else ''}")
-    print(f"{'server':<16} {'conc':>4} {'ok':>4} {'tok/s':>7} {'TPOT ms':>8} {'speed-up':>8} {'accept':>7} {'acc.len':>7} {'verify 8':>8}")
+    print(f"{'server':<16} {'conc':>4} {'ok':>4} {'tok/s':>7} {'TPOT ms':>8} {'speed-up':>8} {'TPOT x':>7} {'accept':>7} {'acc.len':>7} {'verify 8':>8}")
     for name, c, r in ordered(rows):
         base = rows.get((name.split("-")[0] + "-none", c))
         up = r["output_throughput"] / base["output_throughput"] if base and base["output_throughput"] else None
-        ups.setdefault((name, c), []).append((r["output_throughput"], up))
+        tx = base["tpot_ms"]["mean"] / r["tpot_ms"]["mean"] if base and r["tpot_ms"]["mean"] else None
+        ups.setdefault((name, c), []).append((r["output_throughput"], up, tx))
         s = r.get("spec_decode_metrics") or r.get("spec_decode") or {}
         m = out / f"r{rnd}" / f"{name}-c{c}.metrics.txt"
         v8 = re.search(r'spec_verify_relative_cost\{rows="8"\} (\S+)', m.read_text()) if m.exists() else None
-        print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {f(up, 2) + 'x' if up else '-':>8} {f(s.get('acceptance_rate'), 3):>7} {f(s.get('mean_acceptance_length'), 2):>7} {f(float(v8.group(1)) if v8 else None, 2):>8}")
+        print(f"{name:<16} {c:>4} {r['completed']:>4} {r['output_throughput']:>7.1f} {r['tpot_ms']['mean']:>8.1f} {f(up, 2) + 'x' if up else '-':>8} {f(tx, 2) + 'x' if tx else '-':>7} {f(s.get('acceptance_rate'), 3):>7} {f(s.get('mean_acceptance_length'), 2):>7} {f(float(v8.group(1)) if v8 else None, 2):>8}")
 if rounds > 1:
     print(f"\nmedians over {rounds} rounds (speed-up: the median of each round's against its own baseline)")
-    print(f"{'server':<16} {'conc':>4} {'tok/s':>7} {'speed-up':>8}  per round")
+    print(f"{'server':<16} {'conc':>4} {'tok/s':>7} {'speed-up':>8} {'TPOT x':>7}  per round (speed-up / TPOT x)")
     for name, c, v in ordered(ups):
-        us = [u for _, u in v if u is not None]
-        med = f(statistics.median(us), 2) + "x" if us else "-"
-        print(f"{name:<16} {c:>4} {statistics.median(t for t, _ in v):>7.1f} {med:>8}  {' '.join(f(u, 2) for u in us)}")
+        us = [u for _, u, _ in v if u is not None]
+        txs = [x for _, _, x in v if x is not None]
+        med = lambda xs: f(statistics.median(xs), 2) + "x" if xs else "-"
+        rounds = ' '.join(f"{f(u, 2)}/{f(x, 2)}" for _, u, x in v if u is not None)
+        print(f"{name:<16} {c:>4} {statistics.median(t for t, _, _ in v):>7.1f} {med(us):>8} {med(txs):>7}  {rounds}")
 PY
