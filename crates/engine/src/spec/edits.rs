@@ -57,7 +57,8 @@ impl EditLearner {
         // where this copy starts, in the output and in the source
         let (t_start, s_start) = (n - len, end + 1 - len);
         let learned = match self.anchor {
-            Some((ta, sa)) if ta < t_start && sa < s_start && self.edits.len() < MAX_EDITS => {
+            // (a gap longer than an edit is not even read)
+            Some((ta, sa)) if ta < t_start && sa < s_start && t_start - ta <= MAX_SPAN + 1 && s_start - sa <= MAX_SPAN + 1 && self.edits.len() < MAX_EDITS => {
                 let to: Vec<TokenId> = (ta + 1..t_start).map(&text).collect();
                 let from: Vec<TokenId> = (sa + 1..s_start).map(&text).collect();
                 edit_between(&from, &to, sa + 1, &text).filter(|e| !self.edits.contains(e))
@@ -110,7 +111,7 @@ fn edit_between(from: &[TokenId], to: &[TokenId], from_at: usize, text: &impl Fn
     }
     let head = from.iter().zip(to).take_while(|(a, b)| a == b).count();
     let (from, to) = (&from[head..], &to[head..]);
-    let tail = from.iter().rev().zip(to.iter().rev()).take_while(|(a, b)| a == b).count().min(from.len()).min(to.len());
+    let tail = from.iter().rev().zip(to.iter().rev()).take_while(|(a, b)| a == b).count();
     let (from, to) = (&from[..from.len() - tail], &to[..to.len() - tail]);
     if to.is_empty() {
         return None; // a deletion: not learned (a rule that deletes everywhere is a large bet)
