@@ -197,7 +197,11 @@ impl GroupKernel for Int8Kernel<'_> {
         // where 512-bit instructions are split in two (Zen 4), the pass of two groups at once
         // made one or two activation rows slower (matmul_bench, weights from memory); the
         // results are the same bits either way
-        if self.p.pairs_in_one_pass() && (n > 2 || !crate::cpu::features().split_512) {
+        // Q4_K's pair (super-scaled rows) only from five rows on: at one to four the one-group
+        // kernel streamed the weights as fast or faster (Zen 5), and the pair gained from eight
+        // on (1.15-1.2x at 8-64 rows)
+        let pair_rows = if self.span == ActSpan::Super { 5 } else { 1 };
+        if self.p.pairs_in_one_pass(self.span) && n >= pair_rows && (n > 2 || !crate::cpu::features().split_512) {
             2
         } else {
             1
@@ -205,8 +209,8 @@ impl GroupKernel for Int8Kernel<'_> {
     }
     unsafe fn run_groups<const G: usize, const N: usize>(&self, g: usize, b: usize, dst: [[*mut f32; N]; G]) {
         let acts = self.acts(b);
-        if G == 2 && self.span == ActSpan::Block {
-            self.p.dot_group_pair_to::<N>(g, acts, [dst[0], dst[1]]);
+        if G == 2 && self.p.pairs_in_one_pass(self.span) {
+            self.p.dot_group_pair_span_to::<N>(g, self.span, acts, [dst[0], dst[1]]);
         } else {
             for (j, d) in dst.into_iter().enumerate() {
                 self.p.dot_group_span_to::<N>(g + j, self.span, acts, d);

@@ -214,8 +214,16 @@ impl PackedInt8 {
 
     /// Whether `dot_group_pair_to` reads two groups in one pass (512-bit vectors) on this CPU
     /// for this matrix's format.
-    pub fn pairs_in_one_pass(&self) -> bool {
-        cfg!(target_arch = "x86_64") && crate::cpu::features().avx512_vnni && !packed_k::handles(self.format)
+    pub fn pairs_in_one_pass(&self, span: ActSpan) -> bool {
+        let f = crate::cpu::features();
+        cfg!(target_arch = "x86_64")
+            && f.avx512_vnni
+            && match span {
+                ActSpan::Block => !packed_k::handles(self.format),
+                // Q4_K against super-scaled rows (`packed_k::x86::pair_q4k_super`): only where
+                // 512-bit instructions run whole; split in two (Zen 4) the pair was 15-25% slower
+                ActSpan::Super => self.format == WeightFormat::Q4K && !f.split_512,
+            }
     }
 
     /// Groups `g` and `g + 1` against `N` activation rows: `dst[j][n]` receives what
@@ -228,18 +236,33 @@ impl PackedInt8 {
     /// As `dot_group_to`, for every `dst[j][n]`; `g + 1 < self.groups()`.
     #[inline]
     pub unsafe fn dot_group_pair_to<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+        self.dot_group_pair_span_to::<N>(g, ActSpan::Block, acts, dst)
+    }
+
+    /// As `dot_group_pair_to` for activation rows of scale span `span`.
+    ///
+    /// # Safety
+    /// As `dot_group_pair_to`.
+    #[inline]
+    pub unsafe fn dot_group_pair_span_to<const N: usize>(&self, g: usize, span: ActSpan, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
         assert!(g + 1 < self.groups(), "group pair {g}, {} out of {}", g + 1, self.groups());
         #[cfg(target_arch = "x86_64")]
-        if self.pairs_in_one_pass() {
+        if self.pairs_in_one_pass(span) {
             for a in &acts {
-                assert_eq!(a.len(), self.blocks, "activation row has the wrong number of blocks");
+                assert_eq!(a.len(), self.act_blocks, "activation row has the wrong number of blocks");
+            }
+            if span == ActSpan::Super {
+                // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
+                // (pairs_in_one_pass); both groups hold `blocks` group blocks, every activation row
+                // the matching `act_blocks` super-scaled blocks; dst as promised.
+                return packed_k::x86::pair_q4k_super::<N>(self.group(g), self.group(g + 1), self.blocks, acts, dst);
             }
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time; both
             // groups hold `blocks` group blocks, every activation row `blocks` blocks; dst as promised.
             return x86::pair_vnni512::<N>(self.format, self.group(g), self.group(g + 1), self.blocks, acts, dst);
         }
-        self.dot_group_to::<N>(g, acts, dst[0]);
-        self.dot_group_to::<N>(g + 1, acts, dst[1]);
+        self.dot_group_span_to::<N>(g, span, acts, dst[0]);
+        self.dot_group_span_to::<N>(g + 1, span, acts, dst[1]);
     }
 }
 
@@ -297,8 +320,17 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// How far ahead of the current group block to prefetch: weights stream from memory once per step.
+    /// How far ahead of the current group block to prefetch (unless `CpuFeatures::prefetch_ahead`
+    /// says): weights stream from memory once per step.
     const PREFETCH_BYTES: usize = 1024;
+
+    #[inline(always)]
+    fn prefetch_bytes() -> usize {
+        match crate::cpu::features().prefetch_ahead {
+            0 => PREFETCH_BYTES,
+            b => b,
+        }
+    }
 
     /// Integer partial sums of one activation row. AVX2 keeps the Q4 partial sums in i16 lanes
     /// (8 groups x 2 products x 15 x 127 = 30480 < 32767, so no overflow) and widens once per block.
@@ -438,6 +470,7 @@ mod x86 {
         let mut acc = [_mm256_setzero_ps(); N];
         // weights from memory at one or two rows: see `CpuFeatures::sw_prefetch`
         let prefetch = N > 2 || crate::cpu::features().sw_prefetch;
+        let ahead = prefetch_bytes();
         for b in 0..blocks {
             // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
             // every activation row `blocks` blocks (checked by the caller).
@@ -445,7 +478,7 @@ mod x86 {
             // every cache line of the group block PREFETCH_BYTES ahead
             let mut line = 0;
             while prefetch && line < gbb {
-                _mm_prefetch::<_MM_HINT_T0>(blk.add(PREFETCH_BYTES + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(ahead + line) as *const i8);
                 line += 64;
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
@@ -501,6 +534,7 @@ mod x86 {
         let qoff = quants_offset(format);
         debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
         let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
+        let ahead = prefetch_bytes();
         let m4 = _mm512_set1_epi8(0x0F);
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); N];
@@ -510,8 +544,8 @@ mod x86 {
             let (b0, b1) = (p0.add(b * gbb), p1.add(b * gbb));
             let mut line = 0;
             while line < gbb {
-                _mm_prefetch::<_MM_HINT_T0>(b0.add(PREFETCH_BYTES + line) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(b1.add(PREFETCH_BYTES + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(ahead + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(b1.wrapping_add(ahead + line) as *const i8);
                 line += 64;
             }
             let d = halves(b0, b1);

@@ -459,7 +459,7 @@ pub(crate) mod x86 {
         let l2_ahead = !features.sw_prefetch && matches!(F, Q4K | Q5K | Q4K_S | Q5K_S | Q6K) && (F == Q6K || N >= 5 || row_len >= LONG_ROW);
         let act_bytes = N * (row_len / QK) * std::mem::size_of::<BlockQ8>();
         let far = !l2_ahead && (features.sw_prefetch || N >= 6 || act_bytes > L1_ACT_BYTES);
-        let ahead = gbb.max(1024);
+        let ahead = if features.prefetch_ahead > 0 { features.prefetch_ahead } else { gbb.max(1024) };
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let b16 = _mm256_set1_epi8(0x10);
@@ -710,6 +710,132 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Q4_K against super-scaled activation rows for two groups at once (`PackedInt8::
+    /// dot_group_pair_span_to`): one 512-bit vector holds a weight vector of both groups (group
+    /// `g`'s in the low half), so each unpack, broadcast and `vpdpbusd` serves sixteen rows where
+    /// the one-group kernel serves eight. Each lane's integer sums and float steps are those of
+    /// `group_impl::<Vnni, Q4K_S, _>`, in the same order: the same bits. Ours (no crate has it).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C present; `g0` and `g1` hold `blocks` Q4_K group
+    /// blocks, every activation row `8 * blocks` super-scaled blocks of 32; every `dst[j][n]` is
+    /// valid for eight writes no other thread makes.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(crate) unsafe fn pair_q4k_super<const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+        // four activation rows a pass at most: each keeps four 512-bit accumulators live (the
+        // sub-block pair's sums, the super-block's total, the float result) and there are 32
+        // registers; more rows take another pass over the same weights, now in L1
+        let mut n0 = 0;
+        while n0 < N {
+            let m = (N - n0).min(4);
+            let a = |i: usize| acts[n0 + (i % m)];
+            let d = |j: usize, i: usize| dst[j][n0 + (i % m)];
+            match m {
+                1 => pair_q4k_super_impl::<1>(g0, g1, blocks, [a(0)], [[d(0, 0)], [d(1, 0)]]),
+                2 => pair_q4k_super_impl::<2>(g0, g1, blocks, std::array::from_fn(a), std::array::from_fn(|j| std::array::from_fn(|i| d(j, i)))),
+                3 => pair_q4k_super_impl::<3>(g0, g1, blocks, std::array::from_fn(a), std::array::from_fn(|j| std::array::from_fn(|i| d(j, i)))),
+                _ => pair_q4k_super_impl::<4>(g0, g1, blocks, std::array::from_fn(a), std::array::from_fn(|j| std::array::from_fn(|i| d(j, i)))),
+            }
+            n0 += m;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn pair_q4k_super_impl<const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+        let gbb = group_block_bytes(WeightFormat::Q4K);
+        debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
+        // into L1 ahead of both streams where software prefetch pays (`CpuFeatures::sw_prefetch`,
+        // `prefetch_ahead`), as the one-group kernel does: on Zen 5 one block ahead left the pair
+        // slower than the one-group kernel at one to four rows, 12 blocks (14 KiB) made it 1.2x
+        // faster at eight
+        let features = crate::cpu::features();
+        let far = features.sw_prefetch;
+        let dist = if features.prefetch_ahead > 0 { features.prefetch_ahead } else { gbb };
+        let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
+        let m4 = _mm512_set1_epi8(0x0F);
+        let sign = _mm512_set1_ps(-0.0);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY (whole loop): b < blocks, both groups hold `blocks` group blocks and every
+            // activation row the matching blocks of 32 (the caller's promise); a prefetch past
+            // the end is a hint and never faults.
+            let (blk0, blk1) = (p0.add(b * gbb), p1.add(b * gbb));
+            let mut line = 0;
+            while far && line < gbb {
+                _mm_prefetch::<_MM_HINT_T0>(blk0.wrapping_add(dist + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(blk1.wrapping_add(dist + line) as *const i8);
+                line += 64;
+            }
+            let (qs0, qs1) = (blk0.add(off::Q4K_QS), blk1.add(off::Q4K_QS));
+            let mut t = [_mm512_setzero_si512(); N];
+            for c in 0..4 {
+                let (mut s_lo, mut s_hi) = ([_mm512_setzero_si512(); N], [_mm512_setzero_si512(); N]);
+                for v in (0..8).step_by(2) {
+                    let r0 = join512(qs0.add(32 * (8 * c + v)), qs1.add(32 * (8 * c + v)));
+                    let r1 = join512(qs0.add(32 * (8 * c + v + 1)), qs1.add(32 * (8 * c + v + 1)));
+                    let (lo0, hi0) = (_mm512_and_si512(r0, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(r0), m4));
+                    let (lo1, hi1) = (_mm512_and_si512(r1, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(r1), m4));
+                    for n in 0..N {
+                        let a_lo = acts[n].get_unchecked(8 * b + 2 * c).qs.as_ptr();
+                        let a_hi = acts[n].get_unchecked(8 * b + 2 * c + 1).qs.as_ptr();
+                        s_lo[n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s_lo[n], lo0, bcast4_512(a_lo.add(4 * v))), lo1, bcast4_512(a_lo.add(4 * v + 4)));
+                        s_hi[n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s_hi[n], hi0, bcast4_512(a_hi.add(4 * v))), hi1, bcast4_512(a_hi.add(4 * v + 4)));
+                    }
+                }
+                let sc_lo = bytes512(blk0.add(off::K_SC + 16 * c), blk1.add(off::K_SC + 16 * c));
+                let sc_hi = bytes512(blk0.add(off::K_SC + 16 * c + 8), blk1.add(off::K_SC + 16 * c + 8));
+                for n in 0..N {
+                    t[n] = _mm512_add_epi32(t[n], _mm512_add_epi32(_mm512_mullo_epi32(s_lo[n], sc_lo), _mm512_mullo_epi32(s_hi[n], sc_hi)));
+                }
+            }
+            // M = sum_j m_j B_j: each lane's (m_j, m_j) against the block's half sums
+            let mn: [__m512i; 8] = std::array::from_fn(|j| {
+                let x = bytes512(blk0.add(off::K_MN + 8 * j), blk1.add(off::K_MN + 8 * j));
+                _mm512_or_si512(x, _mm512_slli_epi32::<16>(x))
+            });
+            let d = halves512(blk0, blk1);
+            let dmin = halves512(blk0.add(off::K_DMIN), blk1.add(off::K_DMIN));
+            for n in 0..N {
+                let mut m = _mm512_setzero_si512();
+                for (j, mn) in mn.iter().enumerate() {
+                    let h = acts[n].get_unchecked(8 * b + j).h.as_ptr() as *const i32;
+                    m = _mm512_dpwssd_epi32(m, *mn, _mm512_set1_epi32(h.read_unaligned()));
+                }
+                let d_a = _mm512_set1_ps(acts[n].get_unchecked(8 * b).d);
+                acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, d_a), _mm512_cvtepi32_ps(t[n]), acc[n]);
+                acc[n] = _mm512_fmadd_ps(_mm512_xor_ps(_mm512_mul_ps(dmin, d_a), sign), _mm512_cvtepi32_ps(m), acc[n]);
+            }
+        }
+        for n in 0..N {
+            // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
+            _mm256_storeu_ps(dst[0][n], _mm512_castps512_ps256(acc[n]));
+            _mm256_storeu_ps(dst[1][n], _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[n]))));
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn bcast4_512(p: *const i8) -> __m512i {
+        _mm512_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    /// 32 bytes of each group, group 0's in the low half.
+    #[inline(always)]
+    unsafe fn join512(a: *const u8, b: *const u8) -> __m512i {
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)), _mm256_loadu_si256(b as *const __m256i))
+    }
+
+    /// Eight unsigned bytes of each group as sixteen i32 lanes, group 0's in the low half.
+    #[inline(always)]
+    unsafe fn bytes512(a: *const u8, b: *const u8) -> __m512i {
+        _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(a as *const __m128i), _mm_loadl_epi64(b as *const __m128i)))
+    }
+
+    /// Eight f16 of each group as sixteen f32, group 0's in the low half.
+    #[inline(always)]
+    unsafe fn halves512(a: *const u8, b: *const u8) -> __m512 {
+        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i)), _mm_loadu_si128(b as *const __m128i)))
+    }
+
     /// One entry point per instruction set, each dispatching on the format.
     macro_rules! group_fn {
         ($name:ident, $features:literal, $dot:ty) => {
@@ -875,6 +1001,42 @@ mod tests {
                 check::<4>(&p, f, span, cols, &acts);
                 check::<8>(&p, f, span, cols, &acts);
             }
+        }
+    }
+
+    /// The two-group pass of Q4_K against super-scaled rows (`pair_q4k_super` where this CPU runs
+    /// it, two one-group calls elsewhere) gives each group the scalar reference's bits, at 1-8
+    /// activation rows (past four it takes a second pass) and with a partial last group.
+    #[test]
+    fn q4k_group_pairs_equal_the_scalar_reference_bitwise() {
+        fn check<const N: usize>(p: &PackedInt8, cols: usize, acts: &[QuantizedActivations]) {
+            let rows: [&[BlockQ8]; N] = std::array::from_fn(|i| acts[(i * 3 + N) % acts.len()].row(0));
+            for g in 0..p.groups() - 1 {
+                let mut out = [[[0f32; GROUP_ROWS]; N]; 2];
+                let [o0, o1] = &mut out;
+                // SAFETY: each pointer addresses one row of `out`; g + 1 < groups.
+                unsafe {
+                    p.dot_group_pair_span_to::<N>(g, ActSpan::Super, rows, [o0.each_mut().map(|r| r.as_mut_ptr()), o1.each_mut().map(|r| r.as_mut_ptr())])
+                };
+                for (j, group_out) in out.iter().enumerate() {
+                    let (group, blocks) = group_bytes(p, g + j, WeightFormat::Q4K, cols);
+                    for (n, a) in rows.iter().enumerate() {
+                        let reference = dot_group_scalar(WeightFormat::Q4K, ActSpan::Super, group, blocks, a);
+                        assert_eq!(group_out[n].map(f32::to_bits), reference.map(f32::to_bits), "group {} activation {n} of {N}", g + j);
+                    }
+                }
+            }
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(33);
+        for (rows, cols) in [(16, 256), (21, 1536), (40, 768)] {
+            let p = PackedInt8::pack(WeightFormat::Q4K, rows, cols, &random_raw(&mut rng, WeightFormat::Q4K, rows, cols)).unwrap();
+            let acts = activations(&mut rng, cols, ActSpan::Super);
+            check::<1>(&p, cols, &acts);
+            check::<2>(&p, cols, &acts);
+            check::<3>(&p, cols, &acts);
+            check::<4>(&p, cols, &acts);
+            check::<5>(&p, cols, &acts);
+            check::<8>(&p, cols, &acts);
         }
     }
 
