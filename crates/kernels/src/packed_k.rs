@@ -753,7 +753,8 @@ pub(crate) mod x86 {
         let dist = if features.prefetch_ahead > 0 { features.prefetch_ahead } else { gbb };
         let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
         let m4 = _mm512_set1_epi8(0x0F);
-        let sign = _mm512_set1_ps(-0.0);
+        // the sign bit, flipped with an integer xor (the float one is AVX-512 DQ)
+        let sign = _mm512_set1_epi32(i32::MIN);
         let mut acc = [_mm512_setzero_ps(); N];
         for b in 0..blocks {
             // SAFETY (whole loop): b < blocks, both groups hold `blocks` group blocks and every
@@ -803,7 +804,8 @@ pub(crate) mod x86 {
                 }
                 let d_a = _mm512_set1_ps(acts[n].get_unchecked(8 * b).d);
                 acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, d_a), _mm512_cvtepi32_ps(t[n]), acc[n]);
-                acc[n] = _mm512_fmadd_ps(_mm512_xor_ps(_mm512_mul_ps(dmin, d_a), sign), _mm512_cvtepi32_ps(m), acc[n]);
+                let neg_min = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, d_a)), sign));
+                acc[n] = _mm512_fmadd_ps(neg_min, _mm512_cvtepi32_ps(m), acc[n]);
             }
         }
         for n in 0..N {
