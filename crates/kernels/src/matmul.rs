@@ -197,10 +197,14 @@ impl GroupKernel for Int8Kernel<'_> {
         // where 512-bit instructions are split in two (Zen 4), the pass of two groups at once
         // made one or two activation rows slower (matmul_bench, weights from memory); the
         // results are the same bits either way
-        // Q4_K's pair (super-scaled rows) only from five rows on: at one to four the one-group
-        // kernel streamed the weights as fast or faster (Zen 5), and the pair gained from eight
-        // on (1.15-1.2x at 8-64 rows)
-        let pair_rows = if self.span == ActSpan::Super { 5 } else { 1 };
+        // the k-quant pairs only from a few rows on: below, the one-group kernel streamed the
+        // weights as fast or faster (Zen 5, matmul_bench): Q4_K's pair gained from five rows
+        // (1.3-1.4x at 8-64), Q6_K's from eight (its lm_head at five 8% slower, at 9-17 1.15x)
+        let pair_rows = match self.p.format() {
+            crate::WeightFormat::Q4K => 5,
+            crate::WeightFormat::Q6K => 8,
+            _ => 1,
+        };
         if self.p.pairs_in_one_pass(self.span) && n >= pair_rows && (n > 2 || !crate::cpu::features().split_512) {
             2
         } else {

@@ -219,9 +219,12 @@ impl PackedInt8 {
         cfg!(target_arch = "x86_64")
             && f.avx512_vnni
             && match span {
-                ActSpan::Block => !packed_k::handles(self.format),
-                // Q4_K against super-scaled rows (`packed_k::x86::pair_q4k_super`): only where
-                // 512-bit instructions run whole; split in two (Zen 4) the pair was 15-25% slower
+                // Q6_K (block-scaled rows) and Q4_K (super-scaled) in `packed_k::x86::pair_k`:
+                // only where 512-bit instructions run whole (split in two, on Zen 4, Q4_K's pair
+                // was 15-25% slower); Q6_K only on rows under 4096 columns: a 1.5B model's
+                // lm_head at 9-17 rows 1.16-1.18x faster, its ffn_down (8960 columns, two
+                // streams 58 KB apart) at 5-9 rows 1.1-1.4x slower (Zen 5, matmul_bench)
+                ActSpan::Block => !packed_k::handles(self.format) || (self.format == WeightFormat::Q6K && !f.split_512 && self.act_blocks * QK < 4096),
                 ActSpan::Super => self.format == WeightFormat::Q4K && !f.split_512,
             }
     }
@@ -251,11 +254,12 @@ impl PackedInt8 {
             for a in &acts {
                 assert_eq!(a.len(), self.act_blocks, "activation row has the wrong number of blocks");
             }
-            if span == ActSpan::Super {
+            if packed_k::handles(self.format) {
                 // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
-                // (pairs_in_one_pass); both groups hold `blocks` group blocks, every activation row
-                // the matching `act_blocks` super-scaled blocks; dst as promised.
-                return packed_k::x86::pair_q4k_super::<N>(self.group(g), self.group(g + 1), self.blocks, acts, dst);
+                // (pairs_in_one_pass, which admits Q4_K only with super-scaled rows and Q6_K only
+                // with block-scaled ones); both groups hold `blocks` group blocks, every
+                // activation row the matching `act_blocks` blocks; dst as promised.
+                return packed_k::x86::pair_k::<N>(self.format, self.group(g), self.group(g + 1), self.blocks, acts, dst);
             }
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time; both
             // groups hold `blocks` group blocks, every activation row `blocks` blocks; dst as promised.
@@ -318,6 +322,7 @@ pub fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize, a: &[
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use crate::packed_k::x86::{bcast4_512, halves512, join512, store_pairs};
     use std::arch::x86_64::*;
 
     /// How far ahead of the current group block to prefetch (unless `CpuFeatures::prefetch_ahead`
@@ -548,13 +553,13 @@ mod x86 {
                 _mm_prefetch::<_MM_HINT_T0>(b1.wrapping_add(ahead + line) as *const i8);
                 line += 64;
             }
-            let d = halves(b0, b1);
+            let d = halves512(b0, b1);
             let (q0, q1) = (b0.add(qoff), b1.add(qoff));
             let mut isum = [_mm512_setzero_si512(); N];
             match F {
                 Q4_0 | Q4_1 => {
                     for v in 0..4 {
-                        let raw = join(q0.add(32 * v), q1.add(32 * v));
+                        let raw = join512(q0.add(32 * v), q1.add(32 * v));
                         let lo = _mm512_and_si512(raw, m4);
                         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
                         for n in 0..N {
@@ -578,7 +583,7 @@ mod x86 {
                     }
                     let mut w_sum = zero;
                     for g in 0..8 {
-                        let w = join(q0.add(32 * g), q1.add(32 * g));
+                        let w = join512(q0.add(32 * g), q1.add(32 * g));
                         w_sum = _mm512_dpbusd_epi32(w_sum, _mm512_set1_epi8(i8::MIN), w);
                         for n in 0..N {
                             isum[n] = _mm512_dpbusd_epi32(isum[n], bcast4_512(offset[n].as_ptr().add(4 * g) as *const i8), w);
@@ -590,33 +595,13 @@ mod x86 {
                 }
             }
             let m = match F {
-                Q4_1 => Some(halves(b0.add(2 * GROUP_ROWS), b1.add(2 * GROUP_ROWS))),
+                Q4_1 => Some(halves512(b0.add(2 * GROUP_ROWS), b1.add(2 * GROUP_ROWS))),
                 _ => None,
             };
             add_block::<__m512, F, N>(&mut acc, d, m, &isum, &acts, b);
         }
-        for n in 0..N {
-            // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
-            _mm256_storeu_ps(dst[0][n], _mm512_castps512_ps256(acc[n]));
-            _mm256_storeu_ps(dst[1][n], _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[n]))));
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn bcast4_512(p: *const i8) -> __m512i {
-        _mm512_set1_epi32((p as *const i32).read_unaligned())
-    }
-
-    /// 32 bytes of each group, group 0's in the low half.
-    #[inline(always)]
-    unsafe fn join(a: *const u8, b: *const u8) -> __m512i {
-        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)), _mm256_loadu_si256(b as *const __m256i))
-    }
-
-    /// Eight f16 of each group as sixteen f32, group 0's in the low half.
-    #[inline(always)]
-    unsafe fn halves(a: *const u8, b: *const u8) -> __m512 {
-        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i)), _mm_loadu_si128(b as *const __m128i)))
+        // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
+        store_pairs(&acc, dst);
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]

@@ -710,47 +710,180 @@ pub(crate) mod x86 {
         }
     }
 
-    /// Q4_K against super-scaled activation rows for two groups at once (`PackedInt8::
-    /// dot_group_pair_span_to`): one 512-bit vector holds a weight vector of both groups (group
-    /// `g`'s in the low half), so each unpack, broadcast and `vpdpbusd` serves sixteen rows where
-    /// the one-group kernel serves eight. Each lane's integer sums and float steps are those of
-    /// `group_impl::<Vnni, Q4K_S, _>`, in the same order: the same bits. Ours (no crate has it).
+    /// Two groups at once (`PackedInt8::dot_group_pair_span_to`) for Q4_K against super-scaled
+    /// activation rows and Q6_K against block-scaled ones: one 512-bit vector holds a weight
+    /// vector of both groups (group `g`'s in the low half), so each unpack, broadcast and
+    /// `vpdpbusd` serves sixteen rows where the one-group kernel serves eight. Each lane's integer
+    /// sums and float steps are those of `group_impl::<Vnni, _, _>` for the format, in the same
+    /// order: the same bits. Ours (no crate has it).
     ///
     /// # Safety
-    /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C present; `g0` and `g1` hold `blocks` Q4_K group
-    /// blocks, every activation row `8 * blocks` super-scaled blocks of 32; every `dst[j][n]` is
-    /// valid for eight writes no other thread makes.
+    /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C present; `format` is Q4_K (`span` Super) or Q6_K
+    /// (`span` Block); `g0` and `g1` hold `blocks` group blocks of it, every activation row
+    /// `8 * blocks` blocks of 32 of that span; every `dst[j][n]` is valid for eight writes no other
+    /// thread makes.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(crate) unsafe fn pair_q4k_super<const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
-        // four activation rows a pass at most: each keeps four 512-bit accumulators live (the
-        // sub-block pair's sums, the super-block's total, the float result) and there are 32
-        // registers; more rows take another pass over the same weights, now in L1
+    pub(crate) unsafe fn pair_k<const N: usize>(format: WeightFormat, g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+        // four activation rows a pass at most: each keeps three or four 512-bit accumulators
+        // live and there are 32 registers; more rows take another pass over the same weights,
+        // now in L1
         let mut n0 = 0;
         while n0 < N {
             let m = (N - n0).min(4);
             let a = |i: usize| acts[n0 + (i % m)];
             let d = |j: usize, i: usize| dst[j][n0 + (i % m)];
+            macro_rules! pass {
+                ($m:literal) => {{
+                    let (a, d): ([&[BlockQ8]; $m], [[*mut f32; $m]; 2]) = (std::array::from_fn(a), std::array::from_fn(|j| std::array::from_fn(|i| d(j, i))));
+                    if format == WeightFormat::Q4K {
+                        pair_q4k_super_impl::<$m>(g0, g1, blocks, a, d)
+                    } else {
+                        pair_q6k_impl::<$m>(g0, g1, blocks, a, d)
+                    }
+                }};
+            }
             match m {
-                1 => pair_q4k_super_impl::<1>(g0, g1, blocks, [a(0)], [[d(0, 0)], [d(1, 0)]]),
-                2 => pair_q4k_super_impl::<2>(g0, g1, blocks, std::array::from_fn(a), std::array::from_fn(|j| std::array::from_fn(|i| d(j, i)))),
-                3 => pair_q4k_super_impl::<3>(g0, g1, blocks, std::array::from_fn(a), std::array::from_fn(|j| std::array::from_fn(|i| d(j, i)))),
-                _ => pair_q4k_super_impl::<4>(g0, g1, blocks, std::array::from_fn(a), std::array::from_fn(|j| std::array::from_fn(|i| d(j, i)))),
+                1 => pass!(1),
+                2 => pass!(2),
+                3 => pass!(3),
+                _ => pass!(4),
             }
             n0 += m;
         }
+    }
+
+    /// The distance of the pair kernels' L1 prefetch ahead of each stream, where software
+    /// prefetch pays (`CpuFeatures::sw_prefetch`, `prefetch_ahead`), as the one-group kernel
+    /// does: on Zen 5 one block ahead left the pair slower than the one-group kernel at one to
+    /// four rows, 12 blocks (14 KiB) made it 1.2x faster at eight. None elsewhere.
+    #[inline(always)]
+    fn pair_prefetch(gbb: usize) -> Option<usize> {
+        let f = crate::cpu::features();
+        f.sw_prefetch.then_some(if f.prefetch_ahead > 0 { f.prefetch_ahead } else { gbb })
+    }
+
+    /// Both groups' block `b` prefetched `dist` bytes ahead.
+    #[inline(always)]
+    unsafe fn prefetch_pair(blk0: *const u8, blk1: *const u8, gbb: usize, dist: Option<usize>) {
+        let Some(dist) = dist else { return };
+        let mut line = 0;
+        while line < gbb {
+            _mm_prefetch::<_MM_HINT_T0>(blk0.wrapping_add(dist + line) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(blk1.wrapping_add(dist + line) as *const i8);
+            line += 64;
+        }
+    }
+
+    /// Q6_K weight vector `u` of half `h` of both groups, unpacked for activation block `4h + I`
+    /// (as `q6k_unpack`).
+    #[inline(always)]
+    unsafe fn q6k_unpack512<const I: usize>(blk0: *const u8, blk1: *const u8, h: usize, u: usize) -> __m512i {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let at = off::Q6K_QL + 32 * (16 * h + 8 * (I & 1) + u);
+        let l = join512(blk0.add(at), blk1.add(at));
+        let l = if I < 2 { _mm512_and_si512(l, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(l), m4) };
+        let at = off::Q6K_QH + 32 * (8 * h + u);
+        let hb = join512(blk0.add(at), blk1.add(at));
+        let hb = match I {
+            0 => _mm512_slli_epi16::<4>(hb),
+            1 => _mm512_slli_epi16::<2>(hb),
+            2 => hb,
+            _ => _mm512_srli_epi16::<2>(hb),
+        };
+        _mm512_or_si512(l, _mm512_and_si512(hb, _mm512_set1_epi8(0x30)))
+    }
+
+    /// Q6_K's quant sums of one half (weight vectors `v0..v0 + 4`) of activation block `4h + I`
+    /// for both groups, as `q6k_half`.
+    #[inline(always)]
+    unsafe fn q6k_half512<const N: usize, const I: usize>(blk0: *const u8, blk1: *const u8, h: usize, v0: usize, a: &[*const i8; N]) -> [__m512i; N] {
+        let w = [
+            q6k_unpack512::<I>(blk0, blk1, h, v0),
+            q6k_unpack512::<I>(blk0, blk1, h, v0 + 1),
+            q6k_unpack512::<I>(blk0, blk1, h, v0 + 2),
+            q6k_unpack512::<I>(blk0, blk1, h, v0 + 3),
+        ];
+        let mut s = [_mm512_setzero_si512(); N];
+        for n in 0..N {
+            let p = a[n].add(4 * v0);
+            s[n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[n], w[0], bcast4_512(p)), w[1], bcast4_512(p.add(4)));
+            s[n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[n], w[2], bcast4_512(p.add(8))), w[3], bcast4_512(p.add(12)));
+        }
+        s
+    }
+
+    /// Q6_K's signed scales of sub-block `s` of both groups as sixteen i32 lanes.
+    #[inline(always)]
+    unsafe fn q6k_scales512(blk0: *const u8, blk1: *const u8, s: usize) -> __m512i {
+        let at = off::Q6K_SC + 8 * s;
+        _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(blk0.add(at) as *const __m128i), _mm_loadl_epi64(blk1.add(at) as *const __m128i)))
+    }
+
+    /// Q6_K for two groups: activation block `4h + I` of super-block `b` added to `acc`, as
+    /// `q6k_act_block` (the sums of both halves of 16, then `Q6kScales::add_block`'s steps).
+    #[inline(always)]
+    unsafe fn q6k_act_block512<const N: usize, const I: usize>(
+        blk0: *const u8,
+        blk1: *const u8,
+        b: usize,
+        h: usize,
+        d: __m512,
+        acts: &[&[BlockQ8]; N],
+        acc: &mut [__m512; N],
+    ) {
+        let k = 8 * b + 4 * h + I;
+        let mut a = [std::ptr::null::<i8>(); N];
+        for n in 0..N {
+            a[n] = acts[n].get_unchecked(k).qs.as_ptr();
+        }
+        // (no closures here: they would not inherit the target features, and each intrinsic
+        // would be a call)
+        let s0 = q6k_half512::<N, I>(blk0, blk1, h, 0, &a);
+        let s1 = q6k_half512::<N, I>(blk0, blk1, h, 4, &a);
+        // the scales of sub-blocks 8h + 2I and + 1, as `Q6kScales::load`
+        let (sc0, sc1) = (q6k_scales512(blk0, blk1, 8 * h + 2 * I), q6k_scales512(blk0, blk1, 8 * h + 2 * I + 1));
+        let pair = _mm512_or_si512(_mm512_and_si512(sc0, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32::<16>(sc1));
+        let neg32 = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16::<5>(pair));
+        for n in 0..N {
+            let ab = acts[n].get_unchecked(k);
+            let hs = _mm512_set1_epi32((ab.h.as_ptr() as *const i32).read_unaligned());
+            let t = _mm512_add_epi32(_mm512_mullo_epi32(sc0, s0[n]), _mm512_mullo_epi32(sc1, s1[n]));
+            let tot = _mm512_dpwssd_epi32(t, neg32, hs);
+            acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(ab.d)), _mm512_cvtepi32_ps(tot), acc[n]);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn pair_q6k_impl<const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+        let gbb = group_block_bytes(WeightFormat::Q6K);
+        debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
+        let dist = pair_prefetch(gbb);
+        let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY (whole loop): b < blocks, both groups hold `blocks` group blocks and every
+            // activation row the matching blocks of 32 (the caller's promise).
+            let (blk0, blk1) = (p0.add(b * gbb), p1.add(b * gbb));
+            prefetch_pair(blk0, blk1, gbb, dist);
+            let d = halves512(blk0, blk1);
+            for h in 0..2 {
+                // each block loads its weight vectors afresh, as `q6k_act_block` explains
+                let (blk0, blk1) = (std::hint::black_box(blk0), std::hint::black_box(blk1));
+                q6k_act_block512::<N, 0>(blk0, blk1, b, h, d, &acts, &mut acc);
+                q6k_act_block512::<N, 1>(blk0, blk1, b, h, d, &acts, &mut acc);
+                q6k_act_block512::<N, 2>(blk0, blk1, b, h, d, &acts, &mut acc);
+                q6k_act_block512::<N, 3>(blk0, blk1, b, h, d, &acts, &mut acc);
+            }
+        }
+        // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
+        store_pairs(&acc, dst);
     }
 
     #[inline(always)]
     unsafe fn pair_q4k_super_impl<const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
         let gbb = group_block_bytes(WeightFormat::Q4K);
         debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
-        // into L1 ahead of both streams where software prefetch pays (`CpuFeatures::sw_prefetch`,
-        // `prefetch_ahead`), as the one-group kernel does: on Zen 5 one block ahead left the pair
-        // slower than the one-group kernel at one to four rows, 12 blocks (14 KiB) made it 1.2x
-        // faster at eight
-        let features = crate::cpu::features();
-        let far = features.sw_prefetch;
-        let dist = if features.prefetch_ahead > 0 { features.prefetch_ahead } else { gbb };
+        let dist = pair_prefetch(gbb);
         let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
         let m4 = _mm512_set1_epi8(0x0F);
         // the sign bit, flipped with an integer xor (the float one is AVX-512 DQ)
@@ -761,12 +894,7 @@ pub(crate) mod x86 {
             // activation row the matching blocks of 32 (the caller's promise); a prefetch past
             // the end is a hint and never faults.
             let (blk0, blk1) = (p0.add(b * gbb), p1.add(b * gbb));
-            let mut line = 0;
-            while far && line < gbb {
-                _mm_prefetch::<_MM_HINT_T0>(blk0.wrapping_add(dist + line) as *const i8);
-                _mm_prefetch::<_MM_HINT_T0>(blk1.wrapping_add(dist + line) as *const i8);
-                line += 64;
-            }
+            prefetch_pair(blk0, blk1, gbb, dist);
             let (qs0, qs1) = (blk0.add(off::Q4K_QS), blk1.add(off::Q4K_QS));
             let mut t = [_mm512_setzero_si512(); N];
             for c in 0..4 {
@@ -808,21 +936,32 @@ pub(crate) mod x86 {
                 acc[n] = _mm512_fmadd_ps(neg_min, _mm512_cvtepi32_ps(m), acc[n]);
             }
         }
+        // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
+        store_pairs(&acc, dst);
+    }
+
+    /// The two groups' results of each activation row: group 0's (the low half) to `dst[0][n]`,
+    /// group 1's to `dst[1][n]`. Shared with `packed`'s two-group kernels.
+    ///
+    /// # Safety
+    /// AVX-512 F present; every `dst[j][n]` is valid for eight writes.
+    #[inline(always)]
+    pub(crate) unsafe fn store_pairs<const N: usize>(acc: &[__m512; N], dst: [[*mut f32; N]; 2]) {
         for n in 0..N {
-            // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
             _mm256_storeu_ps(dst[0][n], _mm512_castps512_ps256(acc[n]));
             _mm256_storeu_ps(dst[1][n], _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[n]))));
         }
     }
 
+    /// Four activation bytes broadcast to every 32-bit lane of a 512-bit vector.
     #[inline(always)]
-    unsafe fn bcast4_512(p: *const i8) -> __m512i {
+    pub(crate) unsafe fn bcast4_512(p: *const i8) -> __m512i {
         _mm512_set1_epi32((p as *const i32).read_unaligned())
     }
 
     /// 32 bytes of each group, group 0's in the low half.
     #[inline(always)]
-    unsafe fn join512(a: *const u8, b: *const u8) -> __m512i {
+    pub(crate) unsafe fn join512(a: *const u8, b: *const u8) -> __m512i {
         _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(a as *const __m256i)), _mm256_loadu_si256(b as *const __m256i))
     }
 
@@ -834,7 +973,7 @@ pub(crate) mod x86 {
 
     /// Eight f16 of each group as sixteen f32, group 0's in the low half.
     #[inline(always)]
-    unsafe fn halves512(a: *const u8, b: *const u8) -> __m512 {
+    pub(crate) unsafe fn halves512(a: *const u8, b: *const u8) -> __m512 {
         _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(a as *const __m128i)), _mm_loadu_si128(b as *const __m128i)))
     }
 
@@ -1006,39 +1145,40 @@ mod tests {
         }
     }
 
-    /// The two-group pass of Q4_K against super-scaled rows (`pair_q4k_super` where this CPU runs
-    /// it, two one-group calls elsewhere) gives each group the scalar reference's bits, at 1-8
-    /// activation rows (past four it takes a second pass) and with a partial last group.
+    /// The two-group passes (`pair_k` where this CPU runs them, two one-group calls elsewhere) of
+    /// Q4_K against super-scaled rows and Q6_K against block-scaled ones give each group the
+    /// scalar reference's bits, at 1-8 activation rows (past four a second pass) and with a
+    /// partial last group.
     #[test]
-    fn q4k_group_pairs_equal_the_scalar_reference_bitwise() {
-        fn check<const N: usize>(p: &PackedInt8, cols: usize, acts: &[QuantizedActivations]) {
+    fn k_quant_group_pairs_equal_the_scalar_reference_bitwise() {
+        fn check<const N: usize>(p: &PackedInt8, f: WeightFormat, span: ActSpan, cols: usize, acts: &[QuantizedActivations]) {
             let rows: [&[BlockQ8]; N] = std::array::from_fn(|i| acts[(i * 3 + N) % acts.len()].row(0));
             for g in 0..p.groups() - 1 {
                 let mut out = [[[0f32; GROUP_ROWS]; N]; 2];
                 let [o0, o1] = &mut out;
                 // SAFETY: each pointer addresses one row of `out`; g + 1 < groups.
-                unsafe {
-                    p.dot_group_pair_span_to::<N>(g, ActSpan::Super, rows, [o0.each_mut().map(|r| r.as_mut_ptr()), o1.each_mut().map(|r| r.as_mut_ptr())])
-                };
+                unsafe { p.dot_group_pair_span_to::<N>(g, span, rows, [o0.each_mut().map(|r| r.as_mut_ptr()), o1.each_mut().map(|r| r.as_mut_ptr())]) };
                 for (j, group_out) in out.iter().enumerate() {
-                    let (group, blocks) = group_bytes(p, g + j, WeightFormat::Q4K, cols);
+                    let (group, blocks) = group_bytes(p, g + j, f, cols);
                     for (n, a) in rows.iter().enumerate() {
-                        let reference = dot_group_scalar(WeightFormat::Q4K, ActSpan::Super, group, blocks, a);
-                        assert_eq!(group_out[n].map(f32::to_bits), reference.map(f32::to_bits), "group {} activation {n} of {N}", g + j);
+                        let reference = dot_group_scalar(f, span, group, blocks, a);
+                        assert_eq!(group_out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} group {} activation {n} of {N}", g + j);
                     }
                 }
             }
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(33);
-        for (rows, cols) in [(16, 256), (21, 1536), (40, 768)] {
-            let p = PackedInt8::pack(WeightFormat::Q4K, rows, cols, &random_raw(&mut rng, WeightFormat::Q4K, rows, cols)).unwrap();
-            let acts = activations(&mut rng, cols, ActSpan::Super);
-            check::<1>(&p, cols, &acts);
-            check::<2>(&p, cols, &acts);
-            check::<3>(&p, cols, &acts);
-            check::<4>(&p, cols, &acts);
-            check::<5>(&p, cols, &acts);
-            check::<8>(&p, cols, &acts);
+        for (f, span) in [(WeightFormat::Q4K, ActSpan::Super), (WeightFormat::Q6K, ActSpan::Block)] {
+            for (rows, cols) in [(16, 256), (21, 1536), (40, 768)] {
+                let p = PackedInt8::pack(f, rows, cols, &random_raw(&mut rng, f, rows, cols)).unwrap();
+                let acts = activations(&mut rng, cols, span);
+                check::<1>(&p, f, span, cols, &acts);
+                check::<2>(&p, f, span, cols, &acts);
+                check::<3>(&p, f, span, cols, &acts);
+                check::<4>(&p, f, span, cols, &acts);
+                check::<5>(&p, f, span, cols, &acts);
+                check::<8>(&p, f, span, cols, &acts);
+            }
         }
     }
 
