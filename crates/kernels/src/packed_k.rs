@@ -642,17 +642,97 @@ pub(crate) mod x86 {
     /// (the low or high nibble of `ql`, bits `2I, 2I + 1` of `qh` moved to bits 4, 5).
     #[inline(always)]
     unsafe fn q6k_unpack<const I: usize>(blk: *const u8, h: usize, u: usize) -> __m256i {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let l = vec(blk.add(off::Q6K_QL), 16 * h + 8 * (I & 1) + u);
-        let l = if I < 2 { _mm256_and_si256(l, m4) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(l), m4) };
-        let hb = vec(blk.add(off::Q6K_QH), 8 * h + u);
+        q6k_unpack_from::<__m256i, I>(vec(blk.add(off::Q6K_QL), 16 * h + 8 * (I & 1) + u), vec(blk.add(off::Q6K_QH), 8 * h + u))
+    }
+
+    /// The byte operations of the Q6_K unpack, at 256 bits (one group) and 512 (two), so that
+    /// both unpack with one body.
+    trait QuantBytes: Copy {
+        unsafe fn splat(x: i8) -> Self;
+        unsafe fn and(a: Self, b: Self) -> Self;
+        unsafe fn or(a: Self, b: Self) -> Self;
+        /// Shifts of the 16-bit lanes.
+        unsafe fn shl2(a: Self) -> Self;
+        unsafe fn shl4(a: Self) -> Self;
+        unsafe fn shr2(a: Self) -> Self;
+        unsafe fn shr4(a: Self) -> Self;
+    }
+
+    impl QuantBytes for __m256i {
+        #[inline(always)]
+        unsafe fn splat(x: i8) -> Self {
+            _mm256_set1_epi8(x)
+        }
+        #[inline(always)]
+        unsafe fn and(a: Self, b: Self) -> Self {
+            _mm256_and_si256(a, b)
+        }
+        #[inline(always)]
+        unsafe fn or(a: Self, b: Self) -> Self {
+            _mm256_or_si256(a, b)
+        }
+        #[inline(always)]
+        unsafe fn shl2(a: Self) -> Self {
+            _mm256_slli_epi16::<2>(a)
+        }
+        #[inline(always)]
+        unsafe fn shl4(a: Self) -> Self {
+            _mm256_slli_epi16::<4>(a)
+        }
+        #[inline(always)]
+        unsafe fn shr2(a: Self) -> Self {
+            _mm256_srli_epi16::<2>(a)
+        }
+        #[inline(always)]
+        unsafe fn shr4(a: Self) -> Self {
+            _mm256_srli_epi16::<4>(a)
+        }
+    }
+
+    impl QuantBytes for __m512i {
+        #[inline(always)]
+        unsafe fn splat(x: i8) -> Self {
+            _mm512_set1_epi8(x)
+        }
+        #[inline(always)]
+        unsafe fn and(a: Self, b: Self) -> Self {
+            _mm512_and_si512(a, b)
+        }
+        #[inline(always)]
+        unsafe fn or(a: Self, b: Self) -> Self {
+            _mm512_or_si512(a, b)
+        }
+        #[inline(always)]
+        unsafe fn shl2(a: Self) -> Self {
+            _mm512_slli_epi16::<2>(a)
+        }
+        #[inline(always)]
+        unsafe fn shl4(a: Self) -> Self {
+            _mm512_slli_epi16::<4>(a)
+        }
+        #[inline(always)]
+        unsafe fn shr2(a: Self) -> Self {
+            _mm512_srli_epi16::<2>(a)
+        }
+        #[inline(always)]
+        unsafe fn shr4(a: Self) -> Self {
+            _mm512_srli_epi16::<4>(a)
+        }
+    }
+
+    /// Q6_K's 6-bit quants for activation block `4h + I` from a loaded `ql` vector (its low or
+    /// high nibbles) and `qh` vector (bits `2I, 2I + 1` moved to bits 4, 5).
+    #[inline(always)]
+    unsafe fn q6k_unpack_from<V: QuantBytes, const I: usize>(ql: V, qh: V) -> V {
+        let m4 = V::splat(0x0F);
+        let l = if I < 2 { V::and(ql, m4) } else { V::and(V::shr4(ql), m4) };
         let hb = match I {
-            0 => _mm256_slli_epi16::<4>(hb),
-            1 => _mm256_slli_epi16::<2>(hb),
-            2 => hb,
-            _ => _mm256_srli_epi16::<2>(hb),
+            0 => V::shl4(qh),
+            1 => V::shl2(qh),
+            2 => qh,
+            _ => V::shr2(qh),
         };
-        _mm256_or_si256(l, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)))
+        V::or(l, V::and(hb, V::splat(0x30)))
     }
 
     /// Q6_K with few activation rows: weight vectors `v, v + 1` of half `h`, each unpacked once for
@@ -778,19 +858,8 @@ pub(crate) mod x86 {
     /// (as `q6k_unpack`).
     #[inline(always)]
     unsafe fn q6k_unpack512<const I: usize>(blk0: *const u8, blk1: *const u8, h: usize, u: usize) -> __m512i {
-        let m4 = _mm512_set1_epi8(0x0F);
-        let at = off::Q6K_QL + 32 * (16 * h + 8 * (I & 1) + u);
-        let l = join512(blk0.add(at), blk1.add(at));
-        let l = if I < 2 { _mm512_and_si512(l, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(l), m4) };
-        let at = off::Q6K_QH + 32 * (8 * h + u);
-        let hb = join512(blk0.add(at), blk1.add(at));
-        let hb = match I {
-            0 => _mm512_slli_epi16::<4>(hb),
-            1 => _mm512_slli_epi16::<2>(hb),
-            2 => hb,
-            _ => _mm512_srli_epi16::<2>(hb),
-        };
-        _mm512_or_si512(l, _mm512_and_si512(hb, _mm512_set1_epi8(0x30)))
+        let (l, hb) = (off::Q6K_QL + 32 * (16 * h + 8 * (I & 1) + u), off::Q6K_QH + 32 * (8 * h + u));
+        q6k_unpack_from::<__m512i, I>(join512(blk0.add(l), blk1.add(l)), join512(blk0.add(hb), blk1.add(hb)))
     }
 
     /// Q6_K's quant sums of one half (weight vectors `v0..v0 + 4`) of activation block `4h + I`
