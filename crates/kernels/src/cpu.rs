@@ -16,12 +16,12 @@ pub struct CpuFeatures {
     /// slower; there the k-quant kernels prefetch into L2 further ahead instead, by their own
     /// rules (`packed_k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks).
     pub sw_prefetch: bool,
-    /// Bytes ahead of the group block being read that those L1 prefetches reach; 0: the kernel's
-    /// own default (one group block, at least 1 KiB). AMD Zen 5: 16 KiB, where one block ahead left
+    /// Bytes ahead of the group block being read that those L1 prefetches reach; None: the
+    /// kernel's own default (about one group block). AMD Zen 5: 16 KiB, where one block ahead left
     /// a one-row decode matmul at 44 GB/s and 16 KiB reached 70 (`matmul_bench`, Q4_K gate/up,
     /// weights from memory, 2 threads; Q6_K's lm_head at four rows 1.5x faster)
-    /// (`SPECULA_PREFETCH_AHEAD=<bytes>` overrides, for benchmarks).
-    pub prefetch_ahead: usize,
+    /// (`SPECULA_PREFETCH_AHEAD=<bytes>` overrides, for benchmarks; 0: the kernels' defaults).
+    pub prefetch_ahead: Option<usize>,
 }
 
 /// The features this process uses. `SPECULA_NO_SIMD=1` forces the portable paths and
@@ -30,7 +30,7 @@ pub fn features() -> CpuFeatures {
     static F: OnceLock<CpuFeatures> = OnceLock::new();
     *F.get_or_init(|| {
         if std::env::var_os("SPECULA_NO_SIMD").is_some_and(|v| v == "1") {
-            return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: 0 };
+            return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: None };
         }
         let mut f = detect();
         if std::env::var_os("SPECULA_NO_VNNI").is_some_and(|v| v == "1") {
@@ -41,8 +41,8 @@ pub fn features() -> CpuFeatures {
             Some(v) if v == "1" => f.split_512 = true,
             _ => {}
         }
-        if let Some(b) = std::env::var("SPECULA_PREFETCH_AHEAD").ok().and_then(|v| v.parse().ok()) {
-            f.prefetch_ahead = b;
+        if let Some(b) = std::env::var("SPECULA_PREFETCH_AHEAD").ok().and_then(|v| v.parse::<usize>().ok()) {
+            f.prefetch_ahead = (b > 0).then_some(b);
         }
         match std::env::var_os("SPECULA_SW_PREFETCH") {
             Some(v) if v == "0" => f.sw_prefetch = false,
@@ -66,7 +66,7 @@ fn detect() -> CpuFeatures {
             && is_x86_feature_detected!("avx512vnni"),
         split_512: amd_family() == Some(0x19),
         sw_prefetch: amd_family() != Some(0x19),
-        prefetch_ahead: if amd_family() == Some(0x1A) { 16 * 1024 } else { 0 },
+        prefetch_ahead: (amd_family() == Some(0x1A)).then_some(16 * 1024),
     }
 }
 
@@ -86,7 +86,7 @@ fn amd_family() -> Option<u32> {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> CpuFeatures {
-    CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: 0 }
+    CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: None }
 }
 
 /// A one-line description for start-up logs.

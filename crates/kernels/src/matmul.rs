@@ -194,21 +194,10 @@ impl GroupKernel for Int8Kernel<'_> {
         self.rows.map_or(b, |r| r[b])
     }
     fn side_by_side(&self, n: usize) -> usize {
-        // where 512-bit instructions are split in two (Zen 4), the pass of two groups at once
-        // made one or two activation rows slower (matmul_bench, weights from memory); the
-        // results are the same bits either way
-        // the k-quant pairs only from a few rows on: below, the one-group kernel streamed the
-        // weights as fast or faster (Zen 5, matmul_bench): Q4_K's pair gained from five rows
-        // (1.3-1.4x at 8-64), Q6_K's from eight (its lm_head at five 8% slower, at 9-17 1.15x)
-        let pair_rows = match self.p.format() {
-            crate::WeightFormat::Q4K => 5,
-            crate::WeightFormat::Q6K => 8,
+        // (`PackedInt8::pair_min_rows` says where the pair pays)
+        match self.p.pair_min_rows(self.span) {
+            Some(rows) if n >= rows => 2,
             _ => 1,
-        };
-        if self.p.pairs_in_one_pass(self.span) && n >= pair_rows && (n > 2 || !crate::cpu::features().split_512) {
-            2
-        } else {
-            1
         }
     }
     unsafe fn run_groups<const G: usize, const N: usize>(&self, g: usize, b: usize, dst: [[*mut f32; N]; G]) {

@@ -212,21 +212,34 @@ impl PackedInt8 {
         }
     }
 
-    /// Whether `dot_group_pair_to` reads two groups in one pass (512-bit vectors) on this CPU
-    /// for this matrix's format.
+    /// Whether `dot_group_pair_span_to` reads two groups in one pass (512-bit vectors) on this
+    /// CPU for this matrix's format and activation rows of scale span `span`.
     pub fn pairs_in_one_pass(&self, span: ActSpan) -> bool {
+        self.pair_min_rows(span).is_some()
+    }
+
+    /// From how many activation rows a matmul over this matrix takes groups in pairs (one pass
+    /// of 512-bit vectors); None where it never does. The results are the same bits either way:
+    /// only speed decides (matmul_bench, weights streamed from memory).
+    /// - Q4_0/Q4_1/Q8_0: at any row count; from three where 512-bit instructions are split in two
+    ///   (Zen 4), where the pair made one or two rows slower.
+    /// - Q4_K (super-scaled rows) and Q6_K (block-scaled) in `packed_k::x86::pair_k`, only where
+    ///   512-bit instructions run whole (on Zen 4 Q4_K's pair was 15-25% slower), and only from a
+    ///   few rows on: below, the one-group kernel streamed the weights as fast or faster (Zen 5).
+    ///   Q4_K from five rows (1.3-1.4x at 8-64); Q6_K from eight (its lm_head at five 8% slower,
+    ///   at 9-17 1.15x), and only on rows under 4096 columns (a 1.5B model's ffn_down, 8960
+    ///   columns, two streams 58 KB apart, was 1.1-1.4x slower at 5-9 rows).
+    pub fn pair_min_rows(&self, span: ActSpan) -> Option<usize> {
         let f = crate::cpu::features();
-        cfg!(target_arch = "x86_64")
-            && f.avx512_vnni
-            && match span {
-                // Q6_K (block-scaled rows) and Q4_K (super-scaled) in `packed_k::x86::pair_k`:
-                // only where 512-bit instructions run whole (split in two, on Zen 4, Q4_K's pair
-                // was 15-25% slower); Q6_K only on rows under 4096 columns: a 1.5B model's
-                // lm_head at 9-17 rows 1.16-1.18x faster, its ffn_down (8960 columns, two
-                // streams 58 KB apart) at 5-9 rows 1.1-1.4x slower (Zen 5, matmul_bench)
-                ActSpan::Block => !packed_k::handles(self.format) || (self.format == WeightFormat::Q6K && !f.split_512 && self.act_blocks * QK < 4096),
-                ActSpan::Super => self.format == WeightFormat::Q4K && !f.split_512,
-            }
+        if !(cfg!(target_arch = "x86_64") && f.avx512_vnni) {
+            return None;
+        }
+        match (span, self.format) {
+            (ActSpan::Block, _) if !packed_k::handles(self.format) => Some(if f.split_512 { 3 } else { 1 }),
+            (ActSpan::Block, WeightFormat::Q6K) if !f.split_512 && self.act_blocks * QK < 4096 => Some(8),
+            (ActSpan::Super, WeightFormat::Q4K) if !f.split_512 => Some(5),
+            _ => None,
+        }
     }
 
     /// Groups `g` and `g + 1` against `N` activation rows: `dst[j][n]` receives what
@@ -331,10 +344,7 @@ mod x86 {
 
     #[inline(always)]
     fn prefetch_bytes() -> usize {
-        match crate::cpu::features().prefetch_ahead {
-            0 => PREFETCH_BYTES,
-            b => b,
-        }
+        crate::cpu::features().prefetch_ahead.unwrap_or(PREFETCH_BYTES)
     }
 
     /// Integer partial sums of one activation row. AVX2 keeps the Q4 partial sums in i16 lanes

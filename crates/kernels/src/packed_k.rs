@@ -459,7 +459,7 @@ pub(crate) mod x86 {
         let l2_ahead = !features.sw_prefetch && matches!(F, Q4K | Q5K | Q4K_S | Q5K_S | Q6K) && (F == Q6K || N >= 5 || row_len >= LONG_ROW);
         let act_bytes = N * (row_len / QK) * std::mem::size_of::<BlockQ8>();
         let far = !l2_ahead && (features.sw_prefetch || N >= 6 || act_bytes > L1_ACT_BYTES);
-        let ahead = if features.prefetch_ahead > 0 { features.prefetch_ahead } else { gbb.max(1024) };
+        let ahead = features.prefetch_ahead.unwrap_or(gbb.max(1024));
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let b16 = _mm256_set1_epi8(0x10);
@@ -839,7 +839,7 @@ pub(crate) mod x86 {
     #[inline(always)]
     fn pair_prefetch(gbb: usize) -> Option<usize> {
         let f = crate::cpu::features();
-        f.sw_prefetch.then_some(if f.prefetch_ahead > 0 { f.prefetch_ahead } else { gbb })
+        f.sw_prefetch.then_some(f.prefetch_ahead.unwrap_or(gbb))
     }
 
     /// Both groups' block `b` prefetched `dist` bytes ahead.

@@ -104,9 +104,11 @@ impl EditLearner {
 /// The edit that turned the source's `from` (starting at source position `from_at`) into the
 /// output's `to`, trimmed to what differs (a shared head or tail is copy, not edit); an insertion
 /// keeps the source token before it on both sides, so that it applies where that token is. None
-/// when the gap is not an edit: nothing written, or more than `MAX_SPAN` tokens on either side.
+/// when the gap is not an edit: nothing written (`observe` reads no gap of more than `MAX_SPAN`
+/// tokens a side).
 fn edit_between(from: &[TokenId], to: &[TokenId], from_at: usize, text: &impl Fn(usize) -> TokenId) -> Option<Edit> {
-    if to.is_empty() || from.len() > MAX_SPAN || to.len() > MAX_SPAN || from == to {
+    debug_assert!(from.len() <= MAX_SPAN && to.len() <= MAX_SPAN);
+    if to.is_empty() || from == to {
         return None;
     }
     let head = from.iter().zip(to).take_while(|(a, b)| a == b).count();
