@@ -1159,10 +1159,18 @@ mod tests {
     }
 
     /// Every path this CPU has (the dispatched one at 1..8 activation rows, and AVX2 and VNNI
-    /// called directly) gives the scalar reference's bits.
+    /// called directly) gives the scalar reference's bits. Says which paths ran; under CI, a path
+    /// the CPU has and the environment did not switch off must have run (`cpu::expected_paths`).
     #[test]
     fn simd_equals_the_scalar_reference_bitwise() {
-        fn check<const N: usize>(p: &PackedInt8, f: WeightFormat, span: ActSpan, cols: usize, acts: &[QuantizedActivations]) {
+        fn check<const N: usize>(
+            p: &PackedInt8,
+            f: WeightFormat,
+            span: ActSpan,
+            cols: usize,
+            acts: &[QuantizedActivations],
+            ran: &mut std::collections::BTreeSet<&'static str>,
+        ) {
             let rows: [&[BlockQ8]; N] = std::array::from_fn(|i| acts[(i * 3 + N) % acts.len()].row(0));
             for g in 0..p.groups() {
                 let (group, blocks) = group_bytes(p, g, f, cols);
@@ -1186,10 +1194,10 @@ mod tests {
                         paths.push((name, out));
                     };
                     if feat.avx2_fma {
-                        run("avx2", false);
+                        run(crate::cpu::PATH_AVX2, false);
                     }
                     if feat.avx512_vnni {
-                        run("vnni", true);
+                        run(crate::cpu::PATH_VNNI, true);
                     }
                 }
                 for (name, out) in paths {
@@ -1197,21 +1205,25 @@ mod tests {
                         let reference = dot_group_scalar(f, span, group, blocks, a);
                         assert_eq!(out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {span:?} {name} group {g} activation {n} of {N}");
                     }
+                    ran.insert(if name == "dispatched" { crate::cpu::dispatched_path() } else { name });
                 }
             }
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let mut ran = std::collections::BTreeSet::new();
         for (f, span) in cases() {
             for (rows, cols) in shapes(f) {
                 let p = PackedInt8::pack(f, rows, cols, &random_raw(&mut rng, f, rows, cols)).unwrap();
                 let acts = activations(&mut rng, cols, span);
-                check::<1>(&p, f, span, cols, &acts);
-                check::<2>(&p, f, span, cols, &acts);
-                check::<3>(&p, f, span, cols, &acts);
-                check::<4>(&p, f, span, cols, &acts);
-                check::<8>(&p, f, span, cols, &acts);
+                check::<1>(&p, f, span, cols, &acts, &mut ran);
+                check::<2>(&p, f, span, cols, &acts, &mut ran);
+                check::<3>(&p, f, span, cols, &acts, &mut ran);
+                check::<4>(&p, f, span, cols, &acts, &mut ran);
+                check::<8>(&p, f, span, cols, &acts, &mut ran);
             }
         }
+        eprintln!("packed_k kernel paths compared with the scalar reference: {ran:?}");
+        crate::cpu::assert_expected_paths_ran(&ran);
     }
 
     /// The two-group passes (`pair_k` where this CPU runs them, two one-group calls elsewhere) of
