@@ -32,6 +32,10 @@ export SPECULA_MODEL_GEMMA="${SPECULA_MODEL_GEMMA:-$($bin fetch-model gemma-3-27
 export SPECULA_BIN="$PWD/target/$profile/specula"
 
 cargo test --profile $profile --workspace
+# the kernels again with the AVX-512 path switched off: on a CPU with AVX-512 VNNI the run above
+# dispatched to it, this one to AVX2 (the kernel tests print which paths ran and, under CI, fail
+# when a path the CPU has and the environment allows was not exercised)
+SPECULA_NO_VNNI=1 cargo test --profile $profile -p specula-kernels
 
 # MPI data parallelism across processes (needs Open MPI, and libclang for the mpi crate's
 # bindings; .ci/run installs both)

@@ -17,7 +17,9 @@ fn random_raw(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: 
     let bb = f.block_bytes();
     let mut raw: Vec<u8> = (0..rows * f.row_bytes(cols)).map(|_| rng.gen()).collect();
     let fields: &[usize] = match f {
-        WeightFormat::Q4_0 | WeightFormat::Q8_0 | WeightFormat::Q5_0 => &[0],
+        WeightFormat::Q4_0 | WeightFormat::Q8_0 | WeightFormat::Q5_0 | WeightFormat::IQ4NL | WeightFormat::IQ4XS => &[0],
+        WeightFormat::Q2K => &[80, 82],
+        WeightFormat::Q3K => &[108],
         WeightFormat::Q4_1 | WeightFormat::Q5_1 | WeightFormat::Q4K | WeightFormat::Q5K => &[0, 2],
         WeightFormat::Q6K => &[208],
         _ => &[],
@@ -25,6 +27,10 @@ fn random_raw(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: 
     for blk in raw.chunks_exact_mut(bb) {
         for &at in fields {
             blk[at..at + 2].copy_from_slice(&half::f16::from_f32(rng.gen_range(0.001f32..0.05)).to_le_bytes());
+        }
+        if f == WeightFormat::MXFP4 {
+            // E8M0 scale: 2^-10 .. 4
+            blk[0] = rng.gen_range(118..=130);
         }
     }
     raw
@@ -70,6 +76,11 @@ fn main() {
         ("0.5B up Q5_0", WeightFormat::Q5_0, 4864, 896),
         ("0.5B lm Q8_0", WeightFormat::Q8_0, 151936, 896),
         ("gate/up Q5K", WeightFormat::Q5K, 8960, 1536),
+        ("gate/up Q2K", WeightFormat::Q2K, 8960, 1536),
+        ("gate/up Q3K", WeightFormat::Q3K, 8960, 1536),
+        ("gate/up IQ4XS", WeightFormat::IQ4XS, 8960, 1536),
+        ("gate/up IQ4NL", WeightFormat::IQ4NL, 8960, 1536),
+        ("gate/up MXFP4", WeightFormat::MXFP4, 8960, 1536),
     ];
     let rotate = std::env::var("BENCH_ROTATE").is_ok_and(|v| v == "1");
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);

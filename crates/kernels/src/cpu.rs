@@ -25,7 +25,9 @@ pub struct CpuFeatures {
 }
 
 /// The features this process uses. `SPECULA_NO_SIMD=1` forces the portable paths and
-/// `SPECULA_NO_VNNI=1` the AVX2 path (for tests and benchmarks).
+/// `SPECULA_NO_VNNI=1` (or `SPECULA_NO_AVX512=1`) the AVX2 path (for tests and benchmarks:
+/// scripts/test.sh runs the kernel tests a second time with it, so both paths run on a CPU that
+/// has AVX-512 VNNI).
 pub fn features() -> CpuFeatures {
     static F: OnceLock<CpuFeatures> = OnceLock::new();
     *F.get_or_init(|| {
@@ -33,7 +35,7 @@ pub fn features() -> CpuFeatures {
             return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: None };
         }
         let mut f = detect();
-        if std::env::var_os("SPECULA_NO_VNNI").is_some_and(|v| v == "1") {
+        if avx512_switched_off() {
             f.avx512_vnni = false;
         }
         match std::env::var_os("SPECULA_SPLIT_512") {
@@ -51,6 +53,66 @@ pub fn features() -> CpuFeatures {
         }
         f
     })
+}
+
+fn env_is_1(name: &str) -> bool {
+    std::env::var_os(name).is_some_and(|v| v == "1")
+}
+
+/// Whether the environment turned the AVX-512 VNNI path off (`SPECULA_NO_VNNI=1` or
+/// `SPECULA_NO_AVX512=1`; `SPECULA_NO_SIMD=1` turns off every SIMD path).
+fn avx512_switched_off() -> bool {
+    env_is_1("SPECULA_NO_VNNI") || env_is_1("SPECULA_NO_AVX512")
+}
+
+/// What the CPU itself offers, before the environment switches (the tests compare it with
+/// `features`, to say which paths they could not run).
+pub fn detected() -> CpuFeatures {
+    detect()
+}
+
+/// Names of the kernel paths, as the tests report them.
+pub const PATH_SCALAR: &str = "scalar";
+pub const PATH_AVX2: &str = "avx2";
+pub const PATH_VNNI: &str = "avx512-vnni";
+
+/// The path the dispatching kernels take in this process.
+pub fn dispatched_path() -> &'static str {
+    let f = features();
+    if f.avx512_vnni {
+        PATH_VNNI
+    } else if f.avx2_fma {
+        PATH_AVX2
+    } else {
+        PATH_SCALAR
+    }
+}
+
+/// The SIMD paths a kernel test must have run in this process: every path the CPU has that the
+/// environment did not switch off.
+pub fn expected_paths() -> Vec<&'static str> {
+    let (cpu, simd_off) = (detected(), env_is_1("SPECULA_NO_SIMD"));
+    let mut paths = Vec::new();
+    if cpu.avx2_fma && !simd_off {
+        paths.push(PATH_AVX2);
+    }
+    if cpu.avx512_vnni && !simd_off && !avx512_switched_off() {
+        paths.push(PATH_VNNI);
+    }
+    paths
+}
+
+/// For kernel tests: under CI (the `CI` variable set), fails when a path of `expected_paths` is
+/// missing from `ran` (a CPU with AVX-512 VNNI whose VNNI kernels were never exercised); prints
+/// the paths either way, so a local run says what it covered.
+pub fn assert_expected_paths_ran(ran: &std::collections::BTreeSet<&'static str>) {
+    let missing: Vec<_> = expected_paths().into_iter().filter(|p| !ran.contains(p)).collect();
+    eprintln!("kernel paths ran: {ran:?}; expected on this CPU and environment: {:?}", expected_paths());
+    if std::env::var_os("CI").is_some() {
+        assert!(missing.is_empty(), "kernel paths this CPU has were not exercised: {missing:?} (ran {ran:?})");
+    } else if !missing.is_empty() {
+        eprintln!("warning: kernel paths not exercised: {missing:?}");
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -100,4 +162,26 @@ pub fn describe() -> String {
         "portable"
     };
     format!("kernels: {path}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The environment switches do what scripts/test.sh relies on: with `SPECULA_NO_VNNI=1` (or
+    /// `SPECULA_NO_AVX512=1`) the kernels dispatch to AVX2 on a CPU that has AVX-512 VNNI, and
+    /// without it to VNNI. Prints the CPU's paths and the one this process runs.
+    #[test]
+    fn the_dispatched_path_follows_the_cpu_and_the_switches() {
+        let (cpu, used) = (detected(), features());
+        eprintln!("cpu: avx2+fma {}, avx512-vnni {}; dispatched: {}", cpu.avx2_fma, cpu.avx512_vnni, dispatched_path());
+        if env_is_1("SPECULA_NO_SIMD") {
+            assert_eq!(dispatched_path(), PATH_SCALAR);
+            return;
+        }
+        assert_eq!(used.avx2_fma, cpu.avx2_fma);
+        assert_eq!(used.avx512_vnni, cpu.avx512_vnni && !avx512_switched_off());
+        let expected = expected_paths();
+        assert_eq!(dispatched_path(), expected.last().copied().unwrap_or(PATH_SCALAR));
+    }
 }

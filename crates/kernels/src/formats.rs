@@ -17,6 +17,45 @@ pub enum WeightFormat {
     Q4K,
     Q5K,
     Q6K,
+    Q2K,
+    Q3K,
+    IQ4NL,
+    IQ4XS,
+    MXFP4,
+}
+
+/// IQ4_NL / IQ4_XS code points (ggml's `kvalues_iq4nl`): the 4-bit codes index these int8 values.
+pub const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+/// MXFP4's FP4 (e2m1) values doubled to integers (ggml's `kvalues_mxfp4`); the block scale is
+/// halved to match (`e8m0_to_f32_half`).
+pub const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the value of an E8M0 scale (`2^(e - 128)`), exactly as ggml's `ggml_e8m0_to_fp32_half`
+/// (subnormal for `e < 2`).
+#[inline]
+pub fn e8m0_to_f32_half(e: u8) -> f32 {
+    let bits = if e < 2 { 0x0020_0000u32 << e } else { ((e as u32) - 1) << 23 };
+    f32::from_bits(bits)
+}
+
+/// The 16 signed 6-bit scales of a Q3_K block (`scales[12]`), minus 32 (ggml's `aux` unpacking):
+/// scale `k` has its low nibble in byte `k % 8` (low half for `k < 8`) and its top two bits at
+/// bits `2 (k / 4)` of byte `8 + k % 4`.
+pub(crate) fn q3k_scales(s: &[u8]) -> [i8; 16] {
+    std::array::from_fn(|k| {
+        let lo = (s[k % 8] >> (4 * (k / 8))) & 0xF;
+        let hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+        (lo | (hi << 4)) as i8 - 32
+    })
+}
+
+/// The eight signed 6-bit scales of an IQ4_XS block (`scales_h` u16, `scales_l[4]`), minus 32.
+pub(crate) fn iq4xs_scales(scales_h: u16, scales_l: &[u8]) -> [i8; 8] {
+    std::array::from_fn(|ib| {
+        let lo = (scales_l[ib / 2] >> (4 * (ib % 2))) & 0xF;
+        let hi = ((scales_h >> (2 * ib)) & 3) as u8;
+        (lo | (hi << 4)) as i8 - 32
+    })
 }
 
 pub const QK: usize = 32;
@@ -27,8 +66,8 @@ impl WeightFormat {
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 | Self::Q5_0 | Self::Q5_1 => QK,
-            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
+            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 | Self::Q5_0 | Self::Q5_1 | Self::IQ4NL | Self::MXFP4 => QK,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q2K | Self::Q3K | Self::IQ4XS => QK_K,
         }
     }
 
@@ -45,6 +84,15 @@ impl WeightFormat {
             Self::Q4K => 4 + 12 + QK_K / 2,
             Self::Q5K => 4 + 12 + QK_K / 8 + QK_K / 2,
             Self::Q6K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+            // scales[16], qs[64], d, dmin
+            Self::Q2K => QK_K / 16 + QK_K / 4 + 4,
+            // hmask[32], qs[64], scales[12], d
+            Self::Q3K => QK_K / 8 + QK_K / 4 + 12 + 2,
+            Self::IQ4NL => 2 + QK / 2,
+            // d, scales_h, scales_l[4], qs[128]
+            Self::IQ4XS => 2 + 2 + QK_K / 64 + QK_K / 2,
+            // e (E8M0), qs[16]
+            Self::MXFP4 => 1 + QK / 2,
         }
     }
 
@@ -55,7 +103,7 @@ impl WeightFormat {
 
     /// Whether the integer-dot fast path (activations quantized to 8-bit blocks of 32) applies.
     pub fn has_int8_dot(self) -> bool {
-        matches!(self, Self::Q4_0 | Self::Q4_1 | Self::Q8_0 | Self::Q5_0 | Self::Q5_1 | Self::Q4K | Self::Q5K | Self::Q6K)
+        !matches!(self, Self::F32 | Self::F16 | Self::BF16)
     }
 
     /// The ggml type name (as gguf files and llama.cpp print it).
@@ -72,6 +120,11 @@ impl WeightFormat {
             Self::Q4K => "Q4_K",
             Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
+            Self::Q2K => "Q2_K",
+            Self::Q3K => "Q3_K",
+            Self::IQ4NL => "IQ4_NL",
+            Self::IQ4XS => "IQ4_XS",
+            Self::MXFP4 => "MXFP4",
         }
     }
 }
@@ -201,6 +254,56 @@ pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        // element 128n + 32j + l: bits 2j of qs[32n + l], scale / min byte 8n + 2j + l / 16
+        WeightFormat::Q2K => {
+            for (o, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(bb)) {
+                let (sc, qs) = (&b[0..16], &b[16..80]);
+                let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+                for (e, y) in o.iter_mut().enumerate() {
+                    let (n, j, l) = (e / 128, (e / 32) % 4, e % 32);
+                    let s = sc[8 * n + 2 * j + l / 16];
+                    let q = (qs[32 * n + l] >> (2 * j)) & 3;
+                    *y = (d * (s & 0xF) as f32) * q as f32 - dmin * (s >> 4) as f32;
+                }
+            }
+        }
+        // element 128n + 32j + l: bits 2j of qs[32n + l], minus 4 unless bit 4n + j of hmask[l]
+        WeightFormat::Q3K => {
+            for (o, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(bb)) {
+                let (hm, qs) = (&b[0..32], &b[32..96]);
+                let sc = q3k_scales(&b[96..108]);
+                let d = f16_at(b, 108);
+                for (e, y) in o.iter_mut().enumerate() {
+                    let (n, j, l) = (e / 128, (e / 32) % 4, e % 32);
+                    let low = ((qs[32 * n + l] >> (2 * j)) & 3) as i32;
+                    let high = ((hm[l] >> (4 * n + j)) & 1) as i32;
+                    *y = (d * sc[e / 16] as f32) * (low - 4 * (1 - high)) as f32;
+                }
+            }
+        }
+        WeightFormat::IQ4NL | WeightFormat::MXFP4 => {
+            let (table, at) = if format == WeightFormat::IQ4NL { (&KVALUES_IQ4NL, 2) } else { (&KVALUES_MXFP4, 1) };
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(bb)) {
+                let d = if format == WeightFormat::IQ4NL { f16_at(b, 0) } else { e8m0_to_f32_half(b[0]) };
+                for j in 0..QK / 2 {
+                    o[j] = d * table[(b[at + j] & 0xF) as usize] as f32;
+                    o[j + QK / 2] = d * table[(b[at + j] >> 4) as usize] as f32;
+                }
+            }
+        }
+        WeightFormat::IQ4XS => {
+            for (o, b) in out.chunks_exact_mut(QK_K).zip(row.chunks_exact(bb)) {
+                let d = f16_at(b, 0);
+                let sc = iq4xs_scales(u16::from_le_bytes([b[2], b[3]]), &b[4..8]);
+                for (ib, (y, qs)) in o.chunks_exact_mut(QK).zip(b[8..].chunks_exact(QK / 2)).enumerate() {
+                    let dl = d * sc[ib] as f32;
+                    for j in 0..QK / 2 {
+                        y[j] = dl * KVALUES_IQ4NL[(qs[j] & 0xF) as usize] as f32;
+                        y[j + QK / 2] = dl * KVALUES_IQ4NL[(qs[j] >> 4) as usize] as f32;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -263,7 +366,16 @@ pub fn quantize_row(format: WeightFormat, x: &[f32]) -> Vec<u8> {
                 }
             }
         }
-        WeightFormat::Q5_0 | WeightFormat::Q5_1 | WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K => {
+        WeightFormat::Q5_0
+        | WeightFormat::Q5_1
+        | WeightFormat::Q4K
+        | WeightFormat::Q5K
+        | WeightFormat::Q6K
+        | WeightFormat::Q2K
+        | WeightFormat::Q3K
+        | WeightFormat::IQ4NL
+        | WeightFormat::IQ4XS
+        | WeightFormat::MXFP4 => {
             unreachable!("{format:?} quantization is not needed by specula (only dequantization)")
         }
     }
@@ -285,6 +397,38 @@ mod tests {
         assert_eq!(WeightFormat::Q5_1.block_bytes(), 24);
         assert_eq!(WeightFormat::Q5K.block_bytes(), 176);
         assert_eq!(WeightFormat::Q4_1.row_bytes(576), 18 * 20);
+        // ggml-common.h: block_q2_K 84, block_q3_K 110, block_iq4_nl 18, block_iq4_xs 136, block_mxfp4 17
+        assert_eq!(WeightFormat::Q2K.block_bytes(), 84);
+        assert_eq!(WeightFormat::Q3K.block_bytes(), 110);
+        assert_eq!(WeightFormat::IQ4NL.block_bytes(), 18);
+        assert_eq!(WeightFormat::IQ4XS.block_bytes(), 136);
+        assert_eq!(WeightFormat::MXFP4.block_bytes(), 17);
+        assert_eq!(WeightFormat::IQ4XS.row_bytes(512), 272);
+    }
+
+    /// ggml_e8m0_to_fp32_half: 2^(e - 128), subnormal below e = 2, no NaN at 255.
+    #[test]
+    fn e8m0_half_scales_are_powers_of_two() {
+        assert_eq!(e8m0_to_f32_half(128), 1.0);
+        assert_eq!(e8m0_to_f32_half(127), 0.5);
+        assert_eq!(e8m0_to_f32_half(130), 4.0);
+        assert_eq!(e8m0_to_f32_half(1), 2f32.powi(-127));
+        assert_eq!(e8m0_to_f32_half(0), 2f32.powi(-128));
+        assert_eq!(e8m0_to_f32_half(255), 2f32.powi(127));
+    }
+
+    /// Q3_K's 6-bit scales: the layout drawn in gguf-py (bytes 0-7 low nibbles of scales 0-7 then
+    /// 8-15, bytes 8-11 two top bits each of scales k, k + 4, k + 8, k + 12).
+    #[test]
+    fn q3k_scale_unpacking_matches_ggml_layout() {
+        let mut s = [0u8; 12];
+        s[2] = 0x5A; // scale 2 low nibble 0xA, scale 10 low nibble 0x5
+        s[10] = 0b1001_0011; // scale 2 top bits 3, scale 6: 0, scale 10: 1, scale 14: 2
+        let sc = q3k_scales(&s);
+        assert_eq!(sc[2], (0xA | (3 << 4)) - 32);
+        assert_eq!(sc[10], (0x5 | (1 << 4)) - 32);
+        assert_eq!(sc[14], (2 << 4) - 32);
+        assert_eq!(sc[6], -32);
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod matmul;
 pub mod ops;
 pub mod packed;
 pub mod packed_float;
+pub(crate) mod packed_iq;
 pub mod packed_k;
 pub mod pool;
 pub mod q8;

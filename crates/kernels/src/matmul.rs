@@ -366,9 +366,10 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn random_matrix(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: usize) -> QMatrix {
-        if crate::packed_k::handles(f) {
+        if crate::packed_k::handles(f) || crate::packed_iq::handles(f) {
             // no quantizer for these: random blocks with sane scales
-            let bytes = crate::packed_k::random_raw(rng, f, rows, cols);
+            let bytes =
+                if crate::packed_k::handles(f) { crate::packed_k::random_raw(rng, f, rows, cols) } else { crate::packed_iq::random_raw(rng, f, rows, cols) };
             return QMatrix::new(f, rows, cols, WeightBytes::owned(bytes), "test").unwrap();
         }
         let mut bytes = Vec::new();
@@ -403,6 +404,11 @@ mod tests {
             WeightFormat::Q4K,
             WeightFormat::Q5K,
             WeightFormat::Q6K,
+            WeightFormat::Q2K,
+            WeightFormat::Q3K,
+            WeightFormat::IQ4NL,
+            WeightFormat::IQ4XS,
+            WeightFormat::MXFP4,
         ] {
             let cols = if f.block_len() > 128 { 512 } else { 128 };
             let w = random_matrix(&mut rng, f, 100, cols);

@@ -31,8 +31,8 @@
 //! activation blocks) with their own group block layouts and kernels: see `packed_k.rs`.
 
 use crate::formats::{WeightFormat, QK};
-use crate::packed_k;
 use crate::q8::{ActSpan, BlockQ8};
+use crate::{packed_iq, packed_k};
 use half::f16;
 
 /// Rows per group: the lanes of one 256-bit vector of f32.
@@ -57,6 +57,9 @@ pub struct PackedInt8 {
 fn group_block_bytes(format: WeightFormat) -> usize {
     if packed_k::handles(format) {
         return packed_k::group_block_bytes(format);
+    }
+    if packed_iq::handles(format) {
+        return packed_iq::group_block_bytes(format);
     }
     GROUP_ROWS * format.block_bytes()
 }
@@ -85,7 +88,7 @@ impl PackedInt8 {
         let qoff = quants_offset(format);
         let scales = if format == WeightFormat::Q4_1 { 4 } else { 2 };
         let mut bytes = crate::buffer::Buffer::zeroed(groups * blocks * gbb);
-        let k = packed_k::handles(format);
+        let (k, iq) = (packed_k::handles(format), packed_iq::handles(format));
         // each group's bytes are written from its own eight rows only: groups pack in parallel
         // (the layout, and so every result, is the same as one thread's)
         let pack_group = |(g, out): (usize, &mut [u8])| {
@@ -96,6 +99,10 @@ impl PackedInt8 {
                     let dst = &mut out[b * gbb..(b + 1) * gbb];
                     if k {
                         packed_k::pack_block(format, src, lane, dst);
+                        continue;
+                    }
+                    if iq {
+                        packed_iq::pack_block(format, src, lane, dst);
                         continue;
                     }
                     // d (and m): lane r of the f16 arrays
@@ -192,6 +199,10 @@ impl PackedInt8 {
             // `act_blocks` blocks (checked above); dst as the caller promised.
             return packed_k::dot_group_to::<N>(self.format, span, group, self.blocks, acts, dst);
         }
+        if packed_iq::handles(self.format) {
+            // SAFETY: as for packed_k (block-scaled rows only: `reads_super_span` is false).
+            return packed_iq::dot_group_to::<N>(self.format, group, self.blocks, acts, dst);
+        }
         #[cfg(target_arch = "x86_64")]
         {
             let f = crate::cpu::features();
@@ -235,7 +246,7 @@ impl PackedInt8 {
             return None;
         }
         match (span, self.format) {
-            (ActSpan::Block, _) if !packed_k::handles(self.format) => Some(if f.split_512 { 3 } else { 1 }),
+            (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => Some(if f.split_512 { 3 } else { 1 }),
             (ActSpan::Block, WeightFormat::Q6K) if !f.split_512 && self.act_blocks * QK < 4096 => Some(8),
             (ActSpan::Super, WeightFormat::Q4K) if !f.split_512 => Some(5),
             _ => None,
@@ -293,6 +304,9 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 pub fn dot_group_scalar(format: WeightFormat, group: &[u8], blocks: usize, a: &[BlockQ8]) -> [f32; GROUP_ROWS] {
     if packed_k::handles(format) {
         return packed_k::dot_group_scalar(format, ActSpan::Block, group, blocks, a);
+    }
+    if packed_iq::handles(format) {
+        return packed_iq::dot_group_scalar(format, group, blocks, a);
     }
     let gbb = group_block_bytes(format);
     let qoff = quants_offset(format);

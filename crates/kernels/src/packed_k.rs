@@ -276,7 +276,7 @@ pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     /// Exact i32 per-lane sums of u8 (<= 63) x i8 products, two weight vectors at a time.
-    trait Dot {
+    pub(crate) trait Dot {
         /// Activation rows up to which Q6_K unpacks each weight vector once for four activation
         /// blocks (more accumulators live: worth it only with 32 vector registers).
         const Q6K_SHARED_UNPACK: usize;
@@ -292,8 +292,8 @@ pub(crate) mod x86 {
         /// the lanes' scales (`sc32`: i32 lanes; `sc16`: the same in both i16 halves of a lane).
         unsafe fn scaled_q4(acc: __m256i, sc32: __m256i, sc16: __m256i) -> __m256i;
     }
-    struct Avx2;
-    struct Vnni;
+    pub(crate) struct Avx2;
+    pub(crate) struct Vnni;
     impl Dot for Avx2 {
         const Q6K_SHARED_UNPACK: usize = 0;
         #[inline(always)]
@@ -345,18 +345,18 @@ pub(crate) mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn bcast4(p: *const i8) -> __m256i {
+    pub(crate) unsafe fn bcast4(p: *const i8) -> __m256i {
         _mm256_set1_epi32((p as *const i32).read_unaligned())
     }
 
     #[inline(always)]
-    unsafe fn vec(p: *const u8, u: usize) -> __m256i {
+    pub(crate) unsafe fn vec(p: *const u8, u: usize) -> __m256i {
         _mm256_loadu_si256(p.add(32 * u) as *const __m256i)
     }
 
     /// Eight f16 at `p` as f32.
     #[inline(always)]
-    unsafe fn f16x8(p: *const u8) -> __m256 {
+    pub(crate) unsafe fn f16x8(p: *const u8) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 
@@ -408,12 +408,12 @@ pub(crate) mod x86 {
 
     /// Activation bytes of a pass past which its weights are prefetched ahead at any number of
     /// rows (a 32 KiB L1 data cache).
-    const L1_ACT_BYTES: usize = 32 * 1024;
+    pub(crate) const L1_ACT_BYTES: usize = 32 * 1024;
     /// How far ahead the k-quant kernels prefetch their weights into L2 (see `group_impl`):
     /// 4 KiB was slower than 8, 16 KiB no faster.
-    const L2_AHEAD: usize = 8 * 1024;
+    pub(crate) const L2_AHEAD: usize = 8 * 1024;
     /// Rows (input columns) this long are prefetched into L2 at any activation row count.
-    const LONG_ROW: usize = 4096;
+    pub(crate) const LONG_ROW: usize = 4096;
     const Q5_0: u8 = 0;
     const Q5_1: u8 = 1;
     const Q4K: u8 = 2;
@@ -1159,10 +1159,18 @@ mod tests {
     }
 
     /// Every path this CPU has (the dispatched one at 1..8 activation rows, and AVX2 and VNNI
-    /// called directly) gives the scalar reference's bits.
+    /// called directly) gives the scalar reference's bits. Says which paths ran; under CI, a path
+    /// the CPU has and the environment did not switch off must have run (`cpu::expected_paths`).
     #[test]
     fn simd_equals_the_scalar_reference_bitwise() {
-        fn check<const N: usize>(p: &PackedInt8, f: WeightFormat, span: ActSpan, cols: usize, acts: &[QuantizedActivations]) {
+        fn check<const N: usize>(
+            p: &PackedInt8,
+            f: WeightFormat,
+            span: ActSpan,
+            cols: usize,
+            acts: &[QuantizedActivations],
+            ran: &mut std::collections::BTreeSet<&'static str>,
+        ) {
             let rows: [&[BlockQ8]; N] = std::array::from_fn(|i| acts[(i * 3 + N) % acts.len()].row(0));
             for g in 0..p.groups() {
                 let (group, blocks) = group_bytes(p, g, f, cols);
@@ -1186,10 +1194,10 @@ mod tests {
                         paths.push((name, out));
                     };
                     if feat.avx2_fma {
-                        run("avx2", false);
+                        run(crate::cpu::PATH_AVX2, false);
                     }
                     if feat.avx512_vnni {
-                        run("vnni", true);
+                        run(crate::cpu::PATH_VNNI, true);
                     }
                 }
                 for (name, out) in paths {
@@ -1197,21 +1205,25 @@ mod tests {
                         let reference = dot_group_scalar(f, span, group, blocks, a);
                         assert_eq!(out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} {span:?} {name} group {g} activation {n} of {N}");
                     }
+                    ran.insert(if name == "dispatched" { crate::cpu::dispatched_path() } else { name });
                 }
             }
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let mut ran = std::collections::BTreeSet::new();
         for (f, span) in cases() {
             for (rows, cols) in shapes(f) {
                 let p = PackedInt8::pack(f, rows, cols, &random_raw(&mut rng, f, rows, cols)).unwrap();
                 let acts = activations(&mut rng, cols, span);
-                check::<1>(&p, f, span, cols, &acts);
-                check::<2>(&p, f, span, cols, &acts);
-                check::<3>(&p, f, span, cols, &acts);
-                check::<4>(&p, f, span, cols, &acts);
-                check::<8>(&p, f, span, cols, &acts);
+                check::<1>(&p, f, span, cols, &acts, &mut ran);
+                check::<2>(&p, f, span, cols, &acts, &mut ran);
+                check::<3>(&p, f, span, cols, &acts, &mut ran);
+                check::<4>(&p, f, span, cols, &acts, &mut ran);
+                check::<8>(&p, f, span, cols, &acts, &mut ran);
             }
         }
+        eprintln!("packed_k kernel paths compared with the scalar reference: {ran:?}");
+        crate::cpu::assert_expected_paths_ran(&ran);
     }
 
     /// The two-group passes (`pair_k` where this CPU runs them, two one-group calls elsewhere) of

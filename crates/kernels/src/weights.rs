@@ -61,7 +61,7 @@ pub struct QMatrix {
 /// The repacked form of a matrix, by kind of kernel.
 #[derive(Clone, Debug)]
 pub enum Packed {
-    /// Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: integer dot products against
+    /// Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q2_K-Q6_K / IQ4_NL / IQ4_XS / MXFP4: integer dot products against
     /// 8-bit activations (never dequantized to float at load).
     Int8(Arc<PackedInt8>),
     /// F16 / BF16 / F32: float FMAs.

@@ -188,6 +188,8 @@ pub fn weight_format(name: &str, dtype: GgmlDType) -> Result<WeightFormat, Model
         GgmlDType::Q8_0 => WeightFormat::Q8_0,
         GgmlDType::Q5_0 => WeightFormat::Q5_0,
         GgmlDType::Q5_1 => WeightFormat::Q5_1,
+        GgmlDType::Q2K => WeightFormat::Q2K,
+        GgmlDType::Q3K => WeightFormat::Q3K,
         GgmlDType::Q4K => WeightFormat::Q4K,
         GgmlDType::Q5K => WeightFormat::Q5K,
         GgmlDType::Q6K => WeightFormat::Q6K,

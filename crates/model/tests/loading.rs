@@ -83,12 +83,44 @@ fn gguf_cut_anywhere_is_an_error_not_a_panic() {
 #[test]
 fn unsupported_tensor_type_names_the_tensor_and_type() {
     let dir = tempfile::tempdir().unwrap();
-    // Q2_K (blocks of 256, so a hidden size of 256); Q5_0 is supported since the kquant kernels
-    let spec = TinySpec { hidden: 256, tensor_formats: vec![("blk.1.attn_v.weight".into(), GgmlDType::Q2K)], ..Default::default() };
-    let err = load_err(&tiny(dir.path(), "q2k.gguf", &spec));
+    // Q8_K (blocks of 256, so a hidden size of 256: ggml's activation format, never a weight
+    // format specula reads); Q2_K and Q3_K load since their kernels
+    let spec = TinySpec { hidden: 256, tensor_formats: vec![("blk.1.attn_v.weight".into(), GgmlDType::Q8K)], ..Default::default() };
+    let err = load_err(&tiny(dir.path(), "q8k.gguf", &spec));
     assert!(matches!(err, ModelError::UnsupportedTensorType { .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q2K") && msg.contains("supported:"), "{msg}");
+    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q8K") && msg.contains("supported:"), "{msg}");
+}
+
+/// Q2_K and Q3_K tensors (quantized by candle, an independent quantizer) load with their own
+/// kernels, and the model's logits stay near those of the same random weights in F32.
+#[test]
+fn q2k_and_q3k_tensors_load_and_run_near_the_f32_model() {
+    use specula_kernels::WeightFormat;
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = "The quick brown fox jumps over the lazy dog.".bytes().map(u32::from).collect();
+    let low = [
+        ("blk.0.attn_q.weight", GgmlDType::Q2K),
+        ("blk.0.attn_v.weight", GgmlDType::Q3K),
+        ("blk.1.ffn_up.weight", GgmlDType::Q2K),
+        ("blk.1.ffn_gate.weight", GgmlDType::Q3K),
+    ];
+    let base = TinySpec { hidden: 256, weight_format: GgmlDType::F32, ..Default::default() };
+    let spec = TinySpec { tensor_formats: low.iter().map(|(n, f)| (n.to_string(), *f)).collect(), ..base.clone() };
+    let m = load_model(&tiny(dir.path(), "low.gguf", &spec)).unwrap_or_else(|e| panic!("Q2_K / Q3_K: {e}"));
+    let r = load_model(&tiny(dir.path(), "f32.gguf", &base)).unwrap();
+    let l = &m.model.layers;
+    assert_eq!([l[0].wq.format, l[0].wv.format], [WeightFormat::Q2K, WeightFormat::Q3K]);
+    let logits = common::logits_alone(&m.model, &prompt, &[prompt.len()], 2);
+    let reference = common::logits_alone(&r.model, &prompt, &[prompt.len()], 2);
+    assert!(logits.iter().all(|x| x.is_finite()), "non-finite logits");
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (*x as f64) * (*y as f64)).sum::<f64>();
+    for pos in 0..prompt.len() {
+        let (a, b) = (&logits[pos * TINY_VOCAB..(pos + 1) * TINY_VOCAB], &reference[pos * TINY_VOCAB..(pos + 1) * TINY_VOCAB]);
+        let cos = dot(a, b) / (dot(a, a) * dot(b, b)).sqrt();
+        assert!(cos > 0.9, "position {pos}: cosine {cos} to the F32 model's logits");
+        assert!(a != b, "position {pos}: the quantized tensors left the logits unchanged");
+    }
 }
 
 #[test]

@@ -80,7 +80,8 @@ pub struct TinyMoeArgs {
 
 #[derive(Args)]
 pub struct DequantArgs {
-    /// f32, f16, bf16, q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k, q6_k
+    /// f32, f16, bf16, q4_0, q4_1, q8_0, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl,
+    /// iq4_xs, mxfp4
     #[arg(long)]
     pub format: String,
     #[arg(long)]
@@ -209,6 +210,11 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 "q4_k" => W::Q4K,
                 "q5_k" => W::Q5K,
                 "q6_k" => W::Q6K,
+                "q2_k" => W::Q2K,
+                "q3_k" => W::Q3K,
+                "iq4_nl" => W::IQ4NL,
+                "iq4_xs" => W::IQ4XS,
+                "mxfp4" => W::MXFP4,
                 other => anyhow::bail!("unknown format '{other}'"),
             };
             if a.cols == 0 || a.cols % format.block_len() != 0 {

@@ -305,19 +305,7 @@ pub fn target_fingerprint(model: &LlamaModel) -> String {
 }
 
 fn ggml_type_name(f: WeightFormat) -> &'static str {
-    match f {
-        WeightFormat::F32 => "F32",
-        WeightFormat::F16 => "F16",
-        WeightFormat::BF16 => "BF16",
-        WeightFormat::Q4_0 => "Q4_0",
-        WeightFormat::Q4_1 => "Q4_1",
-        WeightFormat::Q8_0 => "Q8_0",
-        WeightFormat::Q5_0 => "Q5_0",
-        WeightFormat::Q5_1 => "Q5_1",
-        WeightFormat::Q4K => "Q4_K",
-        WeightFormat::Q5K => "Q5_K",
-        WeightFormat::Q6K => "Q6_K",
-    }
+    f.ggml_name()
 }
 
 fn head_error(path: &Path, message: impl Into<String>) -> SpecError {
