@@ -1,7 +1,9 @@
-//! What every data-parallel rank does the same way, whichever loop drives it (`replica` or
-//! `lockstep`): taking commands from its channel, per-rank counters, and per-rank metrics with a
-//! `rank` label (the engine's own unlabeled gauges are written by every rank of the process), and
-//! what a rank is built from.
+//! What every data-parallel rank has the same way, whichever loop drives it (`replica` or
+//! `lockstep`): what a rank is built from ([`RankSetup`]), its raw counters ([`RankStats`], and
+//! the [`RankSnapshot`] an MPI rank sends to rank 0), and its metrics under a `rank` label
+//! ([`RankMetrics`]; the engine's own unlabeled gauges are written by every rank of the process).
+//! Not the command handling: every rank takes its commands in the one engine loop
+//! (`engine_loop::Commands`), with a `LoopHook` of `dp::group` or `dp::lockstep`.
 
 use crate::config::{EngineConfig, FaultInjection};
 use crate::engine::Engine;
