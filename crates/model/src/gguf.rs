@@ -139,7 +139,10 @@ impl GgufFile {
             dims => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 2 dimensions, got shape {dims:?}") }),
         };
         if first.checked_add(rows).is_none_or(|end| end > total) {
-            return Err(ModelError::BadTensor { name: name.into(), message: format!("rows {first}..{} asked of a tensor with {total}", first.saturating_add(rows)) });
+            return Err(ModelError::BadTensor {
+                name: name.into(),
+                message: format!("rows {first}..{} asked of a tensor with {total}", first.saturating_add(rows)),
+            });
         }
         let row_bytes = format.row_bytes(cols);
         let start = (self.content.tensor_data_offset + info.offset) as usize + first * row_bytes;

@@ -203,7 +203,8 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             use specula_model::testing::{write_tiny_moe, TinyMoe, TinySpec};
             let format = tiny_format(&a.format)?;
             let moe = TinyMoe { experts: a.experts, used: a.experts_used, expert_ffn: a.expert_ffn, shared_ffn: a.shared_ffn, norm_topk: a.norm_topk };
-            let spec = TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), arch: a.arch, head_dim: a.head_dim, ..Default::default() };
+            let spec =
+                TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), arch: a.arch, head_dim: a.head_dim, ..Default::default() };
             write_tiny_moe(&a.output, &spec)?;
         }
         DebugCmd::Dequant(a) => {
