@@ -31,6 +31,16 @@ Other architectures, as llama.cpp builds them (src/models/*.cpp), on top of that
             (W = attention.sliding_window; llama.cpp masks j when p - j >= W) and rotates with
             base 10000 (rope.local.freq_base if given) instead of rope.freq_base.
             The converter already added 1 to Gemma's norm weights, so they multiply as stored.
+    smollm3 llama's block; layer i applies no RoPE when (i + 1) % 4 == 0 (llama.cpp's
+            n_no_rope_layer_step, fixed for the architecture)
+    qwen2moe qwen2's attention; MoE with softmax weights NOT renormalised over the chosen experts
+            and the shared expert gated by sigmoid(x . ffn_gate_inp_shexp)
+    qwen3moe qwen3's attention; MoE with the chosen experts' weights renormalised
+    phi3    attn_qkv holds Wq, Wk, Wv stacked (rows); ffn_up holds gate then up (ggml swiglu
+            split: silu(first half) * second half); NeoX RoPE over the first
+            rope.dimension_count dimensions only (partial RoPE), frequencies divided by
+            rope_factors_short.weight, cos and sin multiplied by rope.scaling.attn_factor
+            (ggml's mscale: the rotated dimensions grow by it, the rest do not)
     llama3  RoPE frequency i divided by rope_freqs.weight[i] when the tensor exists, else by the
             factors of rope.scaling.type = "llama3" (factor, low/high_freq_factor,
             original_context_length; HF's _compute_llama3_parameters).
@@ -115,6 +125,11 @@ class Config:
     rope_theta_local: float = 10000.0
     attn_scale: float | None = None
     llama3: tuple | None = None  # (factor, low_freq_factor, high_freq_factor, original_context_length)
+    no_rope_period: int = 0  # smollm3: layer i skips RoPE when (i + 1) % period == 0
+    rope_mscale: float = 1.0  # phi3: cos and sin multiplied by rope.scaling.attn_factor
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.no_rope_period == 0 or (layer + 1) % self.no_rope_period != 0
 
     def is_local(self, layer: int) -> bool:
         return self.sliding_window > 0 and layer % self.sliding_period < self.sliding_period - 1
@@ -129,7 +144,7 @@ def read_config(reader: GGUFReader) -> Config:
     head_dim = int(g("attention.key_length", hidden // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
-    if arch not in ("llama", "mistral", "qwen2", "qwen3", "gemma3"):
+    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3"):
         raise NotImplementedError(f"architecture {arch!r} is not modelled by this reference")
     gemma = arch == "gemma3"
     llama3 = None
@@ -140,7 +155,7 @@ def read_config(reader: GGUFReader) -> Config:
             float(g("rope.scaling.high_freq_factor", 4.0)),
             int(g("rope.scaling.original_context_length", 8192)),
         )
-    elif g("rope.scaling.type") not in (None, "none"):
+    elif g("rope.scaling.type") not in (None, "none", "longrope"):
         raise NotImplementedError(f"rope scaling {g('rope.scaling.type')!r}")
     return Config(
         arch=arch,
@@ -156,8 +171,8 @@ def read_config(reader: GGUFReader) -> Config:
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         n_experts=int(g("expert_count", 0)),
         n_experts_used=int(g("expert_used_count", 0)),
-        expert_weights_norm=bool(g("expert_weights_norm", True)),
-        neox=arch in ("qwen2", "qwen3", "gemma3"),
+        expert_weights_norm={"qwen2moe": False, "qwen3moe": True}.get(arch, bool(g("expert_weights_norm", True))),
+        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3"),
         embed_scale=float(np.sqrt(np.float32(hidden))) if gemma else 1.0,
         gelu=gemma,
         sliding_window=int(g("attention.sliding_window", 0)) if gemma else 0,
@@ -165,6 +180,8 @@ def read_config(reader: GGUFReader) -> Config:
         rope_theta_local=float(g("rope.local.freq_base", 10000.0)),
         attn_scale=None if g("attention.scale") is None else float(g("attention.scale")),
         llama3=llama3,
+        no_rope_period=4 if arch == "smollm3" else 0,
+        rope_mscale=float(g("rope.scaling.attn_factor", 1.0)) if arch == "phi3" else 1.0,
     )
 
 
@@ -200,11 +217,18 @@ class Weights:
         self.layers = []
         for i in range(self.cfg.n_layers):
             p = f"blk.{i}."
+            c = self.cfg
+            if p + "attn_qkv.weight" in t:  # phi3: Q, K, V rows stacked in one tensor
+                qkv = d(p + "attn_qkv.weight")
+                qw, kvw = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+                wq, wk, wv = qkv[:qw], qkv[qw : qw + kvw], qkv[qw + kvw : qw + 2 * kvw]
+            else:
+                wq, wk, wv = d(p + "attn_q.weight"), d(p + "attn_k.weight"), d(p + "attn_v.weight")
             layer = dict(
                 attn_norm=d(p + "attn_norm.weight"),
-                wq=d(p + "attn_q.weight"),
-                wk=d(p + "attn_k.weight"),
-                wv=d(p + "attn_v.weight"),
+                wq=wq,
+                wk=wk,
+                wv=wv,
                 wo=d(p + "attn_output.weight"),
                 ffn_norm=d(p + "ffn_norm.weight"),
             )
@@ -237,6 +261,9 @@ class Weights:
                     layer["down_sh"] = d(p + "ffn_down_shexp.weight")
                     if p + "ffn_gate_inp_shexp.weight" in t:
                         layer["gate_inp_sh"] = d(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+            elif p + "ffn_gate.weight" not in t:  # phi3: ffn_up = [gate; up]
+                gu = d(p + "ffn_up.weight")
+                layer.update(gate=gu[: c.ffn], up=gu[c.ffn :], down=d(p + "ffn_down.weight"))
             else:
                 layer.update(gate=d(p + "ffn_gate.weight"), up=d(p + "ffn_up.weight"), down=d(p + "ffn_down.weight"))
             self.layers.append(layer)
@@ -246,7 +273,9 @@ class Weights:
         assert self.layers[0]["wk"].shape == (c.n_kv_heads * c.head_dim, c.hidden)
         if not c.n_experts:
             assert self.layers[0]["down"].shape == (c.hidden, c.ffn)
-        self.rope_freqs = d("rope_freqs.weight").reshape(-1).astype(np.float64) if "rope_freqs.weight" in t else None
+        # Llama 3's factors, or LongRoPE's short ones (the context here is within the original one)
+        factors = next((n for n in ("rope_freqs.weight", "rope_factors_short.weight") if n in t), None)
+        self.rope_freqs = d(factors).reshape(-1).astype(np.float64) if factors else None
         if c.arch == "qwen2":
             assert "bq" in self.layers[0], "qwen2 without attn_q.bias"
         if c.arch in ("qwen3", "gemma3"):
@@ -466,12 +495,17 @@ def forward(
         if "q_norm" in L:
             q = rmsnorm(q, L["q_norm"], c.rms_eps)
             k = rmsnorm(k, L["k_norm"], c.rms_eps)
-        if local:  # own base, no frequency scaling (llama.cpp: rope_freq_scale_train_swa = 1)
+        if not c.uses_rope(li):
+            pass  # smollm3's NoPE layers
+        elif local:  # own base, no frequency scaling (llama.cpp: rope_freq_scale_train_swa = 1)
             q = rope_fn(q, pos, c.rope_theta_local, c.rope_dim)
             k = rope_fn(k, pos, c.rope_theta_local, c.rope_dim)
         else:
             q = rope_fn(q, pos, c.rope_theta, c.rope_dim, freq_factors)
             k = rope_fn(k, pos, c.rope_theta, c.rope_dim, freq_factors)
+            if c.rope_mscale != 1.0:  # ggml's mscale: cos and sin scaled, so the rotated dims
+                q[..., : c.rope_dim] *= ft(c.rope_mscale)
+                k[..., : c.rope_dim] *= ft(c.rope_mscale)
         # GQA: query head j uses kv head j // group.
         kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
         vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)

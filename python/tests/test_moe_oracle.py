@@ -31,6 +31,10 @@ CASES = {
     "f32_top2_of_8_shared_no_norm": (["--format", "f32", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32", "--norm-topk", "false"], 2e-3),
     "f32_top3_of_8": (["--format", "f32", "--experts", "8", "--experts-used", "3", "--seed", "5"], 2e-3),
     "f16_top2_of_4": (["--format", "f16", "--experts", "4", "--experts-used", "2", "--seed", "1"], 2e-3),
+    # Qwen3-MoE: q/k norms, NeoX RoPE, a head wider than hidden / heads, top-k renormalised
+    "f32_qwen3moe_top3_of_8": (["--arch", "qwen3moe", "--format", "f32", "--experts", "8", "--experts-used", "3", "--head-dim", "32", "--seed", "4"], 2e-3),
+    # Qwen2-MoE: Q/K/V biases, softmax weights kept as they are, sigmoid-gated shared expert
+    "f32_qwen2moe_shared": (["--arch", "qwen2moe", "--format", "f32", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32", "--seed", "6"], 2e-3),
 }
 QUANT_CASES = {
     "q8_0_top2_of_4": ["--format", "q8_0", "--experts", "4", "--seed", "2"],

@@ -175,6 +175,11 @@ TINY = {
     "qwen3": ["--arch", "qwen3"],
     "gemma3": ["--arch", "gemma3", "--head-dim", "32"],
     "gemma3-all-local": ["--arch", "gemma3", "--sliding-period", "3", "--sliding-window", "5"],
+    # layer 3 of 4 is a NoPE layer
+    "smollm3": ["--arch", "smollm3", "--layers", "4"],
+    # fused attn_qkv and gate+up, NeoX RoPE over 8 of 16 dimensions, LongRoPE factors, attn_factor
+    "phi3": ["--arch", "phi3", "--rope-dims", "8"],
+    "qwen3-partial-rope": ["--arch", "qwen3", "--rope-dims", "12"],
 }
 TINY_IDS = [(i * 29 + 5) % 259 for i in range(40)]
 
@@ -207,6 +212,9 @@ def test_tiny_switches_matter(specula_bin, tmp_path):
         return r
 
     assert np.abs(ref(["--rope-llama3"], "a") - ref([], "b")).max() > 0.05
+    # SmolLM3's NoPE layer (same tensors as llama, one layer without RoPE) and partial RoPE
+    assert np.abs(ref(["--arch", "smollm3", "--layers", "4"], "e") - ref(["--layers", "4"], "f")).max() > 0.05
+    assert np.abs(ref(["--arch", "qwen3", "--rope-dims", "12"], "g") - ref(["--arch", "qwen3"], "h")).max() > 0.05
     local = ref(["--arch", "gemma3", "--sliding-period", "3", "--sliding-window", "5"], "c")
     wide = ref(["--arch", "gemma3", "--sliding-period", "3", "--sliding-window", "1000"], "d")
     assert np.abs(local[:5] - wide[:5]).max() < 1e-4, "inside the window nothing changes"

@@ -45,6 +45,8 @@ pub struct Rope {
     /// theta_i = pos / (base^(2i/rot_dim) * freq_factor_i), divided by linear `scale`.
     inv_freq: Vec<f32>,
     pub neox: bool,
+    /// Multiplier of cos and sin (llama.cpp's `attn_factor`; 1.0 but for LongRoPE).
+    mscale: f32,
 }
 
 impl Rope {
@@ -57,7 +59,13 @@ impl Rope {
                 f / ff / linear_scale
             })
             .collect();
-        Self { head_dim, rot_dim, inv_freq, neox }
+        Self { head_dim, rot_dim, inv_freq, neox, mscale: 1.0 }
+    }
+
+    /// The same rotation with cos and sin multiplied by `mscale` (the rotated dimensions grow by
+    /// that factor, the others do not), as ggml's `rope_ext` applies `attn_factor`.
+    pub fn with_mscale(self, mscale: f32) -> Self {
+        Self { mscale, ..self }
     }
 
     /// Rotates every head (`x.len()` a multiple of head_dim) of one token at `pos` in place.
@@ -68,7 +76,7 @@ impl Rope {
             .iter()
             .map(|f| {
                 let t = pos as f32 * f;
-                (t.cos(), t.sin())
+                (t.cos() * self.mscale, t.sin() * self.mscale)
             })
             .collect();
         for head in x.chunks_exact_mut(self.head_dim) {

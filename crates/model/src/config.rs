@@ -51,6 +51,15 @@ pub struct ArchOptions {
     /// Llama 3.x RoPE frequency scaling, when the file carries its parameters but no
     /// `rope_freqs.weight` tensor (which, when present, wins: it holds the same factors).
     pub rope_llama3: Option<Llama3Rope>,
+    /// Leading dimensions of each head that RoPE rotates (`rope.dimension_count`); `None`: all
+    /// of them. Phi-3/4 rotate 96 of 128; the rest pass through unrotated.
+    pub rope_dims: Option<usize>,
+    /// Every `n`-th layer (1-based: layers n-1, 2n-1, ...) applies no RoPE at all (SmolLM3's
+    /// NoPE layers, llama.cpp's `n_no_rope_layer_step`); `None`: every layer rotates.
+    pub no_rope_period: Option<usize>,
+    /// Multiplier of RoPE's cos and sin (llama.cpp's `attn_factor`, `rope.scaling.attn_factor`:
+    /// Phi-3's LongRoPE); the unrotated dimensions are not scaled. 1.0 for everyone else.
+    pub rope_mscale: f32,
 }
 
 impl Default for ArchOptions {
@@ -64,6 +73,9 @@ impl Default for ArchOptions {
             attn_scale: None,
             sliding: None,
             rope_llama3: None,
+            rope_dims: None,
+            no_rope_period: None,
+            rope_mscale: 1.0,
         }
     }
 }
@@ -166,6 +178,16 @@ impl ModelConfig {
         }
     }
 
+    /// Leading dimensions of each head that RoPE rotates.
+    pub fn rope_dims(&self) -> usize {
+        self.arch_options.rope_dims.unwrap_or(self.head_dim)
+    }
+
+    /// Whether layer `layer` rotates its queries and keys (false on SmolLM3's NoPE layers).
+    pub fn layer_uses_rope(&self, layer: usize) -> bool {
+        self.arch_options.no_rope_period.is_none_or(|n| (layer + 1) % n != 0)
+    }
+
     /// The attention score scale.
     pub fn attn_scale(&self) -> f32 {
         self.arch_options.attn_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
@@ -179,6 +201,14 @@ impl ModelConfig {
         }
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head dimension {} is odd; RoPE needs pairs", self.head_dim));
+        }
+        if let Some(r) = self.arch_options.rope_dims {
+            if r == 0 || r > self.head_dim || !r.is_multiple_of(2) {
+                return bad(format!("RoPE over {r} of {} dimensions per head (must be even, 2..=head dimension)", self.head_dim));
+            }
+        }
+        if self.arch_options.no_rope_period == Some(0) {
+            return bad("a NoPE layer period of 0".into());
         }
         if !self.hidden_size.is_multiple_of(32) || !self.intermediate_size.is_multiple_of(32) {
             return bad(format!("hidden size {} and FFN size {} must be multiples of 32 for the quantized kernels", self.hidden_size, self.intermediate_size));

@@ -129,6 +129,28 @@ impl GgufFile {
             .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
     }
 
+    /// Rows `first..first + rows` of a 2-D tensor as their own weight matrix (a fused tensor's
+    /// part: Phi-3's `attn_qkv` holds Q, K and V one after the other, its `ffn_up` gate and up).
+    pub fn matrix_rows(&self, name: &str, first: usize, rows: usize) -> Result<QMatrix, ModelError> {
+        let info = self.tensor_info(name)?;
+        let format = weight_format(name, info.ggml_dtype)?;
+        let (total, cols) = match info.shape.dims() {
+            [r, c] => (*r, *c),
+            dims => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 2 dimensions, got shape {dims:?}") }),
+        };
+        if first.checked_add(rows).is_none_or(|end| end > total) {
+            return Err(ModelError::BadTensor {
+                name: name.into(),
+                message: format!("rows {first}..{} asked of a tensor with {total}", first.saturating_add(rows)),
+            });
+        }
+        let row_bytes = format.row_bytes(cols);
+        let start = (self.content.tensor_data_offset + info.offset) as usize + first * row_bytes;
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
+        QMatrix::new(format, rows, cols, WeightBytes::new(owner, start, rows * row_bytes), name)
+            .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
+    }
+
     /// A 3-D stack of `[n x rows x cols]` weight matrices (llama.cpp's `ffn_*_exps` expert
     /// tensors) as `n` matrices over the memory map, expert 0 first.
     pub fn matrix_stack(&self, name: &str, n: usize) -> Result<Vec<QMatrix>, ModelError> {

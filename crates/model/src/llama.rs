@@ -177,16 +177,17 @@ impl LlamaModel {
             want(&e.post_attn_norm, o.post_norms, c.hidden_size, "post_attention_norm")?;
             want(&e.post_ffn_norm, o.post_norms, c.hidden_size, "post_ffw_norm")?;
         }
-        let llama3 = o.rope_llama3.as_ref().map(|r| r.freq_factors(c.head_dim, c.rope_theta));
+        let rot = c.rope_dims();
+        let llama3 = o.rope_llama3.as_ref().map(|r| r.freq_factors(rot, c.rope_theta));
         let freq_factors = rope_freqs.or(llama3);
         if let Some(f) = &freq_factors {
-            if f.len() != c.head_dim / 2 {
-                return Err(ModelError::BadTensor { name: "rope_freqs".into(), message: format!("{} entries, expected {}", f.len(), c.head_dim / 2) });
+            if f.len() != rot / 2 {
+                return Err(ModelError::BadTensor { name: "rope_freqs".into(), message: format!("{} entries, expected {}", f.len(), rot / 2) });
             }
         }
-        let rope = Rope::new(c.head_dim, c.head_dim, c.rope_theta, c.rope_linear_scale, freq_factors.as_deref(), c.rope_neox);
+        let rope = Rope::new(c.head_dim, rot, c.rope_theta, c.rope_linear_scale, freq_factors.as_deref(), c.rope_neox).with_mscale(o.rope_mscale);
         // Sliding layers keep the unscaled RoPE of their own base (llama.cpp: rope_freq_scale_train_swa = 1).
-        let rope_sliding = o.sliding.as_ref().map(|s| Rope::new(c.head_dim, c.head_dim, s.rope_theta, 1.0, None, c.rope_neox));
+        let rope_sliding = o.sliding.as_ref().map(|s| Rope::new(c.head_dim, rot, s.rope_theta, 1.0, None, c.rope_neox));
         Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, expert_exchange: None })
     }
 
@@ -334,9 +335,12 @@ impl LlamaModel {
                 rms_norm_in_place(&mut q, nq, c.rms_eps);
                 rms_norm_in_place(&mut k, nk, c.rms_eps);
             }
+            let rotates = c.layer_uses_rope(li);
             for i in 0..t {
-                rope.apply(&mut q[i * qw..(i + 1) * qw], positions[i]);
-                rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
+                if rotates {
+                    rope.apply(&mut q[i * qw..(i + 1) * qw], positions[i]);
+                    rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
+                }
                 if batch.slots[i] != NO_SLOT {
                     write_kv(&mut kv.k[li], &mut kv.v[li], &kv.layout, batch.slots[i], &k[i * kvw..(i + 1) * kvw], &v[i * kvw..(i + 1) * kvw]);
                 }

@@ -8,6 +8,7 @@ use crate::llama::{FeedForward, LayerExtras, LayerWeights, LlamaModel};
 use crate::moe::{DenseFfn, MoeFfn, SharedExpert};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
+use specula_kernels::QMatrix;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -30,7 +31,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel, ModelError> {
 }
 
 /// The architectures a GGUF may declare (`general.architecture`).
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3"];
 
 /// The model alone (no tokenizer or chat template) from a `.gguf` file: for tools that feed
 /// token ids (the logits oracle), and for files whose tokenizer is not supported yet.
@@ -44,8 +45,13 @@ fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, 
     let mut o = ArchOptions { attn_scale: f.meta_f32(&key("attention.scale")).ok(), ..Default::default() };
     match arch {
         "llama" | "mistral" => {}
-        "qwen2" => o.qkv_bias = true,
-        "qwen3" => o.qk_norm = true,
+        // llama.cpp: every 4th layer has no RoPE (`n_no_rope_layer_step`, not in the file)
+        "smollm3" => o.no_rope_period = Some(4),
+        "qwen2" | "qwen2moe" => o.qkv_bias = true,
+        "qwen3" | "qwen3moe" => o.qk_norm = true,
+        // fused attn_qkv / ffn_up are split at load (`attention_weights`, `dense_ffn`); LongRoPE's
+        // factors are the `rope_factors_*` tensors and its attention factor scales cos and sin
+        "phi3" => o.rope_mscale = f.meta_f32(&key("rope.scaling.attn_factor")).unwrap_or(1.0),
         "gemma3" => {
             o.qk_norm = true;
             o.post_norms = true;
@@ -71,7 +77,7 @@ fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, 
 /// RoPE neighbours: llama.cpp rotates these architectures NeoX-style (pairs `i`, `i + d/2`);
 /// Llama's converter permutes Q/K so adjacent pairs are rotated instead.
 fn rope_neox(arch: &str) -> bool {
-    matches!(arch, "qwen2" | "qwen3" | "gemma3")
+    matches!(arch, "qwen2" | "qwen2moe" | "qwen3" | "qwen3moe" | "gemma3" | "phi3")
 }
 
 fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
@@ -140,14 +146,15 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     let n_heads = f.meta_u32(&key("attention.head_count"))? as usize;
     let n_kv_heads = f.meta_u32(&key("attention.head_count_kv")).unwrap_or(n_heads as u32) as usize;
     let head_dim = f.meta_u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads.max(1));
-    if let Ok(rot) = f.meta_u32(&key("rope.dimension_count")) {
-        if rot as usize != head_dim {
-            return Err(ModelError::Unsupported(format!("{}: partial RoPE ({rot} of {head_dim} dimensions per head) is not supported", f.path)));
-        }
-    }
     let embed = f.matrix("token_embd.weight")?;
     let tied = !f.has_tensor("output.weight");
     let mut arch_options = arch_options(f, &arch, hidden)?;
+    // partial RoPE: the leading `rot` dimensions of each head rotate, the rest pass through
+    if let Ok(rot) = f.meta_u32(&key("rope.dimension_count")) {
+        if rot as usize != head_dim {
+            arch_options.rope_dims = Some(rot as usize);
+        }
+    }
     let linear_scale = match f.meta_str(&key("rope.scaling.type")) {
         Ok("linear") => f.meta_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
         // Llama 3.x; a `rope_freqs.weight` tensor, when present, carries the same factors.
@@ -160,8 +167,9 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             });
             1.0
         }
-        Ok("none") | Err(_) => 1.0,
-        Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' in {} is not supported (linear, llama3)", f.path))),
+        // Phi-3's LongRoPE: per-frequency factors in `rope_factors_{short,long}.weight`
+        Ok("none") | Ok("longrope") | Err(_) => 1.0,
+        Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' in {} is not supported (linear, llama3, longrope)", f.path))),
     };
     let config = ModelConfig {
         arch: arch.clone(),
@@ -185,14 +193,15 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     for i in 0..config.n_layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
         let ffn = match &config.moe {
-            None => FeedForward::Dense(DenseFfn { gate: f.matrix(&t("ffn_gate"))?, up: f.matrix(&t("ffn_up"))?, down: f.matrix(&t("ffn_down"))? }),
+            None => FeedForward::Dense(dense_ffn(f, i, config.intermediate_size)?),
             Some(m) => FeedForward::Moe(moe_layer(f, i, m)?),
         };
+        let (wq, wk, wv) = attention_weights(f, i, config.q_width(), config.kv_width())?;
         layers.push(LayerWeights {
             attn_norm: f.vector(&t("attn_norm"))?,
-            wq: f.matrix(&t("attn_q"))?,
-            wk: f.matrix(&t("attn_k"))?,
-            wv: f.matrix(&t("attn_v"))?,
+            wq,
+            wk,
+            wv,
             wo: f.matrix(&t("attn_output"))?,
             ffn_norm: f.vector(&t("ffn_norm"))?,
             ffn,
@@ -201,10 +210,38 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     }
     let lm_head = if tied { embed.clone() } else { f.matrix("output.weight")? };
     let final_norm = f.vector("output_norm.weight")?;
-    let rope_freqs = if f.has_tensor("rope_freqs.weight") { Some(f.vector("rope_freqs.weight")?) } else { None };
+    // Llama 3's factors, or LongRoPE's short ones (llama.cpp takes the long ones only for a
+    // context beyond `rope.scaling.original_context_length`; served contexts here are shorter)
+    let rope_freqs = match ["rope_freqs.weight", "rope_factors_short.weight"].into_iter().find(|n| f.has_tensor(n)) {
+        Some(name) => Some(f.vector(name)?),
+        None => None,
+    };
     let weight_bytes = f.content.tensor_infos.values().map(|i| i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()).sum();
     let model = LlamaModel::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)?;
     Ok((model, weight_bytes))
+}
+
+/// Layer `i`'s Q, K and V projections: three tensors, or one fused `attn_qkv` (Phi-3) whose rows
+/// are Q's, then K's, then V's.
+fn attention_weights(f: &GgufFile, i: usize, q_width: usize, kv_width: usize) -> Result<(QMatrix, QMatrix, QMatrix), ModelError> {
+    let t = |n: &str| format!("blk.{i}.{n}.weight");
+    let fused = t("attn_qkv");
+    if !f.has_tensor(&fused) {
+        return Ok((f.matrix(&t("attn_q"))?, f.matrix(&t("attn_k"))?, f.matrix(&t("attn_v"))?));
+    }
+    Ok((f.matrix_rows(&fused, 0, q_width)?, f.matrix_rows(&fused, q_width, kv_width)?, f.matrix_rows(&fused, q_width + kv_width, kv_width)?))
+}
+
+/// Layer `i`'s dense SwiGLU: gate, up and down tensors, or (Phi-3) no `ffn_gate` and an
+/// `ffn_up` of twice the width whose first half is the gate (ggml's `swiglu` split).
+fn dense_ffn(f: &GgufFile, i: usize, ffn: usize) -> Result<DenseFfn, ModelError> {
+    let t = |n: &str| format!("blk.{i}.{n}.weight");
+    let (gate, up) = if f.has_tensor(&t("ffn_gate")) {
+        (f.matrix(&t("ffn_gate"))?, f.matrix(&t("ffn_up"))?)
+    } else {
+        (f.matrix_rows(&t("ffn_up"), 0, ffn)?, f.matrix_rows(&t("ffn_up"), ffn, ffn)?)
+    };
+    Ok(DenseFfn { gate, up, down: f.matrix(&t("ffn_down"))? })
 }
 
 /// Layer `i`'s weights beyond Llama's, as `o` asks for them (a missing one names its tensor).
@@ -250,7 +287,13 @@ fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError>
         true => Some(f.matrix("blk.0.ffn_up_shexp.weight")?.rows),
         false => None,
     };
-    let norm_topk = f.meta_bool(&key("expert_weights_norm")).unwrap_or(true);
+    // llama.cpp fixes the rule per architecture: Qwen2-MoE keeps the softmax weights of the
+    // chosen experts as they are, Qwen3-MoE renormalises them; others follow the file (Mixtral: on).
+    let norm_topk = match arch {
+        "qwen2moe" => false,
+        "qwen3moe" => true,
+        _ => f.meta_bool(&key("expert_weights_norm")).unwrap_or(true),
+    };
     Ok(Some(MoeConfig { n_experts, n_used, expert_ffn, norm_topk, shared_ffn, expert_parallel_size: 1 }))
 }
 

@@ -40,8 +40,10 @@ pub struct TinySpec {
     pub seed: u64,
     /// Mixture-of-experts FFN in every layer instead of the dense one (`write_tiny_moe`).
     pub moe: Option<TinyMoe>,
-    /// `general.architecture`: "llama" (default), "qwen2" (adds Q/K/V biases), "qwen3" (adds
-    /// per-head q/k norms) or "gemma3" (q/k norms, post norms, sliding-window layers).
+    /// `general.architecture`: "llama" (default), "smollm3" (Llama's tensors; every 4th layer
+    /// without RoPE), "qwen2" / "qwen2moe" (adds Q/K/V biases), "qwen3" / "qwen3moe" (adds
+    /// per-head q/k norms), "gemma3" (q/k norms, post norms, sliding-window layers) or "phi3"
+    /// (fused `attn_qkv` and gate+up `ffn_up`, LongRoPE factors and attention factor).
     pub arch: String,
     /// Head width when it is not hidden / heads (written as `attention.key_length`).
     pub head_dim: Option<usize>,
@@ -54,6 +56,8 @@ pub struct TinySpec {
     pub rope_llama3: bool,
     /// Tensors left out of the file (to test the missing-tensor error).
     pub omit_tensors: Vec<String>,
+    /// Dimensions of each head RoPE rotates, written as `rope.dimension_count` (default: all).
+    pub rope_dims: Option<usize>,
 }
 
 /// The MoE part of a tiny model, written with llama.cpp's tensor names: `ffn_gate_inp`
@@ -97,6 +101,7 @@ impl Default for TinySpec {
             sliding_period: 2,
             rope_llama3: false,
             omit_tensors: Vec::new(),
+            rope_dims: None,
         }
     }
 }
@@ -133,17 +138,21 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     for i in 0..spec.layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
         plan.push((t("attn_norm"), vec![h], 0.05, 1.0));
-        plan.push((t("attn_q"), vec![qw, h], 0.15, 0.0));
-        plan.push((t("attn_k"), vec![kvw, h], 0.15, 0.0));
-        plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
+        if arch == "phi3" {
+            plan.push((t("attn_qkv"), vec![qw + 2 * kvw, h], 0.15, 0.0));
+        } else {
+            plan.push((t("attn_q"), vec![qw, h], 0.15, 0.0));
+            plan.push((t("attn_k"), vec![kvw, h], 0.15, 0.0));
+            plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
+        }
         plan.push((t("attn_output"), vec![h, qw], 0.1, 0.0));
         plan.push((t("ffn_norm"), vec![h], 0.05, 1.0));
-        if arch == "qwen2" {
+        if matches!(arch, "qwen2" | "qwen2moe") {
             for (n, w) in [("attn_q", qw), ("attn_k", kvw), ("attn_v", kvw)] {
                 plan.push((format!("blk.{i}.{n}.bias"), vec![w], 0.3, 0.0));
             }
         }
-        if matches!(arch, "qwen3" | "gemma3") {
+        if matches!(arch, "qwen3" | "qwen3moe" | "gemma3") {
             plan.push((t("attn_q_norm"), vec![head_dim], 0.1, 1.0));
             plan.push((t("attn_k_norm"), vec![head_dim], 0.1, 1.0));
         }
@@ -152,6 +161,10 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
             plan.push((t("post_ffw_norm"), vec![h], 0.05, 1.0));
         }
         match &spec.moe {
+            None if arch == "phi3" => {
+                plan.push((t("ffn_up"), vec![2 * ff, h], 0.15, 0.0));
+                plan.push((t("ffn_down"), vec![h, ff], 0.1, 0.0));
+            }
             None => {
                 plan.push((t("ffn_gate"), vec![ff, h], 0.15, 0.0));
                 plan.push((t("ffn_up"), vec![ff, h], 0.15, 0.0));
@@ -172,6 +185,12 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
             }
         }
     }
+    let rot = spec.rope_dims.unwrap_or(head_dim);
+    if arch == "phi3" {
+        // LongRoPE's per-frequency divisors (1 for the fast pairs up to ~4 for the slow ones)
+        plan.push(("rope_factors_short.weight".into(), vec![rot / 2], 0.0, 0.0));
+        plan.push(("rope_factors_long.weight".into(), vec![rot / 2], 0.0, 0.0));
+    }
     plan.push(("output_norm.weight".into(), vec![h], 0.05, 1.0));
     if !spec.tied_embeddings {
         plan.push(("output.weight".into(), vec![TINY_VOCAB, h], 0.2, 0.0));
@@ -181,7 +200,12 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let mut tensors = Vec::with_capacity(plan.len());
     for (name, shape, std, mean) in &plan {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| mean + std * rng.next()).collect();
+        let data: Vec<f32> = if name.starts_with("rope_factors_") {
+            let top = if name.contains("long") { 8.0 } else { 4.0 };
+            (0..n).map(|i| 1.0 + (top - 1.0) * i as f32 / n.saturating_sub(1).max(1) as f32).collect()
+        } else {
+            (0..n).map(|_| mean + std * rng.next()).collect()
+        };
         let bad = |e: candle_core::Error| ModelError::BadTensor { name: name.clone(), message: e.to_string() };
         let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).map_err(bad)?;
         let router = name.ends_with("ffn_gate_inp.weight");
@@ -208,7 +232,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         (k("attention.head_count_kv"), Value::U32(spec.kv_heads as u32)),
         (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
         (k("rope.freq_base"), Value::F32(10000.0)),
-        (k("rope.dimension_count"), Value::U32(head_dim as u32)),
+        (k("rope.dimension_count"), Value::U32(rot as u32)),
         (k("vocab_size"), Value::U32(TINY_VOCAB as u32)),
         ("tokenizer.ggml.model".into(), s("gpt2")),
         ("tokenizer.ggml.pre".into(), s("default")),
@@ -226,6 +250,10 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     if arch == "gemma3" {
         metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
         metadata.push((k("attention.sliding_window_pattern"), Value::U32(spec.sliding_period as u32)));
+    }
+    if arch == "phi3" {
+        metadata.push((k("rope.scaling.attn_factor"), Value::F32(1.1902381)));
+        metadata.push((k("rope.scaling.original_context_length"), Value::U32(spec.context_length as u32)));
     }
     if spec.rope_llama3 {
         metadata.push((k("rope.scaling.type"), s("llama3")));

@@ -73,6 +73,9 @@ const TOKEN_USER_DEFINED: i32 = 4;
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split (llama.cpp `llama-bpe`, Meta-Llama-3 tokenizer.json): digits in groups of up to 3.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// o200k's split (llama.cpp `gpt-4o`: Phi-4-mini, gpt-oss): cased words keep their contraction,
+/// digits in groups of up to 3, punctuation runs take trailing newlines and slashes.
+const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 impl Tokenizer {
     /// Builds the tokenizer GGUF metadata describes: byte-level BPE (`gpt2`) or SentencePiece
@@ -297,10 +300,11 @@ fn byte_level_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
             normalizer = json!({"type": "NFC"});
             split_then_bytes(QWEN2_SPLIT)
         }
+        "gpt-4o" => split_then_bytes(GPT4O_SPLIT),
         "gpt2" | "default" => byte_level,
         other => {
             return Err(ModelError::Unsupported(format!(
-                "GGUF pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported (known: default, gpt2, smollm, llama-bpe, qwen2); put a tokenizer.json beside the model and pass the folder"
+                "GGUF pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported (known: default, gpt2, smollm, llama-bpe, qwen2, gpt-4o); put a tokenizer.json beside the model and pass the folder"
             )))
         }
     };
@@ -457,6 +461,9 @@ mod tests {
         assert_eq!(pieces(&byte_level("qwen2").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
         assert_eq!(pieces(&byte_level("smollm").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
         assert_eq!(pieces(&byte_level("llama-bpe").unwrap(), "12345"), ["123", "4", "5"]);
+        // o200k (Phi-4-mini, gpt-oss): groups of three like Llama 3, merges applied
+        assert_eq!(pieces(&byte_level("gpt-4o").unwrap(), "12345"), ["123", "4", "5"]);
+        assert_eq!(pieces(&byte_level("gpt-4o").unwrap(), "xyz"), ["x", "y", "z"]);
         assert_eq!(pieces(&byte_level("default").unwrap(), "12345"), ["1234", "5"]);
         // "xyz" is a vocabulary entry no merge reaches: Llama 3 takes it whole (ignore_merges).
         assert_eq!(pieces(&byte_level("llama-bpe").unwrap(), "xyz"), ["xyz"]);

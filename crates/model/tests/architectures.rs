@@ -47,6 +47,21 @@ fn each_architecture_loads_its_switches() {
     let local = AttentionKind::Sliding { window: 4, rope_theta: 10000.0 };
     assert_eq!(kinds, [local, AttentionKind::Global, local, AttentionKind::Global]);
 
+    // SmolLM3: Llama's block, every 4th layer without RoPE
+    let s3 = tiny(dir.path(), "smollm3", &TinySpec { layers: 8, ..spec("smollm3") });
+    let rotating: Vec<bool> = (0..8).map(|l| s3.config.layer_uses_rope(l)).collect();
+    assert_eq!(rotating, [true, true, true, false, true, true, true, false]);
+    assert!(!s3.config.rope_neox);
+
+    // Phi-3: fused Q/K/V and gate/up split at load, NeoX RoPE over 8 of 16 dimensions, the
+    // LongRoPE attention factor from the file
+    let p3 = tiny(dir.path(), "phi3", &TinySpec { rope_dims: Some(8), ..spec("phi3") });
+    let (c, o) = (&p3.config, &p3.config.arch_options);
+    assert!(c.rope_neox && (c.rope_dims(), c.head_dim) == (8, 16), "{:?}", o.rope_dims);
+    assert!((o.rope_mscale - 1.1902381).abs() < 1e-6);
+    let l = &p3.layers[0];
+    assert_eq!((l.wq.rows, l.wk.rows, l.wv.rows, l.wq.cols), (64, 32, 32, 64));
+
     let l3 = tiny(dir.path(), "llama3", &TinySpec { rope_llama3: true, ..spec("llama") });
     let r = l3.config.arch_options.rope_llama3.as_ref().expect("llama3 scaling read");
     assert_eq!((r.factor, r.low_freq_factor, r.high_freq_factor, r.original_context_length), (8.0, 1.0, 4.0, 32));
@@ -63,6 +78,8 @@ fn logits_do_not_depend_on_chunking_in_any_architecture() {
         ("qwen3", spec("qwen3")),
         ("gemma3", TinySpec { head_dim: Some(32), layers: 3, sliding_window: 5, ..spec("gemma3") }),
         ("llama3", TinySpec { rope_llama3: true, ..spec("llama") }),
+        ("smollm3", TinySpec { layers: 4, ..spec("smollm3") }),
+        ("phi3", TinySpec { rope_dims: Some(8), ..spec("phi3") }),
     ] {
         let m = tiny(dir.path(), name, &s);
         let whole = logits_alone(&m, &p, &[p.len()], 2);

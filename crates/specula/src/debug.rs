@@ -29,7 +29,7 @@ pub enum DebugCmd {
 pub struct TinyArgs {
     #[arg(long)]
     pub output: PathBuf,
-    /// llama, qwen2, qwen3 or gemma3
+    /// llama, smollm3, qwen2, qwen3, gemma3 or phi3
     #[arg(long, default_value = "llama")]
     pub arch: String,
     /// Head width when not hidden / heads (gemma3 style).
@@ -43,6 +43,9 @@ pub struct TinyArgs {
     /// Write Llama 3 RoPE scaling metadata (factor 8, low 1, high 4, original context 32).
     #[arg(long)]
     pub rope_llama3: bool,
+    /// Dimensions of each head RoPE rotates (partial RoPE; default: all).
+    #[arg(long)]
+    pub rope_dims: Option<usize>,
     /// f32, f16, q4_0, q4_1, q8_0
     #[arg(long, default_value = "q8_0")]
     pub format: String,
@@ -56,6 +59,12 @@ pub struct TinyArgs {
 pub struct TinyMoeArgs {
     #[arg(long)]
     pub output: PathBuf,
+    /// llama (Mixtral-style), qwen2moe (Q/K/V biases) or qwen3moe (q/k norms)
+    #[arg(long, default_value = "llama")]
+    pub arch: String,
+    /// Head width when not hidden / heads (Qwen3-MoE: 128 with hidden 2048 and 32 heads).
+    #[arg(long)]
+    pub head_dim: Option<usize>,
     #[arg(long, default_value_t = 4)]
     pub experts: usize,
     #[arg(long, default_value_t = 2)]
@@ -186,6 +195,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 sliding_window: a.sliding_window,
                 sliding_period: a.sliding_period,
                 rope_llama3: a.rope_llama3,
+                rope_dims: a.rope_dims,
                 ..Default::default()
             };
             write_tiny_llama(&a.output, &spec)?;
@@ -194,7 +204,9 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             use specula_model::testing::{write_tiny_moe, TinyMoe, TinySpec};
             let format = tiny_format(&a.format)?;
             let moe = TinyMoe { experts: a.experts, used: a.experts_used, expert_ffn: a.expert_ffn, shared_ffn: a.shared_ffn, norm_topk: a.norm_topk };
-            write_tiny_moe(&a.output, &TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), ..Default::default() })?;
+            let spec =
+                TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), arch: a.arch, head_dim: a.head_dim, ..Default::default() };
+            write_tiny_moe(&a.output, &spec)?;
         }
         DebugCmd::Dequant(a) => {
             use specula_kernels::WeightFormat as W;

@@ -304,6 +304,8 @@ pub fn run(name: Option<&str>, list: bool, print_path: bool) -> Result<()> {
             let state = if m.path().exists() { "cached" } else { "not cached" };
             println!("{:<30} {:<11} {}", m.name, state, m.about);
         }
+        println!();
+        println!("any GGUF of these architectures loads: {}", specula_model::loader::SUPPORTED_ARCHITECTURES.join(", "));
         return Ok(());
     }
     let m = match name {
