@@ -357,3 +357,71 @@ async fn responses_text_format_becomes_the_constraint_and_limits_say_incomplete(
     let (status, v) = s.post("/v1/responses", json!({"input": "x", "tools": [{"type": "web_search"}]})).await;
     assert_eq!((status, error_of(&v)["param"].as_str()), (StatusCode::BAD_REQUEST, Some("tools[0].type")));
 }
+
+/// A server whose template writes only the messages' text (and mentions the think tags, as a
+/// thinking template does), so the fake engine echoes a user message back as the model's output.
+fn thinking_server() -> TestServer {
+    let tokenizer = std::sync::Arc::new(tokenizer());
+    let source = "{# a thinking template: <think> ... </think> #}{% for m in messages %}{{ m.content }}{% endfor %}";
+    let template = std::sync::Arc::new(specula_model::ChatTemplate::new(source, "", "<|im_end|>").unwrap());
+    let (engine, log) = fake_engine(64, tokenizer.clone(), Duration::ZERO);
+    let config = ServerConfig { max_model_len: 4096, ..ServerConfig::new(MODEL) };
+    let state = specula_server::AppState::new(engine, tokenizer.clone(), Some(template.clone()), config);
+    TestServer { router: specula_server::router(state), log, tokenizer, template }
+}
+
+const THOUGHT: &str = "<think>\nThe user wants a greeting.\n</think>\n\nHello there!";
+
+#[tokio::test]
+async fn reasoning_is_split_from_the_answer_in_every_dialect() {
+    let s = thinking_server();
+    let n = s.tokenizer.encode(THOUGHT).unwrap().len();
+    let user = json!([{"role": "user", "content": THOUGHT}]);
+    let (_, chat) = s.post("/v1/chat/completions", json!({"messages": user, "max_tokens": n})).await;
+    let message = &chat["choices"][0]["message"];
+    assert_eq!((message["reasoning_content"].as_str(), message["content"].as_str()), (Some("The user wants a greeting.\n"), Some("Hello there!")), "{chat}");
+
+    let (_, msg) = s.post("/v1/messages", json!({"messages": user, "max_tokens": n})).await;
+    let blocks: Vec<(&str, &str)> =
+        msg["content"].as_array().unwrap().iter().map(|b| (b["type"].as_str().unwrap(), b["thinking"].as_str().or(b["text"].as_str()).unwrap())).collect();
+    assert_eq!(blocks, [("thinking", "The user wants a greeting.\n"), ("text", "Hello there!")], "{msg}");
+
+    let (_, resp) = s.post("/v1/responses", json!({"input": THOUGHT, "max_output_tokens": n})).await;
+    let items: Vec<&str> = resp["output"].as_array().unwrap().iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(items, ["reasoning", "message"], "{resp}");
+    assert_eq!(resp["output"][0]["content"][0]["text"], "The user wants a greeting.\n");
+    assert_eq!(resp["output"][1]["content"][0]["text"], "Hello there!");
+
+    // streamed chat: reasoning_content deltas, then content deltas, adding up to the same
+    let body = s.post_raw("/v1/chat/completions", json!({"messages": user, "max_tokens": n, "stream": true}).to_string()).await;
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for d in sse_data(&text_of(body).await).iter().filter(|d| *d != "[DONE]") {
+        let delta = &serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"];
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or_default());
+        content.push_str(delta["content"].as_str().unwrap_or_default());
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("The user wants a greeting.\n", "Hello there!"));
+
+    // streamed messages: a thinking block with thinking_delta, then a text block
+    let events = post_stream(&s, "/v1/messages", json!({"messages": user, "max_tokens": n, "stream": true})).await;
+    let starts: Vec<&str> = events.iter().filter(|(e, _)| e == "content_block_start").map(|(_, d)| d["content_block"]["type"].as_str().unwrap()).collect();
+    assert_eq!(starts, ["thinking", "text"]);
+    let thinking: String = events.iter().filter_map(|(_, d)| d["delta"]["thinking"].as_str()).collect();
+    assert_eq!(thinking, "The user wants a greeting.\n");
+}
+
+#[tokio::test]
+async fn chat_template_kwargs_reach_the_template() {
+    let tokenizer = std::sync::Arc::new(tokenizer());
+    let template = std::sync::Arc::new(specula_model::ChatTemplate::new("{% if flag %}on{% else %}off{% endif %}", "", "").unwrap());
+    let (engine, log) = fake_engine(64, tokenizer.clone(), Duration::ZERO);
+    let state =
+        specula_server::AppState::new(engine, tokenizer.clone(), Some(template.clone()), ServerConfig { max_model_len: 64, ..ServerConfig::new(MODEL) });
+    let s = TestServer { router: specula_server::router(state), log, tokenizer, template };
+    let user = json!([{"role": "user", "content": "x"}]);
+    for (kwargs, want) in [(json!({"flag": true}), "on"), (json!({}), "off")] {
+        let (status, v) = s.post("/v1/chat/completions", json!({"messages": user, "max_tokens": 1, "chat_template_kwargs": kwargs})).await;
+        assert_eq!(status, StatusCode::OK, "{v}");
+        assert_eq!(s.tokenizer.decode(&s.submitted().pop().unwrap().1, false).unwrap(), want);
+    }
+}
