@@ -52,6 +52,19 @@ impl ChatTemplate {
     /// (a JSON list of tool definitions, OpenAI style) passed to the template as `tools`; `None`
     /// leaves `tools` none, as transformers does.
     pub fn render_with<M: Serialize>(&self, messages: &[M], tools: Option<&serde_json::Value>, add_generation_prompt: bool) -> Result<String, ModelError> {
+        self.render_with_kwargs(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`Self::render_with`] with extra template variables (`chat_template_kwargs`, e.g.
+    /// `{"enable_thinking": false}` for Qwen3), as transformers passes `**kwargs`; they never
+    /// replace `messages`, `tools`, `add_generation_prompt` or the special tokens.
+    pub fn render_with_kwargs<M: Serialize>(
+        &self,
+        messages: &[M],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ModelError> {
         let tmpl = self.env.get_template("chat").map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
         tmpl.render(context! {
             messages => messages,
@@ -59,6 +72,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
+            ..Value::from_serialize(kwargs)
         })
         .map_err(|e| ModelError::ChatTemplate(format!("rendering the chat template: {e}")))
     }
@@ -217,6 +231,16 @@ mod tests {
         assert_eq!(t.render(&[msg("user", "  hey ")], false).unwrap(), "HEY");
         let err = t.render(&[msg("tool", "x")], false).unwrap_err().to_string();
         assert!(err.contains("bad role tool"), "{err}");
+    }
+
+    #[test]
+    fn template_kwargs_reach_the_template_but_never_replace_messages() {
+        let src = "{% for m in messages %}{{ m.content }}{% endfor %}|{{ enable_thinking is defined and enable_thinking is false }}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        assert_eq!(t.render(&[msg("user", "x")], false).unwrap(), "x|False");
+        let kwargs = serde_json::json!({"enable_thinking": false, "messages": []});
+        let s = t.render_with_kwargs(&[msg("user", "x")], None, false, kwargs.as_object().unwrap()).unwrap();
+        assert_eq!(s, "x|True");
     }
 
     #[test]

@@ -84,7 +84,7 @@ impl ApiError {
     pub fn unauthorized() -> Self {
         Self {
             status: StatusCode::UNAUTHORIZED,
-            message: "missing or invalid API key: send `Authorization: Bearer <key>` with the server's --api-key".into(),
+            message: "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>` with the server's --api-key".into(),
             kind: "invalid_request_error",
             param: None,
             code: Some("invalid_api_key"),

@@ -1,5 +1,5 @@
 //! specula-server: the OpenAI-compatible HTTP front end. Routes (`/v1/completions`,
-//! `/v1/chat/completions`, `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`,
+//! `/v1/chat/completions`, Anthropic's `/v1/messages`, OpenAI's `/v1/responses`, `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`,
 //! `/health`, `/metrics`) turn requests into validated
 //! engine requests, submit them through an [`EngineHandle`], and stream the engine's events back
 //! as OpenAI JSON or SSE. It never touches the model; the engine loop runs elsewhere.
@@ -11,10 +11,13 @@
 //! ```
 
 pub mod auth;
+pub mod conversation;
+pub mod dialect;
 pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod metrics;
+pub mod reasoning;
 pub mod routes;
 pub mod sse;
 pub mod tools;
@@ -126,13 +129,23 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// Unix seconds when this state was built (`created` in `/v1/models`).
     pub started: u64,
+    /// Finished `/v1/responses` kept for `previous_response_id` and `GET` (bounded; see its module).
+    pub responses: Arc<dialect::store::ResponseStore>,
 }
 
 impl AppState {
     /// Installs the Prometheus recorder on first use in the process (see [`metrics::prometheus_handle`]);
     /// call it before the engine thread starts so the engine's gauges land in the same recorder.
     pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, chat_template: Option<Arc<ChatTemplate>>, config: ServerConfig) -> Self {
-        Self { engine, tokenizer, chat_template, config: Arc::new(config), metrics: metrics::prometheus_handle(), started: unix_now() }
+        Self {
+            engine,
+            tokenizer,
+            chat_template,
+            config: Arc::new(config),
+            metrics: metrics::prometheus_handle(),
+            started: unix_now(),
+            responses: Default::default(),
+        }
     }
 }
 
@@ -155,9 +168,18 @@ pub fn router(state: AppState) -> Router {
         .route("/tokenize", post(routes::tokenize::tokenize))
         .route("/detokenize", post(routes::tokenize::detokenize))
         .route("/tokenizer_info", get(routes::tokenize::info))
+        .route("/v1/responses", post(dialect::responses::create))
+        .route("/v1/responses/{id}", get(dialect::responses::retrieve))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key));
+    // Anthropic's routes answer errors (auth included) in Anthropic's shape
+    let anthropic = Router::new()
+        .route("/v1/messages", post(dialect::anthropic::create))
+        .route("/v1/messages/count_tokens", post(dialect::anthropic::count_tokens))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
+        .route_layer(axum::middleware::from_fn(dialect::anthropic::anthropic_errors));
     Router::new()
         .merge(v1)
+        .merge(anthropic)
         .route("/health", get(routes::health))
         .route("/metrics", get(metrics::render))
         .fallback(|uri: Uri| async move { ApiError::route_not_found(uri.path()) })

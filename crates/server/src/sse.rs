@@ -34,6 +34,18 @@ pub trait ChunkWriter: Send + 'static {
     fn finished(&mut self, index: usize, reason: FinishReason) -> Vec<Event>;
     /// The last chunk when `include_usage` was asked for: no choices, only usage.
     fn usage(&mut self, usage: Usage) -> Event;
+    /// The events after every choice finished; `usage` counts the whole request. OpenAI's
+    /// chunk streams: the usage chunk (when asked for), then `[DONE]`. Other dialects end their
+    /// own way (Anthropic's `message_delta` + `message_stop`).
+    fn closing(&mut self, usage: Usage, include_usage: bool) -> Vec<Event> {
+        let mut events: Vec<Event> = include_usage.then(|| self.usage(usage)).into_iter().collect();
+        events.push(done_event());
+        events
+    }
+    /// The events for an engine failure mid-stream: by default one error object, then `[DONE]`.
+    fn failure(&mut self, error: &ApiError) -> Vec<Event> {
+        vec![error_event(error), done_event()]
+    }
 }
 
 /// A `data:` event holding `value` as JSON.
@@ -96,18 +108,14 @@ fn events<W: ChunkWriter>(pump: Pump<W>) -> impl Stream<Item = Event> + Send {
                     p.queue.extend(p.writer.prompt_logprobs(index, &logprobs, &ranks));
                 }
                 Some((_, RequestEvent::Failed { message })) => {
-                    p.queue.push_back(error_event(&ApiError::internal(message)));
-                    p.queue.push_back(done_event());
+                    p.queue.extend(p.writer.failure(&ApiError::internal(message)));
                     // Dropping the other choices aborts them.
                     p.choices = futures::stream::select_all(Vec::new());
                     p.ended = true;
                 }
                 None => {
-                    if p.include_usage {
-                        let usage = Usage::new(p.prompt_tokens, p.completion_tokens);
-                        p.queue.push_back(p.writer.usage(usage));
-                    }
-                    p.queue.push_back(done_event());
+                    let usage = Usage::new(p.prompt_tokens, p.completion_tokens);
+                    p.queue.extend(p.writer.closing(usage, p.include_usage));
                     p.ended = true;
                 }
             }

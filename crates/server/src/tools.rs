@@ -286,11 +286,22 @@ pub fn template_messages(sent: &[RequestMessage], texts: Vec<specula_model::Chat
 /// The prompt for `messages` (from [`template_messages`]): through the template with `tools`
 /// when it renders tools itself, else rewritten by [`hermes_fallback`] first.
 pub fn render(template: &ChatTemplate, messages: Vec<Value>, tools: Option<&ToolSet>, add_generation_prompt: bool) -> Result<String, ApiError> {
+    render_with_kwargs(template, messages, tools, add_generation_prompt, &Map::new())
+}
+
+/// [`render`] with extra template variables (`chat_template_kwargs`).
+pub fn render_with_kwargs(
+    template: &ChatTemplate,
+    messages: Vec<Value>,
+    tools: Option<&ToolSet>,
+    add_generation_prompt: bool,
+    kwargs: &Map<String, Value>,
+) -> Result<String, ApiError> {
     let rendered = if template_renders_tools(template.source()) {
         let definitions = tools.map(|t| Value::Array(t.definitions.clone()));
-        template.render_with(&messages, definitions.as_ref(), add_generation_prompt)
+        template.render_with_kwargs(&messages, definitions.as_ref(), add_generation_prompt, kwargs)
     } else {
-        template.render_with(&hermes_fallback(messages, tools), None, add_generation_prompt)
+        template.render_with_kwargs(&hermes_fallback(messages, tools), None, add_generation_prompt, kwargs)
     };
     rendered.map_err(|e| ApiError::invalid_param("messages", e.to_string()))
 }
@@ -728,7 +739,7 @@ impl CallParser {
 }
 
 /// The length of the longest end of `text` that is a proper start of `tag`.
-fn partial_tag_len(text: &str, tag: &str) -> usize {
+pub(crate) fn partial_tag_len(text: &str, tag: &str) -> usize {
     (1..tag.len().min(text.len() + 1)).rev().find(|&n| text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..])).unwrap_or(0)
 }
 

@@ -87,6 +87,8 @@ pub struct ChatCompletionRequest {
     /// false: `tool_choice: "required"` forces exactly one call. Calls the model makes on its own
     /// (`auto`) are all returned whatever its value.
     pub parallel_tool_calls: Option<bool>,
+    /// Extra variables for the chat template, e.g. `{"enable_thinking": false}` (vLLM's field).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// Structured outputs, every way a client can ask for them.
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -339,6 +341,9 @@ pub struct ResponseMessage {
     pub role: &'static str,
     /// Null when the model only called tools.
     pub content: Option<String>,
+    /// A thinking model's reasoning (vLLM's field), when there was some.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
 }
@@ -397,6 +402,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
 }

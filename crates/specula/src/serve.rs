@@ -134,7 +134,11 @@ fn serve_http(
     rt.block_on(async move {
         let addr = format!("{}:{}", args.host, args.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        eprintln!("specula serving {model_name} on http://{addr} (OpenAI API under /v1)");
+        let base = format!("http://{}", listener.local_addr().map_or(addr.clone(), |a| a.to_string()));
+        eprintln!("specula serving {model_name} on {base} (OpenAI API under /v1)");
+        eprintln!("  OpenAI chat/completions  {base}/v1  (OPENAI_BASE_URL)");
+        eprintln!("  Anthropic Messages       {base}  (ANTHROPIC_BASE_URL, e.g. for Claude Code)");
+        eprintln!("  OpenAI Responses         {base}/v1  (POST {base}/v1/responses; Agents SDK, Codex-style clients)");
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             tokio::select! {

@@ -2,13 +2,16 @@
 //! prompt added), `chat.completion` objects or `chat.completion.chunk` streams out. With `tools`,
 //! the output is searched for calls (`tools.rs`) and they come back as `message.tool_calls`, or
 //! streamed as `delta.tool_calls` (a call's name once known, then its arguments as they come).
+//! A thinking template's reasoning comes back as `reasoning_content` (vLLM's field). The request
+//! becomes the shared [`Conversation`] (`conversation.rs`), as the other dialects' requests do.
 
+use crate::conversation::{self, Conversation, Out, OutputParser};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::generate::{self, ChoiceJob, ChoiceOutput};
+use crate::generate::{self, ChoiceOutput};
 use crate::routes::{self, clamp_logprob as clamp};
 use crate::sse::{self, ChunkWriter};
-use crate::tools::{self, CallParser, ParsedCall, Piece, ToolSet};
+use crate::tools::{self, ParsedCall, Piece, ToolSet};
 use crate::types::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob,
     FunctionCall, FunctionCallDelta, ResponseMessage, ToolCall, ToolCallDelta, Usage,
@@ -19,7 +22,6 @@ use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use specula_engine::api::{FinishReason, TokenLogprob};
-use specula_engine::constraint::compile_check;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
 use std::sync::Arc;
@@ -30,46 +32,20 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let config = &state.config;
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
-    let mut plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
+    let plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
     let stream = req.stream.unwrap_or(false);
     if stream && plan.base.prompt_logprobs.is_some() {
         // vLLM refuses it too: a chat stream has no place for the prompt's logprobs
         return Err(ApiError::invalid_param("prompt_logprobs", "prompt_logprobs are answered on chat completions only without streaming; drop `stream`"));
     }
-    validate::check_constraint(&plan, &state.tokenizer)?;
-    let tool_set =
+    let tools =
         ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
     let texts = validate::chat_messages(req.messages.as_deref())?;
     let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
-    let template = state
-        .chat_template
-        .as_ref()
-        .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
-    let text = tools::render(template, messages, tool_set.as_ref(), true)?;
-    if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
-        if plan.base.constraint.is_some() {
-            return Err(ApiError::invalid_param(
-                "tool_choice",
-                format!(
-                    "tool_choice \"required\" or a named function forces the output into tool calls, so it cannot be combined with `{}`",
-                    plan.constraint_param
-                ),
-            ));
-        }
-        // a parameters schema the grammar engine cannot compile is the client's to fix
-        compile_check(&state.tokenizer, &constraint)
-            .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;
-        plan.base.constraint = Some(constraint);
-    }
-    // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
-    let prompt = state.tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
-    validate::check_prompt(&prompt, "messages", config, vocab)?;
-    let jobs = (0..plan.n)
-        .map(|i| {
-            let params = plan.params_for(prompt.len(), i, DefaultMaxTokens::RemainingContext, config)?;
-            Ok(ChoiceJob { index: i, prompt: prompt.clone(), params })
-        })
-        .collect::<Result<Vec<_>, ApiError>>()?;
+    let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs })?;
+    let (plan, prompt) = (&prepared.plan, &prepared.prompt);
+    let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
     let runs = generate::submit(&state.engine, jobs, arrived)?;
     let writer = ChatChunks {
         id: format!("chatcmpl-{:x}{:08x}", unix_now(), runs[0].id.0),
@@ -80,13 +56,13 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         logprobs: plan.base.logprobs.is_some(),
         prompt_logprobs: plan.base.prompt_logprobs,
         include_usage: None,
-        tool_names: tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names),
+        parser: prepared.output_parser(),
         parsers: Vec::new(),
         calls_sent: vec![0; plan.n],
     };
     if stream {
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        let parsers = writer.tool_names.iter().flat_map(|names| (0..plan.n).map(|_| CallParser::new(names.clone()))).collect();
+        let parsers = if writer.parser.is_plain() { Vec::new() } else { vec![writer.parser.clone(); plan.n] };
         let writer = ChatChunks { include_usage: include_usage.then_some(None), parsers, ..writer };
         return Ok(sse::stream_response(runs, writer, include_usage, prompt.len()));
     }
@@ -131,11 +107,10 @@ struct ChatChunks {
     prompt_logprobs: Option<usize>,
     /// `Some(None)` (usage: null on every chunk) when the client asked for a usage chunk.
     include_usage: Option<Option<Usage>>,
-    /// The request's tool names when the output is searched for calls (tools given, choice not
-    /// `"none"`).
-    tool_names: Option<Vec<String>>,
-    /// Streaming with tools: one parser per choice (empty otherwise).
-    parsers: Vec<CallParser>,
+    /// How a choice's output is read (reasoning, tool calls), fresh.
+    parser: OutputParser,
+    /// Streaming with tools or reasoning: one parser per choice (empty otherwise).
+    parsers: Vec<OutputParser>,
     /// Streaming: calls sent so far, per choice (the next call's `index`).
     calls_sent: Vec<usize>,
 }
@@ -165,9 +140,16 @@ impl ChatChunks {
     /// The deltas for what a choice's call parser let out: content as it is, each call as one
     /// chunk with its id, type and name (arguments ""), then its arguments: in the fragments the
     /// parser lets out as they are generated, or in one piece for a call parsed whole.
-    fn piece_deltas(&mut self, index: usize, pieces: Vec<Piece>) -> Vec<ChatDelta> {
+    fn piece_deltas(&mut self, index: usize, pieces: Vec<Out>) -> Vec<ChatDelta> {
         let mut deltas = Vec::new();
         for piece in pieces {
+            let piece = match piece {
+                Out::Reasoning(text) => {
+                    deltas.push(ChatDelta { reasoning_content: Some(text), ..Default::default() });
+                    continue;
+                }
+                Out::Piece(piece) => piece,
+            };
             match piece {
                 Piece::Content(text) => deltas.push(ChatDelta { content: Some(text), ..Default::default() }),
                 Piece::Call(call) => {
@@ -211,15 +193,10 @@ impl ChatChunks {
         let choices = outputs
             .into_iter()
             .map(|o| {
-                let (message, finish_reason) = match &self.tool_names {
-                    None => (ResponseMessage { role: "assistant", content: Some(o.text), tool_calls: Vec::new() }, o.finish_reason.as_str()),
-                    Some(names) => {
-                        let parsed = CallParser::parse(&o.text, names.clone());
-                        let reason = if parsed.calls.is_empty() { o.finish_reason.as_str() } else { "tool_calls" };
-                        let tool_calls = parsed.calls.into_iter().map(tool_call).collect();
-                        (ResponseMessage { role: "assistant", content: parsed.content, tool_calls }, reason)
-                    }
-                };
+                let parsed = self.parser.clone().parse(&o.text);
+                let finish_reason = if parsed.calls.is_empty() { o.finish_reason.as_str() } else { "tool_calls" };
+                let tool_calls = parsed.calls.into_iter().map(tool_call).collect();
+                let message = ResponseMessage { role: "assistant", content: parsed.content, reasoning_content: parsed.reasoning, tool_calls };
                 ChatChoice {
                     index: o.index,
                     logprobs: self.logprobs.then(|| chat_logprobs(&self.tokenizer, &o.logprobs)),
@@ -245,7 +222,7 @@ impl ChunkWriter for ChatChunks {
     fn opening(&mut self) -> Vec<Event> {
         (0..self.n)
             .map(|index| {
-                let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), tool_calls: None };
+                let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
                 self.choice_chunk(index, delta, None, None)
             })
             .collect()
@@ -273,7 +250,7 @@ impl ChunkWriter for ChatChunks {
 
     /// Lets out what the call parser still holds; `tool_calls` is the reason once a call was sent.
     fn finished(&mut self, index: usize, reason: FinishReason) -> Vec<Event> {
-        let pieces = self.parsers.get_mut(index).map(CallParser::finish).unwrap_or_default();
+        let pieces = self.parsers.get_mut(index).map(OutputParser::finish).unwrap_or_default();
         let mut events: Vec<Event> = self.piece_deltas(index, pieces).into_iter().map(|delta| self.choice_chunk(index, delta, None, None)).collect();
         let reason = if self.calls_sent[index] > 0 { "tool_calls" } else { reason.as_str() };
         events.push(self.choice_chunk(index, ChatDelta::default(), None, Some(reason)));

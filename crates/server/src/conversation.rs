@@ -1,0 +1,367 @@
+//! One engine, many dialects: the internal request that chat completions, Anthropic Messages and
+//! OpenAI Responses are each parsed into ([`Conversation`]: template-shaped messages with tool
+//! calls and results, tools, a constraint, sampling, limits), prepared once into a prompt and
+//! engine parameters ([`prepare`]), and the output side every dialect shares: one parser that
+//! splits reasoning, answer and tool calls ([`OutputParser`]) and the blocks those make
+//! ([`Blocks`]: thinking, text, tool call, in order), which each dialect writes in its own shapes.
+//! Identical conversations give identical prompts, so identical tokens, whatever the dialect.
+//! Not for any dialect's wire types (`types.rs`, `dialect/*.rs`) or for running requests
+//! (`generate.rs`).
+
+use crate::error::ApiError;
+use crate::generate::{ChoiceJob, ChoiceRun};
+use crate::reasoning::{self, ReasoningParser, ReasoningPiece};
+use crate::tools::{self, CallParser, ParsedCall, Piece, ToolSet};
+use crate::validate::{self, DefaultMaxTokens, SamplingPlan};
+use crate::AppState;
+use futures::StreamExt;
+use serde_json::{json, Map, Value};
+use specula_engine::api::{FinishReason, RequestEvent};
+use specula_engine::constraint::compile_check;
+use specula_engine::types::TokenId;
+use specula_model::Tokenizer;
+
+/// A request in no dialect: what the model is asked, and how.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    /// The messages as the chat template takes them: `role`, `content` (text), and where given
+    /// `tool_calls` (each `{"id", "type": "function", "function": {"name", "arguments": {..}}}`,
+    /// arguments as an object), `tool_call_id`, `name` and `reasoning_content`.
+    pub messages: Vec<Value>,
+    pub tools: Option<ToolSet>,
+    /// Sampling, limits and the structured-output constraint (tool grammars are added here).
+    pub plan: SamplingPlan,
+    /// Extra template variables (`chat_template_kwargs`, e.g. `{"enable_thinking": false}`).
+    pub template_kwargs: Map<String, Value>,
+}
+
+/// A conversation ready to run: the prompt and how to read the output.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub prompt: Vec<TokenId>,
+    pub plan: SamplingPlan,
+    /// The tool names when the output is searched for calls (tools given, choice not `none`).
+    pub tool_names: Option<Vec<String>>,
+    /// `Some(opened)` when the template thinks; `opened`: the prompt opened the think block.
+    pub reasoning: Option<bool>,
+}
+
+/// An assistant message for the template: its text, reasoning and calls (`(id, name, arguments)`).
+pub fn assistant_message(content: String, reasoning: Option<String>, calls: Vec<(String, String, Value)>) -> Value {
+    let mut m = json!({"role": "assistant", "content": content});
+    if let Some(r) = reasoning {
+        m["reasoning_content"] = Value::String(r);
+    }
+    if !calls.is_empty() {
+        let calls = calls.into_iter().map(|(id, name, arguments)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}));
+        m["tool_calls"] = Value::Array(calls.collect());
+    }
+    m
+}
+
+/// A tool result for the template, answering call `call_id`.
+pub fn tool_message(call_id: &str, content: String) -> Value {
+    json!({"role": "tool", "tool_call_id": call_id, "content": content})
+}
+
+/// A call's arguments as the template takes them: a JSON text (OpenAI's shape) is parsed into
+/// its object, as `tools::template_messages` does for chat completions.
+pub fn call_arguments(arguments: &Value, param: &str) -> Result<Value, ApiError> {
+    match arguments {
+        Value::String(s) => serde_json::from_str::<Value>(s)
+            .ok()
+            .filter(Value::is_object)
+            .ok_or_else(|| ApiError::invalid_param(param, "arguments must be a JSON text holding an object, as the model returned it")),
+        v @ Value::Object(_) => Ok(v.clone()),
+        _ => Err(ApiError::invalid_param(param, "arguments must be a JSON object")),
+    }
+}
+
+/// Renders, tokenizes and checks a conversation: the tool grammar (for a forced call) becomes
+/// the constraint, and every check names the field at fault.
+pub fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, ApiError> {
+    let Conversation { messages, tools: tool_set, mut plan, template_kwargs } = conv;
+    let config = &state.config;
+    validate::check_constraint(&plan, &state.tokenizer)?;
+    let template = state
+        .chat_template
+        .as_ref()
+        .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
+    let text = tools::render_with_kwargs(template, messages, tool_set.as_ref(), true, &template_kwargs)?;
+    if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
+        if plan.base.constraint.is_some() {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                format!("a tool_choice that forces a call (\"required\", \"any\" or a named tool) cannot be combined with `{}`", plan.constraint_param),
+            ));
+        }
+        // a parameters schema the grammar engine cannot compile is the client's to fix
+        compile_check(&state.tokenizer, &constraint)
+            .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;
+        plan.base.constraint = Some(constraint);
+    }
+    // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
+    let prompt = state.tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+    validate::check_prompt(&prompt, "messages", config, state.tokenizer.vocab_size())?;
+    let reasoning = reasoning::template_thinks(template.source()).then(|| reasoning::prompt_opens_reasoning(&text));
+    let tool_names = tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names);
+    Ok(Prepared { prompt, plan, tool_names, reasoning })
+}
+
+impl Prepared {
+    /// One engine request per choice.
+    pub fn jobs(&self, default: DefaultMaxTokens, config: &crate::ServerConfig) -> Result<Vec<ChoiceJob>, ApiError> {
+        (0..self.plan.n)
+            .map(|i| Ok(ChoiceJob { index: i, prompt: self.prompt.clone(), params: self.plan.params_for(self.prompt.len(), i, default, config)? }))
+            .collect()
+    }
+
+    /// A parser for one choice's output.
+    pub fn output_parser(&self) -> OutputParser {
+        OutputParser::new(self.reasoning, self.tool_names.clone())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading the output
+// ---------------------------------------------------------------------------------------------
+
+/// What the output parser lets out: reasoning, or what the call parser made of the answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Out {
+    Reasoning(String),
+    Piece(Piece),
+}
+
+/// The one output parser: reasoning first (when the template thinks), the answer through the
+/// tool-call parser (when calls are parsed), else passed on as it is.
+#[derive(Debug, Clone)]
+pub struct OutputParser {
+    reasoning: Option<ReasoningParser>,
+    calls: Option<CallParser>,
+}
+
+/// A whole output, read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParsedTurn {
+    pub reasoning: Option<String>,
+    /// Without a call parser the text as generated (possibly empty); with one, the text around
+    /// the calls, trimmed, `None` when nothing is left.
+    pub content: Option<String>,
+    pub calls: Vec<ParsedCall>,
+}
+
+impl OutputParser {
+    /// `reasoning`: `Some(opened)` when the template thinks; `tool_names`: when calls are parsed.
+    pub fn new(reasoning: Option<bool>, tool_names: Option<Vec<String>>) -> Self {
+        Self { reasoning: reasoning.map(ReasoningParser::new), calls: tool_names.map(CallParser::new) }
+    }
+
+    /// Whether the text passes through untouched (no reasoning, no calls).
+    pub fn is_plain(&self) -> bool {
+        self.reasoning.is_none() && self.calls.is_none()
+    }
+
+    pub fn push(&mut self, text: &str) -> Vec<Out> {
+        match self.reasoning.as_mut() {
+            Some(r) => {
+                let pieces = r.push(text);
+                self.answer(pieces)
+            }
+            None => self.content(text),
+        }
+    }
+
+    pub fn finish(&mut self) -> Vec<Out> {
+        let mut out = match self.reasoning.as_mut() {
+            Some(r) => {
+                let pieces = r.finish();
+                self.answer(pieces)
+            }
+            None => Vec::new(),
+        };
+        if let Some(calls) = self.calls.as_mut() {
+            out.extend(calls.finish().into_iter().map(Out::Piece));
+        }
+        out
+    }
+
+    fn answer(&mut self, pieces: Vec<ReasoningPiece>) -> Vec<Out> {
+        let mut out = Vec::new();
+        for piece in pieces {
+            match piece {
+                ReasoningPiece::Reasoning(r) => out.push(Out::Reasoning(r)),
+                ReasoningPiece::Content(c) => out.extend(self.content(&c)),
+            }
+        }
+        out
+    }
+
+    fn content(&mut self, text: &str) -> Vec<Out> {
+        match self.calls.as_mut() {
+            Some(calls) => calls.push(text).into_iter().map(Out::Piece).collect(),
+            None if text.is_empty() => Vec::new(),
+            None => vec![Out::Piece(Piece::Content(text.to_string()))],
+        }
+    }
+
+    /// Reads a whole output; the same as feeding it piece by piece.
+    pub fn parse(mut self, text: &str) -> ParsedTurn {
+        let parses_calls = self.calls.is_some();
+        let mut outs = self.push(text);
+        outs.extend(self.finish());
+        let mut reasoning = None::<String>;
+        let mut pieces = Vec::new();
+        for out in outs {
+            match out {
+                Out::Reasoning(r) => reasoning.get_or_insert_with(String::new).push_str(&r),
+                Out::Piece(p) => pieces.push(p),
+            }
+        }
+        let message = tools::ParsedMessage::from_pieces(pieces);
+        let content = if parses_calls { message.content } else { Some(message.content.unwrap_or_default()) };
+        ParsedTurn { reasoning, content, calls: message.calls }
+    }
+}
+
+/// What an output block holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockKind {
+    Reasoning,
+    Text,
+    /// A tool call: `id` is `call_...` (each dialect may respell it).
+    Call {
+        id: String,
+        name: String,
+    },
+}
+
+/// One block of the output, whole.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    pub kind: BlockKind,
+    /// The reasoning, the text, or the call's arguments (compact JSON).
+    pub text: String,
+}
+
+/// The output as a dialect streams it: a block starts, grows, stops; `usize` is its index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockEvent {
+    Start(usize, BlockKind),
+    Delta(usize, String),
+    Stop(usize),
+}
+
+/// Turns parser output into blocks: a new block starts whenever the kind changes, and each call
+/// is its own block. Keeps every block whole too ([`Blocks::done`]), for the final response.
+#[derive(Debug, Default)]
+pub struct Blocks {
+    open: bool,
+    /// Every block so far (the last one open while `open`).
+    pub done: Vec<Block>,
+}
+
+impl Blocks {
+    pub fn feed(&mut self, outs: Vec<Out>) -> Vec<BlockEvent> {
+        let mut events = Vec::new();
+        for out in outs {
+            match out {
+                Out::Reasoning(t) => self.grow(BlockKind::Reasoning, t, &mut events),
+                Out::Piece(Piece::Content(t)) => self.grow(BlockKind::Text, t, &mut events),
+                Out::Piece(Piece::Call(call)) => {
+                    self.start(BlockKind::Call { id: tools::call_id(), name: call.name }, &mut events);
+                    self.grow_open(call.arguments, &mut events);
+                    events.extend(self.close());
+                }
+                Out::Piece(Piece::CallStart(name)) => self.start(BlockKind::Call { id: tools::call_id(), name }, &mut events),
+                Out::Piece(Piece::CallArguments(t)) => self.grow_open(t, &mut events),
+            }
+        }
+        events
+    }
+
+    /// Stops the open block, if any.
+    pub fn close(&mut self) -> Vec<BlockEvent> {
+        if std::mem::take(&mut self.open) {
+            vec![BlockEvent::Stop(self.done.len() - 1)]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The calls among the blocks: `(id, name, arguments)`.
+    pub fn calls(&self) -> impl Iterator<Item = (&str, &str, &str)> {
+        self.done.iter().filter_map(|b| match &b.kind {
+            BlockKind::Call { id, name } => Some((id.as_str(), name.as_str(), b.text.as_str())),
+            _ => None,
+        })
+    }
+
+    fn start(&mut self, kind: BlockKind, events: &mut Vec<BlockEvent>) {
+        events.extend(self.close());
+        self.done.push(Block { kind: kind.clone(), text: String::new() });
+        self.open = true;
+        events.push(BlockEvent::Start(self.done.len() - 1, kind));
+    }
+
+    /// Appends to the open block of this kind, or starts one.
+    fn grow(&mut self, kind: BlockKind, text: String, events: &mut Vec<BlockEvent>) {
+        if text.is_empty() {
+            return;
+        }
+        if !(self.open && self.done.last().is_some_and(|b| b.kind == kind)) {
+            self.start(kind, events);
+        }
+        self.grow_open(text, events);
+    }
+
+    fn grow_open(&mut self, text: String, events: &mut Vec<BlockEvent>) {
+        if let (true, Some(block)) = (self.open, self.done.last_mut()) {
+            if !text.is_empty() {
+                block.text.push_str(&text);
+                events.push(BlockEvent::Delta(self.done.len() - 1, text));
+            }
+        }
+    }
+}
+
+/// One choice run to its end, for the non-streaming answers of the single-choice dialects.
+#[derive(Debug, Clone)]
+pub struct TurnOutput {
+    pub text: String,
+    pub tokens: Vec<TokenId>,
+    pub finish: FinishReason,
+    pub completion_tokens: usize,
+}
+
+/// Waits for one choice to finish (an engine failure is a 500).
+pub async fn run_to_end(mut run: ChoiceRun) -> Result<TurnOutput, ApiError> {
+    let mut out = TurnOutput { text: String::new(), tokens: Vec::new(), finish: FinishReason::Abort, completion_tokens: 0 };
+    while let Some((_, event)) = run.next().await {
+        match event {
+            RequestEvent::Delta { tokens, text, .. } => {
+                out.tokens.extend(tokens);
+                out.text.push_str(&text);
+            }
+            RequestEvent::Finished { reason, completion_tokens, .. } => {
+                out.finish = reason;
+                out.completion_tokens = completion_tokens;
+            }
+            RequestEvent::Failed { message } => return Err(ApiError::internal(message)),
+            RequestEvent::PromptLogprobs { .. } => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Which of `stops` ended an output that finished with `Stop`: the engine cuts the text before
+/// the stop string, so the generated tokens decode to the text sent followed by it. `None`
+/// when the output ended on an end-of-turn token instead.
+pub fn matched_stop(tokenizer: &Tokenizer, tokens: &[TokenId], sent: &str, stops: &[String]) -> Option<String> {
+    if stops.is_empty() || tokens.last().is_some_and(|&t| tokenizer.is_eos(t)) {
+        return None;
+    }
+    let decoded = tokenizer.decode(tokens, true).ok()?;
+    let rest = decoded.get(sent.len()..)?;
+    stops.iter().filter_map(|s| rest.find(s.as_str()).map(|at| (at, s))).min_by_key(|(at, s)| (*at, usize::MAX - s.len())).map(|(_, s)| s.clone())
+}
