@@ -3,6 +3,7 @@
 //! the output is searched for calls (`tools.rs`) and they come back as `message.tool_calls`, or
 //! streamed as `delta.tool_calls` (a call's name once known, then its arguments as they come).
 
+use crate::bounds;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
@@ -19,7 +20,6 @@ use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use specula_engine::api::{FinishReason, TokenLogprob};
-use specula_engine::constraint::compile_check;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
 use std::sync::Arc;
@@ -30,13 +30,13 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let config = &state.config;
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
+    bounds::check_chat(&req, &state)?;
     let mut plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
     let stream = req.stream.unwrap_or(false);
     if stream && plan.base.prompt_logprobs.is_some() {
         // vLLM refuses it too: a chat stream has no place for the prompt's logprobs
         return Err(ApiError::invalid_param("prompt_logprobs", "prompt_logprobs are answered on chat completions only without streaming; drop `stream`"));
     }
-    validate::check_constraint(&plan, &state.tokenizer)?;
     let tool_set =
         ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
     let texts = validate::chat_messages(req.messages.as_deref())?;
@@ -45,7 +45,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         .chat_template
         .as_ref()
         .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
-    let text = tools::render(template, messages, tool_set.as_ref(), true)?;
+    let (mut constraint_param, mut what) = (plan.constraint_param, "");
     if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
         if plan.base.constraint.is_some() {
             return Err(ApiError::invalid_param(
@@ -57,17 +57,24 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
             ));
         }
         // a parameters schema the grammar engine cannot compile is the client's to fix
-        compile_check(&state.tokenizer, &constraint)
-            .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;
-        plan.base.constraint = Some(constraint);
+        (constraint_param, what) = ("tools", "the tools' parameters cannot force a call: ");
+        plan.base.constraint = Some(Arc::new(constraint));
     }
-    // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
-    let prompt = state.tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), constraint_param, what, config).await?;
+    let (template, tokenizer, tools_to_render) = (template.clone(), state.tokenizer.clone(), tool_set.clone());
+    let prompt = state
+        .prep
+        .run(move || {
+            let text = tools::render(&template, messages, tools_to_render.as_ref(), true)?;
+            // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
+            tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))
+        })
+        .await??;
     validate::check_prompt(&prompt, "messages", config, vocab)?;
     let jobs = (0..plan.n)
         .map(|i| {
             let params = plan.params_for(prompt.len(), i, DefaultMaxTokens::RemainingContext, config)?;
-            Ok(ChoiceJob { index: i, prompt: prompt.clone(), params })
+            Ok(ChoiceJob { index: i, prompt: prompt.clone(), params, grammar: grammar.clone() })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     let runs = generate::submit(&state.engine, jobs, arrived)?;
