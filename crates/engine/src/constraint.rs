@@ -48,13 +48,14 @@ pub struct GrammarBudget {
     pub initial_lexer_fuel: u64,
     /// Symbols in the grammar's productions (default 500k, "a few megabytes of JSON").
     pub max_grammar_size: usize,
-    /// Lexer states, ~1-2 kB of memory each (default 250k).
+    /// Lexer states, ~1-2 kB of memory each: llguidance's default (250k), not tightened, since
+    /// states are also built while generating, where running out fails a running request.
     pub max_lexer_states: usize,
 }
 
 impl Default for GrammarBudget {
     fn default() -> Self {
-        Self { initial_lexer_fuel: 200_000, max_grammar_size: 50_000, max_lexer_states: 50_000 }
+        Self { initial_lexer_fuel: 200_000, max_grammar_size: 50_000, max_lexer_states: 250_000 }
     }
 }
 

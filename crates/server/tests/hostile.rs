@@ -98,17 +98,16 @@ async fn post(router: &axum::Router, body: Value) -> (StatusCode, Value) {
 #[tokio::test]
 async fn a_request_larger_than_the_room_left_is_a_503_that_leaves_the_queue_as_it_was() {
     let (router, engine, rx) = stalled_server();
-    // 40 choices queued (streamed, so the handler returns while they wait)
-    let (status, _) = {
+    // 40 choices queued (streamed, so the handler returns while they wait; the response is
+    // kept, so its choices stay queued)
+    let queued = {
         use tower::ServiceExt;
         let body = json!({"prompt": vec!["hi"; 10], "n": 4, "stream": true, "max_tokens": 2});
         let req =
             axum::http::Request::post("/v1/completions").header("content-type", "application/json").body(axum::body::Body::from(body.to_string())).unwrap();
-        let resp = router.clone().oneshot(req).await.unwrap();
-        let status = resp.status();
-        std::mem::forget(resp); // keep the stream (and its choices) alive
-        (status, ())
+        router.clone().oneshot(req).await.unwrap()
     };
+    let status = queued.status();
     assert_eq!(status, StatusCode::OK);
     assert_eq!(engine.waiting(), 40);
     assert_eq!(rx.try_iter().count(), 40);
@@ -118,6 +117,7 @@ async fn a_request_larger_than_the_room_left_is_a_503_that_leaves_the_queue_as_i
     assert_eq!((status, &error_of(&v)["code"]), (StatusCode::SERVICE_UNAVAILABLE, &json!("overloaded")), "{v}");
     assert_eq!(engine.waiting(), 40, "the queue's counter is as it was");
     assert_eq!(rx.try_iter().count(), 0, "not one submission nor abort reached the engine");
+    drop(queued);
 }
 
 /// Tokenizing a large no-space prompt runs on the prep pool: on a runtime with one async worker,
