@@ -1,11 +1,15 @@
 //! The engine's public surface: what a front end (HTTP server, CLI, benchmark) submits and what
 //! comes back. Everything crosses threads by channel; nothing here touches the model.
 
+use crate::constraint::Grammar;
 use crate::types::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Per-request sampling settings, validated by [`SamplingParams::validate`] before submission.
-/// Serializable so MPI ranks can receive requests (`dp::bridge`).
+/// Serializable so MPI ranks can receive requests (`dp::bridge`). The parts a client can make
+/// large (stop strings, stop ids, logit bias, constraint) are shared (`Arc`): the `n` choices of a
+/// request, and every step that samples a sequence, clone a pointer, not the lists.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy (argmax).
@@ -27,13 +31,15 @@ pub struct SamplingParams {
     /// Maximum number of generated tokens.
     pub max_tokens: usize,
     /// Generation stops when the text contains one of these; the stop string is not returned.
-    pub stop: Vec<String>,
+    #[serde(with = "shared")]
+    pub stop: Arc<[String]>,
     /// Generation stops when one of these tokens is sampled (in addition to EOS unless ignore_eos).
-    pub stop_token_ids: Vec<TokenId>,
+    #[serde(with = "shared")]
+    pub stop_token_ids: Arc<[TokenId]>,
     /// Added to these tokens' raw logits before penalties and sampling (OpenAI's `logit_bias`,
     /// each in [-100, 100]); logprobs stay those of the raw distribution.
-    #[serde(default)]
-    pub logit_bias: Vec<(TokenId, f32)>,
+    #[serde(default, with = "shared")]
+    pub logit_bias: Arc<[(TokenId, f32)]>,
     pub ignore_eos: bool,
     /// No speculative drafts for this request (an opt-out; the output is the same either way).
     #[serde(default)]
@@ -47,8 +53,37 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<usize>,
     /// None: free text. Some: every sampled token must keep the output inside this language
     /// (structured outputs, forced tool calls); logprobs stay those of the raw distribution.
-    #[serde(default)]
-    pub constraint: Option<Constraint>,
+    /// The engine runs it from the compiled [`GenerateRequest::grammar`], never compiling it.
+    #[serde(default, with = "shared_option")]
+    pub constraint: Option<Arc<Constraint>>,
+}
+
+/// Serde for `Arc<[T]>` as a plain list (serde's own needs its `rc` feature).
+mod shared {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::sync::Arc;
+
+    pub fn serialize<S: Serializer, T: Serialize>(v: &Arc<[T]>, s: S) -> Result<S::Ok, S::Error> {
+        v[..].serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Arc<[T]>, D::Error> {
+        Vec::<T>::deserialize(d).map(Arc::from)
+    }
+}
+
+/// Serde for `Option<Arc<T>>` as an optional plain value.
+mod shared_option {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::sync::Arc;
+
+    pub fn serialize<S: Serializer, T: Serialize>(v: &Option<Arc<T>>, s: S) -> Result<S::Ok, S::Error> {
+        v.as_deref().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<Arc<T>>, D::Error> {
+        Option::<T>::deserialize(d).map(|v| v.map(Arc::new))
+    }
 }
 
 /// A language the output must stay inside, as the front end asked for it. The engine compiles it
@@ -79,9 +114,9 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             seed: None,
             max_tokens: 16,
-            stop: Vec::new(),
-            stop_token_ids: Vec::new(),
-            logit_bias: Vec::new(),
+            stop: Arc::from([]),
+            stop_token_ids: Arc::from([]),
+            logit_bias: Arc::from([]),
             ignore_eos: false,
             disable_speculation: false,
             logprobs: None,
@@ -227,11 +262,16 @@ pub fn streamed_tokens(events: &[RequestEvent]) -> Vec<TokenId> {
         .collect()
 }
 
-/// One request as the engine receives it: already tokenized and validated.
+/// One request as the engine receives it: already tokenized, validated and, with a
+/// constraint, compiled.
 #[derive(Debug)]
 pub struct GenerateRequest {
     pub id: RequestId,
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
     pub events: tokio::sync::mpsc::UnboundedSender<RequestEvent>,
+    /// `params.constraint` compiled (`constraint::compile`), by the front end, off the engine
+    /// thread; the choices of one request each get a clone of one compilation. The engine fails
+    /// a request whose constraint comes without it (it never compiles on its own thread).
+    pub grammar: Option<Grammar>,
 }

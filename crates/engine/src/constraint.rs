@@ -3,8 +3,10 @@
 //! language (a mask applied to the logits), and advances on the tokens the sequence accepts.
 //!
 //! - [`ConstraintCompiler`]: the tokenizer as llguidance sees it (a token trie over every token's
-//!   bytes, `Tokenizer::token_bytes`), built once per tokenizer and shared (engine ranks and the
-//!   server's request validation: [`compile_check`]).
+//!   bytes, `Tokenizer::token_bytes`), built once per tokenizer and shared. A request's constraint
+//!   is compiled once ([`compile`]), by the front end on its blocking pool, within
+//!   [`GrammarBudget`]; the engine thread never compiles, it receives the [`Grammar`] with the
+//!   request (`GenerateRequest::grammar`), one clone per choice.
 //! - [`Grammar`]: one sequence's matcher. It travels with the sequence's sampling state like its
 //!   random stream (`SampleItem`, `SeqResult`), so sync and async scheduling mask alike.
 //!
@@ -13,7 +15,7 @@
 
 use crate::api::Constraint;
 use crate::types::TokenId;
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
@@ -31,6 +33,41 @@ type CacheEntry = (Weak<Tokenizer>, Arc<ConstraintCompiler>);
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{0}")]
 pub struct ConstraintError(pub String);
+
+/// What one constraint may cost to compile: llguidance's limits, tightened from its defaults so
+/// that a valid but huge schema is refused (HTTP 400 naming the field) instead of holding a
+/// core for seconds. The server adds a wall-time bound on top (`ServerConfig`).
+///
+/// Measured on the default model's 151k-token vocabulary (see the server's
+/// `test_hostile_requests.py`): a 150-property schema of `anyOf` over 200-value enums, which
+/// takes seconds under the defaults, is over this budget; ordinary tool and response schemas
+/// use a few percent of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrammarBudget {
+    /// Lexer fuel to build the initial regex AST (llguidance: ~50k per ms; default 1M).
+    pub initial_lexer_fuel: u64,
+    /// Symbols in the grammar's productions (default 500k, "a few megabytes of JSON").
+    pub max_grammar_size: usize,
+    /// Lexer states, ~1-2 kB of memory each: llguidance's default (250k), not tightened, since
+    /// states are also built while generating, where running out fails a running request.
+    pub max_lexer_states: usize,
+}
+
+impl Default for GrammarBudget {
+    fn default() -> Self {
+        Self { initial_lexer_fuel: 200_000, max_grammar_size: 50_000, max_lexer_states: 250_000 }
+    }
+}
+
+impl GrammarBudget {
+    fn apply(&self, limits: &mut ParserLimits) {
+        limits.initial_lexer_fuel = self.initial_lexer_fuel;
+        limits.max_grammar_size = self.max_grammar_size;
+        limits.max_lexer_states = self.max_lexer_states;
+        // a refusal names the limit; the grammar and parser state only make the 400 huge
+        limits.verbose_errors = false;
+    }
+}
 
 /// llguidance's view of one tokenizer: the token trie and a parser factory. Building it walks the
 /// whole vocabulary (a fraction of a second for 150k tokens), so it is built once per tokenizer
@@ -78,6 +115,7 @@ impl ConstraintCompiler {
         let mut factory = ParserFactory::new(&env, InferenceCapabilities::default(), &llguidance::earley::SlicedBiasComputer::general_slices())
             .map_err(|e| ConstraintError(format!("building the grammar engine for this tokenizer: {e}")))?;
         factory.quiet();
+        GrammarBudget::default().apply(factory.limits_mut());
         Ok(Self { factory, eos, vocab })
     }
 
@@ -146,10 +184,11 @@ impl TokenizerEnv for CanonicalTokEnv {
     }
 }
 
-/// Checks that `c` compiles for `tokenizer` (the server calls it before submitting a request,
-/// so a bad schema, regex or grammar is an HTTP 400 naming the problem).
-pub fn compile_check(tokenizer: &Arc<Tokenizer>, c: &Constraint) -> Result<(), ConstraintError> {
-    ConstraintCompiler::for_tokenizer(tokenizer)?.compile(c).map(|_| ())
+/// Compiles `c` for `tokenizer` within [`GrammarBudget`]: once per request, by the front end
+/// (the server, on its blocking pool), so a bad or over-budget schema, regex or grammar is an
+/// HTTP 400 naming the problem, and the request carries the result to the engine.
+pub fn compile(tokenizer: &Arc<Tokenizer>, c: &Constraint) -> Result<Grammar, ConstraintError> {
+    ConstraintCompiler::for_tokenizer(tokenizer)?.compile(c)
 }
 
 /// JSON output layout the schema grammars use unless a schema sets its own `x-guidance`: one
@@ -488,7 +527,7 @@ mod tests {
             Constraint::Choice(vec!["x".into(), "y".into()]),
             Constraint::Lark("start: \"a\"".into()),
         ] {
-            let p = crate::api::SamplingParams { constraint: Some(c), ..Default::default() };
+            let p = crate::api::SamplingParams { constraint: Some(Arc::new(c)), ..Default::default() };
             let back: crate::api::SamplingParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
             assert_eq!(back, p);
         }

@@ -48,6 +48,8 @@ pub trait Router: Send + Sync {
     fn shutdown(&self);
     /// Requests waiting on all engines.
     fn waiting(&self) -> usize;
+    /// Requests all engines' waiting queues hold when full.
+    fn capacity(&self) -> usize;
 }
 
 #[derive(Clone)]
@@ -100,6 +102,44 @@ impl EngineHandle {
         })
     }
 
+    /// Queues all of `reqs` or none: the waiting slots for all of them are reserved at once, so a
+    /// request with many choices never half-fills the queue before being refused (the refused
+    /// requests are dropped unsent; nothing reaches the engine). Behind a router, whose ranks
+    /// reserve one by one, the free room is checked first and, should a rank still refuse, the
+    /// ones already submitted are aborted.
+    pub fn submit_all(&self, reqs: Vec<GenerateRequest>) -> Result<(), SubmitError> {
+        let n = reqs.len();
+        let (tx, counters, max_waiting) = match &self.target {
+            Target::Engine { tx, counters, max_waiting } => (tx, counters, *max_waiting),
+            Target::Ranks(router) => {
+                let (waiting, limit) = (router.waiting(), router.capacity());
+                if waiting.saturating_add(n) > limit {
+                    return Err(SubmitError::QueueFull { waiting, limit });
+                }
+                let ids: Vec<RequestId> = reqs.iter().map(|r| r.id).collect();
+                for (sent, req) in reqs.into_iter().enumerate() {
+                    if let Err(e) = router.submit(req) {
+                        ids[..sent].iter().for_each(|&id| router.abort(id));
+                        return Err(e);
+                    }
+                }
+                return Ok(());
+            }
+        };
+        counters
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |w| (w.saturating_add(n) <= max_waiting).then_some(w + n))
+            .map_err(|waiting| SubmitError::QueueFull { waiting, limit: max_waiting })?;
+        for (sent, req) in reqs.into_iter().enumerate() {
+            if tx.send(EngineCommand::Submit(req)).is_err() {
+                // the engine is gone: give back the slots of those not sent
+                counters.waiting.fetch_sub(n - sent, Ordering::Relaxed);
+                return Err(SubmitError::Closed);
+            }
+        }
+        Ok(())
+    }
+
     /// Cancels a request; harmless if it already finished.
     pub fn abort(&self, id: RequestId) {
         match &self.target {
@@ -124,5 +164,19 @@ impl EngineHandle {
             Target::Engine { counters, .. } => counters.waiting.load(Ordering::Relaxed),
             Target::Ranks(router) => router.waiting(),
         }
+    }
+
+    /// Requests the waiting queue holds when full (`--max-waiting`, summed over ranks).
+    pub fn capacity(&self) -> usize {
+        match &self.target {
+            Target::Engine { max_waiting, .. } => *max_waiting,
+            Target::Ranks(router) => router.capacity(),
+        }
+    }
+
+    /// Requests the waiting queue can take right now: a front end refuses a request with more
+    /// choices than this before doing any work for it.
+    pub fn room(&self) -> usize {
+        self.capacity().saturating_sub(self.waiting())
     }
 }

@@ -9,7 +9,6 @@
 
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
 use crate::config::{EngineConfig, FaultInjection, FaultPhase};
-use crate::constraint::ConstraintCompiler;
 use crate::error::{panic_message, EngineError, StepError};
 use crate::handle::QueueCounters;
 use crate::kv_cache::KvCacheManager;
@@ -113,26 +112,20 @@ impl Host {
         } else {
             req.params.validate(usize::MAX).err().map(|e| e.message)
         };
-        // the constraint is compiled once, here, before the request runs
-        let grammar = match (&problem, &req.params.constraint) {
-            (None, Some(c)) => match ConstraintCompiler::for_tokenizer(&self.tokenizer).and_then(|cc| cc.compile(c)) {
-                Ok(g) => Some(g),
-                Err(e) => {
-                    problem = Some(e.0);
-                    None
-                }
-            },
-            _ => None,
-        };
+        // compiled by the front end, off this thread; one is never compiled here
+        let GenerateRequest { id: request_id, prompt, params, events, grammar } = req;
+        if problem.is_none() && params.constraint.is_some() != grammar.is_some() {
+            problem = Some("the request's constraint and its compiled grammar do not match (compile it with constraint::compile before submitting)".into());
+        }
         if let Some(message) = problem {
             self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
-            let _ = req.events.send(RequestEvent::Failed { message });
+            let _ = events.send(RequestEvent::Failed { message });
             return;
         }
         let id = SeqId(self.next_seq);
         self.next_seq += 1;
-        self.by_request.insert(req.id, id);
-        let mut seq = Sequence::new(id, req.id, req.prompt, req.params, req.events);
+        self.by_request.insert(request_id, id);
+        let mut seq = Sequence::new(id, request_id, prompt, params, events);
         seq.grammar = grammar;
         self.seqs.insert(id, seq);
         self.scheduler.add(id);

@@ -320,7 +320,7 @@ fn fault_case(kind: FaultKind) {
         };
         let submit = |p: Vec<u32>, params: SamplingParams| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: p, params, events: tx }).unwrap();
+            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: p, params, events: tx, grammar: None }).unwrap();
             rx
         };
         let a = submit(prompt(10, 1), greedy(30));
@@ -434,7 +434,7 @@ fn shutdown_with_a_job_in_flight_is_bounded_and_ends_every_request() {
     let mut rxs = Vec::new();
     for i in 0..6 {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt(20, i), params: greedy(200), events: tx }).unwrap();
+        handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt(20, i), params: greedy(200), events: tx, grammar: None }).unwrap();
         rxs.push(rx);
     }
     // wait until tokens flow, so steps are being pipelined

@@ -185,7 +185,8 @@ fn shutdown_with_work_on_one_rank_drains_it_then_stops_every_rank() {
     let late = group.rank_handles[3].next_request_id();
     let (tx, mut late_rx) = tokio::sync::mpsc::unbounded_channel();
     std::thread::sleep(Duration::from_millis(50));
-    let refused = group.rank_handles[3].submit(specula_engine::GenerateRequest { id: late, prompt: prompt(5, 1), params: greedy(5), events: tx });
+    let refused =
+        group.rank_handles[3].submit(specula_engine::GenerateRequest { id: late, prompt: prompt(5, 1), params: greedy(5), events: tx, grammar: None });
     assert!(shutdown_and_join(group).iter().all(|r| r.is_ok()));
     assert_eq!(s.finished(FinishReason::Length).len(), 50, "in-flight work finishes within the grace period");
     if refused.is_ok() {

@@ -106,7 +106,7 @@ fn mpi_lockstep_with_one_request_on_rank_one_finishes_and_both_ranks_stop() {
     check_same_config(&comm, Ok("tiny=1")).unwrap();
     let watcher = if comm.rank() == 1 {
         let (tx, mut events) = tokio::sync::mpsc::unbounded_channel();
-        handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt(40, 1), params: greedy(25), events: tx }).unwrap();
+        handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt(40, 1), params: greedy(25), events: tx, grammar: None }).unwrap();
         let h = handle.clone();
         std::thread::spawn(move || {
             let mut tokens = 0;
@@ -143,7 +143,7 @@ fn moe_single_engine(path: &std::path::Path, reqs: &[(Vec<u32>, specula_engine::
     let mut rxs = Vec::new();
     for (p, params) in reqs {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        h.submit(GenerateRequest { id: h.next_request_id(), prompt: p.clone(), params: params.clone(), events: tx }).unwrap();
+        h.submit(GenerateRequest { id: h.next_request_id(), prompt: p.clone(), params: params.clone(), events: tx, grammar: None }).unwrap();
         rxs.push(rx);
     }
     let out = rxs.into_iter().map(collect_tokens).collect();
@@ -202,7 +202,9 @@ fn mpi_lockstep_expert_parallel_moe_gives_the_single_engine_tokens() {
         .into_iter()
         .map(|i| {
             let (tx, events) = tokio::sync::mpsc::unbounded_channel();
-            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: all[i].0.clone(), params: all[i].1.clone(), events: tx }).unwrap();
+            handle
+                .submit(GenerateRequest { id: handle.next_request_id(), prompt: all[i].0.clone(), params: all[i].1.clone(), events: tx, grammar: None })
+                .unwrap();
             (i, events)
         })
         .collect();

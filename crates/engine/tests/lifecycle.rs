@@ -62,7 +62,7 @@ fn stop_string_ends_with_stop_and_is_not_returned() {
     let stop: String = [chars[at].1, chars[at + 1].1].iter().collect();
     let expected = &full[..full.find(&stop).unwrap()];
 
-    let mut c = h.submit(p, SamplingParams { stop: vec![stop.clone()], ..greedy(40) });
+    let mut c = h.submit(p, SamplingParams { stop: vec![stop.clone()].into(), ..greedy(40) });
     h.run(&mut [&mut c], 200);
     let tokens = c.finished_tokens(FinishReason::Stop);
     assert_eq!(c.text(), expected, "text up to (not including) the stop string {stop:?}");
@@ -81,7 +81,7 @@ fn stop_token_ends_with_stop_and_is_streamed() {
     let stop_id = out[6];
     let first = out.iter().position(|&t| t == stop_id).unwrap();
 
-    let mut by_id = h.submit(p.clone(), SamplingParams { stop_token_ids: vec![stop_id], ..greedy(30) });
+    let mut by_id = h.submit(p.clone(), SamplingParams { stop_token_ids: vec![stop_id].into(), ..greedy(30) });
     h.run(&mut [&mut by_id], 200);
     assert_eq!(by_id.finished_tokens(FinishReason::Stop), out[..=first], "stops at (and streams) the stop token");
     h.assert_idle_and_leak_free();
@@ -256,7 +256,7 @@ fn text_held_back_for_a_stop_string_is_flushed_when_the_request_ends() {
     // back while it might still grow into one, then sent when max_tokens ends the request
     let last: String = free.text().chars().last().into_iter().collect();
     let stops = vec![format!("{last}\u{1}\u{2}never"), "\u{0}absent".to_string()];
-    let mut c = h.submit(p, SamplingParams { stop: stops, ..greedy(30) });
+    let mut c = h.submit(p, SamplingParams { stop: stops.into(), ..greedy(30) });
     h.run(&mut [&mut c], 200);
     assert_eq!(c.finished_tokens(FinishReason::Length), free.tokens());
     assert_eq!(c.text(), free.text());

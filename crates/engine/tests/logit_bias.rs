@@ -7,7 +7,7 @@ mod common;
 use common::*;
 
 fn with_bias(max_tokens: usize, bias: Vec<(u32, f32)>) -> specula_engine::SamplingParams {
-    specula_engine::SamplingParams { ignore_eos: true, logit_bias: bias, ..greedy(max_tokens) }
+    specula_engine::SamplingParams { ignore_eos: true, logit_bias: bias.into(), ..greedy(max_tokens) }
 }
 
 fn run_one(spec: Spec, async_scheduling: bool, params: specula_engine::SamplingParams) -> Vec<u32> {

@@ -9,7 +9,7 @@ mod spec_support;
 
 use spec_support::{spec_config, End, Outcome, Rig};
 use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
-use specula_engine::constraint::compile_check;
+use specula_engine::constraint::compile;
 use specula_engine::spec::SpecMethod;
 use specula_engine::{Constraint, EngineConfig, FinishReason, SamplingParams};
 use specula_model::testing::model_for_tests;
@@ -62,7 +62,7 @@ fn requests(model: &Path) -> Vec<(Vec<u32>, Constraint)> {
 }
 
 fn params(c: &Constraint, max_tokens: usize) -> SamplingParams {
-    SamplingParams { constraint: Some(c.clone()), ..SamplingParams::greedy(max_tokens) }
+    SamplingParams { constraint: Some(Arc::new(c.clone())), ..SamplingParams::greedy(max_tokens) }
 }
 
 /// Checks `text` against `c` with a hand-written oracle (not llguidance). `complete`: the output
@@ -258,10 +258,10 @@ fn invalid_constraints_fail_before_running_and_name_the_problem() {
         (Constraint::Lark("start: missing_rule".into()), "grammar"),
     ];
     for (c, what) in &bad {
-        let e = compile_check(&tok, c).unwrap_err().0;
+        let e = compile(&tok, c).unwrap_err().0;
         assert!(e.contains(what), "{c:?}: {e}");
     }
-    assert!(compile_check(&tok, &Constraint::JsonSchema(PERSON_SCHEMA.into())).is_ok());
+    assert!(compile(&tok, &Constraint::JsonSchema(PERSON_SCHEMA.into())).is_ok());
     // submitted anyway: failed at admission, nothing runs, nothing leaks
     let mut rig = Rig::new(&model, config(false), None);
     let out = rig.run_batch(&bad.iter().map(|(c, _)| (chat(&model, "hi"), params(c, 8))).collect::<Vec<_>>());
@@ -314,7 +314,7 @@ fn constrained_sampling_with_ngram_speculation_follows_the_masked_target_distrib
         .map(|i| {
             (
                 prompt.clone(),
-                SamplingParams { temperature: 1.0, seed: Some(7000 + i), constraint: Some(constraint.clone()), max_tokens: 12, ..Default::default() },
+                SamplingParams { temperature: 1.0, seed: Some(7000 + i), constraint: Some(Arc::new(constraint.clone())), max_tokens: 12, ..Default::default() },
             )
         })
         .collect();

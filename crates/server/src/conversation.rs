@@ -8,6 +8,7 @@
 //! Not for any dialect's wire types (`types.rs`, `dialect/*.rs`) or for running requests
 //! (`generate.rs`).
 
+use crate::bounds;
 use crate::error::ApiError;
 use crate::generate::{ChoiceJob, ChoiceRun};
 use crate::reasoning::{self, ReasoningParser, ReasoningPiece};
@@ -17,7 +18,8 @@ use crate::AppState;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 use specula_engine::api::{FinishReason, RequestEvent};
-use specula_engine::constraint::compile_check;
+use specula_engine::constraint::Grammar;
+use std::sync::Arc;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
 
@@ -44,6 +46,8 @@ pub struct Prepared {
     pub tool_names: Option<Vec<String>>,
     /// `Some(opened)` when the template thinks; `opened`: the prompt opened the think block.
     pub reasoning: Option<bool>,
+    /// The constraint compiled once (`prep.rs`); every choice clones it.
+    pub grammar: Option<Grammar>,
 }
 
 /// An assistant message for the template: its text, reasoning and calls (`(id, name, arguments)`).
@@ -78,16 +82,19 @@ pub fn call_arguments(arguments: &Value, param: &str) -> Result<Value, ApiError>
 }
 
 /// Renders, tokenizes and checks a conversation: the tool grammar (for a forced call) becomes
-/// the constraint, and every check names the field at fault.
-pub fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, ApiError> {
+/// the constraint, and every check names the field at fault. Counts are bounded first
+/// (`bounds::check_conversation`); the grammar compiles once and the template renders and
+/// tokenizes on the prep pool (`prep.rs`), never on the async workers.
+pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, ApiError> {
     let Conversation { messages, tools: tool_set, mut plan, template_kwargs } = conv;
     let config = &state.config;
-    validate::check_constraint(&plan, &state.tokenizer)?;
+    bounds::check_conversation(state, &messages, tool_set.as_ref().map_or(0, |t| t.names().len()), plan.n)?;
     let template = state
         .chat_template
         .as_ref()
-        .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
-    let text = tools::render_with_kwargs(template, messages, tool_set.as_ref(), true, &template_kwargs)?;
+        .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?
+        .clone();
+    let (mut constraint_param, mut what) = (plan.constraint_param, "");
     if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
         if plan.base.constraint.is_some() {
             return Err(ApiError::invalid_param(
@@ -96,23 +103,34 @@ pub fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, ApiErro
             ));
         }
         // a parameters schema the grammar engine cannot compile is the client's to fix
-        compile_check(&state.tokenizer, &constraint)
-            .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;
-        plan.base.constraint = Some(constraint);
+        (constraint_param, what) = ("tools", "the tools' parameters cannot force a call: ");
+        plan.base.constraint = Some(Arc::new(constraint));
     }
-    // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
-    let prompt = state.tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), constraint_param, what, config).await?;
+    let (tokenizer, to_render) = (state.tokenizer.clone(), tool_set.clone());
+    let (prompt, reasoning) = state
+        .prep
+        .run(move || {
+            let text = tools::render_with_kwargs(&template, messages, to_render.as_ref(), true, &template_kwargs)?;
+            // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
+            let prompt = tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
+            let reasoning = reasoning::template_thinks(template.source()).then(|| reasoning::prompt_opens_reasoning(&text));
+            Ok::<_, ApiError>((prompt, reasoning))
+        })
+        .await??;
     validate::check_prompt(&prompt, "messages", config, state.tokenizer.vocab_size())?;
-    let reasoning = reasoning::template_thinks(template.source()).then(|| reasoning::prompt_opens_reasoning(&text));
     let tool_names = tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names);
-    Ok(Prepared { prompt, plan, tool_names, reasoning })
+    Ok(Prepared { prompt, plan, tool_names, reasoning, grammar })
 }
 
 impl Prepared {
     /// One engine request per choice.
     pub fn jobs(&self, default: DefaultMaxTokens, config: &crate::ServerConfig) -> Result<Vec<ChoiceJob>, ApiError> {
         (0..self.plan.n)
-            .map(|i| Ok(ChoiceJob { index: i, prompt: self.prompt.clone(), params: self.plan.params_for(self.prompt.len(), i, default, config)? }))
+            .map(|i| {
+                let params = self.plan.params_for(self.prompt.len(), i, default, config)?;
+                Ok(ChoiceJob { index: i, prompt: self.prompt.clone(), params, grammar: self.grammar.clone() })
+            })
             .collect()
     }
 

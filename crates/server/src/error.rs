@@ -102,6 +102,11 @@ impl ApiError {
         }
     }
 
+    /// 503 `overloaded`: the server cannot take this work now; retrying later may succeed.
+    pub fn overloaded(message: impl Into<String>) -> Self {
+        Self { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "server_error", param: None, code: Some("overloaded") }
+    }
+
     /// 500: the engine failed this request.
     pub fn internal(message: impl Into<String>) -> Self {
         Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "internal_error", param: None, code: None }

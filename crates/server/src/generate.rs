@@ -10,6 +10,7 @@ use crate::error::ApiError;
 use crate::metrics::RequestTimer;
 use futures::stream::{SelectAll, Stream, StreamExt};
 use specula_engine::api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
+use specula_engine::constraint::Grammar;
 use specula_engine::handle::EngineHandle;
 use specula_engine::types::{RequestId, TokenId};
 use std::pin::Pin;
@@ -48,6 +49,8 @@ pub struct ChoiceJob {
     pub index: usize,
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
+    /// `params.constraint` compiled: a clone of the request's one compilation (`prep.rs`).
+    pub grammar: Option<Grammar>,
 }
 
 /// A submitted choice: a stream of `(choice index, event)` that ends after the terminal event
@@ -95,15 +98,21 @@ impl Stream for ChoiceRun {
 /// All choices of one HTTP request, events interleaved as they come.
 pub type ChoiceEvents = SelectAll<ChoiceRun>;
 
-/// Submits every job; if one is refused (queue full, engine stopping), the ones already
-/// submitted are aborted by their guards and the refusal is returned.
+/// Submits every job or none (`EngineHandle::submit_all`): a refusal (queue full, engine
+/// stopping) leaves the engine's queue as it was and is returned.
 pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant) -> Result<Vec<ChoiceRun>, ApiError> {
     let mut runs = Vec::with_capacity(jobs.len());
+    let mut reqs = Vec::with_capacity(jobs.len());
     for job in jobs {
         let id = engine.next_request_id();
         let (tx, rx) = unbounded_channel();
-        engine.submit(GenerateRequest { id, prompt: job.prompt, params: job.params, events: tx })?;
+        reqs.push(GenerateRequest { id, prompt: job.prompt, params: job.params, events: tx, grammar: job.grammar });
         runs.push(ChoiceRun { index: job.index, id, events: rx, guard: AbortOnDrop::new(engine.clone(), id), timer: RequestTimer::new(arrived), done: false });
+    }
+    if let Err(e) = engine.submit_all(reqs) {
+        // nothing of this request is queued: nothing to abort
+        runs.iter_mut().for_each(|r| r.guard.disarm());
+        return Err(e.into());
     }
     Ok(runs)
 }

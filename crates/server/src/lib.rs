@@ -11,12 +11,14 @@
 //! ```
 
 pub mod auth;
+pub mod bounds;
 pub mod conversation;
 pub mod dialect;
 pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod metrics;
+pub mod prep;
 pub mod reasoning;
 pub mod routes;
 pub mod sse;
@@ -61,6 +63,33 @@ pub struct ServerConfig {
     pub max_stop_strings: usize,
     /// Longest stop string, in characters (`--max-stop-string-chars`).
     pub max_stop_string_chars: usize,
+    /// Most prompts in one `/v1/completions` request (`--max-prompts-per-request`). Each
+    /// prompt is tokenized and becomes `n` engine requests; prompts x n is bounded further by
+    /// the room left in the engine's waiting queue (`--max-waiting`), checked before any work.
+    pub max_prompts_per_request: usize,
+    /// Most `logit_bias` entries (`--max-logit-bias`; OpenAI documents 300): each is applied to
+    /// every sampled row of the request.
+    pub max_logit_bias: usize,
+    /// Most `stop_token_ids`: each is compared with every sampled token.
+    pub max_stop_token_ids: usize,
+    /// Most `tools` in a chat request (OpenAI's limit is 128): each is rendered into the prompt
+    /// and may become part of a forced-call grammar.
+    pub max_tools: usize,
+    /// Most `messages` in a chat request.
+    pub max_messages: usize,
+    /// Largest structured-output constraint (a JSON schema's text, a regex, a grammar, the
+    /// choices together) and largest `tools` list (its JSON), in bytes; what passes is compiled
+    /// within `constraint::GrammarBudget` and `grammar_compile_timeout`.
+    pub max_schema_bytes: usize,
+    /// Wall time one grammar compilation may take on the prep pool; past it the request is a
+    /// 400 naming the field (the compilation finishes in the background, holding its thread, so
+    /// the pool stays bounded).
+    pub grammar_compile_timeout: std::time::Duration,
+    /// Threads that prepare requests (tokenize, render templates, compile grammars) off the
+    /// async workers (`--prep-threads`; default: the machine's cores).
+    pub prep_threads: usize,
+    /// Preparations that may wait for a prep thread; past it a request is a 503 `overloaded`.
+    pub prep_queue: usize,
 }
 
 impl ServerConfig {
@@ -76,6 +105,15 @@ impl ServerConfig {
             completions_default_max_tokens: 16,
             max_stop_strings: 16,
             max_stop_string_chars: 256,
+            max_prompts_per_request: 256,
+            max_logit_bias: 1024,
+            max_stop_token_ids: 256,
+            max_tools: 128,
+            max_messages: 1024,
+            max_schema_bytes: 256 * 1024,
+            grammar_compile_timeout: std::time::Duration::from_secs(2),
+            prep_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            prep_queue: 64,
         }
     }
 
@@ -92,6 +130,16 @@ impl ServerConfig {
         }
         if self.max_body_bytes == 0 {
             return bad("max_body_bytes must be at least 1".into());
+        }
+        for (name, v) in [
+            ("--max-prompts-per-request", self.max_prompts_per_request),
+            ("--prep-threads", self.prep_threads),
+            ("max_messages", self.max_messages),
+            ("max_schema_bytes", self.max_schema_bytes),
+        ] {
+            if v == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
         }
         if self.api_key.as_deref() == Some("") {
             return bad("--api-key is empty; leave it out to disable auth".into());
@@ -113,6 +161,15 @@ impl std::fmt::Debug for ServerConfig {
             .field("completions_default_max_tokens", &self.completions_default_max_tokens)
             .field("max_stop_strings", &self.max_stop_strings)
             .field("max_stop_string_chars", &self.max_stop_string_chars)
+            .field("max_prompts_per_request", &self.max_prompts_per_request)
+            .field("max_logit_bias", &self.max_logit_bias)
+            .field("max_stop_token_ids", &self.max_stop_token_ids)
+            .field("max_tools", &self.max_tools)
+            .field("max_messages", &self.max_messages)
+            .field("max_schema_bytes", &self.max_schema_bytes)
+            .field("grammar_compile_timeout", &self.grammar_compile_timeout)
+            .field("prep_threads", &self.prep_threads)
+            .field("prep_queue", &self.prep_queue)
             .finish()
     }
 }
@@ -131,12 +188,15 @@ pub struct AppState {
     pub started: u64,
     /// Finished `/v1/responses` kept for `previous_response_id` and `GET` (bounded; see its module).
     pub responses: Arc<dialect::store::ResponseStore>,
+    /// The bounded pool that tokenizes, renders and compiles (`prep.rs`).
+    pub prep: Arc<prep::PrepPool>,
 }
 
 impl AppState {
     /// Installs the Prometheus recorder on first use in the process (see [`metrics::prometheus_handle`]);
     /// call it before the engine thread starts so the engine's gauges land in the same recorder.
     pub fn new(engine: EngineHandle, tokenizer: Arc<Tokenizer>, chat_template: Option<Arc<ChatTemplate>>, config: ServerConfig) -> Self {
+        let prep = Arc::new(prep::PrepPool::new(config.prep_threads, config.prep_queue, prep::PrepPool::longest_token(&tokenizer)));
         Self {
             engine,
             tokenizer,
@@ -145,6 +205,7 @@ impl AppState {
             metrics: metrics::prometheus_handle(),
             started: unix_now(),
             responses: Default::default(),
+            prep,
         }
     }
 }

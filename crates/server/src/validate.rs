@@ -8,9 +8,8 @@ use crate::types::{ChatCompletionRequest, CompletionRequest, MessageContent, Req
 use crate::ServerConfig;
 use serde_json::Value;
 use specula_engine::api::{Constraint, SamplingParams};
-use specula_engine::constraint::compile_check;
 use specula_engine::types::TokenId;
-use specula_model::{ChatMessage, Tokenizer};
+use specula_model::ChatMessage;
 use std::sync::Arc;
 
 /// What `max_tokens` becomes when the client leaves it out.
@@ -197,7 +196,7 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {bad} is outside the vocabulary (size {vocab_size})")));
     }
     let (constraint, constraint_param) = match structured_constraint(&f.structured)? {
-        Some((c, p)) => (Some(c), p),
+        Some((c, p)) => (Some(Arc::new(c)), p),
         None => (None, ""),
     };
     let defaults = SamplingParams::default();
@@ -215,8 +214,8 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         max_tokens: requested_max_tokens.unwrap_or(1).max(1),
         // An empty stop string would end every request at once; it means nothing, so drop it.
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
-        stop_token_ids,
-        logit_bias,
+        stop_token_ids: stop_token_ids.into(),
+        logit_bias: logit_bias.into(),
         ignore_eos: f.ignore_eos.unwrap_or(false),
         disable_speculation: f.disable_speculation.unwrap_or(false),
         logprobs,
@@ -337,15 +336,6 @@ fn choice(v: &Value, param: &'static str) -> Result<Constraint, ApiError> {
     match opts {
         Some(o) if !o.is_empty() && o.iter().all(|s| !s.is_empty()) => Ok(Constraint::Choice(o)),
         _ => Err(ApiError::invalid_param(param, format!("{param} must be a non-empty list of non-empty strings"))),
-    }
-}
-
-/// Compiles the plan's constraint (if any) for this tokenizer, so an invalid schema, regex or
-/// grammar is a 400 naming the problem before anything runs.
-pub fn check_constraint(plan: &SamplingPlan, tokenizer: &Arc<Tokenizer>) -> Result<(), ApiError> {
-    match &plan.base.constraint {
-        Some(c) => compile_check(tokenizer, c).map_err(|e| ApiError::invalid_param(plan.constraint_param, e.0)),
-        None => Ok(()),
     }
 }
 

@@ -301,7 +301,7 @@ async fn logit_bias_keys_must_be_token_ids_and_values_in_range() {
     let (status, v) = s.post("/v1/completions", json!({"prompt": "hi", "logit_bias": {"42": 100, "7": -100}, "max_tokens": 2})).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     let (_, _, params) = s.submitted().pop().unwrap();
-    let mut bias = params.logit_bias.clone();
+    let mut bias = params.logit_bias.to_vec();
     bias.sort_by_key(|b| b.0);
     assert_eq!(bias, vec![(7, -100.0), (42, 100.0)]);
 }

@@ -41,8 +41,8 @@ async fn completion_parameters_reach_the_engine() {
     assert_eq!(prompt, s.tokenizer.encode("hello").unwrap());
     assert_eq!((p.temperature, p.top_p, p.top_k, p.min_p), (0.7, 0.9, 5, 0.1));
     assert_eq!((p.seed, p.max_tokens, p.ignore_eos), (Some(42), 2, true));
-    assert_eq!(p.stop, vec!["\n".to_string()]);
-    assert_eq!(p.stop_token_ids, vec![260]);
+    assert_eq!(p.stop[..], ["\n".to_string()]);
+    assert_eq!(p.stop_token_ids[..], [260]);
     assert_eq!((p.presence_penalty, p.frequency_penalty, p.repetition_penalty), (0.5, -0.5, 1.1));
     assert_eq!(p.logprobs, None);
 }

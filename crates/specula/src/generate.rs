@@ -59,7 +59,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let start = Instant::now();
     let n_prompt = prompt.len();
-    handle.submit(GenerateRequest { id: handle.next_request_id(), prompt, params, events: tx })?;
+    handle.submit(GenerateRequest { id: handle.next_request_id(), prompt, params, events: tx, grammar: None })?;
     let mut first: Option<Instant> = None;
     let mut out = std::io::stdout().lock();
     let result = loop {

@@ -43,7 +43,7 @@ fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usi
         let text = template.render(&[ChatMessage { role: "user".into(), content: p.text }], true)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
-        engine.add_request(GenerateRequest { id: RequestId(i as u64 + 1), prompt: tokenizer.encode(&text)?, params, events: tx });
+        engine.add_request(GenerateRequest { id: RequestId(i as u64 + 1), prompt: tokenizer.encode(&text)?, params, events: tx, grammar: None });
         rxs.push(rx);
     }
     // the clients read their streams on their own thread, as a server's connections do

@@ -40,6 +40,17 @@ pub struct ServeArgs {
     /// Longest stop string in characters (longer is a 400).
     #[arg(long, default_value_t = 256)]
     pub max_stop_string_chars: usize,
+    /// Most prompts in one /v1/completions request (more is a 400); prompts x n must also fit the
+    /// room left in the waiting queue (--max-waiting), checked before anything is tokenized.
+    #[arg(long, default_value_t = 256)]
+    pub max_prompts_per_request: usize,
+    /// Most logit_bias entries one request may give (more is a 400).
+    #[arg(long, default_value_t = 1024)]
+    pub max_logit_bias: usize,
+    /// Threads that tokenize, render chat templates and compile grammars, off the HTTP workers
+    /// (default: the machine's cores).
+    #[arg(long)]
+    pub prep_threads: Option<usize>,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_secs: u64,
@@ -115,6 +126,11 @@ fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_nam
     server_cfg.max_logprobs = args.max_logprobs;
     server_cfg.max_stop_strings = args.max_stop_strings;
     server_cfg.max_stop_string_chars = args.max_stop_string_chars;
+    server_cfg.max_prompts_per_request = args.max_prompts_per_request;
+    server_cfg.max_logit_bias = args.max_logit_bias;
+    if let Some(threads) = args.prep_threads {
+        server_cfg.prep_threads = threads;
+    }
     server_cfg.api_key = args.api_key.clone();
     server_cfg
 }

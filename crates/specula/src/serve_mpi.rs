@@ -140,7 +140,7 @@ fn run_remote(mode: DpMode, comm: MpiComm, built: Built) -> Result<()> {
     let local = built.rank.handle.clone();
     let stats = Arc::new(RankStats::default());
     let engine_stopped = Arc::new(AtomicBool::new(false));
-    let bridge = RankBridge::start(local.clone(), stats.clone(), engine_stopped.clone())?;
+    let bridge = RankBridge::start(local.clone(), built.tokenizer.clone(), stats.clone(), engine_stopped.clone())?;
     watch_signals(local);
     let rank_result = run_rank(mode, comm, built.rank, stats);
     engine_stopped.store(true, Ordering::Release);

@@ -28,6 +28,7 @@ use crate::types::{RequestId, TokenId};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, Destination, MatchedReceiveVec, Source};
 use serde::{Deserialize, Serialize};
+use specula_model::Tokenizer;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -288,7 +289,7 @@ impl FrontLoop {
                             continue;
                         }
                         // still waiting (on its way, or queued on the rank) until the rank reports on it
-                        let GenerateRequest { id, prompt, params, events } = req;
+                        let GenerateRequest { id, prompt, params, events, .. } = req;
                         self.requests.insert(id, RemoteRequest { rank, events, started: false });
                         self.send(rank, &Down::Submit { id: id.0, prompt, params })?;
                     }
@@ -380,9 +381,12 @@ impl RankBridge {
     /// Starts the bridge of a rank other than 0 (collective with rank 0's `FrontBridge::start`).
     /// `local` is this rank's engine handle, `stats` its counters (sent to rank 0's /metrics),
     /// and `engine_stopped` is set by the caller once the rank's engine loop has ended.
-    pub fn start(local: EngineHandle, stats: Arc<RankStats>, engine_stopped: Arc<AtomicBool>) -> Result<Self, DpError> {
+    /// `tokenizer` compiles the constraints of requests that come with one (a compiled grammar
+    /// does not cross MPI; the bridge compiles it again here, off the engine thread).
+    pub fn start(local: EngineHandle, tokenizer: Arc<Tokenizer>, stats: Arc<RankStats>, engine_stopped: Arc<AtomicBool>) -> Result<Self, DpError> {
         let join = spawn_bridge("specula-mpi-bridge", move |link| {
-            RankLoop { link, local, stats, engine_stopped, requests: HashMap::new(), outbox: Vec::new(), last_stats: None, stats_at: Instant::now() }.run()
+            RankLoop { link, local, tokenizer, stats, engine_stopped, requests: HashMap::new(), outbox: Vec::new(), last_stats: None, stats_at: Instant::now() }
+                .run()
         })?;
         Ok(Self { join })
     }
@@ -396,6 +400,7 @@ impl RankBridge {
 struct RankLoop {
     link: Link,
     local: EngineHandle,
+    tokenizer: Arc<Tokenizer>,
     stats: Arc<RankStats>,
     engine_stopped: Arc<AtomicBool>,
     /// Event streams of the requests submitted to the local engine, by request id.
@@ -446,8 +451,15 @@ impl RankLoop {
     fn on_down(&mut self, body: &[u8]) -> Result<bool, DpError> {
         match serde_json::from_slice::<Down>(body).map_err(mpi_error("incoming"))? {
             Down::Submit { id, prompt, params } => {
+                let grammar = match params.constraint.as_deref().map(|c| crate::constraint::compile(&self.tokenizer, c)).transpose() {
+                    Ok(g) => g,
+                    Err(e) => {
+                        self.outbox.push((id, RequestEvent::Failed { message: e.0 }));
+                        return Ok(false);
+                    }
+                };
                 let (events, rx) = unbounded_channel();
-                match self.local.submit(GenerateRequest { id: RequestId(id), prompt, params, events }) {
+                match self.local.submit(GenerateRequest { id: RequestId(id), prompt, params, events, grammar }) {
                     Ok(()) => {
                         self.requests.insert(id, rx);
                     }
@@ -506,7 +518,7 @@ mod tests {
 
     #[test]
     fn messages_round_trip_through_their_wire_form() {
-        let params = SamplingParams { temperature: 0.7, seed: Some(3), stop: vec!["\n\n".into()], logprobs: Some(2), ..SamplingParams::greedy(9) };
+        let params = SamplingParams { temperature: 0.7, seed: Some(3), stop: Arc::from(["\n\n".to_string()]), logprobs: Some(2), ..SamplingParams::greedy(9) };
         let down = Down::Submit { id: 41, prompt: vec![1, 2, 65535], params: params.clone() };
         let back: Down = serde_json::from_slice(&serde_json::to_vec(&down).unwrap()).unwrap();
         assert!(matches!(back, Down::Submit { id: 41, ref prompt, params: ref p } if prompt == &[1, 2, 65535] && *p == params));

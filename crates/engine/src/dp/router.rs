@@ -247,6 +247,11 @@ impl ReplicaRouter {
     pub fn waiting(&self) -> usize {
         self.ranks.iter().map(|r| r.waiting()).sum()
     }
+
+    /// Waiting-queue capacity of all ranks.
+    pub fn capacity(&self) -> usize {
+        self.ranks.iter().map(|r| r.capacity()).sum()
+    }
 }
 
 /// What `EngineHandle::routed` fronts.
@@ -266,6 +271,10 @@ impl Router for ReplicaRouter {
     fn waiting(&self) -> usize {
         ReplicaRouter::waiting(self)
     }
+
+    fn capacity(&self) -> usize {
+        ReplicaRouter::capacity(self)
+    }
 }
 
 #[cfg(test)]
@@ -284,7 +293,7 @@ mod tests {
 
     fn request(id: u64, prompt: Vec<u32>, max_tokens: usize) -> (GenerateRequest, tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) {
         let (tx, rx) = unbounded_channel();
-        (GenerateRequest { id: RequestId(id), prompt, params: SamplingParams::greedy(max_tokens), events: tx }, rx)
+        (GenerateRequest { id: RequestId(id), prompt, params: SamplingParams::greedy(max_tokens), events: tx, grammar: None }, rx)
     }
 
     fn submitted(rx: &Receiver<EngineCommand>) -> GenerateRequest {

@@ -158,7 +158,14 @@ impl Harness {
         let (tx, rx) = unbounded_channel();
         let prompt_len = prompt.len();
         self.counters.waiting.fetch_add(1, Ordering::Relaxed);
-        self.engine.add_request(GenerateRequest { id, prompt, params, events: tx });
+        // compiled as a front end does, before submitting: an invalid one fails the request there
+        match params.constraint.as_deref().map(|c| specula_engine::constraint::compile(&self.tokenizer, c)).transpose() {
+            Ok(grammar) => self.engine.add_request(GenerateRequest { id, prompt, params, events: tx, grammar }),
+            Err(e) => {
+                self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+                let _ = tx.send(specula_engine::api::RequestEvent::Failed { message: e.0 });
+            }
+        }
         Client { id, prompt_len, rx: Some(rx), events: Vec::new(), submitted_at: self.steps, ended_at: None }
     }
 

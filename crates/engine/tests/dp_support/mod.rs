@@ -74,7 +74,7 @@ pub struct Stream {
 pub fn submit(h: &EngineHandle, prompt: Vec<u32>, params: SamplingParams) -> Stream {
     let id = h.next_request_id();
     let (tx, rx) = unbounded_channel();
-    h.submit(GenerateRequest { id, prompt, params, events: tx }).expect("submit");
+    h.submit(GenerateRequest { id, prompt, params, events: tx, grammar: None }).expect("submit");
     Stream { id, rx, events: Vec::new() }
 }
 

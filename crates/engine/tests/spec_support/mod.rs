@@ -36,6 +36,8 @@ pub fn spec_config(method: SpecMethod, k: usize, draft: Option<&Path>) -> SpecCo
 pub struct Rig {
     pub engine: Engine,
     counters: Arc<QueueCounters>,
+    /// Compiles constraints before submission, as a front end does.
+    tokenizer: Arc<specula_model::Tokenizer>,
     next_id: u64,
 }
 
@@ -55,11 +57,12 @@ impl Rig {
     pub fn with_proposer(path: &Path, cfg: EngineConfig, spec: Option<(SpecConfig, Box<dyn Proposer>)>) -> Self {
         let loaded = load_model(path).expect("load model");
         let counters = Arc::new(QueueCounters::default());
-        let mut engine = Engine::new(loaded.model, Arc::new(loaded.tokenizer), cfg, counters.clone()).expect("engine");
+        let tokenizer = Arc::new(loaded.tokenizer);
+        let mut engine = Engine::new(loaded.model, tokenizer.clone(), cfg, counters.clone()).expect("engine");
         if let Some((c, p)) = spec {
             engine = engine.with_speculation(c, p).expect("speculation config");
         }
-        Self { engine, counters, next_id: 1 }
+        Self { engine, counters, tokenizer, next_id: 1 }
     }
 
     /// Submits one request the way `EngineHandle::submit` does (counted as waiting first).
@@ -68,7 +71,8 @@ impl Rig {
         self.next_id += 1;
         let (tx, rx) = unbounded_channel();
         self.counters.waiting.fetch_add(1, Ordering::Relaxed);
-        self.engine.add_request(GenerateRequest { id, prompt, params, events: tx });
+        let grammar = params.constraint.as_deref().map(|c| specula_engine::constraint::compile(&self.tokenizer, c).expect("the constraint compiles"));
+        self.engine.add_request(GenerateRequest { id, prompt, params, events: tx, grammar });
         Client { id, rx: Some(rx), events: Vec::new(), step_sizes: Vec::new() }
     }
 

@@ -183,14 +183,14 @@ fn tool_set(req: &MessagesRequest) -> Result<Option<ToolSet>, ApiError> {
 pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let conv = conversation_of(&req, &state, false)?;
-    let prepared = conversation::prepare(&state, conv)?;
+    let prepared = conversation::prepare(&state, conv).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, &state.config)?;
     let mut runs = generate::submit(&state.engine, jobs, arrived)?;
     let writer = MessageWriter {
         id: format!("msg_{:x}{:08x}", crate::unix_now(), runs[0].id.0),
         model: state.config.model_name.clone(),
         tokenizer: state.tokenizer.clone(),
-        stops: prepared.plan.base.stop.clone(),
+        stops: prepared.plan.base.stop.to_vec(),
         prompt_tokens: prepared.prompt.len(),
         parser: prepared.output_parser(),
         blocks: Blocks::default(),
@@ -209,7 +209,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Message
 
 /// `POST /v1/messages/count_tokens`: the prompt's length, `{"input_tokens": N}`.
 pub async fn count_tokens(State(state): State<AppState>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Response, ApiError> {
-    let prepared = conversation::prepare(&state, conversation_of(&req, &state, true)?)?;
+    let prepared = conversation::prepare(&state, conversation_of(&req, &state, true)?).await?;
     Ok(axum::Json(json!({"input_tokens": prepared.prompt.len()})).into_response())
 }
 

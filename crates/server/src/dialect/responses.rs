@@ -203,7 +203,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
     let mut messages: Vec<Value> = req.instructions.iter().map(|s| json!({"role": "system", "content": s})).collect();
     messages.extend(history.iter().cloned());
     let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs })?;
+    let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs }).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
     let mut runs = generate::submit(&state.engine, jobs, arrived)?;
     let echo = json!({

@@ -5,6 +5,7 @@
 //! A thinking template's reasoning comes back as `reasoning_content` (vLLM's field). The request
 //! becomes the shared [`Conversation`] (`conversation.rs`), as the other dialects' requests do.
 
+use crate::bounds;
 use crate::conversation::{self, Conversation, Out, OutputParser};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
@@ -32,6 +33,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let config = &state.config;
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
+    bounds::check_chat(&req, &state)?;
     let plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
     let stream = req.stream.unwrap_or(false);
     if stream && plan.base.prompt_logprobs.is_some() {
@@ -43,7 +45,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let texts = validate::chat_messages(req.messages.as_deref())?;
     let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
     let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs })?;
+    let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs }).await?;
     let (plan, prompt) = (&prepared.plan, &prepared.prompt);
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
     let runs = generate::submit(&state.engine, jobs, arrived)?;

@@ -1,6 +1,7 @@
 //! `POST /v1/completions`: text (or token-id) prompts in, `text_completion` objects out.
 //! Each prompt gets `n` choices, numbered prompt-major (prompt p, choice i -> index p * n + i).
 
+use crate::bounds;
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
@@ -29,8 +30,9 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let config = &state.config;
     let vocab = state.tokenizer.vocab_size();
     validate::check_model(req.model.as_deref(), config)?;
+    bounds::check_completion(&req, &state)?;
     let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
-    validate::check_constraint(&plan, &state.tokenizer)?;
+    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), plan.constraint_param, "", config).await?;
     let echo = req.echo.unwrap_or(false);
     // `max_tokens: 0` (echo only): the engine runs the prompt and one step whose token is dropped
     let prompt_only = plan.requested_max_tokens == Some(0);
@@ -40,14 +42,15 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     let mut plan = plan;
     plan.base.prompt_logprobs = echo_logprobs.into_iter().chain(want_prompt_logprobs).max();
     let prompt = req.prompt.ok_or_else(|| ApiError::invalid_param("prompt", "prompt is required"))?;
-    let prompts = tokenize(prompt, &state.tokenizer)?;
+    let tokenizer = state.tokenizer.clone();
+    let prompts = state.prep.run(move || tokenize(prompt, &tokenizer)).await??;
     let mut jobs = Vec::with_capacity(prompts.len() * plan.n);
     for (p, prompt) in prompts.iter().enumerate() {
         validate::check_prompt(&prompt.tokens, "prompt", config, vocab)?;
         for i in 0..plan.n {
             let default = DefaultMaxTokens::Fixed(config.completions_default_max_tokens);
             let params = plan.params_for(prompt.tokens.len(), i, default, config)?;
-            jobs.push(ChoiceJob { index: p * plan.n + i, prompt: prompt.tokens.clone(), params });
+            jobs.push(ChoiceJob { index: p * plan.n + i, prompt: prompt.tokens.clone(), params, grammar: grammar.clone() });
         }
     }
     let prompt_tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum();

@@ -56,6 +56,16 @@ pub struct DetokenizeResponse {
 
 pub async fn tokenize(State(state): State<AppState>, ApiJson(req): ApiJson<TokenizeRequest>) -> Result<Json<TokenizeResponse>, ApiError> {
     validate::check_model(req.model.as_deref(), &state.config)?;
+    let return_token_strs = req.return_token_strs;
+    let prepared = state.clone();
+    let tokens = state.prep.run(move || tokens_of(&prepared, &req)).await??;
+    let tok = &state.tokenizer;
+    let token_strs = return_token_strs.then(|| tokens.iter().map(|&t| tok.id_to_token(t).unwrap_or_default()).collect());
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: state.config.max_model_len, tokens, token_strs }))
+}
+
+/// The request's tokens (on the prep pool: rendering and tokenizing are CPU work).
+fn tokens_of(state: &AppState, req: &TokenizeRequest) -> Result<Vec<TokenId>, ApiError> {
     let tok = &state.tokenizer;
     let tokens = match (&req.prompt, &req.messages) {
         (Some(text), None) => {
@@ -77,8 +87,7 @@ pub async fn tokenize(State(state): State<AppState>, ApiJson(req): ApiJson<Token
         (Some(_), Some(_)) => return Err(ApiError::invalid(None, "give either `prompt` or `messages`, not both")),
         (None, None) => return Err(ApiError::invalid(None, "give `prompt` (text) or `messages` (a conversation) to tokenize")),
     };
-    let token_strs = req.return_token_strs.then(|| tokens.iter().map(|&t| tok.id_to_token(t).unwrap_or_default()).collect());
-    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: state.config.max_model_len, tokens, token_strs }))
+    Ok(tokens)
 }
 
 pub async fn detokenize(State(state): State<AppState>, ApiJson(req): ApiJson<DetokenizeRequest>) -> Result<Json<DetokenizeResponse>, ApiError> {

@@ -66,6 +66,8 @@ pub const FAIL_TOKEN: TokenId = 261;
 #[derive(Debug, Default)]
 pub struct EngineLog {
     pub submitted: Vec<(RequestId, Vec<TokenId>, SamplingParams)>,
+    /// Per submitted request: whether it came with a compiled grammar.
+    pub grammars: Vec<bool>,
     pub aborted: Vec<RequestId>,
 }
 
@@ -102,7 +104,10 @@ pub fn fake_engine(max_waiting: usize, tokenizer: Arc<Tokenizer>, tick: Duration
             match command {
                 Some(EngineCommand::Submit(req)) => {
                     counters.waiting.fetch_sub(1, Ordering::Relaxed);
-                    thread_log.lock().unwrap().submitted.push((req.id, req.prompt.clone(), req.params.clone()));
+                    let mut log = thread_log.lock().unwrap();
+                    log.submitted.push((req.id, req.prompt.clone(), req.params.clone()));
+                    log.grammars.push(req.grammar.is_some());
+                    drop(log);
                     active.push(Active { id: req.id, prompt: req.prompt, params: req.params, emitted: 0, events: req.events });
                     continue;
                 }
@@ -160,6 +165,8 @@ fn step(a: &mut Active, tokenizer: &Tokenizer) -> bool {
 
 pub struct TestServer {
     pub router: Router,
+    /// The handle the server submits through (its queue counters).
+    pub engine: EngineHandle,
     pub log: Arc<Mutex<EngineLog>>,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Arc<ChatTemplate>,
@@ -186,8 +193,8 @@ pub fn server_with(setup: Setup) -> TestServer {
     let tokenizer = Arc::new(tokenizer());
     let template = Arc::new(ChatTemplate::new(specula_model::chat::CHATML, "", "<|im_end|>").unwrap());
     let (engine, log) = fake_engine(setup.max_waiting, tokenizer.clone(), setup.tick);
-    let state = AppState::new(engine, tokenizer.clone(), setup.chat_template.then(|| template.clone()), setup.config);
-    TestServer { router: router(state), log, tokenizer, template }
+    let state = AppState::new(engine.clone(), tokenizer.clone(), setup.chat_template.then(|| template.clone()), setup.config);
+    TestServer { router: router(state), engine, log, tokenizer, template }
 }
 
 impl TestServer {

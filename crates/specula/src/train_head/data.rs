@@ -151,7 +151,7 @@ pub fn run(a: DataArgs) -> Result<()> {
                 ..Default::default()
             };
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt.clone(), params, events: tx })?;
+            handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: prompt.clone(), params, events: tx, grammar: None })?;
             rxs.push(rx);
             prompts_tok.push(prompt);
         }
