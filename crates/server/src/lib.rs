@@ -11,10 +11,12 @@
 //! ```
 
 pub mod auth;
+pub mod connections;
 pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod metrics;
+pub mod origin;
 pub mod routes;
 pub mod sse;
 pub mod tools;
@@ -24,7 +26,6 @@ pub mod validate;
 use axum::extract::DefaultBodyLimit;
 use axum::http::Uri;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use specula_engine::handle::EngineHandle;
@@ -32,6 +33,7 @@ use specula_model::{ChatTemplate, Tokenizer};
 use std::future::Future;
 use std::sync::Arc;
 
+pub use connections::ConnectionLimits;
 pub use error::ApiError;
 
 /// What the server needs to know about the deployment; built by the CLI from `specula serve`'s
@@ -58,6 +60,12 @@ pub struct ServerConfig {
     pub max_stop_strings: usize,
     /// Longest stop string, in characters (`--max-stop-string-chars`).
     pub max_stop_string_chars: usize,
+    /// Timeouts and the connection cap (`--header-read-timeout`, `--idle-timeout`,
+    /// `--max-connections`, `--sse-keep-alive`).
+    pub connections: ConnectionLimits,
+    /// Browser origins that may use a server without an API key beside loopback ones
+    /// (`--allowed-origins`; `*` for any), see `origin.rs`.
+    pub allowed_origins: Vec<String>,
 }
 
 impl ServerConfig {
@@ -73,6 +81,8 @@ impl ServerConfig {
             completions_default_max_tokens: 16,
             max_stop_strings: 16,
             max_stop_string_chars: 256,
+            connections: ConnectionLimits::default(),
+            allowed_origins: Vec::new(),
         }
     }
 
@@ -89,6 +99,9 @@ impl ServerConfig {
         }
         if self.max_body_bytes == 0 {
             return bad("max_body_bytes must be at least 1".into());
+        }
+        if let Some(problem) = self.connections.problem() {
+            return bad(problem);
         }
         if self.api_key.as_deref() == Some("") {
             return bad("--api-key is empty; leave it out to disable auth".into());
@@ -110,6 +123,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("completions_default_max_tokens", &self.completions_default_max_tokens)
             .field("max_stop_strings", &self.max_stop_strings)
             .field("max_stop_string_chars", &self.max_stop_string_chars)
+            .field("connections", &self.connections)
+            .field("allowed_origins", &self.allowed_origins)
             .finish()
     }
 }
@@ -144,7 +159,8 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
-/// All routes, with auth on `/v1/*`, the body limit, and OpenAI-shaped 404/405s.
+/// All routes, with auth on `/v1/*`, browser origins checked everywhere (`origin.rs`), the body
+/// limit and idle timeout, SSE keep-alive comments, and OpenAI-shaped 404/405s.
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(routes::completions::create))
@@ -156,6 +172,7 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(routes::tokenize::detokenize))
         .route("/tokenizer_info", get(routes::tokenize::info))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key));
+    let limits = Arc::new(state.config.connections.clone());
     Router::new()
         .merge(v1)
         .route("/health", get(routes::health))
@@ -163,24 +180,24 @@ pub fn router(state: AppState) -> Router {
         .fallback(|uri: Uri| async move { ApiError::route_not_found(uri.path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(limits.clone(), connections::sse_keep_alive))
+        .layer(axum::middleware::from_fn_with_state(limits, connections::body_idle_timeout))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), origin::require_local_origin))
         .with_state(state)
 }
 
 /// Serves [`router`] on `listener` until `shutdown` resolves, then stops accepting and waits for
 /// open responses (streams included) to end. The caller shuts the engine down afterwards (or
-/// from `shutdown`, so streams finish).
+/// from `shutdown`, so streams finish). Connections are capped and each request's head must
+/// arrive in time ([`ConnectionLimits`]): a client that opens connections and sends half a
+/// request holds nothing for long.
 pub async fn serve(listener: tokio::net::TcpListener, state: AppState, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServeError> {
     state.config.validate()?;
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, model = %state.config.model_name, "serving the OpenAI API");
     }
-    // Streamed tokens are small writes; Nagle would hold each one back.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("cannot set TCP_NODELAY: {e}");
-        }
-    });
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await?;
+    let limits = state.config.connections.clone();
+    connections::accept_loop(listener, router(state), &limits, shutdown).await;
     Ok(())
 }
 

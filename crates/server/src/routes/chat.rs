@@ -45,7 +45,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         .chat_template
         .as_ref()
         .ok_or_else(|| ApiError::invalid(None, "this model has no chat template; use /v1/completions with your own prompt format"))?;
-    let text = tools::render(template, messages, tool_set.as_ref(), true)?;
+    let prompt = tools::render(template, &state.tokenizer, messages, tool_set.as_ref(), true)?.tokens;
     if let Some(constraint) = tool_set.as_ref().and_then(ToolSet::constraint) {
         if plan.base.constraint.is_some() {
             return Err(ApiError::invalid_param(
@@ -61,8 +61,6 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
             .map_err(|e| ApiError::invalid_param("tools", format!("the tools' parameters cannot force a call: {e}")))?;
         plan.base.constraint = Some(constraint);
     }
-    // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
-    let prompt = state.tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
     validate::check_prompt(&prompt, "messages", config, vocab)?;
     let jobs = (0..plan.n)
         .map(|i| {
