@@ -106,6 +106,12 @@ pub enum FaultPhase {
     Forward,
     /// Sampling, after the first sequence was sampled (compute).
     Sample,
+    /// Sampling the step's first sampled sequence panics or fails (compute): that sequence
+    /// alone fails, its batch neighbours go on.
+    SampleSequence,
+    /// The engine loop itself, outside every step's guard, before running the step: the engine
+    /// thread dies (a panic whatever the kind), to test that such a death is visible.
+    EngineLoop,
     /// Applying the step's output to its sequences (host).
     Apply,
     /// The grammar of each constrained sequence of the step, when its masks are computed
@@ -123,6 +129,34 @@ pub struct FaultInjection {
 }
 
 impl FaultInjection {
+    /// Parses `step:phase:kind` (`4:sample-sequence:panic`; phases prepare, forward, sample,
+    /// sample-sequence, apply, grammar, engine-loop; kinds error, panic), the spelling of the
+    /// `SPECULA_INJECT_FAULT` test switch of `specula serve`.
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let bad = || format!("fault injection '{spec}' is not step:phase:kind (e.g. 4:engine-loop:panic)");
+        let mut parts = spec.split(':');
+        let (Some(step), Some(phase), Some(kind), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+            return Err(bad());
+        };
+        let step = step.parse().map_err(|_| bad())?;
+        let phase = match phase {
+            "prepare" => FaultPhase::Prepare,
+            "forward" => FaultPhase::Forward,
+            "sample" => FaultPhase::Sample,
+            "sample-sequence" => FaultPhase::SampleSequence,
+            "apply" => FaultPhase::Apply,
+            "grammar" => FaultPhase::Grammar,
+            "engine-loop" => FaultPhase::EngineLoop,
+            _ => return Err(bad()),
+        };
+        let kind = match kind {
+            "error" => FaultKind::Error,
+            "panic" => FaultKind::Panic,
+            _ => return Err(bad()),
+        };
+        Ok(Self { step, kind, phase })
+    }
+
     /// Fails here if `fault` targets `phase` of `step`: an error to return, or a panic.
     pub(crate) fn trip(fault: Option<FaultInjection>, step: u64, phase: FaultPhase) -> Result<(), String> {
         match fault.filter(|f| f.step == step && f.phase == phase).map(|f| f.kind) {

@@ -27,6 +27,7 @@ use specula_kernels::attention::KvLayout;
 use specula_model::llama::NO_SLOT;
 use specula_model::{ForwardBatch, KvStore, LlamaModel, SeqSpan, Tokenizer};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -411,6 +412,10 @@ impl Engine {
         self.computed = None;
         self.last_job = None;
         self.compute.spec = None;
+        // the lost host's waiting requests are gone: give their slots back, or the queue would
+        // stay that much fuller for ever (requests still in the channel keep theirs)
+        let lost = self.counters.waiting_in_host.swap(0, Ordering::AcqRel);
+        let _ = self.counters.waiting.fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| Some(w.saturating_sub(lost)));
         match Host::new(self.cfg.clone(), self.ctx.tokenizer.clone(), self.counters.clone(), self.ctx.model.config.vocab_size) {
             Ok(h) => self.host = Some(h),
             Err(e) => panic!("cannot rebuild the engine's host state: {e}"),
@@ -508,6 +513,13 @@ pub fn spawn_engine(
     if let Some((c, p)) = spec {
         engine = engine.with_speculation(c, p)?;
     }
-    let join = std::thread::Builder::new().name("specula-engine".into()).spawn(move || engine.run(rx)).map_err(EngineError::Spawn)?;
+    let stopped = crate::handle::StoppedOnDrop(engine.counters.clone());
+    let join = std::thread::Builder::new()
+        .name("specula-engine".into())
+        .spawn(move || {
+            let _stopped = stopped;
+            engine.run(rx)
+        })
+        .map_err(EngineError::Spawn)?;
     Ok((handle, join))
 }

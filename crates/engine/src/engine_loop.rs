@@ -5,6 +5,7 @@
 //! agreed step) run it with their own [`LoopHook`].
 
 use crate::api::RequestEvent;
+use crate::config::{FaultInjection, FaultPhase};
 use crate::engine::Engine;
 use crate::handle::EngineCommand;
 use crate::step::StepStats;
@@ -61,6 +62,11 @@ pub(crate) trait LoopHook {
             }
         }
         if engine.has_work() {
+            commands.steps += 1;
+            if let Err(message) = FaultInjection::trip(engine.config().fault_injection, commands.steps, FaultPhase::EngineLoop) {
+                // the test switch kills the thread whatever its kind
+                panic!("{message}");
+            }
             let stats = engine.step();
             self.after_step(engine, &stats);
         }
@@ -82,6 +88,8 @@ pub(crate) struct Commands {
     pub shutdown_at: Option<Instant>,
     /// Every handle is gone: no command can come any more.
     pub channel_closed: bool,
+    /// Steps the default `LoopHook::iterate` ran (the engine-loop fault switch counts them).
+    pub steps: u64,
 }
 
 impl Commands {

@@ -7,7 +7,7 @@
 
 use crate::api::GenerateRequest;
 use crate::types::RequestId;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 
@@ -35,6 +35,25 @@ pub enum SubmitError {
 pub struct QueueCounters {
     /// Requests submitted but not yet scheduled for the first time.
     pub waiting: AtomicUsize,
+    /// Of `waiting`, those the engine's host state holds (accepted, not yet scheduled): what a
+    /// lost host takes with it, so rebuilding it gives exactly these slots back.
+    pub waiting_in_host: AtomicUsize,
+    /// Set once the engine thread has ended, however it ended (a panic included): the handle
+    /// then refuses work and `/health` fails (see [`EngineHandle::is_running`]).
+    pub engine_stopped: AtomicBool,
+}
+
+/// Marks the engine thread's end in its counters when dropped, which also happens while a panic
+/// unwinds the thread: `spawn_engine` holds one for the thread's whole life.
+pub struct StoppedOnDrop(pub Arc<QueueCounters>);
+
+impl Drop for StoppedOnDrop {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!("the engine thread panicked; the server can no longer generate");
+        }
+        self.0.engine_stopped.store(true, Ordering::Release);
+    }
 }
 
 /// Where a routed handle's commands go: something that spreads requests over several engines,
@@ -50,6 +69,10 @@ pub trait Router: Send + Sync {
     fn waiting(&self) -> usize;
     /// Requests all engines' waiting queues hold when full.
     fn capacity(&self) -> usize;
+    /// Whether every engine behind the router is still running.
+    fn is_running(&self) -> bool {
+        true
+    }
 }
 
 #[derive(Clone)]
@@ -91,6 +114,9 @@ impl EngineHandle {
             Target::Engine { tx, counters, max_waiting } => (tx, counters, *max_waiting),
             Target::Ranks(router) => return router.submit(req),
         };
+        if counters.engine_stopped.load(Ordering::Acquire) {
+            return Err(SubmitError::Closed);
+        }
         // reserve a waiting slot atomically, so concurrent submits cannot overshoot the limit
         counters
             .waiting
@@ -156,6 +182,15 @@ impl EngineHandle {
                 let _ = tx.send(EngineCommand::Shutdown);
             }
             Target::Ranks(router) => router.shutdown(),
+        }
+    }
+
+    /// Whether the engine thread (every rank's, with data parallelism) is still running: false
+    /// once it ended, by a shutdown or by dying. `/health` answers from this.
+    pub fn is_running(&self) -> bool {
+        match &self.target {
+            Target::Engine { counters, .. } => !counters.engine_stopped.load(Ordering::Acquire),
+            Target::Ranks(router) => router.is_running(),
         }
     }
 

@@ -129,6 +129,7 @@ impl Host {
         seq.grammar = grammar;
         self.seqs.insert(id, seq);
         self.scheduler.add(id);
+        self.counters.waiting_in_host.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Cancels a request wherever it is; its blocks go back at once. A step computing it (async)
@@ -181,6 +182,7 @@ impl Host {
         let _ = self.kv.free(id);
         if !s.admitted {
             self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
+            self.counters.waiting_in_host.fetch_sub(1, Ordering::Relaxed);
         }
         Some(s)
     }
@@ -204,6 +206,7 @@ impl Host {
         let _s = tracing::trace_span!("schedule").entered();
         let plan = self.scheduler.schedule(&mut self.seqs, &mut self.kv, spec_k);
         self.counters.waiting.fetch_sub(plan.newly_admitted.len(), Ordering::Relaxed);
+        self.counters.waiting_in_host.fetch_sub(plan.newly_admitted.len(), Ordering::Relaxed);
         plan
     }
 
@@ -244,6 +247,7 @@ impl Host {
         let (first, admitted) = (p.plan.seqs.len(), p.plan.newly_admitted.len());
         self.scheduler.admit_waiting(&mut p.plan, &mut self.seqs, &mut self.kv);
         self.counters.waiting.fetch_sub(p.plan.newly_admitted.len() - admitted, Ordering::Relaxed);
+        self.counters.waiting_in_host.fetch_sub(p.plan.newly_admitted.len() - admitted, Ordering::Relaxed);
         if p.plan.seqs.len() == first {
             return;
         }

@@ -2,8 +2,10 @@
 //! (`tokenizer.chat_template`) through minijinja, set up like Hugging Face's
 //! `apply_chat_template` environment: `trim_blocks` and `lstrip_blocks`, Python string methods,
 //! `raise_exception`, a `tojson` that writes what Python's `json.dumps` writes, `strftime_now`,
-//! and an optional `tools` list.
+//! and an optional `tools` list. [`ChatTemplate::render_tokens`] also tokenizes the render so
+//! that control tokens come only from the template's markup, never from the client's strings.
 
+use crate::tokenizer::{TokenId, Tokenizer};
 use crate::ModelError;
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{context, Environment, Error, ErrorKind, Value};
@@ -77,9 +79,83 @@ impl ChatTemplate {
         .map_err(|e| ModelError::ChatTemplate(format!("rendering the chat template: {e}")))
     }
 
+    /// Renders as [`Self::render_with`] and tokenizes the render (no BOS added: templates write
+    /// their own) so that control tokens come only from the template's markup: a control-token
+    /// spelling in any of the client's strings (message content, names, tool calls and results,
+    /// tool definitions) is tokenized as the text it is, so a message cannot close its turn and
+    /// open a forged one. A conversation that spells none renders once and tokenizes exactly as
+    /// `tokenizer.encode(render)`; one that does renders a second time with those spellings
+    /// neutralized, to find the template's markup (`Tokenizer::encode_template_render`).
+    pub fn render_tokens<M: Serialize>(
+        &self,
+        tokenizer: &Tokenizer,
+        messages: &[M],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<RenderedChat, ModelError> {
+        let text = self.render_with_kwargs(messages, tools, add_generation_prompt, kwargs)?;
+        let as_json = |what: &str, e: serde_json::Error| ModelError::ChatTemplate(format!("the {what} cannot be passed to the template: {e}"));
+        let mut neutral_messages = serde_json::to_value(messages).map_err(|e| as_json("messages", e))?;
+        let mut neutral_tools = tools.cloned();
+        let mut spelled = neutralize_strings(&mut neutral_messages, tokenizer);
+        if let Some(t) = neutral_tools.as_mut() {
+            spelled |= neutralize_strings(t, tokenizer);
+        }
+        if !spelled {
+            let tokens = tokenizer.encode(&text)?;
+            return Ok(RenderedChat { text, tokens });
+        }
+        let neutral_messages = match neutral_messages {
+            serde_json::Value::Array(list) => list,
+            other => vec![other],
+        };
+        let neutral = self.render_with_kwargs(&neutral_messages, neutral_tools.as_ref(), add_generation_prompt, kwargs)?;
+        let tokens = tokenizer.encode_template_render(&text, &neutral)?;
+        Ok(RenderedChat { text, tokens })
+    }
+
     /// The template's Jinja source (served by `/tokenizer_info`).
     pub fn source(&self) -> &str {
         &self.source
+    }
+}
+
+/// A conversation rendered by [`ChatTemplate::render_tokens`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct RenderedChat {
+    /// The template's output.
+    pub text: String,
+    /// `text` tokenized, control tokens only where the template wrote them.
+    pub tokens: Vec<TokenId>,
+}
+
+/// Neutralizes control-token spellings in every string of `value` (keys included: a template can
+/// print them); true when there was one.
+fn neutralize_strings(value: &mut serde_json::Value, tokenizer: &Tokenizer) -> bool {
+    use serde_json::Value as J;
+    match value {
+        J::String(s) => match tokenizer.neutralize_controls(s) {
+            Some(n) => {
+                *s = n;
+                true
+            }
+            None => false,
+        },
+        J::Array(items) => items.iter_mut().fold(false, |any, v| neutralize_strings(v, tokenizer) | any),
+        J::Object(map) => {
+            let mut any = false;
+            if map.keys().any(|k| tokenizer.neutralize_controls(k).is_some()) {
+                let old = std::mem::take(map);
+                for (k, v) in old {
+                    let k = tokenizer.neutralize_controls(&k).unwrap_or(k);
+                    map.insert(k, v);
+                }
+                any = true;
+            }
+            map.values_mut().fold(any, |any, v| neutralize_strings(v, tokenizer) | any)
+        }
+        J::Null | J::Bool(_) | J::Number(_) => false,
     }
 }
 

@@ -13,7 +13,7 @@ pub mod safetensors_folder;
 pub mod testing;
 pub mod tokenizer;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, RenderedChat};
 pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
 pub use llama::{FeedForward, ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};

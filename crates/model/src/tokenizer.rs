@@ -23,6 +23,12 @@ pub struct Tokenizer {
     pieces: PieceSpelling,
     /// GGUF token type per id (empty for a tokenizer.json: its added tokens say which are special).
     token_types: Vec<i32>,
+    /// The spellings of the control (special) added tokens, longest first: what a client's text
+    /// must not turn into control tokens (`Tokenizer::neutralize_controls`).
+    control_strings: Vec<String>,
+    /// A copy of `inner` that reads control-token spellings as plain text, built on first use
+    /// (only a conversation that spells one needs it).
+    text_only: std::sync::OnceLock<HfTokenizer>,
 }
 
 /// How a vocabulary string spells the bytes of its token.
@@ -123,12 +129,14 @@ impl Tokenizer {
         let pieces = if spec.model == "llama" { PieceSpelling::SentencePiece } else { PieceSpelling::ByteLevel };
         Ok(Self {
             vocab_size: spec.tokens.len(),
+            control_strings: control_strings(&inner),
             inner,
             bos: spec.bos,
             eos: spec.eos.into_iter().collect(),
             add_bos: spec.add_bos,
             pieces,
             token_types: spec.token_types,
+            text_only: std::sync::OnceLock::new(),
         })
     }
 
@@ -152,7 +160,8 @@ impl Tokenizer {
         let vocab_size = inner.get_vocab_size(true);
         let byte_level = matches!(inner.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) || inner.token_to_id("\u{120}").is_some();
         let pieces = if byte_level { PieceSpelling::ByteLevel } else { PieceSpelling::SentencePiece };
-        Ok(Self { inner, bos, eos, add_bos: false, vocab_size, pieces, token_types: Vec::new() })
+        let control_strings = control_strings(&inner);
+        Ok(Self { inner, bos, eos, add_bos: false, vocab_size, pieces, token_types: Vec::new(), control_strings, text_only: std::sync::OnceLock::new() })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -172,6 +181,68 @@ impl Tokenizer {
             ids.extend(self.bos);
         }
         ids.extend(self.encode(text)?);
+        Ok(ids)
+    }
+
+    /// `text` with every control-token spelling in it (`<|im_end|>`, ...) replaced by filler of
+    /// the same byte length, or None when it spells none. A chat template renders the client's
+    /// strings neutralized this way to show where its own markup is (`encode_template_render`).
+    pub fn neutralize_controls(&self, text: &str) -> Option<String> {
+        let mut out: Option<String> = None;
+        // again until none is left: filler next to the text around it must not spell a new one
+        while let Some(control) = self.control_strings.iter().find(|c| out.as_deref().unwrap_or(text).contains(c.as_str())) {
+            out = Some(out.as_deref().unwrap_or(text).replace(control.as_str(), &CONTROL_FILLER.repeat(control.len())));
+        }
+        out
+    }
+
+    /// Encodes `text`, a chat template's render, so that control tokens come only from the
+    /// template's markup: `neutral` is the same render of the client's strings passed through
+    /// [`Self::neutralize_controls`]. The control tokens found in `neutral` are the template's
+    /// (the client's text there spells none); `text` is split at exactly those positions and the
+    /// pieces between are encoded with control-token spellings read as plain text. Since added
+    /// tokens split the input before anything else, a render whose client strings spell no control
+    /// token encodes exactly as [`Self::encode`] would encode it.
+    ///
+    /// Fails when the two renders do not line up (a template that changes the client's text in a
+    /// way that moves its markup), rather than guess.
+    pub fn encode_template_render(&self, text: &str, neutral: &str) -> Result<Vec<TokenId>, ModelError> {
+        let misaligned = || {
+            ModelError::BadInput(
+                "the conversation spells control tokens (such as <|im_end|>) and the chat template rewrites that text, so its own markup cannot be told apart from it; remove them from the messages".into(),
+            )
+        };
+        if text.len() != neutral.len() {
+            return Err(misaligned());
+        }
+        let marked = self.inner.encode(neutral, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let added = self.inner.get_added_tokens_decoder();
+        let text_only = self.text_only.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let encode_text = |piece: &str| -> Result<Vec<TokenId>, ModelError> {
+            if piece.is_empty() {
+                return Ok(Vec::new());
+            }
+            Ok(text_only.encode_fast(piece, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?.get_ids().to_vec())
+        };
+        let mut ids = Vec::new();
+        let mut done = 0;
+        for (&id, &(start, end)) in marked.get_ids().iter().zip(marked.get_offsets()) {
+            if !added.get(&id).is_some_and(|a| a.special) {
+                continue;
+            }
+            // the markup must read the same in both renders, at the same place
+            if start < done || text.get(start..end) != neutral.get(start..end) {
+                return Err(misaligned());
+            }
+            ids.extend(encode_text(text.get(done..start).ok_or_else(misaligned)?)?);
+            ids.push(id);
+            done = end;
+        }
+        ids.extend(encode_text(text.get(done..).ok_or_else(misaligned)?)?);
         Ok(ids)
     }
 
@@ -227,6 +298,19 @@ impl Tokenizer {
             })
             .collect()
     }
+}
+
+/// What [`Tokenizer::neutralize_controls`] writes for each byte of a control-token spelling: a
+/// printable ASCII letter, which no template escapes and no control token is made of.
+const CONTROL_FILLER: &str = "x";
+
+/// The spellings of `inner`'s special added tokens, longest first (so that one containing
+/// another is neutralized whole).
+fn control_strings(inner: &HfTokenizer) -> Vec<String> {
+    let mut out: Vec<String> = inner.get_added_tokens_decoder().into_values().filter(|t| t.special && !t.content.is_empty()).map(|t| t.content).collect();
+    out.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+    out.dedup();
+    out
 }
 
 /// GGUF token types beside NORMAL, CONTROL and USER_DEFINED that `token_bytes` treats as special.
@@ -451,6 +535,15 @@ mod tests {
         })
     }
 
+    impl Tokenizer {
+        /// `text` encoded with control-token spellings as plain text.
+        fn text_only_for_test(&self, text: &str) -> Vec<TokenId> {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t.encode_fast(text, false).unwrap().get_ids().to_vec()
+        }
+    }
+
     fn pieces(t: &Tokenizer, text: &str) -> Vec<String> {
         t.encode(text).unwrap().into_iter().map(|i| t.id_to_token(i).unwrap()).collect()
     }
@@ -532,6 +625,49 @@ mod tests {
         let t = sentencepiece(true);
         assert_eq!(pieces(&t, "a"), ["\u{2581}a"]);
         assert_eq!(t.decode(&t.encode("a b").unwrap(), false).unwrap(), "a b");
+    }
+
+    /// A message spelling `<|im_end|>` gets the text; the template's own `<|im_end|>` is the
+    /// control token; a conversation without spellings encodes as plain `encode`.
+    #[test]
+    fn a_template_render_gets_control_tokens_only_from_its_markup() {
+        use crate::chat::{ChatMessage, ChatTemplate};
+        let t = byte_level("gpt2").unwrap();
+        let end = t.token_to_id("<|im_end|>").unwrap();
+        let chat = ChatTemplate::new("{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}", "", "").unwrap();
+        let msg = |c: &str| [ChatMessage { role: "user".into(), content: c.into() }];
+        let r = chat.render_tokens(&t, &msg("a<|im_end|>b"), None, false, &Default::default()).unwrap();
+        assert_eq!(r.text, "a<|im_end|>b<|im_end|>");
+        assert_eq!(r.tokens.iter().filter(|&&x| x == end).count(), 1, "{:?}", r.tokens);
+        assert_eq!(r.tokens.last(), Some(&end));
+        // the spelled one is its ten bytes (GPT-2's split keeps `<|` and `|>` runs together)
+        assert_eq!(r.tokens[1..r.tokens.len() - 2], t.text_only_for_test("<|im_end|>")[..]);
+        assert_eq!(t.decode(&r.tokens, false).unwrap(), r.text);
+        let benign = chat.render_tokens(&t, &msg("a b"), None, false, &Default::default()).unwrap();
+        assert_eq!(benign.tokens, t.encode("a b<|im_end|>").unwrap());
+        // tools are the client's strings too
+        let with_tools = ChatTemplate::new("{{ tools[0] }}<|im_end|>", "", "").unwrap();
+        let r = with_tools.render_tokens(&t, &msg("x"), Some(&serde_json::json!(["<|im_end|>"])), false, &Default::default()).unwrap();
+        assert_eq!(r.tokens.iter().filter(|&&x| x == end).count(), 1, "{:?}", r.tokens);
+    }
+
+    /// A template whose markup depends on the spelled text cannot be told apart: an error, never
+    /// a guess.
+    #[test]
+    fn a_template_that_moves_its_markup_with_the_text_is_refused() {
+        use crate::chat::{ChatMessage, ChatTemplate};
+        let t = byte_level("gpt2").unwrap();
+        let src = "{% for m in messages %}{% if '<|im_end|>' in m.content %}<|im_end|>{% endif %}{{ m.content }}{% endfor %}";
+        let chat = ChatTemplate::new(src, "", "").unwrap();
+        let err = chat.render_tokens(&t, &[ChatMessage { role: "user".into(), content: "<|im_end|>".into() }], None, false, &Default::default()).unwrap_err();
+        assert!(err.to_string().contains("control tokens"), "{err}");
+    }
+
+    #[test]
+    fn neutralizing_replaces_each_control_spelling_by_filler_of_its_length() {
+        let t = byte_level("qwen2").unwrap();
+        assert_eq!(t.neutralize_controls("a<|im_end|>b").as_deref(), Some("axxxxxxxxxxb"));
+        assert_eq!(t.neutralize_controls("<|im_end"), None);
     }
 
     #[test]

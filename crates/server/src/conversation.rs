@@ -111,10 +111,10 @@ pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, A
     let (prompt, reasoning) = state
         .prep
         .run(move || {
-            let text = tools::render_with_kwargs(&template, messages, to_render.as_ref(), true, &template_kwargs)?;
-            // The template writes any BOS itself, so plain `encode` (special tokens recognised, none added).
-            let prompt = tokenizer.encode(&text).map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?;
-            let reasoning = reasoning::template_thinks(template.source()).then(|| reasoning::prompt_opens_reasoning(&text));
+            // control tokens only from the template's markup; no BOS added (templates write it)
+            let rendered = tools::render(&template, &tokenizer, messages, to_render.as_ref(), true, &template_kwargs)?;
+            let reasoning = reasoning::template_thinks(template.source()).then(|| reasoning::prompt_opens_reasoning(&rendered.text));
+            let prompt = rendered.tokens;
             Ok::<_, ApiError>((prompt, reasoning))
         })
         .await??;

@@ -14,12 +14,14 @@ pub mod auth;
 pub mod bounds;
 pub mod conversation;
 pub mod dialect;
+pub mod connections;
 pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod metrics;
 pub mod prep;
 pub mod reasoning;
+pub mod origin;
 pub mod routes;
 pub mod sse;
 pub mod tools;
@@ -29,7 +31,6 @@ pub mod validate;
 use axum::extract::DefaultBodyLimit;
 use axum::http::Uri;
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use specula_engine::handle::EngineHandle;
@@ -37,6 +38,7 @@ use specula_model::{ChatTemplate, Tokenizer};
 use std::future::Future;
 use std::sync::Arc;
 
+pub use connections::ConnectionLimits;
 pub use error::ApiError;
 
 /// What the server needs to know about the deployment; built by the CLI from `specula serve`'s
@@ -90,6 +92,12 @@ pub struct ServerConfig {
     pub prep_threads: usize,
     /// Preparations that may wait for a prep thread; past it a request is a 503 `overloaded`.
     pub prep_queue: usize,
+    /// Timeouts and the connection cap (`--header-read-timeout`, `--idle-timeout`,
+    /// `--max-connections`, `--sse-keep-alive`).
+    pub connections: ConnectionLimits,
+    /// Browser origins that may use a server without an API key beside loopback ones
+    /// (`--allowed-origins`; `*` for any), see `origin.rs`.
+    pub allowed_origins: Vec<String>,
 }
 
 impl ServerConfig {
@@ -114,6 +122,8 @@ impl ServerConfig {
             grammar_compile_timeout: std::time::Duration::from_secs(2),
             prep_threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             prep_queue: 64,
+            connections: ConnectionLimits::default(),
+            allowed_origins: Vec::new(),
         }
     }
 
@@ -140,6 +150,9 @@ impl ServerConfig {
             if v == 0 {
                 return bad(format!("{name} must be at least 1"));
             }
+        }
+        if let Some(problem) = self.connections.problem() {
+            return bad(problem);
         }
         if self.api_key.as_deref() == Some("") {
             return bad("--api-key is empty; leave it out to disable auth".into());
@@ -170,6 +183,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("grammar_compile_timeout", &self.grammar_compile_timeout)
             .field("prep_threads", &self.prep_threads)
             .field("prep_queue", &self.prep_queue)
+            .field("connections", &self.connections)
+            .field("allowed_origins", &self.allowed_origins)
             .finish()
     }
 }
@@ -218,7 +233,8 @@ pub enum ServeError {
     Io(#[from] std::io::Error),
 }
 
-/// All routes, with auth on `/v1/*`, the body limit, and OpenAI-shaped 404/405s.
+/// All routes, with auth on `/v1/*`, browser origins checked everywhere (`origin.rs`), the body
+/// limit and idle timeout, SSE keep-alive comments, and OpenAI-shaped 404/405s.
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(routes::completions::create))
@@ -238,6 +254,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/messages/count_tokens", post(dialect::anthropic::count_tokens))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
         .route_layer(axum::middleware::from_fn(dialect::anthropic::anthropic_errors));
+    let limits = Arc::new(state.config.connections.clone());
     Router::new()
         .merge(v1)
         .merge(anthropic)
@@ -246,24 +263,24 @@ pub fn router(state: AppState) -> Router {
         .fallback(|uri: Uri| async move { ApiError::route_not_found(uri.path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(limits.clone(), connections::sse_keep_alive))
+        .layer(axum::middleware::from_fn_with_state(limits, connections::body_idle_timeout))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), origin::require_local_origin))
         .with_state(state)
 }
 
 /// Serves [`router`] on `listener` until `shutdown` resolves, then stops accepting and waits for
 /// open responses (streams included) to end. The caller shuts the engine down afterwards (or
-/// from `shutdown`, so streams finish).
+/// from `shutdown`, so streams finish). Connections are capped and each request's head must
+/// arrive in time ([`ConnectionLimits`]): a client that opens connections and sends half a
+/// request holds nothing for long.
 pub async fn serve(listener: tokio::net::TcpListener, state: AppState, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServeError> {
     state.config.validate()?;
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, model = %state.config.model_name, "serving the OpenAI API");
     }
-    // Streamed tokens are small writes; Nagle would hold each one back.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("cannot set TCP_NODELAY: {e}");
-        }
-    });
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await?;
+    let limits = state.config.connections.clone();
+    connections::accept_loop(listener, router(state), &limits, shutdown).await;
     Ok(())
 }
 

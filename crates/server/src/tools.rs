@@ -15,7 +15,7 @@ use crate::error::ApiError;
 use crate::types::RequestMessage;
 use serde_json::{json, Map, Value};
 use specula_engine::api::Constraint;
-use specula_model::ChatTemplate;
+use specula_model::{ChatTemplate, RenderedChat, Tokenizer};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const CALL_OPEN: &str = "<tool_call>";
@@ -283,25 +283,24 @@ pub fn template_messages(sent: &[RequestMessage], texts: Vec<specula_model::Chat
         .collect()
 }
 
-/// The prompt for `messages` (from [`template_messages`]): through the template with `tools`
-/// when it renders tools itself, else rewritten by [`hermes_fallback`] first.
-pub fn render(template: &ChatTemplate, messages: Vec<Value>, tools: Option<&ToolSet>, add_generation_prompt: bool) -> Result<String, ApiError> {
-    render_with_kwargs(template, messages, tools, add_generation_prompt, &Map::new())
-}
-
-/// [`render`] with extra template variables (`chat_template_kwargs`).
-pub fn render_with_kwargs(
+/// The prompt for `messages` (from [`template_messages`]), rendered and tokenized: through the
+/// template with `tools` when it renders tools itself, else rewritten by [`hermes_fallback`]
+/// first, with extra template variables (`chat_template_kwargs`). Control tokens come only from
+/// the template's markup (`ChatTemplate::render_tokens`): a message that spells `<|im_end|>`
+/// gets the text, not the token.
+pub fn render(
     template: &ChatTemplate,
+    tokenizer: &Tokenizer,
     messages: Vec<Value>,
     tools: Option<&ToolSet>,
     add_generation_prompt: bool,
     kwargs: &Map<String, Value>,
-) -> Result<String, ApiError> {
+) -> Result<RenderedChat, ApiError> {
     let rendered = if template_renders_tools(template.source()) {
         let definitions = tools.map(|t| Value::Array(t.definitions.clone()));
-        template.render_with_kwargs(&messages, definitions.as_ref(), add_generation_prompt, kwargs)
+        template.render_tokens(tokenizer, &messages, definitions.as_ref(), add_generation_prompt, kwargs)
     } else {
-        template.render_with_kwargs(&hermes_fallback(messages, tools), None, add_generation_prompt, kwargs)
+        template.render_tokens(tokenizer, &hermes_fallback(messages, tools), None, add_generation_prompt, kwargs)
     };
     rendered.map_err(|e| ApiError::invalid_param("messages", e.to_string()))
 }

@@ -51,6 +51,23 @@ pub struct ServeArgs {
     /// (default: the machine's cores).
     #[arg(long)]
     pub prep_threads: Option<usize>,
+    /// Seconds a client has to send a request's line and headers, counted from when the server
+    /// waits for them (a kept-alive connection that sends nothing this long is closed).
+    #[arg(long, default_value = "10", value_parser = parse_seconds)]
+    pub header_read_timeout: Duration,
+    /// Seconds a request body may pause before the request fails and its connection closes.
+    #[arg(long, default_value = "30", value_parser = parse_seconds)]
+    pub idle_timeout: Duration,
+    /// Open connections at most; more are closed as soon as they are accepted.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// Seconds of silence after which a stream sends an SSE keep-alive comment.
+    #[arg(long, default_value = "15", value_parser = parse_seconds)]
+    pub sse_keep_alive: Duration,
+    /// Browser origins (e.g. https://app.example) that may call a server without --api-key,
+    /// beside loopback ones; comma-separated, `*` for any. Without it such requests get 403.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_secs: u64,
@@ -82,6 +99,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let loaded = load_model(&path)?;
     let mut cfg = args.engine.to_config(&loaded.model.config)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
+    // the test switch of the fault tests (python/tests/test_hostile_connections.py)
+    if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {
+        cfg.fault_injection = Some(specula_engine::config::FaultInjection::parse(&spec).map_err(anyhow::Error::msg)?);
+        eprintln!("SPECULA_INJECT_FAULT={spec}: a fault will be injected (test switch)");
+    }
     let server_cfg = server_config(&args, &cfg, &loaded.name);
     // the metrics recorder must exist before the engine records anything
     let _ = specula_server::metrics::prometheus_handle();
@@ -101,11 +123,24 @@ pub fn run(args: ServeArgs) -> Result<()> {
         (h, EngineJoin::Single(j))
     };
     let state = AppState::new(engine.clone(), tokenizer, chat, server_cfg);
-    serve_http(&args, state, engine.clone(), &loaded.name, std::future::pending())?;
+    serve_http(&args, state, engine.clone(), &loaded.name, engine_gone(engine.clone()))?;
+    // an engine that ended before it was asked to is a failure, whatever the HTTP side did
+    let died = !engine.is_running();
     engine.shutdown();
     drop(engine);
-    join.join();
+    join.join()?;
+    if died {
+        anyhow::bail!("the engine stopped on its own; the server shut down because it could no longer generate");
+    }
     Ok(())
+}
+
+/// Resolves once the engine behind `engine` has stopped (checked every 100 ms): a dead engine
+/// thread shuts the server down instead of leaving it up unable to generate.
+async fn engine_gone(engine: EngineHandle) {
+    while engine.is_running() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[cfg(feature = "mpi")]
@@ -132,7 +167,23 @@ fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_nam
         server_cfg.prep_threads = threads;
     }
     server_cfg.api_key = args.api_key.clone();
+    server_cfg.connections = specula_server::ConnectionLimits {
+        header_read_timeout: args.header_read_timeout,
+        idle_timeout: args.idle_timeout,
+        max_connections: args.max_connections,
+        sse_keep_alive: args.sse_keep_alive,
+    };
+    server_cfg.allowed_origins = args.allowed_origins.clone();
     server_cfg
+}
+
+/// A positive number of seconds (fractions allowed: `0.5`).
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
+    if !(secs > 0.0 && secs < 1e9) {
+        return Err(format!("{s} seconds is out of range: give a positive number"));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 /// Serves HTTP on the calling thread until SIGINT/SIGTERM or `engine_stopped` completes (the
@@ -190,10 +241,13 @@ enum EngineJoin {
 }
 
 impl EngineJoin {
-    fn join(self) {
+    /// Waits for the engine threads; an error when one of them panicked.
+    fn join(self) -> Result<()> {
         match self {
             EngineJoin::Single(j) => {
-                let _ = j.join();
+                if j.join().is_err() {
+                    anyhow::bail!("the engine thread panicked (see the log above); exiting");
+                }
             }
             EngineJoin::Group(g) => {
                 g.shutdown();
@@ -204,6 +258,7 @@ impl EngineJoin {
                 }
             }
         }
+        Ok(())
     }
 }
 

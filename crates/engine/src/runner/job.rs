@@ -185,14 +185,33 @@ fn sample(
             }
             None => block,
         };
-        let mut toks: Vec<TokenId> = if num_drafts == 0 {
-            let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
-            vec![state.sampler.sample(rows, &it.params, history, &rng).map_err(|e| e.to_string())?]
-        } else {
-            verified = true;
-            let (prompt, output) = it.tokens.split_at(it.prompt_len);
-            verify(rows, vocab, &it.draft, &it.params, prompt, output, &rng, force_accept).map_err(|e| e.to_string())?.tokens
+        // a panic while sampling or verifying this sequence fails it alone, not its neighbours
+        let drawn = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<TokenId>, String> {
+            if i == 0 {
+                FaultInjection::trip(ctx.fault, step, FaultPhase::SampleSequence)?;
+            }
+            if num_drafts == 0 {
+                let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
+                Ok(vec![state.sampler.sample(rows, &it.params, history, &rng).map_err(|e| e.to_string())?])
+            } else {
+                let (prompt, output) = it.tokens.split_at(it.prompt_len);
+                Ok(verify(rows, vocab, &it.draft, &it.params, prompt, output, &rng, force_accept).map_err(|e| e.to_string())?.tokens)
+            }
+        }));
+        let drawn = match drawn {
+            Ok(Ok(toks)) => Ok(toks),
+            Ok(Err(e)) => Err(format!("sampling this sequence failed: {e}")),
+            Err(panic) => Err(format!("sampling this sequence panicked: {}", panic_message(&panic))),
         };
+        let mut toks = match drawn {
+            Ok(toks) => toks,
+            Err(message) => {
+                tracing::error!(seq = %it.seq, "step {step}: {message}");
+                results.push(SeqResult::failed(rng, message));
+                continue;
+            }
+        };
+        verified |= num_drafts > 0;
         let mut grammar = it.grammar.take();
         if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {
             if let Err(e) = g.settle(*consumed, &toks) {

@@ -6,14 +6,22 @@ pub mod models;
 pub mod tokenize;
 
 use crate::types::{PromptLogprobEntry, PromptLogprobs};
+use crate::AppState;
+use axum::extract::State;
 use axum::http::StatusCode;
 use specula_engine::api::TokenLogprob;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
 
-/// `GET /health`: 200 with an empty body while the server is up (vLLM's behaviour). Never behind auth.
-pub async fn health() -> StatusCode {
-    StatusCode::OK
+/// `GET /health`: 200 with an empty body while the engine runs (vLLM's behaviour), 503 once it
+/// has stopped or died, so a probe sees at once a server that can no longer generate. Never
+/// behind auth.
+pub async fn health(State(state): State<AppState>) -> StatusCode {
+    if state.engine.is_running() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
 }
 
 /// JSON has no -inf; like vLLM, impossible tokens are reported at -9999.

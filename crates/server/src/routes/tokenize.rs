@@ -80,9 +80,9 @@ fn tokens_of(state: &AppState, req: &TokenizeRequest) -> Result<Vec<TokenId>, Ap
                 .chat_template
                 .as_ref()
                 .ok_or_else(|| ApiError::invalid_param("messages", "this model has no chat template; tokenize a `prompt` instead"))?;
-            let text = tools::render(template, messages, tool_set.as_ref(), req.add_generation_prompt.unwrap_or(true))?;
-            let ids = if req.add_special_tokens.unwrap_or(false) { tok.encode_prompt(&text) } else { tok.encode(&text) };
-            ids.map_err(|e| ApiError::invalid_param("messages", format!("cannot tokenize the conversation: {e}")))?
+            let ids = tools::render(template, tok, messages, tool_set.as_ref(), req.add_generation_prompt.unwrap_or(true), &Default::default())?.tokens;
+            let bos = tok.bos.filter(|_| tok.add_bos && req.add_special_tokens.unwrap_or(false));
+            bos.into_iter().chain(ids).collect()
         }
         (Some(_), Some(_)) => return Err(ApiError::invalid(None, "give either `prompt` or `messages`, not both")),
         (None, None) => return Err(ApiError::invalid(None, "give `prompt` (text) or `messages` (a conversation) to tokenize")),
