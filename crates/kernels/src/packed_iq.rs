@@ -378,16 +378,19 @@ pub(crate) mod x86 {
                         for j in 0..4 {
                             let shift = _mm_cvtsi32_si128(2 * j as i32);
                             let hshift = _mm_cvtsi32_si128((4 * n + j) as i32);
-                            let w: [__m256i; 8] = std::array::from_fn(|v| {
+                            // (a loop, not `array::from_fn`: a closure does not inherit the
+                            // function's target features, and its intrinsics became calls)
+                            let mut w = [_mm256_setzero_si256(); 8];
+                            for (v, w) in w.iter_mut().enumerate() {
                                 let low = _mm256_and_si256(_mm256_srl_epi16(vec(qs, 8 * n + v), shift), m3);
-                                if F == Q2K {
+                                *w = if F == Q2K {
                                     low
                                 } else {
                                     // bit 4n + j of the hmask byte, moved to bit 2
                                     let h = _mm256_slli_epi16::<2>(_mm256_srl_epi16(vec(blk.add(off::Q3K_HM), v), hshift));
                                     _mm256_or_si256(low, _mm256_and_si256(h, bit2))
-                                }
-                            });
+                                };
+                            }
                             let k = 8 * n + 2 * j;
                             // the two sub-blocks' scales (i32 lanes and i16 pairs) and the i16
                             // pair each lane multiplies the activations' half sums by
