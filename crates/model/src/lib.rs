@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod config;
 pub mod gguf;
+pub mod gguf_reader;
 pub mod kv_store;
 pub mod llama;
 pub mod loader;

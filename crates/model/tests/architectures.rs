@@ -126,5 +126,5 @@ fn unknown_architecture_and_missing_tensors_are_one_line_errors_naming_them() {
     }
     let q2k = vec![("blk.0.attn_q.weight".into(), GgmlDType::Q2K)];
     let e = load_err(dir.path(), "q2k", &TinySpec { hidden: 256, tensor_formats: q2k, ..spec("qwen2") });
-    assert!(e.contains("blk.0.attn_q.weight") && e.contains("Q2K"), "{e}");
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("Q2_K"), "{e}");
 }

@@ -88,7 +88,7 @@ fn unsupported_tensor_type_names_the_tensor_and_type() {
     let err = load_err(&tiny(dir.path(), "q2k.gguf", &spec));
     assert!(matches!(err, ModelError::UnsupportedTensorType { .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q2K") && msg.contains("supported:"), "{msg}");
+    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q2_K") && msg.contains("supported:"), "{msg}");
 }
 
 #[test]
