@@ -296,10 +296,11 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
     let mut metadata = HashMap::with_capacity(n_meta as usize);
     for i in 0..n_meta {
         let key = r.string(wide, MAX_KEY_LEN, &format!("metadata key {i}"))?;
-        let ty = r.u32(&format!("the type of {key}"))?;
-        let value = r.value(wide, ty, 0, &key)?;
-        if metadata.insert(key.clone(), value).is_some() {
-            return Err(GgufError::Invalid(format!("metadata key '{key}' appears twice")));
+        let label = shown(&key);
+        let ty = r.u32(&format!("the type of {label}"))?;
+        let value = r.value(wide, ty, 0, &label)?;
+        if metadata.insert(key, value).is_some() {
+            return Err(GgufError::Invalid(format!("metadata key {label} appears twice")));
         }
     }
 
@@ -329,7 +330,8 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
     // each starts exactly where the one before it ends (no gaps, no overlaps, no reordering).
     let mut expected = 0u64;
     for (name, dims, ggml_type, rel) in raw {
-        let bad = |m: String| GgufError::Invalid(format!("tensor '{name}' {m}"));
+        let label = shown(&name);
+        let bad = |m: String| GgufError::Invalid(format!("tensor {label} {m}"));
         if !rel.is_multiple_of(alignment) {
             return Err(bad(format!("has offset {rel}, not a multiple of the alignment {alignment}")));
         }
@@ -355,11 +357,20 @@ pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
             return Err(bad(format!("ends at byte {end} but the file has {file_len} bytes (truncated download?)")));
         }
         if index.insert(name.clone(), tensors.len()).is_some() {
-            return Err(GgufError::Invalid(format!("tensor '{name}' appears twice in the directory")));
+            return Err(GgufError::Invalid(format!("tensor {label} appears twice in the directory")));
         }
         tensors.push(TensorInfo { name, dims, ggml_type, offset, n_bytes });
     }
     Ok(GgufHeader { version, metadata, tensors, index, alignment, data_offset })
+}
+
+/// A key or tensor name as error messages show it: quoted, control characters escaped, cut
+/// to 64 characters (the file controls it, and an error must stay one short line).
+pub fn shown(s: &str) -> String {
+    const MAX: usize = 64;
+    let cut: String = s.chars().take(MAX).collect();
+    let more = if cut.len() < s.len() { "..." } else { "" };
+    format!("{:?}{more}", cut)
 }
 
 fn limit(what: &str, value: u64, limit: u64) -> Result<(), GgufError> {
@@ -441,18 +452,18 @@ impl<'a> Reader<'a> {
             7 => match self.array::<1>(key)?[0] {
                 0 => Value::Bool(false),
                 1 => Value::Bool(true),
-                b => return Err(GgufError::Invalid(format!("'{key}' is a bool stored as {b}, not 0 or 1"))),
+                b => return Err(GgufError::Invalid(format!("{key} is a bool stored as {b}, not 0 or 1"))),
             },
-            8 => Value::String(self.string(wide, MAX_STRING_LEN, &format!("'{key}'"))?),
+            8 => Value::String(self.string(wide, MAX_STRING_LEN, &format!("{key}"))?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::OverLimit { what: format!("the array nesting of '{key}'"), value: depth as u64 + 1, limit: MAX_ARRAY_DEPTH as u64 });
+                    return Err(GgufError::OverLimit { what: format!("the array nesting of {key}"), value: depth as u64 + 1, limit: MAX_ARRAY_DEPTH as u64 });
                 }
-                let elem = self.u32(&format!("the element type of '{key}'"))?;
-                let len = self.count(wide, &format!("the length of '{key}'"))?;
-                limit(&format!("the length of '{key}'"), len, MAX_ARRAY_LEN)?;
-                let min = min_value_bytes(elem, wide).ok_or_else(|| GgufError::Invalid(format!("'{key}' is an array of unknown value type {elem}")))?;
-                self.fits(len, min, &format!("the elements of '{key}'"))?;
+                let elem = self.u32(&format!("the element type of {key}"))?;
+                let len = self.count(wide, &format!("the length of {key}"))?;
+                limit(&format!("the length of {key}"), len, MAX_ARRAY_LEN)?;
+                let min = min_value_bytes(elem, wide).ok_or_else(|| GgufError::Invalid(format!("{key} is an array of unknown value type {elem}")))?;
+                self.fits(len, min, &format!("the elements of {key}"))?;
                 self.elements = self.elements.saturating_add(len);
                 limit("the array elements in all metadata", self.elements, MAX_METADATA_ELEMENTS)?;
                 let mut out = Vec::with_capacity(len as usize);
@@ -464,7 +475,7 @@ impl<'a> Reader<'a> {
             10 => Value::U64(self.u64(key)?),
             11 => Value::I64(i64::from_le_bytes(self.array(key)?)),
             12 => Value::F64(f64::from_le_bytes(self.array(key)?)),
-            other => return Err(GgufError::Invalid(format!("'{key}' has unknown value type {other}"))),
+            other => return Err(GgufError::Invalid(format!("{key} has unknown value type {other}"))),
         })
     }
 
@@ -472,27 +483,28 @@ impl<'a> Reader<'a> {
     /// relative to the data section (checked against the file by the caller).
     fn tensor_entry(&mut self, wide: bool, i: u64) -> Result<(String, Vec<u64>, GgmlType, u64), GgufError> {
         let name = self.string(wide, MAX_KEY_LEN, &format!("the name of tensor {i}"))?;
-        let n_dims = self.u32(&format!("the dimension count of '{name}'"))?;
+        let label = shown(&name);
+        let n_dims = self.u32(&format!("the dimension count of {label}"))?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(GgufError::Invalid(format!("tensor '{name}' has {n_dims} dimensions (1 to {MAX_DIMS} are possible)")));
+            return Err(GgufError::Invalid(format!("tensor {label} has {n_dims} dimensions (1 to {MAX_DIMS} are possible)")));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
-            let d = self.count(wide, &format!("the dimensions of '{name}'"))?;
+            let d = self.count(wide, &format!("the dimensions of {label}"))?;
             if d == 0 || d > i64::MAX as u64 {
-                return Err(GgufError::Invalid(format!("tensor '{name}' has a dimension of {d}")));
+                return Err(GgufError::Invalid(format!("tensor {label} has a dimension of {d}")));
             }
             dims.push(d);
         }
         dims.reverse();
-        let id = self.u32(&format!("the type of '{name}'"))?;
+        let id = self.u32(&format!("the type of {label}"))?;
         let ggml_type = GgmlType::from_id(id).ok_or_else(|| match REMOVED_TYPES.iter().find(|r| r.0 == id) {
             Some((_, old)) => {
-                GgufError::Invalid(format!("tensor '{name}' has type {old} (id {id}), which ggml removed from GGUF files; convert the model again"))
+                GgufError::Invalid(format!("tensor {label} has type {old} (id {id}), which ggml removed from GGUF files; convert the model again"))
             }
-            None => GgufError::Invalid(format!("tensor '{name}' has unknown ggml type id {id}")),
+            None => GgufError::Invalid(format!("tensor {label} has unknown ggml type id {id}")),
         })?;
-        let offset = self.u64(&format!("the offset of '{name}'"))?;
+        let offset = self.u64(&format!("the offset of {label}"))?;
         Ok((name, dims, ggml_type, offset))
     }
 }
@@ -608,7 +620,7 @@ mod tests {
             let mut w = W::new(1, 0);
             w.tensor("t", &[32], 0, off);
             let e = err(&w.data(128));
-            assert!(e.contains("tensor 't'") && e.contains(&off.to_string()), "{off}: {e}");
+            assert!(e.contains("tensor \"t\"") && e.contains(&off.to_string()), "{off}: {e}");
         }
         // a size that runs past the end of the file
         let mut w = W::new(1, 0);
@@ -623,7 +635,7 @@ mod tests {
             let mut w = W::new(2, 0);
             w.tensor("a", &[32, 2], 8, a).tensor("b", &[4], 0, b);
             let e = err(&w.data(512));
-            assert!(e.contains(&format!("tensor '{bad}'")) && e.contains("end at"), "{a} {b}: {e}");
+            assert!(e.contains(&format!("tensor \"{bad}\"")) && e.contains("end at"), "{a} {b}: {e}");
         }
     }
 

@@ -148,7 +148,8 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     let arch = f.meta_str("general.architecture")?.to_string();
     if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
         return Err(ModelError::Unsupported(format!(
-            "architecture '{arch}' in {} is not supported (supported: {})",
+            "architecture '{}' in {} is not supported (supported: {})",
+            crate::gguf_reader::shown(&arch).trim_matches('"'),
             f.path,
             SUPPORTED_ARCHITECTURES.join(", ")
         )));
@@ -247,7 +248,7 @@ fn check_layer_tensors(f: &GgufFile, n_layers: usize) -> Result<(), ModelError> 
             Some(l) if l < n_layers => {}
             _ => {
                 return Err(ModelError::BadTensor {
-                    name: t.name.clone(),
+                    name: crate::gguf_reader::shown(&t.name).trim_matches('"').to_string(),
                     message: format!("is not in one of the {n_layers} layers that block_count gives {}", f.path),
                 })
             }
