@@ -484,12 +484,12 @@ fn mutated_real_gguf_headers_never_crash_and_impossible_ones_are_one_line_errors
     let l = layout(&head);
     head.truncate(l.data_offset);
     let all = cases(&head, &l, 30, 7);
-    // the named ones, the unchanged header, and every 6th of the others: the real tokenizer
+    // the named ones, the unchanged header, and every 10th of the others: the real tokenizer
     // takes a while to build, and the tiny files cover the field classes in full
     let keep: Vec<Case> = all
         .into_iter()
         .enumerate()
-        .filter(|(i, c)| i % 6 == 0 || c.expect == Expect::Load || c.label.contains("block_count") || c.label.contains("offset"))
+        .filter(|(i, c)| i % 10 == 0 || c.expect == Expect::Load || c.label.contains("block_count") || c.label.contains("offset"))
         .map(|(_, c)| c)
         .collect();
     let dir = tempfile::tempdir().unwrap();
