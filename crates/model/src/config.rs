@@ -317,7 +317,8 @@ mod tests {
     #[test]
     fn validate_refuses_counts_outside_the_limits_and_non_finite_numbers() {
         assert!(tiny().validate().is_ok());
-        let cases: Vec<(fn(&mut ModelConfig), &str)> = vec![
+        type Case = (fn(&mut ModelConfig), &'static str);
+        let cases: Vec<Case> = vec![
             (|c| c.n_layers = u32::MAX as usize, "block_count"),
             (|c| c.n_layers = 0, "block_count"),
             (|c| c.vocab_size = limits::MAX_VOCAB + 1, "vocabulary"),

@@ -454,7 +454,7 @@ impl<'a> Reader<'a> {
                 1 => Value::Bool(true),
                 b => return Err(GgufError::Invalid(format!("{key} is a bool stored as {b}, not 0 or 1"))),
             },
-            8 => Value::String(self.string(wide, MAX_STRING_LEN, &format!("{key}"))?),
+            8 => Value::String(self.string(wide, MAX_STRING_LEN, key)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
                     return Err(GgufError::OverLimit { what: format!("the array nesting of {key}"), value: depth as u64 + 1, limit: MAX_ARRAY_DEPTH as u64 });
