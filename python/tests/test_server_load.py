@@ -49,6 +49,19 @@ def assert_pool_whole(srv, timeout=15.0):
     return m
 
 
+ABORTED = 'specula:request_success_total{finished_reason="abort"}'
+GENERATED = "specula:generation_tokens_total"
+
+
+def assert_aborted_early(srv, before, asked, aborts=1):
+    """After a client went away: the abort counter rose by `aborts`, and the engine generated far
+    fewer tokens than the `asked` it would have run to without the abort."""
+    m = srv.metrics()
+    assert m.get(ABORTED, 0) - before.get(ABORTED, 0) == aborts, {k: v for k, v in m.items() if "request_success" in k}
+    generated = m.get(GENERATED, 0) - before.get(GENERATED, 0)
+    assert generated < asked / 4, f"{generated} tokens generated of {asked} asked: the request was not cut short"
+
+
 def wait_until_running(srv, n=1, timeout=15.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -118,6 +131,7 @@ def test_queue_full_with_openai_client_and_partial_n(busy_server):
 
 def test_disconnect_mid_stream_frees_blocks(server):
     body = {"prompt": STORY, "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+    before = assert_pool_whole(server)
     with server.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         events = sse_events(r)
@@ -128,10 +142,12 @@ def test_disconnect_mid_stream_frees_blocks(server):
     t0 = time.monotonic()
     assert_pool_whole(server, timeout=10)
     assert time.monotonic() - t0 < 10
+    assert_aborted_early(server, before, asked=2000)
 
 
 def test_openai_stream_close_frees_blocks(server):
     c = server.client()
+    before = assert_pool_whole(server)
     stream = c.chat.completions.create(model=server.model_name, messages=[{"role": "user", "content": "Tell a long story."}],
                                        max_tokens=2000, temperature=0.7, seed=5, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -143,13 +159,16 @@ def test_openai_stream_close_frees_blocks(server):
     wait_until_running(server)
     stream.close()
     assert_pool_whole(server, timeout=10)
+    assert_aborted_early(server, before, asked=2000)
 
 
 def test_disconnect_during_non_streaming_request_frees_blocks(server):
     body = {"prompt": STORY, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    before = assert_pool_whole(server)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url("/v1/completions"), json=body, timeout=httpx.Timeout(1.0, connect=5.0))
     assert_pool_whole(server, timeout=10)
+    assert_aborted_early(server, before, asked=2000)
 
 
 # ---------------------------------------------------------------------------------------------

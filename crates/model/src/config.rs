@@ -193,10 +193,28 @@ impl ModelConfig {
         self.arch_options.attn_scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
     }
 
-    /// Checks the shape is self-consistent; the loader calls this once.
+    /// Checks the shape is self-consistent and inside the documented bounds (`limits`); the
+    /// loaders call this before anything is sized from the config.
     pub fn validate(&self) -> Result<(), crate::ModelError> {
         let bad = |m: String| Err(crate::ModelError::Unsupported(m));
-        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+        let within = |what: &str, v: usize, min: usize, max: usize| -> Result<(), crate::ModelError> {
+            if v < min || v > max {
+                return bad(format!("{what} is {v}; specula supports {min} to {max}"));
+            }
+            Ok(())
+        };
+        within("block_count (layers)", self.n_layers, 1, limits::MAX_LAYERS)?;
+        within("the vocabulary size", self.vocab_size, 1, limits::MAX_VOCAB)?;
+        within("embedding_length (hidden size)", self.hidden_size, 1, limits::MAX_HIDDEN)?;
+        within("feed_forward_length", self.intermediate_size, 0, limits::MAX_FFN)?;
+        within("the attention head count", self.n_heads, 1, limits::MAX_HEADS)?;
+        within("the KV head count", self.n_kv_heads, 1, limits::MAX_HEADS)?;
+        within("the head dimension", self.head_dim, 2, limits::MAX_HEAD_DIM)?;
+        within("context_length", self.context_length, 1, limits::MAX_CONTEXT)?;
+        if self.moe.is_none() && self.intermediate_size == 0 {
+            return bad("feed_forward_length is 0 in a dense model".into());
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!("{} attention heads cannot be grouped over {} KV heads", self.n_heads, self.n_kv_heads));
         }
         if !self.head_dim.is_multiple_of(2) {
@@ -213,12 +231,40 @@ impl ModelConfig {
         if !self.hidden_size.is_multiple_of(32) || !self.intermediate_size.is_multiple_of(32) {
             return bad(format!("hidden size {} and FFN size {} must be multiples of 32 for the quantized kernels", self.hidden_size, self.intermediate_size));
         }
+        let positive = |what: &str, x: f32| -> Result<(), crate::ModelError> {
+            if !(x.is_finite() && x > 0.0) {
+                return bad(format!("{what} is {x}; it must be a positive finite number"));
+            }
+            Ok(())
+        };
+        positive("the RMS norm epsilon", self.rms_eps)?;
+        positive("the RoPE base (rope.freq_base)", self.rope_theta)?;
+        positive("the RoPE linear scaling factor", self.rope_linear_scale)?;
+        positive("the embedding scale", self.arch_options.embed_scale)?;
+        if let Some(a) = self.arch_options.attn_scale {
+            positive("attention.scale", a)?;
+        }
         if let Some(s) = &self.arch_options.sliding {
-            if s.window == 0 || s.period == 0 {
+            if s.window == 0 || s.period == 0 || s.window > limits::MAX_CONTEXT || s.period > limits::MAX_LAYERS {
                 return bad(format!("sliding window of {} positions every {} layers", s.window, s.period));
             }
+            positive("the local RoPE base (rope.local.freq_base)", s.rope_theta)?;
+        }
+        if let Some(r) = &self.arch_options.rope_llama3 {
+            positive("rope.scaling.factor", r.factor)?;
+            positive("rope.scaling.low_freq_factor", r.low_freq_factor)?;
+            positive("rope.scaling.high_freq_factor", r.high_freq_factor)?;
+            if r.high_freq_factor <= r.low_freq_factor {
+                return bad(format!("rope.scaling.high_freq_factor {} must be above low_freq_factor {}", r.high_freq_factor, r.low_freq_factor));
+            }
+            within("rope.scaling.original_context_length", r.original_context_length, 1, limits::MAX_CONTEXT)?;
         }
         if let Some(m) = &self.moe {
+            within("expert_count", m.n_experts, 1, limits::MAX_EXPERTS)?;
+            within("expert_feed_forward_length", m.expert_ffn, 1, limits::MAX_FFN)?;
+            if let Some(f) = m.shared_ffn {
+                within("the shared expert's width", f, 1, limits::MAX_FFN)?;
+            }
             if self.arch_options.activation != Activation::SiluGate {
                 return bad(format!("mixture-of-experts layers with {:?} are not supported (SwiGLU experts only)", self.arch_options.activation));
             }
@@ -231,6 +277,28 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// Bounds on the hyper-parameters a model file may declare, checked by `ModelConfig::validate`
+/// before anything is allocated from them. Each is well above every published model (so a
+/// real model is never refused) and low enough that sizing from it cannot exhaust memory.
+pub mod limits {
+    /// Layers (the deepest published models have ~130).
+    pub const MAX_LAYERS: usize = 1024;
+    /// Vocabulary entries (largest published: 262 144).
+    pub const MAX_VOCAB: usize = 1 << 22;
+    /// Hidden size (largest published: 16 384-25 600).
+    pub const MAX_HIDDEN: usize = 1 << 17;
+    /// Feed-forward width, dense or per expert.
+    pub const MAX_FFN: usize = 1 << 20;
+    /// Attention heads, query or key/value.
+    pub const MAX_HEADS: usize = 1024;
+    /// Width of one head (published: 64 to 256; MLA's 576).
+    pub const MAX_HEAD_DIM: usize = 1024;
+    /// Trained context length (largest published: 10M).
+    pub const MAX_CONTEXT: usize = 1 << 24;
+    /// Experts per layer (largest published: 384).
+    pub const MAX_EXPERTS: usize = 1024;
 }
 
 #[cfg(test)]
@@ -253,6 +321,55 @@ mod tests {
         let wl = 2.0 * std::f64::consts::PI * 500000f64.powf(62.0 / 128.0);
         let s = (8192.0 / wl - 1.0) / 3.0;
         assert!(f[31] > 1.0 && f[31] < 8.0 && (f[31] as f64 - 1.0 / ((1.0 - s) / 8.0 + s)).abs() < 1e-5, "{}", f[31]);
+    }
+
+    fn tiny() -> ModelConfig {
+        ModelConfig {
+            arch: "llama".into(),
+            vocab_size: 10,
+            hidden_size: 64,
+            intermediate_size: 64,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            rms_eps: 1e-6,
+            rope_theta: 1e4,
+            rope_linear_scale: 1.0,
+            rope_neox: false,
+            context_length: 100,
+            tied_embeddings: true,
+            moe: None,
+            arch_options: ArchOptions::default(),
+        }
+    }
+
+    #[test]
+    fn validate_refuses_counts_outside_the_limits_and_non_finite_numbers() {
+        assert!(tiny().validate().is_ok());
+        type Case = (fn(&mut ModelConfig), &'static str);
+        let cases: Vec<Case> = vec![
+            (|c| c.n_layers = u32::MAX as usize, "block_count"),
+            (|c| c.n_layers = 0, "block_count"),
+            (|c| c.vocab_size = limits::MAX_VOCAB + 1, "vocabulary"),
+            (|c| c.hidden_size = 0, "hidden size"),
+            (|c| c.n_heads = 0, "head count"),
+            (|c| c.n_kv_heads = 3, "grouped"),
+            (|c| c.head_dim = 4096, "head dimension"),
+            (|c| c.context_length = u32::MAX as usize, "context_length"),
+            (|c| c.rms_eps = f32::NAN, "epsilon"),
+            (|c| c.rope_theta = -1.0, "RoPE base"),
+            (
+                |c| c.moe = Some(MoeConfig { n_experts: 1 << 20, n_used: 2, expert_ffn: 64, norm_topk: true, shared_ffn: None, expert_parallel_size: 1 }),
+                "expert_count",
+            ),
+        ];
+        for (mutate, want) in cases {
+            let mut c = tiny();
+            mutate(&mut c);
+            let e = c.validate().expect_err(want).to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{want}: {e}");
+        }
     }
 
     #[test]

@@ -1,50 +1,37 @@
-//! Reading a GGUF file: metadata and tensor directory through candle's parser, tensor bytes
-//! straight from a memory map (no copy). Every failure names the file and the key or tensor.
+//! Reading a GGUF file: metadata and tensor directory through our own checked parser
+//! (`gguf_reader`), tensor bytes straight from a memory map (no copy). Every failure names the
+//! file and the key or tensor.
 
+use crate::gguf_reader::{self, GgmlType, GgufHeader, TensorInfo, Value};
 use crate::ModelError;
-use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
-use candle_core::quantized::GgmlDType;
 use memmap2::Mmap;
 use specula_kernels::{QMatrix, WeightBytes, WeightFormat};
 use std::sync::Arc;
 
 pub struct GgufFile {
     pub path: String,
-    pub content: Content,
+    /// Metadata and tensor directory; every tensor lies inside `mmap`.
+    pub header: GgufHeader,
     mmap: Arc<Mmap>,
 }
 
 impl GgufFile {
     pub fn open(path: &std::path::Path) -> Result<Self, ModelError> {
         let p = path.display().to_string();
-        let mut f = std::fs::File::open(path).map_err(|e| ModelError::Io { path: p.clone(), source: e })?;
-        let content = Content::read(&mut f).map_err(|e| ModelError::BadGguf { path: p.clone(), message: e.to_string() })?;
+        let f = std::fs::File::open(path).map_err(|e| ModelError::Io { path: p.clone(), source: e })?;
         // SAFETY: the file is opened read-only; specula never writes model files while running.
         let mmap = unsafe { Mmap::map(&f) }.map_err(|e| ModelError::Io { path: p.clone(), source: e })?;
-        let file = Self { path: p, content, mmap: Arc::new(mmap) };
-        file.check_extents()?;
-        Ok(file)
+        let header = gguf_reader::parse(&mmap).map_err(|e| ModelError::BadGguf { path: p.clone(), message: e.to_string() })?;
+        Ok(Self { path: p, header, mmap: Arc::new(mmap) })
     }
 
-    /// Every tensor must lie inside the file (catches truncated downloads before any compute).
-    fn check_extents(&self) -> Result<(), ModelError> {
-        let len = self.mmap.len() as u64;
-        for (name, info) in &self.content.tensor_infos {
-            let elems = info.shape.elem_count() as u64;
-            let bytes = elems / info.ggml_dtype.block_size() as u64 * info.ggml_dtype.type_size() as u64;
-            let end = self.content.tensor_data_offset + info.offset + bytes;
-            if end > len {
-                return Err(ModelError::BadGguf {
-                    path: self.path.clone(),
-                    message: format!("tensor '{name}' ends at byte {end} but the file has {len} bytes (truncated download?)"),
-                });
-            }
-        }
-        Ok(())
+    /// Bytes of all tensors together.
+    pub fn tensor_bytes(&self) -> u64 {
+        self.header.tensors.iter().map(|t| t.n_bytes).fold(0, u64::saturating_add)
     }
 
     pub fn meta(&self, key: &str) -> Option<&Value> {
-        self.content.metadata.get(key)
+        self.header.metadata.get(key)
     }
 
     fn missing(&self, key: &str) -> ModelError {
@@ -53,7 +40,10 @@ impl GgufFile {
 
     pub fn meta_u32(&self, key: &str) -> Result<u32, ModelError> {
         let v = self.meta(key).ok_or_else(|| self.missing(key))?;
-        value_to_u64(v).map(|x| x as u32).ok_or_else(|| ModelError::MissingMetadata(format!("{key} in {} is not an integer", self.path)))
+        match v.as_u64() {
+            Some(x) => u32::try_from(x).map_err(|_| ModelError::MissingMetadata(format!("{key} in {} is {x}, which does not fit 32 bits", self.path))),
+            None => Err(ModelError::MissingMetadata(format!("{key} in {} is not a non-negative integer", self.path))),
+        }
     }
 
     pub fn meta_f32(&self, key: &str) -> Result<f32, ModelError> {
@@ -61,8 +51,30 @@ impl GgufFile {
         match v {
             Value::F32(x) => Ok(*x),
             Value::F64(x) => Ok(*x as f32),
-            other => value_to_u64(other).map(|x| x as f32).ok_or_else(|| ModelError::MissingMetadata(format!("{key} in {} is not a number", self.path))),
+            other => other.as_i64().map(|x| x as f32).ok_or_else(|| ModelError::MissingMetadata(format!("{key} in {} is not a number", self.path))),
         }
+    }
+
+    /// An optional integer: `default` when the key is absent, an error when it is present but
+    /// not a 32-bit unsigned integer (a bad value is never silently replaced by the default).
+    pub fn meta_u32_or(&self, key: &str, default: u32) -> Result<u32, ModelError> {
+        match self.meta(key) {
+            None => Ok(default),
+            Some(_) => self.meta_u32(key),
+        }
+    }
+
+    /// An optional number: `None` when the key is absent, an error when it is not a number.
+    pub fn meta_f32_opt(&self, key: &str) -> Result<Option<f32>, ModelError> {
+        match self.meta(key) {
+            None => Ok(None),
+            Some(_) => self.meta_f32(key).map(Some),
+        }
+    }
+
+    /// An optional number with its default (see `meta_u32_or`).
+    pub fn meta_f32_or(&self, key: &str, default: f32) -> Result<f32, ModelError> {
+        Ok(self.meta_f32_opt(key)?.unwrap_or(default))
     }
 
     pub fn meta_str(&self, key: &str) -> Result<&str, ModelError> {
@@ -82,19 +94,27 @@ impl GgufFile {
 
     pub fn meta_strings(&self, key: &str) -> Result<Vec<String>, ModelError> {
         let v = self.meta(key).ok_or_else(|| self.missing(key))?;
-        let arr = v.to_vec().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path)))?;
-        arr.iter().map(|x| x.to_string().cloned().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} holds a non-string", self.path)))).collect()
+        let Value::Array(arr) = v else { return Err(ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path))) };
+        arr.iter()
+            .map(|x| match x {
+                Value::String(s) => Ok(s.clone()),
+                _ => Err(ModelError::MissingMetadata(format!("{key} in {} holds a non-string", self.path))),
+            })
+            .collect()
     }
 
     pub fn meta_i32s(&self, key: &str) -> Result<Vec<i32>, ModelError> {
         let v = self.meta(key).ok_or_else(|| self.missing(key))?;
-        let arr = v.to_vec().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path)))?;
-        Ok(arr.iter().map(|x| value_to_u64(x).unwrap_or(0) as i32).collect())
+        let Value::Array(arr) = v else { return Err(ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path))) };
+        arr.iter()
+            .map(|x| x.as_i64().and_then(|x| i32::try_from(x).ok()))
+            .collect::<Option<Vec<i32>>>()
+            .ok_or_else(|| ModelError::MissingMetadata(format!("{key} in {} holds a value that is not a 32-bit integer", self.path)))
     }
 
     pub fn meta_f32s(&self, key: &str) -> Result<Vec<f32>, ModelError> {
         let v = self.meta(key).ok_or_else(|| self.missing(key))?;
-        let arr = v.to_vec().map_err(|_| ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path)))?;
+        let Value::Array(arr) = v else { return Err(ModelError::MissingMetadata(format!("{key} in {} is not an array", self.path))) };
         arr.iter()
             .map(|x| match x {
                 Value::F32(x) => Ok(*x),
@@ -105,25 +125,23 @@ impl GgufFile {
     }
 
     pub fn has_tensor(&self, name: &str) -> bool {
-        self.content.tensor_infos.contains_key(name)
+        self.header.tensor(name).is_some()
     }
 
     fn tensor_info(&self, name: &str) -> Result<&TensorInfo, ModelError> {
-        self.content.tensor_infos.get(name).ok_or_else(|| ModelError::BadTensor { name: name.to_string(), message: format!("missing from {}", self.path) })
+        self.header.tensor(name).ok_or_else(|| ModelError::BadTensor { name: name.to_string(), message: format!("missing from {}", self.path) })
     }
 
     /// A 2-D tensor as a weight matrix over the memory map.
     pub fn matrix(&self, name: &str) -> Result<QMatrix, ModelError> {
         let info = self.tensor_info(name)?;
-        let format = weight_format(name, info.ggml_dtype)?;
-        let dims = info.shape.dims();
-        let (rows, cols) = match dims {
-            [r, c] => (*r, *c),
-            [c] => (1, *c),
-            _ => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 2 dimensions, got shape {dims:?}") }),
+        let format = weight_format(name, info.ggml_type)?;
+        let (rows, cols) = match info.dims[..] {
+            [r, c] => (to_usize(r), to_usize(c)),
+            [c] => (1, to_usize(c)),
+            _ => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 2 dimensions, got shape {:?}", info.dims) }),
         };
-        let start = (self.content.tensor_data_offset + info.offset) as usize;
-        let len = rows * format.row_bytes(cols);
+        let (start, len) = self.extent(info, format, 1, rows, cols)?;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
         QMatrix::new(format, rows, cols, WeightBytes::new(owner, start, len), name)
             .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
@@ -133,10 +151,10 @@ impl GgufFile {
     /// part: Phi-3's `attn_qkv` holds Q, K and V one after the other, its `ffn_up` gate and up).
     pub fn matrix_rows(&self, name: &str, first: usize, rows: usize) -> Result<QMatrix, ModelError> {
         let info = self.tensor_info(name)?;
-        let format = weight_format(name, info.ggml_dtype)?;
-        let (total, cols) = match info.shape.dims() {
-            [r, c] => (*r, *c),
-            dims => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 2 dimensions, got shape {dims:?}") }),
+        let format = weight_format(name, info.ggml_type)?;
+        let (total, cols) = match info.dims[..] {
+            [r, c] => (to_usize(r), to_usize(c)),
+            _ => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 2 dimensions, got shape {:?}", info.dims) }),
         };
         if first.checked_add(rows).is_none_or(|end| end > total) {
             return Err(ModelError::BadTensor {
@@ -144,10 +162,10 @@ impl GgufFile {
                 message: format!("rows {first}..{} asked of a tensor with {total}", first.saturating_add(rows)),
             });
         }
+        let (start, _) = self.extent(info, format, 1, total, cols)?;
         let row_bytes = format.row_bytes(cols);
-        let start = (self.content.tensor_data_offset + info.offset) as usize + first * row_bytes;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
-        QMatrix::new(format, rows, cols, WeightBytes::new(owner, start, rows * row_bytes), name)
+        QMatrix::new(format, rows, cols, WeightBytes::new(owner, start + first * row_bytes, rows * row_bytes), name)
             .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
     }
 
@@ -155,17 +173,20 @@ impl GgufFile {
     /// tensors) as `n` matrices over the memory map, expert 0 first.
     pub fn matrix_stack(&self, name: &str, n: usize) -> Result<Vec<QMatrix>, ModelError> {
         let info = self.tensor_info(name)?;
-        let format = weight_format(name, info.ggml_dtype)?;
-        let dims = info.shape.dims();
-        let (count, rows, cols) = match dims {
-            [e, r, c] => (*e, *r, *c),
-            _ => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 3 dimensions [experts, rows, cols], got shape {dims:?}") }),
+        let format = weight_format(name, info.ggml_type)?;
+        let (count, rows, cols) = match info.dims[..] {
+            [e, r, c] => (to_usize(e), to_usize(r), to_usize(c)),
+            _ => {
+                return Err(ModelError::BadTensor {
+                    name: name.into(),
+                    message: format!("expected 3 dimensions [experts, rows, cols], got shape {:?}", info.dims),
+                })
+            }
         };
         if count != n {
             return Err(ModelError::BadTensor { name: name.into(), message: format!("stacks {count} experts but the metadata says {n}") });
         }
-        let start = (self.content.tensor_data_offset + info.offset) as usize;
-        let len = rows * format.row_bytes(cols);
+        let (start, len) = self.extent(info, format, n, rows, cols)?;
         (0..n)
             .map(|e| {
                 let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
@@ -186,35 +207,46 @@ impl GgufFile {
     }
 }
 
-fn value_to_u64(v: &Value) -> Option<u64> {
-    Some(match v {
-        Value::U8(x) => *x as u64,
-        Value::I8(x) => *x as u64,
-        Value::U16(x) => *x as u64,
-        Value::I16(x) => *x as u64,
-        Value::U32(x) => *x as u64,
-        Value::I32(x) => *x as u64,
-        Value::U64(x) => *x,
-        Value::I64(x) => *x as u64,
-        _ => return None,
-    })
+/// Dimensions were checked to fit an i64, and files are memory-mapped, so they fit a usize on
+/// the 64-bit targets specula builds for; saturate rather than wrap anywhere else.
+fn to_usize(x: u64) -> usize {
+    usize::try_from(x).unwrap_or(usize::MAX)
 }
 
-pub fn weight_format(name: &str, dtype: GgmlDType) -> Result<WeightFormat, ModelError> {
-    Ok(match dtype {
-        GgmlDType::F32 => WeightFormat::F32,
-        GgmlDType::F16 => WeightFormat::F16,
-        GgmlDType::BF16 => WeightFormat::BF16,
-        GgmlDType::Q4_0 => WeightFormat::Q4_0,
-        GgmlDType::Q4_1 => WeightFormat::Q4_1,
-        GgmlDType::Q8_0 => WeightFormat::Q8_0,
-        GgmlDType::Q5_0 => WeightFormat::Q5_0,
-        GgmlDType::Q5_1 => WeightFormat::Q5_1,
-        GgmlDType::Q2K => WeightFormat::Q2K,
-        GgmlDType::Q3K => WeightFormat::Q3K,
-        GgmlDType::Q4K => WeightFormat::Q4K,
-        GgmlDType::Q5K => WeightFormat::Q5K,
-        GgmlDType::Q6K => WeightFormat::Q6K,
-        other => return Err(ModelError::UnsupportedTensorType { name: name.to_string(), dtype: format!("{other:?}") }),
+impl GgufFile {
+    /// Where `count` matrices of `rows x cols` in `format` start, and the bytes of one; they
+    /// must be exactly the tensor's bytes (checked against the file when it was parsed).
+    fn extent(&self, info: &TensorInfo, format: WeightFormat, count: usize, rows: usize, cols: usize) -> Result<(usize, usize), ModelError> {
+        let one = rows.checked_mul(format.row_bytes(cols));
+        match one.and_then(|b| b.checked_mul(count)) {
+            Some(total) if total as u64 == info.n_bytes => Ok((to_usize(info.offset), one.unwrap_or(0))),
+            _ => Err(ModelError::BadTensor {
+                name: info.name.clone(),
+                message: format!("{count} x [{rows}, {cols}] {} does not fill its {} bytes", info.ggml_type, info.n_bytes),
+            }),
+        }
+    }
+}
+
+/// The kernel format of a tensor type, or the "not supported" error naming the tensor.
+pub fn weight_format(name: &str, ty: GgmlType) -> Result<WeightFormat, ModelError> {
+    Ok(match ty {
+        GgmlType::F32 => WeightFormat::F32,
+        GgmlType::F16 => WeightFormat::F16,
+        GgmlType::BF16 => WeightFormat::BF16,
+        GgmlType::Q4_0 => WeightFormat::Q4_0,
+        GgmlType::Q4_1 => WeightFormat::Q4_1,
+        GgmlType::Q8_0 => WeightFormat::Q8_0,
+        GgmlType::Q5_0 => WeightFormat::Q5_0,
+        GgmlType::Q5_1 => WeightFormat::Q5_1,
+        GgmlType::Q2_K => WeightFormat::Q2K,
+        GgmlType::Q3_K => WeightFormat::Q3K,
+        GgmlType::Q4_K => WeightFormat::Q4K,
+        GgmlType::Q5_K => WeightFormat::Q5K,
+        GgmlType::Q6_K => WeightFormat::Q6K,
+        GgmlType::IQ4_NL => WeightFormat::IQ4NL,
+        GgmlType::IQ4_XS => WeightFormat::IQ4XS,
+        GgmlType::MXFP4 => WeightFormat::MXFP4,
+        other => return Err(ModelError::UnsupportedTensorType { name: name.to_string(), dtype: other.name() }),
     })
 }

@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod config;
 pub mod gguf;
+pub mod gguf_reader;
 pub mod kv_store;
 pub mod llama;
 pub mod loader;
@@ -30,7 +31,7 @@ pub enum ModelError {
     BadGguf { path: String, message: String },
     #[error("{0}")]
     MissingMetadata(String),
-    #[error("tensor '{name}' has type {dtype}, which specula does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")]
+    #[error("tensor '{name}' has type {dtype}, which specula does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)")]
     UnsupportedTensorType { name: String, dtype: String },
     #[error("{0}")]
     Unsupported(String),

@@ -42,7 +42,7 @@ pub fn load_gguf_weights(path: &Path) -> Result<LlamaModel, ModelError> {
 /// What `arch` changes in the Llama block, from its GGUF metadata (llama.cpp's conventions).
 fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, ModelError> {
     let key = |k: &str| format!("{arch}.{k}");
-    let mut o = ArchOptions { attn_scale: f.meta_f32(&key("attention.scale")).ok(), ..Default::default() };
+    let mut o = ArchOptions { attn_scale: f.meta_f32_opt(&key("attention.scale"))?, ..Default::default() };
     match arch {
         "llama" | "mistral" => {}
         // llama.cpp: every 4th layer has no RoPE (`n_no_rope_layer_step`, not in the file)
@@ -51,7 +51,7 @@ fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, 
         "qwen3" | "qwen3moe" => o.qk_norm = true,
         // fused attn_qkv / ffn_up are split at load (`attention_weights`, `dense_ffn`); LongRoPE's
         // factors are the `rope_factors_*` tensors and its attention factor scales cos and sin
-        "phi3" => o.rope_mscale = f.meta_f32(&key("rope.scaling.attn_factor")).unwrap_or(1.0),
+        "phi3" => o.rope_mscale = f.meta_f32_or(&key("rope.scaling.attn_factor"), 1.0)?,
         "gemma3" => {
             o.qk_norm = true;
             o.post_norms = true;
@@ -59,8 +59,8 @@ fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, 
             o.embed_scale = (hidden as f32).sqrt();
             // llama.cpp: 5 local layers (base 10000, window `attention.sliding_window`) then 1 global.
             let window = f.meta_u32(&key("attention.sliding_window"))? as usize;
-            let period = f.meta_u32(&key("attention.sliding_window_pattern")).unwrap_or(6) as usize;
-            let rope_theta = f.meta_f32(&key("rope.local.freq_base")).unwrap_or(10000.0);
+            let period = f.meta_u32_or(&key("attention.sliding_window_pattern"), 6)? as usize;
+            let rope_theta = f.meta_f32_or(&key("rope.local.freq_base"), 10000.0)?;
             o.sliding = Some(SlidingWindow { window, period, rope_theta });
         }
         other => {
@@ -85,6 +85,14 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let (model, weight_bytes) = gguf_model(&f)?;
 
     let (tokenizer, chat_template) = gguf_tokenizer(&f)?;
+    // every token the tokenizer can produce must have an embedding row (the embedding may be
+    // padded past the vocabulary, never short of it)
+    if tokenizer.vocab_size() > model.config.vocab_size {
+        return Err(ModelError::BadTensor {
+            name: "token_embd.weight".into(),
+            message: format!("has {} rows but the tokenizer of {} has {} tokens", model.config.vocab_size, f.path, tokenizer.vocab_size()),
+        });
+    }
     let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
     Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
 }
@@ -105,6 +113,16 @@ fn gguf_tokenizer(f: &GgufFile) -> Result<(Tokenizer, Option<ChatTemplate>), Mod
     let token_types = f.meta_i32s("tokenizer.ggml.token_type").unwrap_or_else(|_| vec![1; tokens.len()]);
     let bos = f.meta_u32("tokenizer.ggml.bos_token_id").ok();
     let eos = f.meta_u32("tokenizer.ggml.eos_token_id").ok();
+    let unk = f.meta_u32("tokenizer.ggml.unknown_token_id").ok();
+    // a special id outside the vocabulary would index past the embedding later
+    for (what, id) in [("bos", bos), ("eos", eos), ("unknown", unk)] {
+        if let Some(id) = id.filter(|&i| i as usize >= tokens.len()) {
+            return Err(ModelError::Tokenizer(format!("{}: the {what} token id {id} is outside the vocabulary of {} tokens", f.path, tokens.len())));
+        }
+    }
+    if token_types.len() != tokens.len() {
+        return Err(ModelError::Tokenizer(format!("{}: {} token types for {} tokens", f.path, token_types.len(), tokens.len())));
+    }
     let tok_model = f.meta_str("tokenizer.ggml.model")?.to_string();
     let mut tokenizer = Tokenizer::from_gguf(GgufTokenizerSpec {
         model: &tok_model,
@@ -115,7 +133,7 @@ fn gguf_tokenizer(f: &GgufFile) -> Result<(Tokenizer, Option<ChatTemplate>), Mod
         scores: f.meta_f32s("tokenizer.ggml.scores").unwrap_or_default(),
         bos,
         eos,
-        unk: f.meta_u32("tokenizer.ggml.unknown_token_id").ok(),
+        unk,
         add_bos: f.meta_bool("tokenizer.ggml.add_bos_token").unwrap_or(false),
         // llama.cpp's default for SentencePiece models is to add the prefix space.
         add_space_prefix: f.meta_bool("tokenizer.ggml.add_space_prefix").unwrap_or(tok_model == "llama"),
@@ -136,7 +154,8 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     let arch = f.meta_str("general.architecture")?.to_string();
     if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
         return Err(ModelError::Unsupported(format!(
-            "architecture '{arch}' in {} is not supported (supported: {})",
+            "architecture '{}' in {} is not supported (supported: {})",
+            crate::gguf_reader::shown(&arch).trim_matches('"'),
             f.path,
             SUPPORTED_ARCHITECTURES.join(", ")
         )));
@@ -144,8 +163,8 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     let key = |k: &str| format!("{arch}.{k}");
     let hidden = f.meta_u32(&key("embedding_length"))? as usize;
     let n_heads = f.meta_u32(&key("attention.head_count"))? as usize;
-    let n_kv_heads = f.meta_u32(&key("attention.head_count_kv")).unwrap_or(n_heads as u32) as usize;
-    let head_dim = f.meta_u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads.max(1));
+    let n_kv_heads = f.meta_u32_or(&key("attention.head_count_kv"), n_heads as u32)? as usize;
+    let head_dim = f.meta_u32_or(&key("attention.key_length"), (hidden / n_heads.max(1)) as u32)? as usize;
     let embed = f.matrix("token_embd.weight")?;
     let tied = !f.has_tensor("output.weight");
     let mut arch_options = arch_options(f, &arch, hidden)?;
@@ -156,14 +175,14 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         }
     }
     let linear_scale = match f.meta_str(&key("rope.scaling.type")) {
-        Ok("linear") => f.meta_f32(&key("rope.scaling.factor")).unwrap_or(1.0),
+        Ok("linear") => f.meta_f32_or(&key("rope.scaling.factor"), 1.0)?,
         // Llama 3.x; a `rope_freqs.weight` tensor, when present, carries the same factors.
         Ok("llama3") => {
             arch_options.rope_llama3 = Some(Llama3Rope {
-                factor: f.meta_f32(&key("rope.scaling.factor")).unwrap_or(8.0),
-                low_freq_factor: f.meta_f32(&key("rope.scaling.low_freq_factor")).unwrap_or(1.0),
-                high_freq_factor: f.meta_f32(&key("rope.scaling.high_freq_factor")).unwrap_or(4.0),
-                original_context_length: f.meta_u32(&key("rope.scaling.original_context_length")).unwrap_or(8192) as usize,
+                factor: f.meta_f32_or(&key("rope.scaling.factor"), 8.0)?,
+                low_freq_factor: f.meta_f32_or(&key("rope.scaling.low_freq_factor"), 1.0)?,
+                high_freq_factor: f.meta_f32_or(&key("rope.scaling.high_freq_factor"), 4.0)?,
+                original_context_length: f.meta_u32_or(&key("rope.scaling.original_context_length"), 8192)? as usize,
             });
             1.0
         }
@@ -181,14 +200,18 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         n_kv_heads,
         head_dim,
         rms_eps: f.meta_f32(&key("attention.layer_norm_rms_epsilon"))?,
-        rope_theta: f.meta_f32(&key("rope.freq_base")).unwrap_or(10000.0),
+        rope_theta: f.meta_f32_or(&key("rope.freq_base"), 10000.0)?,
         rope_linear_scale: linear_scale,
         rope_neox: rope_neox(&arch),
-        context_length: f.meta_u32(&key("context_length")).unwrap_or(2048) as usize,
+        context_length: f.meta_u32_or(&key("context_length"), 2048)? as usize,
         tied_embeddings: tied,
         moe: moe_config(f, &arch)?,
         arch_options,
     };
+    // Nothing is sized from the config before it is checked (a block_count of 2^32 - 1 must be
+    // an error, not an allocation failure).
+    config.validate().map_err(|e| in_file(f, e))?;
+    check_layer_tensors(f, config.n_layers)?;
     let (mut layers, mut extras) = (Vec::with_capacity(config.n_layers), Vec::with_capacity(config.n_layers));
     for i in 0..config.n_layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
@@ -216,7 +239,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         Some(name) => Some(f.vector(name)?),
         None => None,
     };
-    let weight_bytes = f.content.tensor_infos.values().map(|i| i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()).sum();
+    let weight_bytes = usize::try_from(f.tensor_bytes()).unwrap_or(usize::MAX);
     let model = LlamaModel::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)?;
     Ok((model, weight_bytes))
 }
@@ -242,6 +265,33 @@ fn dense_ffn(f: &GgufFile, i: usize, ffn: usize) -> Result<DenseFfn, ModelError>
         (f.matrix_rows(&t("ffn_up"), 0, ffn)?, f.matrix_rows(&t("ffn_up"), ffn, ffn)?)
     };
     Ok(DenseFfn { gate, up, down: f.matrix(&t("ffn_down"))? })
+}
+
+/// A config error with the file it came from.
+fn in_file(f: &GgufFile, e: ModelError) -> ModelError {
+    match e {
+        ModelError::Unsupported(m) => ModelError::Unsupported(format!("{}: {m}", f.path)),
+        other => other,
+    }
+}
+
+/// Every `blk.N.*` tensor must belong to one of the `n_layers` layers: a file whose
+/// `block_count` disagrees with its tensors is inconsistent, not a smaller model.
+fn check_layer_tensors(f: &GgufFile, n_layers: usize) -> Result<(), ModelError> {
+    for t in &f.header.tensors {
+        let Some(rest) = t.name.strip_prefix("blk.") else { continue };
+        let layer = rest.split('.').next().and_then(|n| n.parse::<usize>().ok());
+        match layer {
+            Some(l) if l < n_layers => {}
+            _ => {
+                return Err(ModelError::BadTensor {
+                    name: crate::gguf_reader::shown(&t.name).trim_matches('"').to_string(),
+                    message: format!("is not in one of the {n_layers} layers that block_count gives {}", f.path),
+                })
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Layer `i`'s weights beyond Llama's, as `o` asks for them (a missing one names its tensor).

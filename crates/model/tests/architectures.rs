@@ -144,5 +144,5 @@ fn unknown_architecture_and_missing_tensors_are_one_line_errors_naming_them() {
     // Q8_K is ggml's activation format: no weight file has it, so nothing loads it
     let q8k = vec![("blk.0.attn_q.weight".into(), GgmlDType::Q8K)];
     let e = load_err(dir.path(), "q8k", &TinySpec { hidden: 256, tensor_formats: q8k, ..spec("qwen2") });
-    assert!(e.contains("blk.0.attn_q.weight") && (e.contains("Q8K") || e.contains("Q8_K")), "{e}");
+    assert!(e.contains("blk.0.attn_q.weight") && e.contains("Q8_K"), "{e}");
 }

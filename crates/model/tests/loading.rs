@@ -89,7 +89,7 @@ fn unsupported_tensor_type_names_the_tensor_and_type() {
     let err = load_err(&tiny(dir.path(), "q8k.gguf", &spec));
     assert!(matches!(err, ModelError::UnsupportedTensorType { .. }), "{err:?}");
     let msg = err.to_string();
-    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q8K") && msg.contains("supported:"), "{msg}");
+    assert!(msg.contains("blk.1.attn_v.weight") && msg.contains("Q8_K") && msg.contains("supported:"), "{msg}");
 }
 
 /// Q2_K and Q3_K tensors (quantized by candle, an independent quantizer) load with their own

@@ -63,6 +63,19 @@ pub struct ChoiceRun {
     guard: AbortOnDrop,
     timer: RequestTimer,
     done: bool,
+    /// Prompt length and tokens delivered so far: what an abort records when the client goes away.
+    prompt_tokens: usize,
+    delivered: usize,
+}
+
+/// A choice dropped before its terminal event (the client went away) was aborted: it is counted
+/// as a finished request with reason `abort`, with the tokens it had delivered.
+impl Drop for ChoiceRun {
+    fn drop(&mut self) {
+        if !self.done {
+            self.timer.on_finished(FinishReason::Abort, self.prompt_tokens, self.delivered);
+        }
+    }
 }
 
 impl Stream for ChoiceRun {
@@ -78,7 +91,10 @@ impl Stream for ChoiceRun {
             Poll::Ready(None) => RequestEvent::Failed { message: "the engine stopped before finishing this request".into() },
         };
         match &event {
-            RequestEvent::Delta { tokens, .. } => self.timer.on_tokens(tokens.len()),
+            RequestEvent::Delta { tokens, .. } => {
+                self.delivered += tokens.len();
+                self.timer.on_tokens(tokens.len())
+            }
             RequestEvent::PromptLogprobs { .. } => {}
             RequestEvent::Finished { reason, prompt_tokens, completion_tokens } => {
                 self.timer.on_finished(*reason, *prompt_tokens, *completion_tokens);
@@ -106,12 +122,25 @@ pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant) -> 
     for job in jobs {
         let id = engine.next_request_id();
         let (tx, rx) = unbounded_channel();
+        let prompt_tokens = job.prompt.len();
         reqs.push(GenerateRequest { id, prompt: job.prompt, params: job.params, events: tx, grammar: job.grammar });
-        runs.push(ChoiceRun { index: job.index, id, events: rx, guard: AbortOnDrop::new(engine.clone(), id), timer: RequestTimer::new(arrived), done: false });
+        runs.push(ChoiceRun {
+            index: job.index,
+            id,
+            events: rx,
+            guard: AbortOnDrop::new(engine.clone(), id),
+            timer: RequestTimer::new(arrived),
+            done: false,
+            prompt_tokens,
+            delivered: 0,
+        });
     }
     if let Err(e) = engine.submit_all(reqs) {
-        // nothing of this request is queued: nothing to abort
-        runs.iter_mut().for_each(|r| r.guard.disarm());
+        // nothing of this request is queued: nothing to abort, no finish to count
+        runs.iter_mut().for_each(|r| {
+            r.guard.disarm();
+            r.done = true;
+        });
         return Err(e.into());
     }
     Ok(runs)

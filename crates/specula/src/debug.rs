@@ -23,6 +23,17 @@ pub enum DebugCmd {
     WriteTinyMoe(TinyMoeArgs),
     /// Write a tiny random dense GGUF of one architecture (tests and oracles).
     WriteTiny(TinyArgs),
+    /// Load a model as `serve` does (weights, tokenizer, chat template): exit 0 and a JSON
+    /// summary, or exit 1 with a one-line error (the GGUF fuzz test).
+    CheckModel(CheckModelArgs),
+}
+
+#[derive(Args)]
+pub struct CheckModelArgs {
+    pub model: PathBuf,
+    /// Also run one token through every layer.
+    #[arg(long)]
+    pub forward: bool,
 }
 
 #[derive(Args)]
@@ -207,6 +218,20 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             let spec =
                 TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), arch: a.arch, head_dim: a.head_dim, ..Default::default() };
             write_tiny_moe(&a.output, &spec)?;
+        }
+        DebugCmd::CheckModel(a) => {
+            let loaded = load_model(&a.model)?;
+            let c = &loaded.model.config;
+            if a.forward {
+                // one token through every layer: the shapes the loader accepted must compute
+                let logits = all_position_logits(&loaded.model, &[0], 0)?;
+                anyhow::ensure!(logits.len() == c.vocab_size, "one token gave {} logits for a vocabulary of {}", logits.len(), c.vocab_size);
+            }
+            let summary = serde_json::json!({
+                "arch": c.arch, "layers": c.n_layers, "vocab": c.vocab_size, "hidden": c.hidden_size,
+                "tokenizer_vocab": loaded.tokenizer.vocab_size(), "chat_template": loaded.chat_template.is_some(),
+            });
+            println!("{summary}");
         }
         DebugCmd::Dequant(a) => {
             use specula_kernels::WeightFormat as W;

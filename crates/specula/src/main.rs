@@ -63,7 +63,8 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Cli::parse()) {
-        eprintln!("error: {e:#}");
+        // one line, whatever the message carries (a file's keys and names can hold newlines)
+        eprintln!("error: {}", format!("{e:#}").replace(['\n', '\r'], " "));
         std::process::exit(1);
     }
 }
