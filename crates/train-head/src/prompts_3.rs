@@ -4,7 +4,7 @@
 //! more languages). Each group is templates x topics; as in the first pools, every fifth topic of
 //! a group (index 4, 9, ...) is held out, so held-out prompts never share a subject with training.
 
-use super::prompts::{split_of, Split};
+use crate::prompts::{split_of, Split};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 

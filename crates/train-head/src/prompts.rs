@@ -582,7 +582,7 @@ pub fn prompts(split: Split, n: usize, seed: u64) -> Vec<String> {
     all.shuffle(&mut rng);
     // later pools, each shuffled with a stream of its own, without prompts already taken
     type Pool = fn(Split, &mut ChaCha8Rng) -> Vec<String>;
-    let later: [(Pool, u64, u64); 2] = [(candidates_2, 0x0074_7261_6932, 0x6865_6C32), (super::prompts_3::candidates_3, 0x0074_7261_6933, 0x6865_6C33)];
+    let later: [(Pool, u64, u64); 2] = [(candidates_2, 0x0074_7261_6932, 0x6865_6C32), (crate::prompts_3::candidates_3, 0x0074_7261_6933, 0x6865_6C33)];
     for (pool, train_key, held_key) in later {
         if all.len() >= n {
             break;
@@ -639,9 +639,9 @@ mod tests {
 
     #[test]
     fn the_shipped_heldout_prompts_are_the_first_64_of_the_heldout_split() {
-        // heads/heldout-prompts.txt was written by `train-head data --num-heldout 64 --seed 1`
+        // heads/heldout-prompts.txt was written by `specula-train-head data --num-heldout 64 --seed 1`
         // before the second pool existed: the held-out figures must stay comparable
-        let file = include_str!("../../../../heads/heldout-prompts.txt");
+        let file = include_str!("../../../heads/heldout-prompts.txt");
         let shipped: Vec<&str> = file.lines().collect();
         assert_eq!(shipped.len(), 64);
         assert_eq!(prompts(Split::HeldOut, 64, 1), shipped);
