@@ -96,8 +96,8 @@ pub fn run(a: DataArgs) -> Result<()> {
         let text = template.render(&[ChatMessage { role: "user".into(), content: p.to_string() }], true)?;
         Ok(tokenizer.encode(&text)?)
     };
-    let train = prompts::prompts(Split::Train, a.num_prompts, a.seed);
-    let held = prompts::prompts(Split::HeldOut, a.num_heldout, a.seed);
+    let train = prompts::prompts(Split::Train, a.num_prompts, a.seed)?;
+    let held = prompts::prompts(Split::HeldOut, a.num_heldout, a.seed)?;
     if train.len() < a.num_prompts {
         tracing::warn!("the training split has only {} prompts (asked for {})", train.len(), a.num_prompts);
     }

@@ -7,7 +7,6 @@
 mod data;
 mod fit;
 mod prompts;
-mod prompts_3;
 mod quantize;
 mod shard;
 
