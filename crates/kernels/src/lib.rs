@@ -11,12 +11,15 @@ pub mod cpu;
 pub mod dot;
 pub mod exp;
 pub mod formats;
+pub mod group;
 pub mod logits;
 pub mod matmul;
 pub mod ops;
 pub mod packed;
 pub mod packed_float;
 pub mod packed_k;
+#[cfg(test)]
+mod packed_k_tests;
 pub mod pool;
 pub mod q8;
 pub mod weights;

@@ -7,6 +7,7 @@ pub mod config;
 pub mod gguf;
 pub mod kv_store;
 pub mod llama;
+pub mod loaded;
 pub mod loader;
 pub mod moe;
 pub mod safetensors_folder;
