@@ -15,6 +15,9 @@ python3 -m pip install -q --disable-pip-version-check -r python/requirements.txt
 if [ "${SPECULA_SKIP_LINT:-0}" != "1" ]; then
   cargo fmt --all -- --check
   cargo clippy --workspace --all-targets -- -D warnings
+  # bench offline's candle baseline is behind a feature (the serving binary does not compile
+  # candle-transformers): lint it too, so that it still builds
+  cargo clippy -p specula --features candle-baseline --all-targets -- -D warnings
 fi
 
 # One build for everything below: the `ci` profile is release with debug assertions and overflow

@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod dot;
 pub mod exp;
 pub mod formats;
+pub mod group;
 pub mod logits;
 pub mod matmul;
 pub mod ops;
@@ -18,6 +19,8 @@ pub mod packed;
 pub mod packed_float;
 pub(crate) mod packed_iq;
 pub mod packed_k;
+#[cfg(test)]
+mod packed_k_tests;
 pub mod pool;
 pub mod q8;
 pub mod weights;

@@ -31,12 +31,11 @@
 //! activation blocks) with their own group block layouts and kernels: see `packed_k.rs`.
 
 use crate::formats::{WeightFormat, QK};
+pub use crate::group::GROUP_ROWS;
 use crate::q8::{ActSpan, BlockQ8};
 use crate::{packed_iq, packed_k};
 use half::f16;
 
-/// Rows per group: the lanes of one 256-bit vector of f32.
-pub const GROUP_ROWS: usize = 8;
 /// Activation rows one kernel call processes (more are handled by further calls).
 pub const MAX_ACTS: usize = 8;
 

@@ -10,7 +10,7 @@
 use crate::formats::{dequantize_row, WeightFormat};
 use half::f16;
 
-pub use crate::packed::GROUP_ROWS;
+pub use crate::group::GROUP_ROWS;
 /// Activation rows per kernel call the matmul uses (accumulators for more would not fit AVX2's
 /// 16 registers beside the weights).
 pub const MAX_ACTS: usize = 4;

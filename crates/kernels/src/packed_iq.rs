@@ -39,7 +39,7 @@
 //! `|w| <= 127` products are widened to i32 every vector (two are 2 x 127 x 127 = 32258).
 
 use crate::formats::{e8m0_to_f32_half, iq4xs_scales, q3k_scales, WeightFormat, KVALUES_IQ4NL, KVALUES_MXFP4, QK, QK_K};
-use crate::packed::GROUP_ROWS;
+use crate::group::GROUP_ROWS;
 use crate::q8::BlockQ8;
 use half::f16;
 

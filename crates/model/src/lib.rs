@@ -8,6 +8,7 @@ pub mod gguf;
 pub mod gguf_reader;
 pub mod kv_store;
 pub mod llama;
+pub mod loaded;
 pub mod loader;
 pub mod moe;
 pub mod safetensors_folder;

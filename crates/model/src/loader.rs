@@ -5,22 +5,13 @@ use crate::chat::{ChatTemplate, CHATML};
 use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig, SlidingWindow};
 use crate::gguf::GgufFile;
 use crate::llama::{FeedForward, LayerExtras, LayerWeights, LlamaModel};
+pub use crate::loaded::LoadedModel;
 use crate::moe::{DenseFfn, MoeFfn, SharedExpert};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
 use specula_kernels::QMatrix;
 use std::path::Path;
-use std::time::{Duration, Instant};
-
-pub struct LoadedModel {
-    pub model: LlamaModel,
-    pub tokenizer: Tokenizer,
-    pub chat_template: Option<ChatTemplate>,
-    pub load_time: Duration,
-    /// Bytes of weights mapped.
-    pub weight_bytes: usize,
-    pub name: String,
-}
+use std::time::Instant;
 
 pub fn load_model(path: &Path) -> Result<LoadedModel, ModelError> {
     let start = Instant::now();

@@ -4,7 +4,7 @@
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::llama::{FeedForward, LayerWeights, LlamaModel};
-use crate::loader::LoadedModel;
+use crate::loaded::LoadedModel;
 use crate::moe::DenseFfn;
 use crate::tokenizer::Tokenizer;
 use crate::ModelError;

@@ -164,7 +164,7 @@ impl SpecArgs {
         // that the target is the one it was trained for)
         let shipped = cfg.method == SpecMethod::Mtp && cfg.draft_model.is_none();
         if shipped {
-            cfg.draft_model = Some(crate::train_head::shipped::materialise()?);
+            cfg.draft_model = Some(crate::shipped_head::materialise()?);
         } else if cfg.draft_model.is_some() {
             // a known model's name works here as for --model
             cfg.draft_model = Some(crate::fetch::resolve_model(&cfg.draft_model)?);
@@ -177,8 +177,8 @@ impl SpecArgs {
             let e = anyhow::Error::from(e);
             if shipped {
                 e.context(format!(
-                    "--speculative-method mtp without --draft-model uses the built-in head, trained for {}; for another model pass --draft-model HEAD.safetensors (see `specula train-head`)",
-                    crate::train_head::shipped::TARGET
+                    "--speculative-method mtp without --draft-model uses the built-in head, trained for {}; for another model pass --draft-model HEAD.safetensors (see `specula-train-head`)",
+                    crate::shipped_head::TARGET
                 ))
             } else {
                 e

@@ -9,13 +9,18 @@ mod offline;
 mod offline_async;
 mod sampling_args;
 mod serve;
-mod train_head;
+mod shipped_head;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "specula", version, about = "Fast, lossless, observable speculative decoding; OpenAI-compatible serving")]
+#[command(
+    name = "specula",
+    version,
+    about = "Fast, lossless, observable speculative decoding; OpenAI-compatible serving",
+    after_help = "Training an mtp draft head is the separate `specula-train-head` binary (crates/train-head)."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -41,9 +46,6 @@ enum Cmd {
     /// Benchmarks: engine throughput without HTTP, or load against a server.
     #[command(subcommand)]
     Bench(BenchCmd),
-    /// Train the mtp draft head: distillation data, then the fit.
-    #[command(subcommand)]
-    TrainHead(train_head::TrainHeadCmd),
     /// Machine-readable hooks for the test oracles.
     #[command(subcommand, hide = true)]
     Debug(debug::DebugCmd),
@@ -77,6 +79,5 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Offline(a)) => offline::run(a),
         Cmd::Bench(BenchCmd::Serve(a)) => tokio::runtime::Runtime::new()?.block_on(bench::serve::run(a)),
         Cmd::Serve(a) => serve::run(a),
-        Cmd::TrainHead(c) => train_head::run(c),
     }
 }

@@ -1,21 +1,41 @@
 //! `specula bench offline`: engine throughput without HTTP — prefill tokens/s on a long prompt
 //! and decode tokens/s at several batch sizes and thread counts — printed beside candle's own
-//! quantized Llama (candle-transformers, llama-family files only) and, with `--llama-bench`,
+//! quantized Llama (candle-transformers, llama-family files only; built with the `candle-baseline`
+//! feature) and, with `--llama-bench`,
 //! llama.cpp's `llama-bench` (prefill and decode at batch 1) on the same GGUF in the same run.
 //! Decode at batch 1 is also given as a share of this machine's memory bound: the bytes a decode
 //! step reads (every weight but the embedding table's unused rows) at the read bandwidth
 //! measured in the same run.
 
 use anyhow::{Context, Result};
-use candle_core::quantized::gguf_file;
-use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::ModelWeights;
 use clap::Args;
 use specula_kernels::attention::KvLayout;
 use specula_model::kv_store::KvStore;
 use specula_model::{load_model, ForwardBatch, LlamaModel, SeqSpan};
 use std::path::PathBuf;
 use std::time::Instant;
+
+// candle's own quantized Llama, the first baseline: compiled only with the `candle-baseline`
+// feature, so that the default binary does not compile candle-transformers
+#[cfg(feature = "candle-baseline")]
+mod candle_baseline;
+#[cfg(not(feature = "candle-baseline"))]
+mod candle_baseline {
+    //! Stand-in without the `candle-baseline` feature: `AVAILABLE` is false, so nothing calls it.
+    use anyhow::{bail, Result};
+    use std::path::Path;
+
+    pub const AVAILABLE: bool = false;
+    const MISSING: &str = "this specula was built without the candle-baseline feature";
+
+    pub fn prefill_tps(_path: &Path, _prompt: &[u32]) -> Result<f64> {
+        bail!(MISSING)
+    }
+
+    pub fn decode_tps(_path: &Path, _batch: usize, _steps: usize) -> Result<f64> {
+        bail!(MISSING)
+    }
+}
 
 #[derive(Args, Debug)]
 pub struct OfflineArgs {
@@ -33,7 +53,7 @@ pub struct OfflineArgs {
     /// Decode steps per measurement.
     #[arg(long, default_value_t = 64)]
     pub decode_steps: usize,
-    /// Skip the candle baseline.
+    /// Skip the candle baseline (only measured by a binary built with `--features candle-baseline`).
     #[arg(long)]
     pub no_baseline: bool,
     /// A `llama-bench` binary (llama.cpp) to run on the same file and thread counts as a second
@@ -140,6 +160,10 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     let prompt: Vec<u32> = (0..args.prefill_len).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
     // candle-transformers' quantized_llama reads llama-family files only
     let candle_ok = !args.no_baseline && matches!(model.config.arch.as_str(), "llama" | "mistral") && model.config.moe.is_none();
+    if candle_ok && !candle_baseline::AVAILABLE {
+        eprintln!("no candle column: this binary was built without the candle baseline (cargo build --release -p specula --features candle-baseline)");
+    }
+    let candle_ok = candle_ok && candle_baseline::AVAILABLE;
     let llama = match &args.llama_bench {
         Some(b) => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
         None => Vec::new(),
@@ -157,14 +181,14 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     for &threads in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
-        let candle = if candle_ok { Some(pool.install(|| candle_prefill_tps(&path, &prompt))?) } else { None };
+        let candle = if candle_ok { Some(pool.install(|| candle_baseline::prefill_tps(&path, &prompt))?) } else { None };
         rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle, llama_cpp: llama_at(threads, prompt.len(), 0) });
         let score = pool.install(|| mean_tps(args.reps, || score_tps(model, &prompt, SCORE_TOP_K)))?;
         eprintln!("scoring at {threads} thread(s): {:.2}x plain prefill", score / ours);
         rows.push(Row { what: format!("score {} tok, top-{SCORE_TOP_K}", prompt.len()), threads, ours: score, candle: None, llama_cpp: None });
         for &b in &args.batch {
             let ours = pool.install(|| mean_tps(args.reps, || decode_tps(model, b, args.decode_steps)))?;
-            let candle = if candle_ok { Some(pool.install(|| candle_decode_tps(&path, b, args.decode_steps))?) } else { None };
+            let candle = if candle_ok { Some(pool.install(|| candle_baseline::decode_tps(&path, b, args.decode_steps))?) } else { None };
             let llama_cpp = if b == 1 { llama_at(threads, 0, args.decode_steps) } else { None };
             rows.push(Row { what: format!("decode batch {b}"), threads, ours, candle, llama_cpp });
         }
@@ -320,39 +344,6 @@ fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {
         let rows: Vec<usize> = (0..batch).collect();
         let o = model.forward(&ForwardBatch { tokens: &last, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
         last = o.logits.chunks_exact(vocab).map(argmax).collect();
-    }
-    Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
-}
-
-fn candle_model(path: &PathBuf) -> Result<ModelWeights> {
-    let mut f = std::fs::File::open(path)?;
-    let content = gguf_file::Content::read(&mut f).context("candle could not read the GGUF")?;
-    Ok(ModelWeights::from_gguf(content, &mut f, &Device::Cpu)?)
-}
-
-fn candle_prefill_tps(path: &PathBuf, prompt: &[u32]) -> Result<f64> {
-    let mut m = candle_model(path)?;
-    let x = Tensor::new(prompt, &Device::Cpu)?.unsqueeze(0)?;
-    let start = Instant::now();
-    m.forward(&x, 0)?;
-    Ok(prompt.len() as f64 / start.elapsed().as_secs_f64())
-}
-
-fn candle_decode_tps(path: &PathBuf, batch: usize, steps: usize) -> Result<f64> {
-    let mut m = candle_model(path)?;
-    let prompt_len = 16;
-    // candle's batched forward only handles one new position per sequence, so feed the prompt token by token
-    let mut next = Tensor::zeros((batch, 1), candle_core::DType::U32, &Device::Cpu)?;
-    for p in 0..prompt_len {
-        let col: Vec<u32> = (0..batch as u32).map(|s| 200 + p as u32 * 13 + s).collect();
-        let x = Tensor::new(col.as_slice(), &Device::Cpu)?.reshape((batch, 1))?;
-        let logits = m.forward(&x, p)?;
-        next = logits.argmax(candle_core::D::Minus1)?.reshape((batch, 1))?;
-    }
-    let start = Instant::now();
-    for step in 0..steps {
-        let logits = m.forward(&next, prompt_len + step)?;
-        next = logits.argmax(candle_core::D::Minus1)?.reshape((batch, 1))?;
     }
     Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
 }

@@ -6,6 +6,7 @@
 use crate::engine_args::EngineArgs;
 use anyhow::{Context, Result};
 use clap::Args;
+use specula_engine::dp::DpMode;
 use specula_engine::{spawn_engine, EngineHandle};
 use specula_model::load_model;
 use specula_server::{AppState, ServerConfig};
@@ -75,24 +76,49 @@ pub struct ServeArgs {
     /// Default: 1, or with --data-parallel-backend mpi the number of processes mpirun started.
     #[arg(long)]
     pub data_parallel_size: Option<usize>,
-    /// replica: independent engines behind a least-outstanding-tokens router (dense models);
-    /// lockstep: ranks agree on every step with one packed all-reduce and idle ranks run dummy batches.
-    #[arg(long, default_value = "replica", value_parser = ["replica", "lockstep"])]
-    pub data_parallel_mode: String,
-    /// local: ranks are threads of this process; mpi: ranks are processes launched by
-    /// `mpirun -np N` (rank 0 serves HTTP; --threads is per process; needs a build with the cargo
-    /// feature `mpi`).
-    #[arg(long, default_value = "local", value_parser = ["local", "mpi"])]
-    pub data_parallel_backend: String,
+    /// How data-parallel ranks step.
+    #[arg(long, value_enum, default_value_t = DataParallelMode::Replica)]
+    pub data_parallel_mode: DataParallelMode,
+    /// Where data-parallel ranks run.
+    #[arg(long, value_enum, default_value_t = DataParallelBackend::Local)]
+    pub data_parallel_backend: DataParallelBackend,
+}
+
+/// `--data-parallel-mode`: the engine's `DpMode`, as the command line spells it.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataParallelMode {
+    /// Independent engines behind a least-outstanding-tokens router (dense models).
+    Replica,
+    /// Ranks agree on every step with one packed all-reduce; idle ranks run dummy batches.
+    Lockstep,
+}
+
+impl From<DataParallelMode> for DpMode {
+    fn from(m: DataParallelMode) -> Self {
+        match m {
+            DataParallelMode::Replica => DpMode::Replica,
+            DataParallelMode::Lockstep => DpMode::Lockstep,
+        }
+    }
+}
+
+/// `--data-parallel-backend`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataParallelBackend {
+    /// Ranks are threads of this process.
+    Local,
+    /// Ranks are processes launched by `mpirun -np N` (rank 0 serves HTTP; --threads is per
+    /// process; needs a build with the cargo feature `mpi`).
+    Mpi,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    if args.engine.async_scheduling && args.data_parallel_mode == "lockstep" {
+    if args.engine.async_scheduling && args.data_parallel_mode == DataParallelMode::Lockstep {
         // lockstep ranks agree on a step's shape before it is scheduled; a step prepared ahead
         // would need the next agreement during the current step
         anyhow::bail!("--async-scheduling does not work with --data-parallel-mode lockstep; use --data-parallel-mode replica (each rank schedules ahead on its own) or drop --async-scheduling");
     }
-    if args.data_parallel_backend == "mpi" {
+    if args.data_parallel_backend == DataParallelBackend::Mpi {
         return run_mpi(args);
     }
     let path = crate::fetch::resolve_model(&args.engine.model)?;
@@ -290,10 +316,13 @@ fn spawn_dp_group(
         }
         ranks.push(r);
     }
-    args.engine.setup_expert_parallel(&mut ranks, args.data_parallel_mode == "lockstep")?;
-    eprintln!("data parallel: {n} {} ranks, {} compute thread(s) each", args.data_parallel_mode, rank_cfg.threads);
-    let group =
-        if args.data_parallel_mode == "lockstep" { spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg)? } else { spawn_replicas(ranks, tokenizer, cfg)? };
+    let mode = DpMode::from(args.data_parallel_mode);
+    args.engine.setup_expert_parallel(&mut ranks, mode == DpMode::Lockstep)?;
+    eprintln!("data parallel: {n} {} ranks, {} compute thread(s) each", mode.as_str(), rank_cfg.threads);
+    let group = match mode {
+        DpMode::Lockstep => spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg)?,
+        DpMode::Replica => spawn_replicas(ranks, tokenizer, cfg)?,
+    };
     Ok(group)
 }
 
@@ -316,5 +345,35 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    #[test]
+    fn data_parallel_flags_take_the_same_spellings_as_before_and_refuse_others() {
+        let parse = |a: &[&str]| {
+            Cli::try_parse_from(std::iter::once("x").chain(a.iter().copied())).map(|c| (c.serve.data_parallel_mode, c.serve.data_parallel_backend))
+        };
+        assert_eq!(parse(&[]).unwrap(), (DataParallelMode::Replica, DataParallelBackend::Local));
+        assert_eq!(parse(&["--data-parallel-mode", "lockstep"]).unwrap().0, DataParallelMode::Lockstep);
+        assert_eq!(parse(&["--data-parallel-mode", "replica"]).unwrap().0, DataParallelMode::Replica);
+        assert_eq!(parse(&["--data-parallel-backend", "mpi"]).unwrap().1, DataParallelBackend::Mpi);
+        assert_eq!(parse(&["--data-parallel-backend", "local"]).unwrap().1, DataParallelBackend::Local);
+        for bad in [["--data-parallel-mode", "pipeline"], ["--data-parallel-backend", "nccl"]] {
+            let e = parse(&bad).expect_err("an unknown value is refused").to_string();
+            assert!(e.contains("possible values"), "{e}");
+        }
+        assert_eq!(DpMode::from(DataParallelMode::Lockstep).as_str(), "lockstep");
+        assert_eq!(DpMode::from(DataParallelMode::Replica).as_str(), "replica");
     }
 }

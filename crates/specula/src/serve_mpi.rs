@@ -39,7 +39,7 @@ struct Built {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let mode = if args.data_parallel_mode == "lockstep" { DpMode::Lockstep } else { DpMode::Replica };
+    let mode = DpMode::from(args.data_parallel_mode);
     // the metrics recorder must exist before any rank records anything
     let _ = specula_server::metrics::prometheus_handle();
     let (env, comm) = MpiComm::init_threaded(Threading::Multiple)?;

@@ -68,7 +68,7 @@ impl Shard {
     pub fn extend(&mut self, other: &Shard) -> Result<()> {
         if (other.hidden_size, &other.feature_layers) != (self.hidden_size, &self.feature_layers) {
             bail!(
-                "shards of different shapes cannot be read together (hidden size {} layers {:?} against {} layers {:?}): delete the older ones and run `specula train-head data` again",
+                "shards of different shapes cannot be read together (hidden size {} layers {:?} against {} layers {:?}): delete the older ones and run `specula-train-head data` again",
                 other.hidden_size,
                 other.feature_layers,
                 self.hidden_size,
@@ -131,7 +131,7 @@ impl Shard {
         let (_, offs) = get("seq_offsets", Dtype::I64)?;
         let i32s = |b: &[u8]| b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes"))).collect::<Vec<_>>();
         let md = meta.metadata().clone().unwrap_or_default();
-        let bad = |what: &str| anyhow::anyhow!("{}: metadata '{what}' is malformed; delete the shard and run `specula train-head data` again", path.display());
+        let bad = |what: &str| anyhow::anyhow!("{}: metadata '{what}' is malformed; delete the shard and run `specula-train-head data` again", path.display());
         let feature_layers: Vec<usize> = match md.get("feature_layers").map(|s| s.trim()) {
             None | Some("") => Vec::new(),
             Some(v) => v.split(',').map(|x| x.trim().parse::<usize>().map_err(|_| bad("feature_layers"))).collect::<Result<_>>()?,
@@ -160,7 +160,7 @@ impl Shard {
             || s.seq_offsets.first() != Some(&0)
             || s.seq_offsets.last() != Some(&r)
         {
-            bail!("{}: inconsistent shard (rows {r}); delete it and run `specula train-head data` again", path.display());
+            bail!("{}: inconsistent shard (rows {r}); delete it and run `specula-train-head data` again", path.display());
         }
         Ok(s)
     }

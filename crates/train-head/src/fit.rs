@@ -1,4 +1,4 @@
-//! `specula train-head fit`: trains the mtp head on `train-head data` shards with candle's autograd
+//! `specula-train-head fit`: trains the mtp head on `specula-train-head data` shards with candle's autograd
 //! and AdamW (CPU). The graph is exactly what `spec::mtp` runs at inference (docs/mtp-head-format.md,
 //! "What the head computes"): fc over concat(embedding, hidden), one decoder layer whose attention
 //! spans this draft chain only (RoPE at the chain position), the final norm, a pruned lm_head. The
@@ -7,7 +7,7 @@
 //! with their probabilities (soft cross-entropy over the pruned vocabulary). After every epoch the
 //! head is written (F16) and the held-out greedy acceptance is measured.
 
-use super::shard::{Shard, TOP_K};
+use crate::shard::{Shard, TOP_K};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
@@ -38,10 +38,10 @@ impl From<ContextArg> for HeadContext {
 
 #[derive(Args, Debug)]
 pub struct FitArgs {
-    /// Target model (default: the cached default model); must be the one the data came from.
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// Folder written by `specula train-head data`.
+    /// Target model (a GGUF file or model folder, as for `data`); must be the one the data came from.
+    #[arg(long, env = "SPECULA_MODEL")]
+    pub model: PathBuf,
+    /// Folder written by `specula-train-head data`.
     #[arg(long, default_value = "target/mtp-data")]
     pub data: PathBuf,
     /// Where the head is written (each epoch's head goes beside it as NAME.epochN.safetensors;
@@ -91,7 +91,7 @@ pub struct FitArgs {
     #[arg(long, default_value_t = 0.0)]
     pub top1_weight: f32,
     /// Target layers (0-based) the head reads at a target row, comma-separated: a subset of the
-    /// data's (`train-head data --feature-layers`) that includes the final layer. Several are
+    /// data's (`specula-train-head data --feature-layers`) that includes the final layer. Several are
     /// fused into one state by a trained `fuse` matrix (EAGLE-3). Default: the `--init` head's
     /// layers, else every layer the data keeps. A head given more layers than its `--init` file
     /// has starts from that file's computation exactly (the new layers' weights start at 0).
@@ -435,7 +435,7 @@ impl Data {
 /// of every later answer pass (`train-pN-NNNN`).
 fn shard_files(dir: &Path, prefix: &str) -> Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot read {} (run `specula train-head data` first)", dir.display()))?
+        .with_context(|| format!("cannot read {} (run `specula-train-head data` first)", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(prefix) && n.ends_with(".safetensors")))
         .collect();
@@ -671,7 +671,7 @@ pub fn run(a: FitArgs) -> Result<()> {
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let path = crate::fetch::resolve_model(&a.model)?;
+    let path = crate::target_model(&a.model)?.to_path_buf();
     let target: LlamaModel = load_model(&path)?.model;
     let mut train = Data::load(&a.data, "train-", &target)?;
     let mut held = Data::load(&a.data, "heldout-", &target)?;
@@ -985,8 +985,8 @@ mod tests {
 
     #[test]
     fn every_answer_pass_is_training_data_and_the_held_out_set_stays_apart() {
-        use super::super::data::shard_path;
-        use super::super::prompts::Split;
+        use crate::data::shard_path;
+        use crate::prompts::Split;
         let dir = tempfile::tempdir().unwrap();
         let names = [
             shard_path(dir.path(), Split::Train, 0, 0),

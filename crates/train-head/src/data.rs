@@ -1,4 +1,4 @@
-//! `specula train-head data`: self-distillation data for the mtp head. The target answers each
+//! `specula-train-head data`: self-distillation data for the mtp head. The target answers each
 //! prompt (chat template applied) through the engine, batched, with temperature sampling for the
 //! training split and greedy for the held-out split; then one teacher-forced pass over
 //! prompt + answer records, for every answer position, exactly what the mtp proposer receives at
@@ -15,8 +15,8 @@
 //! `next_token [R] I32` (-1 on each sequence's last row), `top_ids [R, T] I32`,
 //! `top_probs [R, T] F32`, `seq_offsets [S + 1] I64` (row ranges of the sequences).
 
-use super::prompts::{self, Split};
-use super::shard::{Shard, TOP_K};
+use crate::prompts::{self, Split};
+use crate::shard::{Shard, TOP_K};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -28,9 +28,10 @@ use std::sync::Arc;
 
 #[derive(Args, Debug)]
 pub struct DataArgs {
-    /// Target model (default: the cached default model).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    /// Target model: a GGUF file or model folder (`specula fetch-model --print-path` prints the
+    /// default one's).
+    #[arg(long, env = "SPECULA_MODEL")]
+    pub model: PathBuf,
     /// Output folder for the shards.
     #[arg(long, default_value = "target/mtp-data")]
     pub out: PathBuf,
@@ -76,7 +77,7 @@ pub fn default_feature_layers(n: usize) -> Vec<usize> {
 }
 
 pub fn run(a: DataArgs) -> Result<()> {
-    let path = crate::fetch::resolve_model(&a.model)?;
+    let path = crate::target_model(&a.model)?.to_path_buf();
     let loaded = load_model(&path)?;
     let template = loaded.chat_template.context("the target has no chat template; the head is distilled on chat answers")?;
     let tokenizer = Arc::new(loaded.tokenizer);
@@ -95,8 +96,8 @@ pub fn run(a: DataArgs) -> Result<()> {
         let text = template.render(&[ChatMessage { role: "user".into(), content: p.to_string() }], true)?;
         Ok(tokenizer.encode(&text)?)
     };
-    let train = prompts::prompts(Split::Train, a.num_prompts, a.seed);
-    let held = prompts::prompts(Split::HeldOut, a.num_heldout, a.seed);
+    let train = prompts::prompts(Split::Train, a.num_prompts, a.seed)?;
+    let held = prompts::prompts(Split::HeldOut, a.num_heldout, a.seed)?;
     if train.len() < a.num_prompts {
         tracing::warn!("the training split has only {} prompts (asked for {})", train.len(), a.num_prompts);
     }

@@ -1,8 +1,8 @@
-//! `specula train-head quantize`: rewrites a head file with its matrices as Q8_0 blocks (the
+//! `specula-train-head quantize`: rewrites a head file with its matrices as Q8_0 blocks (the
 //! shipped form: serving runs the head as Q8_0 anyway, so the file then holds exactly the weights
 //! served, in about half the bytes of F16). Vectors stay exact (F32).
 
-use super::fit::load_head_weights;
+use crate::fit::load_head_weights;
 use anyhow::{Context, Result};
 use clap::Args;
 use specula_engine::spec::mtp_format::{save_head, StoredDtype};
@@ -11,10 +11,10 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct QuantizeArgs {
-    /// The target the head drafts for (default: the cached default model); the head is checked
+    /// The target the head drafts for (a GGUF file or model folder); the head is checked
     /// against it as serving would.
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    #[arg(long, env = "SPECULA_MODEL")]
+    pub model: PathBuf,
     /// Head file to read (any stored type).
     #[arg(long)]
     pub input: PathBuf,
@@ -24,7 +24,7 @@ pub struct QuantizeArgs {
 }
 
 pub fn run(a: QuantizeArgs) -> Result<()> {
-    let path = crate::fetch::resolve_model(&a.model)?;
+    let path = crate::target_model(&a.model)?.to_path_buf();
     let target = load_model(&path)?.model;
     let (cfg, w) = load_head_weights(&a.input, &target).with_context(|| format!("reading {}", a.input.display()))?;
     save_head(&a.out, &w, &cfg, StoredDtype::Q8_0)?;

@@ -12,9 +12,9 @@ pub const NAME: &str = "smollm2-135m-instruct-q4_1.mtp.safetensors";
 /// What the head was trained for, for error messages.
 pub const TARGET: &str = "SmolLM2-135M-Instruct Q4_1 (the default model)";
 
-static BYTES: &[u8] = include_bytes!("../../../../heads/smollm2-135m-instruct-q4_1.mtp.safetensors");
+static BYTES: &[u8] = include_bytes!("../../../heads/smollm2-135m-instruct-q4_1.mtp.safetensors");
 /// `sha256sum` line of the file: "<hex>  <name>".
-const SHA256_LINE: &str = include_str!("../../../../heads/smollm2-135m-instruct-q4_1.mtp.safetensors.sha256");
+const SHA256_LINE: &str = include_str!("../../../heads/smollm2-135m-instruct-q4_1.mtp.safetensors.sha256");
 
 fn hex_sha256(bytes: &[u8]) -> String {
     format!("{:x}", Sha256::digest(bytes))
