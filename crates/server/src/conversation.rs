@@ -19,9 +19,9 @@ use futures::StreamExt;
 use serde_json::{json, Map, Value};
 use specula_engine::api::{FinishReason, RequestEvent};
 use specula_engine::constraint::Grammar;
-use std::sync::Arc;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
+use std::sync::Arc;
 
 /// A request in no dialect: what the model is asked, and how.
 #[derive(Debug, Clone)]

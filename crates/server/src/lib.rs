@@ -12,16 +12,16 @@
 
 pub mod auth;
 pub mod bounds;
+pub mod connections;
 pub mod conversation;
 pub mod dialect;
-pub mod connections;
 pub mod error;
 pub mod extract;
 pub mod generate;
 pub mod metrics;
+pub mod origin;
 pub mod prep;
 pub mod reasoning;
-pub mod origin;
 pub mod routes;
 pub mod sse;
 pub mod tools;

@@ -352,7 +352,11 @@ async fn responses_text_format_becomes_the_constraint_and_limits_say_incomplete(
     let (status, v) = s.post("/v1/responses", json!({"input": "x", "text": format, "max_output_tokens": 2})).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     let (_, _, params) = s.submitted().pop().unwrap();
-    assert!(matches!(params.constraint, Some(ref c) if matches!(**c, specula_engine::api::Constraint::JsonSchema(ref s) if s.contains("\"city\""))), "{:?}", params.constraint);
+    assert!(
+        matches!(params.constraint, Some(ref c) if matches!(**c, specula_engine::api::Constraint::JsonSchema(ref s) if s.contains("\"city\""))),
+        "{:?}",
+        params.constraint
+    );
     assert_eq!((v["status"].as_str(), v["incomplete_details"]["reason"].as_str()), (Some("incomplete"), Some("max_output_tokens")));
     let (status, v) = s.post("/v1/responses", json!({"input": "x", "tools": [{"type": "web_search"}]})).await;
     assert_eq!((status, error_of(&v)["param"].as_str()), (StatusCode::BAD_REQUEST, Some("tools[0].type")));
@@ -415,8 +419,12 @@ async fn chat_template_kwargs_reach_the_template() {
     let tokenizer = std::sync::Arc::new(tokenizer());
     let template = std::sync::Arc::new(specula_model::ChatTemplate::new("{% if flag %}on{% else %}off{% endif %}", "", "").unwrap());
     let (engine, log) = fake_engine(64, tokenizer.clone(), Duration::ZERO);
-    let state =
-        specula_server::AppState::new(engine.clone(), tokenizer.clone(), Some(template.clone()), ServerConfig { max_model_len: 64, ..ServerConfig::new(MODEL) });
+    let state = specula_server::AppState::new(
+        engine.clone(),
+        tokenizer.clone(),
+        Some(template.clone()),
+        ServerConfig { max_model_len: 64, ..ServerConfig::new(MODEL) },
+    );
     let s = TestServer { router: specula_server::router(state), engine, log, tokenizer, template };
     let user = json!([{"role": "user", "content": "x"}]);
     for (kwargs, want) in [(json!({"flag": true}), "on"), (json!({}), "off")] {
