@@ -185,7 +185,7 @@ impl ModelConfig {
 
     /// Whether layer `layer` rotates its queries and keys (false on SmolLM3's NoPE layers).
     pub fn layer_uses_rope(&self, layer: usize) -> bool {
-        self.arch_options.no_rope_period.is_none_or(|n| (layer + 1) % n != 0)
+        self.arch_options.no_rope_period.is_none_or(|n| !(layer + 1).is_multiple_of(n))
     }
 
     /// The attention score scale.
