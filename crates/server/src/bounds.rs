@@ -130,7 +130,8 @@ fn engine_room(state: &AppState, prompts: usize, n: Option<i64>, param: &str) ->
     let n = usize::try_from(n.unwrap_or(1)).unwrap_or(1).clamp(1, state.config.max_n);
     let wanted = prompts.saturating_mul(n);
     let (capacity, waiting) = (state.engine.capacity(), state.engine.waiting());
-    if wanted > capacity {
+    // (a queue of 0 refuses everything as overloaded, like the engine handle does)
+    if wanted > capacity.max(1) {
         return Err(ApiError::invalid_param(
             param,
             format!("this request makes {wanted} engine requests (prompts x n) but the server queues at most {capacity} (--max-waiting); split it"),
