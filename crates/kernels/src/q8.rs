@@ -204,7 +204,9 @@ mod x86 {
         let t = _mm256_hadd_epi32(t, t);
         let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
         let (h0, h1) = (_mm_cvtsi128_si32(t), _mm_extract_epi32::<1>(t));
-        let sum = h0 + h1;
+        // wrapping: a non-finite activation (a broken file's garbage weights) converts to i32::MIN, and
+        // must give garbage logits, not a panic in overflow-checked builds
+        let sum = h0.wrapping_add(h1);
         b.h = [h0 as i16, h1 as i16];
         // i32 -> i8 (values are within +-127), packs interleave 128-bit lanes: undo with a permute
         let a = _mm256_packs_epi32(r[0], r[1]);
