@@ -71,7 +71,9 @@ impl Rig {
         self.next_id += 1;
         let (tx, rx) = unbounded_channel();
         self.counters.waiting.fetch_add(1, Ordering::Relaxed);
-        let grammar = params.constraint.as_deref().map(|c| specula_engine::constraint::compile(&self.tokenizer, c).expect("the constraint compiles"));
+        // as the server does; a constraint that does not compile is submitted without a grammar,
+        // which the engine refuses at admission
+        let grammar = params.constraint.as_deref().and_then(|c| specula_engine::constraint::compile(&self.tokenizer, c).ok());
         self.engine.add_request(GenerateRequest { id, prompt, params, events: tx, grammar });
         Client { id, rx: Some(rx), events: Vec::new(), step_sizes: Vec::new() }
     }
