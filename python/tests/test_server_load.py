@@ -105,9 +105,10 @@ def test_queue_full_is_503_and_the_rest_complete(busy_server):
     assert_pool_whole(busy_server)
 
 
-def test_queue_full_with_openai_client_and_partial_n(busy_server):
-    """While one request runs: a second waits; an n=3 request gets one choice queued and the next
-    refused, so the whole request is a 503 and its queued choice is withdrawn (no blocks, no waiting)."""
+def test_more_choices_than_the_queue_holds_are_refused_whole_with_the_openai_client(busy_server):
+    """While one request runs: an n=3 request can never fit a waiting queue of 1, so it is a 400
+    that says so, at once and whole: no choice is queued (nothing waits, nothing to withdraw),
+    and the server goes on (the running request finishes, the next one runs)."""
     c = busy_server.client()
     long = {"prompt": STORY, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
     with busy_server.http() as http, http.stream("POST", "/v1/completions", json=long) as running:
@@ -117,8 +118,10 @@ def test_queue_full_with_openai_client_and_partial_n(busy_server):
         wait_until_running(busy_server)
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model=busy_server.model_name, prompt="Hello", max_tokens=4, n=3, seed=1, temperature=0.5)
-        assert e.value.status_code == 503
-        assert busy_server.metrics()["specula:num_requests_running"] == 1
+        assert e.value.status_code == 400
+        assert "--max-waiting" in str(e.value), str(e.value)
+        m = busy_server.metrics()
+        assert m["specula:num_requests_running"] == 1 and m["specula:num_requests_waiting"] == 0
     assert_pool_whole(busy_server)
     r = c.completions.create(model=busy_server.model_name, prompt="Hello", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3

@@ -4,3 +4,11 @@
 
 /// Rows per group: the lanes of one 256-bit vector of f32.
 pub const GROUP_ROWS: usize = 8;
+
+/// Copies `src` four bytes at a time into lane `lane` of consecutive 32-byte vectors starting at
+/// `dst[0]`: how one row's quants are laid beside its group's other seven (`packed_k`, `packed_iq`).
+pub(crate) fn interleave(src: &[u8], lane: usize, dst: &mut [u8]) {
+    for (u, chunk) in src.chunks_exact(4).enumerate() {
+        dst[u * 32 + lane * 4..u * 32 + lane * 4 + 4].copy_from_slice(chunk);
+    }
+}

@@ -39,7 +39,7 @@
 //! `|w| <= 127` products are widened to i32 every vector (two are 2 x 127 x 127 = 32258).
 
 use crate::formats::{e8m0_to_f32_half, iq4xs_scales, q3k_scales, WeightFormat, KVALUES_IQ4NL, KVALUES_MXFP4, QK, QK_K};
-use crate::group::GROUP_ROWS;
+use crate::group::{interleave, GROUP_ROWS};
 use crate::q8::BlockQ8;
 use half::f16;
 
@@ -71,13 +71,6 @@ pub(crate) fn group_block_bytes(format: WeightFormat) -> usize {
         WeightFormat::IQ4XS => 1104,
         WeightFormat::MXFP4 => 136,
         _ => unreachable!("{format:?} is not a packed_iq format"),
-    }
-}
-
-/// Copies `src` four bytes at a time into lane `lane` of consecutive vectors starting at `dst[0]`.
-fn interleave(src: &[u8], lane: usize, dst: &mut [u8]) {
-    for (u, chunk) in src.chunks_exact(4).enumerate() {
-        dst[u * 32 + lane * 4..u * 32 + lane * 4 + 4].copy_from_slice(chunk);
     }
 }
 

@@ -40,7 +40,7 @@
 //! sub-block of eight vectors, at most 16 x 15 x 127 = 30480).
 
 use crate::formats::{scale_min_k4, WeightFormat, QK, QK_K};
-use crate::group::GROUP_ROWS;
+use crate::group::{interleave, GROUP_ROWS};
 use crate::q8::{ActSpan, BlockQ8};
 use half::f16;
 
@@ -81,13 +81,6 @@ pub(crate) fn group_block_bytes(format: WeightFormat) -> usize {
         WeightFormat::Q5K => 1440,
         WeightFormat::Q6K => 1680,
         _ => unreachable!("{format:?} is not a packed_k format"),
-    }
-}
-
-/// Copies `src` four bytes at a time into lane `lane` of consecutive vectors starting at `dst[0]`.
-fn interleave(src: &[u8], lane: usize, dst: &mut [u8]) {
-    for (u, chunk) in src.chunks_exact(4).enumerate() {
-        dst[u * 32 + lane * 4..u * 32 + lane * 4 + 4].copy_from_slice(chunk);
     }
 }
 

@@ -93,10 +93,21 @@ fn unsupported_tensor_type_names_the_tensor_and_type() {
 }
 
 /// Q2_K and Q3_K tensors (quantized by candle, an independent quantizer) load with their own
-/// kernels, and the model's logits stay near those of the same random weights in F32.
+/// integer kernels, and the logits equal, up to the int8 rounding of the activations, those of the
+/// same model with those tensors dequantized to F32 (the dequantization itself is checked against
+/// the `gguf` package in python/tests/test_kquant_oracle.py).
 #[test]
-fn q2k_and_q3k_tensors_load_and_run_near_the_f32_model() {
-    use specula_kernels::WeightFormat;
+fn q2k_and_q3k_tensors_load_and_run_like_their_dequantized_weights() {
+    use specula_kernels::{QMatrix, WeightBytes, WeightFormat};
+    use specula_model::llama::FeedForward;
+    fn as_f32(m: &QMatrix) -> QMatrix {
+        let mut out = vec![0f32; m.rows * m.cols];
+        for r in 0..m.rows {
+            m.dequantize_row_into(r, &mut out[r * m.cols..(r + 1) * m.cols]);
+        }
+        let bytes = out.iter().flat_map(|x| x.to_le_bytes()).collect();
+        QMatrix::new(WeightFormat::F32, m.rows, m.cols, WeightBytes::owned(bytes), "dequantized").unwrap()
+    }
     let dir = tempfile::tempdir().unwrap();
     let prompt: Vec<u32> = "The quick brown fox jumps over the lazy dog.".bytes().map(u32::from).collect();
     let low = [
@@ -105,12 +116,22 @@ fn q2k_and_q3k_tensors_load_and_run_near_the_f32_model() {
         ("blk.1.ffn_up.weight", GgmlDType::Q2K),
         ("blk.1.ffn_gate.weight", GgmlDType::Q3K),
     ];
-    let base = TinySpec { hidden: 256, weight_format: GgmlDType::F32, ..Default::default() };
-    let spec = TinySpec { tensor_formats: low.iter().map(|(n, f)| (n.to_string(), *f)).collect(), ..base.clone() };
-    let m = load_model(&tiny(dir.path(), "low.gguf", &spec)).unwrap_or_else(|e| panic!("Q2_K / Q3_K: {e}"));
-    let r = load_model(&tiny(dir.path(), "f32.gguf", &base)).unwrap();
+    let spec = TinySpec {
+        hidden: 256,
+        ffn: 256,
+        weight_format: GgmlDType::F32,
+        tensor_formats: low.iter().map(|(n, f)| (n.to_string(), *f)).collect(),
+        ..Default::default()
+    };
+    let path = tiny(dir.path(), "low.gguf", &spec);
+    let m = load_model(&path).unwrap_or_else(|e| panic!("Q2_K / Q3_K: {e}"));
     let l = &m.model.layers;
     assert_eq!([l[0].wq.format, l[0].wv.format], [WeightFormat::Q2K, WeightFormat::Q3K]);
+    let mut r = load_model(&path).unwrap();
+    let l0 = &mut r.model.layers[0];
+    (l0.wq, l0.wv) = (as_f32(&l0.wq), as_f32(&l0.wv));
+    let FeedForward::Dense(ffn) = &mut r.model.layers[1].ffn else { panic!("a dense model") };
+    (ffn.up, ffn.gate) = (as_f32(&ffn.up), as_f32(&ffn.gate));
     let logits = common::logits_alone(&m.model, &prompt, &[prompt.len()], 2);
     let reference = common::logits_alone(&r.model, &prompt, &[prompt.len()], 2);
     assert!(logits.iter().all(|x| x.is_finite()), "non-finite logits");
@@ -118,8 +139,9 @@ fn q2k_and_q3k_tensors_load_and_run_near_the_f32_model() {
     for pos in 0..prompt.len() {
         let (a, b) = (&logits[pos * TINY_VOCAB..(pos + 1) * TINY_VOCAB], &reference[pos * TINY_VOCAB..(pos + 1) * TINY_VOCAB]);
         let cos = dot(a, b) / (dot(a, a) * dot(b, b)).sqrt();
-        assert!(cos > 0.9, "position {pos}: cosine {cos} to the F32 model's logits");
-        assert!(a != b, "position {pos}: the quantized tensors left the logits unchanged");
+        // int8 activations (blocks of 32) move logits by about 1%: a wrong scale or bit layout
+        // moves them by far more
+        assert!(cos > 0.995, "position {pos}: cosine {cos} to the dequantized weights' logits");
     }
 }
 

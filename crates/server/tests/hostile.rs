@@ -129,7 +129,7 @@ async fn health_answers_while_a_large_prompt_is_tokenized() {
         config: ServerConfig { max_model_len: 1 << 30, max_body_bytes: 8 << 20, ..ServerConfig::new(MODEL) },
         ..Setup::default()
     }));
-    let body = json!({"prompt": "hellx".repeat(40_000)}).to_string();
+    let body = json!({"prompt": "hellx".repeat(400_000)}).to_string();
     let started = Instant::now();
     let heavy = {
         let s = s.clone();
