@@ -170,8 +170,9 @@ def test_anthropic_errors_raise_the_sdks_exceptions(qwen):
         claude(qwen, api_key="sk-wrong").messages.create(model=qwen.model_name, max_tokens=4, messages=HELLO)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
     c = claude(qwen)
-    with pytest.raises(anthropic.NotFoundError):
-        c.messages.create(model="claude-not-here", max_tokens=4, messages=HELLO)
+    # an agent's own model name (Claude Code sends claude-* names) is served by the loaded model
+    served = c.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=HELLO)
+    assert served.model == qwen.model_name and served.content
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model=qwen.model_name, max_tokens=4, messages=HELLO, extra_body={"temperature": -1})
     assert e.value.body["error"]["type"] == "invalid_request_error" and "temperature" in e.value.message

@@ -256,7 +256,6 @@ async fn messages_errors_have_anthropics_shape_and_status() {
         (None, ok.clone(), StatusCode::UNAUTHORIZED, "authentication_error"),
         (Some(("x-api-key", "sk-wrong")), ok.clone(), StatusCode::UNAUTHORIZED, "authentication_error"),
         (Some(("x-api-key", "sk-test")), json!({"messages": [{"role": "user", "content": "hi"}]}), StatusCode::BAD_REQUEST, "invalid_request_error"),
-        (Some(("x-api-key", "sk-test")), json!({"model": "other"}).merge(&ok), StatusCode::NOT_FOUND, "not_found_error"),
         (Some(("authorization", "bearer sk-test")), json!({"max_tokens": "many"}).merge(&ok), StatusCode::BAD_REQUEST, "invalid_request_error"),
     ];
     for (key, body, status, kind) in cases {
@@ -264,7 +263,12 @@ async fn messages_errors_have_anthropics_shape_and_status() {
         assert_eq!((got, v["type"].as_str(), v["error"]["type"].as_str()), (status, Some("error"), Some(kind)), "{body}: {v}");
         assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
     }
-    let (got, v) = json_of(s.send(post(Some(("x-api-key", "sk-test")), ok)).await).await;
+    let (got, v) = json_of(s.send(post(Some(("x-api-key", "sk-test")), ok.clone())).await).await;
+    assert_eq!(got, StatusCode::OK, "{v}");
+    // an agent's own model name is served by the loaded model (Claude Code sends claude-* names)
+    let (got, v) = json_of(s.send(post(Some(("x-api-key", "sk-test")), json!({"model": "claude-sonnet-4-5"}).merge(&ok))).await).await;
+    assert_eq!((got, v["model"].as_str()), (StatusCode::OK, Some(MODEL)), "{v}");
+    let (got, v) = json_of(s.send(post(Some(("x-api-key", "sk-test")), json!({"model": "other"}).merge(&ok))).await).await;
     assert_eq!(got, StatusCode::OK, "{v}");
     assert_eq!(error_type_of_openai(&s).await, "invalid_request_error", "OpenAI routes keep OpenAI's shape");
 }

@@ -67,7 +67,8 @@ pub struct InputMessage {
 
 /// The request as the shared conversation; `counting`: for `count_tokens` (no `max_tokens`).
 fn conversation_of(req: &MessagesRequest, state: &AppState, counting: bool) -> Result<Conversation, ApiError> {
-    validate::check_model(req.model.as_deref(), &state.config)?;
+    // Agents name their vendor's models (Claude Code alternates two of them), so any `model` is
+    // served by the loaded one, as llama.cpp's server does; responses carry the served name.
     let max_tokens = match (req.max_tokens, counting) {
         (None, false) => return Err(ApiError::invalid_param("max_tokens", "max_tokens: Field required")),
         (_, true) => Some(1),

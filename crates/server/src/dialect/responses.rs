@@ -176,7 +176,7 @@ fn response_format(text: Option<&Value>) -> Option<Value> {
 pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ResponsesRequest>) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let config = &state.config;
-    validate::check_model(req.model.as_deref(), config)?;
+    // any `model` is served by the loaded one (Codex-style clients send their own model names)
     let mut fields = sampling_fields(req.max_output_tokens, "max_output_tokens", req.temperature, req.top_p, req.top_k, req.stop.clone(), req.seed);
     fields.structured.response_format = response_format(req.text.as_ref());
     let plan = validate::sampling_plan(fields, config, state.tokenizer.vocab_size()).map_err(|e| {
