@@ -21,6 +21,8 @@ pub(crate) mod packed_iq;
 pub mod packed_k;
 #[cfg(test)]
 mod packed_k_tests;
+#[cfg(test)]
+mod packed_test_rows;
 pub mod pool;
 pub mod q8;
 pub mod weights;

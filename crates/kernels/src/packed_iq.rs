@@ -507,32 +507,19 @@ mod tests {
     use super::*;
     use crate::formats::dequantize_row;
     use crate::packed::PackedInt8;
+    use crate::packed_test_rows::{self as test_rows, activation_rows, rand_vec, shapes};
     use crate::q8::{quantize_rows, QuantizedActivations};
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
 
     pub(crate) const FORMATS: [WeightFormat; 5] = [WeightFormat::Q2K, WeightFormat::Q3K, WeightFormat::IQ4NL, WeightFormat::IQ4XS, WeightFormat::MXFP4];
 
-    fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
-        (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
-    }
-
-    /// Activation rows: random, and one at the ends of i8 (every element +-127 after quantization).
+    /// Activation rows: random, and one at the ends of i8.
     fn activations(rng: &mut rand::rngs::StdRng, cols: usize) -> Vec<QuantizedActivations> {
-        let mut acts: Vec<_> = (0..4).map(|_| quantize_rows(&rand_vec(rng, cols), cols)).collect();
-        acts.push(quantize_rows(&(0..cols).map(|i| if i % 3 == 0 { -1.0 } else { 1.0 }).collect::<Vec<f32>>(), cols));
-        acts
-    }
-
-    /// Odd row counts (a partial last group) and odd numbers of blocks.
-    fn shapes(f: WeightFormat) -> [(usize, usize); 4] {
-        let k = f.block_len();
-        [(3, k), (8, k), (13, 3 * k), (21, if k == QK { 576 } else { 1536 })]
+        activation_rows(rng, cols, |x| quantize_rows(x, x.len()))
     }
 
     fn group_bytes(p: &PackedInt8, g: usize, f: WeightFormat, cols: usize) -> (&[u8], usize) {
-        let blocks = cols / f.block_len();
-        let len = blocks * group_block_bytes(f);
-        (&p.bytes_for_tests()[g * len..(g + 1) * len], blocks)
+        test_rows::group_bytes(p, g, f, cols, group_block_bytes(f))
     }
 
     /// Every path this CPU has (the dispatched one at 1..8 activation rows, and AVX2 and VNNI

@@ -10,16 +10,13 @@ use crate::packed::PackedInt8;
 #[cfg(target_arch = "x86_64")]
 use crate::packed_k::x86;
 use crate::packed_k::{dot_group_scalar, group_block_bytes, random_raw, reads_super_span};
+use crate::packed_test_rows::{self as test_rows, activation_rows, rand_vec, shapes};
 use crate::q8::{quantize_rows, quantize_rows_super, QuantizedActivations, SUPER_SPAN};
 use crate::q8::{ActSpan, BlockQ8};
 use half::f16;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 pub(crate) const FORMATS: [WeightFormat; 5] = [WeightFormat::Q5_0, WeightFormat::Q5_1, WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K];
-
-fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.gen_range(-2.0f32..2.0)).collect()
-}
 
 /// Every kernel: each format against block-scaled rows, Q4_K / Q5_K against super-scaled too.
 fn cases() -> Vec<(WeightFormat, ActSpan)> {
@@ -44,22 +41,13 @@ fn span_len(span: ActSpan) -> usize {
     }
 }
 
-/// Activation rows: random, and one at the ends of i8 (every element +-127 after quantization).
+/// Activation rows with scale span `span`: random, and one at the ends of i8.
 fn activations(rng: &mut rand::rngs::StdRng, cols: usize, span: ActSpan) -> Vec<QuantizedActivations> {
-    let mut acts: Vec<_> = (0..4).map(|_| quantize(&rand_vec(rng, cols), span)).collect();
-    acts.push(quantize(&(0..cols).map(|i| if i % 3 == 0 { -1.0 } else { 1.0 }).collect::<Vec<f32>>(), span));
-    acts
-}
-
-fn shapes(f: WeightFormat) -> [(usize, usize); 4] {
-    let k = f.block_len();
-    [(3, k), (8, k), (13, 3 * k), (21, if k == QK { 576 } else { 1536 })]
+    activation_rows(rng, cols, |x| quantize(x, span))
 }
 
 fn group_bytes(p: &PackedInt8, g: usize, f: WeightFormat, cols: usize) -> (&[u8], usize) {
-    let blocks = cols / f.block_len();
-    let len = blocks * group_block_bytes(f);
-    (&p.bytes_for_tests()[g * len..(g + 1) * len], blocks)
+    test_rows::group_bytes(p, g, f, cols, group_block_bytes(f))
 }
 
 /// Every path this CPU has (the dispatched one at 1..8 activation rows, and AVX2 and VNNI
