@@ -307,17 +307,6 @@ fn fault_case(kind: FaultKind) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
         let deadline = Duration::from_secs(60);
-        let collect = |mut rx: tokio::sync::mpsc::UnboundedReceiver<RequestEvent>| async move {
-            let mut evs = Vec::new();
-            while let Some(e) = rx.recv().await {
-                let end = matches!(e, RequestEvent::Finished { .. } | RequestEvent::Failed { .. });
-                evs.push(e);
-                if end {
-                    break;
-                }
-            }
-            evs
-        };
         let submit = |p: Vec<u32>, params: SamplingParams| {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
             handle.submit(GenerateRequest { id: handle.next_request_id(), prompt: p, params, events: tx, grammar: None }).unwrap();
@@ -326,8 +315,9 @@ fn fault_case(kind: FaultKind) {
         let a = submit(prompt(10, 1), greedy(30));
         let b = submit(prompt(10, 2), greedy(30));
         let c = submit(prompt(10, 3), greedy(5));
-        let (ea, eb, ec) =
-            tokio::time::timeout(deadline, async { tokio::join!(collect(a), collect(b), collect(c)) }).await.expect("engine hung after an injected fault");
+        let (ea, eb, ec) = tokio::time::timeout(deadline, async { tokio::join!(collect_events(a), collect_events(b), collect_events(c)) })
+            .await
+            .expect("engine hung after an injected fault");
         for evs in [&ea, &eb] {
             match evs.last() {
                 Some(RequestEvent::Failed { message }) => {
@@ -340,7 +330,7 @@ fn fault_case(kind: FaultKind) {
         assert!(matches!(ec.last(), Some(RequestEvent::Finished { reason: FinishReason::Length, .. })), "the waiting request must survive: {ec:?}");
         // the engine still serves
         let d = submit(prompt(12, 4), greedy(6));
-        let ed = tokio::time::timeout(deadline, collect(d)).await.expect("engine hung");
+        let ed = tokio::time::timeout(deadline, collect_events(d)).await.expect("engine hung");
         assert!(matches!(ed.last(), Some(RequestEvent::Finished { reason: FinishReason::Length, completion_tokens: 6, .. })), "{ed:?}");
     });
     handle.shutdown();

@@ -14,21 +14,6 @@ use specula_model::load_model;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-type Events = tokio::sync::mpsc::UnboundedReceiver<RequestEvent>;
-
-/// Every event of one request up to its end.
-async fn collect(mut rx: Events) -> Vec<RequestEvent> {
-    let mut evs = Vec::new();
-    while let Some(e) = rx.recv().await {
-        let end = matches!(e, RequestEvent::Finished { .. } | RequestEvent::Failed { .. });
-        evs.push(e);
-        if end {
-            break;
-        }
-    }
-    evs
-}
-
 fn tokens(evs: &[RequestEvent]) -> Vec<u32> {
     evs.iter().flat_map(|e| if let RequestEvent::Delta { tokens, .. } = e { tokens.clone() } else { Vec::new() }).collect()
 }
@@ -48,7 +33,9 @@ fn two_side_by_side(fault: Option<FaultInjection>, async_scheduling: bool) -> (V
         };
         let a = submit(prompt(10, 1), greedy(12));
         let b = submit(prompt(10, 2), greedy(12));
-        tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(collect(a), collect(b)) }).await.expect("engine hung after an injected fault")
+        tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(collect_events(a), collect_events(b)) })
+            .await
+            .expect("engine hung after an injected fault")
     });
     handle.shutdown();
     drop(handle);

@@ -318,6 +318,19 @@ fn is_terminal(e: &RequestEvent) -> bool {
     matches!(e, RequestEvent::Finished { .. } | RequestEvent::Failed { .. })
 }
 
+/// Every event of one request from its channel, up to its end (`Finished` or `Failed`).
+pub async fn collect_events(mut rx: tokio::sync::mpsc::UnboundedReceiver<RequestEvent>) -> Vec<RequestEvent> {
+    let mut evs = Vec::new();
+    while let Some(e) = rx.recv().await {
+        let end = is_terminal(&e);
+        evs.push(e);
+        if end {
+            break;
+        }
+    }
+    evs
+}
+
 /// Deterministic token ids in the byte range (no control tokens), different per `salt`.
 pub fn prompt(len: usize, salt: u64) -> Vec<u32> {
     let mut state = salt.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
