@@ -279,24 +279,34 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     Ok(())
 }
 
-/// Deterministic standard normal draws (SplitMix64 + Box-Muller): no dependency, same on every
-/// platform, so a seed names one model.
+/// SplitMix64: no dependency, same on every platform, so a seed names one sequence (tiny models
+/// here, header mutations in the GGUF fuzz test).
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Deterministic standard normal draws (SplitMix64 + Box-Muller), so a seed names one model.
 struct Normal {
-    state: u64,
+    state: SplitMix64,
     spare: Option<f32>,
 }
 
 impl Normal {
     fn new(seed: u64) -> Self {
-        Self { state: seed ^ 0x5DEE_CE66_D1CE_4E5B, spare: None }
+        Self { state: SplitMix64(seed ^ 0x5DEE_CE66_D1CE_4E5B), spare: None }
     }
 
     fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
+        let z = self.state.next();
         ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64 // in (0, 1): ln never sees 0
     }
 

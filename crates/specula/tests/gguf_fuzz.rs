@@ -6,7 +6,7 @@
 //! The header is walked here by its own small reader (not the loader's parser), which records
 //! where every length, count, type, dimension, offset and hyper-parameter lies.
 
-use specula_model::testing::{model_for_tests, write_tiny_llama, GgmlDType, TinySpec};
+use specula_model::testing::{model_for_tests, write_tiny_llama, GgmlDType, SplitMix64, TinySpec};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -151,15 +151,11 @@ fn put(bytes: &mut [u8], f: &Field, v: u64) {
     bytes[f.pos..f.pos + f.width].copy_from_slice(&v.to_le_bytes()[..f.width]);
 }
 
-/// SplitMix64: a seed names one sequence of mutations.
-struct Rng(u64);
+/// A seed names one sequence of mutations.
+struct Rng(SplitMix64);
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next()
     }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
@@ -316,7 +312,7 @@ fn cases(header: &[u8], l: &Layout, random: usize, seed: u64) -> Vec<Case> {
     out.push(Case { label: "unchanged".into(), bytes: header.to_vec(), expect: Expect::Load });
 
     // random: a field set to a random or extreme value, or 1..8 random bytes anywhere in the header
-    let mut rng = Rng(seed);
+    let mut rng = Rng(SplitMix64(seed));
     for i in 0..random {
         let mut bytes = header.to_vec();
         let label = if i % 2 == 0 {
