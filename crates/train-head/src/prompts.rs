@@ -128,6 +128,15 @@ fn arithmetic(template: &str, a: u32, b: u32, c: u32, sq: Option<u32>) -> String
 const SQUARES: [u32; 12] = [16, 25, 36, 49, 64, 81, 100, 121, 144, 169, 196, 225];
 
 /// Every prompt of `groups` (each topic with each of its group's templates) in `split`.
+/// "Translate into {lang}" for each of `split`'s sentences, every language in turn.
+fn translations(out: &mut Vec<String>, sentences: &[String], langs: &[String], split: Split) {
+    for (_, sentence) in of_split(sentences, split) {
+        for lang in langs {
+            out.push(format!("Translate into {lang}: \"{sentence}\""));
+        }
+    }
+}
+
 fn groups(out: &mut Vec<String>, groups: &[Group], split: Split) {
     for g in groups {
         for (_, t) in of_split(&g.topics, split) {
@@ -182,11 +191,7 @@ fn candidates_1(t: &Tables, split: Split, rng: &mut ChaCha8Rng) -> Vec<String> {
         }
     }
     groups(&mut out, &p.foreign, split);
-    for (_, sentence) in of_split(&p.sentences, split) {
-        for lang in &p.translate_langs {
-            out.push(format!("Translate into {lang}: \"{sentence}\""));
-        }
-    }
+    translations(&mut out, &p.sentences, &p.translate_langs, split);
     out
 }
 
@@ -263,11 +268,7 @@ fn candidates_2(t: &Tables, split: Split, rng: &mut ChaCha8Rng) -> Vec<String> {
         }
     }
     groups(&mut out, &p.foreign, split);
-    for (_, sentence) in of_split(&p.sentences, split) {
-        for lang in &p1.translate_langs {
-            out.push(format!("Translate into {lang}: \"{sentence}\""));
-        }
-    }
+    translations(&mut out, &p.sentences, &p1.translate_langs, split);
     out
 }
 
