@@ -114,6 +114,10 @@ pub enum FaultPhase {
     EngineLoop,
     /// Applying the step's output to its sequences (host).
     Apply,
+    /// The speculative proposer, after it drafted for the step's sequences (compute): the
+    /// step's drafts are dropped and the proposer forgets those sequences; every sequence goes
+    /// on with the tokens it has without the fault.
+    Propose,
     /// The grammar of each constrained sequence of the step, when its masks are computed
     /// (compute): a matcher error at run time, which fails those sequences only.
     Grammar,
@@ -130,7 +134,7 @@ pub struct FaultInjection {
 
 impl FaultInjection {
     /// Parses `step:phase:kind` (`4:sample-sequence:panic`; phases prepare, forward, sample,
-    /// sample-sequence, apply, grammar, engine-loop; kinds error, panic), the spelling of the
+    /// sample-sequence, propose, apply, grammar, engine-loop; kinds error, panic), the spelling of the
     /// `SPECULA_INJECT_FAULT` test switch of `specula serve`.
     pub fn parse(spec: &str) -> Result<Self, String> {
         let bad = || format!("fault injection '{spec}' is not step:phase:kind (e.g. 4:engine-loop:panic)");
@@ -144,6 +148,7 @@ impl FaultInjection {
             "forward" => FaultPhase::Forward,
             "sample" => FaultPhase::Sample,
             "sample-sequence" => FaultPhase::SampleSequence,
+            "propose" => FaultPhase::Propose,
             "apply" => FaultPhase::Apply,
             "grammar" => FaultPhase::Grammar,
             "engine-loop" => FaultPhase::EngineLoop,

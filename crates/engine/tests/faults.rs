@@ -1,6 +1,9 @@
 //! Faults stay where they happen, and the ones that cannot be contained are visible:
 //! - a panic (or error) while sampling one sequence fails that sequence only; its batch
 //!   neighbours finish with the tokens they would have had without it, sync and async;
+//! - a proposer that fails or panics costs that step's drafts, never a token: every sequence
+//!   finishes with the tokens it has without the fault, speculation resumes after it, and no KV
+//!   block (target or draft) leaks;
 //! - an engine thread that dies marks its handle stopped (what `/health` answers from) and its
 //!   handle refuses new work at once.
 
@@ -74,6 +77,56 @@ fn a_panic_sampling_one_sequence_fails_only_that_sequence() {
 #[test]
 fn an_error_sampling_one_sequence_fails_only_that_sequence() {
     sampling_one_sequence_fails_only_that_sequence(FaultKind::Error, false);
+}
+
+/// Two greedy requests side by side on a self-drafting engine (k = 3, always drafting) with
+/// `fault`: their tokens and the steps they took. Checks that the engine ends idle, leak-free.
+fn self_draft_side_by_side(fault: Option<FaultInjection>, async_scheduling: bool, max_tokens: usize) -> (Vec<u32>, Vec<u32>, usize) {
+    let model = TinyModel::new();
+    let cfg = EngineConfig { max_num_seqs: 4, async_scheduling, fault_injection: fault, ..tiny_config() };
+    let mut h = Harness::on_with(&model, cfg, Spec::SelfDraft(3), false);
+    let mut a = h.submit(prompt(10, 1), greedy(max_tokens));
+    let mut b = h.submit(prompt(10, 2), greedy(max_tokens));
+    h.run(&mut [&mut a, &mut b], 200);
+    h.assert_idle_and_leak_free();
+    (a.finished_tokens(FinishReason::Length), b.finished_tokens(FinishReason::Length), h.steps)
+}
+
+fn a_failing_proposer_costs_drafts_not_tokens(kind: FaultKind, async_scheduling: bool) {
+    let case = format!("{kind:?}, async {async_scheduling}");
+    const MAX: usize = 30;
+    let (plain_a, plain_b, plain_steps) = {
+        let mut h = Harness::new(EngineConfig { max_num_seqs: 4, async_scheduling, ..tiny_config() });
+        let mut a = h.submit(prompt(10, 1), greedy(MAX));
+        let mut b = h.submit(prompt(10, 2), greedy(MAX));
+        h.run(&mut [&mut a, &mut b], 200);
+        (a.finished_tokens(FinishReason::Length), b.finished_tokens(FinishReason::Length), h.steps)
+    };
+    let (clean_a, clean_b, clean_steps) = self_draft_side_by_side(None, async_scheduling, MAX);
+    assert_eq!((&clean_a, &clean_b), (&plain_a, &plain_b), "{case}: speculation changed greedy tokens");
+    // the self draft agrees with the target: about k + 1 tokens a step
+    assert!(clean_steps * 2 < plain_steps, "{case}: self drafting took {clean_steps} steps, {plain_steps} without");
+    // the proposer fails after drafting for step 3 (early), or for step 5 (in the middle)
+    for step in [3, 5] {
+        let fault = FaultInjection { step, kind, phase: FaultPhase::Propose };
+        let (a, b, steps) = self_draft_side_by_side(Some(fault), async_scheduling, MAX);
+        assert_eq!((&a, &b), (&plain_a, &plain_b), "{case}, fault at step {step}: greedy tokens changed");
+        // one step without drafts, and the draft model catches up again: far fewer steps than
+        // without speculation (had the fault stopped speculation, it would be plain_steps)
+        assert!(steps >= clean_steps, "{case}, fault at step {step}: {steps} steps, fewer than without the fault ({clean_steps})");
+        assert!(steps * 2 < plain_steps, "{case}, fault at step {step}: speculation did not resume ({steps} steps, {plain_steps} without)");
+    }
+}
+
+#[test]
+fn a_panicking_proposer_costs_drafts_not_tokens() {
+    a_failing_proposer_costs_drafts_not_tokens(FaultKind::Panic, false);
+    a_failing_proposer_costs_drafts_not_tokens(FaultKind::Panic, true);
+}
+
+#[test]
+fn a_failing_proposer_costs_drafts_not_tokens_too() {
+    a_failing_proposer_costs_drafts_not_tokens(FaultKind::Error, false);
 }
 
 #[test]

@@ -89,7 +89,7 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     );
     let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
-    let results = propose(ctx, state, items, results, &out.hidden, job.pending_prefill)?;
+    let results = propose(ctx, state, job.step, items, results, &out.hidden, job.pending_prefill)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
     Ok(JobOutput { results, logprobs, prompt_logprobs, timings, _spent: (inputs, out) })
 }
@@ -303,6 +303,7 @@ fn sample(
 fn propose(
     ctx: &JobContext,
     state: &mut ComputeState,
+    step: u64,
     items: Vec<SampleItem>,
     mut results: Vec<SeqResult>,
     hidden: &[f32],
@@ -400,7 +401,23 @@ fn propose(
                 which.push(i);
             }
             if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) {
-                match sp.proposer.propose(&reqs, &ctx.pool) {
+                // a proposer that fails or panics costs this step's drafts, never the step: its
+                // sequences decode without drafts next step and it forgets them (its state for
+                // them may be half-updated), so they catch up from their history afterwards
+                let proposed = catch_unwind(AssertUnwindSafe(|| {
+                    let drafts = sp.proposer.propose(&reqs, &ctx.pool).map_err(|e| e.to_string())?;
+                    FaultInjection::trip(ctx.fault, step, FaultPhase::Propose)?;
+                    Ok(drafts)
+                }))
+                .unwrap_or_else(|p| Err(format!("panicked: {}", panic_message(&p))));
+                if proposed.is_err() {
+                    for r in &reqs {
+                        if catch_unwind(AssertUnwindSafe(|| sp.proposer.remove(r.seq))).is_err() {
+                            tracing::error!(seq = %r.seq, "the proposer panicked again while forgetting the sequence");
+                        }
+                    }
+                }
+                match proposed {
                     Ok(drafts) => {
                         for (i, mut d) in which.into_iter().zip(drafts) {
                             if d.tokens.iter().any(|&t| t as usize >= vocab) {
@@ -430,7 +447,7 @@ fn propose(
                             results[i].next_draft = d;
                         }
                     }
-                    Err(e) => tracing::warn!("speculative proposer failed; decoding without drafts next step: {e}"),
+                    Err(e) => tracing::error!(step, sequences = reqs.len(), "speculative proposer failed; decoding without drafts next step: {e}"),
                 }
             }
         }
