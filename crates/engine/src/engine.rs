@@ -64,7 +64,7 @@ impl Engine {
         cfg.validate(model.config.context_length).map_err(EngineError::Config)?;
         let c = &model.config;
         let layout = KvLayout { block_size: cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks);
+        let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks)?;
         let host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads)

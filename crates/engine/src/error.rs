@@ -13,6 +13,8 @@ pub enum EngineError {
     ThreadPool(String),
     #[error("cannot start the engine thread: {0}")]
     Spawn(std::io::Error),
+    #[error(transparent)]
+    KvAlloc(#[from] specula_model::kv_store::KvAllocError),
 }
 
 /// One step failed. Its `Display` text is what the step's requests receive in

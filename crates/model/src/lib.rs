@@ -28,6 +28,8 @@ pub use tokenizer::{DecodeStream, TokenBytes, Tokenizer};
 pub enum ModelError {
     #[error("cannot open {path}: {source}")]
     Io { path: String, source: std::io::Error },
+    #[error(transparent)]
+    KvAlloc(#[from] kv_store::KvAllocError),
     #[error("{path} is not a valid GGUF file: {message}")]
     BadGguf { path: String, message: String },
     #[error("{0}")]

@@ -291,7 +291,7 @@ pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], ch
     let c = &model.config;
     let layout = specula_kernels::attention::KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let blocks = prompt.len().div_ceil(16).max(1);
-    let mut kv = KvStore::new(c.n_layers, layout, blocks);
+    let mut kv = KvStore::new(c.n_layers, layout, blocks)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut out = Vec::with_capacity(prompt.len() * c.vocab_size);

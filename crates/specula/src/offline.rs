@@ -278,19 +278,19 @@ fn sum_words(b: &[u8]) -> u64 {
     acc.iter().fold(0, |x, &y| x.wrapping_add(y))
 }
 
-fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> (KvStore, Vec<Vec<u32>>) {
+fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> Result<(KvStore, Vec<Vec<u32>>)> {
     let c = &model.config;
     let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let per = tokens_per_seq.div_ceil(16);
-    let kv = KvStore::new(c.n_layers, layout, per * seqs);
+    let kv = KvStore::new(c.n_layers, layout, per * seqs)?;
     let tables = (0..seqs).map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect()).collect();
-    (kv, tables)
+    Ok((kv, tables))
 }
 
 /// One sequence's whole prompt in one forward pass into a fresh cache, with logits for `rows`;
 /// the logits and when the pass started.
 fn prefill(model: &LlamaModel, prompt: &[u32], rows: &[usize]) -> Result<(Vec<f32>, Instant)> {
-    let (mut kv, tables) = kv_for(model, prompt.len(), 1);
+    let (mut kv, tables) = kv_for(model, prompt.len(), 1)?;
     let seqs = [SeqSpan { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &tables[0] }];
     let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
     let start = Instant::now();
@@ -325,7 +325,7 @@ fn argmax(x: &[f32]) -> u32 {
 
 fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {
     let prompt_len = 16;
-    let (mut kv, tables) = kv_for(model, prompt_len + steps + 1, batch);
+    let (mut kv, tables) = kv_for(model, prompt_len + steps + 1, batch)?;
     let vocab = model.config.vocab_size;
     // prefill each sequence (different prompts) then decode in lockstep
     let mut last = Vec::new();

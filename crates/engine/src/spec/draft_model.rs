@@ -41,7 +41,7 @@ impl DraftModelProposer {
         }
         let c = &model.config;
         let layout = KvLayout { block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        let kv_store = KvStore::new(c.n_layers, layout, num_blocks);
+        let kv_store = KvStore::new(c.n_layers, layout, num_blocks)?;
         let kv = KvCacheManager::new(num_blocks, block_size, false)?;
         Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None })
     }

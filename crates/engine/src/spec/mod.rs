@@ -31,6 +31,8 @@ pub enum SpecError {
     Model(#[from] specula_model::ModelError),
     #[error("draft KV cache: {0}")]
     Kv(#[from] crate::kv_cache::KvCacheError),
+    #[error(transparent)]
+    KvAlloc(#[from] specula_model::kv_store::KvAllocError),
     #[error("sampling: {0}")]
     Sampling(#[from] crate::sampling::SamplingError),
     /// The mtp head file is unreadable, malformed or made for another target.
