@@ -151,6 +151,9 @@ impl ServerConfig {
                 return bad(format!("{name} must be at least 1"));
             }
         }
+        if self.max_prompts_per_request > types::PROMPT_LIST_CAP {
+            return bad(format!("--max-prompts-per-request is {} but must be at most {}", self.max_prompts_per_request, types::PROMPT_LIST_CAP));
+        }
         if let Some(problem) = self.connections.problem() {
             return bad(problem);
         }

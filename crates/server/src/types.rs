@@ -124,31 +124,95 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+/// The most prompts (strings or token-id lists) one `prompt` may list, whatever
+/// `--max-prompts-per-request` says (it may not be set above this): reading a body stops here, so
+/// a body of hundreds of thousands of tiny prompts costs neither their memory nor their time.
+pub const PROMPT_LIST_CAP: usize = 4096;
+
+const PROMPT_EXPECTED: &str = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists";
+
+/// Read element by element (not through a `serde_json::Value`), stopping at [`PROMPT_LIST_CAP`].
 impl<'de> Deserialize<'de> for Prompt {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        use serde_json::Value;
-        const EXPECTED: &str = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists";
-        let token = |v: &Value| v.as_u64().and_then(|t| u32::try_from(t).ok());
-        let value = Value::deserialize(d)?;
-        let items = match value {
-            Value::String(s) => return Ok(Prompt::Text(s)),
-            Value::Array(items) => items,
-            _ => return Err(D::Error::custom(EXPECTED)),
-        };
-        let Some(first) = items.first() else {
-            return Ok(Prompt::Texts(Vec::new()));
-        };
-        let parsed = match first {
-            Value::String(_) => items.iter().map(|v| v.as_str().map(str::to_string)).collect::<Option<_>>().map(Prompt::Texts),
-            Value::Number(_) => items.iter().map(token).collect::<Option<_>>().map(Prompt::Tokens),
-            Value::Array(_) => items
-                .iter()
-                .map(|list| list.as_array().and_then(|l| l.iter().map(token).collect::<Option<Vec<u32>>>()))
-                .collect::<Option<_>>()
-                .map(Prompt::TokenLists),
-            _ => None,
-        };
-        parsed.ok_or_else(|| D::Error::custom(EXPECTED))
+        d.deserialize_any(PromptVisitor)
+    }
+}
+
+struct PromptVisitor;
+
+impl<'de> serde::de::Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(PROMPT_EXPECTED)
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(s.to_owned()))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, s: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(s))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        let too_many = || A::Error::custom(format!("prompt lists more than {PROMPT_LIST_CAP} prompts"));
+        // the first element decides the kind of list; every other must be of the same kind
+        let mut out: Option<Prompt> = None;
+        while let Some(item) = seq.next_element::<PromptItem>()? {
+            match (&mut out, item) {
+                (None, PromptItem::Text(t)) => out = Some(Prompt::Texts(vec![t])),
+                (None, PromptItem::Token(t)) => out = Some(Prompt::Tokens(vec![t])),
+                (None, PromptItem::Tokens(l)) => out = Some(Prompt::TokenLists(vec![l])),
+                (Some(Prompt::Texts(v)), PromptItem::Text(t)) if v.len() < PROMPT_LIST_CAP => v.push(t),
+                (Some(Prompt::TokenLists(v)), PromptItem::Tokens(l)) if v.len() < PROMPT_LIST_CAP => v.push(l),
+                (Some(Prompt::Texts(_)), PromptItem::Text(_)) | (Some(Prompt::TokenLists(_)), PromptItem::Tokens(_)) => return Err(too_many()),
+                (Some(Prompt::Tokens(v)), PromptItem::Token(t)) => v.push(t),
+                _ => return Err(A::Error::custom(PROMPT_EXPECTED)),
+            }
+        }
+        Ok(out.unwrap_or(Prompt::Texts(Vec::new())))
+    }
+}
+
+/// One element of a `prompt` list.
+enum PromptItem {
+    Text(String),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ItemVisitor;
+        impl<'de> serde::de::Visitor<'de> for ItemVisitor {
+            type Value = PromptItem;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(PROMPT_EXPECTED)
+            }
+
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(s.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(s))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, t: u64) -> Result<PromptItem, E> {
+                u32::try_from(t).map(PromptItem::Token).map_err(|_| E::custom(PROMPT_EXPECTED))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<PromptItem, A::Error> {
+                let mut tokens = Vec::new();
+                while let Some(t) = seq.next_element::<u32>()? {
+                    tokens.push(t);
+                }
+                Ok(PromptItem::Tokens(tokens))
+            }
+        }
+        d.deserialize_any(ItemVisitor)
     }
 }
 
@@ -456,9 +520,24 @@ mod tests {
         assert_eq!(p("[1,2]").unwrap(), Prompt::Tokens(vec![1, 2]));
         assert_eq!(p("[[1],[2,3]]").unwrap(), Prompt::TokenLists(vec![vec![1], vec![2, 3]]));
         assert_eq!(p("[]").unwrap(), Prompt::Texts(vec![]));
-        for bad in ["3", r#"["a",1]"#, "[-1]", "[1.5]", "[[1],\"a\"]", "{}"] {
+        for bad in ["3", r#"["a",1]"#, "[-1]", "[1.5]", "[[1],\"a\"]", "{}", "[4294967296]", "[[1,\"a\"]]", "[1,[2]]", "null"] {
             assert!(p(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_prompt_list_stops_being_read_at_the_cap() {
+        let texts = |n: usize| format!("[{}]", vec!["\"x\""; n].join(","));
+        let lists = |n: usize| format!("[{}]", vec!["[1]"; n].join(","));
+        let p = |s: &str| serde_json::from_str::<Prompt>(s);
+        assert!(matches!(p(&texts(PROMPT_LIST_CAP)), Ok(Prompt::Texts(v)) if v.len() == PROMPT_LIST_CAP));
+        assert!(matches!(p(&lists(PROMPT_LIST_CAP)), Ok(Prompt::TokenLists(v)) if v.len() == PROMPT_LIST_CAP));
+        for over in [texts(PROMPT_LIST_CAP + 1), lists(PROMPT_LIST_CAP + 1)] {
+            let e = p(&over).unwrap_err().to_string();
+            assert!(e.contains(&format!("more than {PROMPT_LIST_CAP} prompts")), "{e}");
+        }
+        // a single token-id prompt is one prompt, however long
+        assert!(matches!(p(&format!("[{}]", vec!["7"; 3 * PROMPT_LIST_CAP].join(","))), Ok(Prompt::Tokens(v)) if v.len() == 3 * PROMPT_LIST_CAP));
     }
 
     #[test]
