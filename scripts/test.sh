@@ -5,6 +5,7 @@
 # 750 MB fetched once into the cache). Installs the Python packages it needs.
 #   SPECULA_SKIP_PY=1   skips the Python part
 #   SPECULA_SKIP_LINT=1 skips rustfmt and clippy
+#   SPECULA_FUZZ_RELEASE=1 also runs the GGUF fuzz test in a release build
 # Under CI (the CI variable set) nothing is skipped for want of a tool: a missing model, binary,
 # mpirun or oracle package fails the run.
 set -euo pipefail
@@ -35,6 +36,11 @@ export SPECULA_MODEL_GEMMA="${SPECULA_MODEL_GEMMA:-$($bin fetch-model gemma-3-27
 export SPECULA_BIN="$PWD/target/$profile/specula"
 
 cargo test --profile $profile --workspace
+# the GGUF fuzz test again in release (no overflow checks): opt-in, as it builds everything a
+# second time; the parser's `clippy::arithmetic_side_effects` denial keeps the two the same
+if [ "${SPECULA_FUZZ_RELEASE:-0}" = "1" ]; then
+  cargo test --release -p specula --test gguf_fuzz
+fi
 # the kernels again with the AVX-512 path switched off: on a CPU with AVX-512 VNNI the run above
 # dispatched to it, this one to AVX2 (the kernel tests print which paths ran and, under CI, fail
 # when a path the CPU has and the environment allows was not exercised)

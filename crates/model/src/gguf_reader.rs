@@ -6,6 +6,11 @@
 //! element counts and alignment is checked; every tensor it returns lies inside the file, on
 //! the file's alignment, with a byte size that matches its type and shape. What it is not for:
 //! interpreting the metadata (that is `gguf.rs` and the loader) or writing files.
+//!
+//! No integer operator here may overflow (the lint below refuses one that could), so release
+//! builds, which do not check overflow, read a file exactly as the `ci` profile's do.
+
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::collections::HashMap;
 
@@ -173,7 +178,7 @@ impl GgmlType {
         if !elements.is_multiple_of(self.block_size()) {
             return None;
         }
-        (elements / self.block_size()).checked_mul(self.block_bytes())
+        elements.checked_div(self.block_size())?.checked_mul(self.block_bytes())
     }
 }
 
@@ -390,7 +395,8 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn left(&self) -> u64 {
-        (self.bytes.len() - self.pos) as u64
+        // `pos` never passes the end (`take` checks)
+        self.bytes.len().saturating_sub(self.pos) as u64
     }
 
     /// Errors unless `count` items of at least `min_bytes` each can still follow.
@@ -406,7 +412,8 @@ impl<'a> Reader<'a> {
             return Err(GgufError::Truncated { what: what.into(), at: self.pos, need: n, left: self.left() });
         }
         let start = self.pos;
-        self.pos += n as usize;
+        // within the bytes left (checked above), so no overflow
+        self.pos = start.saturating_add(n as usize);
         Ok(&self.bytes[start..self.pos])
     }
 
@@ -457,7 +464,11 @@ impl<'a> Reader<'a> {
             8 => Value::String(self.string(wide, MAX_STRING_LEN, key)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::OverLimit { what: format!("the array nesting of {key}"), value: depth as u64 + 1, limit: MAX_ARRAY_DEPTH as u64 });
+                    return Err(GgufError::OverLimit {
+                        what: format!("the array nesting of {key}"),
+                        value: (depth as u64).saturating_add(1),
+                        limit: MAX_ARRAY_DEPTH as u64,
+                    });
                 }
                 let elem = self.u32(&format!("the element type of {key}"))?;
                 let len = self.count(wide, &format!("the length of {key}"))?;
@@ -468,7 +479,7 @@ impl<'a> Reader<'a> {
                 limit("the array elements in all metadata", self.elements, MAX_METADATA_ELEMENTS)?;
                 let mut out = Vec::with_capacity(len as usize);
                 for _ in 0..len {
-                    out.push(self.value(wide, elem, depth + 1, key)?);
+                    out.push(self.value(wide, elem, depth.saturating_add(1), key)?);
                 }
                 Value::Array(out)
             }
@@ -517,7 +528,14 @@ fn min_value_bytes(ty: u32, wide: bool) -> Option<u64> {
         2 | 3 => 2,
         4..=6 => 4,
         8 => len,
-        9 => 4 + len,
+        // an array: its element type (4) and its length
+        9 => {
+            if wide {
+                12
+            } else {
+                8
+            }
+        }
         10..=12 => 8,
         _ => return None,
     })
