@@ -6,6 +6,7 @@
 //! response (streaming body or handler future) is dropped because the client went away, every
 //! unfinished choice is aborted and its KV blocks go back, whatever path the drop took.
 
+use crate::audit::{Auditor, LiveGuard};
 use crate::error::ApiError;
 use crate::metrics::RequestTimer;
 use futures::stream::{SelectAll, Stream, StreamExt};
@@ -14,6 +15,7 @@ use specula_engine::constraint::Grammar;
 use specula_engine::handle::EngineHandle;
 use specula_engine::types::{RequestId, TokenId};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -66,6 +68,26 @@ pub struct ChoiceRun {
     /// Prompt length and tokens delivered so far: what an abort records when the client goes away.
     prompt_tokens: usize,
     delivered: usize,
+    /// With `--speculative-audit`: this choice counted as live work, and, when it is one to
+    /// audit, what its replay needs.
+    audit: Option<AuditTap>,
+}
+
+/// A choice's part in the speculative audit (`audit.rs`).
+struct AuditTap {
+    auditor: Arc<Auditor>,
+    _live: LiveGuard,
+    /// The choice as submitted (prompt, parameters, a fresh copy of its grammar) and what it has
+    /// emitted, when it was picked for a replay.
+    picked: Option<Picked>,
+}
+
+struct Picked {
+    prompt: Vec<TokenId>,
+    params: SamplingParams,
+    grammar: Option<Grammar>,
+    tokens: Vec<TokenId>,
+    logprobs: Vec<f32>,
 }
 
 /// A choice dropped before its terminal event (the client went away) was aborted: it is counted
@@ -91,15 +113,25 @@ impl Stream for ChoiceRun {
             Poll::Ready(None) => RequestEvent::Failed { message: "the engine stopped before finishing this request".into() },
         };
         match &event {
-            RequestEvent::Delta { tokens, .. } => {
+            RequestEvent::Delta { tokens, logprobs, .. } => {
                 self.delivered += tokens.len();
-                self.timer.on_tokens(tokens.len())
+                self.timer.on_tokens(tokens.len());
+                if let Some(p) = self.audit.as_mut().and_then(|a| a.picked.as_mut()) {
+                    p.tokens.extend(tokens);
+                    p.logprobs.extend(logprobs.iter().map(|l| l.logprob));
+                }
             }
             RequestEvent::PromptLogprobs { .. } => {}
             RequestEvent::Finished { reason, prompt_tokens, completion_tokens } => {
                 self.timer.on_finished(*reason, *prompt_tokens, *completion_tokens);
                 self.guard.disarm();
                 self.done = true;
+                let id = self.id;
+                if let (Some(tap), false) = (self.audit.as_mut(), *reason == FinishReason::Abort) {
+                    if let Some(p) = tap.picked.take() {
+                        tap.auditor.offer(id, p.prompt, p.params, p.grammar, p.tokens, p.logprobs);
+                    }
+                }
             }
             RequestEvent::Failed { message } => {
                 tracing::warn!(request = %self.id, "engine failed the request: {message}");
@@ -115,14 +147,26 @@ impl Stream for ChoiceRun {
 pub type ChoiceEvents = SelectAll<ChoiceRun>;
 
 /// Submits every job or none (`EngineHandle::submit_all`): a refusal (queue full, engine
-/// stopping) leaves the engine's queue as it was and is returned.
-pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant) -> Result<Vec<ChoiceRun>, ApiError> {
+/// stopping) leaves the engine's queue as it was and is returned. With an `audit`, each choice
+/// counts as live work while it runs, and the determined ones it picks are replayed after.
+pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant, audit: Option<&Arc<Auditor>>) -> Result<Vec<ChoiceRun>, ApiError> {
     let mut runs = Vec::with_capacity(jobs.len());
     let mut reqs = Vec::with_capacity(jobs.len());
     for job in jobs {
         let id = engine.next_request_id();
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = job.prompt.len();
+        let audit = audit.map(|a| AuditTap {
+            auditor: a.clone(),
+            _live: a.live(),
+            picked: (Auditor::determined(&job.params) && a.pick()).then(|| Picked {
+                prompt: job.prompt.clone(),
+                params: job.params.clone(),
+                grammar: job.grammar.clone(),
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+            }),
+        });
         reqs.push(GenerateRequest { id, prompt: job.prompt, params: job.params, events: tx, grammar: job.grammar });
         runs.push(ChoiceRun {
             index: job.index,
@@ -133,6 +177,7 @@ pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant) -> 
             done: false,
             prompt_tokens,
             delivered: 0,
+            audit,
         });
     }
     if let Err(e) = engine.submit_all(reqs) {

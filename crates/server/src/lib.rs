@@ -10,6 +10,7 @@
 //! specula_server::serve(listener, state, async { tokio::signal::ctrl_c().await.ok(); }).await?;
 //! ```
 
+pub mod audit;
 pub mod auth;
 pub mod bounds;
 pub mod connections;
@@ -98,6 +99,9 @@ pub struct ServerConfig {
     /// Browser origins that may use a server without an API key beside loopback ones
     /// (`--allowed-origins`; `*` for any), see `origin.rs`.
     pub allowed_origins: Vec<String>,
+    /// The share of finished greedy or seeded requests replayed without speculation and compared
+    /// (`--speculative-audit`, see `audit.rs`); 0 (off) unless the engine speculates.
+    pub speculative_audit: f64,
 }
 
 impl ServerConfig {
@@ -124,6 +128,7 @@ impl ServerConfig {
             prep_queue: 64,
             connections: ConnectionLimits::default(),
             allowed_origins: Vec::new(),
+            speculative_audit: 0.0,
         }
     }
 
@@ -150,6 +155,9 @@ impl ServerConfig {
             if v == 0 {
                 return bad(format!("{name} must be at least 1"));
             }
+        }
+        if !(0.0..=1.0).contains(&self.speculative_audit) {
+            return bad(format!("--speculative-audit is {} but must be a fraction between 0 and 1", self.speculative_audit));
         }
         if self.max_prompts_per_request > types::PROMPT_LIST_CAP {
             return bad(format!("--max-prompts-per-request is {} but must be at most {}", self.max_prompts_per_request, types::PROMPT_LIST_CAP));
@@ -208,6 +216,8 @@ pub struct AppState {
     pub responses: Arc<dialect::store::ResponseStore>,
     /// The bounded pool that tokenizes, renders and compiles (`prep.rs`).
     pub prep: Arc<prep::PrepPool>,
+    /// The live exactness audit, when `--speculative-audit` is on (`audit.rs`).
+    pub audit: Option<Arc<audit::Auditor>>,
 }
 
 impl AppState {
@@ -224,6 +234,7 @@ impl AppState {
             started: unix_now(),
             responses: Default::default(),
             prep,
+            audit: None,
         }
     }
 }
@@ -279,6 +290,10 @@ pub fn router(state: AppState) -> Router {
 /// request holds nothing for long.
 pub async fn serve(listener: tokio::net::TcpListener, state: AppState, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServeError> {
     state.config.validate()?;
+    let mut state = state;
+    if state.config.speculative_audit > 0.0 && state.audit.is_none() {
+        state.audit = Some(audit::Auditor::start(state.engine.clone(), state.config.speculative_audit));
+    }
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, model = %state.config.model_name, "serving the OpenAI API");
     }

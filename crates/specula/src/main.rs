@@ -63,6 +63,8 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("SPECULA_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        // colours only for a terminal: a log file or a journal gets plain text
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if let Err(e) = run(Cli::parse()) {
         // one line, whatever the message carries (a file's keys and names can hold newlines)

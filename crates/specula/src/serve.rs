@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// Seconds a request body may pause before the request fails and its connection closes.
     #[arg(long, default_value = "30", value_parser = parse_seconds)]
     pub idle_timeout: Duration,
+    /// Share (0 to 1) of finished greedy or seeded requests replayed without speculation, in
+    /// idle time, and compared with what was served; /metrics counts identical and diverged
+    /// (specula:spec_audit_requests_total) and a divergence is logged. Needs a speculative method.
+    #[arg(long, default_value_t = 0.0)]
+    pub speculative_audit: f64,
     /// Open connections at most; more are closed as soon as they are accepted.
     #[arg(long, default_value_t = 512)]
     pub max_connections: usize,
@@ -200,6 +205,11 @@ fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_nam
         sse_keep_alive: args.sse_keep_alive,
     };
     server_cfg.allowed_origins = args.allowed_origins.clone();
+    server_cfg.speculative_audit = args.speculative_audit;
+    if args.speculative_audit > 0.0 && args.engine.spec.speculative_method.is_none() {
+        tracing::warn!("--speculative-audit has nothing to check without --speculative-method: the audit is off");
+        server_cfg.speculative_audit = 0.0;
+    }
     server_cfg
 }
 

@@ -186,7 +186,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Message
     let conv = conversation_of(&req, &state, false)?;
     let prepared = conversation::prepare(&state, conv).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, &state.config)?;
-    let mut runs = generate::submit(&state.engine, jobs, arrived)?;
+    let mut runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
     let writer = MessageWriter {
         id: format!("msg_{:x}{:08x}", crate::unix_now(), runs[0].id.0),
         model: state.config.model_name.clone(),

@@ -205,7 +205,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
     let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs }).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
-    let mut runs = generate::submit(&state.engine, jobs, arrived)?;
+    let mut runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
     let echo = json!({
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata.clone().unwrap_or(json!({})),
         "parallel_tool_calls": req.parallel_tool_calls.unwrap_or(true), "previous_response_id": req.previous_response_id,

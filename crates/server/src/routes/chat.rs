@@ -48,7 +48,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs }).await?;
     let (plan, prompt) = (&prepared.plan, &prepared.prompt);
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
-    let runs = generate::submit(&state.engine, jobs, arrived)?;
+    let runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
     let writer = ChatChunks {
         id: format!("chatcmpl-{:x}{:08x}", unix_now(), runs[0].id.0),
         created: unix_now(),

@@ -54,7 +54,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
         }
     }
     let prompt_tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum();
-    let runs = generate::submit(&state.engine, jobs, arrived)?;
+    let runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
     let id = format!("cmpl-{:x}{:08x}", unix_now(), runs[0].id.0);
     let first_tokens: Vec<Option<TokenId>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.first().copied(), plan.n)).collect();
     let echoes: Vec<String> = prompts.into_iter().flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n)).collect();
