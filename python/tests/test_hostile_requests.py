@@ -149,3 +149,23 @@ def test_a_neighbour_stream_keeps_flowing_while_a_heavy_schema_is_handled(server
         assert r.status_code == 200, r.text
     assert took < 5, took
     assert worst < 1.0, worst
+
+
+def test_tokenizing_time_grows_linearly_with_one_long_pre_token(server):
+    """A text without a space (one pre-token) or of digits costs time in proportion to its length:
+    8x the bytes must cost far less than the 64x a quadratic merge would (best of three)."""
+
+    def cost(text: str) -> float:
+        best = float("inf")
+        with server.http(timeout=120) as h:
+            for _ in range(3):
+                t = time.monotonic()
+                r = h.post("/tokenize", json={"prompt": text})
+                best = min(best, time.monotonic() - t)
+                assert r.status_code == 200, r.text
+        return best
+
+    for unit in ("abcdefghij", "1234567890"):
+        small, large = cost(unit * 1_600), cost(unit * 12_800)
+        print(f"\none pre-token of '{unit[:3]}...': 16 KB {small * 1000:.1f} ms, 128 KB {large * 1000:.1f} ms ({large / small:.1f}x for 8x)")
+        assert large / small < 20, f"8x the length cost {large / small:.1f}x the time: worse than linear"
