@@ -60,6 +60,13 @@ pub struct Engine {
 }
 
 impl Engine {
+    /// A guard that marks this engine stopped in its handle's counters when dropped (also while a
+    /// panic unwinds): the thread that runs the engine holds it for its whole life, so that
+    /// `EngineHandle::is_running` (and `/health`) sees the thread end however it ends.
+    pub(crate) fn stopped_guard(&self) -> crate::handle::StoppedOnDrop {
+        crate::handle::StoppedOnDrop(self.counters.clone())
+    }
+
     pub fn new(model: LlamaModel, tokenizer: Arc<Tokenizer>, cfg: EngineConfig, counters: Arc<QueueCounters>) -> Result<Self, EngineError> {
         cfg.validate(model.config.context_length).map_err(EngineError::Config)?;
         let c = &model.config;
@@ -513,7 +520,7 @@ pub fn spawn_engine(
     if let Some((c, p)) = spec {
         engine = engine.with_speculation(c, p)?;
     }
-    let stopped = crate::handle::StoppedOnDrop(engine.counters.clone());
+    let stopped = engine.stopped_guard();
     let join = std::thread::Builder::new()
         .name("specula-engine".into())
         .spawn(move || {

@@ -70,9 +70,7 @@ pub trait Router: Send + Sync {
     /// Requests all engines' waiting queues hold when full.
     fn capacity(&self) -> usize;
     /// Whether every engine behind the router is still running.
-    fn is_running(&self) -> bool {
-        true
-    }
+    fn is_running(&self) -> bool;
 }
 
 #[derive(Clone)]

@@ -1,14 +1,16 @@
 //! Replica data parallelism: N independent engines behind one routed handle. Each request's
 //! output equals a single engine's, load spreads over the ranks, aborts reach the owning rank,
-//! and shutdown stops every rank.
+//! shutdown stops every rank, and a rank that dies makes the group's handle say so.
 
 mod common;
 mod dp_support;
 
 use common::{greedy, prompt, seeded, TinyModel};
 use dp_support::*;
+use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::dp::RankStats;
 use specula_engine::{FinishReason, RequestEvent};
+use std::time::{Duration, Instant};
 
 #[test]
 fn every_request_gets_the_single_engine_output_and_both_ranks_work() {
@@ -76,4 +78,24 @@ fn a_client_that_disconnects_frees_its_rank() {
         let snap = s.snapshot();
         assert_eq!((snap.kv_usage, snap.running, snap.waiting), (0.0, 0, 0), "rank {r}");
     }
+}
+
+#[test]
+fn a_dead_rank_makes_the_routed_handle_say_it_is_not_running() {
+    let _serial = serial();
+    let m = TinyModel::new();
+    // rank 1's engine thread dies before its second step
+    let fault = FaultInjection { step: 2, kind: FaultKind::Panic, phase: FaultPhase::EngineLoop };
+    let group = replicas_with_fault(&m, 2, 1, fault);
+    assert!(group.handle.is_running());
+    let _s = submit(&group.rank_handles[1], prompt(8, 1), greedy(10));
+    let t = Instant::now();
+    // `/health` answers from this: it must stop saying 200 at once (the rank's second step
+    // comes within milliseconds of the submit)
+    while group.handle.is_running() {
+        assert!(t.elapsed() < Duration::from_secs(2), "the group still says running 2 s after rank 1 was sent work that kills it");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(group.rank_handles[0].is_running(), "rank 0 did not die");
+    let _ = shutdown_and_join(group);
 }

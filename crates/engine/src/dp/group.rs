@@ -174,6 +174,7 @@ pub fn spawn_replicas(ranks: Vec<RankSetup>, tokenizer: Arc<Tokenizer>, cfg: Eng
         let join = std::thread::Builder::new()
             .name(format!("specula-dp-{rank}"))
             .spawn(move || {
+                let _stopped = engine.stopped_guard();
                 run_replica(engine, rx, rank, &s);
                 Ok(())
             })
@@ -221,7 +222,13 @@ impl LoopHook for ReplicaHook<'_> {
 /// its grace period, or once every handle is gone.
 pub fn spawn_replica_rank(built: BuiltRank, rank: usize, stats: Arc<RankStats>) -> Result<JoinHandle<()>, EngineError> {
     let BuiltRank { engine, rx, .. } = built;
-    std::thread::Builder::new().name(format!("specula-dp-{rank}")).spawn(move || run_replica(engine, rx, rank, &stats)).map_err(EngineError::Spawn)
+    std::thread::Builder::new()
+        .name(format!("specula-dp-{rank}"))
+        .spawn(move || {
+            let _stopped = engine.stopped_guard();
+            run_replica(engine, rx, rank, &stats)
+        })
+        .map_err(EngineError::Spawn)
 }
 
 /// Starts a lockstep group over `comms` (rank r's communicator at index r, e.g. from
@@ -258,6 +265,7 @@ pub fn spawn_lockstep<C: Communicator + Send + 'static>(
         let join = std::thread::Builder::new()
             .name(format!("specula-dp-{rank}"))
             .spawn(move || {
+                let _stopped = engine.stopped_guard();
                 let checked = check_same_config(&comm, Ok(&desc));
                 let _ = started.send(checked.clone());
                 checked?;

@@ -275,6 +275,12 @@ impl Router for ReplicaRouter {
     fn capacity(&self) -> usize {
         ReplicaRouter::capacity(self)
     }
+
+    /// Every rank's engine thread: one that died (or stopped) makes the group unable to serve
+    /// what the router sends it.
+    fn is_running(&self) -> bool {
+        self.ranks.iter().all(|r| r.is_running())
+    }
 }
 
 #[cfg(test)]

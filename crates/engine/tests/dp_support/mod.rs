@@ -59,6 +59,14 @@ pub fn lockstep_with_fault(m: &TinyModel, n: usize, cfg: EngineConfig, rank: usi
     spawn_lockstep(ranks, LocalGroup::new(n), tokenizer, cfg).expect("start lockstep group")
 }
 
+/// Replicas of `n` in-process ranks with `fault` injected into rank `rank` alone.
+pub fn replicas_with_fault(m: &TinyModel, n: usize, rank: usize, fault: FaultInjection) -> DpGroup {
+    let (mut ranks, tokenizer) = setups(m, n);
+    let faulty = ranks.remove(rank).with_fault_injection(fault);
+    ranks.insert(rank, faulty);
+    spawn_replicas(ranks, tokenizer, dp_config(n)).expect("start replicas")
+}
+
 pub fn replicas(m: &TinyModel, n: usize) -> DpGroup {
     let (ranks, tokenizer) = setups(m, n);
     spawn_replicas(ranks, tokenizer, dp_config(n)).expect("start replicas")
