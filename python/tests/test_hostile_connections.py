@@ -231,3 +231,21 @@ def test_an_engine_thread_death_fails_health_within_a_second_and_exits_non_zero(
         assert "panic" in srv.log_tail()
     finally:
         srv.stop()
+
+
+def test_a_failed_step_fails_its_requests_only_and_is_counted_by_kind(monkeypatch):
+    # step 2's forward pass fails (the test switch): its request gets a 500, the server goes on,
+    # and /metrics counts the failure under the part of the engine that failed
+    monkeypatch.setenv("SPECULA_INJECT_FAULT", "2:forward:error")
+    srv = SpeculaServer().start()
+    try:
+        body = {"model": srv.model_name, "prompt": "Hello", "max_tokens": 8}
+        r = httpx.post(srv.url("/v1/completions"), timeout=30.0, json=body)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"], r.text
+        m = srv.metrics()
+        assert m.get('specula:step_failures_total{kind="injected"}') == 1, {k: v for k, v in m.items() if "fail" in k}
+        r = httpx.post(srv.url("/v1/completions"), timeout=30.0, json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        assert httpx.get(srv.url("/health"), timeout=5.0).status_code == 200
+    finally:
+        srv.stop()

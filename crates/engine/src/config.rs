@@ -163,9 +163,9 @@ impl FaultInjection {
     }
 
     /// Fails here if `fault` targets `phase` of `step`: an error to return, or a panic.
-    pub(crate) fn trip(fault: Option<FaultInjection>, step: u64, phase: FaultPhase) -> Result<(), String> {
+    pub(crate) fn trip(fault: Option<FaultInjection>, step: u64, phase: FaultPhase) -> Result<(), crate::error::StepFailure> {
         match fault.filter(|f| f.step == step && f.phase == phase).map(|f| f.kind) {
-            Some(FaultKind::Error) => Err("injected fault (test switch)".to_string()),
+            Some(FaultKind::Error) => Err(crate::error::StepFailure::Injected),
             Some(FaultKind::Panic) => panic!("injected panic (test switch)"),
             None => Ok(()),
         }

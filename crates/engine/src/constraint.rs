@@ -290,8 +290,8 @@ impl TokenMask {
 }
 
 impl Grammar {
-    fn err(&self, what: &str, e: impl std::fmt::Display) -> String {
-        format!("structured output grammar: {what}: {e}")
+    fn err(&self, what: &str, e: impl std::fmt::Display) -> ConstraintError {
+        ConstraintError(format!("structured output grammar: {what}: {e}"))
     }
 
     pub fn is_eos(&self, t: TokenId) -> bool {
@@ -300,7 +300,7 @@ impl Grammar {
 
     /// The tokens allowed next: where the grammar may end, every EOS id; once it can only end,
     /// only EOS.
-    pub fn mask(&mut self) -> Result<TokenMask, String> {
+    pub fn mask(&mut self) -> Result<TokenMask, ConstraintError> {
         let mut bits = self.matcher.compute_mask_or_eos().map_err(|e| self.err("computing the token mask", e))?;
         if self.eos.iter().any(|&e| bits.is_allowed(e)) {
             for &e in &self.eos {
@@ -311,7 +311,7 @@ impl Grammar {
     }
 
     /// Advances over accepted tokens; an EOS ends the output and is not consumed.
-    pub fn consume(&mut self, tokens: &[TokenId]) -> Result<(), String> {
+    pub fn consume(&mut self, tokens: &[TokenId]) -> Result<(), ConstraintError> {
         let end = tokens.iter().position(|&t| self.is_eos(t)).unwrap_or(tokens.len());
         if end == 0 {
             return Ok(());
@@ -323,7 +323,7 @@ impl Grammar {
     }
 
     /// Steps back over the last `n` consumed tokens.
-    pub fn rollback(&mut self, n: usize) -> Result<(), String> {
+    pub fn rollback(&mut self, n: usize) -> Result<(), ConstraintError> {
         if n == 0 {
             return Ok(());
         }
@@ -364,7 +364,7 @@ impl Grammar {
 
     /// How many leading tokens of `draft` the grammar accepts after `forced` (tokens it accepts
     /// from here, e.g. [`Grammar::forced_tokens`]), without advancing.
-    pub fn valid_prefix_after(&mut self, forced: &[TokenId], draft: &[TokenId]) -> Result<usize, String> {
+    pub fn valid_prefix_after(&mut self, forced: &[TokenId], draft: &[TokenId]) -> Result<usize, ConstraintError> {
         if forced.is_empty() {
             return Ok(self.valid_prefix(draft));
         }
@@ -384,7 +384,7 @@ impl Grammar {
     /// draft token it forbids are never read: the masked target gives that token probability 0,
     /// so verification stops there). Leaves the grammar advanced over the `consumed` draft tokens
     /// (the returned count); `settle` then keeps the accepted ones.
-    pub fn verification_masks(&mut self, draft: &[TokenId]) -> Result<(Vec<TokenMask>, usize), String> {
+    pub fn verification_masks(&mut self, draft: &[TokenId]) -> Result<(Vec<TokenMask>, usize), ConstraintError> {
         let mut masks = Vec::with_capacity(draft.len() + 1);
         masks.push(self.mask()?);
         let mut consumed = 0;
@@ -402,7 +402,7 @@ impl Grammar {
 
     /// After verification over `consumed` draft tokens (advanced by `verification_masks`): keeps
     /// the accepted ones and consumes the step's last emitted token.
-    pub fn settle(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), String> {
+    pub fn settle(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), ConstraintError> {
         let accepted = emitted.len() - 1;
         if accepted > consumed {
             return Err(self.err("verification", format!("{accepted} draft tokens accepted but only {consumed} were inside the grammar")));

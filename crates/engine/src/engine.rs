@@ -13,11 +13,11 @@
 
 use crate::api::GenerateRequest;
 use crate::config::EngineConfig;
-use crate::error::panic_message;
+use crate::error::{panic_message, StepFailure};
 use crate::handle::{EngineHandle, QueueCounters};
 use crate::host::{record_timings, Host, HostDone};
 use crate::runner::job::{run_job, ComputeState, JobContext};
-use crate::runner::{finalize, AsyncRunner};
+use crate::runner::{finalize, AsyncRunner, AsyncRunnerError};
 use crate::sampling::Sampler;
 use crate::spec::cost::CostModel;
 use crate::spec::{Proposer, SpecConfig, SpecMetrics, Speculation};
@@ -344,7 +344,7 @@ impl Engine {
     /// if the job fails before that, the host work runs here after it. Returns the step's result
     /// and the host job's (with whether it really overlapped the forward pass), or why the worker
     /// lost the host.
-    fn launch_beside_host_job(&mut self, plan: StepPlan, job: StepJob, stats: &mut StepStats) -> (Computed, Result<(HostDone, bool), String>) {
+    fn launch_beside_host_job(&mut self, plan: StepPlan, job: StepJob, stats: &mut StepStats) -> (Computed, Result<(HostDone, bool), AsyncRunnerError>) {
         let host = self.host.take().expect("the host state is home between engine calls");
         let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
         let mut submitted = None;
@@ -356,8 +356,8 @@ impl Engine {
             }
         });
         let back = match submitted {
-            Some(Ok(())) => runner.sync().map(|done| (done, true)).map_err(|e| e.to_string()),
-            Some(Err(e)) => Err(e.to_string()),
+            Some(Ok(())) => runner.sync().map(|done| (done, true)),
+            Some(Err(e)) => Err(e),
             None => {
                 let (host, done, running, record) = handoff.take().expect("the host was not handed off");
                 Ok((host.work(done, Some(&running), spec_k, record), false))
@@ -408,7 +408,7 @@ impl Engine {
     /// it (never expected: the job catches its panics). Its requests' streams are gone with it
     /// (their clients see the stream end without a result); the engine starts over with an empty
     /// host on fresh KV, and without speculation (the proposer's per-sequence state is stale).
-    fn host_lost(&mut self, msg: &str) {
+    fn host_lost(&mut self, msg: &AsyncRunnerError) {
         tracing::error!("the async step runner failed and lost every request in flight: {msg}");
         // the old runner's Drop joins its dead worker
         self.runner = AsyncRunner::new("specula-host").ok();
@@ -455,7 +455,7 @@ impl Engine {
     /// token is its own one-token sequence at position 0 reading block 0 (whatever it holds; the
     /// result is discarded). A lockstep rank with nothing scheduled runs it to join whatever
     /// collectives the model makes, at the padded size. A panic comes back as an error.
-    pub(crate) fn run_dummy_batch(&mut self, n: usize) -> Result<(), String> {
+    pub(crate) fn run_dummy_batch(&mut self, n: usize) -> Result<(), StepFailure> {
         let tokens = vec![0u32; n];
         let table = [0u32];
         let spans: Vec<SeqSpan> = (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect();
@@ -464,8 +464,8 @@ impl Engine {
         let (model, kv, pool) = (&self.ctx.model, &mut self.compute.kv_store, &self.ctx.pool);
         match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(panic) => Err(panic_message(&panic)),
+            Ok(Err(e)) => Err(e.into()),
+            Err(panic) => Err(StepFailure::Invariant(format!("the forward pass panicked: {}", panic_message(&panic)))),
         }
     }
 

@@ -9,9 +9,9 @@
 
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
 use crate::config::{EngineConfig, FaultInjection, FaultPhase};
-use crate::error::{panic_message, EngineError, StepError};
+use crate::error::{panic_message, EngineError, StepError, StepFailure};
 use crate::handle::QueueCounters;
-use crate::kv_cache::KvCacheManager;
+use crate::kv_cache::{expect_kv, KvCacheManager};
 use crate::runner::prepare;
 use crate::sampling::{unpack, RankedLogprob, StopCheck};
 use crate::scheduler::Scheduler;
@@ -25,6 +25,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Failed steps, by the part of the engine that failed (`StepError::kind`).
+pub const STEP_FAILURES: &str = "specula:step_failures_total";
 
 /// What a host job hands back: the host, and the next step prepared (none if nothing is to run,
 /// or if preparing it failed, in which case its requests have been failed).
@@ -150,6 +153,7 @@ impl Host {
 
     /// Fails every request of a step that failed, with the step's error.
     pub fn fail_plan(&mut self, plan: &StepPlan, err: &StepError) {
+        metrics::counter!(STEP_FAILURES, "kind" => err.kind()).increment(1);
         let msg = err.to_string();
         for s in &plan.seqs {
             self.fail(s.seq, &msg);
@@ -179,7 +183,7 @@ impl Host {
         self.removed.push(id);
         self.by_request.remove(&s.request);
         self.scheduler.remove(id);
-        let _ = self.kv.free(id);
+        self.kv.release(id);
         if !s.admitted {
             self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
             self.counters.waiting_in_host.fetch_sub(1, Ordering::Relaxed);
@@ -226,7 +230,7 @@ impl Host {
         }));
         let err = match result {
             Ok(Ok(seqs)) => return Some(PreparedStep { step, plan, seqs }),
-            Ok(Err(message)) => StepError::Failed { step, message },
+            Ok(Err(failure)) => StepError::Failed { step, failure },
             Err(panic) => {
                 let message = panic_message(&panic);
                 tracing::error!("preparing step {step} panicked: {message}");
@@ -257,7 +261,7 @@ impl Host {
             Err(e) => {
                 p.plan.seqs.truncate(first);
                 p.plan.total_tokens = p.plan.seqs.iter().map(|s| s.num_tokens).sum();
-                self.fail_plan(&late, &StepError::Failed { step: p.step, message: e });
+                self.fail_plan(&late, &StepError::Failed { step: p.step, failure: e });
             }
         }
     }
@@ -299,7 +303,7 @@ impl Host {
             if let Some(s) = self.seqs.get_mut(&sch.seq) {
                 s.land_placeholders(sch.placeholders);
                 s.num_scheduled = sch.start + sch.num_tokens;
-                let _ = self.kv.truncate(sch.seq, sch.start + sch.num_tokens);
+                expect_kv(self.kv.truncate(sch.seq, sch.start + sch.num_tokens), "settling a step scheduled ahead", sch.seq);
             }
         }
     }
@@ -332,9 +336,9 @@ impl Host {
     /// and the drafts for the next step. `next` is the step already running after this one
     /// (async): its sequences keep their reserved slots and its preemptions own their KV state.
     fn apply(&mut self, step: u64, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, StepError> {
-        FaultInjection::trip(self.cfg.fault_injection, step, FaultPhase::Apply).map_err(|message| StepError::Failed { step, message })?;
+        FaultInjection::trip(self.cfg.fault_injection, step, FaultPhase::Apply).map_err(|failure| StepError::Failed { step, failure })?;
         let lp_rows = match &out.logprobs {
-            Some(p) => unpack(p.words()).map_err(|e| StepError::Apply(format!("logprobs transfer: {e}")))?.rows,
+            Some(p) => unpack(p.words()).map_err(|e| StepError::Apply(e.into()))?.rows,
             None => Vec::new(),
         };
         // prompt logprobs, appended in prompt order; a recompute (preemption) repeats rows already held
@@ -345,7 +349,9 @@ impl Host {
                 if p.first_token + j != s.prompt_lps.len() + 1 {
                     continue;
                 }
-                let r = lp_rows.get(p.lp_first + j).ok_or_else(|| StepError::Apply(format!("prompt logprobs row {} missing", p.lp_first + j)))?;
+                let r = lp_rows
+                    .get(p.lp_first + j)
+                    .ok_or_else(|| StepError::Apply(StepFailure::Invariant(format!("prompt logprobs row {} missing", p.lp_first + j))))?;
                 let mut l = r.logprob.clone();
                 l.top.truncate(k);
                 s.prompt_lps.push(l);
@@ -376,12 +382,12 @@ impl Host {
                 }
                 // a step scheduled ahead of this one keeps its reserved slots until it is settled
                 if rejected > 0 && s.num_placeholders() == 0 {
-                    let _ = self.kv.truncate(sch.seq, s.num_computed);
+                    expect_kv(self.kv.truncate(sch.seq, s.num_computed), "dropping rejected drafts' slots", sch.seq);
                 }
             }
             let Some(r) = result else {
                 if kv_live {
-                    let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed]);
+                    expect_kv(self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed]), "committing computed tokens", sch.seq);
                 }
                 continue;
             };
@@ -403,7 +409,7 @@ impl Host {
             s.draft = if finish.is_none() && kv_live { r.next_draft } else { Draft::default() };
             if kv_live {
                 // accepted draft tokens are now known tokens with computed KV
-                let _ = self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed.min(s.tokens.len())]);
+                expect_kv(self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed.min(s.tokens.len())]), "committing accepted tokens", sch.seq);
             }
             applied.seqs.push(AppliedSeq { seq: sch.seq, first, count: s.tokens.len() - first, lp_first: r.lp_first, finish });
         }

@@ -23,6 +23,6 @@ pub mod types;
 pub use api::{Constraint, FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 pub use config::EngineConfig;
 pub use engine::{spawn_engine, Engine};
-pub use error::{EngineError, StepError};
+pub use error::{EngineError, StepError, StepFailure};
 pub use handle::{EngineCommand, EngineHandle, SubmitError};
 pub use step::{StepStats, StepTimings};

@@ -161,7 +161,7 @@ impl Scheduler {
             }
             let n = (s.tokens.len() - s.num_computed).min(budget);
             if kv.ensure_capacity(id, s.num_computed + n).is_err() {
-                let _ = kv.free(id);
+                kv.release(id);
                 s.num_computed = 0;
                 s.num_scheduled = 0;
                 break;
@@ -191,7 +191,7 @@ impl Scheduler {
     }
 
     fn preempt(s: &mut Sequence, kv: &mut KvCacheManager) {
-        let _ = kv.free(s.id);
+        kv.release(s.id);
         s.num_computed = 0;
         s.num_scheduled = 0;
         s.draft = Default::default();

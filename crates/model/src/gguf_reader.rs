@@ -542,6 +542,8 @@ fn min_value_bytes(ty: u32, wide: bool) -> Option<u64> {
 }
 
 #[cfg(test)]
+// the tests build files with plain arithmetic on small, known sizes
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 

@@ -118,15 +118,17 @@ pub(crate) fn begin_step(model: &LlamaModel, rows: usize) {
 /// After the rank's forward pass (or its failure): joins the step's exchanges with no rows if
 /// the pass never reached them. A pass that stopped half-way leaves the group unable to agree
 /// on the exchanges: that is fatal for the whole group (Err, and the peers' exchanges fail).
-pub(crate) fn finish_step(model: &LlamaModel) -> Result<(), String> {
+pub(crate) fn finish_step(model: &LlamaModel) -> Result<(), crate::error::StepFailure> {
     let Some(x) = model.expert_exchange() else { return Ok(()) };
     let (done, expected) = (x.exchanges_this_step(), model.exchanges_per_forward());
     if done == expected {
         return Ok(());
     }
     if done == 0 {
-        return model.join_expert_exchanges_idle().map_err(|e| format!("joining the expert exchanges of a failed step: {e}"));
+        return model
+            .join_expert_exchanges_idle()
+            .map_err(|e| crate::error::StepFailure::Collective(format!("joining the expert exchanges of a failed step: {e}")));
     }
     x.abort();
-    Err(format!("the forward pass made {done} of its {expected} expert-parallel exchanges; the group cannot continue"))
+    Err(crate::error::StepFailure::Collective(format!("the forward pass made {done} of its {expected} expert-parallel exchanges; the group cannot continue")))
 }

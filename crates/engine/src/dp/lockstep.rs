@@ -169,9 +169,9 @@ impl<C: Communicator> Lockstep<C> {
     /// After the step's forward pass: makes sure this rank joined every MoE exchange of the
     /// step, and counts the exchange time as collective time.
     fn finish_expert_step(&mut self, engine: &Engine) {
-        if let Err(msg) = expert::finish_step(engine.model()) {
-            tracing::error!(rank = self.comm.rank(), "{msg}");
-            self.fatal.get_or_insert(msg);
+        if let Err(failure) = expert::finish_step(engine.model()) {
+            tracing::error!(rank = self.comm.rank(), "{failure}");
+            self.fatal.get_or_insert(failure.to_string());
         }
         if let Some(x) = engine.model().expert_exchange() {
             let total = x.exchange_nanos();

@@ -4,7 +4,7 @@
 
 use super::block_hash::{hash_block, BlockHash};
 use super::block_pool::BlockPool;
-use super::KvCacheError;
+use super::{expect_kv, KvCacheError};
 use crate::types::{BlockId, SeqId, TokenId};
 use std::collections::HashMap;
 
@@ -252,6 +252,19 @@ impl KvCacheManager {
             self.pool.release(block);
         }
         Ok(())
+    }
+
+    /// [`Self::free`] for a sequence that may never have been given blocks (a request that ends
+    /// while waiting): whether it held any.
+    pub fn release(&mut self, seq: SeqId) -> bool {
+        match self.free(seq) {
+            Ok(()) => true,
+            Err(KvCacheError::UnknownSeq(_)) => false,
+            Err(e) => {
+                expect_kv::<()>(Err(e), "freeing a sequence", seq);
+                false
+            }
+        }
     }
 
     fn seq(&self, seq: SeqId) -> Result<&SeqBlocks, KvCacheError> {

@@ -15,6 +15,22 @@ pub use manager::{KvCacheManager, PrefixCacheStats};
 
 use crate::types::SeqId;
 
+/// The result of a KV-cache operation that cannot be refused while the engine's bookkeeping is
+/// right (truncating or committing a running sequence's tokens): a refusal is a broken invariant,
+/// never dropped in silence: an error log, and a debug assertion (so every test, run in the `ci`
+/// profile, fails on it). Release builds log and go on, the cache unchanged (refusals change
+/// nothing).
+pub(crate) fn expect_kv<T>(result: Result<T, KvCacheError>, what: &str, seq: SeqId) -> Option<T> {
+    match result {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::error!(seq = %seq, "KV cache invariant broken: {what}: {e}");
+            debug_assert!(false, "KV cache invariant broken: {what} for {seq}: {e}");
+            None
+        }
+    }
+}
+
 /// Why a KV-cache operation was refused. Every refusal leaves the cache unchanged.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvCacheError {
@@ -34,4 +50,27 @@ pub enum KvCacheError {
     PositionOutOfRange { seq: SeqId, start: usize, end: usize, capacity: usize },
     #[error("invalid KV-cache configuration: {0}")]
     InvalidConfig(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg_attr(debug_assertions, should_panic(expected = "KV cache invariant broken: committing computed tokens"))]
+    fn a_kv_refusal_that_breaks_an_invariant_is_never_silent() {
+        // debug builds (the `ci` profile every test runs in) stop here; release logs and goes on
+        let r = expect_kv::<()>(Err(KvCacheError::UnknownSeq(SeqId(3))), "committing computed tokens", SeqId(3));
+        assert_eq!(r, None);
+    }
+
+    #[test]
+    fn releasing_a_sequence_that_never_had_blocks_is_quiet() {
+        let mut kv = KvCacheManager::new(4, 16, false).unwrap();
+        assert!(!kv.release(SeqId(1)), "an unknown sequence held nothing");
+        kv.allocate_prompt(SeqId(2), &[1, 2, 3]).unwrap();
+        kv.ensure_capacity(SeqId(2), 20).unwrap();
+        assert!(kv.release(SeqId(2)));
+        assert_eq!(kv.num_free_blocks(), 4);
+    }
 }

@@ -9,7 +9,7 @@
 use super::execute;
 use crate::config::{FaultInjection, FaultPhase};
 use crate::constraint::{TokenMask, JUMP_FORWARD_MAX_TOKENS};
-use crate::error::{panic_message, StepError};
+use crate::error::{panic_message, StepError, StepFailure};
 use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
 use crate::spec::{verify, CatchUp, Draft, DraftRequest, Speculation};
@@ -55,7 +55,7 @@ pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, 
     let step = job.step;
     match catch_unwind(AssertUnwindSafe(|| run_job_inner(ctx, state, job, while_forward))) {
         Ok(Ok(out)) => Ok(out),
-        Ok(Err(message)) => Err(StepError::Failed { step, message }),
+        Ok(Err(failure)) => Err(StepError::Failed { step, failure }),
         Err(panic) => {
             let message = panic_message(&panic);
             tracing::error!("step {step} panicked: {message}");
@@ -64,7 +64,7 @@ pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, 
     }
 }
 
-fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, String> {
+fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, StepFailure> {
     let mut inputs = job.inputs;
     inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
@@ -75,8 +75,7 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, || {
         while_forward();
         masks = grammar_masks(&mut items, ctx.fault, job.step);
-    })
-    .map_err(|e| e.to_string())?;
+    })?;
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     let forward_end = Instant::now();
     tracing::trace!(
@@ -97,7 +96,7 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
 /// One constrained item's masks for its verified rows, and how many of its draft tokens its
 /// grammar was advanced over to compute them (`Grammar::verification_masks`); `None` for free
 /// text; an error fails that item alone (its grammar's matcher failed at run time).
-type ItemMasks = Result<Option<(Vec<TokenMask>, usize)>, String>;
+type ItemMasks = Result<Option<(Vec<TokenMask>, usize)>, StepFailure>;
 
 /// The token masks of every constrained item (structured outputs), by item. A matcher that fails
 /// (an error, or a panic inside llguidance) fails its own item only; the others are masked as usual.
@@ -107,13 +106,15 @@ fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: 
     let masks: Vec<ItemMasks> = items
         .iter_mut()
         .map(|it| match it.grammar.as_mut() {
-            None if it.params.constraint.is_some() => Err(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq)),
+            None if it.params.constraint.is_some() => {
+                Err(StepFailure::Invariant(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq)))
+            }
             Some(g) => {
                 let m = catch_unwind(AssertUnwindSafe(|| {
                     FaultInjection::trip(fault, step, FaultPhase::Grammar)?;
-                    g.verification_masks(&it.draft.tokens)
+                    Ok(g.verification_masks(&it.draft.tokens)?)
                 }))
-                .unwrap_or_else(|p| Err(format!("the grammar panicked: {}", panic_message(&p))))?;
+                .unwrap_or_else(|p| Err(StepFailure::Grammar(crate::constraint::ConstraintError(format!("the grammar panicked: {}", panic_message(&p))))))?;
                 rows += m.0.len();
                 Ok(Some(m))
             }
@@ -152,7 +153,7 @@ fn sample(
     masks: &[ItemMasks],
     prompt_rows: &[PromptRows],
     logits: &[f32],
-) -> Result<Sampled, String> {
+) -> Result<Sampled, StepFailure> {
     let vocab = ctx.model.config.vocab_size;
     let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     // only the largest top-k any sequence of this batch asked for is computed
@@ -162,7 +163,9 @@ fn sample(
     let mut results = Vec::with_capacity(items.len());
     let mut masked = Vec::new();
     for (i, it) in items.iter_mut().enumerate() {
-        let block = logits.get(it.first_row * vocab..(it.first_row + it.rows) * vocab).ok_or("logits rows out of range")?;
+        let block = logits
+            .get(it.first_row * vocab..(it.first_row + it.rows) * vocab)
+            .ok_or_else(|| StepFailure::Invariant(format!("{}: logits rows {}..{} out of range", it.seq, it.first_row, it.first_row + it.rows)))?;
         let num_drafts = it.rows - 1;
         let rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
         let item_masks = match masks.get(i) {
@@ -186,16 +189,16 @@ fn sample(
             None => block,
         };
         // a panic while sampling or verifying this sequence fails it alone, not its neighbours
-        let drawn = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<TokenId>, String> {
+        let drawn = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<TokenId>, StepFailure> {
             if i == 0 {
                 FaultInjection::trip(ctx.fault, step, FaultPhase::SampleSequence)?;
             }
             if num_drafts == 0 {
                 let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
-                Ok(vec![state.sampler.sample(rows, &it.params, history, &rng).map_err(|e| e.to_string())?])
+                Ok(vec![state.sampler.sample(rows, &it.params, history, &rng)?])
             } else {
                 let (prompt, output) = it.tokens.split_at(it.prompt_len);
-                Ok(verify(rows, vocab, &it.draft, &it.params, prompt, output, &rng, force_accept).map_err(|e| e.to_string())?.tokens)
+                Ok(verify(rows, vocab, &it.draft, &it.params, prompt, output, &rng, force_accept)?.tokens)
             }
         }));
         let drawn = match drawn {
@@ -231,7 +234,7 @@ fn sample(
             (Some(_), Some(k)) => {
                 let start = lp_rows.len();
                 for (j, &tok) in toks.iter().enumerate() {
-                    lp_rows.push(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k).map_err(|e| e.to_string())?);
+                    lp_rows.push(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k)?);
                 }
                 Some(start)
             }
@@ -282,13 +285,13 @@ fn sample(
             prompt_out.push(PromptLogprobsOut { seq: pr.seq, first_token: pr.first_token, lp_first: lp_rows.len() + rows.len(), count: pr.targets.len() });
             rows.extend(pr.targets.iter().enumerate().map(|(j, &tok)| (pr.first_row + j, tok)));
         }
-        lp_rows.extend(ctx.pool.install(|| ranked_logprobs(logits, vocab, &rows, k)).map_err(|e| format!("prompt logprobs: {e}"))?);
+        lp_rows.extend(ctx.pool.install(|| ranked_logprobs(logits, vocab, &rows, k))?);
     }
     let logprobs = match k_max {
         Some(_) if !lp_rows.is_empty() => {
             let cols = (lp_rows[0].logprob.top.len() + 1) as u32;
             let flag = if verified { LOGPROBS_FLAG_VERIFIED } else { LOGPROBS_FLAG_PLAIN };
-            Some(pack(&lp_rows, cols, flag).map_err(|e| e.to_string())?)
+            Some(pack(&lp_rows, cols, flag)?)
         }
         _ => None,
     };
@@ -308,7 +311,7 @@ fn propose(
     mut results: Vec<SeqResult>,
     hidden: &[f32],
     pending_prefill: usize,
-) -> Result<Vec<(SeqId, SeqResult)>, String> {
+) -> Result<Vec<(SeqId, SeqResult)>, StepFailure> {
     let vocab = ctx.model.config.vocab_size;
     let continuing: Vec<bool> = items
         .iter()
@@ -405,11 +408,11 @@ fn propose(
                 // sequences decode without drafts next step and it forgets them (its state for
                 // them may be half-updated), so they catch up from their history afterwards
                 let proposed = catch_unwind(AssertUnwindSafe(|| {
-                    let drafts = sp.proposer.propose(&reqs, &ctx.pool).map_err(|e| e.to_string())?;
+                    let drafts = sp.proposer.propose(&reqs, &ctx.pool)?;
                     FaultInjection::trip(ctx.fault, step, FaultPhase::Propose)?;
-                    Ok(drafts)
+                    Ok::<_, StepFailure>(drafts)
                 }))
-                .unwrap_or_else(|p| Err(format!("panicked: {}", panic_message(&p))));
+                .unwrap_or_else(|p| Err(StepFailure::Invariant(format!("the proposer panicked: {}", panic_message(&p)))));
                 if proposed.is_err() {
                     for r in &reqs {
                         if catch_unwind(AssertUnwindSafe(|| sp.proposer.remove(r.seq))).is_err() {

@@ -11,6 +11,7 @@
 //!
 //! Synchronously the two run back to back with nothing to settle.
 
+use crate::error::StepFailure;
 use crate::kv_cache::KvCacheManager;
 use crate::sequence::Sequence;
 use crate::spec::Draft;
@@ -19,15 +20,15 @@ use crate::types::{SeqId, TokenId};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Captures `plan`'s inputs from the host state (see the module docs).
-pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<Vec<PreparedSeq>, String> {
+pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<Vec<PreparedSeq>, StepFailure> {
     let bs = kv.block_size();
     let mut out = Vec::with_capacity(plan.seqs.len());
     for sch in &plan.seqs {
-        let s = seqs.get(&sch.seq).ok_or_else(|| format!("sequence {} vanished before its step", sch.seq))?;
-        let block_table: Vec<u32> = kv.block_table(sch.seq).map_err(|e| e.to_string())?.iter().map(|b| b.0).collect();
+        let s = seqs.get(&sch.seq).ok_or_else(|| StepFailure::Invariant(format!("sequence {} vanished before its step", sch.seq)))?;
+        let block_table: Vec<u32> = kv.block_table(sch.seq)?.iter().map(|b| b.0).collect();
         let end = sch.start + sch.num_tokens;
         if end > block_table.len() * bs {
-            return Err(format!("sequence {}: positions up to {end} have no KV slots ({} reserved)", sch.seq, block_table.len() * bs));
+            return Err(StepFailure::Invariant(format!("sequence {}: positions up to {end} have no KV slots ({} reserved)", sch.seq, block_table.len() * bs)));
         }
         let tokens = if sch.is_ahead() {
             Vec::new()
@@ -36,7 +37,7 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
             (sch.start..end)
                 .map(|pos| if pos < known { s.tokens.get(pos) } else { s.draft.tokens.get(pos - known) }.copied())
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| format!("sequence {}: step tokens {}..{end} are not known", sch.seq, sch.start))?
+                .ok_or_else(|| StepFailure::Invariant(format!("sequence {}: step tokens {}..{end} are not known", sch.seq, sch.start)))?
         };
         let item = sch.sample.then(|| SampleItem {
             seq: sch.seq,
@@ -300,7 +301,7 @@ mod tests {
 
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
         let prepared = PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
-        let mut failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, message: "boom".into() }) };
+        let mut failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, failure: StepFailure::Injected }) };
         let (plan, job) = finalize(prepared, Some(&mut failed), |_| true, BS);
         assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());
     }

@@ -236,7 +236,7 @@ impl Proposer for DraftModelProposer {
 
     fn remove(&mut self, seq: SeqId) {
         self.state.remove(&seq);
-        let _ = self.kv.free(seq);
+        self.kv.release(seq);
     }
 
     fn kv_blocks(&self) -> Option<(usize, usize)> {
