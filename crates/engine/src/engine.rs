@@ -19,8 +19,8 @@ use crate::host::{record_timings, Host, HostDone};
 use crate::runner::job::{run_job, ComputeState, JobContext};
 use crate::runner::{finalize, AsyncRunner, AsyncRunnerError};
 use crate::sampling::Sampler;
-use crate::spec::cost::CostModel;
-use crate::spec::{Proposer, SpecConfig, SpecMetrics, Speculation};
+use crate::speculative::cost::CostModel;
+use crate::speculative::{Proposer, SpecConfig, SpecMetrics, Speculation};
 use crate::step::{Computed, JobTimings, PreparedStep, StepJob, StepPlan};
 use crate::types::{RequestId, SeqId};
 use specula_kernels::attention::KvLayout;
@@ -52,9 +52,6 @@ pub struct Engine {
     last_job: Option<JobTimings>,
     /// Timings of the last step, recorded as metrics by the next host job (async).
     unrecorded: Option<StepTimings>,
-    /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
-    /// scheduled ahead.
-    spec_k: usize,
     /// Steps scheduled and prepared on the async runner while a forward pass ran.
     steps_prepared_ahead: u64,
 }
@@ -116,7 +113,6 @@ impl Engine {
             computed: None,
             last_job: None,
             unrecorded: None,
-            spec_k: 0,
             steps_prepared_ahead: 0,
         })
     }
@@ -127,18 +123,24 @@ impl Engine {
         self.with_speculation_cost(cfg, proposer, None)
     }
 
+    /// Drafts a sequence may get per step (0 without speculation): the reservation of a decode
+    /// scheduled ahead. Read from the live speculation state, so it is 0 once speculation is gone
+    /// (after a lost worker) and never a stale copy.
+    fn spec_k(&self) -> usize {
+        self.compute.spec.as_ref().map_or(0, |sp| sp.cfg.num_speculative_tokens)
+    }
+
     /// [`Self::with_speculation`] with the cost model another engine of the same model, proposer
     /// and thread count measured (a data-parallel group measures once, on its first rank).
     pub fn with_speculation_cost(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>, cost: Option<CostModel>) -> Result<Self, EngineError> {
         cfg.validate().map_err(EngineError::Config)?;
-        self.spec_k = cfg.num_speculative_tokens;
         let mut proposer = proposer;
         let cost = match cost {
             Some(c) => {
                 c.publish();
                 c
             }
-            None => crate::spec::cost_model(&cfg, proposer.as_mut(), &self.ctx.model, &self.ctx.pool)
+            None => crate::speculative::cost_model(&cfg, proposer.as_mut(), &self.ctx.model, &self.ctx.pool)
                 .map_err(|e| EngineError::Config(format!("speculation cost model: {e}")))?,
         };
         self.compute.spec = Some(Speculation::new(cfg, proposer, cost));
@@ -326,7 +328,7 @@ impl Engine {
             return Some(next);
         }
         let host = self.host.take().expect("the host state is home between engine calls");
-        let done = host.work(self.computed.take(), None, self.spec_k, self.unrecorded.take());
+        let done = host.work(self.computed.take(), None, self.spec_k(), self.unrecorded.take());
         self.host = Some(done.host);
         stats.add_host_work(done.work);
         done.prepared.and_then(|p| self.settle_prepared(p, stats))
@@ -348,7 +350,7 @@ impl Engine {
         let host = self.host.take().expect("the host state is home between engine calls");
         let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
         let mut submitted = None;
-        let (step, spec_k) = (job.step, self.spec_k);
+        let (step, spec_k) = (job.step, self.spec_k());
         let runner = self.runner.as_mut().expect("async engine has a runner");
         let computed = compute(&self.ctx, &mut self.compute, &mut self.last_job, plan, job, stats, || {
             if let Some((host, done, running, record)) = handoff.take() {

@@ -6,7 +6,7 @@
 use crate::constraint::ConstraintError;
 use crate::kv_cache::KvCacheError;
 use crate::sampling::SamplingError;
-use crate::spec::SpecError;
+use crate::speculative::SpecError;
 use std::any::Any;
 use std::sync::Arc;
 

@@ -16,7 +16,7 @@ use crate::runner::prepare;
 use crate::sampling::{unpack, RankedLogprob, StopCheck};
 use crate::scheduler::Scheduler;
 use crate::sequence::{is_stop_token, token_finish, Sequence};
-use crate::spec::Draft;
+use crate::speculative::Draft;
 use crate::step::{Computed, HostWork, JobOutput, PreparedStep, StepPlan, StepTimings};
 use crate::types::{RequestId, SeqId, TokenId};
 use specula_model::Tokenizer;

@@ -16,7 +16,7 @@ pub mod runner;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
-pub mod spec;
+pub mod speculative;
 pub mod step;
 pub mod types;
 

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::api::SamplingParams;
-use crate::spec::Draft;
+use crate::speculative::Draft;
 use crate::types::RequestId;
 
 const BS: usize = 8;

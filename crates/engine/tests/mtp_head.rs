@@ -8,11 +8,11 @@ mod spec_support;
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use spec_support::{spec_config, tiny_model, End, Rig};
-use specula_engine::spec::mtp::{HeadWeights, MtpHead, MtpProposer};
-use specula_engine::spec::mtp_format::{
+use specula_engine::speculative::mtp::{HeadWeights, MtpHead, MtpProposer};
+use specula_engine::speculative::mtp_format::{
     self as fmt, random_head, save_head, write_random_head, HeadConfig, HeadContext, HeadFile, HeadWeightsF32, StoredDtype,
 };
-use specula_engine::spec::{build_proposer, Draft, DraftRequest, Proposer, SpecError, SpecMethod};
+use specula_engine::speculative::{build_proposer, Draft, DraftRequest, Proposer, SpecError, SpecMethod};
 use specula_engine::types::SeqId;
 use specula_engine::{EngineConfig, SamplingParams};
 use specula_model::testing::{write_tiny_llama, TinySpec, TINY_VOCAB};
@@ -682,7 +682,7 @@ fn default_model_config() -> EngineConfig {
 struct ShippedRuns {
     plain: Vec<spec_support::Outcome>,
     mtp: Vec<spec_support::Outcome>,
-    metrics: specula_engine::spec::SpecMetrics,
+    metrics: specula_engine::speculative::SpecMetrics,
     /// Every token the head proposed.
     proposed: Vec<u32>,
     pruned: HashSet<u32>,

@@ -10,8 +10,8 @@
 mod spec_support;
 
 use spec_support::{spec_config, tiny_model, Client, End, Outcome, Rig, Rng};
-use specula_engine::spec::vocab_map::VocabMap;
-use specula_engine::spec::{build_proposer, Draft, DraftRequest, DraftWeights, Proposer, SpecConfig, SpecError, SpecMethod, SpecMetrics};
+use specula_engine::speculative::vocab_map::VocabMap;
+use specula_engine::speculative::{build_proposer, Draft, DraftRequest, DraftWeights, Proposer, SpecConfig, SpecError, SpecMethod, SpecMetrics};
 use specula_engine::types::SeqId;
 use specula_engine::{EngineConfig, FinishReason, SamplingParams};
 use specula_model::testing::model_for_tests;

@@ -13,7 +13,7 @@
 mod spec_support;
 
 use spec_support::{spec_config, tiny_model, End, Rig};
-use specula_engine::spec::{SpecConfig, SpecMethod};
+use specula_engine::speculative::{SpecConfig, SpecMethod};
 use specula_engine::{EngineConfig, FinishReason, SamplingParams};
 use specula_model::testing::{model_for_tests, write_tiny_llama, TinySpec, TINY_VOCAB};
 use specula_model::{load_model, ChatMessage};

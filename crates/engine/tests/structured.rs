@@ -10,7 +10,7 @@ mod spec_support;
 use spec_support::{spec_config, End, Outcome, Rig};
 use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::constraint::compile;
-use specula_engine::spec::SpecMethod;
+use specula_engine::speculative::SpecMethod;
 use specula_engine::{Constraint, EngineConfig, FinishReason, SamplingParams};
 use specula_model::testing::model_for_tests;
 use specula_model::{load_model, ChatMessage, Tokenizer};

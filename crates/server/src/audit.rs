@@ -7,7 +7,7 @@
 //! Replays never delay live work: one runs only while no live choice is in flight, and is
 //! aborted (and retried later, a few times at most) as soon as one arrives. What waits is a
 //! bounded queue; a finished request offered to a full queue is counted `skipped`.
-//! Not for choosing what to speculate or for the engine's own acceptance metrics (`spec/`).
+//! Not for choosing what to speculate or for the engine's own acceptance metrics (`speculative/`).
 
 use specula_engine::api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 use specula_engine::constraint::Grammar;

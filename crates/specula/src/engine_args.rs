@@ -1,7 +1,7 @@
 //! Engine flags shared by `serve`, `generate` and `bench offline` (vLLM names where one exists).
 
 use clap::Args;
-use specula_engine::spec::{DraftWeights, Proposer, SpecConfig, SpecMethod};
+use specula_engine::speculative::{DraftWeights, Proposer, SpecConfig, SpecMethod};
 use specula_engine::EngineConfig;
 use std::path::PathBuf;
 
@@ -109,7 +109,7 @@ pub struct SpecArgs {
     pub speculative_draft_cost: Option<f64>,
     /// With adaptive speculation, an mtp head's greedy draft chain ends at the first token the
     /// head gives less than this probability (0 drafts whatever the head thinks).
-    #[arg(long, default_value_t = specula_engine::spec::config::DEFAULT_MTP_MIN_CONFIDENCE, value_parser = parse_probability)]
+    #[arg(long, default_value_t = specula_engine::speculative::config::DEFAULT_MTP_MIN_CONFIDENCE, value_parser = parse_probability)]
     pub speculative_min_confidence: f32,
 }
 
@@ -171,9 +171,9 @@ impl SpecArgs {
         }
         if let (SpecMethod::Draft, Some(path)) = (cfg.method, &cfg.draft_model) {
             let (draft_tokenizer, _) = specula_model::load_tokenizer(path)?;
-            specula_engine::spec::draft_model::check_same_tokenizer(&draft_tokenizer, target_tokenizer)?;
+            specula_engine::speculative::draft_model::check_same_tokenizer(&draft_tokenizer, target_tokenizer)?;
         }
-        let p = specula_engine::spec::build_proposer(&cfg, target, engine).map_err(|e| {
+        let p = specula_engine::speculative::build_proposer(&cfg, target, engine).map_err(|e| {
             let e = anyhow::Error::from(e);
             if shipped {
                 e.context(format!(

@@ -355,8 +355,8 @@ const VERIFY_CONTEXT: usize = 128;
 const VERIFY_ROUNDS: usize = 24;
 
 /// Seconds per step of one sequence at context `VERIFY_CONTEXT` computing 1 + k new tokens,
-/// k = 0..=max_k (the engine's start-up measurement, `spec::cost`, with more rounds).
+/// k = 0..=max_k (the engine's start-up measurement, `speculative::cost`, with more rounds).
 fn verify_curve(model: &LlamaModel, max_k: usize) -> Result<Vec<f64>> {
     let points: Vec<usize> = (1..=max_k + 1).collect();
-    Ok(specula_engine::spec::cost::time_forward(model, &points, VERIFY_CONTEXT, VERIFY_ROUNDS)?.into_iter().map(|(_, t)| t).collect())
+    Ok(specula_engine::speculative::cost::time_forward(model, &points, VERIFY_CONTEXT, VERIFY_ROUNDS)?.into_iter().map(|(_, t)| t).collect())
 }

@@ -7,7 +7,7 @@
 use crate::bench::workload::parse_prompts;
 use anyhow::{Context, Result};
 use specula_engine::handle::QueueCounters;
-use specula_engine::spec::{build_proposer, SpecConfig, SpecMethod};
+use specula_engine::speculative::{build_proposer, SpecConfig, SpecMethod};
 use specula_engine::types::RequestId;
 use specula_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StepTimings};
 use specula_model::{load_model, ChatMessage};

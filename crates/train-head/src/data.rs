@@ -85,7 +85,7 @@ pub fn run(a: DataArgs) -> Result<()> {
     let teacher = load_model(&path)?.model;
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
-    let fingerprint = specula_engine::spec::mtp_format::target_fingerprint(&teacher);
+    let fingerprint = specula_engine::speculative::mtp_format::target_fingerprint(&teacher);
     let n_layers = teacher.config.n_layers;
     let layers = a.feature_layers.clone().unwrap_or_else(|| default_feature_layers(n_layers));
     if layers.is_empty() || layers.iter().any(|&l| l >= n_layers) || !layers.windows(2).all(|w| w[0] < w[1]) {

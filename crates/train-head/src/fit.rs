@@ -1,5 +1,5 @@
 //! `specula-train-head fit`: trains the mtp head on `specula-train-head data` shards with candle's autograd
-//! and AdamW (CPU). The graph is exactly what `spec::mtp` runs at inference (docs/mtp-head-format.md,
+//! and AdamW (CPU). The graph is exactly what `speculative::mtp` runs at inference (docs/mtp-head-format.md,
 //! "What the head computes"): fc over concat(embedding, hidden), one decoder layer whose attention
 //! spans this draft chain only (RoPE at the chain position), the final norm, a pruned lm_head. The
 //! head is unrolled `--unroll` steps: step j is fed its own hidden output of step j-1 and the
@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use specula_engine::spec::mtp_format::{self as fmt, HeadConfig, HeadContext, HeadWeightsF32, StoredDtype, SEQUENCE_WINDOW};
+use specula_engine::speculative::mtp_format::{self as fmt, HeadConfig, HeadContext, HeadWeightsF32, StoredDtype, SEQUENCE_WINDOW};
 use specula_model::{load_model, LlamaModel};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -901,7 +901,7 @@ fn fresh_head(train: &Data, target: &LlamaModel, k: usize, seed: u64) -> Result<
 
 /// The weights and vocabulary of an existing head file for `target` (checked like at serving).
 pub(crate) fn load_head_weights(path: &Path, target: &LlamaModel) -> Result<(HeadConfig, HeadWeightsF32)> {
-    specula_engine::spec::mtp::MtpHead::load_with(path, target, specula_engine::spec::mtp::HeadWeights::AsStored)?;
+    specula_engine::speculative::mtp::MtpHead::load_with(path, target, specula_engine::speculative::mtp::HeadWeights::AsStored)?;
     Ok(fmt::HeadFile::open(path)?.weights_f32()?)
 }
 
@@ -1044,18 +1044,18 @@ mod tests {
         let (cfg, _) = fmt::random_head(&target, 6, 2).unwrap();
         let p = dir.path().join("h.safetensors");
         fmt::save_head(&p, &w, &cfg, StoredDtype::F32).unwrap();
-        specula_engine::spec::mtp::MtpHead::load_with(&p, &target, specula_engine::spec::mtp::HeadWeights::AsStored).unwrap();
+        specula_engine::speculative::mtp::MtpHead::load_with(&p, &target, specula_engine::speculative::mtp::HeadWeights::AsStored).unwrap();
     }
 
-    /// The graph trained here must be the computation `spec::mtp` runs: with temperature 1 the
+    /// The graph trained here must be the computation `speculative::mtp` runs: with temperature 1 the
     /// proposer's draft distributions are softmax(logits), so they must equal the graph's, step
     /// by step along the same chain (the graph fed the proposer's own draws). The sequence is
     /// observed over three engine steps (a prefill row without drafts, then two rows, then three),
     /// so a `sequence` head's context holds six rows built lazily across calls.
     #[test]
     fn the_training_graph_computes_what_the_mtp_proposer_runs() {
-        use specula_engine::spec::mtp::MtpProposer;
-        use specula_engine::spec::{DraftRequest, Proposer};
+        use specula_engine::speculative::mtp::MtpProposer;
+        use specula_engine::speculative::{DraftRequest, Proposer};
         use specula_engine::types::SeqId;
         use specula_engine::SamplingParams;
 
@@ -1073,7 +1073,7 @@ mod tests {
             let head_path = dir.path().join("head.safetensors");
             fmt::save_head(&head_path, &w, &cfg, StoredDtype::F32).unwrap();
             // the file's weights as stored (the default requantizes them to Q8_0 for speed)
-            let mut proposer = MtpProposer::load_with(&head_path, &target, specula_engine::spec::mtp::HeadWeights::AsStored).unwrap();
+            let mut proposer = MtpProposer::load_with(&head_path, &target, specula_engine::speculative::mtp::HeadWeights::AsStored).unwrap();
             assert_eq!(proposer.hidden_layers(), &layers[..]);
             let h = cfg.target_hidden;
             let fw = cfg.feature_width();

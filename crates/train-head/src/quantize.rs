@@ -5,7 +5,7 @@
 use crate::fit::load_head_weights;
 use anyhow::{Context, Result};
 use clap::Args;
-use specula_engine::spec::mtp_format::{save_head, StoredDtype};
+use specula_engine::speculative::mtp_format::{save_head, StoredDtype};
 use specula_model::load_model;
 use std::path::PathBuf;
 

@@ -7,7 +7,7 @@
 
 use crate::config::{EngineConfig, FaultInjection};
 use crate::engine::Engine;
-use crate::spec::{Proposer, SpecConfig};
+use crate::speculative::{Proposer, SpecConfig};
 use serde::{Deserialize, Serialize};
 use specula_model::LlamaModel;
 use std::collections::BTreeMap;

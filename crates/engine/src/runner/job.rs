@@ -12,7 +12,7 @@ use crate::constraint::{TokenMask, JUMP_FORWARD_MAX_TOKENS};
 use crate::error::{panic_message, StepError, StepFailure};
 use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
-use crate::spec::{verify, CatchUp, Draft, DraftRequest, Speculation};
+use crate::speculative::{verify, CatchUp, Draft, DraftRequest, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
 use crate::types::{SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
@@ -259,7 +259,7 @@ fn sample(
                 // valid KV ends after the accepted drafts (the one rollback rule, `step::kept_end`)
                 sp.proposer.rollback(it.seq, it.kept_end(num_drafts - accepted));
             } else {
-                crate::spec::metrics::record_forced(forced, forced_accepted);
+                crate::speculative::metrics::record_forced(forced, forced_accepted);
             }
         }
         it.tokens.extend_from_slice(&toks);

@@ -14,7 +14,7 @@
 use crate::error::StepFailure;
 use crate::kv_cache::KvCacheManager;
 use crate::sequence::Sequence;
-use crate::spec::Draft;
+use crate::speculative::Draft;
 use crate::step::{BatchInputs, Computed, PreparedSeq, PreparedStep, PromptRows, RowRange, SampleItem, SeqResult, StepJob, StepPlan};
 use crate::types::{SeqId, TokenId};
 use std::collections::{BTreeMap, BTreeSet};

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use specula_engine::handle::QueueCounters;
-use specula_engine::spec::{build_proposer, DraftWeights, SpecConfig, SpecMethod};
+use specula_engine::speculative::{build_proposer, DraftWeights, SpecConfig, SpecMethod};
 use specula_engine::types::RequestId;
 use specula_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, RequestEvent, SamplingParams};
 use specula_model::testing::{write_tiny_llama, TinySpec};
@@ -140,7 +140,7 @@ impl Harness {
                 let target = load_model(&model.path).expect("load tiny model").model;
                 let head = model.path.with_file_name("head.safetensors");
                 if !head.exists() {
-                    specula_engine::spec::mtp_format::write_random_head(&head, &target, 64, 5).expect("write head");
+                    specula_engine::speculative::mtp_format::write_random_head(&head, &target, 64, 5).expect("write head");
                 }
                 build_proposer(&sc, &target, &cfg).expect("proposer")
             } else {

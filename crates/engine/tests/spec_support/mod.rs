@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use specula_engine::handle::QueueCounters;
-use specula_engine::spec::{build_proposer, DraftWeights, Proposer, SpecConfig, SpecMethod};
+use specula_engine::speculative::{build_proposer, DraftWeights, Proposer, SpecConfig, SpecMethod};
 use specula_engine::types::RequestId;
 use specula_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 use specula_model::load_model;

@@ -1,6 +1,6 @@
 //! The mtp head file (docs/mtp-head-format.md): one safetensors file holding a one-layer
 //! EAGLE/MTP draft head, its pruned vocabulary maps and the metadata that ties it to one target.
-//! This module reads, checks and writes that file and knows nothing of proposing; `spec::mtp`
+//! This module reads, checks and writes that file and knows nothing of proposing; `speculative::mtp`
 //! runs the head. The writer is shared by the tests and the trainer.
 
 use super::SpecError;
