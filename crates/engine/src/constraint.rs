@@ -383,7 +383,7 @@ impl Grammar {
     /// tokens `0..=i`, for as long as the draft stays inside the grammar (rows after the first
     /// draft token it forbids are never read: the masked target gives that token probability 0,
     /// so verification stops there). Leaves the grammar advanced over the `consumed` draft tokens
-    /// (the returned count); `settle` then keeps the accepted ones.
+    /// (the returned count); `accept` then keeps the accepted ones.
     pub fn verification_masks(&mut self, draft: &[TokenId]) -> Result<(Vec<TokenMask>, usize), ConstraintError> {
         let mut masks = Vec::with_capacity(draft.len() + 1);
         masks.push(self.mask()?);
@@ -402,7 +402,7 @@ impl Grammar {
 
     /// After verification over `consumed` draft tokens (advanced by `verification_masks`): keeps
     /// the accepted ones and consumes the step's last emitted token.
-    pub fn settle(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), ConstraintError> {
+    pub fn accept(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), ConstraintError> {
         let accepted = emitted.len() - 1;
         if accepted > consumed {
             return Err(self.err("verification", format!("{accepted} draft tokens accepted but only {consumed} were inside the grammar")));
@@ -470,7 +470,7 @@ mod tests {
         assert_eq!((masks.len(), consumed), (2, 1));
         assert!(masks[1].allows(id("o")) && !masks[1].allows(id("x")));
         // the draft "n" accepted, then "o" sampled: "no" is complete
-        g.settle(consumed, &[id("n"), id("o")]).unwrap();
+        g.accept(consumed, &[id("n"), id("o")]).unwrap();
         assert!(g.is_finished());
     }
 

@@ -6,18 +6,19 @@
 //! Synchronously, the host work runs inline around the compute. With `async_scheduling`, while
 //! step N computes on this thread, the host moves into a job on the [`AsyncRunner`] that applies
 //! and streams step N-1 and schedules and prepares step N+1; when N is done this thread takes the
-//! host back, settles N+1 from N's output (`runner::finalize`: the tokens N sampled, how many of
+//! host back, finalizes N+1 from N's output (`batch::finalize`: the tokens N sampled, how many of
 //! its drafts it accepted, the drafts it proposed, the sequences that ended) and starts N+1's
 //! forward pass. Between two forward passes there is no thread hand-off to wait for, only that
 //! settling (see `step_async`).
 
 use crate::api::GenerateRequest;
+use crate::batch::finalize;
 use crate::config::EngineConfig;
 use crate::error::{panic_message, StepFailure};
 use crate::handle::{EngineHandle, QueueCounters};
+use crate::host::worker::{AsyncRunner, AsyncRunnerError};
 use crate::host::{record_timings, Host, HostDone};
 use crate::runner::job::{run_job, ComputeState, JobContext};
-use crate::runner::{finalize, AsyncRunner, AsyncRunnerError};
 use crate::sampling::Sampler;
 use crate::speculative::cost::CostModel;
 use crate::speculative::{Proposer, SpecConfig, SpecMetrics, Speculation};
@@ -291,7 +292,7 @@ impl Engine {
 
     /// Async scheduling, one forward pass per call (see the module docs). It reads like the plain
     /// step, with the host work of two steps beside the forward pass:
-    /// 1. take the next step: the one prepared during the last forward pass, settled from that
+    /// 1. take the next step: the one prepared during the last forward pass, finalized from that
     ///    pass's output (or, if there is none or nothing of it is left, schedule one now);
     /// 2. launch its forward pass, sampling and proposals here, the host job beside it on the
     ///    worker (process the previous step's result: apply and stream it; schedule and prepare
@@ -321,21 +322,21 @@ impl Engine {
     }
 
     /// The step to launch next (async): the one prepared during the last forward pass, with the
-    /// requests that arrived since admitted and settled from that pass's output; if there is none,
+    /// requests that arrived since admitted and finalized from that pass's output; if there is none,
     /// or nothing of it is left, the last step is applied here and a step scheduled and prepared now.
     fn next_async_step(&mut self, stats: &mut StepStats) -> Option<(StepPlan, StepJob)> {
-        if let Some(next) = self.prepared.take().and_then(|p| self.settle_prepared(p, stats)) {
+        if let Some(next) = self.prepared.take().and_then(|p| self.admit_and_finalize(p, stats)) {
             return Some(next);
         }
         let host = self.host.take().expect("the host state is home between engine calls");
         let done = host.work(self.computed.take(), None, self.spec_k(), self.unrecorded.take());
         self.host = Some(done.host);
         stats.add_host_work(done.work);
-        done.prepared.and_then(|p| self.settle_prepared(p, stats))
+        done.prepared.and_then(|p| self.admit_and_finalize(p, stats))
     }
 
-    /// Admits late arrivals into a prepared step and settles it; `None` if nothing of it is left.
-    fn settle_prepared(&mut self, mut p: PreparedStep, stats: &mut StepStats) -> Option<(StepPlan, StepJob)> {
+    /// Admits late arrivals into a prepared step and finalizes it; `None` if nothing of it is left.
+    fn admit_and_finalize(&mut self, mut p: PreparedStep, stats: &mut StepStats) -> Option<(StepPlan, StepJob)> {
         self.host_mut().admit_late(&mut p);
         let (plan, job) = self.finalize(p, stats);
         (!plan.is_empty()).then_some((plan, job))
@@ -372,9 +373,9 @@ impl Engine {
     fn finalize(&mut self, p: PreparedStep, stats: &mut StepStats) -> (StepPlan, StepJob) {
         let t = Instant::now();
         let host = self.host.as_ref().expect("the host state is home between engine calls");
-        let settled = finalize(p, self.computed.as_mut(), |id| host.seqs.contains_key(&id), self.cfg.block_size);
+        let finalized = finalize(p, self.computed.as_mut(), |id| host.seqs.contains_key(&id), self.cfg.block_size);
         stats.timings.finalize += t.elapsed();
-        settled
+        finalized
     }
 
     /// No step follows at once: the next forward pass starts no gap.

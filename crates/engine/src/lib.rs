@@ -3,6 +3,7 @@
 //! Data flows one way: request -> scheduler -> runner -> sampler -> output (see docs/architecture.md).
 
 pub mod api;
+mod batch;
 pub mod config;
 pub mod constraint;
 pub mod dp;

@@ -65,7 +65,7 @@ impl Scheduler {
     /// (`Sequence::samples_in_flight`), its next input is not known yet: it gets a decode of
     /// `1 + spec_reserve` placeholder tokens scheduled ahead, its KV reserved for the worst case
     /// (every in-flight draft accepted), counted in `Sequence::num_placeholders`; the engine
-    /// settles it from the running step's output and gives the unused slots back (`Host::settle`).
+    /// finalizes it from the running step's output and `Host::settle` gives the unused slots back.
     /// Synchronously nothing is in flight and `spec_reserve` is never used.
     pub fn schedule(&mut self, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &mut KvCacheManager, spec_reserve: usize) -> StepPlan {
         let mut plan = StepPlan::default();

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 // ---------------------------------------------------------------------------------------------
 // schedule
 
-/// One sequence's share of a step. Written by the scheduler (and settled by `runner::finalize`);
+/// One sequence's share of a step. Written by the scheduler (and finalized by `batch::finalize`);
 /// read by prepare, finalize, the compute job's bookkeeping and apply.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ScheduledSeq {
@@ -30,7 +30,7 @@ pub struct ScheduledSeq {
     /// Whether the step ends on the sequence's last known token, so logits are sampled.
     pub sample: bool,
     /// Scheduled ahead (async scheduling) while the step before was still running, with this many
-    /// tokens reserved (1 + k; 0: not scheduled ahead). Until `runner::finalize` settles it,
+    /// tokens reserved (1 + k; 0: not scheduled ahead). Until `batch::finalize` completes it,
     /// `start`, `num_tokens` and `num_drafts` are that worst case (KV slots and token budget);
     /// after, they are what runs, and `placeholders` says how much was reserved, which
     /// `Host::settle` gives back. The sequence's counter (`Sequence::num_placeholders`) holds the
@@ -39,7 +39,7 @@ pub struct ScheduledSeq {
 }
 
 /// The scheduler's decision for one step. `seqs` sums to `total_tokens`. Written by the scheduler
-/// (late admissions by `Host::admit_late`, settling by `runner::finalize`); read by prepare,
+/// (late admissions by `Host::admit_late`, settling by `batch::finalize`); read by prepare,
 /// finalize, compute (the batch shape) and apply.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepPlan {
@@ -58,7 +58,7 @@ pub struct StepPlan {
 /// Where a sequence's valid KV ends after a step that computed `num_tokens` from `start`, once
 /// `rejected` of its drafts were rejected: the one rollback rule, read by the proposer's rollback
 /// (`SampleItem::kept_end`), the host's (`ScheduledSeq::kept_end` in `Host::apply`) and the
-/// settling of a step scheduled ahead (`runner::finalize` moves its start back by `rejected`).
+/// settling of a step scheduled ahead (`batch::finalize` moves its start back by `rejected`).
 pub fn kept_end(start: usize, num_tokens: usize, rejected: usize) -> usize {
     debug_assert!(rejected < num_tokens, "{rejected} drafts rejected of a step of {num_tokens} tokens");
     start + num_tokens - rejected
@@ -170,7 +170,7 @@ pub(crate) struct PreparedStep {
 // compute
 
 /// A sequence whose logits are sampled this step, with the state sampling and drafting need.
-/// Written by prepare and settled by finalize; read (and its history extended) by the compute job.
+/// Written by prepare and completed by finalize; read (and its history extended) by the compute job.
 pub(crate) struct SampleItem {
     pub seq: SeqId,
     /// Its rows among the step's logits rows (`1 + draft.tokens.len()`).
@@ -300,7 +300,7 @@ pub(crate) struct Computed {
 // timings and stats
 
 /// Where one step's time went. `forward`, `sample` and `propose` are the compute job; `finalize`
-/// settles the step from the one before just before its forward pass. With async scheduling,
+/// finalizes the step from the one before just before its forward pass. With async scheduling,
 /// `schedule`, `prepare` and `update` are the host job that ran beside this step's forward pass
 /// (the next step's schedule and prepare, the previous step's update). Written by the engine (and
 /// the host job's [`HostWork`]); read by metrics, benchmarks and tests.

@@ -217,7 +217,7 @@ fn sample(
         verified |= num_drafts > 0;
         let mut grammar = it.grammar.take();
         if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {
-            if let Err(e) = g.settle(*consumed, &toks) {
+            if let Err(e) = g.accept(*consumed, &toks) {
                 results.push(grammar_failure(it.seq, step, rng, e));
                 continue;
             }

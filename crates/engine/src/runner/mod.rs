@@ -1,16 +1,11 @@
-//! Turns a step plan into model inputs and runs them: `prepare` + `finalize` build the flat batch
-//! (token ids, positions via spans, slot mapping, block tables, logits rows) from the plan, the
-//! KV manager and the step before's output; `execute` runs the forward pass on the compute pool;
-//! `job` is one step's compute (forward, sampling, proposals); `AsyncRunner` is the single worker
-//! the host work runs on with async scheduling.
+//! The compute side of a step: `execute` runs the flat batch's forward pass on the compute pool,
+//! `job` is one step's compute (forward, sampling, proposals). What builds the batch is
+//! `crate::batch` (between host and compute); the worker the host work runs on with async
+//! scheduling is `crate::host::worker`.
 
-pub mod async_runner;
 pub mod job;
-mod prepare;
 
 pub use crate::step::{BatchInputs, RowRange};
-pub use async_runner::{AsyncRunner, AsyncRunnerError};
-pub(crate) use prepare::{finalize, prepare};
 
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
 

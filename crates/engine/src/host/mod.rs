@@ -3,16 +3,18 @@
 //! stream them (update), schedule the next step, and prepare its inputs.
 //!
 //! With async scheduling a [`Host`] moves, whole, into the job that runs on the
-//! [`AsyncRunner`](crate::runner::AsyncRunner) while the engine thread runs the forward pass, and
+//! [`AsyncRunner`](worker::AsyncRunner) while the engine thread runs the forward pass, and
 //! comes back with the next step prepared ([`Host::work`]); nothing else is shared. Synchronously,
 //! the engine calls the same methods inline.
 
+pub mod worker;
+
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
+use crate::batch::prepare;
 use crate::config::{EngineConfig, FaultInjection, FaultPhase};
 use crate::error::{panic_message, EngineError, StepError, StepFailure};
 use crate::handle::QueueCounters;
 use crate::kv_cache::{expect_kv, KvCacheManager};
-use crate::runner::prepare;
 use crate::sampling::{unpack, RankedLogprob, StopCheck};
 use crate::scheduler::Scheduler;
 use crate::sequence::{is_stop_token, token_finish, Sequence};
@@ -295,7 +297,7 @@ impl Host {
 
     /// Settles `next`, the step scheduled ahead of the one just applied, now that the tokens its
     /// placeholders stood for have landed: each decode scheduled ahead gives back its placeholders
-    /// and the KV slots reserved beyond what it computes (`runner::finalize` already moved it to
+    /// and the KV slots reserved beyond what it computes (`batch::finalize` already moved it to
     /// where the accepted tokens end). With `Host::apply`'s rollback of a step's rejected drafts
     /// (`ScheduledSeq::kept_end`), the one place a reservation made ahead is undone.
     fn settle(&mut self, next: &StepPlan) {

@@ -3,13 +3,13 @@
 //! - [`prepare`] captures what the scheduler decided, from the host state: each sequence's block
 //!   table (KV reserved for the worst case), the input tokens already known, and each sampled
 //!   sequence's sampling state;
-//! - [`finalize`] settles what only the step before can tell — for a decode scheduled ahead, the
+//! - [`finalize`] completes what only the step before can tell — for a decode scheduled ahead, the
 //!   token that step sampled, how many of its drafts were accepted (so where this step starts) and
 //!   the drafts proposed for it — drops the sequences that ended, and assembles the flat token ids,
 //!   slot mapping, spans and logits rows. It reads only the prepared step and the step before's
 //!   output, so the engine thread runs it between two forward passes in microseconds.
 //!
-//! Synchronously the two run back to back with nothing to settle.
+//! Synchronously the two run back to back with nothing to complete.
 
 use crate::error::StepFailure;
 use crate::kv_cache::KvCacheManager;
@@ -243,7 +243,7 @@ mod tests {
     /// for it; one that finished, one that was aborted and one the step before did not sample
     /// are dropped; a prefill chunk is kept as prepared. The batch is built from what is left.
     #[test]
-    fn finalize_settles_decodes_scheduled_ahead_and_drops_what_ended() {
+    fn finalize_completes_decodes_scheduled_ahead_and_drops_what_ended() {
         // seq 1: 6 tokens computed, the step before verified 3 drafts (positions 6..10 → start 10
         // assumed), accepted 1 and sampled 1: tokens 50, 51 → it starts at 8 with draft [60, 61].
         let (s1, p1) = ahead(1, 10, 3, vec![7, 3, 9, 4], &[1, 2, 3, 4, 5, 6, 40]);
@@ -266,7 +266,7 @@ mod tests {
         assert_eq!(job.step, 7);
         let ids: Vec<u64> = plan.seqs.iter().map(|s| s.seq.0).collect();
         assert_eq!(ids, vec![1, 5]);
-        // settled: it runs 1 + 2 tokens from 8; the 4 tokens reserved are given back when applied
+        // finalized: it runs 1 + 2 tokens from 8; the 4 tokens reserved are given back when applied
         assert_eq!(plan.seqs[0], ScheduledSeq { seq: SeqId(1), start: 8, num_tokens: 3, num_drafts: 2, sample: true, placeholders: 4 });
         assert_eq!(plan.total_tokens, 6);
         assert_eq!(plan.seqs.iter().filter(|s| s.is_ahead()).map(|s| s.seq).collect::<Vec<_>>(), vec![SeqId(1)]);
