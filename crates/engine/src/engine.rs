@@ -182,8 +182,21 @@ impl Engine {
         self.host.as_ref().expect("the host state is home between engine calls")
     }
 
-    pub(crate) fn host_mut(&mut self) -> &mut Host {
-        self.host.as_mut().expect("the host state is home between engine calls")
+    /// The host, borrowed for a change; when the borrow ends, the proposer forgets the sequences
+    /// the change removed ([`HostMut`]).
+    pub(crate) fn host_mut(&mut self) -> HostMut<'_> {
+        HostMut { host: self.host.as_mut().expect("the host state is home between engine calls"), spec: &mut self.compute.spec }
+    }
+
+    /// Takes the host out of its slot (to move it into the async host job).
+    fn take_host(&mut self) -> Host {
+        self.host.take().expect("the host state is home between engine calls")
+    }
+
+    /// Puts the host back in its slot; the proposer forgets what the host removed while away.
+    fn put_host(&mut self, mut host: Host) {
+        sync_speculation(&mut host, &mut self.compute.spec);
+        self.host = Some(host);
     }
 
     /// Whether a step could do something: requests queued or running, or a step computed or
@@ -207,13 +220,11 @@ impl Engine {
     /// anyway (prepared or computed already) has its result for it dropped.
     pub fn abort(&mut self, id: RequestId) {
         self.host_mut().abort(id);
-        self.forget_removed();
     }
 
     /// Fails every live request with `message` (shutdown, fatal errors).
     pub fn fail_all(&mut self, message: &str) {
         self.host_mut().fail_all(message);
-        self.forget_removed();
     }
 
     /// Settles what the pipeline still holds (async): the computed step is applied, the prepared
@@ -223,14 +234,12 @@ impl Engine {
         if let Some(done) = self.computed.take() {
             self.host_mut().complete(done, None);
         }
-        self.forget_removed();
     }
 
     /// One engine step (synchronous or async by configuration): at most one forward pass.
     /// Failures are reported to the affected requests.
     pub fn step(&mut self) -> StepStats {
         let stats = if self.runner.is_some() { self.step_async() } else { self.step_sync() };
-        self.forget_removed();
         if stats.ran_forward {
             if self.runner.is_some() {
                 self.unrecorded = Some(stats.timings.clone());
@@ -247,7 +256,7 @@ impl Engine {
     fn step_sync(&mut self) -> StepStats {
         let _span = tracing::debug_span!("step").entered();
         let mut stats = StepStats::default();
-        let host = self.host_mut();
+        let mut host = self.host_mut();
         host.reap_disconnected();
         debug_assert!(
             host.seqs.values().all(|s| s.num_scheduled == s.num_computed && s.num_placeholders() == 0),
@@ -259,6 +268,7 @@ impl Engine {
         let t = Instant::now();
         let prepared = host.prepare(plan);
         stats.timings.prepare = t.elapsed();
+        drop(host);
         match prepared {
             Some(p) => stats.num_emitted = self.run_prepared(p, &mut stats),
             None => self.idle(),
@@ -285,9 +295,8 @@ impl Engine {
     /// plan's requests. Returns the tokens streamed.
     pub(crate) fn run_plan(&mut self, plan: &StepPlan) -> usize {
         let mut stats = StepStats::default();
-        let emitted = self.host_mut().prepare(plan.clone()).map_or(0, |p| self.run_prepared(p, &mut stats));
-        self.forget_removed();
-        emitted
+        let prepared = self.host_mut().prepare(plan.clone());
+        prepared.map_or(0, |p| self.run_prepared(p, &mut stats))
     }
 
     /// Async scheduling, one forward pass per call (see the module docs). It reads like the plain
@@ -311,7 +320,7 @@ impl Engine {
                 if overlapped && done.prepared.is_some() {
                     self.steps_prepared_ahead += 1;
                 }
-                self.host = Some(done.host);
+                self.put_host(done.host);
                 self.prepared = done.prepared;
                 stats.add_host_work(done.work);
                 self.computed = Some(computed);
@@ -328,9 +337,9 @@ impl Engine {
         if let Some(next) = self.prepared.take().and_then(|p| self.admit_and_finalize(p, stats)) {
             return Some(next);
         }
-        let host = self.host.take().expect("the host state is home between engine calls");
+        let host = self.take_host();
         let done = host.work(self.computed.take(), None, self.spec_k(), self.unrecorded.take());
-        self.host = Some(done.host);
+        self.put_host(done.host);
         stats.add_host_work(done.work);
         done.prepared.and_then(|p| self.admit_and_finalize(p, stats))
     }
@@ -348,7 +357,7 @@ impl Engine {
     /// and the host job's (with whether it really overlapped the forward pass), or why the worker
     /// lost the host.
     fn launch_beside_host_job(&mut self, plan: StepPlan, job: StepJob, stats: &mut StepStats) -> (Computed, Result<(HostDone, bool), AsyncRunnerError>) {
-        let host = self.host.take().expect("the host state is home between engine calls");
+        let host = self.take_host();
         let mut handoff = Some((host, self.computed.take(), plan.clone(), self.unrecorded.take()));
         let mut submitted = None;
         let (step, spec_k) = (job.step, self.spec_k());
@@ -392,20 +401,6 @@ impl Engine {
         self.host().export_gauges();
     }
 
-    /// The proposer forgets the sequences the host removed; speculation learns the finished ones'
-    /// output lengths.
-    fn forget_removed(&mut self) {
-        let removed = self.host_mut().take_removed();
-        let lengths = self.host_mut().take_finished_lengths();
-        if let Some(sp) = self.compute.spec.as_mut() {
-            for id in removed {
-                sp.remove(id);
-            }
-            for len in lengths {
-                sp.record_output_length(len);
-            }
-        }
-    }
 
     /// The async worker died outside the host job's own panic guard and took the host state with
     /// it (never expected: the job catches its panics). Its requests' streams are gone with it
@@ -435,7 +430,6 @@ impl Engine {
     /// Aborts the requests whose client went away (before scheduling; `Engine::step` does it too).
     pub(crate) fn reap_disconnected(&mut self) {
         self.host_mut().reap_disconnected();
-        self.forget_removed();
     }
 
     /// Schedules a step with nothing in flight (the data-parallel lockstep loop, which agrees on
@@ -475,7 +469,6 @@ impl Engine {
     /// Fails one request (the data-parallel lockstep loop, when its step cannot run).
     pub(crate) fn fail_request(&mut self, seq: SeqId, message: &str) {
         self.host_mut().fail(seq, message);
-        self.forget_removed();
     }
 }
 
@@ -532,4 +525,46 @@ pub fn spawn_engine(
         })
         .map_err(EngineError::Spawn)?;
     Ok((handle, join))
+}
+
+/// The host borrowed for a change. The one sync point between the host and the speculation
+/// state: when the borrow ends (and when the host comes back from the async worker,
+/// `Engine::put_host`), the proposer forgets the sequences the host removed and speculation learns
+/// the finished ones' output lengths, so no change to the host can leave the proposer holding
+/// state (draft-model KV) for a sequence that is gone.
+pub(crate) struct HostMut<'a> {
+    host: &'a mut Host,
+    spec: &'a mut Option<Speculation>,
+}
+
+impl std::ops::Deref for HostMut<'_> {
+    type Target = Host;
+    fn deref(&self) -> &Host {
+        self.host
+    }
+}
+
+impl std::ops::DerefMut for HostMut<'_> {
+    fn deref_mut(&mut self) -> &mut Host {
+        self.host
+    }
+}
+
+impl Drop for HostMut<'_> {
+    fn drop(&mut self) {
+        sync_speculation(self.host, self.spec);
+    }
+}
+
+fn sync_speculation(host: &mut Host, spec: &mut Option<Speculation>) {
+    let removed = host.take_removed();
+    let lengths = host.take_finished_lengths();
+    if let Some(sp) = spec.as_mut() {
+        for id in removed {
+            sp.remove(id);
+        }
+        for len in lengths {
+            sp.record_output_length(len);
+        }
+    }
 }

@@ -372,8 +372,9 @@ impl Host {
                 failed.push((sch.seq, message));
                 continue;
             }
-            // preempted while this step ran: its KV is gone and it recomputes from its tokens
-            let kv_live = !preempted.contains(&sch.seq);
+            // preempted while this step ran (by the step scheduled ahead of it, or by one prepared
+            // ahead and dropped since): its KV is gone and it recomputes from its tokens
+            let kv_live = !preempted.contains(&sch.seq) && self.kv.block_table(sch.seq).is_ok();
             let rejected = result.as_ref().map_or(0, |r| r.num_rejected());
             if kv_live {
                 s.num_computed = sch.kept_end(rejected);
