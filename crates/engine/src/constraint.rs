@@ -14,6 +14,7 @@
 //! it (docs/architecture.md, "Structured outputs").
 
 use crate::api::Constraint;
+use crate::speculative::Draft;
 use crate::types::TokenId;
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
@@ -400,6 +401,15 @@ impl Grammar {
         Ok((masks, consumed))
     }
 
+    /// Cuts the EOS an accepted draft's completion of the grammar made the next row give: the
+    /// output then ends at that draft token, as it does without speculation (no EOS token).
+    /// `emitted`: the tokens the grammar just kept.
+    pub fn trim_completed(&self, emitted: &mut Vec<TokenId>) {
+        if self.is_finished() && emitted.len() > 1 && emitted.last().is_some_and(|&t| self.is_eos(t)) {
+            emitted.pop();
+        }
+    }
+
     /// After verification over `consumed` draft tokens (advanced by `verification_masks`): keeps
     /// the accepted ones and consumes the step's last emitted token.
     pub fn accept(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), ConstraintError> {
@@ -410,6 +420,55 @@ impl Grammar {
         self.rollback(consumed - accepted)?;
         self.consume(&emitted[accepted..])
     }
+}
+
+/// The rows sampling and verification read for a constrained item: `block` (one row per
+/// position) with each row's forbidden tokens at -inf, in `scratch`.
+pub(crate) fn masked_rows<'a>(block: &[f32], masks: &[TokenMask], vocab: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    scratch.clear();
+    scratch.extend_from_slice(block);
+    for (r, m) in masks.iter().enumerate() {
+        m.apply(&mut scratch[r * vocab..(r + 1) * vocab]);
+    }
+    scratch
+}
+
+/// Jump-forward: how many leading tokens of a verified `draft` were forced by the grammar (each
+/// at a position whose mask allowed only it), counted apart from the proposer's.
+pub(crate) fn forced_prefix(draft: &[TokenId], masks: &[TokenMask]) -> usize {
+    draft.iter().zip(masks).take_while(|(&t, m)| m.allows(t) && m.num_allowed() == 1).count()
+}
+
+/// Jump-forward merging: the proposer's `draft`, proposed after the tokens the grammar forces
+/// (`forced`), cut at the first token the grammar forbids (none when its matcher fails: the next
+/// step's masks then fail the sequence), behind the forced tokens (with one-hot draft
+/// distributions for them). `None` when the proposer adds nothing to the forced tokens.
+pub(crate) fn draft_after_forced(seq: crate::types::SeqId, grammar: Option<&mut Grammar>, forced: &[TokenId], mut draft: Draft, vocab: usize) -> Option<Draft> {
+    if let Some(g) = grammar {
+        let n = g.valid_prefix_after(forced, &draft.tokens).unwrap_or_else(|e| {
+            tracing::warn!(seq = %seq, "grammar failed on a draft: {e}");
+            0
+        });
+        draft.tokens.truncate(n);
+        if let Some(p) = draft.probs.as_mut() {
+            p.truncate(n);
+        }
+    }
+    if draft.tokens.is_empty() {
+        return None;
+    }
+    if !forced.is_empty() {
+        draft.probs = draft.probs.map(|p| forced.iter().map(|&t| one_hot(t, vocab)).chain(p).collect());
+        draft.tokens.splice(0..0, forced.iter().copied());
+    }
+    Some(draft)
+}
+
+/// A draft distribution certain of `t`.
+fn one_hot(t: TokenId, vocab: usize) -> Vec<f32> {
+    let mut row = vec![0.0; vocab];
+    row[t as usize] = 1.0;
+    row
 }
 
 #[cfg(test)]

@@ -401,7 +401,6 @@ impl Engine {
         self.host().export_gauges();
     }
 
-
     /// The async worker died outside the host job's own panic guard and took the host state with
     /// it (never expected: the job catches its panics). Its requests' streams are gone with it
     /// (their clients see the stream end without a result); the engine starts over with an empty
