@@ -562,6 +562,43 @@ mod tests {
         assert_eq!(g.forced_tokens(16), forced, "the grammar is back at the start");
     }
 
+    /// Jump-forward merging: the proposer's draft goes behind the forced tokens, cut where the
+    /// grammar forbids; the forced prefix of a verified draft is counted from the masks; a draft
+    /// that completes the grammar keeps no EOS after it.
+    #[test]
+    fn drafts_merge_behind_forced_tokens_and_the_forced_prefix_is_counted() {
+        let t = tokenizer();
+        let id = |s: &str| t.token_to_id(s).unwrap();
+        let vocab = t.vocab_size();
+        let schema = r#"{"type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"], "additionalProperties": false}"#;
+        let mut g = compiler().compile(&Constraint::JsonSchema(schema.into())).unwrap();
+        let forced = g.forced_tokens(16);
+        let draft = |tokens: Vec<TokenId>| Draft { tokens, probs: None };
+        // "7}" fits after the forced text, "x" does not: the draft is cut there
+        let merged = draft_after_forced(crate::types::SeqId(1), Some(&mut g), &forced, draft(vec![id("7"), id("}"), id("x")]), vocab).unwrap();
+        assert_eq!(merged.tokens, [&forced[..], &[id("7"), id("}")]].concat());
+        assert_eq!(g.forced_tokens(16), forced, "merging leaves the grammar where it was");
+        // nothing the grammar allows: the forced tokens stay alone (None)
+        assert!(draft_after_forced(crate::types::SeqId(1), Some(&mut g), &forced, draft(vec![id("x")]), vocab).is_none());
+        // one-hot rows for the forced tokens in front of the proposer's distributions
+        let probs = Draft { tokens: vec![id("7")], probs: Some(vec![vec![0.5; vocab]]) };
+        let merged = draft_after_forced(crate::types::SeqId(1), Some(&mut g), &forced, probs, vocab).unwrap();
+        let rows = merged.probs.unwrap();
+        assert_eq!(rows.len(), forced.len() + 1);
+        assert!(rows[..forced.len()].iter().zip(&forced).all(|(r, &f)| r[f as usize] == 1.0 && r.iter().sum::<f32>() == 1.0));
+        // without a grammar a draft passes as it is
+        assert_eq!(draft_after_forced(crate::types::SeqId(1), None, &[], draft(vec![5, 6]), vocab).unwrap().tokens, vec![5, 6]);
+        // the forced prefix of a verified draft: the leading tokens each alone in their mask
+        let (masks, _) = g.verification_masks(&[forced.clone(), vec![id("7")]].concat()).unwrap();
+        assert_eq!(forced_prefix(&[forced.clone(), vec![id("7")]].concat(), &masks), forced.len());
+        // a choice completed by an accepted draft: the EOS the next row gave is cut
+        let mut c = compiler().compile(&Constraint::Choice(vec!["yes".into(), "no".into()])).unwrap();
+        let mut emitted = vec![id("yes"), EOS];
+        c.accept(0, &emitted[..1]).unwrap();
+        c.trim_completed(&mut emitted);
+        assert_eq!(emitted, vec![id("yes")]);
+    }
+
     #[test]
     fn invalid_constraints_are_refused_with_the_reason() {
         let c = compiler();

@@ -459,6 +459,36 @@ mod tests {
         assert!(sp.next_k(SeqId(4), k_limit, 1, CatchUp { backlog: 0, ..first(8) }, None) > 0);
     }
 
+    /// Draft planning: each sequence drafts at most its room and the engine's k beside its forced
+    /// tokens, one that disables speculation drafts nothing, and without adaptive k every other
+    /// gets k.
+    #[test]
+    fn plan_drafts_keeps_each_draft_within_room_k_and_forced_tokens() {
+        let mut cfg = SpecConfig::new(SpecMethod::Ngram, 4);
+        cfg.adaptive = false;
+        let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(1)), cost::CostModel::linear(0.05, 0.1));
+        let tokens: Vec<crate::types::TokenId> = (0..20).collect();
+        let (plain, off) =
+            (crate::api::SamplingParams::greedy(64), crate::api::SamplingParams { disable_speculation: true, ..crate::api::SamplingParams::greedy(64) });
+        let rng = crate::sampling::SeqRng::new(Some(1), 0);
+        let cand = |seq, params, forced, room| DraftCandidate {
+            seq: SeqId(seq),
+            tokens: &tokens,
+            known: 20,
+            prompt_len: 10,
+            params,
+            forced,
+            room,
+            hidden: None,
+            rng: &rng,
+        };
+        let cands = [cand(1, &plain, 0, 100), cand(2, &plain, 0, 2), cand(3, &plain, 3, 100), cand(4, &off, 0, 100)];
+        let reqs = sp.plan_drafts(&cands, 0, 0, 8);
+        let max: Vec<usize> = reqs.iter().map(|r| r.max_draft).collect();
+        assert_eq!(max, vec![4, 2, 1, 0], "k; room 2; k 4 less 3 forced; speculation disabled");
+        assert_eq!(reqs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![SeqId(1), SeqId(2), SeqId(3), SeqId(4)]);
+    }
+
     #[test]
     fn the_batch_to_come_counts_requests_that_arrived_after_the_plan() {
         // the plan saw none waiting, seven arrived since: a batch of eight
