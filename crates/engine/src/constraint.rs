@@ -14,6 +14,7 @@
 //! it (docs/architecture.md, "Structured outputs").
 
 use crate::api::Constraint;
+use crate::speculative::Draft;
 use crate::types::TokenId;
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
@@ -400,6 +401,15 @@ impl Grammar {
         Ok((masks, consumed))
     }
 
+    /// Cuts the EOS an accepted draft's completion of the grammar made the next row give: the
+    /// output then ends at that draft token, as it does without speculation (no EOS token).
+    /// `emitted`: the tokens the grammar just kept.
+    pub fn trim_completed(&self, emitted: &mut Vec<TokenId>) {
+        if self.is_finished() && emitted.len() > 1 && emitted.last().is_some_and(|&t| self.is_eos(t)) {
+            emitted.pop();
+        }
+    }
+
     /// After verification over `consumed` draft tokens (advanced by `verification_masks`): keeps
     /// the accepted ones and consumes the step's last emitted token.
     pub fn accept(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), ConstraintError> {
@@ -410,6 +420,55 @@ impl Grammar {
         self.rollback(consumed - accepted)?;
         self.consume(&emitted[accepted..])
     }
+}
+
+/// The rows sampling and verification read for a constrained item: `block` (one row per
+/// position) with each row's forbidden tokens at -inf, in `scratch`.
+pub(crate) fn masked_rows<'a>(block: &[f32], masks: &[TokenMask], vocab: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    scratch.clear();
+    scratch.extend_from_slice(block);
+    for (r, m) in masks.iter().enumerate() {
+        m.apply(&mut scratch[r * vocab..(r + 1) * vocab]);
+    }
+    scratch
+}
+
+/// Jump-forward: how many leading tokens of a verified `draft` were forced by the grammar (each
+/// at a position whose mask allowed only it), counted apart from the proposer's.
+pub(crate) fn forced_prefix(draft: &[TokenId], masks: &[TokenMask]) -> usize {
+    draft.iter().zip(masks).take_while(|(&t, m)| m.allows(t) && m.num_allowed() == 1).count()
+}
+
+/// Jump-forward merging: the proposer's `draft`, proposed after the tokens the grammar forces
+/// (`forced`), cut at the first token the grammar forbids (none when its matcher fails: the next
+/// step's masks then fail the sequence), behind the forced tokens (with one-hot draft
+/// distributions for them). `None` when the proposer adds nothing to the forced tokens.
+pub(crate) fn draft_after_forced(seq: crate::types::SeqId, grammar: Option<&mut Grammar>, forced: &[TokenId], mut draft: Draft, vocab: usize) -> Option<Draft> {
+    if let Some(g) = grammar {
+        let n = g.valid_prefix_after(forced, &draft.tokens).unwrap_or_else(|e| {
+            tracing::warn!(seq = %seq, "grammar failed on a draft: {e}");
+            0
+        });
+        draft.tokens.truncate(n);
+        if let Some(p) = draft.probs.as_mut() {
+            p.truncate(n);
+        }
+    }
+    if draft.tokens.is_empty() {
+        return None;
+    }
+    if !forced.is_empty() {
+        draft.probs = draft.probs.map(|p| forced.iter().map(|&t| one_hot(t, vocab)).chain(p).collect());
+        draft.tokens.splice(0..0, forced.iter().copied());
+    }
+    Some(draft)
+}
+
+/// A draft distribution certain of `t`.
+fn one_hot(t: TokenId, vocab: usize) -> Vec<f32> {
+    let mut row = vec![0.0; vocab];
+    row[t as usize] = 1.0;
+    row
 }
 
 #[cfg(test)]
@@ -501,6 +560,43 @@ mod tests {
         g.rollback(1 + forced.len()).unwrap();
         assert_eq!(g.valid_prefix_after(&forced, &[t.token_to_id("7").unwrap(), t.token_to_id("}").unwrap()]).unwrap(), 2);
         assert_eq!(g.forced_tokens(16), forced, "the grammar is back at the start");
+    }
+
+    /// Jump-forward merging: the proposer's draft goes behind the forced tokens, cut where the
+    /// grammar forbids; the forced prefix of a verified draft is counted from the masks; a draft
+    /// that completes the grammar keeps no EOS after it.
+    #[test]
+    fn drafts_merge_behind_forced_tokens_and_the_forced_prefix_is_counted() {
+        let t = tokenizer();
+        let id = |s: &str| t.token_to_id(s).unwrap();
+        let vocab = t.vocab_size();
+        let schema = r#"{"type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"], "additionalProperties": false}"#;
+        let mut g = compiler().compile(&Constraint::JsonSchema(schema.into())).unwrap();
+        let forced = g.forced_tokens(16);
+        let draft = |tokens: Vec<TokenId>| Draft { tokens, probs: None };
+        // "7}" fits after the forced text, "x" does not: the draft is cut there
+        let merged = draft_after_forced(crate::types::SeqId(1), Some(&mut g), &forced, draft(vec![id("7"), id("}"), id("x")]), vocab).unwrap();
+        assert_eq!(merged.tokens, [&forced[..], &[id("7"), id("}")]].concat());
+        assert_eq!(g.forced_tokens(16), forced, "merging leaves the grammar where it was");
+        // nothing the grammar allows: the forced tokens stay alone (None)
+        assert!(draft_after_forced(crate::types::SeqId(1), Some(&mut g), &forced, draft(vec![id("x")]), vocab).is_none());
+        // one-hot rows for the forced tokens in front of the proposer's distributions
+        let probs = Draft { tokens: vec![id("7")], probs: Some(vec![vec![0.5; vocab]]) };
+        let merged = draft_after_forced(crate::types::SeqId(1), Some(&mut g), &forced, probs, vocab).unwrap();
+        let rows = merged.probs.unwrap();
+        assert_eq!(rows.len(), forced.len() + 1);
+        assert!(rows[..forced.len()].iter().zip(&forced).all(|(r, &f)| r[f as usize] == 1.0 && r.iter().sum::<f32>() == 1.0));
+        // without a grammar a draft passes as it is
+        assert_eq!(draft_after_forced(crate::types::SeqId(1), None, &[], draft(vec![5, 6]), vocab).unwrap().tokens, vec![5, 6]);
+        // the forced prefix of a verified draft: the leading tokens each alone in their mask
+        let (masks, _) = g.verification_masks(&[forced.clone(), vec![id("7")]].concat()).unwrap();
+        assert_eq!(forced_prefix(&[forced.clone(), vec![id("7")]].concat(), &masks), forced.len());
+        // a choice completed by an accepted draft: the EOS the next row gave is cut
+        let mut c = compiler().compile(&Constraint::Choice(vec!["yes".into(), "no".into()])).unwrap();
+        let mut emitted = vec![id("yes"), EOS];
+        c.accept(0, &emitted[..1]).unwrap();
+        c.trim_completed(&mut emitted);
+        assert_eq!(emitted, vec![id("yes")]);
     }
 
     #[test]

@@ -8,11 +8,11 @@
 
 use super::execute;
 use crate::config::{FaultInjection, FaultPhase};
-use crate::constraint::{TokenMask, JUMP_FORWARD_MAX_TOKENS};
+use crate::constraint::{draft_after_forced, forced_prefix, masked_rows, TokenMask, JUMP_FORWARD_MAX_TOKENS};
 use crate::error::{panic_message, StepError, StepFailure};
 use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
-use crate::speculative::{verify, CatchUp, Draft, DraftRequest, Speculation};
+use crate::speculative::{verify, Draft, DraftCandidate, DraftRequest, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
 use crate::types::{SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
@@ -88,7 +88,7 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     );
     let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
-    let results = propose(ctx, state, job.step, items, results, &out.hidden, job.pending_prefill)?;
+    let results = propose(ctx, state, job.step, items, results, &out.hidden, job.pending_prefill);
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
     Ok(JobOutput { results, logprobs, prompt_logprobs, timings, _spent: (inputs, out) })
 }
@@ -155,13 +155,12 @@ fn sample(
     logits: &[f32],
 ) -> Result<Sampled, StepFailure> {
     let vocab = ctx.model.config.vocab_size;
-    let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     // only the largest top-k any sequence of this batch asked for is computed
     let k_max = items.iter().filter_map(|it| it.params.logprobs).chain(prompt_rows.iter().map(|p| p.k)).max();
     let mut lp_rows: Vec<RankedLogprob> = Vec::new();
     let mut verified = false;
     let mut results = Vec::with_capacity(items.len());
-    let mut masked = Vec::new();
+    let mut scratch = Vec::new();
     for (i, it) in items.iter_mut().enumerate() {
         let block = logits
             .get(it.first_row * vocab..(it.first_row + it.rows) * vocab)
@@ -177,36 +176,11 @@ fn sample(
             None => None,
         };
         // what sampling and verification read: the raw rows, or the rows masked by the grammar
-        let rows: &[f32] = match item_masks {
-            Some((ms, _)) => {
-                masked.clear();
-                masked.extend_from_slice(block);
-                for (r, m) in ms.iter().enumerate() {
-                    m.apply(&mut masked[r * vocab..(r + 1) * vocab]);
-                }
-                &masked
-            }
+        let rows = match item_masks {
+            Some((ms, _)) => masked_rows(block, ms, vocab, &mut scratch),
             None => block,
         };
-        // a panic while sampling or verifying this sequence fails it alone, not its neighbours
-        let drawn = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<TokenId>, StepFailure> {
-            if i == 0 {
-                FaultInjection::trip(ctx.fault, step, FaultPhase::SampleSequence)?;
-            }
-            if num_drafts == 0 {
-                let history = TokenHistory { prompt: &it.tokens[..it.prompt_len], output: &it.tokens[it.prompt_len..] };
-                Ok(vec![state.sampler.sample(rows, &it.params, history, &rng)?])
-            } else {
-                let (prompt, output) = it.tokens.split_at(it.prompt_len);
-                Ok(verify(rows, vocab, &it.draft, &it.params, prompt, output, &rng, force_accept)?.tokens)
-            }
-        }));
-        let drawn = match drawn {
-            Ok(Ok(toks)) => Ok(toks),
-            Ok(Err(e)) => Err(format!("sampling this sequence failed: {e}")),
-            Err(panic) => Err(format!("sampling this sequence panicked: {}", panic_message(&panic))),
-        };
-        let mut toks = match drawn {
+        let mut toks = match draw(ctx, state, step, i == 0, it, rows, &rng) {
             Ok(toks) => toks,
             Err(message) => {
                 tracing::error!(seq = %it.seq, "step {step}: {message}");
@@ -215,53 +189,27 @@ fn sample(
             }
         };
         verified |= num_drafts > 0;
+        // drafts the rejection sampler accepted (for the acceptance counters)
+        let accepted = toks.len() - 1;
         let mut grammar = it.grammar.take();
         if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {
             if let Err(e) = g.accept(*consumed, &toks) {
                 results.push(grammar_failure(it.seq, step, rng, e));
                 continue;
             }
+            g.trim_completed(&mut toks);
         }
         let grammar_finished = grammar.as_ref().is_some_and(|g| g.is_finished());
-        // drafts the rejection sampler accepted (for the acceptance counters)
-        let verified_accepted = toks.len() - 1;
-        if grammar_finished && toks.len() > 1 && grammar.as_ref().is_some_and(|g| toks.last().is_some_and(|&t| g.is_eos(t))) {
-            // an accepted draft completed the grammar, so the row after it could only give EOS:
-            // the output ends at that draft token, as it does without speculation (no EOS token)
-            toks.pop();
-        }
         let lp_first = match (it.params.logprobs, k_max) {
-            (Some(_), Some(k)) => {
-                let start = lp_rows.len();
-                for (j, &tok) in toks.iter().enumerate() {
-                    lp_rows.push(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k)?);
-                }
-                Some(start)
-            }
+            (Some(_), Some(k)) => Some(emitted_logprobs(block, &toks, vocab, k, &mut lp_rows)?),
             _ => None,
         };
-        // forced drafts (jump-forward): the leading draft tokens at positions whose mask allowed
-        // only that token, counted apart from the proposer's
         let forced = match item_masks {
-            Some((ms, _)) if ctx.jump_forward => it.draft.tokens.iter().zip(ms).take_while(|(&t, m)| m.allows(t) && m.num_allowed() == 1).count(),
+            Some((ms, _)) if ctx.jump_forward => forced_prefix(&it.draft.tokens, ms),
             _ => 0,
         };
-        let forced_accepted = verified_accepted.min(forced);
-        if num_drafts > 0 {
-            if let Some(sp) = state.spec.as_mut() {
-                let accepted = toks.len() - 1;
-                if forced > 0 {
-                    sp.metrics.record_forced(forced, forced_accepted);
-                }
-                if num_drafts > forced {
-                    sp.record(it.seq, num_drafts - forced, verified_accepted - forced_accepted);
-                }
-                // valid KV ends after the accepted drafts (the one rollback rule, `step::kept_end`)
-                sp.proposer.rollback(it.seq, it.kept_end(num_drafts - accepted));
-            } else {
-                crate::speculative::metrics::record_forced(forced, forced_accepted);
-            }
-        }
+        let kept_end = it.kept_end(num_drafts - (toks.len() - 1));
+        Speculation::record_verification(state.spec.as_mut(), it.seq, num_drafts, forced, accepted, kept_end);
         it.tokens.extend_from_slice(&toks);
         results.push(SeqResult {
             tokens: toks,
@@ -276,17 +224,7 @@ fn sample(
         });
         FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
-    let mut prompt_out = Vec::with_capacity(prompt_rows.len());
-    if let Some(k) = k_max {
-        // every prompt row's logprob and top-k, spread over the compute pool (idle once the
-        // forward pass is done): scoring a prompt asks one per token
-        let mut rows = Vec::with_capacity(prompt_rows.iter().map(|p| p.targets.len()).sum());
-        for pr in prompt_rows {
-            prompt_out.push(PromptLogprobsOut { seq: pr.seq, first_token: pr.first_token, lp_first: lp_rows.len() + rows.len(), count: pr.targets.len() });
-            rows.extend(pr.targets.iter().enumerate().map(|(j, &tok)| (pr.first_row + j, tok)));
-        }
-        lp_rows.extend(ctx.pool.install(|| ranked_logprobs(logits, vocab, &rows, k))?);
-    }
+    let prompt_out = prompt_logprobs(ctx, logits, prompt_rows, k_max, &mut lp_rows)?;
     let logprobs = match k_max {
         Some(_) if !lp_rows.is_empty() => {
             let cols = (lp_rows[0].logprob.top.len() + 1) as u32;
@@ -296,6 +234,63 @@ fn sample(
         _ => None,
     };
     Ok((results, logprobs, prompt_out))
+}
+
+/// One item's tokens: sampled from its row, or its drafts verified against its rows (the accepted
+/// prefix and one more). A failure or panic here fails this sequence alone, not its neighbours:
+/// the error is the text its request gets. `first`: the step's first sampled item (the test
+/// switch's `SampleSequence` fault).
+fn draw(ctx: &JobContext, state: &mut ComputeState, step: u64, first: bool, it: &SampleItem, rows: &[f32], rng: &SeqRng) -> Result<Vec<TokenId>, String> {
+    let vocab = ctx.model.config.vocab_size;
+    let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
+    let drawn = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<TokenId>, StepFailure> {
+        if first {
+            FaultInjection::trip(ctx.fault, step, FaultPhase::SampleSequence)?;
+        }
+        let (prompt, output) = it.tokens.split_at(it.prompt_len);
+        if it.rows == 1 {
+            Ok(vec![state.sampler.sample(rows, &it.params, TokenHistory { prompt, output }, rng)?])
+        } else {
+            Ok(verify(rows, vocab, &it.draft, &it.params, prompt, output, rng, force_accept)?.tokens)
+        }
+    }));
+    match drawn {
+        Ok(Ok(toks)) => Ok(toks),
+        Ok(Err(e)) => Err(format!("sampling this sequence failed: {e}")),
+        Err(panic) => Err(format!("sampling this sequence panicked: {}", panic_message(&panic))),
+    }
+}
+
+/// The logprob rows (top `k`) of the emitted `toks`, from the raw target rows of `block`,
+/// appended to `lp_rows`; returns where they start.
+fn emitted_logprobs(block: &[f32], toks: &[TokenId], vocab: usize, k: usize, lp_rows: &mut Vec<RankedLogprob>) -> Result<usize, StepFailure> {
+    let start = lp_rows.len();
+    for (j, &tok) in toks.iter().enumerate() {
+        lp_rows.push(ranked_logprob(&block[j * vocab..(j + 1) * vocab], tok, k)?);
+    }
+    Ok(start)
+}
+
+/// Every prompt row's logprob and top-k (`k_max`), appended to `lp_rows`, spread over the compute
+/// pool (idle once the forward pass is done: scoring a prompt asks one per token); where each
+/// sequence's rows are.
+fn prompt_logprobs(
+    ctx: &JobContext,
+    logits: &[f32],
+    prompt_rows: &[PromptRows],
+    k_max: Option<usize>,
+    lp_rows: &mut Vec<RankedLogprob>,
+) -> Result<Vec<PromptLogprobsOut>, StepFailure> {
+    let mut out = Vec::with_capacity(prompt_rows.len());
+    let Some(k) = k_max else { return Ok(out) };
+    let mut rows = Vec::with_capacity(prompt_rows.iter().map(|p| p.targets.len()).sum());
+    for pr in prompt_rows {
+        out.push(PromptLogprobsOut { seq: pr.seq, first_token: pr.first_token, lp_first: lp_rows.len() + rows.len(), count: pr.targets.len() });
+        rows.extend(pr.targets.iter().enumerate().map(|(j, &tok)| (pr.first_row + j, tok)));
+    }
+    let vocab = ctx.model.config.vocab_size;
+    lp_rows.extend(ctx.pool.install(|| ranked_logprobs(logits, vocab, &rows, k))?);
+    Ok(out)
 }
 
 /// Drafts for the next step of every sequence that goes on decoding (not one that just emitted a
@@ -311,156 +306,129 @@ fn propose(
     mut results: Vec<SeqResult>,
     hidden: &[f32],
     pending_prefill: usize,
-) -> Result<Vec<(SeqId, SeqResult)>, StepFailure> {
-    let vocab = ctx.model.config.vocab_size;
-    let continuing: Vec<bool> = items
-        .iter()
-        .zip(&results)
-        .map(|(it, r)| {
-            let base = it.tokens.len() - r.tokens.len();
-            r.failed.is_none()
-                && !r.grammar_finished
-                && !r
-                    .tokens
-                    .iter()
-                    .enumerate()
-                    .any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some())
-        })
-        .collect();
-    for (r, &c) in results.iter_mut().zip(&continuing) {
-        r.finished = !c;
-    }
+) -> Vec<(SeqId, SeqResult)> {
+    let continuing = continuing(ctx, &items, &mut results);
     let decoding = continuing.iter().filter(|&&c| c).count();
-    // tokens each sequence may still get after the next one (its length and the context)
-    let room: Vec<usize> = items
-        .iter()
-        .map(|it| {
-            let output_len = it.tokens.len() - it.prompt_len;
-            it.params.max_tokens.saturating_sub(output_len + 1).min(ctx.max_model_len.saturating_sub(it.tokens.len() + 1))
-        })
-        .collect();
-    // jump-forward: the tokens each constrained sequence's grammar forces next, drafted first
-    let forced_cap = match state.spec.as_ref() {
-        _ if !ctx.jump_forward || decoding == 0 => 0,
-        Some(sp) => sp.forced_limit(decoding),
-        None => JUMP_FORWARD_MAX_TOKENS,
-    };
-    let mut forced: Vec<Vec<TokenId>> = vec![Vec::new(); items.len()];
-    for (i, r) in results.iter_mut().enumerate() {
-        if let (true, true, Some(g)) = (forced_cap > 0, continuing[i], r.grammar.as_mut()) {
-            forced[i] = g.forced_tokens(forced_cap.min(room[i]));
-            r.next_draft = Draft { tokens: forced[i].clone(), probs: None };
-        }
-    }
+    let room: Vec<usize> = items.iter().map(|it| room(ctx, it)).collect();
+    let forced = jump_forward(ctx, state.spec.as_ref(), &mut results, &continuing, &room, decoding);
     if let Some(sp) = state.spec.as_mut() {
-        let k_limit = sp.batch_k_limit(decoding);
-        // forced and proposed drafts together: at most the engine's k (what a decode scheduled
-        // ahead reserved)
-        let k_engine = sp.cfg.num_speculative_tokens;
         let needs_hidden = sp.proposer.needs_hidden();
-        // each row's hidden states: one H-wide state per layer the proposer asked for
-        let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
-        if decoding > 0 && (k_limit > 0 || needs_hidden) {
+        if decoding > 0 && (sp.batch_k_limit(decoding) > 0 || needs_hidden) {
             // the proposer drafts after the forced tokens (one that reads the target's hidden
             // states cannot: it drafts only where nothing is forced)
             let extended: Vec<Option<Vec<TokenId>>> =
                 items.iter().zip(&forced).map(|(it, f)| (!f.is_empty() && !needs_hidden).then(|| [&it.tokens[..], &f[..]].concat())).collect();
+            // each row's hidden states: one H-wide state per layer the proposer asked for; the
+            // rows that produced the item's emitted tokens
+            let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
+            let which: Vec<usize> = (0..items.len()).filter(|&i| continuing[i]).collect();
+            let cands: Vec<DraftCandidate> = which
+                .iter()
+                .map(|&i| {
+                    let it = &items[i];
+                    DraftCandidate {
+                        seq: it.seq,
+                        tokens: extended[i].as_deref().unwrap_or(&it.tokens),
+                        known: it.tokens.len(),
+                        prompt_len: it.prompt_len,
+                        params: &it.params,
+                        forced: forced[i].len(),
+                        room: room[i],
+                        hidden: hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h),
+                        rng: &results[i].rng,
+                    }
+                })
+                .collect();
             let arrived = ctx.queue.waiting.load(std::sync::atomic::Ordering::Relaxed);
-            let batch_soon = CatchUp::batch_soon(decoding, pending_prefill, arrived, ctx.max_num_seqs);
-            let may_draft = |i: usize| continuing[i] && k_limit > 0 && !items[i].params.disable_speculation;
-            let first_decode = |it: &SampleItem| it.tokens.len() - it.prompt_len <= 1;
-            // what the proposer must process first for each sequence that may draft (0 for the others)
-            let backlogs: Vec<usize> =
-                items.iter().enumerate().map(|(i, it)| if may_draft(i) { sp.proposer.backlog(it.seq, it.tokens.len()) } else { 0 }).collect();
-            let batch_backlog = CatchUp::batch_backlog(items.iter().zip(&backlogs).filter(|(it, _)| !first_decode(it)).map(|(_, &b)| b));
-            let mut reqs = Vec::with_capacity(decoding);
-            let mut which = Vec::with_capacity(decoding);
-            // hidden rows follow the logits rows: the rows that produced the item's emitted tokens
-            for (i, it) in items.iter().enumerate() {
-                if !continuing[i] {
-                    continue;
-                }
-                let k = if may_draft(i) {
-                    let output_len = it.tokens.len() - it.prompt_len;
-                    let catch_up =
-                        CatchUp { backlog: backlogs[i], first_decode: first_decode(it), room: room[i], generated: output_len, batch_soon, batch_backlog };
-                    let support = sp.proposer.support(it.seq, extended[i].as_deref().unwrap_or(&it.tokens), it.prompt_len);
-                    sp.next_k(it.seq, k_limit, decoding, catch_up, support)
-                } else {
-                    0
-                };
-                let f = forced[i].len();
-                let max_draft = if f > 0 && needs_hidden { 0 } else { k.min(room[i].saturating_sub(f)).min(k_engine.saturating_sub(f)) };
-                let hidden = hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h);
-                reqs.push(DraftRequest {
-                    seq: it.seq,
-                    tokens: extended[i].as_deref().unwrap_or(&it.tokens),
-                    prompt_len: it.prompt_len,
-                    max_draft,
-                    params: &it.params,
-                    hidden,
-                    rng: Some(&results[i].rng),
-                });
-                which.push(i);
-            }
+            let reqs = sp.plan_drafts(&cands, pending_prefill, arrived, ctx.max_num_seqs);
             if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) {
-                // a proposer that fails or panics costs this step's drafts, never the step: its
-                // sequences decode without drafts next step and it forgets them (its state for
-                // them may be half-updated), so they catch up from their history afterwards
-                let proposed = catch_unwind(AssertUnwindSafe(|| {
-                    let drafts = sp.proposer.propose(&reqs, &ctx.pool)?;
-                    FaultInjection::trip(ctx.fault, step, FaultPhase::Propose)?;
-                    Ok::<_, StepFailure>(drafts)
-                }))
-                .unwrap_or_else(|p| Err(StepFailure::Invariant(format!("the proposer panicked: {}", panic_message(&p)))));
-                if proposed.is_err() {
-                    for r in &reqs {
-                        if catch_unwind(AssertUnwindSafe(|| sp.proposer.remove(r.seq))).is_err() {
-                            tracing::error!(seq = %r.seq, "the proposer panicked again while forgetting the sequence");
-                        }
+                let drafts = run_proposer(ctx, sp, step, &reqs);
+                let vocab = ctx.model.config.vocab_size;
+                for (i, d) in which.into_iter().zip(drafts.into_iter().flatten()) {
+                    if d.tokens.iter().any(|&t| t as usize >= vocab) {
+                        continue; // a proposer bug must not crash verification
                     }
-                }
-                match proposed {
-                    Ok(drafts) => {
-                        for (i, mut d) in which.into_iter().zip(drafts) {
-                            if d.tokens.iter().any(|&t| t as usize >= vocab) {
-                                continue; // a proposer bug must not crash verification
-                            }
-                            let f = &forced[i];
-                            if let Some(g) = results[i].grammar.as_mut() {
-                                // a draft ends at the first token the grammar forbids (none if
-                                // the matcher fails: the next step's masks fail the sequence)
-                                let n = g.valid_prefix_after(f, &d.tokens).unwrap_or_else(|e| {
-                                    tracing::warn!(seq = %items[i].seq, "grammar failed on a draft: {e}");
-                                    0
-                                });
-                                d.tokens.truncate(n);
-                                if let Some(p) = d.probs.as_mut() {
-                                    p.truncate(n);
-                                }
-                            }
-                            if d.tokens.is_empty() {
-                                continue; // the forced tokens alone, if any
-                            }
-                            if !f.is_empty() {
-                                // the proposer's draft distributions get one-hot rows for the forced tokens
-                                d.probs = d.probs.map(|p| f.iter().map(|&t| one_hot(t, vocab)).chain(p).collect());
-                                d.tokens.splice(0..0, f.iter().copied());
-                            }
-                            results[i].next_draft = d;
-                        }
+                    if let Some(d) = draft_after_forced(items[i].seq, results[i].grammar.as_mut(), &forced[i], d, vocab) {
+                        results[i].next_draft = d;
                     }
-                    Err(e) => tracing::error!(step, sequences = reqs.len(), "speculative proposer failed; decoding without drafts next step: {e}"),
                 }
             }
         }
     }
-    Ok(items.iter().map(|it| it.seq).zip(results).collect())
+    items.iter().map(|it| it.seq).zip(results).collect()
 }
 
-/// A draft distribution certain of `t`.
-fn one_hot(t: TokenId, vocab: usize) -> Vec<f32> {
-    let mut row = vec![0.0; vocab];
-    row[t as usize] = 1.0;
-    row
+/// Which items go on decoding: not failed, grammar not finished, no token of this step ending
+/// the sequence (stop token, length, context); the others are marked finished.
+fn continuing(ctx: &JobContext, items: &[SampleItem], results: &mut [SeqResult]) -> Vec<bool> {
+    items
+        .iter()
+        .zip(results.iter_mut())
+        .map(|(it, r)| {
+            let base = it.tokens.len() - r.tokens.len();
+            let ends = r
+                .tokens
+                .iter()
+                .enumerate()
+                .any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some());
+            let goes_on = r.failed.is_none() && !r.grammar_finished && !ends;
+            r.finished = !goes_on;
+            goes_on
+        })
+        .collect()
+}
+
+/// Tokens a sequence may still get after the next one (its length and the context).
+fn room(ctx: &JobContext, it: &SampleItem) -> usize {
+    let output_len = it.tokens.len() - it.prompt_len;
+    it.params.max_tokens.saturating_sub(output_len + 1).min(ctx.max_model_len.saturating_sub(it.tokens.len() + 1))
+}
+
+/// Jump-forward: the tokens each continuing constrained sequence's grammar forces next (within
+/// the step's forced budget and its room), set as its draft; the proposer's draft goes after them.
+fn jump_forward(
+    ctx: &JobContext,
+    spec: Option<&Speculation>,
+    results: &mut [SeqResult],
+    continuing: &[bool],
+    room: &[usize],
+    decoding: usize,
+) -> Vec<Vec<TokenId>> {
+    let cap = match spec {
+        _ if !ctx.jump_forward || decoding == 0 => 0,
+        Some(sp) => sp.forced_limit(decoding),
+        None => JUMP_FORWARD_MAX_TOKENS,
+    };
+    let mut forced: Vec<Vec<TokenId>> = vec![Vec::new(); results.len()];
+    for (i, r) in results.iter_mut().enumerate() {
+        if let (true, true, Some(g)) = (cap > 0, continuing[i], r.grammar.as_mut()) {
+            forced[i] = g.forced_tokens(cap.min(room[i]));
+            r.next_draft = Draft { tokens: forced[i].clone(), probs: None };
+        }
+    }
+    forced
+}
+
+/// Runs the proposer over `reqs`: their drafts, or `None` when it fails or panics. That costs this
+/// step's drafts, never the step: the sequences decode without drafts next step and the proposer
+/// forgets them (its state for them may be half-updated), so they catch up from their history.
+fn run_proposer(ctx: &JobContext, sp: &mut Speculation, step: u64, reqs: &[DraftRequest]) -> Option<Vec<Draft>> {
+    let proposed = catch_unwind(AssertUnwindSafe(|| {
+        let drafts = sp.proposer.propose(reqs, &ctx.pool)?;
+        FaultInjection::trip(ctx.fault, step, FaultPhase::Propose)?;
+        Ok::<_, StepFailure>(drafts)
+    }))
+    .unwrap_or_else(|p| Err(StepFailure::Invariant(format!("the proposer panicked: {}", panic_message(&p)))));
+    match proposed {
+        Ok(drafts) => Some(drafts),
+        Err(e) => {
+            tracing::error!(step, sequences = reqs.len(), "speculative proposer failed; decoding without drafts next step: {e}");
+            for r in reqs {
+                if catch_unwind(AssertUnwindSafe(|| sp.proposer.remove(r.seq))).is_err() {
+                    tracing::error!(seq = %r.seq, "the proposer panicked again while forgetting the sequence");
+                }
+            }
+            None
+        }
+    }
 }

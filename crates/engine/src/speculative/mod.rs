@@ -287,6 +287,99 @@ impl Speculation {
         self.trackers.remove(&seq);
         self.supported.remove(&seq);
     }
+
+    /// Draft planning for one step: for each sequence that goes on decoding (`cands`), how many
+    /// tokens it may draft (its room and the engine's k beside the tokens its grammar forces,
+    /// the batch's budget, the proposer's catch-up and support, adaptive k), as the proposer's
+    /// requests, in `cands`' order. `pending_prefill`, `arrived` and `max_num_seqs` give the batch
+    /// expected soon ([`CatchUp::batch_soon`]).
+    pub(crate) fn plan_drafts<'a>(
+        &mut self,
+        cands: &[DraftCandidate<'a>],
+        pending_prefill: usize,
+        arrived: usize,
+        max_num_seqs: usize,
+    ) -> Vec<DraftRequest<'a>> {
+        let decoding = cands.len();
+        let k_limit = self.batch_k_limit(decoding);
+        // forced and proposed drafts together: at most the engine's k (what a decode scheduled
+        // ahead reserved); a proposer that reads the target's hidden states drafts only where
+        // nothing is forced
+        let k_engine = self.cfg.num_speculative_tokens;
+        let needs_hidden = self.proposer.needs_hidden();
+        let batch_soon = CatchUp::batch_soon(decoding, pending_prefill, arrived, max_num_seqs);
+        let may_draft = |c: &DraftCandidate| k_limit > 0 && !c.params.disable_speculation;
+        // what the proposer must process first for each sequence that may draft (0 for the others)
+        let backlogs: Vec<usize> = cands.iter().map(|c| if may_draft(c) { self.proposer.backlog(c.seq, c.known) } else { 0 }).collect();
+        let batch_backlog = CatchUp::batch_backlog(cands.iter().zip(&backlogs).filter(|(c, _)| !c.first_decode()).map(|(_, &b)| b));
+        cands
+            .iter()
+            .zip(&backlogs)
+            .map(|(c, &backlog)| {
+                let k = if may_draft(c) {
+                    let catch_up = CatchUp { backlog, first_decode: c.first_decode(), room: c.room, generated: c.generated(), batch_soon, batch_backlog };
+                    let support = self.proposer.support(c.seq, c.tokens, c.prompt_len);
+                    self.next_k(c.seq, k_limit, decoding, catch_up, support)
+                } else {
+                    0
+                };
+                let max_draft = if c.forced > 0 && needs_hidden { 0 } else { k.min(c.room.saturating_sub(c.forced)).min(k_engine.saturating_sub(c.forced)) };
+                DraftRequest { seq: c.seq, tokens: c.tokens, prompt_len: c.prompt_len, max_draft, params: c.params, hidden: c.hidden, rng: Some(c.rng) }
+            })
+            .collect()
+    }
+
+    /// Accounts one sequence's verification: `num_drafts` drafted, of which the first `forced`
+    /// were forced by its grammar (jump-forward: counted apart from the proposer's), `accepted`
+    /// kept; the proposer rolls back to `kept_end`, where the sequence's valid KV ends (the one
+    /// rollback rule, `step::kept_end`). Without speculation only the forced counters move.
+    pub(crate) fn record_verification(spec: Option<&mut Self>, seq: crate::types::SeqId, num_drafts: usize, forced: usize, accepted: usize, kept_end: usize) {
+        if num_drafts == 0 {
+            return;
+        }
+        let forced_accepted = accepted.min(forced);
+        match spec {
+            Some(sp) => {
+                if forced > 0 {
+                    sp.metrics.record_forced(forced, forced_accepted);
+                }
+                if num_drafts > forced {
+                    sp.record(seq, num_drafts - forced, accepted - forced_accepted);
+                }
+                sp.proposer.rollback(seq, kept_end);
+            }
+            None => metrics::record_forced(forced, forced_accepted),
+        }
+    }
+}
+
+/// One sequence that goes on decoding, as draft planning sees it (`Speculation::plan_drafts`).
+pub(crate) struct DraftCandidate<'a> {
+    pub seq: crate::types::SeqId,
+    /// Its tokens, followed by those its grammar forces next when the proposer drafts after them.
+    pub tokens: &'a [crate::types::TokenId],
+    /// Its tokens without the forced ones (what the proposer has seen of it is measured against).
+    pub known: usize,
+    pub prompt_len: usize,
+    pub params: &'a crate::api::SamplingParams,
+    /// Tokens its grammar forces next (drafted first).
+    pub forced: usize,
+    /// Tokens it may still get after the next one.
+    pub room: usize,
+    /// Its hidden-state rows, for a proposer that reads them.
+    pub hidden: Option<&'a [f32]>,
+    pub rng: &'a crate::sampling::SeqRng,
+}
+
+impl DraftCandidate<'_> {
+    fn generated(&self) -> usize {
+        self.known - self.prompt_len
+    }
+
+    /// Only the token its prefill sampled is output so far.
+    fn first_decode(&self) -> bool {
+        self.generated() <= 1
+    }
 }
 
 /// A sequence's standing with the proposer when its draft length is chosen
@@ -364,6 +457,36 @@ mod tests {
         assert_eq!(sp.next_k(SeqId(3), k_limit, 1, first(8), None), 0);
         // nothing to catch up with (an n-gram proposer): the batch to come does not matter
         assert!(sp.next_k(SeqId(4), k_limit, 1, CatchUp { backlog: 0, ..first(8) }, None) > 0);
+    }
+
+    /// Draft planning: each sequence drafts at most its room and the engine's k beside its forced
+    /// tokens, one that disables speculation drafts nothing, and without adaptive k every other
+    /// gets k.
+    #[test]
+    fn plan_drafts_keeps_each_draft_within_room_k_and_forced_tokens() {
+        let mut cfg = SpecConfig::new(SpecMethod::Ngram, 4);
+        cfg.adaptive = false;
+        let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(1)), cost::CostModel::linear(0.05, 0.1));
+        let tokens: Vec<crate::types::TokenId> = (0..20).collect();
+        let (plain, off) =
+            (crate::api::SamplingParams::greedy(64), crate::api::SamplingParams { disable_speculation: true, ..crate::api::SamplingParams::greedy(64) });
+        let rng = crate::sampling::SeqRng::new(Some(1), 0);
+        let cand = |seq, params, forced, room| DraftCandidate {
+            seq: SeqId(seq),
+            tokens: &tokens,
+            known: 20,
+            prompt_len: 10,
+            params,
+            forced,
+            room,
+            hidden: None,
+            rng: &rng,
+        };
+        let cands = [cand(1, &plain, 0, 100), cand(2, &plain, 0, 2), cand(3, &plain, 3, 100), cand(4, &off, 0, 100)];
+        let reqs = sp.plan_drafts(&cands, 0, 0, 8);
+        let max: Vec<usize> = reqs.iter().map(|r| r.max_draft).collect();
+        assert_eq!(max, vec![4, 2, 1, 0], "k; room 2; k 4 less 3 forced; speculation disabled");
+        assert_eq!(reqs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![SeqId(1), SeqId(2), SeqId(3), SeqId(4)]);
     }
 
     #[test]
