@@ -207,13 +207,13 @@ impl specula_model::ExpertExchange for PanickingExchange {
     fn exchanges_this_step(&self) -> usize {
         self.inner.exchanges_this_step()
     }
-    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), String> {
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), specula_model::ExchangeError> {
         if self.gathers.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == self.panic_at {
             panic!("injected failure inside an expert exchange");
         }
         self.inner.all_gather(local, out)
     }
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), specula_model::ExchangeError> {
         self.inner.all_to_all(send, recv)
     }
     fn abort(&self) {

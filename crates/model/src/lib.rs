@@ -20,7 +20,7 @@ pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
 pub use llama::{FeedForward, ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
 pub use loader::{load_model, load_tokenizer, LoadedModel};
-pub use moe::{DenseFfn, ExpertExchange, MoeFfn};
+pub use moe::{DenseFfn, ExchangeError, ExpertExchange, MoeFfn};
 pub use tokenizer::{DecodeStream, TokenBytes, Tokenizer};
 
 /// Everything that can go wrong loading or running a model, each naming what and where.

@@ -38,9 +38,9 @@ pub trait ExpertExchange: Send + Sync {
         0
     }
     /// `out[r * local.len()..][..local.len()]` receives rank r's `local`.
-    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), String>;
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), ExchangeError>;
     /// `send` holds `size()` equal chunks, chunk j for rank j; `recv` receives chunk i from rank i.
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String>;
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), ExchangeError>;
     /// This rank cannot finish the exchanges of its forward pass (it panicked mid-way): every
     /// peer's pending and later exchanges must fail instead of waiting for it.
     fn abort(&self);
@@ -117,7 +117,13 @@ fn check_shape(m: &QMatrix, rows: usize, cols: usize, what: &str) -> Result<(), 
     Ok(())
 }
 
-fn exchange_err(what: &str, e: String) -> ModelError {
+/// An expert exchange failed (the communicator's own error, as text: the model crate knows no
+/// communicator).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ExchangeError(pub String);
+
+fn exchange_err(what: &str, e: ExchangeError) -> ModelError {
     ModelError::Exchange(format!("{what}: {e}"))
 }
 

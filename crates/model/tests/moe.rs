@@ -9,7 +9,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::QTensor;
 use common::{logits_alone, logits_in_mixed_batch};
 use specula_model::testing::{write_tiny_moe, GgmlDType, TinyMoe, TinySpec, TINY_VOCAB};
-use specula_model::{load_model, ExpertExchange, FeedForward, LlamaModel, ModelError};
+use specula_model::{load_model, ExchangeError, ExpertExchange, FeedForward, LlamaModel, ModelError};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier, Mutex};
 
@@ -240,11 +240,11 @@ impl ExpertExchange for ThreadExchange {
     fn exchanges_this_step(&self) -> usize {
         self.calls.load(std::sync::atomic::Ordering::Relaxed)
     }
-    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), String> {
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), ExchangeError> {
         out.copy_from_slice(&self.swap(local).concat());
         Ok(())
     }
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), ExchangeError> {
         let all = self.swap(send);
         let c = send.len() / self.shared.n;
         for (i, from) in all.iter().enumerate() {

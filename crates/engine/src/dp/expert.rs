@@ -10,7 +10,7 @@
 use super::communicator::{Communicator, DpError};
 use super::local::{LocalComm, LocalGroup};
 use super::rank::RankSetup;
-use specula_model::{ExpertExchange, LlamaModel};
+use specula_model::{ExchangeError, ExpertExchange, LlamaModel};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -55,12 +55,12 @@ impl<C: Communicator> CommExchange<C> {
         self.nanos.load(Ordering::Relaxed)
     }
 
-    fn timed(&self, f: impl FnOnce() -> Result<(), DpError>) -> Result<(), String> {
+    fn timed(&self, f: impl FnOnce() -> Result<(), DpError>) -> Result<(), ExchangeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let started = Instant::now();
         let r = f();
         self.nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        r.map_err(|e| e.to_string())
+        r.map_err(|e| ExchangeError(e.to_string()))
     }
 }
 
@@ -84,10 +84,10 @@ impl<C: Communicator + Abortable + Send + Sync> ExpertExchange for CommExchange<
     fn exchange_nanos(&self) -> u64 {
         self.nanos()
     }
-    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), String> {
+    fn all_gather(&self, local: &[f32], out: &mut [f32]) -> Result<(), ExchangeError> {
         self.timed(|| self.comm.all_gather_f32(local, out))
     }
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<(), ExchangeError> {
         self.timed(|| self.comm.all_to_all_f32(send, recv))
     }
     fn abort(&self) {

@@ -30,10 +30,14 @@ pub enum AsyncRunnerError {
     Stopped { name: String, reason: String },
 }
 
+/// Why a job failed, in its own words (the runner runs any job; the engine's host job cannot fail).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobError(pub String);
+
 /// A job as the worker receives it.
 struct Job<T> {
     step: u64,
-    run: Box<dyn FnOnce() -> Result<T, String> + Send>,
+    run: Box<dyn FnOnce() -> Result<T, JobError> + Send>,
 }
 
 /// What the engine thread sends to the worker.
@@ -108,7 +112,7 @@ impl<T: Send + 'static> AsyncRunner<T> {
 
     /// Hands `job` for `step` to the worker and returns at once. Refused with `Busy` while a previous
     /// job has not been collected (the job is dropped unrun), `Stopped` if the worker has died.
-    pub fn submit(&mut self, step: u64, job: impl FnOnce() -> Result<T, String> + Send + 'static) -> Result<(), AsyncRunnerError> {
+    pub fn submit(&mut self, step: u64, job: impl FnOnce() -> Result<T, JobError> + Send + 'static) -> Result<(), AsyncRunnerError> {
         self.check_running()?;
         if let Some(in_flight) = self.pending {
             return Err(AsyncRunnerError::Busy { name: self.name.clone(), in_flight, refused: step });
@@ -253,9 +257,9 @@ fn batch_scheduling() {
 }
 
 /// Runs one job, turning a panic into `Failure::Panic` with the payload's text.
-fn run_job<T>(run: Box<dyn FnOnce() -> Result<T, String> + Send>) -> Result<T, Failure> {
+fn run_job<T>(run: Box<dyn FnOnce() -> Result<T, JobError> + Send>) -> Result<T, Failure> {
     match panic::catch_unwind(AssertUnwindSafe(run)) {
-        Ok(result) => result.map_err(Failure::Error),
+        Ok(result) => result.map_err(|e| Failure::Error(e.0)),
         Err(payload) => {
             let message = panic_message(&payload);
             // A payload whose destructor panics must not take the worker down with it; if dropping
@@ -327,7 +331,7 @@ mod tests {
     fn job_error_comes_back_with_its_step_and_message() {
         bounded(LIMIT, || {
             let mut r = runner::<u32>("errs");
-            r.submit(7, || Err("block table has 3 entries but the span needs 4".to_string())).unwrap();
+            r.submit(7, || Err(JobError("block table has 3 entries but the span needs 4".to_string()))).unwrap();
             let err = r.sync().unwrap_err();
             assert_eq!(err, AsyncRunnerError::Job { name: "errs".into(), step: 7, message: "block table has 3 entries but the span needs 4".into() });
             assert_eq!(err.to_string(), "step 7 failed on async runner \"errs\": block table has 3 entries but the span needs 4");
@@ -391,7 +395,7 @@ mod tests {
             let mut r = runner::<&'static str>("busy");
             let (gate_tx, gate_rx) = mpsc::channel::<()>();
             r.submit(1, move || {
-                gate_rx.recv_timeout(LIMIT).map_err(|e| format!("gate never opened: {e}"))?;
+                gate_rx.recv_timeout(LIMIT).map_err(|e| JobError(format!("gate never opened: {e}")))?;
                 Ok("first")
             })
             .unwrap();
@@ -444,7 +448,7 @@ mod tests {
             let mut r = runner::<u8>("poll");
             let (gate_tx, gate_rx) = mpsc::channel::<()>();
             r.submit(9, move || {
-                gate_rx.recv_timeout(LIMIT).map_err(|e| e.to_string())?;
+                gate_rx.recv_timeout(LIMIT).map_err(|e| JobError(e.to_string()))?;
                 Ok(9)
             })
             .unwrap();
@@ -485,7 +489,7 @@ mod tests {
             let (started_tx, started_rx) = mpsc::channel();
             r.submit(1, move || {
                 ON_EXIT.with(|slot| *slot.borrow_mut() = Some(SetOnThreadExit(exited)));
-                started_tx.send(()).map_err(|e| e.to_string())?;
+                started_tx.send(()).map_err(|e| JobError(e.to_string()))?;
                 thread::sleep(Duration::from_millis(150));
                 done.store(true, Ordering::SeqCst);
                 Ok(())
@@ -526,9 +530,9 @@ mod tests {
             let (started_tx, started_rx) = mpsc::channel();
             let (reply_tx, reply_rx) = mpsc::channel();
             r.submit(1, move || {
-                started_tx.send(()).map_err(|e| e.to_string())?;
+                started_tx.send(()).map_err(|e| JobError(e.to_string()))?;
                 // Finishes only once the caller, still running after submit, answers.
-                reply_rx.recv_timeout(LIMIT).map_err(|e| format!("caller never answered: {e}"))?;
+                reply_rx.recv_timeout(LIMIT).map_err(|e| JobError(format!("caller never answered: {e}")))?;
                 Ok((thread::current().id(), thread::current().name().map(String::from)))
             })
             .unwrap();
@@ -566,7 +570,7 @@ mod tests {
             let mut r = runner::<u8>("dies-busy");
             let (gate_tx, gate_rx) = mpsc::channel::<()>();
             r.submit(1, move || {
-                gate_rx.recv_timeout(LIMIT).map_err(|e| e.to_string())?;
+                gate_rx.recv_timeout(LIMIT).map_err(|e| JobError(e.to_string()))?;
                 Ok(1)
             })
             .unwrap();
@@ -643,7 +647,7 @@ mod tests {
                         thread::sleep(Duration::from_micros(sleep_us));
                         match kind {
                             Kind::Value => Ok(step * 3),
-                            Kind::Error => Err(format!("error at step {step}")),
+                            Kind::Error => Err(JobError(format!("error at step {step}"))),
                             Kind::Panic => panic!("panic at step {step}"),
                         }
                     });
