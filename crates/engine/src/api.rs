@@ -1,6 +1,7 @@
 //! The engine's public surface: what a front end (HTTP server, CLI, benchmark) submits and what
 //! comes back. Everything crosses threads by channel; nothing here touches the model.
 
+pub use crate::constraint::Constraint;
 use crate::constraint::Grammar;
 use crate::types::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
@@ -84,22 +85,6 @@ mod shared_option {
     pub fn deserialize<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<Arc<T>>, D::Error> {
         Option::<T>::deserialize(d).map(|v| v.map(Arc::new))
     }
-}
-
-/// A language the output must stay inside, as the front end asked for it. The engine compiles it
-/// (llguidance) once per request; an invalid one is refused before the request runs.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Constraint {
-    /// Any JSON object (`response_format: {type: json_object}`).
-    JsonObject,
-    /// JSON valid for this JSON Schema (the schema's JSON text).
-    JsonSchema(String),
-    /// Text matching this regular expression (whole output).
-    Regex(String),
-    /// Exactly one of these strings.
-    Choice(Vec<String>),
-    /// A Lark grammar as llguidance reads it (may embed `%json { ... }`).
-    Lark(String),
 }
 
 impl Default for SamplingParams {

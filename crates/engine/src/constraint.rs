@@ -13,15 +13,31 @@
 //! Not here: where the mask is applied (the compute job, `runner::job`) and how speculation uses
 //! it (docs/architecture.md, "Structured outputs").
 
-use crate::api::Constraint;
 use crate::speculative::Draft;
 use crate::types::TokenId;
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use specula_model::Tokenizer;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// A language the output must stay inside, as the front end asked for it. The engine compiles it
+/// (llguidance) once per request; an invalid one is refused before the request runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Constraint {
+    /// Any JSON object (`response_format: {type: json_object}`).
+    JsonObject,
+    /// JSON valid for this JSON Schema (the schema's JSON text).
+    JsonSchema(String),
+    /// Text matching this regular expression (whole output).
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A Lark grammar as llguidance reads it (may embed `%json { ... }`).
+    Lark(String),
+}
 
 /// Most forced tokens proposed as drafts per step when the engine has no speculative method
 /// (jump-forward, `EngineConfig::jump_forward`); with one, the engine's k bounds them.
