@@ -1,8 +1,8 @@
 //! The engine's public surface: what a front end (HTTP server, CLI, benchmark) submits and what
 //! comes back. Everything crosses threads by channel; nothing here touches the model.
 
-pub use crate::constraint::Constraint;
 use crate::constraint::Grammar;
+pub use crate::constraint::{Constraint, ReasoningBudget};
 use crate::types::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -57,6 +57,10 @@ pub struct SamplingParams {
     /// The engine runs it from the compiled [`GenerateRequest::grammar`], never compiling it.
     #[serde(default, with = "shared_option")]
     pub constraint: Option<Arc<Constraint>>,
+    /// A thinking model's reasoning budget: the think block closes after at most this many
+    /// tokens (forced). Compiled with the constraint into the request's grammar.
+    #[serde(default)]
+    pub reasoning_budget: Option<ReasoningBudget>,
 }
 
 /// Serde for `Arc<[T]>` as a plain list (serde's own needs its `rc` feature).
@@ -107,6 +111,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            reasoning_budget: None,
         }
     }
 }
@@ -126,6 +131,12 @@ impl SamplingParams {
 
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+
+    /// Whether the request runs with a grammar (`GenerateRequest::grammar`): a constraint or a
+    /// reasoning budget.
+    pub fn needs_grammar(&self) -> bool {
+        self.constraint.is_some() || self.reasoning_budget.is_some()
     }
 
     /// Greedy with no penalty: the token is the argmax of the raw logits (the sampler's and the
@@ -255,7 +266,7 @@ pub struct GenerateRequest {
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
     pub events: tokio::sync::mpsc::UnboundedSender<RequestEvent>,
-    /// `params.constraint` compiled (`constraint::compile`), by the front end, off the engine
+    /// `params.constraint` and `params.reasoning_budget` compiled (`constraint::compile_params`), by the front end, off the engine
     /// thread; the choices of one request each get a clone of one compilation. The engine fails
     /// a request whose constraint comes without it (it never compiles on its own thread).
     pub grammar: Option<Grammar>,

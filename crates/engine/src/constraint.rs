@@ -39,6 +39,22 @@ pub enum Constraint {
     Lark(String),
 }
 
+/// A thinking model's reasoning budget (Anthropic's `thinking.budget_tokens`, vLLM's
+/// `thinking_token_budget`): at most `tokens` tokens between the think block's opening and its
+/// closing token; the one after the last is forced to be `close`. Enforced as a grammar (the
+/// sequence's [`Grammar`] starts in this phase), so it is exact under speculation and async
+/// scheduling like any constraint: the forced tokens are one-hot masks, drafted by jump-forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReasoningBudget {
+    /// Most tokens inside the think block (its opening and closing tokens not counted).
+    pub tokens: usize,
+    /// The opening token the output must start with; `None` when the prompt already opened the
+    /// block (DeepSeek-R1's generation prompt ends with `<think>`).
+    pub open: Option<TokenId>,
+    /// The closing token (`</think>`), forced once the budget is spent.
+    pub close: TokenId,
+}
+
 /// Most forced tokens proposed as drafts per step when the engine has no speculative method
 /// (jump-forward, `EngineConfig::jump_forward`); with one, the engine's k bounds them.
 pub const JUMP_FORWARD_MAX_TOKENS: usize = 8;
@@ -160,7 +176,25 @@ impl ConstraintCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(ConstraintError(describe(c, &e)));
         }
-        Ok(Grammar { matcher, eos: self.eos.clone(), vocab: self.vocab })
+        Ok(Grammar { matcher: Some(matcher), reasoning: None, log: Vec::new(), eos: self.eos.clone(), vocab: self.vocab })
+    }
+
+    /// A request's grammar: its reasoning budget's phase first, then its constraint (free text
+    /// when it has none); `None` when it has neither.
+    pub fn compile_request(&self, constraint: Option<&Constraint>, budget: Option<&ReasoningBudget>) -> Result<Option<Grammar>, ConstraintError> {
+        let mut grammar = match constraint {
+            Some(c) => self.compile(c)?,
+            None if budget.is_some() => Grammar { matcher: None, reasoning: None, log: Vec::new(), eos: self.eos.clone(), vocab: self.vocab },
+            None => return Ok(None),
+        };
+        if let Some(b) = budget {
+            if let Some(t) = [Some(b.close), b.open].into_iter().flatten().find(|&t| t as usize >= self.vocab || self.eos.contains(&t)) {
+                return Err(ConstraintError(format!("the reasoning budget's token {t} is not an ordinary token of this vocabulary")));
+            }
+            let phase = if b.open.is_some() { Phase::Opening } else { Phase::Thinking(0) };
+            grammar.reasoning = Some((*b, phase));
+        }
+        Ok(Some(grammar))
     }
 }
 
@@ -206,6 +240,15 @@ impl TokenizerEnv for CanonicalTokEnv {
 /// HTTP 400 naming the problem, and the request carries the result to the engine.
 pub fn compile(tokenizer: &Arc<Tokenizer>, c: &Constraint) -> Result<Grammar, ConstraintError> {
     ConstraintCompiler::for_tokenizer(tokenizer)?.compile(c)
+}
+
+/// The grammar a request's parameters need (its constraint and reasoning budget,
+/// [`ConstraintCompiler::compile_request`]); `None` when they need none.
+pub fn compile_params(tokenizer: &Arc<Tokenizer>, params: &crate::api::SamplingParams) -> Result<Option<Grammar>, ConstraintError> {
+    if !params.needs_grammar() {
+        return Ok(None);
+    }
+    ConstraintCompiler::for_tokenizer(tokenizer)?.compile_request(params.constraint.as_deref(), params.reasoning_budget.as_ref())
 }
 
 /// JSON output layout the schema grammars use unless a schema sets its own `x-guidance`: one
@@ -256,19 +299,36 @@ fn describe(c: &Constraint, err: &str) -> String {
     format!("invalid {what}: {err}")
 }
 
-/// One sequence's position in its constraint's language. Cloned with the sequence's sampling
-/// state into each step that samples it (a clone shares llguidance's lexer caches, not its
-/// parser state).
+/// One sequence's position in its output's language: first its reasoning budget's phase (if it
+/// has one), then its constraint's (llguidance's matcher; free text without one). Cloned with
+/// the sequence's sampling state into each step that samples it (a clone shares llguidance's
+/// lexer caches, not its parser state).
 #[derive(Clone)]
 pub struct Grammar {
-    matcher: Matcher,
+    matcher: Option<Matcher>,
+    /// The reasoning budget and where the output stands in it.
+    reasoning: Option<(ReasoningBudget, Phase)>,
+    /// Per token consumed since the last [`Grammar::accept`], the reasoning phase it was consumed
+    /// in (`None`: the matcher took it): what [`Grammar::rollback`] undoes.
+    log: Vec<Option<Phase>>,
     eos: Vec<TokenId>,
     vocab: usize,
 }
 
+/// Where an output stands in its reasoning budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Before the think block: only its opening token may come.
+    Opening,
+    /// Inside it, after this many tokens.
+    Thinking(usize),
+    /// After its closing token: the constraint (or free text) from here.
+    Done,
+}
+
 impl std::fmt::Debug for Grammar {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grammar").field("stopped", &self.matcher.is_stopped()).finish()
+        f.debug_struct("Grammar").field("reasoning", &self.reasoning).field("stopped", &self.is_finished()).finish()
     }
 }
 
@@ -315,10 +375,65 @@ impl Grammar {
         self.eos.contains(&t)
     }
 
+    fn phase(&self) -> Phase {
+        self.reasoning.map_or(Phase::Done, |(_, p)| p)
+    }
+
+    /// The token the reasoning budget forces at `phase` (its opening, or its closing once spent).
+    fn budget_forces(&self, phase: Phase) -> Option<TokenId> {
+        let (b, _) = self.reasoning?;
+        match phase {
+            Phase::Opening => b.open,
+            Phase::Thinking(n) if n >= b.tokens => Some(b.close),
+            _ => None,
+        }
+    }
+
+    /// Whether the reasoning phase `phase` allows `t`: a forced token alone; inside the block
+    /// anything but an end when a constraint must follow.
+    fn budget_allows(&self, phase: Phase, t: TokenId) -> bool {
+        match self.budget_forces(phase) {
+            Some(f) => t == f,
+            None => self.matcher.is_none() || !self.is_eos(t),
+        }
+    }
+
+    /// The phase after `t` at `phase` (not `Done`).
+    fn budget_after(&self, phase: Phase, t: TokenId) -> Phase {
+        match (phase, self.reasoning) {
+            (Phase::Opening, _) => Phase::Thinking(0),
+            (Phase::Thinking(_), Some((b, _))) if t == b.close => Phase::Done,
+            (Phase::Thinking(n), _) => Phase::Thinking(n + 1),
+            (p, _) => p,
+        }
+    }
+
+    fn one_hot_mask(&self, t: TokenId) -> TokenMask {
+        let mut bits = SimpleVob::alloc(self.vocab);
+        bits.allow_token(t);
+        TokenMask { bits }
+    }
+
     /// The tokens allowed next: where the grammar may end, every EOS id; once it can only end,
-    /// only EOS.
+    /// only EOS. Inside a reasoning budget, the forced token alone or (mostly) anything.
     pub fn mask(&mut self) -> Result<TokenMask, ConstraintError> {
-        let mut bits = self.matcher.compute_mask_or_eos().map_err(|e| self.err("computing the token mask", e))?;
+        let phase = self.phase();
+        if phase != Phase::Done {
+            if let Some(t) = self.budget_forces(phase) {
+                return Ok(self.one_hot_mask(t));
+            }
+            let mut bits = SimpleVob::alloc_ones(self.vocab);
+            if self.matcher.is_some() {
+                for &e in &self.eos {
+                    bits.disallow_token(e);
+                }
+            }
+            return Ok(TokenMask { bits });
+        }
+        let Some(matcher) = self.matcher.as_mut() else {
+            return Ok(TokenMask { bits: SimpleVob::alloc_ones(self.vocab) });
+        };
+        let mut bits = matcher.compute_mask_or_eos().map_err(|e| ConstraintError(format!("structured output grammar: computing the token mask: {e}")))?;
         if self.eos.iter().any(|&e| bits.is_allowed(e)) {
             for &e in &self.eos {
                 bits.allow_token(e);
@@ -330,13 +445,29 @@ impl Grammar {
     /// Advances over accepted tokens; an EOS ends the output and is not consumed.
     pub fn consume(&mut self, tokens: &[TokenId]) -> Result<(), ConstraintError> {
         let end = tokens.iter().position(|&t| self.is_eos(t)).unwrap_or(tokens.len());
-        if end == 0 {
-            return Ok(());
-        }
         if let Some(&t) = tokens[..end].iter().find(|&&t| t as usize >= self.vocab) {
             return Err(self.err("consuming tokens", format!("token {t} is outside the tokenizer's vocabulary")));
         }
-        self.matcher.consume_tokens(&tokens[..end]).map_err(|e| self.err("consuming tokens", e))
+        let mut rest = &tokens[..end];
+        while let (Some((&t, tail)), Some((b, phase))) = (rest.split_first(), self.reasoning) {
+            if phase == Phase::Done {
+                break;
+            }
+            if !self.budget_allows(phase, t) {
+                return Err(self.err("consuming tokens", format!("token {t} breaks the reasoning budget")));
+            }
+            self.reasoning = Some((b, self.budget_after(phase, t)));
+            self.log.push(Some(phase));
+            rest = tail;
+        }
+        if rest.is_empty() {
+            return Ok(());
+        }
+        if let Some(m) = self.matcher.as_mut() {
+            m.consume_tokens(rest).map_err(|e| ConstraintError(format!("structured output grammar: consuming tokens: {e}")))?;
+        }
+        self.log.extend(std::iter::repeat_n(None, rest.len()));
+        Ok(())
     }
 
     /// Steps back over the last `n` consumed tokens.
@@ -344,25 +475,53 @@ impl Grammar {
         if n == 0 {
             return Ok(());
         }
-        self.matcher.rollback(n).map_err(|e| self.err("rolling back", e))
+        if n > self.log.len() {
+            return Err(self.err("rolling back", format!("{n} tokens asked, {} consumed since the last accepted step", self.log.len())));
+        }
+        let undone = self.log.split_off(self.log.len() - n);
+        let matcher_tokens = undone.iter().filter(|p| p.is_none()).count();
+        if matcher_tokens > 0 {
+            if let Some(m) = self.matcher.as_mut() {
+                m.rollback(matcher_tokens).map_err(|e| ConstraintError(format!("structured output grammar: rolling back: {e}")))?;
+            }
+        }
+        if let (Some(Some(phase)), Some((b, _))) = (undone.iter().find(|p| p.is_some()), self.reasoning) {
+            self.reasoning = Some((b, *phase));
+        }
+        Ok(())
+    }
+
+    /// The next token forced from here, if any: the reasoning budget's, or the first of
+    /// llguidance's forced tokens when it is valid here.
+    fn next_forced(&mut self) -> Option<TokenId> {
+        let phase = self.phase();
+        if phase != Phase::Done {
+            return self.budget_forces(phase);
+        }
+        let m = self.matcher.as_mut()?;
+        if m.is_stopped() {
+            return None;
+        }
+        let &t = m.compute_ff_tokens().first()?;
+        let valid = !self.eos.contains(&t) && (t as usize) < self.vocab && m.validate_tokens(&[t]).is_ok_and(|n| n == 1);
+        valid.then_some(t)
     }
 
     /// The tokens the grammar forces from here, at most `max`: each one the only token its
-    /// position's mask allows (llguidance's forced bytes, canonically tokenized), so drafted
-    /// they are accepted by construction. Found one at a time (the first forced token of each
-    /// state, exactly what that state's mask allows), so they are what verification will mask;
-    /// the grammar is left where it was.
+    /// position's mask allows (llguidance's forced bytes, canonically tokenized, or the reasoning
+    /// budget's tokens), so drafted they are accepted by construction. Found one at a time (the
+    /// first forced token of each state, exactly what that state's mask allows), so they are
+    /// what verification will mask; the grammar is left where it was.
     pub fn forced_tokens(&mut self, max: usize) -> Vec<TokenId> {
         let mut forced = Vec::new();
-        while forced.len() < max && !self.matcher.is_stopped() {
-            let Some(&t) = self.matcher.compute_ff_tokens().first() else { break };
-            let valid = !self.is_eos(t) && (t as usize) < self.vocab && self.matcher.validate_tokens(&[t]).is_ok_and(|n| n == 1);
-            if !valid || self.matcher.consume_tokens(&[t]).is_err() {
+        while forced.len() < max {
+            let Some(t) = self.next_forced() else { break };
+            if self.consume(&[t]).is_err() {
                 break;
             }
             forced.push(t);
         }
-        if !forced.is_empty() && self.matcher.rollback(forced.len()).is_err() {
+        if !forced.is_empty() && self.rollback(forced.len()).is_err() {
             // cannot happen after consuming them; an error state makes the next mask fail the step
             return Vec::new();
         }
@@ -373,10 +532,21 @@ impl Grammar {
     /// drafts never propose the end), without advancing.
     pub fn valid_prefix(&mut self, draft: &[TokenId]) -> usize {
         let end = draft.iter().position(|&t| self.is_eos(t) || t as usize >= self.vocab).unwrap_or(draft.len());
-        if end == 0 || self.matcher.is_stopped() {
-            return 0;
+        let mut phase = self.phase();
+        let mut i = 0;
+        while i < end && phase != Phase::Done {
+            if !self.budget_allows(phase, draft[i]) {
+                return i;
+            }
+            phase = self.budget_after(phase, draft[i]);
+            i += 1;
         }
-        self.matcher.validate_tokens(&draft[..end]).unwrap_or(0)
+        match self.matcher.as_mut() {
+            _ if i == end => i,
+            None => end,
+            Some(m) if m.is_stopped() => i,
+            Some(m) => i + m.validate_tokens(&draft[i..end]).unwrap_or(0),
+        }
     }
 
     /// How many leading tokens of `draft` the grammar accepts after `forced` (tokens it accepts
@@ -391,9 +561,10 @@ impl Grammar {
         Ok(n)
     }
 
-    /// The output is complete: the grammar allows nothing but its end.
+    /// The output is complete: the grammar allows nothing but its end (never while reasoning, or
+    /// for free text after it).
     pub fn is_finished(&self) -> bool {
-        self.matcher.is_stopped()
+        self.phase() == Phase::Done && self.matcher.as_ref().is_some_and(|m| m.is_stopped())
     }
 
     /// The masks of a verification step: row 0 from the current state, row `i + 1` after draft
@@ -407,7 +578,7 @@ impl Grammar {
         let mut consumed = 0;
         for &t in draft {
             let last = masks.last().expect("one mask pushed before the loop");
-            if self.is_eos(t) || !last.allows(t) || self.matcher.is_stopped() {
+            if self.is_eos(t) || !last.allows(t) || self.is_finished() {
                 break;
             }
             self.consume(&[t])?;
@@ -427,14 +598,17 @@ impl Grammar {
     }
 
     /// After verification over `consumed` draft tokens (advanced by `verification_masks`): keeps
-    /// the accepted ones and consumes the step's last emitted token.
+    /// the accepted ones and consumes the step's last emitted token. Nothing before this can be
+    /// rolled back after it.
     pub fn accept(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), ConstraintError> {
         let accepted = emitted.len() - 1;
         if accepted > consumed {
             return Err(self.err("verification", format!("{accepted} draft tokens accepted but only {consumed} were inside the grammar")));
         }
         self.rollback(consumed - accepted)?;
-        self.consume(&emitted[accepted..])
+        self.consume(&emitted[accepted..])?;
+        self.log.clear();
+        Ok(())
     }
 }
 
@@ -615,6 +789,79 @@ mod tests {
         assert_eq!(emitted, vec![id("yes")]);
     }
 
+    /// A reasoning budget of 2 tokens, opened by "ab" and closed by "no": the opening is forced,
+    /// then anything (an end too, with no constraint after), then the closing alone; free text
+    /// after it, never finished. Rollback and verification cross the phases.
+    #[test]
+    fn a_reasoning_budget_forces_its_opening_and_its_closing() {
+        let t = tokenizer();
+        let id = |s: &str| t.token_to_id(s).unwrap();
+        let (open, close) = (id("ab"), id("no"));
+        let budget = ReasoningBudget { tokens: 2, open: Some(open), close };
+        let mut g = compiler().compile_request(None, Some(&budget)).unwrap().unwrap();
+        let m = g.mask().unwrap();
+        assert_eq!((m.num_allowed(), m.allows(open)), (1, true));
+        assert_eq!(g.forced_tokens(8), vec![open], "only the opening is forced from the start");
+        g.consume(&[open, id("x")]).unwrap();
+        let m = g.mask().unwrap();
+        assert!(m.allows(id("y")) && m.allows(close) && m.allows(EOS), "inside the budget anything may come");
+        assert!(g.forced_tokens(8).is_empty());
+        g.consume(&[id("y")]).unwrap();
+        let m = g.mask().unwrap();
+        assert_eq!((m.num_allowed(), m.allows(close)), (1, true), "the budget is spent: the closing alone");
+        assert_eq!(g.forced_tokens(8), vec![close]);
+        g.consume(&[close]).unwrap();
+        let m = g.mask().unwrap();
+        assert!(m.allows(id("x")) && m.allows(EOS) && !g.is_finished(), "free text after the block");
+        assert!(g.forced_tokens(8).is_empty());
+        // back over the closing and one thought: one more thought may come, then the closing
+        g.rollback(2).unwrap();
+        assert_eq!(g.valid_prefix(&[id("z"), id("x"), id("q")]), 1, "after one more thought only the closing");
+        assert_eq!(g.valid_prefix(&[id("z"), close, id("q"), id("r")]), 4, "free after the closing");
+        // a verification step from the start: the draft's second thought over budget is cut
+        let mut g = compiler().compile_request(None, Some(&budget)).unwrap().unwrap();
+        let (masks, consumed) = g.verification_masks(&[open, id("x"), id("y"), id("z")]).unwrap();
+        assert_eq!((masks.len(), consumed), (4, 3));
+        assert!(masks[3].allows(close) && !masks[3].allows(id("z")));
+        // "ab x" accepted, "y" sampled; then the closing is forced
+        g.accept(consumed, &[open, id("x"), id("y")]).unwrap();
+        assert_eq!(g.forced_tokens(8), vec![close]);
+        assert!(g.rollback(1).is_err(), "nothing before an accepted step can be rolled back");
+        // a prompt that opened the block: thinking from the first token
+        let opened = ReasoningBudget { tokens: 0, open: None, close };
+        let mut g = compiler().compile_request(None, Some(&opened)).unwrap().unwrap();
+        assert_eq!(g.forced_tokens(8), vec![close], "a budget of 0 closes at once");
+        assert!(compiler().compile_request(None, Some(&ReasoningBudget { tokens: 1, open: None, close: EOS })).is_err(), "an end cannot close");
+        assert!(compiler().compile_request(None, None).unwrap().is_none());
+    }
+
+    /// A reasoning budget before a constraint: no end while reasoning, the constraint's mask and
+    /// forced tokens after the closing, finished when the constraint is; rollback and
+    /// verification across the two.
+    #[test]
+    fn a_reasoning_budget_hands_over_to_the_constraint() {
+        let t = tokenizer();
+        let id = |s: &str| t.token_to_id(s).unwrap();
+        let close = id("no");
+        let budget = ReasoningBudget { tokens: 1, open: None, close };
+        let schema = r#"{"type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"], "additionalProperties": false}"#;
+        let mut g = compiler().compile_request(Some(&Constraint::JsonSchema(schema.into())), Some(&budget)).unwrap().unwrap();
+        assert!(!g.mask().unwrap().allows(EOS), "the answer must still come");
+        g.consume(&[id("x")]).unwrap();
+        let forced = g.forced_tokens(16);
+        assert_eq!(forced[0], close);
+        assert_eq!(t.decode(&forced[1..], false).unwrap(), "{\"ab\": ", "the schema's forced text follows the closing");
+        let draft: Vec<TokenId> = [&forced[..], &[id("7"), id("}")]].concat();
+        let (masks, consumed) = g.verification_masks(&draft).unwrap();
+        assert_eq!(consumed, draft.len());
+        assert!(g.is_finished());
+        assert_eq!(forced_prefix(&draft, &masks), forced.len());
+        // the closing and the first forced token accepted, the second sampled: the rest is ahead
+        g.accept(consumed, &[close, forced[1], forced[2]]).unwrap();
+        assert!(!g.is_finished());
+        assert_eq!(g.valid_prefix(&forced[3..]), forced.len() - 3);
+    }
+
     #[test]
     fn invalid_constraints_are_refused_with_the_reason() {
         let c = compiler();
@@ -639,7 +886,8 @@ mod tests {
             Constraint::Choice(vec!["x".into(), "y".into()]),
             Constraint::Lark("start: \"a\"".into()),
         ] {
-            let p = crate::api::SamplingParams { constraint: Some(Arc::new(c)), ..Default::default() };
+            let reasoning_budget = Some(ReasoningBudget { tokens: 7, open: None, close: 3 });
+            let p = crate::api::SamplingParams { constraint: Some(Arc::new(c)), reasoning_budget, ..Default::default() };
             let back: crate::api::SamplingParams = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
             assert_eq!(back, p);
         }

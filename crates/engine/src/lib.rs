@@ -21,7 +21,7 @@ pub mod speculative;
 pub mod step;
 pub mod types;
 
-pub use api::{Constraint, FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
+pub use api::{Constraint, FinishReason, GenerateRequest, ReasoningBudget, RequestEvent, SamplingParams, TokenLogprob};
 pub use config::EngineConfig;
 pub use engine::{spawn_engine, Engine};
 pub use error::{EngineError, StepError, StepFailure};

@@ -35,6 +35,28 @@ pub struct Conversation {
     pub plan: SamplingPlan,
     /// Extra template variables (`chat_template_kwargs`, e.g. `{"enable_thinking": false}`).
     pub template_kwargs: Map<String, Value>,
+    /// Most tokens a thinking model may reason for (the think block is then closed for it).
+    pub thinking_budget: Option<ThinkingBudget>,
+}
+
+/// A request's bound on reasoning, and the field it came from (for errors).
+#[derive(Debug, Clone, Copy)]
+pub struct ThinkingBudget {
+    pub tokens: usize,
+    pub param: &'static str,
+}
+
+impl ThinkingBudget {
+    /// `thinking_token_budget` (vLLM's field, on chat completions and Responses): a count >= 0.
+    pub fn from_field(value: Option<i64>) -> Result<Option<Self>, ApiError> {
+        const PARAM: &str = "thinking_token_budget";
+        value
+            .map(|v| match usize::try_from(v) {
+                Ok(tokens) => Ok(Self { tokens, param: PARAM }),
+                Err(_) => Err(ApiError::invalid_param(PARAM, format!("{PARAM} must be >= 0, got {v}"))),
+            })
+            .transpose()
+    }
 }
 
 /// A conversation ready to run: the prompt and how to read the output.
@@ -86,7 +108,7 @@ pub fn call_arguments(arguments: &Value, param: &str) -> Result<Value, ApiError>
 /// (`bounds::check_conversation`); the grammar compiles once and the template renders and
 /// tokenizes on the prep pool (`prep.rs`), never on the async workers.
 pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, ApiError> {
-    let Conversation { messages, tools: tool_set, mut plan, template_kwargs } = conv;
+    let Conversation { messages, tools: tool_set, mut plan, template_kwargs, thinking_budget } = conv;
     let config = &state.config;
     bounds::check_conversation(state, &messages, tool_set.as_ref().map_or(0, |t| t.names().len()), plan.n)?;
     let template = state
@@ -106,21 +128,41 @@ pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, A
         (constraint_param, what) = ("tools", "the tools' parameters cannot force a call: ");
         plan.base.constraint = Some(Arc::new(constraint));
     }
-    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), constraint_param, what, config).await?;
     let (tokenizer, to_render) = (state.tokenizer.clone(), tool_set.clone());
-    let (prompt, reasoning) = state
+    let (prompt, start) = state
         .prep
         .run(move || {
             // control tokens only from the template's markup; no BOS added (templates write it)
             let rendered = tools::render(&template, &tokenizer, messages, to_render.as_ref(), true, &template_kwargs)?;
-            let reasoning = reasoning::template_thinks(template.source()).then(|| reasoning::prompt_opens_reasoning(&rendered.text));
-            let prompt = rendered.tokens;
-            Ok::<_, ApiError>((prompt, reasoning))
+            let start = reasoning::template_thinks(template.source()).then(|| reasoning::reasoning_start(&rendered.text));
+            Ok::<_, ApiError>((rendered.tokens, start))
         })
         .await??;
     validate::check_prompt(&prompt, "messages", config, state.tokenizer.vocab_size())?;
+    plan.base.reasoning_budget = reasoning_budget(state, start, thinking_budget, &plan)?;
+    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), plan.base.reasoning_budget, constraint_param, what, config).await?;
     let tool_names = tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names);
+    let reasoning = start.map(|s| s == reasoning::ReasoningStart::Opened);
     Ok(Prepared { prompt, plan, tool_names, reasoning, grammar })
+}
+
+/// The engine's reasoning budget: the request's, or, for a constraint (structured output, a
+/// forced tool call), an unbounded one, so that the constraint holds the answer after the
+/// reasoning instead of forbidding the reasoning. None where the template does not think or the
+/// prompt closed the block (a budget sent to a model that does not reason has nothing to bound).
+fn reasoning_budget(
+    state: &AppState,
+    start: Option<reasoning::ReasoningStart>,
+    asked: Option<ThinkingBudget>,
+    plan: &SamplingPlan,
+) -> Result<Option<specula_engine::ReasoningBudget>, ApiError> {
+    let Some(start) = start else { return Ok(None) };
+    let (tokens, param) = match asked {
+        Some(b) => (b.tokens, b.param),
+        None if plan.base.constraint.is_some() => (usize::MAX, plan.constraint_param),
+        None => return Ok(None),
+    };
+    reasoning::budget(&state.tokenizer, start, tokens).map_err(|e| ApiError::invalid_param(param, e))
 }
 
 impl Prepared {

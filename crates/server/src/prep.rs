@@ -12,7 +12,8 @@
 use crate::error::ApiError;
 use crate::{bounds, ServerConfig};
 use specula_engine::api::Constraint;
-use specula_engine::constraint::{self, Grammar};
+use specula_engine::constraint::{ConstraintCompiler, Grammar};
+use specula_engine::ReasoningBudget;
 use specula_model::Tokenizer;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -98,23 +99,28 @@ impl PrepPool {
         joined.map(Some).map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))
     }
 
-    /// Compiles a request's constraint once, on a prep thread, within `max_schema_bytes`, the
-    /// grammar budget (`constraint::GrammarBudget`) and `grammar_compile_timeout`: the grammar
-    /// every choice clones. A constraint that is too large, does not compile or is over budget is
-    /// a 400 naming `param`; `what` prefixes the reason.
+    /// Compiles a request's constraint and reasoning budget once, on a prep thread, within
+    /// `max_schema_bytes`, the grammar budget (`constraint::GrammarBudget`) and
+    /// `grammar_compile_timeout`: the grammar every choice clones. A constraint that is too
+    /// large, does not compile or is over budget is a 400 naming `param`; `what` prefixes the
+    /// reason.
     pub async fn compile(
         &self,
         tokenizer: &Arc<Tokenizer>,
         constraint: Option<Arc<Constraint>>,
+        budget: Option<ReasoningBudget>,
         param: &str,
         what: &str,
         config: &ServerConfig,
     ) -> Result<Option<Grammar>, ApiError> {
-        let Some(c) = constraint else { return Ok(None) };
-        bounds::check_constraint(Some(&c), param, config)?;
+        if constraint.is_none() && budget.is_none() {
+            return Ok(None);
+        }
+        bounds::check_constraint(constraint.as_deref(), param, config)?;
         let (tokenizer, timeout) = (tokenizer.clone(), config.grammar_compile_timeout);
-        match self.run_within(Some(timeout), move || constraint::compile(&tokenizer, &c)).await? {
-            Some(Ok(grammar)) => Ok(Some(grammar)),
+        let compile = move || ConstraintCompiler::for_tokenizer(&tokenizer)?.compile_request(constraint.as_deref(), budget.as_ref());
+        match self.run_within(Some(timeout), compile).await? {
+            Some(Ok(grammar)) => Ok(grammar),
             Some(Err(e)) => Err(ApiError::invalid_param(param, format!("{what}{e}"))),
             None => Err(ApiError::invalid_param(
                 param,

@@ -6,6 +6,8 @@
 //! template mentions both tags ([`template_thinks`]).
 
 use crate::tools::partial_tag_len;
+use specula_engine::ReasoningBudget;
+use specula_model::Tokenizer;
 
 pub const THINK_OPEN: &str = "<think>";
 pub const THINK_CLOSE: &str = "</think>";
@@ -19,11 +21,42 @@ pub fn template_thinks(source: &str) -> bool {
 /// prompt ends with `<think>\n`, so its output has no opening tag. Qwen3 with
 /// `enable_thinking: false` ends with an empty, closed block: the output is all answer.
 pub fn prompt_opens_reasoning(prompt: &str) -> bool {
+    reasoning_start(prompt) == ReasoningStart::Opened
+}
+
+/// Where a thinking template's rendered prompt leaves the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningStart {
+    /// Inside a think block the prompt opened (DeepSeek-R1).
+    Opened,
+    /// Before one: the model opens it itself (Qwen3 thinking).
+    ModelOpens,
+    /// After an empty block that closes the prompt (Qwen3 with `enable_thinking: false`): no
+    /// reasoning will come.
+    Closed,
+}
+
+pub fn reasoning_start(prompt: &str) -> ReasoningStart {
     match (prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)) {
-        (Some(open), Some(close)) => open > close,
-        (Some(_), None) => true,
-        _ => false,
+        (Some(open), Some(close)) if open > close => ReasoningStart::Opened,
+        (Some(_), None) => ReasoningStart::Opened,
+        (_, Some(close)) if prompt[close + THINK_CLOSE.len()..].trim().is_empty() => ReasoningStart::Closed,
+        _ => ReasoningStart::ModelOpens,
     }
+}
+
+/// The reasoning budget for a request to a thinking template (`tokens` thinking tokens at most)
+/// from where its prompt leaves the model; `None` when no reasoning will come. An error when
+/// this vocabulary does not spell the tags as single tokens (the budget forces them).
+pub fn budget(tokenizer: &Tokenizer, start: ReasoningStart, tokens: usize) -> Result<Option<ReasoningBudget>, String> {
+    let (Some(open), Some(close)) = (tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE)) else {
+        return Err(format!("this model's vocabulary does not hold {THINK_OPEN} and {THINK_CLOSE} as single tokens, so its reasoning cannot be bounded"));
+    };
+    Ok(match start {
+        ReasoningStart::Closed => None,
+        ReasoningStart::Opened => Some(ReasoningBudget { tokens, open: None, close }),
+        ReasoningStart::ModelOpens => Some(ReasoningBudget { tokens, open: Some(open), close }),
+    })
 }
 
 /// What the parser lets out, in order.
@@ -218,6 +251,12 @@ mod tests {
         assert!(quiet.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{quiet:?}");
         assert!(!prompt_opens_reasoning(&quiet), "an empty closed block: all answer");
         assert!(prompt_opens_reasoning("<|Assistant|><think>\n"), "DeepSeek-R1's generation prompt");
+        assert_eq!(reasoning_start(&thinking), ReasoningStart::ModelOpens);
+        assert_eq!(reasoning_start(&quiet), ReasoningStart::Closed);
+        assert_eq!(reasoning_start("<|Assistant|><think>\n"), ReasoningStart::Opened);
+        // an earlier turn's block, closed and answered, leaves the model before a new one
+        let history = "<|im_start|>assistant\n<think>\nx\n</think>\n\nok<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(reasoning_start(history), ReasoningStart::ModelOpens);
     }
 
     #[test]

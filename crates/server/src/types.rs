@@ -89,6 +89,9 @@ pub struct ChatCompletionRequest {
     pub parallel_tool_calls: Option<bool>,
     /// Extra variables for the chat template, e.g. `{"enable_thinking": false}` (vLLM's field).
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Most tokens a thinking model may reason for before its think block is closed for it
+    /// (vLLM's field).
+    pub thinking_token_budget: Option<i64>,
     /// Structured outputs, every way a client can ask for them.
     #[serde(flatten)]
     pub structured: StructuredFields,

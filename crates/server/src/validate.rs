@@ -221,6 +221,8 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         logprobs,
         prompt_logprobs,
         constraint,
+        // set once the prompt is rendered (`conversation::prepare`): it depends on the template
+        reasoning_budget: None,
     };
     base.validate(config.max_logprobs).map_err(|e| {
         let param = match e.param {

@@ -437,3 +437,64 @@ async fn chat_template_kwargs_reach_the_template() {
         assert_eq!(s.tokenizer.decode(&s.submitted().pop().unwrap().1, false).unwrap(), want);
     }
 }
+
+/// A thinking budget reaches the engine as a reasoning budget from every dialect's field (the
+/// opening forced where the template lets the model open the block), with the grammar that
+/// enforces it; a constraint on a thinking template gets an unbounded one (so it holds the
+/// answer, after the reasoning); a model that does not think ignores the budget; bad budgets
+/// are 400s in each dialect's shape.
+#[tokio::test]
+async fn thinking_budgets_reach_the_engine_from_every_dialect() {
+    let s = thinking_server();
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let want = |tokens: usize| Some(specula_engine::ReasoningBudget { tokens, open: Some(THINK_OPEN), close: THINK_CLOSE });
+    for (path, body, tokens) in [
+        ("/v1/messages", json!({"messages": user, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 5}}), 5),
+        ("/v1/chat/completions", json!({"messages": user, "max_tokens": 8, "thinking_token_budget": 3}), 3),
+        ("/v1/responses", json!({"input": "hi", "max_output_tokens": 8, "thinking_token_budget": 0}), 0),
+    ] {
+        let (status, v) = s.post(path, body).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {v}");
+        assert_eq!(s.submitted().pop().unwrap().2.reasoning_budget, want(tokens), "{path}");
+        assert_eq!(s.log.lock().unwrap().grammars.last(), Some(&true), "{path}: the budget's grammar goes with it");
+    }
+    // no budget asked: none, no grammar
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": user, "max_tokens": 8})).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(s.submitted().pop().unwrap().2.reasoning_budget, None);
+    assert_eq!(s.log.lock().unwrap().grammars.last(), Some(&false));
+    // a constraint on a thinking template: an unbounded budget before it
+    let format = json!({"type": "json_object"});
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": user, "max_tokens": 8, "response_format": format})).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(s.submitted().pop().unwrap().2.reasoning_budget, want(usize::MAX));
+    // a prompt that opened the block: nothing to force at the start
+    let opened = json!([{"role": "user", "content": "<think>"}]);
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": opened, "max_tokens": 8, "thinking_token_budget": 2})).await;
+    assert_eq!(status, StatusCode::OK);
+    let budget = s.submitted().pop().unwrap().2.reasoning_budget;
+    assert_eq!(budget, Some(specula_engine::ReasoningBudget { tokens: 2, open: None, close: THINK_CLOSE }));
+
+    // bad budgets, in each dialect's error shape
+    for (path, body, param) in [
+        ("/v1/messages", json!({"messages": user, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 8}}), "thinking.budget_tokens"),
+        ("/v1/messages", json!({"messages": user, "max_tokens": 8, "thinking": {"type": "enabled"}}), "thinking.budget_tokens"),
+        ("/v1/messages", json!({"messages": user, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": -1}}), "thinking.budget_tokens"),
+        ("/v1/chat/completions", json!({"messages": user, "max_tokens": 8, "thinking_token_budget": -2}), "thinking_token_budget"),
+    ] {
+        let (status, v) = s.post(path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {v}");
+        if path == "/v1/messages" {
+            assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("invalid_request_error")), "{v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains("budget_tokens"), "{v}");
+        } else {
+            assert_eq!(error_of(&v)["param"].as_str(), Some(param), "{v}");
+        }
+    }
+
+    // a template that does not think: the budget has nothing to bound
+    let plain = big_server();
+    let (status, _) = plain.post("/v1/messages", json!({"messages": user, "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 5}})).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(plain.submitted().pop().unwrap().2.reasoning_budget, None);
+}

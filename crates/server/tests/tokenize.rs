@@ -42,7 +42,7 @@ async fn detokenize_round_trips_and_refuses_ids_outside_the_vocabulary() {
     let (status, v) = s.post("/detokenize", json!({"tokens": [258, 111]})).await;
     assert_eq!(status, StatusCode::OK, "{v}");
     assert_eq!(v["prompt"], "hello");
-    for bad in [json!([1, 262]), json!([-1])] {
+    for bad in [json!([1, 264]), json!([-1])] {
         let (status, v) = s.post("/detokenize", json!({"tokens": bad})).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{v}");
         assert!(error_of(&v)["param"].as_str().unwrap().starts_with("tokens["), "{v}");

@@ -54,6 +54,7 @@ impl SamplingArgs {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            reasoning_budget: None,
         }
     }
 }

@@ -119,8 +119,9 @@ impl Host {
         };
         // compiled by the front end, off this thread; one is never compiled here
         let GenerateRequest { id: request_id, prompt, params, events, grammar } = req;
-        if problem.is_none() && params.constraint.is_some() != grammar.is_some() {
-            problem = Some("the request's constraint and its compiled grammar do not match (compile it with constraint::compile before submitting)".into());
+        if problem.is_none() && params.needs_grammar() != grammar.is_some() {
+            problem =
+                Some("the request's constraint and its compiled grammar do not match (compile it with constraint::compile_params before submitting)".into());
         }
         if let Some(message) = problem {
             self.counters.waiting.fetch_sub(1, Ordering::Relaxed);

@@ -106,9 +106,7 @@ fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: 
     let masks: Vec<ItemMasks> = items
         .iter_mut()
         .map(|it| match it.grammar.as_mut() {
-            None if it.params.constraint.is_some() => {
-                Err(StepFailure::Invariant(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq)))
-            }
+            None if it.params.needs_grammar() => Err(StepFailure::Invariant(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq))),
             Some(g) => {
                 let m = catch_unwind(AssertUnwindSafe(|| {
                     FaultInjection::trip(fault, step, FaultPhase::Grammar)?;

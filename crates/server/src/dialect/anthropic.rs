@@ -7,7 +7,7 @@
 //! Anthropic's shape ([`anthropic_errors`]).
 
 use super::{block_text, sampling_fields};
-use crate::conversation::{self, BlockEvent, BlockKind, Blocks, Conversation, OutputParser};
+use crate::conversation::{self, BlockEvent, BlockKind, Blocks, Conversation, OutputParser, ThinkingBudget};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate;
@@ -50,7 +50,7 @@ pub struct MessagesRequest {
     /// `{"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}`.
     pub tool_choice: Option<Value>,
     /// `{"type": "enabled", "budget_tokens"}` or `{"type": "disabled"}`: the template's
-    /// `enable_thinking` (the budget is not enforced).
+    /// `enable_thinking`, and the bound on a thinking model's reasoning.
     pub thinking: Option<Value>,
     pub stream: Option<bool>,
     /// Our extensions, as on chat completions.
@@ -90,16 +90,37 @@ fn conversation_of(req: &MessagesRequest, state: &AppState, counting: bool) -> R
     }
     let tools = tool_set(req)?;
     let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    let mut thinking_budget = None;
     match req.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) {
         Some("disabled") => {
             template_kwargs.entry("enable_thinking").or_insert(Value::Bool(false));
         }
-        Some("enabled" | "adaptive") => {
+        Some(kind @ ("enabled" | "adaptive")) => {
             template_kwargs.entry("enable_thinking").or_insert(Value::Bool(true));
+            thinking_budget = budget_tokens(req.thinking.as_ref(), kind, max_tokens.filter(|_| !counting))?;
         }
         _ => {}
     }
-    Ok(Conversation { messages, tools, plan, template_kwargs })
+    Ok(Conversation { messages, tools, plan, template_kwargs, thinking_budget })
+}
+
+/// `thinking.budget_tokens`: required with `enabled` (at least 1, below `max_tokens`, as
+/// Anthropic asks; its own floor of 1024 is not kept, small local models think less), optional
+/// with `adaptive`.
+fn budget_tokens(thinking: Option<&Value>, kind: &str, max_tokens: Option<i64>) -> Result<Option<ThinkingBudget>, ApiError> {
+    const PARAM: &str = "thinking.budget_tokens";
+    let value = thinking.and_then(|t| t.get("budget_tokens"));
+    let tokens = match value {
+        None | Some(Value::Null) if kind == "adaptive" => return Ok(None),
+        None | Some(Value::Null) => return Err(ApiError::invalid_param(PARAM, "thinking.budget_tokens: Field required")),
+        Some(v) => {
+            v.as_i64().filter(|&b| b >= 1).ok_or_else(|| ApiError::invalid_param(PARAM, format!("thinking.budget_tokens must be an integer >= 1, got {v}")))?
+        }
+    };
+    if let Some(m) = max_tokens.filter(|&m| tokens >= m) {
+        return Err(ApiError::invalid_param(PARAM, format!("max_tokens ({m}) must be greater than thinking.budget_tokens ({tokens})")));
+    }
+    Ok(Some(ThinkingBudget { tokens: usize::try_from(tokens).unwrap_or(usize::MAX), param: PARAM }))
 }
 
 /// One Anthropic message as template messages: a user turn's `tool_result` blocks become `tool`

@@ -10,7 +10,7 @@
 
 use super::store::Stored;
 use super::{block_text, sampling_fields};
-use crate::conversation::{self, BlockEvent, BlockKind, Blocks, Conversation, OutputParser};
+use crate::conversation::{self, BlockEvent, BlockKind, Blocks, Conversation, OutputParser, ThinkingBudget};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate;
@@ -45,6 +45,8 @@ pub struct ResponsesRequest {
     pub seed: Option<i64>,
     pub stop: Option<Vec<String>>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// Most tokens a thinking model may reason for (vLLM's field, as on chat completions).
+    pub thinking_token_budget: Option<i64>,
     /// Function tools: `{"type": "function", "name", "description", "parameters", "strict"}`.
     pub tools: Option<Vec<Value>>,
     /// `"auto"`, `"none"`, `"required"` or `{"type": "function", "name"}`.
@@ -203,7 +205,8 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
     let mut messages: Vec<Value> = req.instructions.iter().map(|s| json!({"role": "system", "content": s})).collect();
     messages.extend(history.iter().cloned());
     let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs }).await?;
+    let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
+    let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs, thinking_budget }).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
     let mut runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
     let echo = json!({

@@ -6,7 +6,7 @@
 //! becomes the shared [`Conversation`] (`conversation.rs`), as the other dialects' requests do.
 
 use crate::bounds;
-use crate::conversation::{self, Conversation, Out, OutputParser};
+use crate::conversation::{self, Conversation, Out, OutputParser, ThinkingBudget};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceOutput};
@@ -45,7 +45,8 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let texts = validate::chat_messages(req.messages.as_deref())?;
     let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
     let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs }).await?;
+    let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
+    let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs, thinking_budget }).await?;
     let (plan, prompt) = (&prepared.plan, &prepared.prompt);
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
     let runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;

@@ -32,7 +32,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
     validate::check_model(req.model.as_deref(), config)?;
     bounds::check_completion(&req, &state)?;
     let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
-    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), plan.constraint_param, "", config).await?;
+    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), None, plan.constraint_param, "", config).await?;
     let echo = req.echo.unwrap_or(false);
     // `max_tokens: 0` (echo only): the engine runs the prompt and one step whose token is dropped
     let prompt_only = plan.requested_max_tokens == Some(0);

@@ -38,7 +38,8 @@ fn bytes_to_unicode() -> Vec<char> {
 }
 
 /// 256 byte tokens, merges he / ll / hell, then the control tokens <|im_start|> (259),
-/// <|im_end|> (260, EOS) and <|fail|> (261, which makes the fake engine fail the request).
+/// <|im_end|> (260, EOS) and <|fail|> (261, which makes the fake engine fail the request), and
+/// the user-defined tokens <think> (262) and </think> (263), as Qwen3's vocabulary has them.
 pub fn tokenizer() -> Tokenizer {
     let mut tokens: Vec<String> = bytes_to_unicode().into_iter().map(String::from).collect();
     tokens.extend(["he", "ll", "hell"].map(String::from));
@@ -46,6 +47,10 @@ pub fn tokenizer() -> Tokenizer {
     for control in ["<|im_start|>", "<|im_end|>", "<|fail|>"] {
         tokens.push(control.to_string());
         token_types.push(3);
+    }
+    for tag in ["<think>", "</think>"] {
+        tokens.push(tag.to_string());
+        token_types.push(4);
     }
     Tokenizer::from_gguf(GgufTokenizerSpec {
         model: "gpt2",
@@ -61,6 +66,8 @@ pub fn tokenizer() -> Tokenizer {
 }
 
 pub const FAIL_TOKEN: TokenId = 261;
+pub const THINK_OPEN: TokenId = 262;
+pub const THINK_CLOSE: TokenId = 263;
 
 /// What the fake engine saw.
 #[derive(Debug, Default)]
