@@ -44,6 +44,20 @@ Other architectures, as llama.cpp builds them (src/models/*.cpp), on top of that
     llama3  RoPE frequency i divided by rope_freqs.weight[i] when the tensor exists, else by the
             factors of rope.scaling.type = "llama3" (factor, low/high_freq_factor,
             original_context_length; HF's _compute_llama3_parameters).
+    gpt-oss q, k, v += biases; o += attn_output.bias; NeoX RoPE with YaRN (below) on every layer;
+            layer i is local when i % P < P - 1 (P = attention.sliding_window_pattern, default
+            2: the even layers), window attention.sliding_window; each head h has a sink logit
+            s_h that joins its softmax's denominator: p_j = exp(z_j) / (sum_i exp(z_i) +
+            exp(s_h)); the pre-FFN norm is called post_attention_norm; MoE: router logits
+            l = x Wr^T + b, S = top-k of l, w = softmax(l[S]); each expert
+            (clamped SwiGLU with biases): g = min(x Wg^T + bg, 7), u = clamp(x Wu^T + bu, -7, 7),
+            y = (g * sigmoid(1.702 g) * (u + 1)) Wd^T + bd.
+    yarn    (rope.scaling.type = "yarn", HF's _compute_yarn_parameters with llama.cpp's
+            rounding): frequency f_i = theta^(-2i/d); d_c(b) = d ln(L / (2 pi b)) / (2 ln theta)
+            with L = rope.scaling.original_context_length; low = max(0, floor(d_c(32))),
+            high = min(d - 1, ceil(d_c(1))); ramp_i = 1 - clamp((i - low) / (high - low), 0, 1);
+            f'_i = f_i / factor * (1 - ramp_i) + f_i * ramp_i; cos and sin times
+            1 + 0.1 ln(factor).
 
 RoPE: the HF->GGUF converter permutes the rows of Wq / Wk so that the two halves that HF's
 `rotate_half` (NeoX style) pairs up become adjacent elements.  A GGUF llama model is therefore
@@ -127,6 +141,8 @@ class Config:
     llama3: tuple | None = None  # (factor, low_freq_factor, high_freq_factor, original_context_length)
     no_rope_period: int = 0  # smollm3: layer i skips RoPE when (i + 1) % period == 0
     rope_mscale: float = 1.0  # phi3: cos and sin multiplied by rope.scaling.attn_factor
+    yarn: tuple | None = None  # (factor, original_context_length)
+    local_rope_own: bool = True  # gemma3: local layers rotate with their own base, unscaled
 
     def uses_rope(self, layer: int) -> bool:
         return self.no_rope_period == 0 or (layer + 1) % self.no_rope_period != 0
@@ -144,10 +160,12 @@ def read_config(reader: GGUFReader) -> Config:
     head_dim = int(g("attention.key_length", hidden // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
-    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3"):
+    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"):
         raise NotImplementedError(f"architecture {arch!r} is not modelled by this reference")
     gemma = arch == "gemma3"
+    oss = arch == "gpt-oss"
     llama3 = None
+    yarn = None
     if g("rope.scaling.type") == "llama3":
         llama3 = (
             float(g("rope.scaling.factor", 8.0)),
@@ -155,6 +173,8 @@ def read_config(reader: GGUFReader) -> Config:
             float(g("rope.scaling.high_freq_factor", 4.0)),
             int(g("rope.scaling.original_context_length", 8192)),
         )
+    elif g("rope.scaling.type") == "yarn":
+        yarn = (float(g("rope.scaling.factor")), int(g("rope.scaling.original_context_length", g("context_length"))))
     elif g("rope.scaling.type") not in (None, "none", "longrope"):
         raise NotImplementedError(f"rope scaling {g('rope.scaling.type')!r}")
     return Config(
@@ -171,12 +191,14 @@ def read_config(reader: GGUFReader) -> Config:
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         n_experts=int(g("expert_count", 0)),
         n_experts_used=int(g("expert_used_count", 0)),
-        expert_weights_norm={"qwen2moe": False, "qwen3moe": True}.get(arch, bool(g("expert_weights_norm", True))),
-        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3"),
+        expert_weights_norm={"qwen2moe": False, "qwen3moe": True, "gpt-oss": True}.get(arch, bool(g("expert_weights_norm", True))),
+        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"),
         embed_scale=float(np.sqrt(np.float32(hidden))) if gemma else 1.0,
         gelu=gemma,
-        sliding_window=int(g("attention.sliding_window", 0)) if gemma else 0,
-        sliding_period=int(g("attention.sliding_window_pattern", 6)) if gemma else 0,
+        sliding_window=int(g("attention.sliding_window", 0)) if gemma or oss else 0,
+        sliding_period=int(g("attention.sliding_window_pattern", 2 if oss else 6)) if gemma or oss else 0,
+        local_rope_own=not oss,
+        yarn=yarn,
         rope_theta_local=float(g("rope.local.freq_base", 10000.0)),
         attn_scale=None if g("attention.scale") is None else float(g("attention.scale")),
         llama3=llama3,
@@ -230,7 +252,8 @@ class Weights:
                 wk=wk,
                 wv=wv,
                 wo=d(p + "attn_output.weight"),
-                ffn_norm=d(p + "ffn_norm.weight"),
+                # gpt-oss calls its pre-FFN norm post_attention_norm
+                ffn_norm=d(p + ("post_attention_norm.weight" if c.arch == "gpt-oss" else "ffn_norm.weight")),
             )
             # Architecture extras: present in the file -> used (qwen2 biases, qwen3/gemma3 q/k
             # norms, gemma3 post norms).
@@ -242,9 +265,15 @@ class Weights:
                 ("k_norm", "attn_k_norm.weight"),
                 ("post_attn_norm", "post_attention_norm.weight"),
                 ("post_ffn_norm", "post_ffw_norm.weight"),
+                ("bo", "attn_output.bias"),
+                ("sinks", "attn_sinks.weight"),
+                ("router_b", "ffn_gate_inp.bias"),
             ]:
-                if p + name in t:
+                if p + name in t and not (c.arch == "gpt-oss" and key == "post_attn_norm"):
                     layer[key] = d(p + name).reshape(-1)
+            for key, name in [("gate_exps_b", "ffn_gate_exps.bias"), ("up_exps_b", "ffn_up_exps.bias"), ("down_exps_b", "ffn_down_exps.bias")]:
+                if p + name in t:
+                    layer[key] = d(p + name)  # [E, width]
             if self.cfg.n_experts:
                 E = self.cfg.n_experts
                 layer["router"] = d(p + "ffn_gate_inp.weight")  # [E, hidden]
@@ -343,6 +372,20 @@ def llama3_freq_factors(llama3: tuple, rope_dim: int, theta: float) -> np.ndarra
     return freq / new
 
 
+def yarn_freq_factors(yarn: tuple, rope_dim: int, theta: float) -> np.ndarray:
+    """Divisors of the RoPE frequencies for YaRN (see the module docstring)."""
+    factor, orig = yarn
+    freq = theta ** (-np.arange(rope_dim // 2, dtype=np.float64) * 2.0 / rope_dim)
+
+    def corr_dim(beta):
+        return rope_dim * np.log(orig / (beta * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = max(0.0, np.floor(corr_dim(32.0))), min(rope_dim - 1.0, np.ceil(corr_dim(1.0)))
+    ramp = 1.0 - np.clip((np.arange(rope_dim // 2) - low) / max(high - low, 0.001), 0.0, 1.0)
+    new = freq / factor * (1.0 - ramp) + freq * ramp
+    return freq / new
+
+
 def _inv_freq(theta: float, rope_dim: int, freq_factors) -> np.ndarray:
     inv = theta ** (-np.arange(rope_dim // 2, dtype=np.float64) * 2.0 / rope_dim)
     return inv if freq_factors is None else inv / freq_factors
@@ -396,6 +439,9 @@ def moe_ffn(x: np.ndarray, L: dict, c: Config, lin, margins=None) -> np.ndarray:
     its k-th and (k+1)-th largest logit, i.e. how close the routing was to a different choice.
     """
     logits = lin(x, L["router"]).astype(np.float64)  # [T, E]
+    if "router_b" in L:
+        logits = logits + L["router_b"]
+    oss = c.arch == "gpt-oss"
     out = np.zeros_like(x)
     for i in range(x.shape[0]):
         if margins is not None and c.n_experts_used < c.n_experts:
@@ -407,8 +453,15 @@ def moe_ffn(x: np.ndarray, L: dict, c: Config, lin, margins=None) -> np.ndarray:
         w = p[chosen] / p[chosen].sum() if c.expert_weights_norm else p[chosen]
         xi = x[i : i + 1]
         for e, we in zip(chosen, w):
-            g = silu(lin(xi, L["gate_exps"][e])) * lin(xi, L["up_exps"][e])
-            out[i] += (we * lin(g, L["down_exps"][e])[0]).astype(x.dtype)
+            if oss:  # clamped SwiGLU with biases; w above is the softmax over the chosen logits
+                gate = np.minimum(lin(xi, L["gate_exps"][e]) + L["gate_exps_b"][e], 7.0)
+                up = np.clip(lin(xi, L["up_exps"][e]) + L["up_exps_b"][e], -7.0, 7.0)
+                g = (gate / (1.0 + np.exp(-1.702 * gate)) * (up + 1.0)).astype(x.dtype)
+                y = lin(g, L["down_exps"][e])[0] + L["down_exps_b"][e]
+            else:
+                g = silu(lin(xi, L["gate_exps"][e])) * lin(xi, L["up_exps"][e])
+                y = lin(g, L["down_exps"][e])[0]
+            out[i] += (we * y).astype(x.dtype)
     if "up_sh" in L:
         g = silu(lin(x, L["gate_sh"])) * lin(x, L["up_sh"])
         y = lin(g, L["down_sh"])
@@ -468,6 +521,10 @@ def forward(
     freq_factors = W.rope_freqs
     if freq_factors is None and c.llama3 is not None:
         freq_factors = llama3_freq_factors(c.llama3, c.rope_dim, c.rope_theta)
+    rope_mscale = c.rope_mscale
+    if freq_factors is None and c.yarn is not None:
+        freq_factors = yarn_freq_factors(c.yarn, c.rope_dim, c.rope_theta)
+        rope_mscale *= 1.0 + 0.1 * np.log(c.yarn[0])
 
     def lin(x, w):
         return aq(x, w) @ w.T
@@ -497,25 +554,31 @@ def forward(
             k = rmsnorm(k, L["k_norm"], c.rms_eps)
         if not c.uses_rope(li):
             pass  # smollm3's NoPE layers
-        elif local:  # own base, no frequency scaling (llama.cpp: rope_freq_scale_train_swa = 1)
+        elif local and c.local_rope_own:  # own base, no frequency scaling (llama.cpp: rope_freq_scale_train_swa = 1)
             q = rope_fn(q, pos, c.rope_theta_local, c.rope_dim)
             k = rope_fn(k, pos, c.rope_theta_local, c.rope_dim)
         else:
             q = rope_fn(q, pos, c.rope_theta, c.rope_dim, freq_factors)
             k = rope_fn(k, pos, c.rope_theta, c.rope_dim, freq_factors)
-            if c.rope_mscale != 1.0:  # ggml's mscale: cos and sin scaled, so the rotated dims
-                q[..., : c.rope_dim] *= ft(c.rope_mscale)
-                k[..., : c.rope_dim] *= ft(c.rope_mscale)
+            if rope_mscale != 1.0:  # ggml's mscale: cos and sin scaled, so the rotated dims
+                q[..., : c.rope_dim] *= ft(rope_mscale)
+                k[..., : c.rope_dim] *= ft(rope_mscale)
         # GQA: query head j uses kv head j // group.
         kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
         vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
         qh = q.transpose(1, 0, 2)  # [H, T, d]
         s = (qh @ kh.transpose(0, 2, 1)) * ft(scale) + (local_mask if local else mask)  # [H, T, T]
+        if "sinks" in L:  # one more logit per head in every row's softmax, whose share is dropped
+            s = np.concatenate([s, np.broadcast_to(L["sinks"][:, None, None], (c.n_heads, T, 1)).astype(ft)], axis=-1)
         s = s - s.max(axis=-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(axis=-1, keepdims=True)
+        if "sinks" in L:
+            p = p[..., :T]
         a = (p @ vh).transpose(1, 0, 2).reshape(T, c.n_heads * c.head_dim)
         o = lin(a, L["wo"])
+        if "bo" in L:
+            o = o + L["bo"]
         if "post_attn_norm" in L:
             o = rmsnorm(o, L["post_attn_norm"], c.rms_eps)
         h = h + o

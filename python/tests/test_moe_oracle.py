@@ -35,11 +35,15 @@ CASES = {
     "f32_qwen3moe_top3_of_8": (["--arch", "qwen3moe", "--format", "f32", "--experts", "8", "--experts-used", "3", "--head-dim", "32", "--seed", "4"], 2e-3),
     # Qwen2-MoE: Q/K/V biases, softmax weights kept as they are, sigmoid-gated shared expert
     "f32_qwen2moe_shared": (["--arch", "qwen2moe", "--format", "f32", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32", "--seed", "6"], 2e-3),
+    # gpt-oss: biases everywhere, attention sinks, every other layer sliding (window 4), YaRN,
+    # router bias, softmax over the chosen logits, clamped-SwiGLU experts with biases
+    "f32_gptoss_top4_of_8": (["--arch", "gpt-oss", "--format", "f32", "--experts", "8", "--experts-used", "4", "--layers", "3", "--seed", "7"], 2e-3),
 }
 QUANT_CASES = {
     "q8_0_top2_of_4": ["--format", "q8_0", "--experts", "4", "--seed", "2"],
     "q4_0_top2_of_4": ["--format", "q4_0", "--experts", "4", "--seed", "0"],
     "q4_1_top2_of_8": ["--format", "q4_1", "--experts", "8", "--seed", "3"],
+    "q8_0_gptoss_top4_of_8": ["--arch", "gpt-oss", "--format", "q8_0", "--experts", "8", "--experts-used", "4", "--seed", "9"],
 }
 QUANT_BOUND = 0.5  # measured <= 0.26 away from near-ties
 NEAR_TIE = 0.03  # router logit margin; every measured flip followed a margin < 0.02

@@ -65,8 +65,9 @@ impl Engine {
         crate::handle::StoppedOnDrop(self.counters.clone())
     }
 
-    pub fn new(model: LlamaModel, tokenizer: Arc<Tokenizer>, cfg: EngineConfig, counters: Arc<QueueCounters>) -> Result<Self, EngineError> {
+    pub fn new(mut model: LlamaModel, tokenizer: Arc<Tokenizer>, cfg: EngineConfig, counters: Arc<QueueCounters>) -> Result<Self, EngineError> {
         cfg.validate(model.config.context_length).map_err(EngineError::Config)?;
+        model.fit_context(cfg.max_model_len);
         let c = &model.config;
         let layout = KvLayout { block_size: cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
         let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks)?;

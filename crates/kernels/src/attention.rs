@@ -50,13 +50,15 @@ const Q_CHUNK: usize = 16;
 /// position order, softmax over its own context, values accumulated in position order — so the
 /// grouping never changes a result.
 pub fn paged_attention(q: &[f32], out: &mut [f32], k_cache: &[f32], v_cache: &[f32], layout: &KvLayout, seqs: &[SeqSpan], scale: f32) {
-    paged_attention_windowed(q, out, k_cache, v_cache, layout, seqs, scale, None)
+    paged_attention_windowed(q, out, k_cache, v_cache, layout, seqs, scale, None, None)
 }
 
 /// [`paged_attention`] restricted to a sliding window: with `window = Some(w)` the query at
 /// position `p` sees keys at positions `(p - w, p]` only, the `w` most recent including itself
 /// (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`: key `p0` is masked when `p - p0 >= w`). `None`: the
 /// whole causal context. The cache still holds every position; only the reduction range shrinks.
+/// `sinks` (gpt-oss's attention sinks): one logit per query head that joins each softmax's
+/// denominator and gets no value ([`crate::ops::softmax_with_sink`]).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_windowed(
     q: &[f32],
@@ -67,8 +69,10 @@ pub fn paged_attention_windowed(
     seqs: &[SeqSpan],
     scale: f32,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
 ) {
     assert!(window != Some(0), "a sliding window must hold at least the query's own position");
+    assert!(sinks.is_none_or(|s| s.len() == layout.n_heads), "one attention sink per query head");
     let hd = layout.head_dim;
     let qw = layout.n_heads * hd;
     let group = layout.n_heads / layout.n_kv_heads;
@@ -110,7 +114,10 @@ pub fn paged_attention_windowed(
             let h0 = kvh * group;
             scaled_dots_heads(sc, &q[row * qw + h0 * hd..row * qw + (h0 + group) * hd], group, k_cache, offs, scale);
             for (j, s) in sc.chunks_exact_mut(len).enumerate() {
-                crate::ops::softmax(s);
+                match sinks {
+                    Some(sk) => crate::ops::softmax_with_sink(s, sk[h0 + j]),
+                    None => crate::ops::softmax(s),
+                }
                 acc.fill(0.0);
                 weighted_rows_sum(&mut acc, s, v_cache, offs);
                 // SAFETY: (row, h0 + j) belongs to this task only.
@@ -236,7 +243,7 @@ mod tests {
         let w = 5;
         let mut all = vec![0f32; ctx * qw];
         let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &table }];
-        paged_attention_windowed(&q, &mut all, &kc, &vc, &layout, &seqs, 0.3, Some(w));
+        paged_attention_windowed(&q, &mut all, &kc, &vc, &layout, &seqs, 0.3, Some(w), None);
         for t in [0usize, 3, 4, 5, 16, 17, 36] {
             let lo = (t + 1).saturating_sub(w);
             for h in 0..2 {
@@ -248,14 +255,57 @@ mod tests {
             }
             let mut one = vec![0f32; qw];
             let seqs = [SeqSpan { q_start: 0, q_len: 1, context_len: t + 1, block_table: &table }];
-            paged_attention_windowed(&q[t * qw..(t + 1) * qw], &mut one, &kc, &vc, &layout, &seqs, 0.3, Some(w));
+            paged_attention_windowed(&q[t * qw..(t + 1) * qw], &mut one, &kc, &vc, &layout, &seqs, 0.3, Some(w), None);
             assert_eq!(one, all[t * qw..(t + 1) * qw], "position {t} alone");
         }
         // a window at least as long as the context is plain causal attention
         let mut wide = vec![0f32; ctx * qw];
-        paged_attention_windowed(&q, &mut wide, &kc, &vc, &layout, &seqs, 0.3, Some(ctx));
+        paged_attention_windowed(&q, &mut wide, &kc, &vc, &layout, &seqs, 0.3, Some(ctx), None);
         let mut plain = vec![0f32; ctx * qw];
         paged_attention(&q, &mut plain, &kc, &vc, &layout, &seqs, 0.3);
         assert_eq!(wide, plain);
+    }
+
+    /// An attention sink per head joins the softmax's denominator only: against the naive
+    /// attention with the sink's logit appended (and its value row zero), for each head.
+    #[test]
+    fn attention_sinks_take_a_share_of_the_softmax_and_give_nothing() {
+        let layout = KvLayout { block_size: 4, n_heads: 4, n_kv_heads: 2, head_dim: 8 };
+        let ctx = 11;
+        let table: Vec<u32> = (0..4).collect();
+        let kvw = layout.kv_width();
+        let mut kc = vec![0f32; 4 * 4 * kvw];
+        let mut vc = kc.clone();
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for p in 0..ctx {
+            let k: Vec<f32> = (0..kvw).map(|i| ((p * kvw + i) as f32 * 0.37).sin()).collect();
+            let v: Vec<f32> = (0..kvw).map(|i| ((p * kvw + i) as f32 * 0.53).cos()).collect();
+            write_kv(&mut kc, &mut vc, &layout, p, &k, &v);
+            ks.push(k);
+            vs.push(v);
+        }
+        let qw = layout.n_heads * layout.head_dim;
+        let q: Vec<f32> = (0..ctx * qw).map(|i| (i as f32 * 0.013).cos()).collect();
+        let sinks = [0.5f32, -2.0, 4.0, 1.0];
+        let mut out = vec![0f32; ctx * qw];
+        let seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &table }];
+        paged_attention_windowed(&q, &mut out, &kc, &vc, &layout, &seqs, 0.3, Some(4), Some(&sinks));
+        for t in [0usize, 5, 10] {
+            let lo = (t + 1).saturating_sub(4);
+            for h in 0..4 {
+                let kvh = h / 2;
+                let at = t * qw + h * 8;
+                let qv = &q[at..at + 8];
+                let mut s: Vec<f64> =
+                    ks[lo..=t].iter().map(|k| k[kvh * 8..kvh * 8 + 8].iter().zip(qv).map(|(a, b)| (a * b) as f64).sum::<f64>() * 0.3).collect();
+                s.push(sinks[h] as f64);
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for d in 0..8 {
+                    let want: f64 = (lo..=t).map(|p| (s[p - lo] - m).exp() / z * vs[p][kvh * 8 + d] as f64).sum();
+                    assert!((want - out[at + d] as f64).abs() < 1e-5, "position {t} head {h}: {want} vs {}", out[at + d]);
+                }
+            }
+        }
     }
 }

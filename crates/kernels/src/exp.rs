@@ -48,13 +48,26 @@ pub fn exp(x: f32) -> f32 {
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
-/// Which gate `gate_mul` applies (`ops::silu_mul`, `ops::gelu_tanh_mul`). Both are
-/// `g * sigmoid(a) * u`: SiLU with a = g; GELU's tanh approximation 0.5 g (1 + tanh(y)) =
-/// g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3).
+/// Which gate `gate_mul` applies (`ops::silu_mul`, `ops::gelu_tanh_mul`, `ops::swiglu_oai_mul`).
+/// All are `g * sigmoid(a) * u`: SiLU with a = g; GELU's tanh approximation 0.5 g (1 + tanh(y)) =
+/// g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3); gpt-oss's clamped SwiGLU with g clamped
+/// from above and u on both sides to [`SWIGLU_OAI_LIMIT`], a = [`SWIGLU_OAI_ALPHA`] g and u + 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gate {
     Silu,
     GeluTanh,
+    SwigluOai,
+}
+
+/// gpt-oss's SwiGLU constants (fixed by the architecture; llama.cpp hard-codes them too).
+pub const SWIGLU_OAI_ALPHA: f32 = 1.702;
+pub const SWIGLU_OAI_LIMIT: f32 = 7.0;
+
+#[inline(always)]
+fn swiglu_oai_gate(g: f32, u: f32) -> f32 {
+    let g = g.min(SWIGLU_OAI_LIMIT);
+    let u = u.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT);
+    g / (1.0 + exp(-SWIGLU_OAI_ALPHA * g)) * (u + 1.0)
 }
 
 #[inline(always)]
@@ -74,6 +87,7 @@ fn gate_mul_lanes(kind: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     match kind {
         Gate::Silu => it.for_each(|((o, &g), &u)| *o = silu_gate(g, u)),
         Gate::GeluTanh => it.for_each(|((o, &g), &u)| *o = gelu_gate(g, u)),
+        Gate::SwigluOai => it.for_each(|((o, &g), &u)| *o = swiglu_oai_gate(g, u)),
     }
 }
 
@@ -118,6 +132,41 @@ fn lane_sum(x: &[f32]) -> f32 {
         acc[l] += v;
     }
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+/// `softmax_lanes` with an attention sink (gpt-oss): one more logit, `sink`, joins the maximum
+/// and the sum but gets no output, so the outputs sum to less than 1 (ggml's `soft_max` with
+/// sinks, the same order of operations).
+#[inline(always)]
+fn softmax_sink_lanes(x: &mut [f32], sink: f32) {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] = lanes[l].max(c[l]);
+        }
+    }
+    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| m.max(v)).max(sink);
+    let inv = 1.0 / (exp_shifted_sum(x, max) + exp(sink - max));
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_sink_avx2(x: &mut [f32], sink: f32) {
+    softmax_sink_lanes(x, sink)
+}
+
+/// In-place softmax over `x` and one more logit, `sink`, whose share is dropped: out_i =
+/// exp(x_i - m) / (sum_j exp(x_j - m) + exp(sink - m)), m = max(max x, sink).
+pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if features().avx2_fma {
+        // SAFETY: the CPU has AVX2 and FMA (run-time detection).
+        return unsafe { softmax_sink_avx2(x, sink) };
+    }
+    softmax_sink_lanes(x, sink)
 }
 
 #[inline(always)]
@@ -184,11 +233,15 @@ mod tests {
     fn every_path_gives_the_same_bits() {
         let xs = inputs();
         let up: Vec<f32> = xs.iter().map(|x| (x * 0.37).sin()).collect();
-        for kind in [Gate::Silu, Gate::GeluTanh] {
+        for kind in [Gate::Silu, Gate::GeluTanh, Gate::SwigluOai] {
             let mut got = vec![0f32; xs.len()];
             gate_mul(kind, &xs, &up, &mut got);
             for (i, (&g, &u)) in xs.iter().zip(&up).enumerate() {
-                let want = if kind == Gate::Silu { silu_gate(g, u) } else { gelu_gate(g, u) };
+                let want = match kind {
+                    Gate::Silu => silu_gate(g, u),
+                    Gate::GeluTanh => gelu_gate(g, u),
+                    Gate::SwigluOai => swiglu_oai_gate(g, u),
+                };
                 assert_eq!(got[i].to_bits(), want.to_bits(), "{kind:?}({g}) * {u}");
             }
         }
@@ -202,6 +255,18 @@ mod tests {
             assert_eq!(simd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n = {n}");
             let sum: f32 = simd.iter().sum();
             assert!((sum - 1.0).abs() < 1e-5 && simd.iter().enumerate().all(|(i, &v)| (i % 7 == 3) == (v == 0.0)), "n = {n}: {simd:?}");
+            // with a sink: the same bits on every path, and the sink's share missing from the sum
+            let sink = 3.5f32;
+            let mut simd = row.clone();
+            softmax_with_sink(&mut simd, sink);
+            let mut want = row.clone();
+            softmax_sink_lanes(&mut want, sink);
+            assert_eq!(simd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n = {n}");
+            let finite: Vec<f64> = row.iter().filter(|v| v.is_finite()).map(|&v| v as f64).collect();
+            let m = finite.iter().cloned().fold(sink as f64, f64::max);
+            let z: f64 = finite.iter().map(|v| (v - m).exp()).sum::<f64>() + (sink as f64 - m).exp();
+            let sum: f64 = simd.iter().map(|&v| v as f64).sum();
+            assert!((sum - (1.0 - (sink as f64 - m).exp() / z)).abs() < 1e-5, "n = {n}: sum {sum}");
         }
     }
 
@@ -216,6 +281,12 @@ mod tests {
             let y = (2.0f64 / std::f64::consts::PI).sqrt() * (g as f64 + 0.044715 * (g as f64).powi(3));
             let want = 0.5 * g as f64 * (1.0 + y.tanh()) * 1.5;
             assert!((o[0] as f64 - want).abs() <= 1e-6 * want.abs().max(1e-3), "gelu({g}): {} vs {want}", o[0]);
+            for u in [-9.0f32, -0.5, 3.0, 8.0] {
+                gate_mul(Gate::SwigluOai, &[g], &[u], &mut o);
+                let (gc, uc) = ((g as f64).min(7.0), (u as f64).clamp(-7.0, 7.0));
+                let want = gc / (1.0 + (-1.702 * gc).exp()) * (uc + 1.0);
+                assert!((o[0] as f64 - want).abs() <= 2e-6 * want.abs().max(1e-3), "swiglu_oai({g}, {u}): {} vs {want}", o[0]);
+            }
         }
     }
 }

@@ -121,6 +121,12 @@ fn gate_mul_parallel(kind: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
     });
 }
 
+/// out[i] = gpt-oss's clamped SwiGLU of gate[i] and up[i]: g = min(g, 7), u = clamp(u, -7, 7),
+/// g * sigmoid(1.702 g) * (u + 1) (ggml's `swiglu_oai`).
+pub fn swiglu_oai_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    gate_mul_parallel(Gate::SwigluOai, gate, up, out);
+}
+
 /// x += y
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
@@ -129,7 +135,7 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 }
 
 /// In-place numerically stable softmax.
-pub use crate::exp::softmax;
+pub use crate::exp::{softmax, softmax_with_sink};
 
 #[cfg(test)]
 mod tests {

@@ -60,6 +60,13 @@ pub struct ArchOptions {
     /// Multiplier of RoPE's cos and sin (llama.cpp's `attn_factor`, `rope.scaling.attn_factor`:
     /// Phi-3's LongRoPE); the unrotated dimensions are not scaled. 1.0 for everyone else.
     pub rope_mscale: f32,
+    /// YaRN RoPE scaling (`rope.scaling.type = "yarn"`: gpt-oss, long-context Qwen3).
+    pub rope_yarn: Option<YarnRope>,
+    /// A bias on the attention output projection (`attn_output.bias`: gpt-oss).
+    pub attn_out_bias: bool,
+    /// One learned logit per query head that joins every attention softmax's denominator
+    /// (`attn_sinks.weight`: gpt-oss).
+    pub attn_sinks: bool,
 }
 
 impl Default for ArchOptions {
@@ -76,6 +83,9 @@ impl Default for ArchOptions {
             rope_dims: None,
             no_rope_period: None,
             rope_mscale: 1.0,
+            rope_yarn: None,
+            attn_out_bias: false,
+            attn_sinks: false,
         }
     }
 }
@@ -87,15 +97,61 @@ pub enum Activation {
     SiluGate,
     /// GeGLU with the tanh approximation of GELU (Gemma).
     GeluTanhGate,
+    /// gpt-oss's clamped SwiGLU: `min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1)`.
+    SwigluOai,
 }
 
-/// Gemma 3's local layers: of every `period` layers the first `period - 1` attend to the last
-/// `window` positions only and rotate with their own RoPE base; the last one is global.
+/// Sliding-window layers: of every `period` layers the first `period - 1` attend to the last
+/// `window` positions only; the last one is global (Gemma 3: 5 of 6; gpt-oss: every other).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SlidingWindow {
     pub window: usize,
     pub period: usize,
-    pub rope_theta: f32,
+    /// The local layers' own RoPE base, unscaled (Gemma 3); `None`: the model's RoPE (gpt-oss).
+    pub rope_theta: Option<f32>,
+}
+
+/// YaRN (`rope.scaling.type = "yarn"`), as ggml's `rope_yarn` computes it: frequency i is
+/// interpolated (divided by `factor`) below the correction band, kept above it, ramped between;
+/// cos and sin are scaled by `attn_factor * (1 + 0.1 ln factor)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct YarnRope {
+    pub factor: f32,
+    pub original_context_length: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    pub ext_factor: f32,
+    /// llama.cpp's context `yarn_attn_factor` (1 unless `rope.scaling.yarn_log_multiplier` or
+    /// `rope.scaling.attn_factor` say otherwise).
+    pub attn_factor: f32,
+}
+
+impl YarnRope {
+    /// The per-frequency divisors (as `rope_freqs.weight` would hold them) for `rot_dim / 2`
+    /// frequencies of base `theta`: 1 / ((1 - mix) / factor + mix), mix = ramp * ext_factor.
+    pub fn freq_factors(&self, rot_dim: usize, theta: f32) -> Vec<f32> {
+        // ggml_rope_yarn_corr_dims, in f32 as ggml computes it
+        let corr_dim = |beta: f32| rot_dim as f32 * (self.original_context_length as f32 / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * theta.ln());
+        let low = corr_dim(self.beta_fast).floor().max(0.0);
+        let high = corr_dim(self.beta_slow).ceil().min(rot_dim as f32 - 1.0);
+        (0..rot_dim / 2)
+            .map(|i| {
+                let y = (i as f32 - low) / (high - low).max(0.001);
+                let ramp = 1.0 - y.clamp(0.0, 1.0);
+                let mix = ramp * self.ext_factor;
+                1.0 / ((1.0 - mix) / self.factor + mix)
+            })
+            .collect()
+    }
+
+    /// The multiplier of cos and sin.
+    pub fn mscale(&self) -> f32 {
+        if self.ext_factor != 0.0 {
+            self.attn_factor * (1.0 + 0.1 * self.factor.ln())
+        } else {
+            self.attn_factor
+        }
+    }
 }
 
 /// How one layer attends.
@@ -103,8 +159,9 @@ pub struct SlidingWindow {
 pub enum AttentionKind {
     /// The whole causal context, rotated with the model's RoPE.
     Global,
-    /// The last `window` positions (the query's own included), rotated with `rope_theta`.
-    Sliding { window: usize, rope_theta: f32 },
+    /// The last `window` positions (the query's own included), rotated with the local RoPE
+    /// (`SlidingWindow::rope_theta`) when the model has one.
+    Sliding { window: usize },
 }
 
 /// Llama 3.x RoPE scaling (`rope_type: "llama3"` in config.json): long wavelengths are
@@ -173,7 +230,7 @@ impl ModelConfig {
     /// How layer `layer` attends (global unless the model has sliding-window layers).
     pub fn attention_kind(&self, layer: usize) -> AttentionKind {
         match &self.arch_options.sliding {
-            Some(s) if layer % s.period < s.period - 1 => AttentionKind::Sliding { window: s.window, rope_theta: s.rope_theta },
+            Some(s) if layer % s.period < s.period - 1 => AttentionKind::Sliding { window: s.window },
             _ => AttentionKind::Global,
         }
     }
@@ -248,7 +305,19 @@ impl ModelConfig {
             if s.window == 0 || s.period == 0 || s.window > limits::MAX_CONTEXT || s.period > limits::MAX_LAYERS {
                 return bad(format!("sliding window of {} positions every {} layers", s.window, s.period));
             }
-            positive("the local RoPE base (rope.local.freq_base)", s.rope_theta)?;
+            if let Some(theta) = s.rope_theta {
+                positive("the local RoPE base (rope.local.freq_base)", theta)?;
+            }
+        }
+        if let Some(y) = &self.arch_options.rope_yarn {
+            positive("rope.scaling.factor", y.factor)?;
+            positive("rope.scaling.yarn_beta_fast", y.beta_fast)?;
+            positive("rope.scaling.yarn_beta_slow", y.beta_slow)?;
+            positive("the YaRN attention factor", y.attn_factor)?;
+            if !y.ext_factor.is_finite() {
+                return bad(format!("rope.scaling.yarn_ext_factor is {}", y.ext_factor));
+            }
+            within("rope.scaling.original_context_length", y.original_context_length, 1, limits::MAX_CONTEXT)?;
         }
         if let Some(r) = &self.arch_options.rope_llama3 {
             positive("rope.scaling.factor", r.factor)?;
@@ -265,7 +334,7 @@ impl ModelConfig {
             if let Some(f) = m.shared_ffn {
                 within("the shared expert's width", f, 1, limits::MAX_FFN)?;
             }
-            if self.arch_options.activation != Activation::SiluGate {
+            if self.arch_options.activation == Activation::GeluTanhGate {
                 return bad(format!("mixture-of-experts layers with {:?} are not supported (SwiGLU experts only)", self.arch_options.activation));
             }
             if m.n_used == 0 || m.n_used > m.n_experts {
@@ -394,9 +463,9 @@ mod tests {
         };
         assert!((0..12).all(|l| c.attention_kind(l) == AttentionKind::Global));
         assert_eq!(c.attn_scale(), 0.25);
-        c.arch_options.sliding = Some(SlidingWindow { window: 512, period: 6, rope_theta: 1e4 });
+        c.arch_options.sliding = Some(SlidingWindow { window: 512, period: 6, rope_theta: Some(1e4) });
         let global: Vec<usize> = (0..12).filter(|&l| c.attention_kind(l) == AttentionKind::Global).collect();
         assert_eq!(global, [5, 11]);
-        assert_eq!(c.attention_kind(0), AttentionKind::Sliding { window: 512, rope_theta: 1e4 });
+        assert_eq!(c.attention_kind(0), AttentionKind::Sliding { window: 512 });
     }
 }

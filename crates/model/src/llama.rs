@@ -12,7 +12,7 @@ use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
 use crate::ModelError;
 use specula_kernels::attention::{paged_attention_windowed, write_kv};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
-use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, Rope};
+use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, swiglu_oai_mul, Rope};
 use specula_kernels::{QMatrix, WeightFormat};
 use std::sync::Arc;
 
@@ -45,6 +45,10 @@ pub struct LayerExtras {
     /// `[hidden]`: RMSNorm of the attention / FFN output before its residual add (Gemma 3).
     pub post_attn_norm: Option<Vec<f32>>,
     pub post_ffn_norm: Option<Vec<f32>>,
+    /// `[hidden]`: added to the attention output projection (gpt-oss).
+    pub o_bias: Option<Vec<f32>>,
+    /// `[n_heads]`: each query head's attention sink logit (gpt-oss).
+    pub sinks: Option<Vec<f32>>,
 }
 
 /// A layer's feed-forward block: one SwiGLU MLP, or a routed mixture of them.
@@ -65,6 +69,9 @@ pub struct LlamaModel {
     pub rope: Rope,
     /// The RoPE of the sliding-window layers, when they have their own base (Gemma 3).
     pub rope_sliding: Option<Rope>,
+    /// LongRoPE's long factors (Phi-3/4) and the context beyond which llama.cpp takes them
+    /// (`rope.scaling.original_context_length`); [`LlamaModel::fit_context`] swaps them in.
+    rope_long: Option<(usize, Rope)>,
     /// The rank group's collectives when the experts are spread over ranks (expert parallel).
     expert_exchange: Option<Arc<dyn ExpertExchange>>,
 }
@@ -176,19 +183,48 @@ impl LlamaModel {
             want(&e.k_norm, o.qk_norm, c.head_dim, "attn_k_norm")?;
             want(&e.post_attn_norm, o.post_norms, c.hidden_size, "post_attention_norm")?;
             want(&e.post_ffn_norm, o.post_norms, c.hidden_size, "post_ffw_norm")?;
+            want(&e.o_bias, o.attn_out_bias, c.hidden_size, "attn_output.bias")?;
+            want(&e.sinks, o.attn_sinks, c.n_heads, "attn_sinks")?;
         }
         let rot = c.rope_dims();
         let llama3 = o.rope_llama3.as_ref().map(|r| r.freq_factors(rot, c.rope_theta));
-        let freq_factors = rope_freqs.or(llama3);
+        let yarn = o.rope_yarn.as_ref().map(|r| r.freq_factors(rot, c.rope_theta));
+        let freq_factors = rope_freqs.or(llama3).or(yarn);
+        let mscale = o.rope_yarn.as_ref().map_or(1.0, |r| r.mscale()) * o.rope_mscale;
         if let Some(f) = &freq_factors {
             if f.len() != rot / 2 {
                 return Err(ModelError::BadTensor { name: "rope_freqs".into(), message: format!("{} entries, expected {}", f.len(), rot / 2) });
             }
         }
-        let rope = Rope::new(c.head_dim, rot, c.rope_theta, c.rope_linear_scale, freq_factors.as_deref(), c.rope_neox).with_mscale(o.rope_mscale);
-        // Sliding layers keep the unscaled RoPE of their own base (llama.cpp: rope_freq_scale_train_swa = 1).
-        let rope_sliding = o.sliding.as_ref().map(|s| Rope::new(c.head_dim, rot, s.rope_theta, 1.0, None, c.rope_neox));
-        Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, expert_exchange: None })
+        let rope = Rope::new(c.head_dim, rot, c.rope_theta, c.rope_linear_scale, freq_factors.as_deref(), c.rope_neox).with_mscale(mscale);
+        // Gemma 3's sliding layers keep the unscaled RoPE of their own base (llama.cpp:
+        // rope_freq_scale_train_swa = 1); gpt-oss's rotate like the global ones.
+        let rope_sliding = o.sliding.as_ref().and_then(|s| s.rope_theta).map(|theta| Rope::new(c.head_dim, rot, theta, 1.0, None, c.rope_neox));
+        Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, rope_long: None, expert_exchange: None })
+    }
+
+    /// LongRoPE's long factors (`rope_factors_long.weight`, `rope_dims / 2` divisors), used
+    /// instead of the short ones when the served context exceeds `original_context`.
+    pub fn set_long_rope_factors(&mut self, factors: &[f32], original_context: usize) -> Result<(), ModelError> {
+        let c = &self.config;
+        let rot = c.rope_dims();
+        if factors.len() != rot / 2 {
+            return Err(ModelError::BadTensor { name: "rope_factors_long".into(), message: format!("{} entries, expected {}", factors.len(), rot / 2) });
+        }
+        let rope = Rope::new(c.head_dim, rot, c.rope_theta, c.rope_linear_scale, Some(factors), c.rope_neox).with_mscale(c.arch_options.rope_mscale);
+        self.rope_long = Some((original_context, rope));
+        Ok(())
+    }
+
+    /// Chooses what depends on the context the model is served with, as llama.cpp does from its
+    /// context size: LongRoPE's long factors beyond the original context, the short ones within.
+    pub fn fit_context(&mut self, max_model_len: usize) {
+        if let Some((original, long)) = &self.rope_long {
+            if max_model_len > *original {
+                tracing::info!(max_model_len, original_context = original, "serving beyond the original context: LongRoPE's long factors");
+                self.rope = long.clone();
+            }
+        }
     }
 
     /// Spreads the experts over the ranks of `exchange`'s group: this rank keeps experts
@@ -345,8 +381,11 @@ impl LlamaModel {
                     write_kv(&mut kv.k[li], &mut kv.v[li], &kv.layout, batch.slots[i], &k[i * kvw..(i + 1) * kvw], &v[i * kvw..(i + 1) * kvw]);
                 }
             }
-            paged_attention_windowed(&q, &mut attn, &kv.k[li], &kv.v[li], &kv.layout, batch.seqs, scale, window);
+            paged_attention_windowed(&q, &mut attn, &kv.k[li], &kv.v[li], &kv.layout, batch.seqs, scale, window, e.sinks.as_deref());
             matmul(&MatmulInput::new(&attn, qw, &[&l.wo]), &l.wo, &mut o);
+            if let Some(b) = &e.o_bias {
+                add_bias(&mut o, b);
+            }
             if let Some(w) = &e.post_attn_norm {
                 rms_norm_in_place(&mut o, w, c.rms_eps);
             }
@@ -361,6 +400,7 @@ impl LlamaModel {
                     match c.arch_options.activation {
                         Activation::SiluGate => silu_mul(&gate, &up, &mut act),
                         Activation::GeluTanhGate => gelu_tanh_mul(&gate, &up, &mut act),
+                        Activation::SwigluOai => swiglu_oai_mul(&gate, &up, &mut act),
                     }
                     matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut down);
                 }

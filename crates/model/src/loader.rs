@@ -2,11 +2,12 @@
 //! *.safetensors + tokenizer.json). Reports how long loading took.
 
 use crate::chat::{ChatTemplate, CHATML};
+use crate::config::YarnRope;
 use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig, SlidingWindow};
 use crate::gguf::GgufFile;
 use crate::llama::{FeedForward, LayerExtras, LayerWeights, LlamaModel};
 pub use crate::loaded::LoadedModel;
-use crate::moe::{DenseFfn, MoeFfn, SharedExpert};
+use crate::moe::{DenseFfn, FfnBias, MoeFfn, SharedExpert};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
 use specula_kernels::QMatrix;
@@ -22,7 +23,7 @@ pub fn load_model(path: &Path) -> Result<LoadedModel, ModelError> {
 }
 
 /// The architectures a GGUF may declare (`general.architecture`).
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"];
 
 /// The model alone (no tokenizer or chat template) from a `.gguf` file: for tools that feed
 /// token ids (the logits oracle), and for files whose tokenizer is not supported yet.
@@ -52,7 +53,19 @@ fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, 
             let window = f.meta_u32(&key("attention.sliding_window"))? as usize;
             let period = f.meta_u32_or(&key("attention.sliding_window_pattern"), 6)? as usize;
             let rope_theta = f.meta_f32_or(&key("rope.local.freq_base"), 10000.0)?;
-            o.sliding = Some(SlidingWindow { window, period, rope_theta });
+            o.sliding = Some(SlidingWindow { window, period, rope_theta: Some(rope_theta) });
+        }
+        "gpt-oss" => {
+            // biases on Q/K/V and the output, a sink logit per head, every other layer local with
+            // the model's own (YaRN) RoPE (llama.cpp: swa pattern 2, rope_freq_*_train_swa = the
+            // global ones), clamped SwiGLU experts with biases
+            o.qkv_bias = true;
+            o.attn_out_bias = true;
+            o.attn_sinks = true;
+            o.activation = Activation::SwigluOai;
+            let window = f.meta_u32(&key("attention.sliding_window"))? as usize;
+            let period = f.meta_u32_or(&key("attention.sliding_window_pattern"), 2)? as usize;
+            o.sliding = Some(SlidingWindow { window, period, rope_theta: None });
         }
         other => {
             return Err(ModelError::Unsupported(format!(
@@ -68,7 +81,7 @@ fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, 
 /// RoPE neighbours: llama.cpp rotates these architectures NeoX-style (pairs `i`, `i + d/2`);
 /// Llama's converter permutes Q/K so adjacent pairs are rotated instead.
 fn rope_neox(arch: &str) -> bool {
-    matches!(arch, "qwen2" | "qwen2moe" | "qwen3" | "qwen3moe" | "gemma3" | "phi3")
+    matches!(arch, "qwen2" | "qwen2moe" | "qwen3" | "qwen3moe" | "gemma3" | "phi3" | "gpt-oss")
 }
 
 fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
@@ -177,9 +190,13 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             });
             1.0
         }
+        Ok("yarn") => {
+            arch_options.rope_yarn = Some(yarn_rope(f, &arch)?);
+            1.0
+        }
         // Phi-3's LongRoPE: per-frequency factors in `rope_factors_{short,long}.weight`
         Ok("none") | Ok("longrope") | Err(_) => 1.0,
-        Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' in {} is not supported (linear, llama3, longrope)", f.path))),
+        Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' in {} is not supported (linear, llama3, yarn, longrope)", f.path))),
     };
     let config = ModelConfig {
         arch: arch.clone(),
@@ -208,7 +225,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
         let ffn = match &config.moe {
             None => FeedForward::Dense(dense_ffn(f, i, config.intermediate_size)?),
-            Some(m) => FeedForward::Moe(moe_layer(f, i, m)?),
+            Some(m) => FeedForward::Moe(moe_layer(f, i, m, config.hidden_size, config.arch_options.activation)?),
         };
         let (wq, wk, wv) = attention_weights(f, i, config.q_width(), config.kv_width())?;
         layers.push(LayerWeights {
@@ -217,22 +234,51 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             wk,
             wv,
             wo: f.matrix(&t("attn_output"))?,
-            ffn_norm: f.vector(&t("ffn_norm"))?,
+            // gpt-oss names its pre-FFN norm `post_attention_norm`
+            ffn_norm: f.vector(&t(if arch == "gpt-oss" { "post_attention_norm" } else { "ffn_norm" }))?,
             ffn,
         });
         extras.push(layer_extras(f, i, &config.arch_options)?);
     }
     let lm_head = if tied { embed.clone() } else { f.matrix("output.weight")? };
     let final_norm = f.vector("output_norm.weight")?;
-    // Llama 3's factors, or LongRoPE's short ones (llama.cpp takes the long ones only for a
-    // context beyond `rope.scaling.original_context_length`; served contexts here are shorter)
+    // Llama 3's factors, or LongRoPE's short ones (the long ones, which llama.cpp takes for a
+    // context beyond `rope.scaling.original_context_length`, are swapped in by `fit_context`)
     let rope_freqs = match ["rope_freqs.weight", "rope_factors_short.weight"].into_iter().find(|n| f.has_tensor(n)) {
         Some(name) => Some(f.vector(name)?),
         None => None,
     };
     let weight_bytes = usize::try_from(f.tensor_bytes()).unwrap_or(usize::MAX);
-    let model = LlamaModel::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)?;
+    let context = f.meta_u32_or(&key("context_length"), 2048)?;
+    let mut model = LlamaModel::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)?;
+    if f.has_tensor("rope_factors_long.weight") {
+        let original = f.meta_u32_or(&key("rope.scaling.original_context_length"), context)? as usize;
+        model.set_long_rope_factors(&f.vector("rope_factors_long.weight")?, original)?;
+    }
     Ok((model, weight_bytes))
+}
+
+/// YaRN's parameters as llama.cpp reads them: the factor and original context from the file, the
+/// betas and extrapolation factor from the file when present (default 32, 1, 1), and the
+/// context's attention factor: get_mscale(factor) / get_mscale(factor, log_mul) (1 without
+/// `yarn_log_multiplier`), divided by the 1 + 0.1 ln(factor) that ggml multiplies back in, times
+/// `rope.scaling.attn_factor`.
+fn yarn_rope(f: &GgufFile, arch: &str) -> Result<YarnRope, ModelError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let factor = f.meta_f32(&key("rope.scaling.factor"))?;
+    let context = f.meta_u32_or(&key("context_length"), 2048)?;
+    let mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+    let log_mul = f.meta_f32_or(&key("rope.scaling.yarn_log_multiplier"), 0.0)?;
+    let base = if log_mul != 0.0 { mscale(factor, 1.0) / mscale(factor, log_mul) } else { mscale(factor, 1.0) };
+    let attn_factor = base / (1.0 + 0.1 * factor.ln()) * f.meta_f32_or(&key("rope.scaling.attn_factor"), 1.0)?;
+    Ok(YarnRope {
+        factor,
+        original_context_length: f.meta_u32_or(&key("rope.scaling.original_context_length"), context)? as usize,
+        beta_fast: f.meta_f32_or(&key("rope.scaling.yarn_beta_fast"), 32.0)?,
+        beta_slow: f.meta_f32_or(&key("rope.scaling.yarn_beta_slow"), 1.0)?,
+        ext_factor: f.meta_f32_or(&key("rope.scaling.yarn_ext_factor"), 1.0)?,
+        attn_factor,
+    })
 }
 
 /// Layer `i`'s Q, K and V projections: three tensors, or one fused `attn_qkv` (Phi-3) whose rows
@@ -255,7 +301,7 @@ fn dense_ffn(f: &GgufFile, i: usize, ffn: usize) -> Result<DenseFfn, ModelError>
     } else {
         (f.matrix_rows(&t("ffn_up"), 0, ffn)?, f.matrix_rows(&t("ffn_up"), ffn, ffn)?)
     };
-    Ok(DenseFfn { gate, up, down: f.matrix(&t("ffn_down"))? })
+    Ok(DenseFfn::new(gate, up, f.matrix(&t("ffn_down"))?))
 }
 
 /// A config error with the file it came from.
@@ -302,6 +348,8 @@ fn layer_extras(f: &GgufFile, i: usize, o: &ArchOptions) -> Result<LayerExtras, 
         k_norm: opt(o.qk_norm, "attn_k_norm.weight")?,
         post_attn_norm: opt(o.post_norms, "post_attention_norm.weight")?,
         post_ffn_norm: opt(o.post_norms, "post_ffw_norm.weight")?,
+        o_bias: opt(o.attn_out_bias, "attn_output.bias")?,
+        sinks: opt(o.attn_sinks, "attn_sinks.weight")?,
     })
 }
 
@@ -332,7 +380,7 @@ fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError>
     // chosen experts as they are, Qwen3-MoE renormalises them; others follow the file (Mixtral: on).
     let norm_topk = match arch {
         "qwen2moe" => false,
-        "qwen3moe" => true,
+        "qwen3moe" | "gpt-oss" => true,
         _ => f.meta_bool(&key("expert_weights_norm")).unwrap_or(true),
     };
     Ok(Some(MoeConfig { n_experts, n_used, expert_ffn, norm_topk, shared_ffn, expert_parallel_size: 1 }))
@@ -340,27 +388,59 @@ fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError>
 
 /// One layer's router and experts: the 3-D `ffn_{gate,up,down}_exps` stacks, or (older GGUF
 /// files) one `ffn_{gate,up,down}.{e}` tensor per expert; plus the shared expert if present.
-fn moe_layer(f: &GgufFile, i: usize, m: &MoeConfig) -> Result<MoeFfn, ModelError> {
+fn moe_layer(f: &GgufFile, i: usize, m: &MoeConfig, hidden: usize, activation: Activation) -> Result<MoeFfn, ModelError> {
     let t = |n: &str| format!("blk.{i}.{n}.weight");
     let experts: Vec<DenseFfn> = if f.has_tensor(&t("ffn_gate_exps")) || !f.has_tensor(&format!("blk.{i}.ffn_gate.0.weight")) {
         let gate = f.matrix_stack(&t("ffn_gate_exps"), m.n_experts)?;
         let up = f.matrix_stack(&t("ffn_up_exps"), m.n_experts)?;
         let down = f.matrix_stack(&t("ffn_down_exps"), m.n_experts)?;
-        gate.into_iter().zip(up).zip(down).map(|((gate, up), down)| DenseFfn { gate, up, down }).collect()
+        let mut biases = expert_biases(f, i, m, hidden)?;
+        gate.into_iter().zip(up).zip(down).map(|((gate, up), down)| DenseFfn { gate, up, down, bias: biases.next() }).collect()
     } else {
         (0..m.n_experts)
             .map(|e| {
                 let te = |n: &str| format!("blk.{i}.{n}.{e}.weight");
-                Ok(DenseFfn { gate: f.matrix(&te("ffn_gate"))?, up: f.matrix(&te("ffn_up"))?, down: f.matrix(&te("ffn_down"))? })
+                Ok(DenseFfn::new(f.matrix(&te("ffn_gate"))?, f.matrix(&te("ffn_up"))?, f.matrix(&te("ffn_down"))?))
             })
             .collect::<Result<_, ModelError>>()?
     };
     let shared = match m.shared_ffn {
         None => None,
         Some(_) => Some(SharedExpert {
-            ffn: DenseFfn { gate: f.matrix(&t("ffn_gate_shexp"))?, up: f.matrix(&t("ffn_up_shexp"))?, down: f.matrix(&t("ffn_down_shexp"))? },
+            ffn: DenseFfn::new(f.matrix(&t("ffn_gate_shexp"))?, f.matrix(&t("ffn_up_shexp"))?, f.matrix(&t("ffn_down_shexp"))?),
             gate: if f.has_tensor(&t("ffn_gate_inp_shexp")) { Some(f.matrix(&t("ffn_gate_inp_shexp"))?) } else { None },
         }),
     };
-    Ok(MoeFfn { router: f.matrix(&t("ffn_gate_inp"))?, experts: experts.into_iter().map(Some).collect(), n_used: m.n_used, norm_topk: m.norm_topk, shared })
+    let router_bias = match f.has_tensor(&format!("blk.{i}.ffn_gate_inp.bias")) {
+        true => Some(f.vector(&format!("blk.{i}.ffn_gate_inp.bias"))?),
+        false => None,
+    };
+    Ok(MoeFfn {
+        router: f.matrix(&t("ffn_gate_inp"))?,
+        router_bias,
+        activation,
+        experts: experts.into_iter().map(Some).collect(),
+        n_used: m.n_used,
+        norm_topk: m.norm_topk,
+        shared,
+    })
+}
+
+/// Layer `i`'s per-expert biases (`ffn_{gate,up,down}_exps.bias`, `[n_experts, width]` each:
+/// gpt-oss), one `FfnBias` per expert in order; none when the file has none.
+fn expert_biases(f: &GgufFile, i: usize, m: &MoeConfig, hidden: usize) -> Result<std::vec::IntoIter<FfnBias>, ModelError> {
+    let name = |p: &str| format!("blk.{i}.ffn_{p}_exps.bias");
+    if !f.has_tensor(&name("gate")) {
+        return Ok(Vec::new().into_iter());
+    }
+    let stack = |p: &str, width: usize| -> Result<Vec<Vec<f32>>, ModelError> {
+        let v = f.vector(&name(p))?;
+        if v.len() != m.n_experts * width {
+            return Err(ModelError::BadTensor { name: name(p), message: format!("{} values, expected {} experts x {width}", v.len(), m.n_experts) });
+        }
+        Ok(v.chunks_exact(width).map(<[f32]>::to_vec).collect())
+    };
+    let (gate, up, down) = (stack("gate", m.expert_ffn)?, stack("up", m.expert_ffn)?, stack("down", hidden)?);
+    let biases: Vec<FfnBias> = gate.into_iter().zip(up).zip(down).map(|((gate, up), down)| FfnBias { gate, up, down }).collect();
+    Ok(biases.into_iter())
 }

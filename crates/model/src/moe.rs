@@ -1,9 +1,10 @@
 //! The mixture-of-experts feed-forward (Mixtral, Qwen-MoE style) and its expert-parallel form.
 //!
-//! Each token's normalised hidden state goes through a router (`[n_experts x hidden]`), the
-//! softmax over all experts picks the top k (ties: the lower expert index), and the chosen
-//! experts' SwiGLU outputs are summed with those probabilities (renormalised over the k when
-//! `norm_topk`). The sum always runs in ascending expert index, and every expert output is a
+//! Each token's normalised hidden state goes through a router (`[n_experts x hidden]`, plus a
+//! bias on gpt-oss), the softmax over all experts picks the top k (ties: the lower expert index),
+//! and the chosen experts' gated outputs (SwiGLU; gpt-oss: clamped SwiGLU with biases) are summed
+//! with those probabilities (renormalised over the k when `norm_topk`, which is the softmax over
+//! the k chosen logits that gpt-oss and Mixtral define). The sum always runs in ascending expert index, and every expert output is a
 //! row-independent matmul, so a token's result depends neither on the batch nor on which rank
 //! computed which expert: DP=1 and any expert partition give the same bits.
 //!
@@ -13,9 +14,10 @@
 //! agreed row count) and an all-to-all that returns each expert output to the rank that owns
 //! the token. Not here: choosing the padded size or the group (the engine's lockstep loop).
 
+use crate::config::Activation;
 use crate::ModelError;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
-use specula_kernels::ops::silu_mul;
+use specula_kernels::ops::{add_bias, gelu_tanh_mul, silu_mul, swiglu_oai_mul};
 use specula_kernels::QMatrix;
 
 /// The collectives an expert-parallel MoE layer makes, implemented by whoever owns the rank
@@ -46,7 +48,7 @@ pub trait ExpertExchange: Send + Sync {
     fn abort(&self);
 }
 
-/// One SwiGLU feed-forward: `down(silu(gate x) * up x)`. A dense layer's FFN and each expert.
+/// One gated feed-forward: `down(act(gate x) * up x)`. A dense layer's FFN and each expert.
 pub struct DenseFfn {
     /// `[ffn x hidden]`
     pub gate: QMatrix,
@@ -54,24 +56,63 @@ pub struct DenseFfn {
     pub up: QMatrix,
     /// `[hidden x ffn]`
     pub down: QMatrix,
+    /// Biases of the three projections (gpt-oss's experts); none elsewhere.
+    pub bias: Option<FfnBias>,
+}
+
+/// The biases of a feed-forward's projections.
+pub struct FfnBias {
+    /// `[ffn]`
+    pub gate: Vec<f32>,
+    /// `[ffn]`
+    pub up: Vec<f32>,
+    /// `[hidden]`
+    pub down: Vec<f32>,
 }
 
 impl DenseFfn {
-    /// `out` (`rows x hidden`) = the FFN of `x` (`rows x hidden`).
-    pub fn forward(&self, x: &[f32], out: &mut [f32]) {
+    /// An FFN without biases.
+    pub fn new(gate: QMatrix, up: QMatrix, down: QMatrix) -> Self {
+        Self { gate, up, down, bias: None }
+    }
+
+    /// `out` (`rows x hidden`) = the FFN of `x` (`rows x hidden`), gated by `act`.
+    pub fn forward(&self, x: &[f32], act: Activation, out: &mut [f32]) {
         let (h, ff) = (self.gate.cols, self.gate.rows);
         let n = x.len() / h;
-        let (mut gate, mut up, mut act) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
+        let (mut gate, mut up, mut gated) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
         let inp = MatmulInput::new(x, h, &[&self.gate, &self.up]);
         matmul_many(&inp, &[&self.gate, &self.up], &mut [&mut gate, &mut up]);
-        silu_mul(&gate, &up, &mut act);
-        matmul(&MatmulInput::new(&act, ff, &[&self.down]), &self.down, out);
+        if let Some(b) = &self.bias {
+            add_bias(&mut gate, &b.gate);
+            add_bias(&mut up, &b.up);
+        }
+        match act {
+            Activation::SiluGate => silu_mul(&gate, &up, &mut gated),
+            Activation::GeluTanhGate => gelu_tanh_mul(&gate, &up, &mut gated),
+            Activation::SwigluOai => swiglu_oai_mul(&gate, &up, &mut gated),
+        }
+        matmul(&MatmulInput::new(&gated, ff, &[&self.down]), &self.down, out);
+        if let Some(b) = &self.bias {
+            add_bias(out, &b.down);
+        }
     }
 
     pub(crate) fn check(&self, hidden: usize, ffn: usize, what: &str) -> Result<(), ModelError> {
         check_shape(&self.gate, ffn, hidden, &format!("{what} gate"))?;
         check_shape(&self.up, ffn, hidden, &format!("{what} up"))?;
-        check_shape(&self.down, hidden, ffn, &format!("{what} down"))
+        check_shape(&self.down, hidden, ffn, &format!("{what} down"))?;
+        if let Some(b) = &self.bias {
+            for (v, len, part) in [(&b.gate, ffn, "gate"), (&b.up, ffn, "up"), (&b.down, hidden, "down")] {
+                if v.len() != len {
+                    return Err(ModelError::BadTensor {
+                        name: format!("{what} {part} bias"),
+                        message: format!("{} entries but the config needs {len}", v.len()),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -86,6 +127,10 @@ pub struct SharedExpert {
 pub struct MoeFfn {
     /// `[n_experts x hidden]`
     pub router: QMatrix,
+    /// `[n_experts]`, added to the router's logits (gpt-oss).
+    pub router_bias: Option<Vec<f32>>,
+    /// The experts' gate (SwiGLU; gpt-oss's clamped SwiGLU).
+    pub activation: Activation,
     /// By expert index; `None` for experts another rank holds (expert parallel).
     pub experts: Vec<Option<DenseFfn>>,
     /// Experts per token (top-k).
@@ -135,6 +180,12 @@ impl MoeFfn {
     /// Shapes against the config (every expert present, as loaded).
     pub(crate) fn check(&self, hidden: usize, cfg: &crate::config::MoeConfig, layer: usize) -> Result<(), ModelError> {
         check_shape(&self.router, cfg.n_experts, hidden, &format!("blk.{layer}.ffn_gate_inp (router)"))?;
+        if self.router_bias.as_ref().is_some_and(|b| b.len() != cfg.n_experts) {
+            return Err(ModelError::BadTensor {
+                name: format!("blk.{layer}.ffn_gate_inp.bias"),
+                message: format!("not one entry per expert ({})", cfg.n_experts),
+            });
+        }
         if self.experts.len() != cfg.n_experts {
             return Err(ModelError::BadTensor {
                 name: format!("blk.{layer} experts"),
@@ -202,6 +253,9 @@ impl MoeFfn {
         let mut logits = vec![0f32; t * e];
         if t > 0 {
             matmul(&MatmulInput::new(xn, h, &[&self.router]), &self.router, &mut logits);
+            if let Some(b) = &self.router_bias {
+                add_bias(&mut logits, b);
+            }
         }
         let mut ids = vec![-1i32; t * k];
         let mut weights = vec![0f32; t * k];
@@ -242,7 +296,7 @@ impl MoeFfn {
             let mut xs = Vec::with_capacity(picks.len() * h);
             picks.iter().for_each(|&i| xs.extend_from_slice(&x[(i / k) * h..(i / k + 1) * h]));
             let mut ys = vec![0f32; picks.len() * h];
-            expert.forward(&xs, &mut ys);
+            expert.forward(&xs, self.activation, &mut ys);
             for (n, &i) in picks.iter().enumerate() {
                 y[i * h..(i + 1) * h].copy_from_slice(&ys[n * h..(n + 1) * h]);
             }
@@ -319,7 +373,7 @@ impl MoeFfn {
         let mut xs = Vec::with_capacity(live.len() * h);
         live.iter().for_each(|&r| xs.extend_from_slice(&xn[r * h..(r + 1) * h]));
         let mut ys = vec![0f32; live.len() * h];
-        s.ffn.forward(&xs, &mut ys);
+        s.ffn.forward(&xs, self.activation, &mut ys);
         let mut scale = vec![1f32; live.len()];
         if let Some(g) = &s.gate {
             matmul(&MatmulInput::new(&xs, h, &[g]), g, &mut scale);

@@ -132,7 +132,7 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
             wv: matrix(&p("self_attn.v_proj"))?,
             wo: matrix(&p("self_attn.o_proj"))?,
             ffn_norm: vector(&p("post_attention_layernorm"))?,
-            ffn: FeedForward::Dense(DenseFfn { gate: matrix(&p("mlp.gate_proj"))?, up: matrix(&p("mlp.up_proj"))?, down: matrix(&p("mlp.down_proj"))? }),
+            ffn: FeedForward::Dense(DenseFfn::new(matrix(&p("mlp.gate_proj"))?, matrix(&p("mlp.up_proj"))?, matrix(&p("mlp.down_proj"))?)),
         });
     }
     let embed = matrix("model.embed_tokens.weight")?;

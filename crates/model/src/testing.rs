@@ -43,7 +43,9 @@ pub struct TinySpec {
     /// `general.architecture`: "llama" (default), "smollm3" (Llama's tensors; every 4th layer
     /// without RoPE), "qwen2" / "qwen2moe" (adds Q/K/V biases), "qwen3" / "qwen3moe" (adds
     /// per-head q/k norms), "gemma3" (q/k norms, post norms, sliding-window layers) or "phi3"
-    /// (fused `attn_qkv` and gate+up `ffn_up`, LongRoPE factors and attention factor).
+    /// (fused `attn_qkv` and gate+up `ffn_up`, LongRoPE factors and attention factor); with
+    /// `write_tiny_moe`, "gpt-oss" (Q/K/V/output biases, attention sinks, every other layer
+    /// sliding, YaRN, clamped-SwiGLU experts with biases, a router bias).
     pub arch: String,
     /// Head width when it is not hidden / heads (written as `attention.key_length`).
     pub head_dim: Option<usize>,
@@ -146,8 +148,13 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
             plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
         }
         plan.push((t("attn_output"), vec![h, qw], 0.1, 0.0));
-        plan.push((t("ffn_norm"), vec![h], 0.05, 1.0));
-        if matches!(arch, "qwen2" | "qwen2moe") {
+        // gpt-oss names its pre-FFN norm post_attention_norm
+        plan.push((t(if arch == "gpt-oss" { "post_attention_norm" } else { "ffn_norm" }), vec![h], 0.05, 1.0));
+        if arch == "gpt-oss" {
+            plan.push((format!("blk.{i}.attn_output.bias"), vec![h], 0.3, 0.0));
+            plan.push((t("attn_sinks"), vec![spec.heads], 1.0, 0.5));
+        }
+        if matches!(arch, "qwen2" | "qwen2moe" | "gpt-oss") {
             for (n, w) in [("attn_q", qw), ("attn_k", kvw), ("attn_v", kvw)] {
                 plan.push((format!("blk.{i}.{n}.bias"), vec![w], 0.3, 0.0));
             }
@@ -176,6 +183,12 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
                 plan.push((t("ffn_gate_exps"), vec![e, ff, h], 0.15, 0.0));
                 plan.push((t("ffn_up_exps"), vec![e, ff, h], 0.15, 0.0));
                 plan.push((t("ffn_down_exps"), vec![e, h, ff], 0.1, 0.0));
+                if arch == "gpt-oss" {
+                    plan.push((format!("blk.{i}.ffn_gate_inp.bias"), vec![e], 0.3, 0.0));
+                    plan.push((format!("blk.{i}.ffn_gate_exps.bias"), vec![e, ff], 0.3, 0.0));
+                    plan.push((format!("blk.{i}.ffn_up_exps.bias"), vec![e, ff], 0.3, 0.0));
+                    plan.push((format!("blk.{i}.ffn_down_exps.bias"), vec![e, h], 0.3, 0.0));
+                }
                 if let Some(sf) = m.shared_ffn {
                     plan.push((t("ffn_gate_inp_shexp"), vec![h], 0.15, 0.0));
                     plan.push((t("ffn_gate_shexp"), vec![sf, h], 0.15, 0.0));
@@ -192,7 +205,8 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         plan.push(("rope_factors_long.weight".into(), vec![rot / 2], 0.0, 0.0));
     }
     plan.push(("output_norm.weight".into(), vec![h], 0.05, 1.0));
-    if !spec.tied_embeddings {
+    // llama.cpp's gpt-oss requires its own output matrix
+    if !spec.tied_embeddings || arch == "gpt-oss" {
         plan.push(("output.weight".into(), vec![TINY_VOCAB, h], 0.2, 0.0));
     }
 
@@ -209,7 +223,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         let bad = |e: candle_core::Error| ModelError::BadTensor { name: name.clone(), message: e.to_string() };
         let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).map_err(bad)?;
         let router = name.ends_with("ffn_gate_inp.weight");
-        let dtype = if shape.len() == 1 || router { GgmlDType::F32 } else { format_of(name) };
+        let dtype = if shape.len() == 1 || router || name.ends_with(".bias") { GgmlDType::F32 } else { format_of(name) };
         tensors.push((name.clone(), QTensor::quantize(&t, dtype).map_err(bad)?));
     }
 
@@ -262,6 +276,14 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("rope.scaling.high_freq_factor"), Value::F32(4.0)));
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(32)));
     }
+    if arch == "gpt-oss" {
+        // every other layer local; YaRN as gpt-oss's (factor 32 over 4096), scaled down
+        metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
+        metadata.push((k("rope.scaling.type"), s("yarn")));
+        metadata.push((k("rope.scaling.factor"), Value::F32(4.0)));
+        metadata.push((k("rope.scaling.original_context_length"), Value::U32(64)));
+        metadata.push((k("expert_feed_forward_length"), Value::U32(ff as u32)));
+    }
     if let Some(m) = &spec.moe {
         metadata.push((k("expert_count"), Value::U32(m.experts as u32)));
         metadata.push((k("expert_used_count"), Value::U32(m.used as u32)));
@@ -273,10 +295,27 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
 
     let io = |e: std::io::Error| ModelError::Io { path: path.display().to_string(), source: e };
-    let mut w = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-    gguf_file::write(&mut w, &md, &ts).map_err(|e| io(std::io::Error::other(e.to_string())))?;
-    std::io::Write::flush(&mut w).map_err(io)?;
-    Ok(())
+    let mut bytes = Vec::new();
+    gguf_file::write(&mut std::io::Cursor::new(&mut bytes), &md, &ts).map_err(|e| io(std::io::Error::other(e.to_string())))?;
+    type_empty_merges_as_strings(&mut bytes);
+    std::fs::write(path, &bytes).map_err(io)
+}
+
+/// candle writes an empty array with element type u32; llama.cpp refuses a `merges` array that
+/// is not typed string (even an empty one), so the tiny files (no merges: every token is one
+/// byte) get the type of their empty merges array set to string, for llama.cpp to load them.
+fn type_empty_merges_as_strings(bytes: &mut [u8]) {
+    const KEY: &[u8] = b"tokenizer.ggml.merges";
+    const ARRAY: u32 = 9;
+    const U32: u32 = 4;
+    const STRING: u32 = 8;
+    let Some(at) = bytes.windows(KEY.len()).position(|w| w == KEY) else { return };
+    let t = at + KEY.len();
+    let word = |b: &[u8], i: usize| b.get(i..i + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]));
+    let count = bytes.get(t + 8..t + 16).map(|s| u64::from_le_bytes(s.try_into().unwrap_or([1; 8])));
+    if word(bytes, t) == Some(ARRAY) && word(bytes, t + 4) == Some(U32) && count == Some(0) {
+        bytes[t + 4..t + 8].copy_from_slice(&STRING.to_le_bytes());
+    }
 }
 
 /// SplitMix64: no dependency, same on every platform, so a seed names one sequence (tiny models

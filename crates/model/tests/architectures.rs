@@ -44,8 +44,26 @@ fn each_architecture_loads_its_switches() {
     assert_eq!(o.embed_scale, 8.0);
     assert_eq!(c.attn_scale(), 1.0 / 32f32.sqrt());
     let kinds: Vec<AttentionKind> = (0..4).map(|l| c.attention_kind(l)).collect();
-    let local = AttentionKind::Sliding { window: 4, rope_theta: 10000.0 };
+    let local = AttentionKind::Sliding { window: 4 };
     assert_eq!(kinds, [local, AttentionKind::Global, local, AttentionKind::Global]);
+
+    // gpt-oss: biases, sinks, every other layer sliding with the model's own (YaRN) RoPE, clamped
+    // SwiGLU experts with biases and a router bias
+    let moe = specula_model::testing::TinyMoe { experts: 4, used: 2, ..Default::default() };
+    let oss = tiny(dir.path(), "gpt-oss", &TinySpec { layers: 4, moe: Some(moe), ..spec("gpt-oss") });
+    let (c, o) = (&oss.config, &oss.config.arch_options);
+    assert!(o.qkv_bias && o.attn_out_bias && o.attn_sinks && c.rope_neox && o.activation == Activation::SwigluOai);
+    let y = o.rope_yarn.as_ref().expect("YaRN from rope.scaling.type");
+    assert_eq!((y.factor, y.original_context_length, y.ext_factor), (4.0, 64, 1.0));
+    assert!((y.mscale() - (1.0 + 0.1 * 4f32.ln())).abs() < 1e-6, "cos and sin grow by 1 + 0.1 ln(factor)");
+    let kinds: Vec<AttentionKind> = (0..4).map(|l| c.attention_kind(l)).collect();
+    assert_eq!(kinds, [local, AttentionKind::Global, local, AttentionKind::Global]);
+    assert!(oss.rope_sliding.is_none(), "the local layers rotate like the global ones");
+    assert!(oss.extras.iter().all(|e| e.o_bias.is_some() && e.sinks.as_ref().is_some_and(|s| s.len() == c.n_heads)));
+    for l in &oss.layers {
+        let specula_model::llama::FeedForward::Moe(m) = &l.ffn else { panic!("gpt-oss is a mixture of experts") };
+        assert!(m.router_bias.is_some() && m.experts.iter().flatten().all(|e| e.bias.is_some()));
+    }
 
     // SmolLM3: Llama's block, every 4th layer without RoPE
     let s3 = tiny(dir.path(), "smollm3", &TinySpec { layers: 8, ..spec("smollm3") });
@@ -61,6 +79,15 @@ fn each_architecture_loads_its_switches() {
     assert!((o.rope_mscale - 1.1902381).abs() < 1e-6);
     let l = &p3.layers[0];
     assert_eq!((l.wq.rows, l.wk.rows, l.wv.rows, l.wq.cols), (64, 32, 32, 64));
+    // LongRoPE: the short factors within the original context (512 here), the long ones beyond
+    let mut p3 = p3;
+    let short = logits_alone(&p3, &prompt(12), &[12], 1);
+    p3.fit_context(512);
+    assert_eq!(logits_alone(&p3, &prompt(12), &[12], 1), short, "within the original context: the short factors");
+    p3.fit_context(2048);
+    let long = logits_alone(&p3, &prompt(12), &[12], 1);
+    assert_ne!(long, short, "beyond it: the long factors");
+    assert_eq!(long[..259], short[..259], "position 0 rotates by nothing either way");
 
     let l3 = tiny(dir.path(), "llama3", &TinySpec { rope_llama3: true, ..spec("llama") });
     let r = l3.config.arch_options.rope_llama3.as_ref().expect("llama3 scaling read");

@@ -70,7 +70,8 @@ pub struct TinyArgs {
 pub struct TinyMoeArgs {
     #[arg(long)]
     pub output: PathBuf,
-    /// llama (Mixtral-style), qwen2moe (Q/K/V biases) or qwen3moe (q/k norms)
+    /// llama (Mixtral-style), qwen2moe (Q/K/V biases), qwen3moe (q/k norms) or gpt-oss (biases,
+    /// attention sinks, sliding layers, YaRN, clamped SwiGLU)
     #[arg(long, default_value = "llama")]
     pub arch: String,
     /// Head width when not hidden / heads (Qwen3-MoE: 128 with hidden 2048 and 32 heads).

@@ -112,7 +112,7 @@ impl MtpHead {
             wv: matrix(fmt::ATTN_V, kvw, h)?,
             wo: matrix(fmt::ATTN_OUTPUT, h, qw)?,
             ffn_norm: file.vector(fmt::FFN_NORM, h)?,
-            ffn: FeedForward::Dense(DenseFfn { gate: matrix(fmt::FFN_GATE, ff, h)?, up: matrix(fmt::FFN_UP, ff, h)?, down: matrix(fmt::FFN_DOWN, h, ff)? }),
+            ffn: FeedForward::Dense(DenseFfn::new(matrix(fmt::FFN_GATE, ff, h)?, matrix(fmt::FFN_UP, ff, h)?, matrix(fmt::FFN_DOWN, h, ff)?)),
         };
         let norm = file.vector(fmt::NORM, h)?;
         let lm_head = matrix(fmt::LM_HEAD, k, h)?;
