@@ -19,6 +19,38 @@ pub const TINY_IM_END: u32 = 258;
 /// 256 byte tokens + 3 control tokens.
 pub const TINY_VOCAB: usize = 259;
 
+/// The harmony control tokens a tiny gpt-oss file adds after the tiny vocabulary (ids 259...).
+pub const HARMONY_TOKENS: [&str; 7] = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"];
+
+/// A compact harmony chat template for the tiny gpt-oss files (written here from the format:
+/// a system message with the reasoning effort, instructions and tools in a developer message,
+/// past reasoning on the analysis channel, calls as commentary to `functions.NAME`, answers on
+/// the final channel, tool results from `functions.NAME`; the generation prompt opens an
+/// assistant message). Real gpt-oss files carry OpenAI's own template.
+pub const HARMONY_TEMPLATE: &str = concat!(
+    "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium') + '\n\n# Valid channels: analysis, commentary, final.<|end|>' }}",
+    "{%- set ns = namespace(dev='', last_call='') -%}",
+    "{%- for message in messages if message.role in ['system', 'developer'] -%}{%- set ns.dev = ns.dev + message.content -%}{%- endfor -%}",
+    "{%- if ns.dev or tools -%}",
+    "{{- '<|start|>developer<|message|>' }}",
+    "{%- if ns.dev -%}{{- '# Instructions\n\n' + ns.dev }}{%- endif -%}",
+    "{%- if tools -%}{{- '\n\n# Tools\n\nnamespace functions {\n' }}{%- for t in tools -%}{%- set f = t.function if t.function is defined else t -%}",
+    "{{- '// ' + (f.description if f.description is defined else '') + '\ntype ' + f.name + ' = (_: ' + (f.parameters | tojson) + ') => any;\n' }}{%- endfor -%}{{- '} // namespace functions' }}{%- endif -%}",
+    "{{- '<|end|>' }}",
+    "{%- endif -%}",
+    "{%- for message in messages -%}",
+    "{%- if message.role == 'user' -%}{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}",
+    "{%- elif message.role == 'assistant' -%}",
+    "{%- if message.thinking is defined and message.thinking -%}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif -%}",
+    "{%- if message.tool_calls is defined and message.tool_calls -%}{%- for tc in message.tool_calls -%}{%- set f = tc.function if tc.function is defined else tc -%}{%- set ns.last_call = f.name -%}",
+    "{{- '<|start|>assistant to=functions.' + f.name + '<|channel|>commentary json<|message|>' + (f.arguments | tojson) + '<|call|>' }}{%- endfor -%}",
+    "{%- else -%}{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}{%- endif -%}",
+    "{%- elif message.role == 'tool' -%}{{- '<|start|>functions.' + ns.last_call + ' to=assistant<|channel|>commentary<|message|>' + (message.content | tojson) + '<|end|>' }}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' }}{%- endif -%}",
+);
+
 /// Shape and numerics of a tiny random Llama. The vocabulary is fixed: token `b` (0..256) is the
 /// single byte `b` in GPT-2's byte-to-unicode spelling, so the byte-level BPE tokenizer needs no
 /// merges, followed by the three ChatML control tokens.
@@ -136,7 +168,10 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let format_of = |name: &str| spec.tensor_formats.iter().find(|(n, _)| n == name).map(|(_, f)| *f).unwrap_or(spec.weight_format);
 
     // name, shape [rows, cols] (or [n] for norms), std of the random values, mean (norms ~1)
-    let mut plan: Vec<(String, Vec<usize>, f32, f32)> = vec![("token_embd.weight".into(), vec![TINY_VOCAB, h], 0.2, 0.0)];
+    // gpt-oss files speak harmony: its control tokens after the tiny vocabulary
+    let extra_tokens: &[&str] = if arch == "gpt-oss" { &HARMONY_TOKENS } else { &[] };
+    let vocab = TINY_VOCAB + extra_tokens.len();
+    let mut plan: Vec<(String, Vec<usize>, f32, f32)> = vec![("token_embd.weight".into(), vec![vocab, h], 0.2, 0.0)];
     for i in 0..spec.layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
         plan.push((t("attn_norm"), vec![h], 0.05, 1.0));
@@ -207,7 +242,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     plan.push(("output_norm.weight".into(), vec![h], 0.05, 1.0));
     // llama.cpp's gpt-oss requires its own output matrix
     if !spec.tied_embeddings || arch == "gpt-oss" {
-        plan.push(("output.weight".into(), vec![TINY_VOCAB, h], 0.2, 0.0));
+        plan.push(("output.weight".into(), vec![vocab, h], 0.2, 0.0));
     }
 
     plan.retain(|(name, ..)| !spec.omit_tensors.contains(name));
@@ -230,8 +265,9 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let tokens: Vec<Value> = (0..=255u8)
         .map(|b| Value::String(byte_token(b).to_string()))
         .chain(["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(|s| Value::String(s.into())))
+        .chain(extra_tokens.iter().map(|&s| Value::String(s.into())))
         .collect();
-    let token_types: Vec<Value> = (0..TINY_VOCAB).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
+    let token_types: Vec<Value> = (0..vocab).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
     let s = |x: &str| Value::String(x.into());
     let k = |key: &str| format!("{arch}.{key}");
     let mut metadata: Vec<(String, Value)> = vec![
@@ -247,7 +283,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
         (k("rope.freq_base"), Value::F32(10000.0)),
         (k("rope.dimension_count"), Value::U32(rot as u32)),
-        (k("vocab_size"), Value::U32(TINY_VOCAB as u32)),
+        (k("vocab_size"), Value::U32(vocab as u32)),
         ("tokenizer.ggml.model".into(), s("gpt2")),
         ("tokenizer.ggml.pre".into(), s("default")),
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
@@ -277,6 +313,12 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(32)));
     }
     if arch == "gpt-oss" {
+        // harmony: the template, and <|return|> ends generation (as the real files say)
+        metadata.push(("tokenizer.chat_template".into(), s(HARMONY_TEMPLATE)));
+        let ret = TINY_VOCAB + HARMONY_TOKENS.iter().position(|&t| t == "<|return|>").unwrap_or(0);
+        if let Some((_, eos)) = metadata.iter_mut().find(|(key, _)| key == "tokenizer.ggml.eos_token_id") {
+            *eos = Value::U32(ret as u32);
+        }
         // every other layer local; YaRN as gpt-oss's (factor 32 over 4096), scaled down
         metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
         metadata.push((k("rope.scaling.type"), s("yarn")));

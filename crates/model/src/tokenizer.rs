@@ -143,7 +143,9 @@ impl Tokenizer {
     /// Adds the end-of-turn tokens of the common chat formats that exist in the vocabulary to
     /// the EOS set, so generation stops where the template ends an assistant turn:
     /// `<|im_end|>` (ChatML: Qwen, SmolLM), `<end_of_turn>` (Gemma), `<|eot_id|>` and
-    /// `<|eom_id|>` (Llama 3).
+    /// `<|eom_id|>` (Llama 3), `<|return|>` and `<|call|>` (gpt-oss's harmony). In harmony
+    /// `<|end|>` ends a message, not the turn (the analysis message is followed by the final
+    /// one), so with `<|return|>` and `<|call|>` present it is no EOS, as llama.cpp decides.
     pub fn add_end_of_turn_tokens(&mut self) {
         for t in END_OF_TURN_TOKENS {
             if let Some(id) = self.token_to_id(t) {
@@ -151,6 +153,9 @@ impl Tokenizer {
                     self.eos.push(id);
                 }
             }
+        }
+        if let (Some(_), Some(_), Some(end)) = (self.token_to_id("<|return|>"), self.token_to_id("<|call|>"), self.token_to_id("<|end|>")) {
+            self.eos.retain(|&id| id != end);
         }
     }
 
@@ -345,7 +350,7 @@ fn sentencepiece_bytes(piece: &str) -> Vec<u8> {
 }
 
 /// Turn-ending tokens of the chat formats we know (see `add_end_of_turn_tokens`).
-pub const END_OF_TURN_TOKENS: [&str; 4] = ["<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>"];
+pub const END_OF_TURN_TOKENS: [&str; 6] = ["<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|return|>", "<|call|>"];
 
 /// What differs between the two kinds of GGUF tokenizer.
 struct Parts {

@@ -11,6 +11,7 @@
 use crate::bounds;
 use crate::error::ApiError;
 use crate::generate::{ChoiceJob, ChoiceRun};
+use crate::harmony::{self, HarmonyParser};
 use crate::reasoning::{self, ReasoningParser, ReasoningPiece};
 use crate::tools::{self, CallParser, ParsedCall, Piece, ToolSet};
 use crate::validate::{self, DefaultMaxTokens, SamplingPlan};
@@ -68,6 +69,8 @@ pub struct Prepared {
     pub tool_names: Option<Vec<String>>,
     /// `Some(opened)` when the template thinks; `opened`: the prompt opened the think block.
     pub reasoning: Option<bool>,
+    /// The template speaks harmony (gpt-oss): channels, not think tags or `<tool_call>` blocks.
+    pub harmony: bool,
     /// The constraint compiled once (`prep.rs`); every choice clones it.
     pub grammar: Option<Grammar>,
 }
@@ -76,6 +79,8 @@ pub struct Prepared {
 pub fn assistant_message(content: String, reasoning: Option<String>, calls: Vec<(String, String, Value)>) -> Value {
     let mut m = json!({"role": "assistant", "content": content});
     if let Some(r) = reasoning {
+        // Qwen3's templates read `reasoning_content`, gpt-oss's `thinking`
+        m["thinking"] = Value::String(r.clone());
         m["reasoning_content"] = Value::String(r);
     }
     if !calls.is_empty() {
@@ -129,6 +134,7 @@ pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, A
         plan.base.constraint = Some(Arc::new(constraint));
     }
     let (tokenizer, to_render) = (state.tokenizer.clone(), tool_set.clone());
+    let harmony = harmony::template_speaks_harmony(template.source());
     let (prompt, start) = state
         .prep
         .run(move || {
@@ -143,7 +149,7 @@ pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, A
     let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), plan.base.reasoning_budget, constraint_param, what, config).await?;
     let tool_names = tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names);
     let reasoning = start.map(|s| s == reasoning::ReasoningStart::Opened);
-    Ok(Prepared { prompt, plan, tool_names, reasoning, grammar })
+    Ok(Prepared { prompt, plan, tool_names, reasoning, harmony, grammar })
 }
 
 /// The engine's reasoning budget: the request's, or, for a constraint (structured output, a
@@ -178,7 +184,7 @@ impl Prepared {
 
     /// A parser for one choice's output.
     pub fn output_parser(&self) -> OutputParser {
-        OutputParser::new(self.reasoning, self.tool_names.clone())
+        OutputParser::new(self.reasoning, self.tool_names.clone(), self.harmony)
     }
 }
 
@@ -194,11 +200,14 @@ pub enum Out {
 }
 
 /// The one output parser: reasoning first (when the template thinks), the answer through the
-/// tool-call parser (when calls are parsed), else passed on as it is.
+/// tool-call parser (when calls are parsed), else passed on as it is; or, for a harmony
+/// template (gpt-oss), the harmony reader, which yields all three.
 #[derive(Debug, Clone)]
 pub struct OutputParser {
     reasoning: Option<ReasoningParser>,
     calls: Option<CallParser>,
+    harmony: Option<HarmonyParser>,
+    parses_calls: bool,
 }
 
 /// A whole output, read.
@@ -212,17 +221,25 @@ pub struct ParsedTurn {
 }
 
 impl OutputParser {
-    /// `reasoning`: `Some(opened)` when the template thinks; `tool_names`: when calls are parsed.
-    pub fn new(reasoning: Option<bool>, tool_names: Option<Vec<String>>) -> Self {
-        Self { reasoning: reasoning.map(ReasoningParser::new), calls: tool_names.map(CallParser::new) }
+    /// `reasoning`: `Some(opened)` when the template thinks; `tool_names`: when calls are parsed;
+    /// `harmony`: the template speaks harmony.
+    pub fn new(reasoning: Option<bool>, tool_names: Option<Vec<String>>, harmony: bool) -> Self {
+        let parses_calls = tool_names.is_some();
+        if harmony {
+            return Self { reasoning: None, calls: None, harmony: Some(HarmonyParser::new(parses_calls)), parses_calls };
+        }
+        Self { reasoning: reasoning.map(ReasoningParser::new), calls: tool_names.map(CallParser::new), harmony: None, parses_calls }
     }
 
     /// Whether the text passes through untouched (no reasoning, no calls).
     pub fn is_plain(&self) -> bool {
-        self.reasoning.is_none() && self.calls.is_none()
+        self.reasoning.is_none() && self.calls.is_none() && self.harmony.is_none()
     }
 
     pub fn push(&mut self, text: &str) -> Vec<Out> {
+        if let Some(h) = self.harmony.as_mut() {
+            return h.push(text);
+        }
         match self.reasoning.as_mut() {
             Some(r) => {
                 let pieces = r.push(text);
@@ -233,6 +250,9 @@ impl OutputParser {
     }
 
     pub fn finish(&mut self) -> Vec<Out> {
+        if let Some(h) = self.harmony.as_mut() {
+            return h.finish();
+        }
         let mut out = match self.reasoning.as_mut() {
             Some(r) => {
                 let pieces = r.finish();
@@ -267,7 +287,7 @@ impl OutputParser {
 
     /// Reads a whole output; the same as feeding it piece by piece.
     pub fn parse(mut self, text: &str) -> ParsedTurn {
-        let parses_calls = self.calls.is_some();
+        let parses_calls = self.parses_calls;
         let mut outs = self.push(text);
         outs.extend(self.finish());
         let mut reasoning = None::<String>;

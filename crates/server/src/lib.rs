@@ -19,6 +19,7 @@ pub mod dialect;
 pub mod error;
 pub mod extract;
 pub mod generate;
+pub mod harmony;
 pub mod metrics;
 pub mod origin;
 pub mod prep;

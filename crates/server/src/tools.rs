@@ -278,6 +278,10 @@ pub fn template_messages(sent: &[RequestMessage], texts: Vec<specula_model::Chat
             if let Some(name) = &m.name {
                 obj.insert("name".into(), Value::String(name.clone()));
             }
+            if let (Some(r), "assistant") = (&m.reasoning_content, m.role.as_str()) {
+                obj.insert("reasoning_content".into(), Value::String(r.clone()));
+                obj.insert("thinking".into(), Value::String(r.clone()));
+            }
             Ok(Value::Object(obj))
         })
         .collect()

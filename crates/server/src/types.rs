@@ -92,6 +92,9 @@ pub struct ChatCompletionRequest {
     /// Most tokens a thinking model may reason for before its think block is closed for it
     /// (vLLM's field).
     pub thinking_token_budget: Option<i64>,
+    /// OpenAI's `reasoning_effort` ("low", "medium", "high"): the template's `reasoning_effort`
+    /// (gpt-oss's system message says it).
+    pub reasoning_effort: Option<String>,
     /// Structured outputs, every way a client can ask for them.
     #[serde(flatten)]
     pub structured: StructuredFields,
@@ -251,6 +254,10 @@ pub struct RequestMessage {
     /// The author's name (a `tool` message: the function's), passed to the template as given.
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant turn's reasoning as an earlier response returned it (vLLM's field), for
+    /// templates that write it back (`reasoning_content`, gpt-oss's `thinking`).
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
 }
 
 /// One call in an assistant message the client sends back (`message.tool_calls[i]` of an

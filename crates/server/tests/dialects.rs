@@ -498,3 +498,60 @@ async fn thinking_budgets_reach_the_engine_from_every_dialect() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(plain.submitted().pop().unwrap().2.reasoning_budget, None);
 }
+
+/// A server whose template speaks harmony (its source mentions the channel tags, as gpt-oss's
+/// does) and writes only the messages' text, so the fake engine echoes a user message back as
+/// the model's output.
+fn harmony_server() -> TestServer {
+    let tokenizer = std::sync::Arc::new(tokenizer());
+    let source = "{# harmony: <|channel|> ... <|message|>, and the tools (not written here) #}{% for m in messages %}{{ m.content }}{% endfor %}";
+    let template = std::sync::Arc::new(specula_model::ChatTemplate::new(source, "", "").unwrap());
+    let (engine, log) = fake_engine(64, tokenizer.clone(), Duration::ZERO);
+    let config = ServerConfig { max_model_len: 4096, ..ServerConfig::new(MODEL) };
+    let state = specula_server::AppState::new(engine.clone(), tokenizer.clone(), Some(template.clone()), config);
+    TestServer { router: specula_server::router(state), engine, log, tokenizer, template }
+}
+
+const HARMONY_CALL: &str = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}";
+const HARMONY_ANSWER: &str = "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|channel|>final<|message|>Hello there!";
+
+/// gpt-oss's harmony output through every dialect: the analysis channel is the reasoning, the
+/// final channel the answer, a commentary message to `functions.NAME` a tool call.
+#[tokio::test]
+async fn harmony_channels_become_reasoning_answer_and_calls_in_every_dialect() {
+    let s = harmony_server();
+    let n = |t: &str| s.tokenizer.encode(t).unwrap().len();
+    let user = |t: &str| json!([{"role": "user", "content": t}]);
+    let (_, chat) = s.post("/v1/chat/completions", json!({"messages": user(HARMONY_ANSWER), "max_tokens": n(HARMONY_ANSWER)})).await;
+    let m = &chat["choices"][0]["message"];
+    assert_eq!((m["reasoning_content"].as_str(), m["content"].as_str()), (Some("A greeting."), Some("Hello there!")), "{chat}");
+
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": schema()}}]);
+    let (_, chat) = s.post("/v1/chat/completions", json!({"messages": user(HARMONY_CALL), "max_tokens": n(HARMONY_CALL), "tools": tools})).await;
+    let choice = &chat["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{chat}");
+    assert_eq!(choice["message"]["reasoning_content"], "Need the weather.");
+    let call = &choice["message"]["tool_calls"][0]["function"];
+    assert_eq!((call["name"].as_str(), call["arguments"].as_str()), (Some("get_weather"), Some("{\"city\":\"Paris\"}")));
+
+    let (_, msg) = s.post("/v1/messages", json!({"messages": user(HARMONY_CALL), "max_tokens": n(HARMONY_CALL), "tools": anthropic_tools()})).await;
+    let kinds: Vec<&str> = msg["content"].as_array().unwrap().iter().map(|b| b["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["thinking", "tool_use"], "{msg}");
+    assert_eq!((msg["stop_reason"].as_str(), &msg["content"][1]["input"]), (Some("tool_use"), &json!({"city": "Paris"})));
+
+    let rtools = json!([{"type": "function", "name": "get_weather", "parameters": schema()}]);
+    let (_, resp) = s.post("/v1/responses", json!({"input": HARMONY_CALL, "max_output_tokens": n(HARMONY_CALL), "tools": rtools})).await;
+    let items: Vec<&str> = resp["output"].as_array().unwrap().iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(items, ["reasoning", "function_call"], "{resp}");
+    assert_eq!(resp["output"][1]["arguments"], "{\"city\":\"Paris\"}");
+
+    // streamed chat: the reasoning and the answer add up, no tag leaks
+    let body = s.post_raw("/v1/chat/completions", json!({"messages": user(HARMONY_ANSWER), "max_tokens": n(HARMONY_ANSWER), "stream": true}).to_string()).await;
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for d in sse_data(&text_of(body).await).iter().filter(|d| *d != "[DONE]") {
+        let delta = &serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"];
+        reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or_default());
+        content.push_str(delta["content"].as_str().unwrap_or_default());
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("A greeting.", "Hello there!"));
+}

@@ -60,6 +60,8 @@ pub struct ResponsesRequest {
     pub previous_response_id: Option<String>,
     /// Accepted and echoed.
     pub metadata: Option<Value>,
+    /// `{"effort": "low" | "medium" | "high", "summary"}`, echoed; the effort becomes the
+    /// template's `reasoning_effort` (gpt-oss's system message says it).
     pub reasoning: Option<Value>,
 }
 
@@ -204,7 +206,10 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
     }
     let mut messages: Vec<Value> = req.instructions.iter().map(|s| json!({"role": "system", "content": s})).collect();
     messages.extend(history.iter().cloned());
-    let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(effort) = req.reasoning.as_ref().and_then(|r| r.get("effort")).filter(|e| e.is_string()) {
+        template_kwargs.entry("reasoning_effort").or_insert(effort.clone());
+    }
     let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
     let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs, thinking_budget }).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;

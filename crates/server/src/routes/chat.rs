@@ -44,7 +44,10 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
         ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
     let texts = validate::chat_messages(req.messages.as_deref())?;
     let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
-    let template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(effort) = &req.reasoning_effort {
+        template_kwargs.entry("reasoning_effort").or_insert(serde_json::Value::String(effort.clone()));
+    }
     let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
     let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs, thinking_budget }).await?;
     let (plan, prompt) = (&prepared.plan, &prepared.prompt);

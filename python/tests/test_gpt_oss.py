@@ -1,0 +1,89 @@
+"""gpt-oss through the whole stack on a tiny random gpt-oss file (`specula debug write-tiny-moe
+--arch gpt-oss`: attention sinks, biases, alternating sliding layers, YaRN, clamped-SwiGLU
+experts, the harmony vocabulary and a harmony chat template).
+
+- The harmony template renders as Python's jinja2 (transformers' environment) renders it, tools
+  and a past tool call included, and generation stops at `<|return|>` and `<|call|>`, not at
+  `<|end|>` (which ends the analysis message before the final one), as llama.cpp decides.
+- Served, greedy outputs are token for token the same with and without n-gram speculation and
+  async scheduling (the random model's output is noise, so only exactness is asserted).
+The forward pass itself is checked against the NumPy reference in test_moe_oracle.py.
+"""
+
+import json
+
+import pytest
+
+import tokenizer_oracle as to
+from conftest import run_specula, write_json
+from server_fixture import SpeculaServer
+from test_chat_template_oracle import compare, engine_render
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CASES = [
+    {"messages": [{"role": "user", "content": "Hi there"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS},
+    {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "thinking": "Need the tool.",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{\"t\": 21}"},
+    ], "tools": TOOLS},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "thinking": "A greeting."},
+                  {"role": "user", "content": "Again"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory, specula_bin):
+    path = tmp_path_factory.mktemp("gpt-oss") / "tiny-gpt-oss.gguf"
+    run_specula(specula_bin, ["debug", "write-tiny-moe", "--arch", "gpt-oss", "--format", "q8_0", "--experts", "8",
+                              "--experts-used", "4", "--layers", "3", "--seed", "3", "--output", str(path)])
+    return path
+
+
+def test_harmony_template_renders_as_jinja2_and_stops_at_return_and_call(tiny_gpt_oss, specula_bin, tmp_path):
+    reader = to._reader(str(tiny_gpt_oss))
+    template = to._scalar(reader, "tokenizer.chat_template")
+    tokens = to._strings(reader, "tokenizer.ggml.tokens")
+    res = engine_render(specula_bin, str(tiny_gpt_oss), CASES, tmp_path)
+    compare(res["renders"], CASES, template, "", "")
+    assert res["renders"][2]["text"].endswith(
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|>"
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>\"{\\\"t\\\": 21}\"<|end|><|start|>assistant")
+    eos = {tokens[i] for i in res["eos"]}
+    assert {"<|return|>", "<|call|>"} <= eos and "<|end|>" not in eos, eos
+
+
+PROMPTS = ["Count: one two three one two three one two three", "abc abc abc abc abc", "Say something."]
+
+
+def chat_outputs(server: SpeculaServer) -> list:
+    out = []
+    for p in PROMPTS:
+        r = server.http().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": p}], "max_tokens": 40,
+                                                              "temperature": 0, "logprobs": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out.append(([t["token"] for t in choice["logprobs"]["content"]], choice["message"].get("content"),
+                    choice["message"].get("reasoning_content"), choice["finish_reason"]))
+    return out
+
+
+def test_served_gpt_oss_is_exact_under_ngram_and_async_scheduling(tiny_gpt_oss):
+    runs = []
+    for flags in [(), ("--speculative-method", "ngram", "--async-scheduling")]:
+        server = SpeculaServer(*flags, "--max-model-len", "512")
+        server.model = tiny_gpt_oss
+        server.start()
+        try:
+            runs.append(chat_outputs(server))
+            if flags:
+                metrics = server.http().get("/metrics").text
+                drafted = [line for line in metrics.splitlines() if line.startswith("specula:spec_decode_num_draft_tokens ")]
+                assert drafted and float(drafted[0].split()[1]) > 0, "n-gram speculation drafted nothing: the test does not test it"
+        finally:
+            server.stop()
+    assert runs[0] == runs[1], json.dumps(runs, indent=1)[:2000]
+    assert any(len(toks) > 5 for toks, *_ in runs[0])
