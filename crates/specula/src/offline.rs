@@ -154,6 +154,12 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         }
         return Ok(());
     }
+    // llama.cpp first, before our copy of the weights is resident: a 30B MoE file is most of
+    // the machine's memory, and both at once would page
+    let llama = match &args.llama_bench {
+        Some(b) => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
+        None => Vec::new(),
+    };
     let loaded = load_model(&path)?;
     let model = &loaded.model;
     eprintln!("{}", specula_kernels::cpu::describe());
@@ -164,10 +170,6 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         eprintln!("no candle column: this binary was built without the candle baseline (cargo build --release -p specula --features candle-baseline)");
     }
     let candle_ok = candle_ok && candle_baseline::AVAILABLE;
-    let llama = match &args.llama_bench {
-        Some(b) => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
-        None => Vec::new(),
-    };
     let llama_at = |threads: usize, p: usize, n: usize| llama.iter().find(|e| e.0 == threads && e.1 == p && e.2 == n).map(|e| e.3);
     let mut rows = Vec::new();
     // the memory bound first, so its 1 GiB is gone before the model is timed
@@ -234,11 +236,19 @@ pub fn run(args: OfflineArgs) -> Result<()> {
 }
 
 /// Bytes one decode step of one sequence reads: every weight, less the embedding table (one row
-/// of it is read) unless it is the output projection too.
+/// of it is read) unless it is the output projection too, and of a mixture of experts only the
+/// k experts a token is routed to (on average k / E of the experts' bytes).
 fn decode_bytes(model: &LlamaModel, weight_bytes: usize) -> f64 {
     let embed = model.embed.rows * model.embed.row_bytes();
     let tied = std::ptr::eq(model.embed.row(0).as_ptr(), model.lm_head.row(0).as_ptr());
-    (weight_bytes - if tied { 0 } else { embed }) as f64
+    let mut unread = 0f64;
+    for l in &model.layers {
+        if let specula_model::llama::FeedForward::Moe(m) = &l.ffn {
+            let experts: usize = m.experts.iter().flatten().map(|e| e.gate.bytes().len() + e.up.bytes().len() + e.down.bytes().len()).sum();
+            unread += experts as f64 * (1.0 - m.n_used as f64 / m.n_experts().max(1) as f64);
+        }
+    }
+    (weight_bytes - if tied { 0 } else { embed }) as f64 - unread
 }
 
 /// What `read_bandwidth` streams: 1 GiB, huge-page backed as the packed weights are, every page
