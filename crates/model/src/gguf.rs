@@ -25,6 +25,23 @@ impl GgufFile {
         Ok(Self { path: p, header, mmap: Arc::new(mmap) })
     }
 
+    /// Unmaps this process's resident pages of the file: once the weights are repacked, the
+    /// file's pages are only read again for an embedding row now and then, and keeping them
+    /// mapped would count the model twice in the resident set (a 30B MoE file is most of a 24 GB
+    /// machine). They stay in the page cache until memory is needed; a later read faults the page
+    /// back in from the file. Called per layer while loading, so the peak stays near one copy.
+    pub fn release_resident_pages(&self) {
+        #[cfg(unix)]
+        {
+            // SAFETY: the map is read-only and never written, so no page holds data that is not
+            // in the file: a page read after this faults in again with the same bytes. Nothing
+            // borrows a dropped page's contents across the call (the loader copies what it packs).
+            if let Err(e) = unsafe { self.mmap.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) } {
+                tracing::debug!("madvise(DONTNEED) on {}: {e}", self.path);
+            }
+        }
+    }
+
     /// Bytes of all tensors together.
     pub fn tensor_bytes(&self) -> u64 {
         self.header.tensors.iter().map(|t| t.n_bytes).fold(0, u64::saturating_add)

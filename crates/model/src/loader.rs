@@ -89,6 +89,7 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
     let (model, weight_bytes) = gguf_model(&f)?;
 
     let (tokenizer, chat_template) = gguf_tokenizer(&f)?;
+    f.release_resident_pages();
     // every token the tokenizer can produce must have an embedding row (the embedding may be
     // padded past the vocabulary, never short of it)
     if tokenizer.vocab_size() > model.config.vocab_size {
@@ -239,6 +240,8 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             ffn,
         });
         extras.push(layer_extras(f, i, &config.arch_options)?);
+        // this layer's weights are repacked: its pages of the file need not stay mapped
+        f.release_resident_pages();
     }
     let lm_head = if tied { embed.clone() } else { f.matrix("output.weight")? };
     let final_norm = f.vector("output_norm.weight")?;
