@@ -357,16 +357,9 @@ def check_dequant(t: TensorPlan, data: np.ndarray) -> str:
 
 def bytes_to_unicode() -> list[str]:
     """GPT-2's printable spelling of each byte value, indexed by the byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
+    from tokenizer_oracle import byte_chars  # python/, beside this script
+
+    return byte_chars()
 
 
 MERGES = ["Ġ t", "Ġ a", "i n", "t h", "e r", "Ġt h", "Ġth e"]

@@ -67,6 +67,19 @@ TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
 
+def byte_chars() -> list[str]:
+    """GPT-2's printable spelling of each byte value (`bytes_to_unicode`), indexed by the byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
 def _strings(reader: GGUFReader, key: str) -> list[str]:
     f = reader.fields[key]
     return [bytes(f.parts[i]).decode("utf-8") for i in f.data]

@@ -112,14 +112,9 @@ def model_file(name: str) -> str:
 
 
 def _bytes_to_unicode() -> dict:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    from tokenizer_oracle import byte_chars
+
+    return dict(enumerate(byte_chars()))
 
 
 def greedy_ids(path: str, text: str) -> list:

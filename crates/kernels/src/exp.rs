@@ -139,15 +139,7 @@ fn lane_sum(x: &[f32]) -> f32 {
 /// sinks, the same order of operations).
 #[inline(always)]
 fn softmax_sink_lanes(x: &mut [f32], sink: f32) {
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let chunks = x.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for l in 0..8 {
-            lanes[l] = lanes[l].max(c[l]);
-        }
-    }
-    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| m.max(v)).max(sink);
+    let max = lane_max(x).max(sink);
     let inv = 1.0 / (exp_shifted_sum(x, max) + exp(sink - max));
     x.iter_mut().for_each(|v| *v *= inv);
 }
@@ -169,10 +161,10 @@ pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
     softmax_sink_lanes(x, sink)
 }
 
+/// The maximum in eight lanes (a single running max is a serial chain of dependent compares;
+/// max is exact, so the lanes give the same value).
 #[inline(always)]
-fn softmax_lanes(x: &mut [f32]) {
-    // the maximum in eight lanes too (a single running max is a serial chain of dependent
-    // compares; max is exact, so the lanes give the same value)
+fn lane_max(x: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let chunks = x.chunks_exact(8);
     let tail = chunks.remainder();
@@ -181,7 +173,12 @@ fn softmax_lanes(x: &mut [f32]) {
             lanes[l] = lanes[l].max(c[l]);
         }
     }
-    let max = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+#[inline(always)]
+fn softmax_lanes(x: &mut [f32]) {
+    let max = lane_max(x);
     let inv = 1.0 / exp_shifted_sum(x, max);
     x.iter_mut().for_each(|v| *v *= inv);
 }
