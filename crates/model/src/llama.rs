@@ -52,6 +52,8 @@ pub struct LayerExtras {
 }
 
 /// A layer's feed-forward block: one SwiGLU MLP, or a routed mixture of them.
+// one per layer, built once and never moved on the step path: the variants' sizes do not matter
+#[allow(clippy::large_enum_variant)]
 pub enum FeedForward {
     Dense(DenseFfn),
     Moe(MoeFfn),
