@@ -63,7 +63,7 @@ impl KvStore {
 
 /// Bytes of memory the machine has available for new allocations (Linux `MemAvailable`); `None`
 /// where that is not known.
-fn available_memory() -> Option<usize> {
+pub fn available_memory() -> Option<usize> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -21,7 +21,8 @@ pub struct EngineArgs {
     /// Longest prompt + completion (default: the model's context length, capped at 8192).
     #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// KV-cache size in tokens (default: max(16 x 2048, max-model-len) tokens).
+    /// KV-cache size in tokens (default: max(16 x 2048, max-model-len) tokens, shrunk to 3/4 of
+    /// the memory left after the weights when that does not fit).
     #[arg(long)]
     pub kv_cache_tokens: Option<usize>,
     /// KV-cache size in MiB (alternative to --kv-cache-tokens).
@@ -222,7 +223,7 @@ impl EngineArgs {
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
             (Some(t), _) => t,
             (None, Some(mib)) => mib * 1024 * 1024 / bytes_per_token,
-            (None, None) => (16 * 2048).max(max_model_len),
+            (None, None) => fit_default_kv((16 * 2048).max(max_model_len), max_model_len, bytes_per_token, specula_model::kv_store::available_memory()),
         };
         Ok(EngineConfig {
             max_num_seqs: self.max_num_seqs,
@@ -241,10 +242,41 @@ impl EngineArgs {
     }
 }
 
+/// The default KV cache (`wanted` tokens), shrunk to three quarters of the memory still available
+/// once the weights are loaded when it does not fit there (a 30B MoE on a 24 GB machine), never
+/// below one `min`-token sequence: below that `KvStore` refuses with what to do. A size the user
+/// gives (`--kv-cache-tokens`, `--kv-cache-memory`) is kept as given.
+fn fit_default_kv(wanted: usize, min: usize, bytes_per_token: usize, available: Option<usize>) -> usize {
+    let Some(available) = available else { return wanted };
+    let fits = available / 4 * 3 / bytes_per_token.max(1);
+    if wanted <= fits {
+        return wanted;
+    }
+    let tokens = fits.max(min);
+    tracing::warn!(
+        "the default KV cache of {wanted} tokens needs {:.1} GiB but {:.1} GiB is available: using {tokens} tokens (choose with --kv-cache-tokens)",
+        (wanted * bytes_per_token) as f64 / (1u64 << 30) as f64,
+        available as f64 / (1u64 << 30) as f64
+    );
+    tokens
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn the_default_kv_cache_shrinks_to_the_memory_available_and_no_further_than_one_sequence() {
+        let gib = 1usize << 30;
+        // 196 KiB per token (Qwen3-30B-A3B): 32768 tokens are 6 GiB
+        let per = 196 * 1024;
+        assert_eq!(fit_default_kv(32768, 8192, per, Some(20 * gib)), 32768, "fits: kept");
+        assert_eq!(fit_default_kv(32768, 8192, per, None), 32768, "unknown: kept");
+        let fitted = fit_default_kv(32768, 8192, per, Some(5 * gib));
+        assert!(fitted < 32768 && fitted * per <= 5 * gib / 4 * 3 && fitted >= 8192, "{fitted}");
+        assert_eq!(fit_default_kv(32768, 8192, per, Some(gib)), 8192, "never below one sequence");
+    }
 
     #[derive(Parser)]
     struct Cli {
