@@ -366,11 +366,12 @@ impl TokenMask {
     }
 }
 
-impl Grammar {
-    fn err(&self, what: &str, e: impl std::fmt::Display) -> ConstraintError {
-        ConstraintError(format!("structured output grammar: {what}: {e}"))
-    }
+/// A grammar's failure while it runs, named by what it was doing.
+fn grammar_err(what: &str, e: impl std::fmt::Display) -> ConstraintError {
+    ConstraintError(format!("structured output grammar: {what}: {e}"))
+}
 
+impl Grammar {
     pub fn is_eos(&self, t: TokenId) -> bool {
         self.eos.contains(&t)
     }
@@ -433,7 +434,7 @@ impl Grammar {
         let Some(matcher) = self.matcher.as_mut() else {
             return Ok(TokenMask { bits: SimpleVob::alloc_ones(self.vocab) });
         };
-        let mut bits = matcher.compute_mask_or_eos().map_err(|e| ConstraintError(format!("structured output grammar: computing the token mask: {e}")))?;
+        let mut bits = matcher.compute_mask_or_eos().map_err(|e| grammar_err("computing the token mask", e))?;
         if self.eos.iter().any(|&e| bits.is_allowed(e)) {
             for &e in &self.eos {
                 bits.allow_token(e);
@@ -446,7 +447,7 @@ impl Grammar {
     pub fn consume(&mut self, tokens: &[TokenId]) -> Result<(), ConstraintError> {
         let end = tokens.iter().position(|&t| self.is_eos(t)).unwrap_or(tokens.len());
         if let Some(&t) = tokens[..end].iter().find(|&&t| t as usize >= self.vocab) {
-            return Err(self.err("consuming tokens", format!("token {t} is outside the tokenizer's vocabulary")));
+            return Err(grammar_err("consuming tokens", format!("token {t} is outside the tokenizer's vocabulary")));
         }
         let mut rest = &tokens[..end];
         while let (Some((&t, tail)), Some((b, phase))) = (rest.split_first(), self.reasoning) {
@@ -454,7 +455,7 @@ impl Grammar {
                 break;
             }
             if !self.budget_allows(phase, t) {
-                return Err(self.err("consuming tokens", format!("token {t} breaks the reasoning budget")));
+                return Err(grammar_err("consuming tokens", format!("token {t} breaks the reasoning budget")));
             }
             self.reasoning = Some((b, self.budget_after(phase, t)));
             self.log.push(Some(phase));
@@ -464,7 +465,7 @@ impl Grammar {
             return Ok(());
         }
         if let Some(m) = self.matcher.as_mut() {
-            m.consume_tokens(rest).map_err(|e| ConstraintError(format!("structured output grammar: consuming tokens: {e}")))?;
+            m.consume_tokens(rest).map_err(|e| grammar_err("consuming tokens", e))?;
         }
         self.log.extend(std::iter::repeat_n(None, rest.len()));
         Ok(())
@@ -476,13 +477,13 @@ impl Grammar {
             return Ok(());
         }
         if n > self.log.len() {
-            return Err(self.err("rolling back", format!("{n} tokens asked, {} consumed since the last accepted step", self.log.len())));
+            return Err(grammar_err("rolling back", format!("{n} tokens asked, {} consumed since the last accepted step", self.log.len())));
         }
         let undone = self.log.split_off(self.log.len() - n);
         let matcher_tokens = undone.iter().filter(|p| p.is_none()).count();
         if matcher_tokens > 0 {
             if let Some(m) = self.matcher.as_mut() {
-                m.rollback(matcher_tokens).map_err(|e| ConstraintError(format!("structured output grammar: rolling back: {e}")))?;
+                m.rollback(matcher_tokens).map_err(|e| grammar_err("rolling back", e))?;
             }
         }
         if let (Some(Some(phase)), Some((b, _))) = (undone.iter().find(|p| p.is_some()), self.reasoning) {
@@ -561,6 +562,12 @@ impl Grammar {
         Ok(n)
     }
 
+    /// Nothing is constrained any more: a reasoning budget without a constraint, past its
+    /// closing token. The compute job then samples the sequence as free text (no masks).
+    pub fn is_free_text(&self) -> bool {
+        self.phase() == Phase::Done && self.matcher.is_none()
+    }
+
     /// The output is complete: the grammar allows nothing but its end (never while reasoning, or
     /// for free text after it).
     pub fn is_finished(&self) -> bool {
@@ -603,7 +610,7 @@ impl Grammar {
     pub fn accept(&mut self, consumed: usize, emitted: &[TokenId]) -> Result<(), ConstraintError> {
         let accepted = emitted.len() - 1;
         if accepted > consumed {
-            return Err(self.err("verification", format!("{accepted} draft tokens accepted but only {consumed} were inside the grammar")));
+            return Err(grammar_err("verification", format!("{accepted} draft tokens accepted but only {consumed} were inside the grammar")));
         }
         self.rollback(consumed - accepted)?;
         self.consume(&emitted[accepted..])?;
@@ -813,6 +820,7 @@ mod tests {
         g.consume(&[close]).unwrap();
         let m = g.mask().unwrap();
         assert!(m.allows(id("x")) && m.allows(EOS) && !g.is_finished(), "free text after the block");
+        assert!(g.is_free_text(), "nothing left to constrain: the job samples it unmasked");
         assert!(g.forced_tokens(8).is_empty());
         // back over the closing and one thought: one more thought may come, then the closing
         g.rollback(2).unwrap();
@@ -847,6 +855,7 @@ mod tests {
         let schema = r#"{"type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"], "additionalProperties": false}"#;
         let mut g = compiler().compile_request(Some(&Constraint::JsonSchema(schema.into())), Some(&budget)).unwrap().unwrap();
         assert!(!g.mask().unwrap().allows(EOS), "the answer must still come");
+        assert!(!g.is_free_text());
         g.consume(&[id("x")]).unwrap();
         let forced = g.forced_tokens(16);
         assert_eq!(forced[0], close);

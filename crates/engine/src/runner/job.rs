@@ -107,6 +107,8 @@ fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: 
         .iter_mut()
         .map(|it| match it.grammar.as_mut() {
             None if it.params.needs_grammar() => Err(StepFailure::Invariant(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq))),
+            // a reasoning budget past its closing token constrains nothing more: free text
+            Some(g) if g.is_free_text() => Ok(None),
             Some(g) => {
                 let m = catch_unwind(AssertUnwindSafe(|| {
                     FaultInjection::trip(fault, step, FaultPhase::Grammar)?;
