@@ -100,6 +100,14 @@ pub struct ForwardOutput {
     pub hidden: Vec<f32>,
 }
 
+/// The RoPE of the global layers with these per-frequency divisors (`rope_dims / 2` of them):
+/// the model's base, linear scale and pairing, cos and sin scaled by YaRN's and LongRoPE's factors.
+fn main_rope(c: &ModelConfig, freq_factors: Option<&[f32]>) -> Rope {
+    let o = &c.arch_options;
+    let mscale = o.rope_yarn.as_ref().map_or(1.0, |r| r.mscale()) * o.rope_mscale;
+    Rope::new(c.head_dim, c.rope_dims(), c.rope_theta, c.rope_linear_scale, freq_factors, c.rope_neox).with_mscale(mscale)
+}
+
 /// A norm weight must have one entry per hidden unit: `rms_norm` takes its row length from the
 /// weight, so a wrong length would silently normalise the wrong spans.
 fn check_norm(v: &[f32], hidden: usize, what: &str) -> Result<(), ModelError> {
@@ -192,13 +200,12 @@ impl LlamaModel {
         let llama3 = o.rope_llama3.as_ref().map(|r| r.freq_factors(rot, c.rope_theta));
         let yarn = o.rope_yarn.as_ref().map(|r| r.freq_factors(rot, c.rope_theta));
         let freq_factors = rope_freqs.or(llama3).or(yarn);
-        let mscale = o.rope_yarn.as_ref().map_or(1.0, |r| r.mscale()) * o.rope_mscale;
         if let Some(f) = &freq_factors {
             if f.len() != rot / 2 {
                 return Err(ModelError::BadTensor { name: "rope_freqs".into(), message: format!("{} entries, expected {}", f.len(), rot / 2) });
             }
         }
-        let rope = Rope::new(c.head_dim, rot, c.rope_theta, c.rope_linear_scale, freq_factors.as_deref(), c.rope_neox).with_mscale(mscale);
+        let rope = main_rope(c, freq_factors.as_deref());
         // Gemma 3's sliding layers keep the unscaled RoPE of their own base (llama.cpp:
         // rope_freq_scale_train_swa = 1); gpt-oss's rotate like the global ones.
         let rope_sliding = o.sliding.as_ref().and_then(|s| s.rope_theta).map(|theta| Rope::new(c.head_dim, rot, theta, 1.0, None, c.rope_neox));
@@ -213,8 +220,7 @@ impl LlamaModel {
         if factors.len() != rot / 2 {
             return Err(ModelError::BadTensor { name: "rope_factors_long".into(), message: format!("{} entries, expected {}", factors.len(), rot / 2) });
         }
-        let rope = Rope::new(c.head_dim, rot, c.rope_theta, c.rope_linear_scale, Some(factors), c.rope_neox).with_mscale(c.arch_options.rope_mscale);
-        self.rope_long = Some((original_context, rope));
+        self.rope_long = Some((original_context, main_rope(c, Some(factors))));
         Ok(())
     }
 

@@ -167,6 +167,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     }
     let key = |k: &str| format!("{arch}.{k}");
     let hidden = f.meta_u32(&key("embedding_length"))? as usize;
+    let context = f.meta_u32_or(&key("context_length"), 2048)? as usize;
     let n_heads = f.meta_u32(&key("attention.head_count"))? as usize;
     let n_kv_heads = f.meta_u32_or(&key("attention.head_count_kv"), n_heads as u32)? as usize;
     let head_dim = f.meta_u32_or(&key("attention.key_length"), (hidden / n_heads.max(1)) as u32)? as usize;
@@ -192,7 +193,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             1.0
         }
         Ok("yarn") => {
-            arch_options.rope_yarn = Some(yarn_rope(f, &arch)?);
+            arch_options.rope_yarn = Some(yarn_rope(f, &arch, context)?);
             1.0
         }
         // Phi-3's LongRoPE: per-frequency factors in `rope_factors_{short,long}.weight`
@@ -212,7 +213,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         rope_theta: f.meta_f32_or(&key("rope.freq_base"), 10000.0)?,
         rope_linear_scale: linear_scale,
         rope_neox: rope_neox(&arch),
-        context_length: f.meta_u32_or(&key("context_length"), 2048)? as usize,
+        context_length: context,
         tied_embeddings: tied,
         moe: moe_config(f, &arch)?,
         arch_options,
@@ -252,10 +253,9 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         None => None,
     };
     let weight_bytes = usize::try_from(f.tensor_bytes()).unwrap_or(usize::MAX);
-    let context = f.meta_u32_or(&key("context_length"), 2048)?;
     let mut model = LlamaModel::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)?;
     if f.has_tensor("rope_factors_long.weight") {
-        let original = f.meta_u32_or(&key("rope.scaling.original_context_length"), context)? as usize;
+        let original = f.meta_u32_or(&key("rope.scaling.original_context_length"), context as u32)? as usize;
         model.set_long_rope_factors(&f.vector("rope_factors_long.weight")?, original)?;
     }
     Ok((model, weight_bytes))
@@ -266,17 +266,16 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
 /// context's attention factor: get_mscale(factor) / get_mscale(factor, log_mul) (1 without
 /// `yarn_log_multiplier`), divided by the 1 + 0.1 ln(factor) that ggml multiplies back in, times
 /// `rope.scaling.attn_factor`.
-fn yarn_rope(f: &GgufFile, arch: &str) -> Result<YarnRope, ModelError> {
+fn yarn_rope(f: &GgufFile, arch: &str, context: usize) -> Result<YarnRope, ModelError> {
     let key = |k: &str| format!("{arch}.{k}");
     let factor = f.meta_f32(&key("rope.scaling.factor"))?;
-    let context = f.meta_u32_or(&key("context_length"), 2048)?;
     let mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
     let log_mul = f.meta_f32_or(&key("rope.scaling.yarn_log_multiplier"), 0.0)?;
     let base = if log_mul != 0.0 { mscale(factor, 1.0) / mscale(factor, log_mul) } else { mscale(factor, 1.0) };
     let attn_factor = base / (1.0 + 0.1 * factor.ln()) * f.meta_f32_or(&key("rope.scaling.attn_factor"), 1.0)?;
     Ok(YarnRope {
         factor,
-        original_context_length: f.meta_u32_or(&key("rope.scaling.original_context_length"), context)? as usize,
+        original_context_length: f.meta_u32_or(&key("rope.scaling.original_context_length"), context as u32)? as usize,
         beta_fast: f.meta_f32_or(&key("rope.scaling.yarn_beta_fast"), 32.0)?,
         beta_slow: f.meta_f32_or(&key("rope.scaling.yarn_beta_slow"), 1.0)?,
         ext_factor: f.meta_f32_or(&key("rope.scaling.yarn_ext_factor"), 1.0)?,
