@@ -145,7 +145,7 @@ pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, A
         })
         .await??;
     validate::check_prompt(&prompt, "messages", config, state.tokenizer.vocab_size())?;
-    plan.base.reasoning_budget = reasoning_budget(state, start, thinking_budget, &plan)?;
+    plan.base.reasoning_budget = reasoning_budget(state, start, thinking_budget, plan.base.constraint.is_some())?;
     let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), plan.base.reasoning_budget, constraint_param, what, config).await?;
     let tool_names = tool_set.as_ref().filter(|t| t.parses_calls()).map(ToolSet::names);
     let reasoning = start.map(|s| s == reasoning::ReasoningStart::Opened);
@@ -153,22 +153,23 @@ pub async fn prepare(state: &AppState, conv: Conversation) -> Result<Prepared, A
 }
 
 /// The engine's reasoning budget: the request's, or, for a constraint (structured output, a
-/// forced tool call), an unbounded one, so that the constraint holds the answer after the
-/// reasoning instead of forbidding the reasoning. None where the template does not think or the
-/// prompt closed the block (a budget sent to a model that does not reason has nothing to bound).
+/// forced tool call), an unbounded one where the vocabulary allows it, so that the constraint
+/// holds the answer after the reasoning instead of forbidding the reasoning (without single think
+/// tokens the constraint holds from the first token, as before). None where the template does not
+/// think or the prompt closed the block (a budget sent to a model that does not reason has
+/// nothing to bound).
 fn reasoning_budget(
     state: &AppState,
     start: Option<reasoning::ReasoningStart>,
     asked: Option<ThinkingBudget>,
-    plan: &SamplingPlan,
+    constrained: bool,
 ) -> Result<Option<specula_engine::ReasoningBudget>, ApiError> {
     let Some(start) = start else { return Ok(None) };
-    let (tokens, param) = match asked {
-        Some(b) => (b.tokens, b.param),
-        None if plan.base.constraint.is_some() => (usize::MAX, plan.constraint_param),
-        None => return Ok(None),
-    };
-    reasoning::budget(&state.tokenizer, start, tokens).map_err(|e| ApiError::invalid_param(param, e))
+    match asked {
+        Some(b) => reasoning::budget(&state.tokenizer, start, b.tokens).map_err(|e| ApiError::invalid_param(b.param, e)),
+        None if constrained => Ok(reasoning::budget(&state.tokenizer, start, usize::MAX).ok().flatten()),
+        None => Ok(None),
+    }
 }
 
 impl Prepared {

@@ -17,14 +17,9 @@ pub fn template_thinks(source: &str) -> bool {
     source.contains(THINK_OPEN) && source.contains(THINK_CLOSE)
 }
 
-/// Whether a rendered prompt leaves the model inside a think block: DeepSeek-R1's generation
-/// prompt ends with `<think>\n`, so its output has no opening tag. Qwen3 with
-/// `enable_thinking: false` ends with an empty, closed block: the output is all answer.
-pub fn prompt_opens_reasoning(prompt: &str) -> bool {
-    reasoning_start(prompt) == ReasoningStart::Opened
-}
-
-/// Where a thinking template's rendered prompt leaves the model.
+/// Where a thinking template's rendered prompt leaves the model: DeepSeek-R1's generation prompt
+/// ends with `<think>\n`, so its output has no opening tag; Qwen3 with `enable_thinking: false`
+/// ends with an empty, closed block, so the output is all answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReasoningStart {
     /// Inside a think block the prompt opened (DeepSeek-R1).
@@ -36,6 +31,7 @@ pub enum ReasoningStart {
     Closed,
 }
 
+/// Where `prompt`, rendered by a thinking template, leaves the model.
 pub fn reasoning_start(prompt: &str) -> ReasoningStart {
     match (prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)) {
         (Some(open), Some(close)) if open > close => ReasoningStart::Opened,
@@ -89,7 +85,7 @@ pub struct ReasoningParser {
 }
 
 impl ReasoningParser {
-    /// `opened`: the prompt already opened the think block ([`prompt_opens_reasoning`]).
+    /// `opened`: the prompt already opened the think block ([`reasoning_start`] is [`ReasoningStart::Opened`]).
     pub fn new(opened: bool) -> Self {
         Self { state: if opened { State::Reasoning { fresh: true } } else { State::Start }, pending: String::new() }
     }
@@ -245,15 +241,12 @@ mod tests {
         let msgs = [specula_model::ChatMessage { role: "user".into(), content: "hi".into() }];
         let thinking = t.render(&msgs, true).unwrap();
         assert_eq!(thinking, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
-        assert!(!prompt_opens_reasoning(&thinking), "Qwen3 writes <think> itself");
         let off = serde_json::json!({"enable_thinking": false});
         let quiet = t.render_with_kwargs(&msgs, None, true, off.as_object().unwrap()).unwrap();
         assert!(quiet.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{quiet:?}");
-        assert!(!prompt_opens_reasoning(&quiet), "an empty closed block: all answer");
-        assert!(prompt_opens_reasoning("<|Assistant|><think>\n"), "DeepSeek-R1's generation prompt");
-        assert_eq!(reasoning_start(&thinking), ReasoningStart::ModelOpens);
-        assert_eq!(reasoning_start(&quiet), ReasoningStart::Closed);
-        assert_eq!(reasoning_start("<|Assistant|><think>\n"), ReasoningStart::Opened);
+        assert_eq!(reasoning_start(&thinking), ReasoningStart::ModelOpens, "Qwen3 writes <think> itself");
+        assert_eq!(reasoning_start(&quiet), ReasoningStart::Closed, "an empty closed block: all answer");
+        assert_eq!(reasoning_start("<|Assistant|><think>\n"), ReasoningStart::Opened, "DeepSeek-R1's generation prompt");
         // an earlier turn's block, closed and answered, leaves the model before a new one
         let history = "<|im_start|>assistant\n<think>\nx\n</think>\n\nok<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n";
         assert_eq!(reasoning_start(history), ReasoningStart::ModelOpens);
