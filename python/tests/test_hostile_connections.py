@@ -239,7 +239,7 @@ def test_a_failed_step_fails_its_requests_only_and_is_counted_by_kind(monkeypatc
     monkeypatch.setenv("SPECULA_INJECT_FAULT", "2:forward:error")
     srv = SpeculaServer().start()
     try:
-        body = {"model": srv.model_name, "prompt": "Hello", "max_tokens": 8}
+        body = {"model": srv.model_name, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
         r = httpx.post(srv.url("/v1/completions"), timeout=30.0, json=body)
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"], r.text
         m = srv.metrics()
