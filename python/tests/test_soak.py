@@ -138,14 +138,16 @@ def test_a_soak_with_aborts_stays_flat(server):
         # one kept-alive connection: this measures how fast the server answers while it works;
         # a new connection per probe also measured the kernel's accept queue, which the round's
         # half-sent requests fill at times (a SYN then waits its 1 s retransmission: a 1010 ms
-        # probe once in CI), and which test_hostile_connections.py covers on its own
-        with httpx.Client(timeout=10.0) as client:
-            while not stop.is_set():
-                t = time.monotonic()
-                r = client.get(server.url("/health"))
-                assert r.status_code == 200
-                health.append(time.monotonic() - t)
-                time.sleep(0.2)
+        # probe once in CI), and which test_hostile_connections.py covers on its own. The
+        # connection is opened before the rounds start, so no probe measures a connect (a
+        # 1168 ms probe once in round 1 in CI, most likely the connect, made as round 1's clients made theirs)
+        while not stop.is_set():
+            t = time.monotonic()
+            r = probe.get(server.url("/health"))
+            assert r.status_code == 200
+            health.append(time.monotonic() - t)
+            health_at.append(t - started)
+            time.sleep(0.2)
 
     # warm the server up once (the allocator's first arenas, the pools) before the baseline
     _one(server, 0, rng)
@@ -154,9 +156,12 @@ def test_a_soak_with_aborts_stays_flat(server):
     base = _proc_status(pid)
     rows = []
     outcomes: dict[str, int] = {}
+    health_at: list[float] = []
+    probe = httpx.Client(timeout=10.0)
+    assert probe.get(server.url("/health")).status_code == 200
+    started = time.monotonic()
     watcher = threading.Thread(target=watch_health, daemon=True)
     watcher.start()
-    started = time.monotonic()
     try:
         with ThreadPoolExecutor(max_workers=8) as pool:
             for start in range(0, REQUESTS, ROUND):
@@ -172,6 +177,7 @@ def test_a_soak_with_aborts_stays_flat(server):
     finally:
         stop.set()
         watcher.join(15)
+        probe.close()
     elapsed = time.monotonic() - started
 
     print(f"\nsoak: {REQUESTS} requests in {elapsed:.0f}s, outcomes {outcomes}; baseline RSS "
@@ -193,7 +199,9 @@ def test_a_soak_with_aborts_stays_flat(server):
     end = _proc_status(pid)
     assert end["fds"] <= base["fds"] + 16, f"file descriptors {base['fds']} -> {end['fds']}"
     assert end["Threads"] <= base["Threads"] + 8, f"threads {base['Threads']} -> {end['Threads']}"
-    assert max(health) < 1.0, f"/health took up to {max(health):.3f}s during the soak"
+    slowest = max(range(len(health)), key=health.__getitem__)
+    assert health[slowest] < 1.0, \
+        f"/health took {health[slowest]:.3f}s, {health_at[slowest]:.1f}s into the soak (probe {slowest + 1} of {len(health)})"
     # and it still serves, correctly
     with server.http() as h:
         r = h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
