@@ -61,6 +61,10 @@ pub struct SamplingParams {
     /// tokens (forced). Compiled with the constraint into the request's grammar.
     #[serde(default)]
     pub reasoning_budget: Option<ReasoningBudget>,
+    /// Who sent it (the server's API key): speculation's cross-request index drafts from the
+    /// outputs of this tenant's requests only.
+    #[serde(default)]
+    pub tenant: crate::types::Tenant,
 }
 
 /// Serde for `Arc<[T]>` as a plain list (serde's own needs its `rc` feature).
@@ -112,6 +116,7 @@ impl Default for SamplingParams {
             prompt_logprobs: None,
             constraint: None,
             reasoning_budget: None,
+            tenant: crate::types::Tenant::default(),
         }
     }
 }

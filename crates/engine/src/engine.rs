@@ -530,7 +530,7 @@ pub fn spawn_engine(
 /// The host borrowed for a change. The one sync point between the host and the speculation
 /// state: when the borrow ends (and when the host comes back from the async worker,
 /// `Engine::put_host`), the proposer forgets the sequences the host removed and speculation learns
-/// the finished ones' output lengths, so no change to the host can leave the proposer holding
+/// the finished ones' outputs, so no change to the host can leave the proposer holding
 /// state (draft-model KV) for a sequence that is gone.
 pub(crate) struct HostMut<'a> {
     host: &'a mut Host,
@@ -558,13 +558,13 @@ impl Drop for HostMut<'_> {
 
 fn sync_speculation(host: &mut Host, spec: &mut Option<Speculation>) {
     let removed = host.take_removed();
-    let lengths = host.take_finished_lengths();
+    let finished = host.take_finished();
     if let Some(sp) = spec.as_mut() {
         for id in removed {
             sp.remove(id);
         }
-        for len in lengths {
-            sp.record_output_length(len);
+        for (tenant, output) in finished {
+            sp.record_finished(tenant, &output);
         }
     }
 }

@@ -16,6 +16,12 @@ pub struct BlockId(pub u32);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RequestId(pub u64);
 
+/// Who sent a request, where the server tells tenants apart (one per API key; 0 when it does not):
+/// state learned from one tenant's requests (speculation's cross-request index) never serves
+/// another's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct Tenant(pub u32);
+
 impl std::fmt::Display for SeqId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "seq{}", self.0)

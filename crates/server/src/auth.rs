@@ -1,5 +1,8 @@
 //! API-key auth for the `/v1` routes (and vLLM's tokenizer routes) when `--api-key` is set.
-//! The key comes as `Authorization: Bearer <key>` (OpenAI's clients; the scheme in any case) or
+//! Several keys may be given; each is a tenant ([`Tenant`] `i + 1` for the i-th key, 0 without
+//! keys), which the handlers pass on with the request: what the engine learns from one tenant's
+//! requests (speculation's cross-request index) and the responses one stores are never served to
+//! another. The key comes as `Authorization: Bearer <key>` (OpenAI's clients; the scheme in any case) or
 //! as `x-api-key: <key>` (Anthropic's clients, which also send `anthropic-version`, accepted
 //! whatever its value). `/health` and `/metrics` stay open (as in vLLM) so probes and scrapers
 //! need no secret.
@@ -15,14 +18,36 @@ use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
+use specula_engine::types::Tenant;
 
-pub async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.config.api_key {
-        if !sent_keys(req.headers()).any(|sent| keys_match(sent, key)) {
-            return ApiError::unauthorized().into_response();
+/// Refuses a request without one of the keys (when keys are set) and tags it with its tenant
+/// (an `Extension<Tenant>` for the handlers).
+pub async fn require_api_key(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
+    let keys = &state.config.api_keys;
+    let tenant = if keys.is_empty() {
+        Tenant::default()
+    } else {
+        match matching_key(req.headers(), keys) {
+            Some(i) => Tenant(i as u32 + 1),
+            None => return ApiError::unauthorized().into_response(),
+        }
+    };
+    req.extensions_mut().insert(tenant);
+    next.run(req).await
+}
+
+/// Which of `keys` the request offers (the first, where it offers several), every key compared
+/// in full whatever matched, so the time taken does not tell which.
+fn matching_key(headers: &HeaderMap, keys: &[String]) -> Option<usize> {
+    let mut found = None;
+    for sent in sent_keys(headers) {
+        for (i, key) in keys.iter().enumerate() {
+            if keys_match(sent, key) && found.is_none() {
+                found = Some(i);
+            }
         }
     }
-    next.run(req).await
+    found
 }
 
 /// The keys a request offers: the Bearer token (scheme matched case-insensitively) and `x-api-key`.
@@ -71,5 +96,18 @@ mod tests {
         assert_eq!(keys(&[("authorization", "Basic sk-1")]), Vec::<String>::new());
         assert_eq!(keys(&[("x-api-key", "sk-2"), ("anthropic-version", "2023-06-01")]), ["sk-2"]);
         assert_eq!(keys(&[("authorization", "Bearer a"), ("x-api-key", "b")]), ["a", "b"]);
+    }
+
+    #[test]
+    fn each_key_is_its_own_tenant() {
+        let keys = ["sk-a".to_string(), "sk-b".to_string()];
+        let offered = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(AUTHORIZATION, HeaderValue::from_static(v));
+            matching_key(&h, &keys)
+        };
+        assert_eq!(offered("Bearer sk-a"), Some(0));
+        assert_eq!(offered("Bearer sk-b"), Some(1));
+        assert_eq!(offered("Bearer sk-c"), None);
     }
 }

@@ -13,7 +13,7 @@ use futures::stream::{SelectAll, Stream, StreamExt};
 use specula_engine::api::{FinishReason, GenerateRequest, RequestEvent, SamplingParams, TokenLogprob};
 use specula_engine::constraint::Grammar;
 use specula_engine::handle::EngineHandle;
-use specula_engine::types::{RequestId, TokenId};
+use specula_engine::types::{RequestId, Tenant, TokenId};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -149,10 +149,12 @@ pub type ChoiceEvents = SelectAll<ChoiceRun>;
 /// Submits every job or none (`EngineHandle::submit_all`): a refusal (queue full, engine
 /// stopping) leaves the engine's queue as it was and is returned. With an `audit`, each choice
 /// counts as live work while it runs, and the determined ones it picks are replayed after.
-pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, arrived: Instant, audit: Option<&Arc<Auditor>>) -> Result<Vec<ChoiceRun>, ApiError> {
+/// Every job is `tenant`'s (`auth.rs`).
+pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, tenant: Tenant, arrived: Instant, audit: Option<&Arc<Auditor>>) -> Result<Vec<ChoiceRun>, ApiError> {
     let mut runs = Vec::with_capacity(jobs.len());
     let mut reqs = Vec::with_capacity(jobs.len());
-    for job in jobs {
+    for mut job in jobs {
+        job.params.tenant = tenant;
         let id = engine.next_request_id();
         let (tx, rx) = unbounded_channel();
         let prompt_tokens = job.prompt.len();

@@ -53,8 +53,9 @@ pub struct ServerConfig {
     pub max_model_len: usize,
     /// Largest `logprobs` / `top_logprobs` a request may ask for (`--max-logprobs`).
     pub max_logprobs: usize,
-    /// When set, `/v1/*` requires `Authorization: Bearer <key>` (`--api-key`).
-    pub api_key: Option<String>,
+    /// When any is set, `/v1/*` requires `Authorization: Bearer <key>` with one of them
+    /// (`--api-key`, repeatable); each key is a tenant (`auth.rs`).
+    pub api_keys: Vec<String>,
     /// Largest `n` (choices per prompt) a request may ask for.
     pub max_n: usize,
     /// Bodies above this are refused with 413.
@@ -112,7 +113,7 @@ impl ServerConfig {
             model_name: model_name.into(),
             max_model_len: 2048,
             max_logprobs: 20,
-            api_key: None,
+            api_keys: Vec::new(),
             max_n: 16,
             max_body_bytes: 4 * 1024 * 1024,
             completions_default_max_tokens: 16,
@@ -166,7 +167,7 @@ impl ServerConfig {
         if let Some(problem) = self.connections.problem() {
             return bad(problem);
         }
-        if self.api_key.as_deref() == Some("") {
+        if self.api_keys.iter().any(String::is_empty) {
             return bad("--api-key is empty; leave it out to disable auth".into());
         }
         Ok(())
@@ -180,7 +181,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("model_name", &self.model_name)
             .field("max_model_len", &self.max_model_len)
             .field("max_logprobs", &self.max_logprobs)
-            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .field("api_keys", &format!("<{} set>", self.api_keys.len()))
             .field("max_n", &self.max_n)
             .field("max_body_bytes", &self.max_body_bytes)
             .field("completions_default_max_tokens", &self.completions_default_max_tokens)

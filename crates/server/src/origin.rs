@@ -15,7 +15,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 pub async fn require_local_origin(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if state.config.api_key.is_none() {
+    if state.config.api_keys.is_empty() {
         if let Some(origin) = req.headers().get(ORIGIN) {
             let origin = origin.to_str().unwrap_or_default();
             if !origin_allowed(origin, &state.config.allowed_origins) {

@@ -223,6 +223,8 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         constraint,
         // set once the prompt is rendered (`conversation::prepare`): it depends on the template
         reasoning_budget: None,
+        // set when the request is submitted (`generate::submit`), from its API key
+        tenant: defaults.tenant,
     };
     base.validate(config.max_logprobs).map_err(|e| {
         let param = match e.param {

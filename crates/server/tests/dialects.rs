@@ -243,7 +243,7 @@ async fn count_tokens_is_the_prompt_the_engine_gets() {
 
 #[tokio::test]
 async fn messages_errors_have_anthropics_shape_and_status() {
-    let s = server_with(Setup { config: ServerConfig { api_key: Some("sk-test".into()), ..Setup::default().config }, ..Setup::default() });
+    let s = server_with(Setup { config: ServerConfig { api_keys: vec!["sk-test".into()], ..Setup::default().config }, ..Setup::default() });
     let post = |key: Option<(&'static str, &'static str)>, body: Value| {
         let mut req = Request::post("/v1/messages").header("content-type", "application/json").header("anthropic-version", "2023-06-01");
         if let Some((k, v)) = key {
@@ -554,4 +554,45 @@ async fn harmony_channels_become_reasoning_answer_and_calls_in_every_dialect() {
         content.push_str(delta["content"].as_str().unwrap_or_default());
     }
     assert_eq!((reasoning.as_str(), content.as_str()), ("A greeting.", "Hello there!"));
+}
+
+/// Several `--api-key`s: each key is a tenant. Every dialect hands the engine the key's tenant
+/// (the cross-request speculation index is kept per tenant), and a stored response is neither
+/// fetched nor continued with another key.
+#[tokio::test]
+async fn each_api_key_is_a_tenant_in_every_dialect_and_in_the_response_store() {
+    use specula_engine::types::Tenant;
+    let s = server_with(Setup { config: ServerConfig { api_keys: vec!["sk-a".into(), "sk-b".into()], ..Setup::default().config }, ..Setup::default() });
+    let call = |path: &'static str, key: &'static str, body: Value| {
+        Request::post(path)
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {key}"))
+            .body(Body::from(body.to_string()))
+            .unwrap()
+    };
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    let requests = [
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 1})),
+        ("/v1/chat/completions", chat.clone()),
+        ("/v1/messages", chat.clone()),
+        ("/v1/responses", json!({"input": "hi", "max_output_tokens": 1})),
+    ];
+    for (key, tenant) in [("sk-a", Tenant(1)), ("sk-b", Tenant(2))] {
+        for (path, body) in &requests {
+            let (status, v) = json_of(s.send(call(path, key, body.clone())).await).await;
+            assert_eq!(status, StatusCode::OK, "{path}: {v}");
+            assert_eq!(s.submitted().pop().unwrap().2.tenant, tenant, "{path} with {key}");
+        }
+    }
+    // a response stored with one key: fetched and continued with it, with the other not found
+    let (_, stored) = json_of(s.send(call("/v1/responses", "sk-a", json!({"input": "hi", "max_output_tokens": 1}))).await).await;
+    let id = stored["id"].as_str().unwrap();
+    let get = |key: &'static str| Request::get(format!("/v1/responses/{id}")).header("authorization", format!("Bearer {key}")).body(Body::empty()).unwrap();
+    assert_eq!(s.send(get("sk-a")).await.status(), StatusCode::OK);
+    let (status, v) = json_of(s.send(get("sk-b")).await).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{v}");
+    let follow_up = json!({"input": "more", "previous_response_id": id, "max_output_tokens": 1});
+    assert_eq!(s.send(call("/v1/responses", "sk-a", follow_up.clone())).await.status(), StatusCode::OK);
+    let (status, v) = json_of(s.send(call("/v1/responses", "sk-b", follow_up)).await).await;
+    assert_eq!((status, error_of(&v)["param"].as_str()), (StatusCode::BAD_REQUEST, Some("previous_response_id")), "{v}");
 }

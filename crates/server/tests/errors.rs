@@ -171,7 +171,7 @@ async fn body_over_the_limit_is_413() {
 
 #[tokio::test]
 async fn api_key_guards_v1_but_not_health() {
-    let s = server_with(Setup { config: ServerConfig { api_key: Some("sk-test".into()), ..ServerConfig::new(MODEL) }, ..Setup::default() });
+    let s = server_with(Setup { config: ServerConfig { api_keys: vec!["sk-test".into()], ..ServerConfig::new(MODEL) }, ..Setup::default() });
     let request = |auth: Option<&str>| {
         let mut b = Request::post("/v1/completions").header("content-type", "application/json");
         if let Some(a) = auth {

@@ -149,7 +149,7 @@ async fn a_foreign_origin_is_refused_without_an_api_key() {
     });
     assert_eq!(opened.send(get(Some("https://evil.example"))).await.status(), StatusCode::OK);
     assert_eq!(opened.send(get(Some("https://other.example"))).await.status(), StatusCode::FORBIDDEN);
-    let keyed = server_with(Setup { config: specula_server::ServerConfig { api_key: Some("k".into()), ..Setup::default().config }, ..Setup::default() });
+    let keyed = server_with(Setup { config: specula_server::ServerConfig { api_keys: vec!["k".into()], ..Setup::default().config }, ..Setup::default() });
     let req = Request::get("/v1/models").header("origin", "https://evil.example").header("authorization", "Bearer k").body(Body::empty()).unwrap();
     assert_eq!(keyed.send(req).await.status(), StatusCode::OK);
 }

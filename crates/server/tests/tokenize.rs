@@ -78,7 +78,7 @@ async fn tokenizer_info_names_the_special_tokens_and_the_template() {
 
 #[tokio::test]
 async fn tokenizer_endpoints_need_the_api_key_when_one_is_set() {
-    let s = server_with(Setup { config: ServerConfig { api_key: Some("k".into()), ..Setup::default().config }, ..Setup::default() });
+    let s = server_with(Setup { config: ServerConfig { api_keys: vec!["k".into()], ..Setup::default().config }, ..Setup::default() });
     let (status, _) = s.post("/tokenize", json!({"prompt": "a"})).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
 }

@@ -84,6 +84,11 @@ pub struct SpecArgs {
     /// drafted only while their drafts pay.
     #[arg(long, default_value_t = 1)]
     pub ngram_min: usize,
+    /// With --speculative-method ngram: tokens of recent finished outputs kept in the
+    /// cross-request suffix index the method also drafts from (one index per API key; oldest
+    /// output evicted first; about 150 bytes a token); 0 turns it off.
+    #[arg(long, default_value_t = specula_engine::speculative::config::DEFAULT_CORPUS_TOKENS)]
+    pub speculative_corpus_tokens: usize,
     /// DEBUG/BENCHMARK ONLY: accept every draft token. This CHANGES THE OUTPUT.
     #[arg(long)]
     pub speculative_force_accept: bool,
@@ -137,6 +142,7 @@ impl SpecArgs {
         let method = self.speculative_method?;
         let mut c = SpecConfig::new(method, self.num_speculative_tokens);
         c.ngram_min = self.ngram_min;
+        c.corpus_tokens = self.speculative_corpus_tokens;
         c.draft_model = self.draft_model.clone();
         c.draft_vocab = self.draft_vocab_size;
         c.draft_weights = self.draft_weights;

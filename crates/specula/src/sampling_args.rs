@@ -55,6 +55,7 @@ impl SamplingArgs {
             prompt_logprobs: None,
             constraint: None,
             reasoning_budget: None,
+            tenant: Default::default(),
         }
     }
 }

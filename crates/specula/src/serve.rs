@@ -26,9 +26,11 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer <key>` on /v1/* routes.
-    #[arg(long, env = "SPECULA_API_KEY")]
-    pub api_key: Option<String>,
+    /// Require `Authorization: Bearer <key>` (or `x-api-key`) on /v1/* routes. Repeat it to let
+    /// several keys in: each is a tenant, whose stored responses and speculation's
+    /// cross-request index no other key reaches.
+    #[arg(long = "api-key", env = "SPECULA_API_KEY")]
+    pub api_keys: Vec<String>,
     /// Name clients use in `model` (default: the model file's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -197,7 +199,7 @@ fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_nam
     if let Some(threads) = args.prep_threads {
         server_cfg.prep_threads = threads;
     }
-    server_cfg.api_key = args.api_key.clone();
+    server_cfg.api_keys = args.api_keys.clone();
     server_cfg.connections = specula_server::ConnectionLimits {
         header_read_timeout: args.header_read_timeout,
         idle_timeout: args.idle_timeout,

@@ -20,7 +20,7 @@ use crate::scheduler::Scheduler;
 use crate::sequence::{is_stop_token, token_finish, Sequence};
 use crate::speculative::Draft;
 use crate::step::{Computed, HostWork, JobOutput, PreparedStep, StepPlan, StepTimings};
-use crate::types::{RequestId, SeqId, TokenId};
+use crate::types::{RequestId, SeqId, Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -71,9 +71,10 @@ pub(crate) struct Host {
     steps: u64,
     /// Sequences removed since the engine last asked: the proposer forgets them.
     removed: Vec<SeqId>,
-    /// Output lengths of the sequences that finished since the engine last asked (speculation
-    /// weighs a draft model's catch-ups against them).
-    finished_lengths: Vec<usize>,
+    /// The sequences that finished since the engine last asked, with their tenants: speculation
+    /// weighs a draft model's catch-ups against their lengths and the n-gram proposer's
+    /// cross-request index keeps them.
+    finished: Vec<(Tenant, Vec<TokenId>)>,
 }
 
 impl Host {
@@ -91,7 +92,7 @@ impl Host {
             next_seq: 1,
             steps: 0,
             removed: Vec::new(),
-            finished_lengths: Vec::new(),
+            finished: Vec::new(),
         })
     }
 
@@ -100,9 +101,9 @@ impl Host {
         std::mem::take(&mut self.removed)
     }
 
-    /// Output lengths of the sequences that finished since the last call.
-    pub fn take_finished_lengths(&mut self) -> Vec<usize> {
-        std::mem::take(&mut self.finished_lengths)
+    /// The outputs (and tenants) of the sequences that finished since the last call.
+    pub fn take_finished(&mut self) -> Vec<(Tenant, Vec<TokenId>)> {
+        std::mem::take(&mut self.finished)
     }
 
     /// Accepts a request, or fails it at once with a clear message.
@@ -171,7 +172,7 @@ impl Host {
 
     fn finish(&mut self, id: SeqId, reason: FinishReason) {
         if let Some(s) = self.remove(id) {
-            self.finished_lengths.push(s.output_len());
+            self.finished.push((s.params.tenant, s.output().to_vec()));
             // flush text held back for a possible stop string that never came
             if s.text_sent < s.text.len() {
                 s.send_delta(vec![], s.text[s.text_sent..].to_string(), vec![]);

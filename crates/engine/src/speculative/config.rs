@@ -56,6 +56,9 @@ pub struct SpecConfig {
     pub num_speculative_tokens: usize,
     /// Shortest earlier match of the text's suffix the ngram method drafts from.
     pub ngram_min: usize,
+    /// Tokens of finished outputs the ngram method's cross-request index keeps
+    /// ([`super::corpus`]); 0: none.
+    pub corpus_tokens: usize,
     /// Draft model (GGUF or folder) for `draft`, head file for `mtp`.
     pub draft_model: Option<PathBuf>,
     /// For `draft`: the draft proposes only the first n token ids (and end-of-sequence tokens),
@@ -102,6 +105,10 @@ pub const DEFAULT_MTP_MIN_CONFIDENCE: f32 = 0.5;
 /// code-edit prompts' tokens.
 pub const DEFAULT_DRAFT_VOCAB: usize = 32_768;
 
+/// The cross-request index's default budget: 65 536 tokens (about 10 MB), some hundreds of
+/// recent answers.
+pub const DEFAULT_CORPUS_TOKENS: usize = 1 << 16;
+
 /// Largest k accepted: verification cost grows with k and acceptance decays geometrically.
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
@@ -111,6 +118,7 @@ impl SpecConfig {
             method,
             num_speculative_tokens: k,
             ngram_min: 1,
+            corpus_tokens: DEFAULT_CORPUS_TOKENS,
             draft_model: None,
             draft_vocab: None,
             draft_weights: DraftWeights::Q4_0,

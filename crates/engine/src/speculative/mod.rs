@@ -5,6 +5,7 @@
 
 pub mod adaptive;
 pub mod config;
+pub mod corpus;
 pub mod cost;
 pub mod draft_model;
 pub mod edits;
@@ -19,7 +20,7 @@ pub mod vocab_map;
 
 pub use config::{DraftWeights, SpecConfig, SpecMethod};
 pub use metrics::SpecMetrics;
-pub use proposer::{Draft, DraftRequest, Proposer};
+pub use proposer::{Draft, DraftRequest, Proposer, Support};
 pub use rejection::{verify, Verdict};
 
 /// Why speculation could not be set up or run.
@@ -80,7 +81,7 @@ pub fn build_proposer<'a>(
     cfg.validate().map_err(SpecError::Config)?;
     let target = target.into();
     match cfg.method {
-        SpecMethod::Ngram => Ok(Box::new(ngram::NgramProposer::new(cfg.ngram_min))),
+        SpecMethod::Ngram => Ok(Box::new(ngram::NgramProposer::with_corpus(cfg.ngram_min, cfg.corpus_tokens))),
         SpecMethod::Draft => {
             let path = cfg.draft_model.as_ref().ok_or_else(|| SpecError::Config("--speculative-method draft needs --draft-model PATH".into()))?;
             let loaded = specula_model::load_model(path)?;
@@ -158,10 +159,10 @@ pub struct Speculation {
     pub cost: cost::CostModel,
     /// Lengths of the finished outputs: the tokens a catch-up is repaid over.
     pub(crate) output_lengths: adaptive::OutputLengths,
-    /// Engine-wide acceptance per band of the proposer's support (`Proposer::support`), for a
+    /// Engine-wide acceptance per band of the proposer's support (`Support::band`), for a
     /// proposer that reports one.
     pub(crate) by_support: Vec<adaptive::AcceptanceTracker>,
-    /// The support of each sequence's draft that awaits verification (its band is credited then).
+    /// The support band of each sequence's draft that awaits verification (credited then).
     supported: std::collections::BTreeMap<crate::types::SeqId, usize>,
 }
 
@@ -177,7 +178,7 @@ impl Speculation {
             global: adaptive::AcceptanceTracker::global(),
             cost,
             output_lengths: adaptive::OutputLengths::default(),
-            by_support: (0..adaptive::SUPPORT_BANDS).map(|_| adaptive::AcceptanceTracker::global()).collect(),
+            by_support: (0..2 * adaptive::SUPPORT_BANDS).map(|_| adaptive::AcceptanceTracker::global()).collect(),
             supported: std::collections::BTreeMap::new(),
         }
     }
@@ -214,8 +215,8 @@ impl Speculation {
         self.metrics.record(proposed, accepted);
         self.global.record(proposed, accepted);
         tracker(&mut self.trackers, &self.global, seq).record(proposed, accepted);
-        if let Some(len) = self.supported.remove(&seq) {
-            self.by_support[adaptive::support_band(len)].record(proposed, accepted);
+        if let Some(band) = self.supported.remove(&seq) {
+            self.by_support[band].record(proposed, accepted);
         }
     }
 
@@ -228,18 +229,18 @@ impl Speculation {
     /// whole batch repays itself in it ([`adaptive::catch_up_pays`], [`CatchUp::batch_backlog`]). `support`: how far the
     /// proposer's draft is backed ([`Proposer::support`]); where given, the acceptance of its
     /// band decides instead of the sequence's own, and no more than that many tokens are drafted.
-    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize, catch_up: CatchUp, support: Option<usize>) -> usize {
+    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize, catch_up: CatchUp, support: Option<Support>) -> usize {
         if !self.cfg.adaptive {
             return k_limit;
         }
         self.supported.remove(&seq);
         let (k, alpha) = match support {
-            Some(0) => return 0,
-            Some(len) => {
-                let t = &mut self.by_support[adaptive::support_band(len)];
-                let k = t.next_k(k_limit.min(len), &self.cost, decoding);
+            Some(Support { len: 0, .. }) => return 0,
+            Some(support) => {
+                let t = &mut self.by_support[support.band()];
+                let k = t.next_k(k_limit.min(support.len), &self.cost, decoding);
                 if k > 0 {
-                    self.supported.insert(seq, len);
+                    self.supported.insert(seq, support.band());
                 }
                 (k, t.alpha())
             }
@@ -276,9 +277,11 @@ impl Speculation {
         }
     }
 
-    /// Records the output length of a sequence that finished (not one that failed or was aborted).
-    pub(crate) fn record_output_length(&mut self, len: usize) {
-        self.output_lengths.record(len);
+    /// Learns from a sequence of `tenant` that finished with `output` (not one that failed): its
+    /// length, and its text for the proposer's cross-request index.
+    pub(crate) fn record_finished(&mut self, tenant: crate::types::Tenant, output: &[crate::types::TokenId]) {
+        self.output_lengths.record(output.len());
+        self.proposer.finished(tenant, output);
     }
 
     /// Forgets a sequence that ended.
@@ -318,7 +321,7 @@ impl Speculation {
             .map(|(c, &backlog)| {
                 let k = if may_draft(c) {
                     let catch_up = CatchUp { backlog, first_decode: c.first_decode(), room: c.room, generated: c.generated(), batch_soon, batch_backlog };
-                    let support = self.proposer.support(c.seq, c.tokens, c.prompt_len);
+                    let support = self.proposer.support(c.seq, c.tokens, c.prompt_len, c.params.tenant);
                     self.next_k(c.seq, k_limit, decoding, catch_up, support)
                 } else {
                     0
@@ -514,7 +517,7 @@ mod tests {
         // no finished output yet: the horizon, which repays the catch-up
         assert!(sp.next_k(SeqId(1), k_limit, 1, late(190), None) > 0);
         for len in [195, 198, 200, 202, 205] {
-            sp.record_output_length(len);
+            sp.record_finished(crate::types::Tenant::default(), &vec![0; len]);
         }
         assert_eq!(sp.output_lengths.expected_remaining(190, 810), 10);
         assert_eq!(sp.next_k(SeqId(1), k_limit, 1, late(190), None), 0);
@@ -562,14 +565,14 @@ mod tests {
         assert_eq!(k_limit, 16);
         let none = CatchUp::default();
         // no match: nothing to draft, not even a probe
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(0)), 0);
+        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(0))), 0);
         for _ in 0..40 {
-            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(1));
+            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(1)));
             if k > 0 {
                 assert_eq!(k, 1, "never past the match");
                 sp.record(SeqId(1), k, 0);
             }
-            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(20));
+            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(20)));
             assert!(k > 0 && k <= 16);
             sp.record(SeqId(1), k, k);
         }
@@ -577,10 +580,10 @@ mod tests {
         let long = sp.by_support[adaptive::support_band(20)].alpha();
         assert!(short < 0.1 && long > 0.95, "{short} {long}");
         // short matches are now drafted only as a probe, one step in PROBE_EVERY
-        let drafted = (0..2 * adaptive::PROBE_EVERY).filter(|_| sp.next_k(SeqId(1), k_limit, 1, none, Some(1)) > 0).count();
+        let drafted = (0..2 * adaptive::PROBE_EVERY).filter(|_| sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(1))) > 0).count();
         assert_eq!(drafted, 2);
-        assert!(sp.next_k(SeqId(1), k_limit, 1, none, Some(9)) > 0, "an untried band starts from the prior");
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(20)), 16);
+        assert!(sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(9))) > 0, "an untried band starts from the prior");
+        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(20))), 16);
         // once the sequence ended, a late record credits no band
         let before = sp.by_support[adaptive::support_band(1)].alpha();
         sp.remove(SeqId(1));

@@ -11,18 +11,29 @@
 //! Code edits copy the prompt with a few spans changed, most of them many times: the edits learned
 //! while the output is written ([`super::edits`]) give a second index, of the prompt with them
 //! applied, and the draft comes from whichever index matches the text's suffix longer.
+//!
+//! A third index is shared across requests ([`super::corpus`]): the outputs of the tenant's recent
+//! finished requests. It drafts where its match is longer than the sequence's own (at least
+//! [`CORPUS_MIN_MATCH`] tokens), and its matches keep their own acceptance estimates.
 
+use super::corpus::Corpus;
 use super::edits::EditLearner;
-use super::proposer::{Draft, DraftRequest, Proposer};
+use super::proposer::{Draft, DraftRequest, Proposer, Support};
 use super::suffix::SuffixAutomaton;
 use super::SpecError;
-use crate::types::{SeqId, TokenId};
+use crate::types::{SeqId, Tenant, TokenId};
 use std::collections::HashMap;
+
+/// Shortest match in the cross-request index that drafts (shorter ones, a `(` or a `self`, match
+/// anywhere in other requests' outputs).
+pub const CORPUS_MIN_MATCH: usize = 3;
 
 pub struct NgramProposer {
     /// Shortest match that is worth a draft.
     pub min_match: usize,
     index: HashMap<SeqId, SeqIndex>,
+    /// The outputs of recent finished requests (a budget of 0 keeps none).
+    corpus: Corpus,
 }
 
 /// One sequence's lookup state.
@@ -119,8 +130,30 @@ impl SeqIndex {
 }
 
 impl NgramProposer {
+    /// Without a cross-request index.
     pub fn new(min_match: usize) -> Self {
-        Self { min_match: min_match.max(1), index: HashMap::new() }
+        Self::with_corpus(min_match, 0)
+    }
+
+    /// With a cross-request index of at most `corpus_tokens` tokens ([`Corpus`]).
+    pub fn with_corpus(min_match: usize, corpus_tokens: usize) -> Self {
+        Self { min_match: min_match.max(1), index: HashMap::new(), corpus: Corpus::new(corpus_tokens) }
+    }
+
+    /// The draft of up to `k` tokens for `r`'s sequence and how far it is backed: from the
+    /// sequence's own text, or from the cross-request index where its match is longer.
+    fn draft(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant, k: usize) -> (Support, Vec<TokenId>) {
+        let min = self.min_match;
+        let s = self.fed(seq, tokens, prompt_len);
+        let own = s.best_match(min).map_or(0, |m| m.len);
+        let corpus = self.corpus.lookup(tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > own);
+        match corpus {
+            Some(m) => (Support { len: m.len, from_corpus: true }, m.continuation),
+            None => {
+                let s = &self.index[&seq];
+                (Support::own(own), if k == 0 { Vec::new() } else { s.continuation(min, tokens, k) })
+            }
+        }
     }
 
     /// `seq`'s index, fed up to `tokens` (only the tokens it has not seen; indexed afresh if the
@@ -159,20 +192,22 @@ impl Proposer for NgramProposer {
                 drafts.push(Draft::default());
                 continue;
             }
-            let min = self.min_match;
-            let tokens = self.fed(r.seq, r.tokens, r.prompt_len).continuation(min, r.tokens, r.max_draft);
+            let (_, tokens) = self.draft(r.seq, r.tokens, r.prompt_len, r.params.tenant, r.max_draft);
             drafts.push(Draft { tokens, probs: None });
         }
         Ok(drafts)
     }
 
-    fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize) -> Option<usize> {
-        let min = self.min_match;
-        Some(self.fed(seq, tokens, prompt_len).best_match(min).map_or(0, |m| m.len))
+    fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant) -> Option<Support> {
+        Some(self.draft(seq, tokens, prompt_len, tenant, crate::speculative::config::MAX_SPECULATIVE_TOKENS).0)
     }
 
     fn remove(&mut self, seq: SeqId) {
         self.index.remove(&seq);
+    }
+
+    fn finished(&mut self, tenant: Tenant, output: &[TokenId]) {
+        self.corpus.add(tenant, output);
     }
 }
 
@@ -216,14 +251,14 @@ mod tests {
         let text: Vec<TokenId> = vec![1, 2, 3, 4, 5, 7, 1, 2, 3, 9, 8, 1, 2, 3];
         let mut p = NgramProposer::new(2);
         // "1 2 3" occurred before: a 3-token match, and the draft is at most that long
-        assert_eq!(p.support(SeqId(1), &text, 2), Some(3));
+        assert_eq!(p.support(SeqId(1), &text, 2, Tenant(0)), Some(Support::own(3)));
         let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: 8, params: &params, hidden: None, rng: None };
         assert_eq!(p.propose(&[req], &pool).unwrap()[0].tokens, vec![4, 5, 7]);
         // one more token: "6" never occurred before, nothing matches
         let longer: Vec<TokenId> = [&text[..], &[6]].concat();
-        assert_eq!(p.support(SeqId(1), &longer, 2), Some(0));
-        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6], 4), Some(1));
-        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3], 3), Some(0));
+        assert_eq!(p.support(SeqId(1), &longer, 2, Tenant(0)), Some(Support::own(0)));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6], 4, Tenant(0)), Some(Support::own(1)));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3], 3, Tenant(0)), Some(Support::own(0)));
     }
 
     #[test]
@@ -246,6 +281,36 @@ mod tests {
         assert_eq!(drafts[15], vec![60]);
         assert_eq!(NgramProposer::new(1).lookup(&[&prompt[..], &output[..15]].concat(), 1), vec![50]);
         assert_eq!(p.index[&SeqId(3)].learner.edits(), &[super::super::edits::Edit { from: vec![50], to: vec![60] }]);
+    }
+
+    #[test]
+    fn an_earlier_output_of_the_same_tenant_drafts_where_it_matches_longer() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let (a, b) = (
+            crate::api::SamplingParams { tenant: Tenant(1), ..crate::api::SamplingParams::greedy(8) },
+            crate::api::SamplingParams { tenant: Tenant(2), ..crate::api::SamplingParams::greedy(8) },
+        );
+        let mut p = NgramProposer::with_corpus(1, 1000);
+        // an earlier request of tenant 1 wrote this
+        p.finished(Tenant(1), &[40, 41, 42, 43, 44, 45, 46, 47]);
+        // a new sequence whose prompt has nothing to copy writes "41 42 43"
+        let text: Vec<TokenId> = vec![1, 2, 3, 41, 42, 43];
+        let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| {
+            let req = DraftRequest { seq: SeqId(9), tokens: &text, prompt_len: 3, max_draft: 4, params, hidden: None, rng: None };
+            p.propose(&[req], &pool).unwrap()[0].tokens.clone()
+        };
+        assert_eq!(p.support(SeqId(9), &text, 3, Tenant(1)), Some(Support { len: 3, from_corpus: true }));
+        assert_eq!(draft(&mut p, &a), vec![44, 45, 46, 47]);
+        // another tenant never sees it
+        assert_eq!(p.support(SeqId(9), &text, 3, Tenant(2)), Some(Support::own(0)));
+        assert_eq!(draft(&mut p, &b), Vec::<TokenId>::new());
+        // a match in the sequence's own text as long as the corpus's wins
+        let own: Vec<TokenId> = vec![41, 42, 43, 7, 1, 2, 3, 41, 42, 43];
+        let req = DraftRequest { seq: SeqId(10), tokens: &own, prompt_len: 3, max_draft: 4, params: &a, hidden: None, rng: None };
+        assert_eq!(p.propose(&[req], &pool).unwrap()[0].tokens, vec![7, 1, 2]);
+        // under the corpus's minimum match, nothing from it
+        let short: Vec<TokenId> = vec![1, 2, 3, 42, 43];
+        assert_eq!(p.support(SeqId(11), &short, 3, Tenant(1)), Some(Support::own(0)));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use super::SpecError;
 use crate::api::SamplingParams;
-use crate::types::{SeqId, TokenId};
+use crate::types::{SeqId, Tenant, TokenId};
 
 /// One sequence asking for drafts this step.
 pub struct DraftRequest<'a> {
@@ -33,6 +33,28 @@ pub struct Draft {
     pub probs: Option<Vec<Vec<f32>>>,
 }
 
+/// How far a draft is backed ([`Proposer::support`]): the length of the match it continues, and
+/// whether the match is in the sequence's own text or in the outputs of earlier requests
+/// ([`super::corpus`]), which keep their own acceptance estimates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Support {
+    pub len: usize,
+    pub from_corpus: bool,
+}
+
+impl Support {
+    /// A match of `len` tokens in the sequence's own text.
+    pub fn own(len: usize) -> Self {
+        Self { len, from_corpus: false }
+    }
+
+    /// Its acceptance band: [`super::adaptive::support_band`] of the length, the corpus's bands
+    /// after the own text's.
+    pub fn band(&self) -> usize {
+        super::adaptive::support_band(self.len) + if self.from_corpus { super::adaptive::SUPPORT_BANDS } else { 0 }
+    }
+}
+
 pub trait Proposer: Send {
     /// Drafts for each request, in order (`max_draft` tokens at most each).
     fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError>;
@@ -47,16 +69,18 @@ pub trait Proposer: Send {
         0
     }
     /// How far this proposer's next draft for the sequence (whose known tokens are `tokens`, the
-    /// first `prompt_len` its prompt) is
-    /// backed, where it can tell before drafting: the n-gram proposer gives the length of the
-    /// earlier match it would continue, 0 when it has nothing to draft. Adaptive k then keeps one
-    /// acceptance estimate per band of it ([`super::adaptive::support_band`]) instead of the
-    /// sequence's own: a match of 1 token is a guess, one of 40 a copy, and a single estimate
-    /// over both drafts too much after the one and too little after the other. `None`: no such
-    /// figure (the sequence's own estimate decides).
-    fn support(&mut self, _seq: SeqId, _tokens: &[TokenId], _prompt_len: usize) -> Option<usize> {
+    /// first `prompt_len` its prompt; sent by `tenant`) is backed, where it can tell before
+    /// drafting: the n-gram proposer gives the length of the match it would continue and where
+    /// it found it, a length of 0 when it has nothing to draft. Adaptive k then keeps one
+    /// acceptance estimate per band of it ([`Support::band`]) instead of the sequence's own: a
+    /// match of 1 token is a guess, one of 40 a copy, and a single estimate over both drafts too
+    /// much after the one and too little after the other. `None`: no such figure (the
+    /// sequence's own estimate decides).
+    fn support(&mut self, _seq: SeqId, _tokens: &[TokenId], _prompt_len: usize, _tenant: Tenant) -> Option<Support> {
         None
     }
+    /// A sequence of `tenant` finished with `output` (the cross-request index keeps it).
+    fn finished(&mut self, _tenant: Tenant, _output: &[TokenId]) {}
     /// The target layers whose hidden states `DraftRequest::hidden` carries, in order
     /// (`n_layers - 1`: the final hidden state before the output norm); empty: none.
     fn hidden_layers(&self) -> &[usize] {

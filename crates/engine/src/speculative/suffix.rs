@@ -99,6 +99,27 @@ impl SuffixAutomaton {
         self.last = cur;
     }
 
+    /// The longest suffix of `query` that occurs in the text: its length and where (index of the
+    /// last token) its first occurrence in the text ends. None when not even the last token
+    /// occurs. O(`query.len()`) amortised (the matching walk along suffix links).
+    pub fn longest_suffix_of(&self, query: &[TokenId]) -> Option<(usize, usize)> {
+        let (mut state, mut len) = (0u32, 0usize);
+        for &t in query {
+            while state != 0 && !self.next.contains_key(&(state, t)) {
+                state = self.link[state as usize];
+                len = self.len[state as usize] as usize;
+            }
+            match self.next.get(&(state, t)) {
+                Some(&to) => {
+                    state = to;
+                    len += 1;
+                }
+                None => len = 0,
+            }
+        }
+        (len > 0).then(|| (len, self.first_end[state as usize] as usize))
+    }
+
     /// The longest suffix of the text that also occurs ending earlier: its length and the position
     /// (index of the last token) where its first occurrence ends. None when no suffix repeats.
     pub fn longest_repeat(&self) -> Option<(usize, usize)> {
@@ -139,7 +160,29 @@ mod tests {
         assert_eq!(a.longest_repeat(), None);
     }
 
+    /// The definition, by brute force: the longest suffix of `q` occurring in `t`, and the first
+    /// position an occurrence of it ends.
+    fn brute_in(t: &[TokenId], q: &[TokenId]) -> Option<(usize, usize)> {
+        for len in (1..=q.len().min(t.len())).rev() {
+            let suf = &q[q.len() - len..];
+            if let Some(start) = (0..=t.len() - len).find(|&i| &t[i..i + len] == suf) {
+                return Some((len, start + len - 1));
+            }
+        }
+        None
+    }
+
     proptest! {
+        #[test]
+        fn a_query_s_longest_suffix_in_the_text_agrees_with_brute_force(
+            t in proptest::collection::vec(0u32..4, 1..60),
+            q in proptest::collection::vec(0u32..5, 0..20),
+        ) {
+            let mut a = SuffixAutomaton::new();
+            t.iter().for_each(|&x| a.push(x));
+            prop_assert_eq!(a.longest_suffix_of(&q), brute_in(&t, &q));
+        }
+
         #[test]
         fn agrees_with_brute_force_after_every_token(t in proptest::collection::vec(0u32..4, 1..80)) {
             let mut a = SuffixAutomaton::new();

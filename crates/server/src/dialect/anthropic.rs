@@ -22,10 +22,11 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use specula_engine::api::{FinishReason, TokenLogprob};
-use specula_engine::types::TokenId;
+use specula_engine::types::{Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
@@ -202,12 +203,12 @@ fn tool_set(req: &MessagesRequest) -> Result<Option<ToolSet>, ApiError> {
     Ok(ToolSet::from_request(Some(&Value::Array(definitions)), openai_choice.as_ref())?.map(|t| ToolSet { parallel, ..t }))
 }
 
-pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Response, ApiError> {
+pub async fn create(State(state): State<AppState>, Extension(tenant): Extension<Tenant>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let conv = conversation_of(&req, &state, false)?;
     let prepared = conversation::prepare(&state, conv).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, &state.config)?;
-    let mut runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
+    let mut runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
     let writer = MessageWriter {
         id: format!("msg_{:x}{:08x}", crate::unix_now(), runs[0].id.0),
         model: state.config.model_name.clone(),

@@ -23,10 +23,11 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use specula_engine::api::{FinishReason, TokenLogprob};
-use specula_engine::types::TokenId;
+use specula_engine::types::{Tenant, TokenId};
 use std::time::Instant;
 
 /// `POST /v1/responses`.
@@ -177,7 +178,11 @@ fn response_format(text: Option<&Value>) -> Option<Value> {
     }
 }
 
-pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ResponsesRequest>) -> Result<Response, ApiError> {
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    ApiJson(req): ApiJson<ResponsesRequest>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let config = &state.config;
     // any `model` is served by the loaded one (Codex-style clients send their own model names)
@@ -195,6 +200,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
             state
                 .responses
                 .get(id)
+                .filter(|s| s.tenant == tenant)
                 .ok_or_else(|| ApiError::invalid_param("previous_response_id", format!("Previous response with id '{id}' not found.")))?
                 .messages
         }
@@ -213,7 +219,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
     let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
     let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs, thinking_budget }).await?;
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
-    let mut runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
+    let mut runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
     let echo = json!({
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata.clone().unwrap_or(json!({})),
         "parallel_tool_calls": req.parallel_tool_calls.unwrap_or(true), "previous_response_id": req.previous_response_id,
@@ -234,6 +240,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
         sequence: 0,
         finish: FinishReason::Stop,
         store: req.store.unwrap_or(true).then_some((state.responses.clone(), history)),
+        tenant,
     };
     if req.stream.unwrap_or(false) {
         return Ok(sse::stream_response(runs, writer, false, prepared.prompt.len()));
@@ -244,8 +251,9 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Respons
 }
 
 /// `GET /v1/responses/{id}`: a stored response, or 404.
-pub async fn retrieve(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
-    match state.responses.get(&id) {
+pub async fn retrieve(State(state): State<AppState>, Extension(tenant): Extension<Tenant>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    // another tenant's response is not found, as one never stored
+    match state.responses.get(&id).filter(|s| s.tenant == tenant) {
         Some(stored) => Ok(axum::Json(stored.response).into_response()),
         None => Err(ApiError {
             status: StatusCode::NOT_FOUND,
@@ -274,6 +282,8 @@ struct ResponseWriter {
     finish: FinishReason,
     /// Where to keep the finished response, and the conversation (without instructions) it ends.
     store: Option<(std::sync::Arc<super::store::ResponseStore>, Vec<Value>)>,
+    /// Who asked: only this tenant reads the stored response back.
+    tenant: Tenant,
 }
 
 impl ResponseWriter {
@@ -338,7 +348,7 @@ impl ResponseWriter {
                 .map(|(id, name, args)| (id.to_string(), name.to_string(), serde_json::from_str(args).unwrap_or_else(|_| json!({}))))
                 .collect();
             messages.push(conversation::assistant_message(texts.join(""), reasoning, calls));
-            store.insert(self.id.clone(), Stored { response: response.clone(), messages });
+            store.insert(self.id.clone(), Stored { response: response.clone(), messages, tenant: self.tenant });
         }
         response
     }

@@ -25,6 +25,8 @@ pub struct Stored {
     /// The conversation so far, template-shaped, without `instructions` (which, as in OpenAI's
     /// API, do not carry over to a follow-up).
     pub messages: Vec<Value>,
+    /// The tenant (API key) that stored it: no other reads it back or continues it.
+    pub tenant: specula_engine::types::Tenant,
 }
 
 #[derive(Debug)]
@@ -105,7 +107,7 @@ mod tests {
     use serde_json::json;
 
     fn stored(text: &str) -> Stored {
-        Stored { response: json!({"t": text}), messages: vec![] }
+        Stored { response: json!({"t": text}), messages: vec![], tenant: Default::default() }
     }
 
     #[test]

@@ -22,13 +22,18 @@ use crate::{unix_now, AppState};
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use specula_engine::api::{FinishReason, TokenLogprob};
-use specula_engine::types::TokenId;
+use specula_engine::types::{Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCompletionRequest>) -> Result<Response, ApiError> {
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    ApiJson(req): ApiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let config = &state.config;
     let vocab = state.tokenizer.vocab_size();
@@ -52,7 +57,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<ChatCom
     let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs, thinking_budget }).await?;
     let (plan, prompt) = (&prepared.plan, &prepared.prompt);
     let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
-    let runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
+    let runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
     let writer = ChatChunks {
         id: format!("chatcmpl-{:x}{:08x}", unix_now(), runs[0].id.0),
         created: unix_now(),

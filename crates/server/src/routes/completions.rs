@@ -13,8 +13,9 @@ use crate::{unix_now, AppState};
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use specula_engine::api::{FinishReason, TokenLogprob};
-use specula_engine::types::TokenId;
+use specula_engine::types::{Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +26,11 @@ struct PromptInput {
     text: String,
 }
 
-pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<CompletionRequest>) -> Result<Response, ApiError> {
+pub async fn create(
+    State(state): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let config = &state.config;
     let vocab = state.tokenizer.vocab_size();
@@ -54,7 +59,7 @@ pub async fn create(State(state): State<AppState>, ApiJson(req): ApiJson<Complet
         }
     }
     let prompt_tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum();
-    let runs = generate::submit(&state.engine, jobs, arrived, state.audit.as_ref())?;
+    let runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
     let id = format!("cmpl-{:x}{:08x}", unix_now(), runs[0].id.0);
     let first_tokens: Vec<Option<TokenId>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.first().copied(), plan.n)).collect();
     let echoes: Vec<String> = prompts.into_iter().flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n)).collect();

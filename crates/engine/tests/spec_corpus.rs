@@ -1,0 +1,82 @@
+//! The n-gram proposer's cross-request index (`speculative::corpus`) through the whole engine:
+//! a request drafts from the outputs of its tenant's earlier requests, never from another
+//! tenant's, and the output is token for token the one without speculation either way.
+//!
+//! Oracle: plain decoding of the same requests on the same model; for the tenants, the run of a
+//! request whose tenant has no earlier output must draft exactly as its first run did (same
+//! draft and accepted counts), since its own text is the same.
+
+mod spec_support;
+
+use spec_support::{spec_config, tiny_model, End, Rig, Rng};
+use specula_engine::speculative::SpecMethod;
+use specula_engine::types::Tenant;
+use specula_engine::{EngineConfig, FinishReason, SamplingParams};
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 128,
+        max_model_len: 256,
+        block_size: 16,
+        num_kv_blocks: 64,
+        enable_prefix_caching: true,
+        threads: 1,
+        ..Default::default()
+    }
+}
+
+/// (draft tokens proposed, accepted) so far.
+fn counts(rig: &Rig) -> (u64, u64) {
+    let m = rig.engine.spec_metrics().expect("speculating");
+    (m.num_draft_tokens, m.num_accepted_tokens)
+}
+
+#[test]
+fn a_request_drafts_from_its_tenant_s_earlier_outputs_only_and_its_output_does_not_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 31);
+    let mut rng = Rng(7);
+    let prompt: Vec<u32> = (0..24).map(|_| rng.range(3, 253) as u32).collect();
+    let params = |tenant| SamplingParams { ignore_eos: true, tenant: Tenant(tenant), ..SamplingParams::greedy(64) };
+
+    let mut plain = Rig::new(&model, config(), None);
+    let expected = plain.run_batch(&[(prompt.clone(), params(1))]).remove(0);
+    assert_eq!(expected.end, End::Finished(FinishReason::Length));
+
+    let mut rig = Rig::new(&model, config(), Some(spec_config(SpecMethod::Ngram, 4, None)));
+    let run = |rig: &mut Rig, tenant| {
+        let before = counts(rig);
+        let out = rig.run_batch(&[(prompt.clone(), params(tenant))]).remove(0);
+        assert_eq!(out.tokens, expected.tokens, "tenant {tenant}: the output changed under speculation");
+        assert_eq!(out.logprobs, expected.logprobs);
+        let after = counts(rig);
+        (after.0 - before.0, after.1 - before.1)
+    };
+    // (seed 31, this prompt: the first run accepts 10 of 21 drafted tokens, the second 48 of 48)
+    let first = run(&mut rig, 1);
+    // tenant 2 has no earlier output: it drafts from its own text only, as the first run did
+    assert_eq!(run(&mut rig, 2), first, "tenant 2 drafted from tenant 1's output");
+    // tenant 1 again: its first output is in the index, so from its fourth token on (the
+    // shortest corpus match) every draft is kept: 4 of each step's 5 tokens
+    let again = run(&mut rig, 1);
+    assert!(again.1 >= first.1 + 24, "the index did not draft: first run accepted {} of {}, second {} of {}", first.1, first.0, again.1, again.0);
+    assert!(again.1 >= 44 && again.1 * 10 >= again.0 * 9, "accepted {} of {} drafted from the earlier output", again.1, again.0);
+    rig.assert_no_leaks();
+}
+
+#[test]
+fn a_corpus_budget_of_zero_drafts_from_the_sequence_s_own_text_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 31);
+    let mut rng = Rng(7);
+    let prompt: Vec<u32> = (0..24).map(|_| rng.range(3, 253) as u32).collect();
+    let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(64) };
+    let spec = specula_engine::speculative::SpecConfig { corpus_tokens: 0, ..spec_config(SpecMethod::Ngram, 4, None) };
+    let mut rig = Rig::new(&model, config(), Some(spec));
+    rig.run_batch(&[(prompt.clone(), params.clone())]);
+    let first = counts(&rig);
+    rig.run_batch(&[(prompt, params)]);
+    let second = counts(&rig);
+    assert_eq!((second.0 - first.0, second.1 - first.1), first);
+}
