@@ -12,6 +12,9 @@
 #
 # Defaults: target qwen2.5-coder-1.5b-instruct, draft qwen2.5-coder-0.5b-instruct (fetched by name),
 # DATA=bench/code_edit.jsonl (bench/make_code_bench.py), CONCURRENCY="1 8", NUM_PROMPTS=16, 2 threads.
+# DATA=bench/agent_traces.jsonl: multi-turn agent conversations (bench/make_agent_traces.py); a
+# conversation's turns go one after another and hold one concurrency slot; the per-kind table is in
+# OUTDIR/rN/*.bench.txt. RUNS may add specula-ngram_own (n-gram without the cross-request index).
 # DRAFT_VOCAB=N: --draft-vocab-size N for specula's draft (0: its whole vocabulary; default 32768).
 # DRAFT_WEIGHTS=stored|q4_0: --draft-weights for specula's draft (default q4_0: re-encoded smaller).
 # K_NGRAM / K_DRAFT: most draft tokens per step (specula's adaptive k picks fewer when its
@@ -46,6 +49,7 @@ server_cmd() {
   case $1 in
     specula-none) echo "$BIN" serve --model "$TARGET" "${s[@]}" ;;
     specula-ngram) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" ;;
+    specula-ngram_own) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" --speculative-corpus-tokens 0 ;;
     specula-draft) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method draft --draft-model "$DRAFT" --num-speculative-tokens "$K_DRAFT" ${DRAFT_VOCAB:+--draft-vocab-size "$DRAFT_VOCAB"} ${DRAFT_WEIGHTS:+--draft-weights "$DRAFT_WEIGHTS"} ;;
     llama-none) echo "$LLAMA_SERVER" "${l[@]}" ;;
     llama-ngram) echo "$LLAMA_SERVER" "${l[@]}" --spec-type "${LLAMA_NGRAM_TYPE:-ngram-simple}" --spec-ngram-simple-size-m "$K_NGRAM" ;;
@@ -68,7 +72,10 @@ for round in $(seq 1 "$ROUNDS"); do
       pid=$!
       if ! wait_up; then echo "   server did not come up (see $dir/$name.server.log)"; kill "$pid"; wait "$pid"; continue; fi
       BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --dataset file --dataset-path "$DATA" --no-progress --temperature 0)
-      "${BENCH[@]}" --num-prompts 2 --max-concurrency 2 --seed 1 >/dev/null 2>&1 # warm-up
+      # warm-up, on other prompts: the measured requests find nothing of it in the prefix cache or
+      # in speculation's cross-request index
+      "$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --no-progress --temperature 0 \
+        --random-input-len 64 --random-output-len 8 --num-prompts 2 --max-concurrency 2 --seed 1 >/dev/null 2>&1
       "${BENCH[@]}" --num-prompts "$N" --max-concurrency "$c" --seed 0 --label "$name" --output-json "$dir/$name.json" >"$dir/$name.bench.txt" 2>&1
       curl -sf "http://127.0.0.1:$PORT/metrics" >"$dir/$name.metrics.txt" 2>/dev/null || true
       kill -INT "$pid"; wait "$pid"

@@ -7,7 +7,10 @@
 # 2 cores; a second run reuses the build. Prints the folder that holds the results.
 #
 #   bash scripts/build_llama_cpp.sh            # -> $SPECULA_CACHE/llama.cpp
+#   WITH_SERVER=1 bash scripts/build_llama_cpp.sh   # also build/bin/llama-server (the serving benchmarks)
 set -euo pipefail
+SERVER=OFF TARGETS=(llama llama-bench)
+if [ -n "${WITH_SERVER:-}" ]; then SERVER=ON TARGETS+=(llama-server); fi
 CACHE="${SPECULA_CACHE:-$HOME/.cache/specula}/llama.cpp"
 VERSION=0.3.36
 SRC="$CACHE/llama_cpp_python-$VERSION"
@@ -24,6 +27,6 @@ fi
 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
-  -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >&2
-cmake --build "$BUILD" -j "$(nproc)" --target llama llama-bench >&2
+  -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$SERVER >&2
+cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}" >&2
 echo "$CACHE"

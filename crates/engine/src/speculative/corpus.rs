@@ -16,6 +16,9 @@
 //! it with the sequence's own match and adaptive k keeps a separate acceptance estimate for
 //! corpus matches.
 //!
+//! Observed in `/metrics` as `specula:spec_decode_corpus_tokens` (kept now) and
+//! `specula:spec_decode_corpus_drafts` (drafts it gave).
+//!
 //! Memory: the automaton's states and transitions cost about 150 bytes per kept token (about
 //! 10 MB at the default budget of 65 536 tokens).
 
@@ -100,6 +103,7 @@ impl Corpus {
         if self.total > self.max_tokens {
             self.evict_to(self.max_tokens * 3 / 4);
         }
+        metrics::gauge!("specula:spec_decode_corpus_tokens").set(self.total as f64);
     }
 
     /// Evicts the oldest outputs until at most `keep` tokens are left (never the newest); each

@@ -192,7 +192,10 @@ impl Proposer for NgramProposer {
                 drafts.push(Draft::default());
                 continue;
             }
-            let (_, tokens) = self.draft(r.seq, r.tokens, r.prompt_len, r.params.tenant, r.max_draft);
+            let (support, tokens) = self.draft(r.seq, r.tokens, r.prompt_len, r.params.tenant, r.max_draft);
+            if support.from_corpus && !tokens.is_empty() {
+                metrics::counter!("specula:spec_decode_corpus_drafts").increment(1);
+            }
             drafts.push(Draft { tokens, probs: None });
         }
         Ok(drafts)

@@ -46,6 +46,9 @@ pub struct LevelResult {
     pub spec_decode: Option<SpecSummary>,
     /// Speculation counters from the server's /metrics, the difference across this run.
     pub spec_decode_metrics: Option<SpecSummary>,
+    /// Prompt tokens served from the server's prefix cache / prompt tokens (its /metrics, else
+    /// what the responses said), where the server tells.
+    pub prefix_cache_share: Option<f64>,
     /// Every request's outcome, with --save-detailed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub requests: Option<Vec<RequestOutcome>>,
@@ -93,6 +96,7 @@ impl LevelResult {
             e2e_ms: Summary::of(&ms(&|o| Some(o.e2e_s))),
             output_tokens_counted_as_chunks: done.iter().filter(|o| !o.output_tokens_from_usage).count(),
             errors: count_errors(&outcomes),
+            prefix_cache_share: metrics_diff.as_ref().and_then(spec::prefix_cache_share).or_else(|| spec::prefix_cache_share(&spec_total)),
             spec_decode: SpecSummary::of(spec_total),
             spec_decode_metrics: metrics_diff.and_then(SpecSummary::of),
             requests: keep_requests.then_some(outcomes),
@@ -138,6 +142,9 @@ pub fn print_level(label: Option<&str>, r: &LevelResult) {
     row("Request throughput (req/s):", format!("{:.2}", r.request_throughput));
     row("Output token throughput (tok/s):", format!("{:.2}", r.output_throughput));
     row("Total token throughput (tok/s):", format!("{:.2}", r.total_token_throughput));
+    if let Some(share) = r.prefix_cache_share {
+        row("Prompt tokens from prefix cache:", format!("{:.1}%", share * 100.0));
+    }
     println!("{:-^64}", "");
     println!("{:<16}{:>16}{:>16}{:>16}", "latency (ms)", "mean", "p50", "p99");
     for (name, s) in [("TTFT", &r.ttft_ms), ("TPOT", &r.tpot_ms), ("ITL", &r.itl_ms), ("E2E", &r.e2e_ms)] {
@@ -165,6 +172,66 @@ pub fn print_level(label: Option<&str>, r: &LevelResult) {
         println!("error ({}x): {}", e.count, e.message);
     }
     println!("{:=^64}", "");
+}
+
+/// One kind of turn's figures in a level (a dataset's `kind`), from its successful requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KindRow {
+    pub kind: String,
+    pub requests: usize,
+    pub mean_prompt_tokens: f64,
+    pub output_tokens: usize,
+    /// Output tokens over the requests' summed end-to-end time: one request's speed, not the
+    /// server's throughput.
+    pub request_tok_s: f64,
+    pub mean_ttft_ms: f64,
+    /// Mean over the requests of (E2E - TTFT) / (output tokens - 1), those with 2 or more.
+    pub mean_tpot_ms: Option<f64>,
+}
+
+/// Per-kind rows, in the order the kinds first appear; empty when no prompt has a kind.
+pub fn kind_rows(prompts: &[super::workload::Prompt], outcomes: &[super::request::RequestOutcome]) -> Vec<KindRow> {
+    let mut order: Vec<&str> = Vec::new();
+    for k in prompts.iter().filter_map(|p| p.kind.as_deref()) {
+        if !order.contains(&k) {
+            order.push(k);
+        }
+    }
+    order
+        .into_iter()
+        .map(|kind| {
+            let ok: Vec<&super::request::RequestOutcome> =
+                prompts.iter().zip(outcomes).filter(|(p, o)| p.kind.as_deref() == Some(kind) && o.error.is_none()).map(|(_, o)| o).collect();
+            let n = ok.len().max(1) as f64;
+            let output_tokens: usize = ok.iter().map(|o| o.output_tokens).sum();
+            let e2e: f64 = ok.iter().map(|o| o.e2e_s).sum();
+            let tpots: Vec<f64> = ok.iter().filter(|o| o.output_tokens > 1).map(|o| (o.e2e_s - o.ttft_s) / (o.output_tokens - 1) as f64 * 1e3).collect();
+            KindRow {
+                kind: kind.to_string(),
+                requests: ok.len(),
+                mean_prompt_tokens: ok.iter().map(|o| o.prompt_tokens as f64).sum::<f64>() / n,
+                output_tokens,
+                request_tok_s: if e2e > 0.0 { output_tokens as f64 / e2e } else { 0.0 },
+                mean_ttft_ms: ok.iter().map(|o| o.ttft_s * 1e3).sum::<f64>() / n,
+                mean_tpot_ms: (!tpots.is_empty()).then(|| tpots.iter().sum::<f64>() / tpots.len() as f64),
+            }
+        })
+        .collect()
+}
+
+/// The per-kind table after a level, when the dataset names kinds of turn.
+pub fn print_kinds(rows: &[KindRow]) {
+    if rows.is_empty() {
+        return;
+    }
+    println!("{:<12} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10}", "turn kind", "reqs", "prompt tok", "out tok", "req tok/s", "TTFT ms", "TPOT ms");
+    for r in rows {
+        let tpot = r.mean_tpot_ms.map_or("-".to_string(), |t| format!("{t:.1}"));
+        println!(
+            "{:<12} {:>5} {:>10.0} {:>10} {:>10.2} {:>10.1} {:>10}",
+            r.kind, r.requests, r.mean_prompt_tokens, r.output_tokens, r.request_tok_s, r.mean_ttft_ms, tpot
+        );
+    }
 }
 
 /// One line per level, to compare the levels of a `--max-concurrency` sweep at a glance.

@@ -196,7 +196,11 @@ pub async fn run(args: BenchServeArgs) -> Result<()> {
 /// unreachable model list; failed requests are counted in the results instead.
 pub(crate) async fn benchmark(args: &BenchServeArgs) -> Result<BenchReport> {
     let plan = Plan::from_args(args)?;
-    let client = reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).build().context("cannot build the HTTP client")?;
+    // a fresh connection per request: a kept-alive one the server closed while a conversation's
+    // next turn was being prepared failed that turn ("connection closed before message
+    // completed", once with llama-server); a local connect costs well under a millisecond
+    let client =
+        reqwest::Client::builder().connect_timeout(Duration::from_secs(10)).pool_max_idle_per_host(0).build().context("cannot build the HTTP client")?;
     let model = match &args.model {
         Some(m) => m.clone(),
         None => first_model(&client, &plan).await?,
@@ -208,9 +212,13 @@ pub(crate) async fn benchmark(args: &BenchServeArgs) -> Result<BenchReport> {
             workload::file_prompts(path, args.num_prompts, args.random_output_len)?
         }
     };
+    if plan.api != Api::Chat && prompts.iter().any(|p| p.messages.is_some()) {
+        bail!("the dataset has chat turns (\"messages\"): send them to --endpoint /v1/chat/completions");
+    }
     let bodies: Vec<String> = prompts.iter().map(|p| request_body(&plan, &model, p, args.temperature).to_string()).collect();
     let approx_tokens: Vec<usize> = prompts.iter().map(|p| p.approx_tokens).collect();
-    let arrivals = workload::arrival_times(prompts.len(), plan.rate, args.seed);
+    let sequences = workload::sequences(&prompts);
+    let arrivals = workload::arrival_times(sequences.len(), plan.rate, args.seed);
     eprintln!(
         "bench serve: {} model {model}, {} prompts per level, request rate {}",
         plan.endpoint.url,
@@ -222,47 +230,56 @@ pub(crate) async fn benchmark(args: &BenchServeArgs) -> Result<BenchReport> {
     for &level in &plan.levels {
         let before = spec_metrics(&client, &plan).await;
         let bar = progress_bar(prompts.len(), level, args.no_progress);
-        let (duration_s, outcomes) = run_level(&client, &plan.endpoint, &bodies, &approx_tokens, &arrivals, level, &bar).await;
+        let (duration_s, outcomes) = run_level(&client, &plan.endpoint, &bodies, &approx_tokens, &sequences, &arrivals, level, &bar).await;
+        let kinds = report::kind_rows(&prompts, &outcomes);
         bar.finish_and_clear();
         let after = spec_metrics(&client, &plan).await;
         let metrics_diff = before.zip(after).map(|(b, a)| spec::diff(&b, &a));
         let result = LevelResult::new(level, plan.rate, duration_s, outcomes, metrics_diff, args.save_detailed);
         report::print_level(args.label.as_deref(), &result);
+        report::print_kinds(&kinds);
         results.push(result);
     }
     Ok(BenchReport { label: args.label.clone(), config: config_json(args, &plan, &model), results })
 }
 
-/// Sends every body at its arrival time, at most `concurrency` in flight (a request due while the
-/// limit is reached waits for a slot). Returns the wall time from first send to last response, and
-/// the outcomes in prompt order.
+/// Sends every sequence (a conversation's turns one after another, or one prompt;
+/// [`workload::sequences`]) at its arrival time, at most `concurrency` sequences in flight (one
+/// due while the limit is reached waits for a slot). Returns the wall time from first send to last
+/// response, and the outcomes in prompt order.
+#[allow(clippy::too_many_arguments)]
 async fn run_level(
     client: &reqwest::Client,
     endpoint: &Arc<Endpoint>,
     bodies: &[String],
     approx_tokens: &[usize],
+    sequences: &[Vec<usize>],
     arrivals: &[f64],
     concurrency: Option<usize>,
     bar: &ProgressBar,
 ) -> (f64, Vec<RequestOutcome>) {
-    let slots = Arc::new(Semaphore::new(concurrency.unwrap_or(bodies.len()).clamp(1, Semaphore::MAX_PERMITS)));
+    let slots = Arc::new(Semaphore::new(concurrency.unwrap_or(sequences.len()).clamp(1, Semaphore::MAX_PERMITS)));
     let start = Instant::now();
     let mut tasks = JoinSet::new();
-    for (i, body) in bodies.iter().enumerate() {
-        tokio::time::sleep_until((start + Duration::from_secs_f64(arrivals[i])).into()).await;
+    for (s, turns) in sequences.iter().enumerate() {
+        tokio::time::sleep_until((start + Duration::from_secs_f64(arrivals[s])).into()).await;
         let slot = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
-        let (client, endpoint, body, approx, bar) = (client.clone(), endpoint.clone(), body.clone(), approx_tokens[i], bar.clone());
+        let turns: Vec<(usize, String, usize)> = turns.iter().map(|&i| (i, bodies[i].clone(), approx_tokens[i])).collect();
+        let (client, endpoint, bar) = (client.clone(), endpoint.clone(), bar.clone());
         tasks.spawn(async move {
-            let outcome = request::send(&client, &endpoint, body, approx).await;
+            let mut done = Vec::with_capacity(turns.len());
+            for (i, body, approx) in turns {
+                done.push((i, request::send(&client, &endpoint, body, approx).await));
+                bar.inc(1);
+            }
             drop(slot);
-            bar.inc(1);
-            (i, outcome)
+            done
         });
     }
     let mut outcomes = Vec::with_capacity(bodies.len());
     while let Some(joined) = tasks.join_next().await {
         match joined {
-            Ok(done) => outcomes.push(done),
+            Ok(done) => outcomes.extend(done),
             Err(e) => outcomes.push((usize::MAX, panicked(&e))),
         }
     }
@@ -293,9 +310,10 @@ fn request_body(plan: &Plan, model: &str, p: &Prompt, temperature: f64) -> Value
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    match plan.api {
-        Api::Completions => body["prompt"] = json!(p.text),
-        Api::Chat => body["messages"] = json!([{"role": "user", "content": p.text}]),
+    match (plan.api, &p.messages) {
+        (Api::Chat, Some(messages)) => body["messages"] = messages.clone(),
+        (Api::Completions, _) => body["prompt"] = json!(p.text),
+        (Api::Chat, None) => body["messages"] = json!([{"role": "user", "content": p.text}]),
     }
     if plan.ignore_eos {
         body["ignore_eos"] = json!(true);

@@ -2,7 +2,9 @@
 //! from responses (a `spec_decode` object in a chunk or in `usage`, or llama-server's
 //! `timings.draft_n` / `timings.draft_n_accepted`) and from the server's Prometheus `/metrics`
 //! (vLLM-style `*spec_decode_num_{drafts,draft_tokens,accepted_tokens}` counters, any prefix),
-//! diffed around a run. Counters are raw; rates are computed when reported.
+//! diffed around a run. Counters are raw; rates are computed when reported. The prefix cache's
+//! counters come the same two ways (`*prefix_cache_{queries,hits}` in /metrics, as vLLM and specula
+//! name them; llama-server's `timings.cache_n` / `prompt_n`).
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -13,6 +15,17 @@ pub type SpecCounters = BTreeMap<String, f64>;
 pub const NUM_DRAFTS: &str = "num_drafts";
 pub const NUM_DRAFT_TOKENS: &str = "num_draft_tokens";
 pub const NUM_ACCEPTED_TOKENS: &str = "num_accepted_tokens";
+/// Prompt tokens looked up in / found in the prefix cache.
+pub const PREFIX_CACHE_QUERIES: &str = "prefix_cache_queries";
+pub const PREFIX_CACHE_HITS: &str = "prefix_cache_hits";
+
+/// The share of prompt tokens the prefix cache served, where the counters tell.
+pub fn prefix_cache_share(c: &SpecCounters) -> Option<f64> {
+    match (c.get(PREFIX_CACHE_HITS), c.get(PREFIX_CACHE_QUERIES)) {
+        (Some(h), Some(q)) if *q > 0.0 => Some(h / q),
+        _ => None,
+    }
+}
 
 /// Reads the counters one stream chunk carries into `into` (a later chunk overwrites an earlier
 /// one: servers report per-request totals, usually in the last chunk).
@@ -31,6 +44,11 @@ pub fn read_chunk(chunk: &serde_json::Value, into: &mut SpecCounters) {
         if let Some(x) = timings[theirs].as_f64() {
             into.insert(ours.to_string(), x);
         }
+    }
+    // llama-server: prompt_n tokens were computed, cache_n came from its cache
+    if let (Some(cached), Some(computed)) = (timings["cache_n"].as_f64(), timings["prompt_n"].as_f64()) {
+        into.insert(PREFIX_CACHE_HITS.to_string(), cached);
+        into.insert(PREFIX_CACHE_QUERIES.to_string(), cached + computed);
     }
 }
 
@@ -83,10 +101,13 @@ pub fn parse_prometheus(text: &str) -> SpecCounters {
             },
             None => line.split_once(char::is_whitespace).unwrap_or((line, "")),
         };
-        let Some(at) = name.find("spec_decode_") else { continue };
-        let counter = &name[at + "spec_decode_".len()..];
-        let counter = counter.strip_suffix("_total").unwrap_or(counter);
-        if ![NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS].contains(&counter) {
+        let name = name.strip_suffix("_total").unwrap_or(name);
+        let counter = match (name.find("spec_decode_"), name.find("prefix_cache_")) {
+            (Some(at), _) => &name[at + "spec_decode_".len()..],
+            (None, Some(at)) => &name[at..],
+            (None, None) => continue,
+        };
+        if ![NUM_DRAFTS, NUM_DRAFT_TOKENS, NUM_ACCEPTED_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS].contains(&counter) {
             continue;
         }
         if let Some(v) = rest.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) {
@@ -147,5 +168,21 @@ mod tests {
         assert_eq!(c, SpecCounters::from([("num_drafts".into(), 12.0), ("num_draft_tokens".into(), 30.0)]));
         let before = SpecCounters::from([("num_drafts".into(), 2.0)]);
         assert_eq!(diff(&before, &c), SpecCounters::from([("num_drafts".into(), 10.0), ("num_draft_tokens".into(), 30.0)]));
+    }
+
+    #[test]
+    fn the_prefix_cache_share_comes_from_metrics_or_llama_timings() {
+        let c = parse_prometheus(
+            "specula:prefix_cache_queries 400
+vllm:prefix_cache_hits_total{engine=\"0\"} 300
+specula:prefix_cache_other 9
+",
+        );
+        assert_eq!(c, SpecCounters::from([(PREFIX_CACHE_QUERIES.into(), 400.0), (PREFIX_CACHE_HITS.into(), 300.0)]));
+        assert_eq!(prefix_cache_share(&c), Some(0.75));
+        let mut l = SpecCounters::new();
+        read_chunk(&json!({"timings": {"prompt_n": 10, "cache_n": 30}}), &mut l);
+        assert_eq!(prefix_cache_share(&l), Some(0.75));
+        assert_eq!(prefix_cache_share(&SpecCounters::from([(PREFIX_CACHE_QUERIES.into(), 0.0)])), None);
     }
 }

@@ -1,6 +1,13 @@
 //! What a benchmark sends and when: random word prompts of a chosen length or the lines of a JSONL
 //! file, and the times at which requests arrive (all at once, or a Poisson process).
 //!
+//! A file line is a prompt (`{"prompt": "...", "max_tokens": N}`) or a chat turn of a
+//! conversation (`{"messages": [...], "max_tokens": N, "conversation": "c1", "kind": "edit"}`):
+//! consecutive lines of one conversation are its turns, each line's messages the conversation up
+//! to the turn the server writes (an agent trace: the earlier answers and tool results as they
+//! were recorded, so every server answers the same prompts). `kind` names the turn for the
+//! per-kind table.
+//!
 //! Random prompts are drawn from a list of common English words. Each word, with its leading space,
 //! is a single token in the BPE vocabularies we meet (GPT-2, Llama, SmolLM, Qwen), so a prompt of
 //! N words is about N tokens; the server's `usage.prompt_tokens` gives the exact count in results.
@@ -14,7 +21,16 @@ use std::path::Path;
 /// One request's worth of work.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prompt {
+    /// The prompt (a chat endpoint sends it as one user message), or the first message's text for
+    /// a chat turn (`messages`).
     pub text: String,
+    /// A chat turn's messages, sent as they are.
+    pub messages: Option<serde_json::Value>,
+    /// The conversation it is a turn of: its turns go one after another, the next sent when the
+    /// previous one has finished (a conversation holds one concurrency slot throughout).
+    pub conversation: Option<String>,
+    /// What kind of turn it is (a file's `kind`), for the per-kind table.
+    pub kind: Option<String>,
     /// Sent as `max_tokens`.
     pub max_tokens: usize,
     /// Word count: the input-token estimate used when a server reports no `usage`.
@@ -48,7 +64,7 @@ pub fn random_prompts(n: usize, input_len: usize, output_len: usize, range_ratio
             let words = jitter(&mut rng, input_len, range_ratio);
             let max_tokens = jitter(&mut rng, output_len, range_ratio);
             let text: Vec<&str> = (0..words).map(|_| *WORDS.choose(&mut rng).expect("word list is not empty")).collect();
-            Prompt { text: text.join(" "), max_tokens, approx_tokens: words }
+            Prompt { text: text.join(" "), max_tokens, approx_tokens: words, messages: None, conversation: None, kind: None }
         })
         .collect()
 }
@@ -76,19 +92,39 @@ pub fn parse_prompts(text: &str, source: &str, n: usize, default_max_tokens: usi
         }
         let at = || format!("{source}:{}", i + 1);
         let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: not a JSON object", at()))?;
-        let Some(prompt) = v.get("prompt").and_then(|p| p.as_str()) else {
-            bail!("{}: expected {{\"prompt\": \"...\", \"max_tokens\": N}} (max_tokens optional), found {line:.80}", at());
+        let messages = v.get("messages").filter(|m| m.as_array().is_some_and(|a| !a.is_empty())).cloned();
+        let prompt = match (&messages, v.get("prompt").and_then(|p| p.as_str())) {
+            (Some(m), _) => m.as_array().into_iter().flatten().filter_map(|m| m.get("content")?.as_str()).collect::<Vec<_>>().join("\n"),
+            (None, Some(p)) => p.to_string(),
+            (None, None) => {
+                bail!("{}: expected {{\"prompt\": \"...\", \"max_tokens\": N}} or {{\"messages\": [...], ...}} (max_tokens optional), found {line:.80}", at())
+            }
         };
+        let label = |key: &str| v.get(key).and_then(|c| c.as_str()).map(str::to_string);
         let max_tokens = match v.get("max_tokens") {
             None | Some(serde_json::Value::Null) => default_max_tokens,
             Some(m) => m.as_u64().filter(|&m| m > 0).with_context(|| format!("{}: max_tokens must be a positive integer", at()))? as usize,
         };
-        lines.push(Prompt { text: prompt.to_string(), max_tokens, approx_tokens: prompt.split_whitespace().count() });
+        let approx_tokens = prompt.split_whitespace().count();
+        lines.push(Prompt { text: prompt, max_tokens, approx_tokens, messages, conversation: label("conversation"), kind: label("kind") });
     }
     if lines.is_empty() {
         bail!("--dataset-path {source} has no prompts");
     }
     Ok(lines.iter().cycle().take(n).cloned().collect())
+}
+
+/// The prompts' indices grouped into what runs one after another: each conversation's consecutive
+/// turns in order, every other prompt alone.
+pub fn sequences(prompts: &[Prompt]) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        match (&p.conversation, out.last_mut()) {
+            (Some(c), Some(last)) if prompts[last[0]].conversation.as_ref() == Some(c) => last.push(i),
+            _ => out.push(vec![i]),
+        }
+    }
+    out
 }
 
 /// Send times, in seconds from the start, of `n` requests arriving as a Poisson process of `rate`
@@ -125,6 +161,24 @@ mod tests {
         assert_eq!(a, random_prompts(3, 50, 16, 0.0, 7));
         assert_ne!(a, random_prompts(3, 50, 16, 0.0, 8));
         assert_ne!(a[0].text, a[1].text);
+    }
+
+    #[test]
+    fn chat_turns_of_a_conversation_run_in_sequence() {
+        let text = r#"{"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "a b"}], "max_tokens": 8, "conversation": "c1", "kind": "tool"}
+{"messages": [{"role": "user", "content": "x"}], "conversation": "c1", "kind": "edit"}
+{"prompt": "alone"}
+{"messages": [{"role": "user", "content": "y"}], "conversation": "c2"}
+{"messages": [{"role": "user", "content": "z"}], "conversation": "c1"}"#;
+        let p = parse_prompts(text, "t", 5, 16).unwrap();
+        assert_eq!(p[0].messages.as_ref().unwrap()[1]["content"], "a b");
+        assert_eq!((p[0].text.as_str(), p[0].approx_tokens, p[0].max_tokens), ("sys\na b", 3, 8));
+        assert_eq!((p[1].kind.as_deref(), p[1].conversation.as_deref(), p[1].max_tokens), (Some("edit"), Some("c1"), 16));
+        assert_eq!((p[2].messages.as_ref(), p[2].conversation.as_ref()), (None, None));
+        // consecutive turns of one conversation run one after another; a conversation that
+        // comes back later is a sequence of its own
+        assert_eq!(sequences(&p), vec![vec![0, 1], vec![2], vec![3], vec![4]]);
+        assert!(parse_prompts(r#"{"messages": []}"#, "t", 1, 16).is_err());
     }
 
     #[test]
