@@ -42,7 +42,10 @@ impl DraftModelProposer {
         let c = &model.config;
         let layout = KvLayout { block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
         let kv_store = KvStore::new(c.n_layers, layout, num_blocks)?;
-        let kv = KvCacheManager::new(num_blocks, block_size, false)?;
+        // with prefix caching: an agent's next turn resends the conversation, which the draft
+        // would otherwise prefill whole again before its first draft (it doubled the time to the
+        // first token of the 1.5B's agent turns, benchmarks.md S10)
+        let kv = KvCacheManager::new(num_blocks, block_size, true)?;
         Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None })
     }
 
@@ -75,6 +78,11 @@ impl DraftModelProposer {
             t.elapsed().as_secs_f64()
         );
         Ok(self)
+    }
+
+    /// Prompt tokens looked up in and found in the draft's prefix cache so far.
+    pub fn prefix_cache_stats(&self) -> crate::kv_cache::PrefixCacheStats {
+        self.kv.prefix_cache_stats()
     }
 
     fn run(&mut self, items: &[(SeqId, Vec<TokenId>, usize)], pool: &rayon::ThreadPool) -> Result<Vec<f32>, SpecError> {
@@ -151,10 +159,14 @@ impl Proposer for DraftModelProposer {
                 continue;
             }
             if !self.state.contains_key(&r.seq) {
-                self.kv.allocate_prompt(r.seq, &[])?;
-                self.state.insert(r.seq, (0, SeqRng::new(r.params.seed, 1)));
+                // the draft's KV of a prefix an earlier sequence computed is reused
+                let cached = self.kv.allocate_prompt(r.seq, r.tokens)?;
+                self.state.insert(r.seq, (cached, SeqRng::new(r.params.seed, 1)));
             }
             let computed = self.state[&r.seq].0.min(r.tokens.len() - 1);
+            // the draft KV of the sequence's known tokens is valid up to `computed` (drafts past
+            // it were rolled back): its full blocks join the prefix cache
+            self.kv.commit_tokens(r.seq, &r.tokens[..computed])?;
             if self.kv.ensure_capacity(r.seq, r.tokens.len() + r.max_draft).is_err() {
                 continue; // draft cache full: no proposal for this sequence this step
             }
@@ -241,5 +253,50 @@ impl Proposer for DraftModelProposer {
 
     fn kv_blocks(&self) -> Option<(usize, usize)> {
         Some((self.kv.num_free_blocks(), self.kv.num_total_blocks()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::SamplingParams;
+    use specula_model::testing::{write_tiny_llama, TinySpec};
+
+    fn proposer(dir: &std::path::Path) -> DraftModelProposer {
+        let path = dir.join("draft.gguf");
+        write_tiny_llama(&path, &TinySpec { seed: 5, ..Default::default() }).unwrap();
+        let model = specula_model::load_model(&path).unwrap().model;
+        let vocab = model.config.vocab_size;
+        DraftModelProposer::new(model, vocab, 32, 16).unwrap()
+    }
+
+    fn draft(p: &mut DraftModelProposer, seq: u64, tokens: &[TokenId], pool: &rayon::ThreadPool) -> Vec<TokenId> {
+        let params = SamplingParams::greedy(64);
+        let req = DraftRequest { seq: SeqId(seq), tokens, prompt_len: tokens.len(), max_draft: 4, params: &params, hidden: None, rng: None };
+        p.propose(&[req], pool).unwrap().remove(0).tokens
+    }
+
+    /// A conversation's next turn resends its history: the draft computes only what its prefix
+    /// cache does not hold, and drafts what it drafts without the cache.
+    #[test]
+    fn a_later_sequence_reuses_the_draft_kv_of_a_shared_prefix() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let first: Vec<TokenId> = (0..40).map(|i| 3 + (i * 7) % 250).collect();
+        let next: Vec<TokenId> = first.iter().copied().chain([9, 8, 7, 6, 5]).collect();
+        let mut p = proposer(dir.path());
+        draft(&mut p, 1, &first, &pool);
+        // the verified tokens' blocks are committed at the sequence's next step
+        draft(&mut p, 1, &first[..first.len()], &pool);
+        p.remove(SeqId(1));
+        let before = p.prefix_cache_stats();
+        let cached = draft(&mut p, 2, &next, &pool);
+        let stats = p.prefix_cache_stats();
+        // two full blocks of 16 of the first sequence's 40 tokens
+        assert_eq!(stats.hit_tokens - before.hit_tokens, 32);
+        assert_eq!(cached, draft(&mut proposer(dir.path()), 2, &next, &pool), "the cached KV drafts what a fresh computation does");
+        p.remove(SeqId(2));
+        let (free, total) = p.kv_blocks().unwrap();
+        assert_eq!(free, total, "draft blocks leaked");
     }
 }
