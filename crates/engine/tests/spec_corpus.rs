@@ -8,22 +8,15 @@
 
 mod spec_support;
 
-use spec_support::{spec_config, tiny_model, End, Rig, Rng};
+use spec_support::{spec_config, tiny_config, tiny_model, End, Rig, Rng};
 use specula_engine::speculative::SpecMethod;
 use specula_engine::types::Tenant;
-use specula_engine::{EngineConfig, FinishReason, SamplingParams};
+use specula_engine::{FinishReason, SamplingParams};
 
-fn config() -> EngineConfig {
-    EngineConfig {
-        max_num_seqs: 4,
-        max_num_batched_tokens: 128,
-        max_model_len: 256,
-        block_size: 16,
-        num_kv_blocks: 64,
-        enable_prefix_caching: true,
-        threads: 1,
-        ..Default::default()
-    }
+/// 24 random tokens of the tiny vocabulary.
+fn prompt() -> Vec<u32> {
+    let mut rng = Rng(7);
+    (0..24).map(|_| rng.range(3, 253) as u32).collect()
 }
 
 /// (draft tokens proposed, accepted) so far.
@@ -36,15 +29,14 @@ fn counts(rig: &Rig) -> (u64, u64) {
 fn a_request_drafts_from_its_tenant_s_earlier_outputs_only_and_its_output_does_not_change() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path(), 31);
-    let mut rng = Rng(7);
-    let prompt: Vec<u32> = (0..24).map(|_| rng.range(3, 253) as u32).collect();
+    let prompt = prompt();
     let params = |tenant| SamplingParams { ignore_eos: true, tenant: Tenant(tenant), ..SamplingParams::greedy(64) };
 
-    let mut plain = Rig::new(&model, config(), None);
+    let mut plain = Rig::new(&model, tiny_config(), None);
     let expected = plain.run_batch(&[(prompt.clone(), params(1))]).remove(0);
     assert_eq!(expected.end, End::Finished(FinishReason::Length));
 
-    let mut rig = Rig::new(&model, config(), Some(spec_config(SpecMethod::Ngram, 4, None)));
+    let mut rig = Rig::new(&model, tiny_config(), Some(spec_config(SpecMethod::Ngram, 4, None)));
     let run = |rig: &mut Rig, tenant| {
         let before = counts(rig);
         let out = rig.run_batch(&[(prompt.clone(), params(tenant))]).remove(0);
@@ -69,11 +61,10 @@ fn a_request_drafts_from_its_tenant_s_earlier_outputs_only_and_its_output_does_n
 fn a_corpus_budget_of_zero_drafts_from_the_sequence_s_own_text_only() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path(), 31);
-    let mut rng = Rng(7);
-    let prompt: Vec<u32> = (0..24).map(|_| rng.range(3, 253) as u32).collect();
+    let prompt = prompt();
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(64) };
     let spec = specula_engine::speculative::SpecConfig { corpus_tokens: 0, ..spec_config(SpecMethod::Ngram, 4, None) };
-    let mut rig = Rig::new(&model, config(), Some(spec));
+    let mut rig = Rig::new(&model, tiny_config(), Some(spec));
     rig.run_batch(&[(prompt.clone(), params.clone())]);
     let first = counts(&rig);
     rig.run_batch(&[(prompt, params)]);

@@ -9,7 +9,7 @@
 
 mod spec_support;
 
-use spec_support::{spec_config, tiny_model, Client, End, Outcome, Rig, Rng};
+use spec_support::{spec_config, tiny_config, tiny_model, Client, End, Outcome, Rig, Rng};
 use specula_engine::speculative::vocab_map::VocabMap;
 use specula_engine::speculative::{build_proposer, Draft, DraftRequest, DraftWeights, Proposer, SpecConfig, SpecError, SpecMethod, SpecMetrics};
 use specula_engine::types::SeqId;
@@ -291,18 +291,6 @@ fn default_model_runs_count_consistently() {
 // Tiny random models: exact counters, rollback, leaks
 // ---------------------------------------------------------------------------------------------
 
-fn tiny_config() -> EngineConfig {
-    EngineConfig {
-        max_num_seqs: 16,
-        max_num_batched_tokens: 128,
-        max_model_len: 256,
-        block_size: 16,
-        num_kv_blocks: 64,
-        enable_prefix_caching: true,
-        threads: 1,
-        ..Default::default()
-    }
-}
 
 fn ignore_eos(p: SamplingParams) -> SamplingParams {
     SamplingParams { ignore_eos: true, ..p }

@@ -32,6 +32,20 @@ pub fn spec_config(method: SpecMethod, k: usize, draft: Option<&Path>) -> SpecCo
     SpecConfig { adaptive: false, draft_model: draft.map(Path::to_path_buf), draft_weights: DraftWeights::Stored, ..SpecConfig::new(method, k) }
 }
 
+/// The engine settings of the tiny-model tests: 16 sequences, 64 blocks of 16, prefix caching.
+pub fn tiny_config() -> EngineConfig {
+    EngineConfig {
+        max_num_seqs: 16,
+        max_num_batched_tokens: 128,
+        max_model_len: 256,
+        block_size: 16,
+        num_kv_blocks: 64,
+        enable_prefix_caching: true,
+        threads: 1,
+        ..Default::default()
+    }
+}
+
 /// An engine and the queue counters it shares with its (simulated) front end.
 pub struct Rig {
     pub engine: Engine,
