@@ -291,7 +291,6 @@ fn default_model_runs_count_consistently() {
 // Tiny random models: exact counters, rollback, leaks
 // ---------------------------------------------------------------------------------------------
 
-
 fn ignore_eos(p: SamplingParams) -> SamplingParams {
     SamplingParams { ignore_eos: true, ..p }
 }

