@@ -14,7 +14,8 @@
 # DATA=bench/code_edit.jsonl (bench/make_code_bench.py), CONCURRENCY="1 8", NUM_PROMPTS=16, 2 threads.
 # DATA=bench/agent_traces.jsonl: multi-turn agent conversations (bench/make_agent_traces.py); a
 # conversation's turns go one after another and hold one concurrency slot; the per-kind table is in
-# OUTDIR/rN/*.bench.txt. RUNS may add specula-ngram_own (n-gram without the cross-request index).
+# OUTDIR/rN/*.bench.txt. RUNS may add specula-ngram_own (n-gram without the cross-request index)
+# and specula-ngram+draft (both, chosen per sequence and step).
 # DRAFT_VOCAB=N: --draft-vocab-size N for specula's draft (0: its whole vocabulary; default 32768).
 # DRAFT_WEIGHTS=stored|q4_0: --draft-weights for specula's draft (default q4_0: re-encoded smaller).
 # K_NGRAM / K_DRAFT: most draft tokens per step (specula's adaptive k picks fewer when its
@@ -50,6 +51,7 @@ server_cmd() {
     specula-none) echo "$BIN" serve --model "$TARGET" "${s[@]}" ;;
     specula-ngram) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" ;;
     specula-ngram_own) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" --speculative-corpus-tokens 0 ;;
+    specula-ngram+draft) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram,draft --draft-model "$DRAFT" --num-speculative-tokens "$K_NGRAM" ${DRAFT_VOCAB:+--draft-vocab-size "$DRAFT_VOCAB"} ${DRAFT_WEIGHTS:+--draft-weights "$DRAFT_WEIGHTS"} ;;
     specula-draft) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method draft --draft-model "$DRAFT" --num-speculative-tokens "$K_DRAFT" ${DRAFT_VOCAB:+--draft-vocab-size "$DRAFT_VOCAB"} ${DRAFT_WEIGHTS:+--draft-weights "$DRAFT_WEIGHTS"} ;;
     llama-none) echo "$LLAMA_SERVER" "${l[@]}" ;;
     llama-ngram) echo "$LLAMA_SERVER" "${l[@]}" --spec-type "${LLAMA_NGRAM_TYPE:-ngram-simple}" --spec-ngram-simple-size-m "$K_NGRAM" ;;

@@ -228,6 +228,31 @@ fn greedy_with_draft_model_speculation_is_token_for_token_greedy_without() {
     assert!(m.num_accepted_tokens > 0 && m.num_accepted_tokens < m.num_draft_tokens, "{m:?}");
 }
 
+/// `ngram,draft` under greedy: the output is plain greedy's whichever proposer drafts each
+/// step, on prompts that repeat (the n-gram's long matches) and prompts that do not.
+#[test]
+fn greedy_with_ngram_beside_a_draft_model_is_token_for_token_greedy_without() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = tiny_model(dir.path(), 34);
+    let other = tiny_model(dir.path(), 35);
+    let reqs: Vec<_> = (0..6u32)
+        .map(|i| {
+            let prompt: Vec<u32> =
+                if i % 2 == 0 { (0..30).map(|j| 40 + (i + j % 7)).collect() } else { (0..30).map(|j| 3 + (i * 37 + j * 11) % 250).collect() };
+            (prompt, ignore_eos(SamplingParams::greedy(40)))
+        })
+        .collect();
+    let plain = Rig::new(&target, tiny_config(), None).run_batch(&reqs);
+    // (the CLI's step budget: the default of SpecConfig::new leaves 6 sequences no drafts)
+    let cfg = SpecConfig { with_ngram: true, adaptive: true, max_step_tokens_for_speculation: 32, ..spec_config(SpecMethod::Draft, 4, Some(&other)) };
+    let mut rig = Rig::new(&target, tiny_config(), Some(cfg));
+    let spec = rig.run_batch(&reqs);
+    rig.assert_no_leaks();
+    assert_same_tokens("n-gram beside a draft model", &plain, &spec);
+    let m = rig.engine.spec_metrics().unwrap();
+    assert!(m.num_draft_tokens > 0 && m.num_accepted_tokens > 0, "{m:?}");
+}
+
 /// Logprobs come from the target's distribution at each emitted token's position, whether the
 /// token was sampled plainly or verified as a draft; batch invariance makes them exact, bit for bit.
 #[test]
@@ -563,6 +588,8 @@ fn seeded_sampling_with_speculation_is_plain_decoding_token_for_token() {
         ("other draft", spec_config(SpecMethod::Draft, 3, Some(&other))),
         // the default: the draft re-encoded as Q4_0, no longer the target's twin
         ("self draft as Q4_0", SpecConfig { draft_weights: DraftWeights::Q4_0, ..spec_config(SpecMethod::Draft, 3, Some(&target)) }),
+        // ngram,draft: per sequence and step the drafts adaptive k expects to keep more
+        ("n-gram beside another draft", SpecConfig { with_ngram: true, adaptive: true, ..spec_config(SpecMethod::Draft, 3, Some(&other)) }),
     ];
     for (name, cfg) in runs {
         let mut rig = Rig::new(&target, tiny_config(), Some(cfg));

@@ -1,7 +1,7 @@
 //! Engine flags shared by `serve`, `generate` and `bench offline` (vLLM names where one exists).
 
 use clap::Args;
-use specula_engine::speculative::{DraftWeights, Proposer, SpecConfig, SpecMethod};
+use specula_engine::speculative::{DraftWeights, MethodChoice, Proposer, SpecConfig, SpecMethod};
 use specula_engine::EngineConfig;
 use std::path::PathBuf;
 
@@ -56,9 +56,10 @@ pub struct EngineArgs {
 /// Speculative decoding flags.
 #[derive(Args, Debug, Clone)]
 pub struct SpecArgs {
-    /// ngram | draft | mtp (default: no speculation).
+    /// ngram | draft | mtp, or ngram beside a model: ngram,draft | ngram,mtp (per sequence and
+    /// step the drafts expected to keep more; default: no speculation).
     #[arg(long)]
-    pub speculative_method: Option<SpecMethod>,
+    pub speculative_method: Option<MethodChoice>,
     /// Draft tokens proposed per sequence and step (upper bound; adaptive logic may use fewer).
     #[arg(long, default_value_t = 3)]
     pub num_speculative_tokens: usize,
@@ -139,8 +140,9 @@ fn parse_probability(s: &str) -> Result<f32, String> {
 
 impl SpecArgs {
     pub fn to_config(&self) -> Option<SpecConfig> {
-        let method = self.speculative_method?;
-        let mut c = SpecConfig::new(method, self.num_speculative_tokens);
+        let choice = self.speculative_method?;
+        let mut c = SpecConfig::new(choice.method, self.num_speculative_tokens);
+        c.with_ngram = choice.with_ngram;
         c.ngram_min = self.ngram_min;
         c.corpus_tokens = self.speculative_corpus_tokens;
         c.draft_model = self.draft_model.clone();

@@ -112,6 +112,11 @@ pub fn expected_tokens(alpha: f64, k: usize) -> f64 {
 /// The `k` in `0..=k_max` with the most expected tokens per unit of step cost, for a sequence
 /// decoding among `batch`.
 pub fn best_k(alpha: f64, k_max: usize, cost: &CostModel, batch: usize) -> usize {
+    best_k_gain(alpha, k_max, cost, batch).0
+}
+
+/// [`best_k`] and its expected tokens per unit of step cost (1 for k = 0: a plain step).
+pub fn best_k_gain(alpha: f64, k_max: usize, cost: &CostModel, batch: usize) -> (usize, f64) {
     let mut best = (0, 1.0);
     for k in 1..=k_max {
         let gain = expected_tokens(alpha, k) / cost.step_cost(batch, k);
@@ -120,7 +125,7 @@ pub fn best_k(alpha: f64, k_max: usize, cost: &CostModel, batch: usize) -> usize
             best = (k, gain);
         }
     }
-    best.0
+    best
 }
 
 /// Bands of a proposer's support (`Proposer::support`: the n-gram match length) that keep

@@ -24,6 +24,29 @@ impl std::str::FromStr for SpecMethod {
     }
 }
 
+/// `--speculative-method`: one method, or the n-gram method beside a model (`ngram,draft`,
+/// `ngram,mtp`; [`super::combined`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MethodChoice {
+    pub method: SpecMethod,
+    /// The n-gram method drafts too, where it is expected to keep more (`method` is a model).
+    pub with_ngram: bool,
+}
+
+impl std::str::FromStr for MethodChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut methods: Vec<SpecMethod> = s.split(',').map(|m| m.trim().parse()).collect::<Result<_, _>>()?;
+        methods.sort_by_key(|m| *m != SpecMethod::Ngram);
+        methods.dedup();
+        match methods[..] {
+            [method] => Ok(Self { method, with_ngram: false }),
+            [SpecMethod::Ngram, method] => Ok(Self { method, with_ngram: true }),
+            _ => Err(format!("'{s}' combines two models; combine ngram with one of draft or mtp (ngram,draft or ngram,mtp)")),
+        }
+    }
+}
+
 /// How a draft model's projections are held in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftWeights {
@@ -56,6 +79,9 @@ pub struct SpecConfig {
     pub num_speculative_tokens: usize,
     /// Shortest earlier match of the text's suffix the ngram method drafts from.
     pub ngram_min: usize,
+    /// With a model `method`: the n-gram method drafts beside it, per sequence where its match is
+    /// expected to keep more ([`super::combined`]).
+    pub with_ngram: bool,
     /// Tokens of finished outputs the ngram method's cross-request index keeps
     /// ([`super::corpus`]); 0: none.
     pub corpus_tokens: usize,
@@ -118,6 +144,7 @@ impl SpecConfig {
             method,
             num_speculative_tokens: k,
             ngram_min: 1,
+            with_ngram: false,
             corpus_tokens: DEFAULT_CORPUS_TOKENS,
             draft_model: None,
             draft_vocab: None,
@@ -144,5 +171,24 @@ impl SpecConfig {
             return Err("--speculative-method draft needs --draft-model PATH".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_method_or_ngram_beside_a_model() {
+        let parse = |s: &str| s.parse::<MethodChoice>();
+        assert_eq!(parse("draft"), Ok(MethodChoice { method: SpecMethod::Draft, with_ngram: false }));
+        assert_eq!(parse("ngram"), Ok(MethodChoice { method: SpecMethod::Ngram, with_ngram: false }));
+        for s in ["ngram,draft", "draft,ngram", " ngram , draft "] {
+            assert_eq!(parse(s), Ok(MethodChoice { method: SpecMethod::Draft, with_ngram: true }), "{s}");
+        }
+        assert_eq!(parse("ngram,mtp"), Ok(MethodChoice { method: SpecMethod::Mtp, with_ngram: true }));
+        assert_eq!(parse("ngram,ngram"), Ok(MethodChoice { method: SpecMethod::Ngram, with_ngram: false }));
+        assert!(parse("draft,mtp").unwrap_err().contains("combine ngram"));
+        assert!(parse("ngram,eagle").unwrap_err().contains("unknown speculative method 'eagle'"));
     }
 }

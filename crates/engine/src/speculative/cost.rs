@@ -77,6 +77,11 @@ impl CostModel {
         interpolate(&self.curve, rows)
     }
 
+    /// The same verify curve with drafts that cost nothing (an n-gram lookup's).
+    pub fn without_drafts(&self) -> Self {
+        Self { draft: 0.0, draft_curve: Vec::new(), ..self.clone() }
+    }
+
     /// One draft step for `batch` sequences relative to the target's one-token step.
     fn draft_step(&self, batch: usize) -> f64 {
         if self.draft_curve.is_empty() {

@@ -4,6 +4,7 @@
 //! token). Not the scheduler's business: it only sees a sequence's extra draft tokens.
 
 pub mod adaptive;
+pub mod combined;
 pub mod config;
 pub mod corpus;
 pub mod cost;
@@ -18,7 +19,7 @@ pub mod rejection;
 pub mod suffix;
 pub mod vocab_map;
 
-pub use config::{DraftWeights, SpecConfig, SpecMethod};
+pub use config::{DraftWeights, MethodChoice, SpecConfig, SpecMethod};
 pub use metrics::SpecMetrics;
 pub use proposer::{Draft, DraftRequest, Proposer, Support};
 pub use rejection::{verify, Verdict};
@@ -78,8 +79,17 @@ pub fn build_proposer<'a>(
     target: impl Into<ProposerTarget<'a>>,
     engine: &crate::config::EngineConfig,
 ) -> Result<Box<dyn Proposer>, SpecError> {
+    let model = build_one(cfg, target.into(), engine)?;
+    Ok(if cfg.with_ngram && cfg.method != SpecMethod::Ngram {
+        Box::new(combined::CombinedProposer::new(ngram::NgramProposer::with_corpus(cfg.ngram_min, cfg.corpus_tokens), model))
+    } else {
+        model
+    })
+}
+
+/// The proposer of `cfg.method` alone.
+fn build_one(cfg: &SpecConfig, target: ProposerTarget, engine: &crate::config::EngineConfig) -> Result<Box<dyn Proposer>, SpecError> {
     cfg.validate().map_err(SpecError::Config)?;
-    let target = target.into();
     match cfg.method {
         SpecMethod::Ngram => Ok(Box::new(ngram::NgramProposer::with_corpus(cfg.ngram_min, cfg.corpus_tokens))),
         SpecMethod::Draft => {
@@ -157,6 +167,8 @@ pub struct Speculation {
     pub(crate) global: adaptive::AcceptanceTracker,
     /// What a step with drafts costs on this target and machine (adaptive k).
     pub cost: cost::CostModel,
+    /// `cost` with free drafts: what an n-gram draft costs (of a combined proposer too).
+    ngram_cost: cost::CostModel,
     /// Lengths of the finished outputs: the tokens a catch-up is repaid over.
     pub(crate) output_lengths: adaptive::OutputLengths,
     /// Engine-wide acceptance per band of the proposer's support (`Support::band`), for a
@@ -176,6 +188,7 @@ impl Speculation {
             metrics,
             trackers: std::collections::BTreeMap::new(),
             global: adaptive::AcceptanceTracker::global(),
+            ngram_cost: cost.without_drafts(),
             cost,
             output_lengths: adaptive::OutputLengths::default(),
             by_support: (0..2 * adaptive::SUPPORT_BANDS).map(|_| adaptive::AcceptanceTracker::global()).collect(),
@@ -191,7 +204,9 @@ impl Speculation {
         let c = &self.cfg;
         if c.adaptive {
             let cap = adaptive::batch_k_limit(decoding, c.num_speculative_tokens, c.max_batch_for_speculation, c.max_step_tokens_for_speculation);
-            adaptive::best_k(1.0, cap, &self.cost, decoding)
+            // a combined proposer's n-gram drafts cost nothing: they may pay where the model's do not
+            let cost = if self.proposer.combined() { &self.ngram_cost } else { &self.cost };
+            adaptive::best_k(1.0, cap, cost, decoding)
         } else {
             c.num_speculative_tokens
         }
@@ -210,13 +225,15 @@ impl Speculation {
         }
     }
 
-    /// Records a verification of `proposed` drafts of which `accepted` were kept.
+    /// Records a verification of `proposed` drafts of which `accepted` were kept: a draft backed
+    /// by a support is credited to its band, any other to the sequence's own estimate (so a
+    /// combined proposer's model keeps an estimate of its own drafts only).
     pub(crate) fn record(&mut self, seq: crate::types::SeqId, proposed: usize, accepted: usize) {
         self.metrics.record(proposed, accepted);
         self.global.record(proposed, accepted);
-        tracker(&mut self.trackers, &self.global, seq).record(proposed, accepted);
-        if let Some(band) = self.supported.remove(&seq) {
-            self.by_support[band].record(proposed, accepted);
+        match self.supported.remove(&seq) {
+            Some(band) => self.by_support[band].record(proposed, accepted),
+            None => tracker(&mut self.trackers, &self.global, seq).record(proposed, accepted),
         }
     }
 
@@ -237,8 +254,9 @@ impl Speculation {
         let (k, alpha) = match support {
             Some(Support { len: 0, .. }) => return 0,
             Some(support) => {
+                // an n-gram draft (a supported one) costs its verification only
                 let t = &mut self.by_support[support.band()];
-                let k = t.next_k(k_limit.min(support.len), &self.cost, decoding);
+                let k = t.next_k(k_limit.min(support.len), &self.ngram_cost, decoding);
                 if k > 0 {
                     self.supported.insert(seq, support.band());
                 }
@@ -320,8 +338,13 @@ impl Speculation {
             .zip(&backlogs)
             .map(|(c, &backlog)| {
                 let k = if may_draft(c) {
+                    let mut support = self.proposer.support(c.seq, c.tokens, c.prompt_len, c.params.tenant);
+                    if self.proposer.combined() {
+                        support = self.choose(c.seq, support, k_limit, decoding);
+                    }
+                    // an n-gram draft waits for no model to catch up
+                    let backlog = if support.is_some() { 0 } else { backlog };
                     let catch_up = CatchUp { backlog, first_decode: c.first_decode(), room: c.room, generated: c.generated(), batch_soon, batch_backlog };
-                    let support = self.proposer.support(c.seq, c.tokens, c.prompt_len, c.params.tenant);
                     self.next_k(c.seq, k_limit, decoding, catch_up, support)
                 } else {
                     0
@@ -330,6 +353,26 @@ impl Speculation {
                 DraftRequest { seq: c.seq, tokens: c.tokens, prompt_len: c.prompt_len, max_draft, params: c.params, hidden: c.hidden, rng: Some(c.rng) }
             })
             .collect()
+    }
+
+    /// For a combined proposer, `decoding` sequences in the step: the n-gram's draft (its
+    /// `support` kept) where its match's band is expected to give at least as many tokens per
+    /// unit of step cost as the model's drafts for the sequence (their acceptance, the draft
+    /// model's cost), else the model's (None: the sequence's estimate decides k). Without
+    /// adaptive k the model always.
+    fn choose(&mut self, seq: crate::types::SeqId, support: Option<Support>, k_limit: usize, decoding: usize) -> Option<Support> {
+        let ngram = self.cfg.adaptive
+            && support.is_some_and(|s| {
+                let by_ngram = adaptive::best_k_gain(self.by_support[s.band()].alpha(), k_limit.min(s.len), &self.ngram_cost, decoding).1;
+                let alpha = tracker(&mut self.trackers, &self.global, seq).alpha();
+                s.len > 0 && by_ngram >= adaptive::best_k_gain(alpha, k_limit, &self.cost, decoding).1
+            });
+        self.proposer.choose_ngram(seq, ngram);
+        if ngram {
+            support
+        } else {
+            None
+        }
     }
 
     /// Accounts one sequence's verification: `num_drafts` drafted, of which the first `forced`
@@ -589,5 +632,67 @@ mod tests {
         sp.remove(SeqId(1));
         sp.record(SeqId(1), 1, 1);
         assert_eq!(sp.by_support[adaptive::support_band(1)].alpha(), before);
+    }
+
+    /// A model proposer for tests: drafts `[7; max_draft]` and remembers what it was asked.
+    struct Asked(std::sync::Arc<std::sync::Mutex<Vec<(SeqId, usize)>>>);
+
+    impl Proposer for Asked {
+        fn propose(&mut self, reqs: &[DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+            self.0.lock().unwrap().extend(reqs.iter().map(|r| (r.seq, r.max_draft)));
+            Ok(reqs.iter().map(|r| Draft { tokens: vec![7; r.max_draft], probs: None }).collect())
+        }
+    }
+
+    /// `ngram,draft`: a sequence whose text matches far back takes the n-gram's draft once that
+    /// band keeps more than the model's drafts for it; the model is then asked for nothing for it,
+    /// and the other sequence (no match) is the model's.
+    #[test]
+    fn a_combined_proposer_drafts_each_sequence_with_the_method_expected_to_keep_more() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let combined = combined::CombinedProposer::new(ngram::NgramProposer::new(1), Box::new(Asked(asked.clone())));
+        let mut sp = Speculation::new(SpecConfig::new(SpecMethod::Draft, 4), Box::new(combined), cost::CostModel::linear(0.05, 0.1));
+        // seq 1 repeats 24 tokens (a long match), seq 2 never repeats
+        let copy: Vec<crate::types::TokenId> = (100..124).chain(100..112).collect();
+        let fresh: Vec<crate::types::TokenId> = (200..236).collect();
+        let params = crate::api::SamplingParams::greedy(64);
+        let rng = crate::sampling::SeqRng::new(Some(1), 0);
+        let cand = |seq, tokens: &'static [crate::types::TokenId]| DraftCandidate {
+            seq: SeqId(seq),
+            tokens,
+            known: tokens.len(),
+            prompt_len: 4,
+            params: &params,
+            forced: 0,
+            room: 100,
+            hidden: None,
+            rng: &rng,
+        };
+        let (copy, fresh): (&'static [_], &'static [_]) = (copy.leak(), fresh.leak());
+        // the model's drafts for seq 1 are rarely kept, the long band's always
+        for _ in 0..20 {
+            sp.record(SeqId(1), 4, 0);
+            sp.supported.insert(SeqId(3), Support::own(12).band());
+            sp.record(SeqId(3), 4, 4);
+        }
+        let reqs = sp.plan_drafts(&[cand(1, copy), cand(2, fresh)], 0, 0, 8);
+        assert!(reqs.iter().all(|r| r.max_draft > 0), "both draft: {:?}", reqs.iter().map(|r| r.max_draft).collect::<Vec<_>>());
+        let drafts = sp.proposer.propose(&reqs, &pool).unwrap();
+        // seq 1: the n-gram continues the earlier "112 113 ..."; seq 2: the model's 7s
+        assert_eq!(drafts[0].tokens, (112..112 + reqs[0].max_draft as u32).collect::<Vec<_>>());
+        assert_eq!(drafts[1].tokens, vec![7; reqs[1].max_draft]);
+        assert_eq!(*asked.lock().unwrap(), vec![(SeqId(1), 0), (SeqId(2), reqs[1].max_draft)]);
+        // once the model's drafts for seq 1 are kept better than the band's, the model drafts it
+        for _ in 0..40 {
+            sp.record(SeqId(1), 4, 4);
+            sp.supported.insert(SeqId(3), Support::own(12).band());
+            sp.record(SeqId(3), 4, 0);
+        }
+        asked.lock().unwrap().clear();
+        let reqs = sp.plan_drafts(&[cand(1, copy)], 0, 0, 8);
+        let drafts = sp.proposer.propose(&reqs, &pool).unwrap();
+        assert_eq!(drafts[0].tokens, vec![7; reqs[0].max_draft]);
+        assert!(reqs[0].max_draft > 0);
     }
 }

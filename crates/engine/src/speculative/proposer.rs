@@ -81,6 +81,13 @@ pub trait Proposer: Send {
     }
     /// A sequence of `tenant` finished with `output` (the cross-request index keeps it).
     fn finished(&mut self, _tenant: Tenant, _output: &[TokenId]) {}
+    /// Whether this proposer drafts with the n-gram method beside a model
+    /// ([`super::combined`]): adaptive k then picks, per sequence and step, which drafts.
+    fn combined(&self) -> bool {
+        false
+    }
+    /// For a combined proposer: whether `seq`'s next draft is the n-gram's (else the model's).
+    fn choose_ngram(&mut self, _seq: SeqId, _ngram: bool) {}
     /// The target layers whose hidden states `DraftRequest::hidden` carries, in order
     /// (`n_layers - 1`: the final hidden state before the output norm); empty: none.
     fn hidden_layers(&self) -> &[usize] {
