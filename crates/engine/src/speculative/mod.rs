@@ -340,7 +340,8 @@ impl Speculation {
                 let k = if may_draft(c) {
                     let mut support = self.proposer.support(c.seq, c.tokens, c.prompt_len, c.params.tenant);
                     if self.proposer.combined() {
-                        support = self.choose(c.seq, support, k_limit, decoding);
+                        let remaining = self.output_lengths.expected_remaining(c.generated(), c.room);
+                        support = self.choose(c.seq, support, k_limit, decoding, backlog, remaining);
                     }
                     // an n-gram draft waits for no model to catch up
                     let backlog = if support.is_some() { 0 } else { backlog };
@@ -357,15 +358,31 @@ impl Speculation {
 
     /// For a combined proposer, `decoding` sequences in the step: the n-gram's draft (its
     /// `support` kept) where its match's band is expected to give at least as many tokens per
-    /// unit of step cost as the model's drafts for the sequence (their acceptance, the draft
-    /// model's cost), else the model's (None: the sequence's estimate decides k). Without
-    /// adaptive k the model always.
-    fn choose(&mut self, seq: crate::types::SeqId, support: Option<Support>, k_limit: usize, decoding: usize) -> Option<Support> {
+    /// unit of step cost as the model's drafts for the sequence, else the model's (None: the
+    /// sequence's estimate decides k). The model's drafts are priced at their acceptance, the
+    /// draft model's cost and its catch-up over the `backlog` tokens it missed while the n-gram
+    /// drafted, spread over the steps the sequence's `remaining` tokens take (a draft model
+    /// called back after a long copy first feeds all of it: on the agent traces' edits that cost
+    /// more than it gained, benchmarks.md). Without adaptive k the model always.
+    fn choose(
+        &mut self,
+        seq: crate::types::SeqId,
+        support: Option<Support>,
+        k_limit: usize,
+        decoding: usize,
+        backlog: usize,
+        remaining: usize,
+    ) -> Option<Support> {
         let ngram = self.cfg.adaptive
             && support.is_some_and(|s| {
                 let by_ngram = adaptive::best_k_gain(self.by_support[s.band()].alpha(), k_limit.min(s.len), &self.ngram_cost, decoding).1;
                 let alpha = tracker(&mut self.trackers, &self.global, seq).alpha();
-                s.len > 0 && by_ngram >= adaptive::best_k_gain(alpha, k_limit, &self.cost, decoding).1
+                let (k, gain) = adaptive::best_k_gain(alpha, k_limit, &self.cost, decoding);
+                // the catch-up, relative to the batch's plain step, per step of the rest
+                let per_step = adaptive::expected_tokens(alpha, k);
+                let catch_up = self.cost.catch_up(backlog) / self.cost.relative(decoding.max(1)) / (remaining as f64 / per_step).max(1.0);
+                let by_model = if k == 0 { gain } else { per_step / (per_step / gain + catch_up) };
+                s.len > 0 && by_ngram >= by_model
             });
         self.proposer.choose_ngram(seq, ngram);
         if ngram {
