@@ -171,13 +171,15 @@ impl Host {
     }
 
     fn finish(&mut self, id: SeqId, reason: FinishReason) {
-        if let Some(s) = self.remove(id) {
-            self.finished.push((s.params.tenant, s.output().to_vec()));
+        if let Some(mut s) = self.remove(id) {
             // flush text held back for a possible stop string that never came
             if s.text_sent < s.text.len() {
                 s.send_delta(vec![], s.text[s.text_sent..].to_string(), vec![]);
             }
             s.send(RequestEvent::Finished { reason, prompt_tokens: s.prompt_len, completion_tokens: s.output_len() });
+            // the sequence is gone: its output moves to speculation, not copied
+            let output = s.tokens.split_off(s.prompt_len);
+            self.finished.push((s.params.tenant, output));
         }
     }
 

@@ -35,7 +35,7 @@ impl Proposer for CombinedProposer {
         let takes_ngram = |r: &DraftRequest| r.max_draft > 0 && self.ngram_seqs.contains(&r.seq);
         // the model sees every request, with no draft asked where the n-gram drafts
         let for_model: Vec<DraftRequest> = reqs.iter().map(|r| DraftRequest { max_draft: if takes_ngram(r) { 0 } else { r.max_draft }, ..*r }).collect();
-        let for_ngram: Vec<DraftRequest> = reqs.iter().filter(|r| takes_ngram(r)).map(|r| DraftRequest { ..*r }).collect();
+        let for_ngram: Vec<DraftRequest> = reqs.iter().filter(|r| takes_ngram(r)).copied().collect();
         let mut from_model = self.model.propose(&for_model, pool)?;
         let mut from_ngram = self.ngram.propose(&for_ngram, pool)?.into_iter();
         for (r, d) in reqs.iter().zip(from_model.iter_mut()) {

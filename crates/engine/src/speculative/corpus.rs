@@ -129,13 +129,14 @@ impl Corpus {
 
     /// The longest suffix of `tokens`' last [`QUERY_TOKENS`] that occurs in `tenant`'s outputs,
     /// at least `min_len` long, with up to `k` tokens that followed it (fewer where its output
-    /// ended; None where nothing followed).
+    /// ended; k = 0: the match alone). None where nothing followed it, whatever `k`.
     pub fn lookup(&self, tenant: Tenant, tokens: &[TokenId], min_len: usize, k: usize) -> Option<CorpusMatch> {
         let index = self.tenants.get(&tenant)?;
         let query = &tokens[tokens.len().saturating_sub(QUERY_TOKENS)..];
         let (len, end) = index.automaton.longest_suffix_of(query).filter(|&(len, _)| len >= min_len.max(1))?;
-        let continuation: Vec<TokenId> = index.text[end + 1..].iter().take(k).take_while(|&&t| t != SEPARATOR).copied().collect();
-        (!continuation.is_empty() || k == 0).then_some(CorpusMatch { len, continuation })
+        let after = index.text[end + 1..].iter().take_while(|&&t| t != SEPARATOR);
+        let continuation: Vec<TokenId> = after.clone().take(k).copied().collect();
+        after.clone().next().is_some().then_some(CorpusMatch { len, continuation })
     }
 }
 
@@ -160,6 +161,9 @@ mod tests {
         assert_eq!(c.lookup(A, &[9, 23], 1, 4), None);
         // shorter than asked
         assert_eq!(c.lookup(A, &[1, 2, 11, 12], 3, 8), None);
+        // k = 0: the match alone, where something follows it
+        assert_eq!(c.lookup(A, &[1, 2, 11, 12], 1, 0), Some(CorpusMatch { len: 2, continuation: vec![] }));
+        assert_eq!(c.lookup(A, &[9, 23], 1, 0), None);
         assert_eq!(c.lookup(A, &[1, 2, 11, 12], 2, 2).unwrap().continuation, vec![13, 14]);
     }
 

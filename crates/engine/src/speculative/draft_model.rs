@@ -287,7 +287,7 @@ mod tests {
         let mut p = proposer(dir.path());
         draft(&mut p, 1, &first, &pool);
         // the verified tokens' blocks are committed at the sequence's next step
-        draft(&mut p, 1, &first[..first.len()], &pool);
+        draft(&mut p, 1, &first, &pool);
         p.remove(SeqId(1));
         let before = p.prefix_cache_stats();
         let cached = draft(&mut p, 2, &next, &pool);

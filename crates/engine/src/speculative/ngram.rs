@@ -141,7 +141,8 @@ impl NgramProposer {
     }
 
     /// The draft of up to `k` tokens for `r`'s sequence and how far it is backed: from the
-    /// sequence's own text, or from the cross-request index where its match is longer.
+    /// sequence's own text, or from the cross-request index where its match is longer (k = 0:
+    /// how far only, no draft built).
     fn draft(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant, k: usize) -> (Support, Vec<TokenId>) {
         let min = self.min_match;
         let s = self.fed(seq, tokens, prompt_len);
@@ -202,7 +203,7 @@ impl Proposer for NgramProposer {
     }
 
     fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant) -> Option<Support> {
-        Some(self.draft(seq, tokens, prompt_len, tenant, crate::speculative::config::MAX_SPECULATIVE_TOKENS).0)
+        Some(self.draft(seq, tokens, prompt_len, tenant, 0).0)
     }
 
     fn remove(&mut self, seq: SeqId) {

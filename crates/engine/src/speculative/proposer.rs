@@ -5,6 +5,7 @@ use crate::api::SamplingParams;
 use crate::types::{SeqId, Tenant, TokenId};
 
 /// One sequence asking for drafts this step.
+#[derive(Clone, Copy)]
 pub struct DraftRequest<'a> {
     pub seq: SeqId,
     /// The sequence's known tokens (prompt + accepted output); the draft continues them.

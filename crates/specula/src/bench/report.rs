@@ -190,7 +190,7 @@ pub struct KindRow {
 }
 
 /// Per-kind rows, in the order the kinds first appear; empty when no prompt has a kind.
-pub fn kind_rows(prompts: &[super::workload::Prompt], outcomes: &[super::request::RequestOutcome]) -> Vec<KindRow> {
+pub fn kind_rows(prompts: &[super::workload::Prompt], outcomes: &[RequestOutcome]) -> Vec<KindRow> {
     let mut order: Vec<&str> = Vec::new();
     for k in prompts.iter().filter_map(|p| p.kind.as_deref()) {
         if !order.contains(&k) {
@@ -200,20 +200,19 @@ pub fn kind_rows(prompts: &[super::workload::Prompt], outcomes: &[super::request
     order
         .into_iter()
         .map(|kind| {
-            let ok: Vec<&super::request::RequestOutcome> =
+            let ok: Vec<&RequestOutcome> =
                 prompts.iter().zip(outcomes).filter(|(p, o)| p.kind.as_deref() == Some(kind) && o.error.is_none()).map(|(_, o)| o).collect();
-            let n = ok.len().max(1) as f64;
+            let mean = |f: &dyn Fn(&RequestOutcome) -> Option<f64>| Summary::of(&ok.iter().filter_map(|o| f(o)).collect::<Vec<_>>()).map(|s| s.mean);
             let output_tokens: usize = ok.iter().map(|o| o.output_tokens).sum();
             let e2e: f64 = ok.iter().map(|o| o.e2e_s).sum();
-            let tpots: Vec<f64> = ok.iter().filter(|o| o.output_tokens > 1).map(|o| (o.e2e_s - o.ttft_s) / (o.output_tokens - 1) as f64 * 1e3).collect();
             KindRow {
                 kind: kind.to_string(),
                 requests: ok.len(),
-                mean_prompt_tokens: ok.iter().map(|o| o.prompt_tokens as f64).sum::<f64>() / n,
+                mean_prompt_tokens: mean(&|o| Some(o.prompt_tokens as f64)).unwrap_or(0.0),
                 output_tokens,
                 request_tok_s: if e2e > 0.0 { output_tokens as f64 / e2e } else { 0.0 },
-                mean_ttft_ms: ok.iter().map(|o| o.ttft_s * 1e3).sum::<f64>() / n,
-                mean_tpot_ms: (!tpots.is_empty()).then(|| tpots.iter().sum::<f64>() / tpots.len() as f64),
+                mean_ttft_ms: mean(&|o| Some(o.ttft_s * 1e3)).unwrap_or(0.0),
+                mean_tpot_ms: mean(&|o| o.tpot_s().map(|s| s * 1e3)),
             }
         })
         .collect()
@@ -278,6 +277,29 @@ mod tests {
 
     fn failed(msg: &str) -> RequestOutcome {
         RequestOutcome { error: Some(msg.into()), ..ok(0.0, 0.1, 0, &[]) }
+    }
+
+    #[test]
+    fn kind_rows_group_completed_turns_by_kind_in_first_seen_order() {
+        let turn = |kind: Option<&str>| super::super::workload::Prompt {
+            text: String::new(),
+            messages: None,
+            conversation: Some("c".into()),
+            kind: kind.map(str::to_string),
+            max_tokens: 8,
+            approx_tokens: 1,
+        };
+        let prompts = [turn(Some("edit")), turn(Some("call")), turn(Some("edit")), turn(None), turn(Some("call"))];
+        let outcomes = [ok(0.1, 0.5, 5, &[]), ok(0.2, 0.2, 1, &[]), ok(0.3, 0.7, 3, &[]), ok(0.1, 0.2, 2, &[]), failed("x")];
+        let rows = kind_rows(&prompts, &outcomes);
+        assert_eq!(rows.iter().map(|r| (r.kind.as_str(), r.requests, r.output_tokens)).collect::<Vec<_>>(), [("edit", 2, 8), ("call", 1, 1)]);
+        let edit = &rows[0];
+        // 8 tokens over 1.2 s of the two requests; TTFT 100 and 300 ms; TPOT 100 and 200 ms
+        assert!((edit.request_tok_s - 8.0 / 1.2).abs() < 1e-9 && (edit.mean_ttft_ms - 200.0).abs() < 1e-9);
+        assert!((edit.mean_tpot_ms.unwrap() - 150.0).abs() < 1e-9 && edit.mean_prompt_tokens == 10.0);
+        // one token: no TPOT
+        assert_eq!(rows[1].mean_tpot_ms, None);
+        assert!(kind_rows(&[turn(None)], &[ok(0.1, 0.2, 2, &[])]).is_empty());
     }
 
     #[test]
