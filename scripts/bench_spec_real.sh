@@ -20,6 +20,10 @@
 # DRAFT_WEIGHTS=stored|q4_0: --draft-weights for specula's draft (default q4_0: re-encoded smaller).
 # K_NGRAM / K_DRAFT: most draft tokens per step (specula's adaptive k picks fewer when its
 # measured cost model says so; llama-server drafts up to them).
+# AUDIT=F: specula's speculative runs serve with --speculative-audit F; after each run the script
+# waits (up to AUDIT_WAIT seconds, default 1800) for every audited request's replay and a last
+# table gives identical / diverged / skipped per run. The replays share the engine with the run
+# (in its idle gaps), so take speed from a run without AUDIT.
 # ROUNDS=N: the whole sequence of runs N times (results in OUTDIR/rN). The host's memory bandwidth
 # moves within minutes and the unspeculated decode moves with it, so each round's speed-ups are
 # taken against that round's own baseline, and the last table gives their medians. The "verify 8"
@@ -47,6 +51,7 @@ RUNS=${RUNS:-specula-none specula-ngram specula-draft llama-none llama-ngram lla
 server_cmd() {
   local s=(--port "$PORT" --threads "$THREADS" --max-num-seqs 8)
   local l=(-m "$TARGET" --port "$PORT" -t "$THREADS" --parallel 8 -c 32768 --no-webui --temp 0)
+  case $1 in specula-none | llama-*) ;; specula-*) [ -n "${AUDIT:-}" ] && s+=(--speculative-audit "$AUDIT") ;; esac
   case $1 in
     specula-none) echo "$BIN" serve --model "$TARGET" "${s[@]}" ;;
     specula-ngram) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" ;;
@@ -79,6 +84,11 @@ for round in $(seq 1 "$ROUNDS"); do
       "$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --no-progress --temperature 0 \
         --random-input-len 64 --random-output-len 8 --num-prompts 2 --max-concurrency 2 --seed 1 >/dev/null 2>&1
       "${BENCH[@]}" --num-prompts "$N" --max-concurrency "$c" --seed 0 --label "$name" --output-json "$dir/$name.json" >"$dir/$name.bench.txt" 2>&1
+      if [ -n "${AUDIT:-}" ] && [[ $run == specula-* && $run != specula-none ]]; then
+        # the replays run once the server is idle: wait for the last one to be judged
+        deadline=$((SECONDS + ${AUDIT_WAIT:-1800}))
+        until curl -sf "http://127.0.0.1:$PORT/metrics" | grep -q '^specula:spec_audit_pending 0$' || ((SECONDS > deadline)); do sleep 2; done
+      fi
       curl -sf "http://127.0.0.1:$PORT/metrics" >"$dir/$name.metrics.txt" 2>/dev/null || true
       kill -INT "$pid"; wait "$pid"
     done
@@ -118,4 +128,14 @@ if rounds > 1:
         med = lambda xs: f(statistics.median(xs), 2) + "x" if xs else "-"
         rounds = ' '.join(f"{f(u, 2)}/{f(x, 2)}" for _, u, x in v if u is not None)
         print(f"{name:<16} {c:>4} {statistics.median(t for t, _, _ in v):>7.1f} {med(us):>8} {med(txs):>7}  {rounds}")
+audits = sorted(out.glob("r*/*.metrics.txt"))
+audits = [(p, dict(re.findall(r'spec_audit_requests_total\{result="(\w+)"\} (\S+)', p.read_text()))) for p in audits]
+audits = [(p, a) for p, a in audits if a]
+if audits:
+    print("\nexactness audit (--speculative-audit): requests replayed without speculation and compared")
+    print(f"{'run':<28} {'identical':>9} {'diverged':>8} {'skipped':>7} {'pending':>7}")
+    for p, a in audits:
+        pend = re.search(r'^specula:spec_audit_pending (\S+)', p.read_text(), re.M)
+        n = lambda k: int(float(a.get(k, 0)))
+        print(f"{p.parent.name + '/' + p.name.removesuffix('.metrics.txt'):<28} {n('identical'):>9} {n('diverged'):>8} {n('skipped'):>7} {int(float(pend.group(1))) if pend else '-':>7}")
 PY

@@ -19,6 +19,7 @@ CODE = "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return a +
 REPEAT = "one two three four five, one two three four five, one two three four five, one two"
 PROMPTS = [CODE, REPEAT, "The capital of France is"]
 AUDIT = "specula:spec_audit_requests_total"
+PENDING = "specula:spec_audit_pending"
 
 
 def audits(srv) -> dict[str, float]:
@@ -46,6 +47,7 @@ def complete(srv, prompt, **kw):
 def test_the_audit_finds_honest_speculation_identical(audited):
     before = audits(audited)
     assert before == {"identical": 0, "diverged": 0, "skipped": 0}, "the audit counters are listed from the start"
+    assert audited.metrics().get(PENDING) == 0, "the pending gauge is listed from the start"
     # greedy, greedy with logprobs, seeded sampling; then four at once (replays wait for idle)
     for p in PROMPTS:
         complete(audited, p, temperature=0)
@@ -60,6 +62,7 @@ def test_the_audit_finds_honest_speculation_identical(audited):
     time.sleep(1.0)
     got = audits(audited)
     assert got == {"identical": n, "diverged": 0, "skipped": 0}, got
+    assert audited.metrics().get(PENDING) == 0, "every audited choice judged: nothing pending"
     # the server serves on after its replays, and they left the KV pool whole
     m = audited.wait_idle()
     assert m.get("specula:kv_cache_usage_perc") == 0, m

@@ -19,8 +19,13 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 pub const AUDIT_REQUESTS: &str = "specula:spec_audit_requests_total";
-/// Finished requests that may wait for their replay.
-const QUEUE: usize = 32;
+/// Audited choices not yet judged: waiting in the queue or being replayed (a bench run waits for
+/// it to reach 0 before it reads the verdicts).
+pub const AUDIT_PENDING: &str = "specula:spec_audit_pending";
+/// Finished requests that may wait for their replay: enough for a whole benchmark run at
+/// concurrency 8 (replays run only in idle time, so under load they wait). A job holds its prompt
+/// and output tokens, 4 bytes each: at most 256 x `--max-model-len` tokens, 32 MiB at 32 768.
+const QUEUE: usize = 256;
 /// Times a replay is cut short by live work before its request is skipped.
 const MAX_TRIES: u32 = 32;
 /// How often a running replay looks for live work, and an idle auditor for the end of it.
@@ -89,6 +94,8 @@ pub struct Auditor {
     credit: Mutex<f64>,
     queue: mpsc::Sender<AuditJob>,
     live: Arc<AtomicUsize>,
+    /// Jobs queued or in replay (the `AUDIT_PENDING` gauge).
+    pending: Arc<AtomicUsize>,
 }
 
 /// Counts one live choice while it lives (see [`Auditor::live`]).
@@ -105,11 +112,13 @@ impl Auditor {
     pub fn start(engine: EngineHandle, fraction: f64) -> Arc<Self> {
         let (queue, rx) = mpsc::channel(QUEUE);
         let live = Arc::new(AtomicUsize::new(0));
+        let pending = Arc::new(AtomicUsize::new(0));
         for v in [Verdict::Identical, Verdict::Diverged, Verdict::Skipped] {
             metrics::counter!(AUDIT_REQUESTS, "result" => v.label()).absolute(0);
         }
-        tokio::spawn(run(engine, rx, live.clone()));
-        Arc::new(Self { fraction, credit: Mutex::new(0.0), queue, live })
+        metrics::gauge!(AUDIT_PENDING).set(0.0);
+        tokio::spawn(run(engine, rx, live.clone(), pending.clone()));
+        Arc::new(Self { fraction, credit: Mutex::new(0.0), queue, live, pending })
     }
 
     /// Whether a choice with these parameters has one right output to compare with.
@@ -139,7 +148,10 @@ impl Auditor {
     /// Queues a finished choice for its replay (counted skipped when the queue is full).
     pub fn offer(&self, request: RequestId, prompt: Vec<TokenId>, params: SamplingParams, grammar: Option<Grammar>, tokens: Vec<TokenId>, logprobs: Vec<f32>) {
         let job = AuditJob { request, prompt, params, grammar, tokens, logprobs, tries: 0 };
+        // counted before it is sent, so the replay task's decrement can never come first
+        add_pending(&self.pending, 1);
         if self.queue.try_send(job).is_err() {
+            add_pending(&self.pending, -1);
             tracing::debug!(request = %request, "speculative audit: queue full, skipped");
             record(Verdict::Skipped);
         }
@@ -148,6 +160,12 @@ impl Auditor {
 
 fn record(v: Verdict) {
     metrics::counter!(AUDIT_REQUESTS, "result" => v.label()).increment(1);
+}
+
+/// Moves the pending count by `delta` (+1 or -1) and publishes it.
+fn add_pending(pending: &AtomicUsize, delta: isize) {
+    let now = if delta >= 0 { pending.fetch_add(1, Ordering::SeqCst) + 1 } else { pending.fetch_sub(1, Ordering::SeqCst).saturating_sub(1) };
+    metrics::gauge!(AUDIT_PENDING).set(now as f64);
 }
 
 /// What one replay attempt came to.
@@ -161,28 +179,29 @@ enum Replay {
     Failed(String),
 }
 
-async fn run(engine: EngineHandle, mut rx: mpsc::Receiver<AuditJob>, live: Arc<AtomicUsize>) {
+async fn run(engine: EngineHandle, mut rx: mpsc::Receiver<AuditJob>, live: Arc<AtomicUsize>, pending: Arc<AtomicUsize>) {
     while let Some(mut job) = rx.recv().await {
-        loop {
-            while live.load(Ordering::SeqCst) > 0 {
-                tokio::time::sleep(POLL).await;
+        audit_one(&engine, &mut job, &live).await;
+        add_pending(&pending, -1);
+    }
+}
+
+/// Replays one job until it is judged or skipped.
+async fn audit_one(engine: &EngineHandle, job: &mut AuditJob, live: &AtomicUsize) {
+    loop {
+        while live.load(Ordering::SeqCst) > 0 {
+            tokio::time::sleep(POLL).await;
+        }
+        match replay(engine, job, live).await {
+            Replay::Done { tokens, logprobs } => return judge(job, &tokens, &logprobs),
+            Replay::Preempted if job.tries + 1 < MAX_TRIES => job.tries += 1,
+            Replay::Preempted => {
+                tracing::debug!(request = %job.request, "speculative audit: never idle long enough, skipped");
+                return record(Verdict::Skipped);
             }
-            match replay(&engine, &job, &live).await {
-                Replay::Done { tokens, logprobs } => {
-                    judge(&job, &tokens, &logprobs);
-                    break;
-                }
-                Replay::Preempted if job.tries + 1 < MAX_TRIES => job.tries += 1,
-                Replay::Preempted => {
-                    tracing::debug!(request = %job.request, "speculative audit: never idle long enough, skipped");
-                    record(Verdict::Skipped);
-                    break;
-                }
-                Replay::Failed(message) => {
-                    tracing::warn!(request = %job.request, "speculative audit: the replay failed ({message}), skipped");
-                    record(Verdict::Skipped);
-                    break;
-                }
+            Replay::Failed(message) => {
+                tracing::warn!(request = %job.request, "speculative audit: the replay failed ({message}), skipped");
+                return record(Verdict::Skipped);
             }
         }
     }
@@ -264,7 +283,7 @@ mod tests {
     #[test]
     fn the_fraction_picks_exactly_every_nth() {
         let (queue, _rx) = mpsc::channel(1);
-        let a = Auditor { fraction: 0.25, credit: Mutex::new(0.0), queue, live: Arc::default() };
+        let a = Auditor { fraction: 0.25, credit: Mutex::new(0.0), queue, live: Arc::default(), pending: Arc::default() };
         let picks: Vec<bool> = (0..12).map(|_| a.pick()).collect();
         assert_eq!(picks.iter().filter(|&&p| p).count(), 3, "{picks:?}");
         assert!(picks[3] && picks[7] && picks[11], "{picks:?}");
