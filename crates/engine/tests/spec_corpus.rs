@@ -71,3 +71,41 @@ fn a_corpus_budget_of_zero_drafts_from_the_sequence_s_own_text_only() {
     let second = counts(&rig);
     assert_eq!((second.0 - first.0, second.1 - first.1), first);
 }
+
+#[test]
+fn a_request_drafts_from_the_prompt_of_another_running_request_of_its_tenant_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path(), 31);
+    let prompt = prompt();
+    let params = |tenant| SamplingParams { ignore_eos: true, tenant: Tenant(tenant), ..SamplingParams::greedy(64) };
+    let mut plain = Rig::new(&model, tiny_config(), None);
+    let written = plain.run_batch(&[(prompt.clone(), params(1))]).remove(0).tokens;
+    // another agent's request whose prompt already holds what the first will write (a file it
+    // sends), after text of its own
+    let mut rng = Rng(11);
+    let holder: Vec<u32> = (0..16).map(|_| rng.range(3, 253) as u32).chain(written.iter().copied()).collect();
+    let expected = plain.run_batch(&[(prompt.clone(), params(1)), (holder.clone(), params(1))]);
+
+    // no finished outputs kept: what is drafted beyond the request's own text comes from the other's
+    let spec = specula_engine::speculative::SpecConfig { corpus_tokens: 0, ..spec_config(SpecMethod::Ngram, 4, None) };
+    let run = |holder_tenant| {
+        let mut rig = Rig::new(&model, tiny_config(), Some(spec.clone()));
+        let out = rig.run_batch(&[(prompt.clone(), params(1)), (holder.clone(), params(holder_tenant))]);
+        for (o, e) in out.iter().zip(&expected) {
+            assert_eq!(o.tokens, e.tokens, "the output changed under speculation");
+            assert_eq!(o.logprobs, e.logprobs);
+        }
+        rig.assert_no_leaks();
+        counts(&rig)
+    };
+    let apart = run(2);
+    let together = run(1);
+    assert!(
+        together.1 >= apart.1 + 24,
+        "the running prompt did not draft: accepted {} of {} across tenants, {} of {} within one",
+        apart.1,
+        apart.0,
+        together.1,
+        together.0
+    );
+}

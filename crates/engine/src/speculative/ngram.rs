@@ -12,11 +12,14 @@
 //! while the output is written ([`super::edits`]) give a second index, of the prompt with them
 //! applied, and the draft comes from whichever index matches the text's suffix longer.
 //!
-//! A third index is shared across requests ([`super::corpus`]): the outputs of the tenant's recent
-//! finished requests. It drafts where its match is longer than the sequence's own (at least
-//! [`CORPUS_MIN_MATCH`] tokens), and its matches keep their own acceptance estimates.
+//! Two more are shared across requests: the texts (prompt and output so far) of the tenant's other
+//! running sequences, and the outputs of its recent finished requests ([`super::corpus`]). They
+//! draft where their match is longer than the sequence's own (at least [`CORPUS_MIN_MATCH`]
+//! tokens; a running text wins a tie with a finished output), and their matches keep their own
+//! acceptance estimates (`Support::from_corpus`). Several agents on one repository send the same
+//! files: an edit one of them writes is often in another's prompt.
 
-use super::corpus::Corpus;
+use super::corpus::{Corpus, CorpusMatch, QUERY_TOKENS};
 use super::edits::EditLearner;
 use super::proposer::{Draft, DraftRequest, Proposer, Support};
 use super::suffix::SuffixAutomaton;
@@ -39,6 +42,11 @@ pub struct NgramProposer {
 /// One sequence's lookup state.
 struct SeqIndex {
     prompt_len: usize,
+    /// Whose sequence it is: only the same tenant's sequences draft from its text.
+    tenant: Tenant,
+    /// The sequence's text as far as it was fed (for the other sequences' lookups; its own read
+    /// the text the engine passes).
+    text: Vec<TokenId>,
     /// The sequence's text (prompt and output) as it is.
     plain: SuffixAutomaton,
     /// The edits the output made to the prompt so far ([`super::edits`]).
@@ -62,8 +70,8 @@ struct Match {
 }
 
 impl SeqIndex {
-    fn new(prompt_len: usize) -> Self {
-        Self { prompt_len, plain: SuffixAutomaton::new(), learner: EditLearner::default(), edited: None }
+    fn new(prompt_len: usize, tenant: Tenant) -> Self {
+        Self { prompt_len, tenant, text: Vec::new(), plain: SuffixAutomaton::new(), learner: EditLearner::default(), edited: None }
     }
 
     /// Token `i` of the text `m` was found in (`tokens`: the sequence's).
@@ -141,13 +149,15 @@ impl NgramProposer {
     }
 
     /// The draft of up to `k` tokens for `r`'s sequence and how far it is backed: from the
-    /// sequence's own text, or from the cross-request index where its match is longer (k = 0:
-    /// how far only, no draft built).
+    /// sequence's own text, or from another running sequence's text or the cross-request index
+    /// where their match is longer (k = 0: how far only, no draft built).
     fn draft(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant, k: usize) -> (Support, Vec<TokenId>) {
         let min = self.min_match;
-        let s = self.fed(seq, tokens, prompt_len);
+        let s = self.fed(seq, tokens, prompt_len, tenant);
         let own = s.best_match(min).map_or(0, |m| m.len);
-        let corpus = self.corpus.lookup(tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > own);
+        let live = self.live_lookup(seq, tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > own);
+        let floor = live.as_ref().map_or(own, |m| m.len);
+        let corpus = self.corpus.lookup(tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > floor).or(live);
         match corpus {
             Some(m) => (Support { len: m.len, from_corpus: true }, m.continuation),
             None => {
@@ -157,14 +167,35 @@ impl NgramProposer {
         }
     }
 
+    /// The longest suffix of `tokens`' last [`QUERY_TOKENS`] found in the text of another running
+    /// sequence of `tenant` (at least `min_len`, with something after it), and up to `k` tokens
+    /// that followed it there; on a tie, the sequence with the lowest id.
+    fn live_lookup(&self, seq: SeqId, tenant: Tenant, tokens: &[TokenId], min_len: usize, k: usize) -> Option<CorpusMatch> {
+        let query = &tokens[tokens.len().saturating_sub(QUERY_TOKENS)..];
+        let mut best: Option<(usize, SeqId, usize)> = None;
+        for (&other, s) in &self.index {
+            if other == seq || s.tenant != tenant {
+                continue;
+            }
+            let Some((len, end)) = s.plain.longest_suffix_of(query).filter(|&(len, end)| len >= min_len && end + 1 < s.text.len()) else { continue };
+            if best.is_none_or(|(l, id, _)| len > l || (len == l && other < id)) {
+                best = Some((len, other, end));
+            }
+        }
+        let (len, other, end) = best?;
+        let text = &self.index[&other].text;
+        Some(CorpusMatch { len, continuation: text[end + 1..].iter().take(k).copied().collect() })
+    }
+
     /// `seq`'s index, fed up to `tokens` (only the tokens it has not seen; indexed afresh if the
     /// sequence lost tokens it had, which it should not), having learned from them.
-    fn fed(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize) -> &SeqIndex {
-        let s = self.index.entry(seq).or_insert_with(|| SeqIndex::new(prompt_len));
-        if s.plain.len() > tokens.len() || s.prompt_len != prompt_len {
-            *s = SeqIndex::new(prompt_len);
+    fn fed(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant) -> &SeqIndex {
+        let s = self.index.entry(seq).or_insert_with(|| SeqIndex::new(prompt_len, tenant));
+        if s.plain.len() > tokens.len() || s.prompt_len != prompt_len || s.tenant != tenant {
+            *s = SeqIndex::new(prompt_len, tenant);
         }
         let old = s.plain.len();
+        s.text.extend_from_slice(&tokens[old..]);
         for &t in &tokens[old..] {
             s.plain.push(t);
             if let Some(e) = s.edited.as_mut() {
@@ -179,7 +210,7 @@ impl NgramProposer {
 
     /// The draft for a text seen for the first time (tests, one-off lookups; no edits learned).
     pub fn lookup(&self, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
-        let mut s = SeqIndex::new(tokens.len());
+        let mut s = SeqIndex::new(tokens.len(), Tenant::default());
         tokens.iter().for_each(|&t| s.plain.push(t));
         s.continuation(self.min_match, tokens, k)
     }
@@ -315,6 +346,40 @@ mod tests {
         // under the corpus's minimum match, nothing from it
         let short: Vec<TokenId> = vec![1, 2, 3, 42, 43];
         assert_eq!(p.support(SeqId(11), &short, 3, Tenant(1)), Some(Support::own(0)));
+    }
+
+    #[test]
+    fn another_running_sequence_of_the_same_tenant_drafts_where_it_matches_longer() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let params = |t: u32| crate::api::SamplingParams { tenant: Tenant(t), ..crate::api::SamplingParams::greedy(8) };
+        let (a, b) = (params(1), params(2));
+        let mut p = NgramProposer::new(1);
+        // a running sequence of tenant 1 whose prompt holds a file
+        let file: Vec<TokenId> = vec![1, 2, 40, 41, 42, 43, 44, 45, 46, 47];
+        let req = DraftRequest { seq: SeqId(1), tokens: &file, prompt_len: file.len(), max_draft: 4, params: &a, hidden: None, rng: None };
+        p.propose(&[req], &pool).unwrap();
+        // another sequence, with nothing to copy in its own text, writes "41 42 43"
+        let text: Vec<TokenId> = vec![7, 8, 9, 41, 42, 43];
+        let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| {
+            let req = DraftRequest { seq: SeqId(2), tokens: &text, prompt_len: 3, max_draft: 3, params, hidden: None, rng: None };
+            p.propose(&[req], &pool).unwrap()[0].tokens.clone()
+        };
+        assert_eq!(p.support(SeqId(2), &text, 3, Tenant(1)), Some(Support { len: 3, from_corpus: true }));
+        assert_eq!(draft(&mut p, &a), vec![44, 45, 46]);
+        // never across tenants
+        assert_eq!(p.support(SeqId(2), &text, 3, Tenant(2)), Some(Support::own(0)));
+        assert_eq!(draft(&mut p, &b), Vec::<TokenId>::new());
+        // a longer finished output wins over the running text; an as long one does not
+        p.corpus = Corpus::new(1000);
+        p.finished(Tenant(1), &[9, 41, 42, 43, 90, 91]);
+        assert_eq!(draft(&mut p, &a), vec![90, 91]);
+        p.corpus = Corpus::new(1000);
+        p.finished(Tenant(1), &[5, 41, 42, 43, 90, 91]);
+        assert_eq!(draft(&mut p, &a), vec![44, 45, 46]);
+        // once the first sequence is gone, its text drafts nothing
+        p.corpus = Corpus::new(0);
+        p.remove(SeqId(1));
+        assert_eq!(draft(&mut p, &a), Vec::<TokenId>::new());
     }
 
     #[test]
