@@ -170,6 +170,24 @@ impl Engine {
         self.steps_prepared_ahead
     }
 
+    /// Turns async scheduling on or off while the engine is idle (nothing queued, running,
+    /// prepared or computed), so a benchmark can compare both modes on one loaded model, with the
+    /// same weights and KV memory. Refused with work in flight: a prepared step cannot be
+    /// unscheduled.
+    pub fn set_async_scheduling(&mut self, on: bool) -> Result<(), EngineError> {
+        if self.has_work() {
+            return Err(EngineError::Config("async scheduling can be switched only while the engine is idle".into()));
+        }
+        if on && self.runner.is_none() {
+            self.runner = Some(AsyncRunner::new("specula-host").map_err(|e| EngineError::ThreadPool(e.to_string()))?);
+        } else if !on {
+            self.runner = None;
+        }
+        self.cfg.async_scheduling = on;
+        self.last_job = None;
+        Ok(())
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.cfg
     }

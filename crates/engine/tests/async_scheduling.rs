@@ -511,3 +511,39 @@ fn a_request_arriving_mid_stream_starts_in_the_next_forward_pass() {
         h.assert_idle_and_leak_free();
     }
 }
+
+/// `Engine::set_async_scheduling` (what `bench offline --async-compare` uses to run both modes on
+/// one loaded model): refused while a request is in flight, and a run switched between batches
+/// gives what an engine that never switched gives (same batches, same prefix-cache state), with
+/// its async batches really prepared ahead.
+#[test]
+fn scheduling_switches_between_batches_and_outputs_do_not_change() {
+    let model = TinyModel::new();
+    let batches: Vec<Vec<(Vec<u32>, SamplingParams)>> = (0..4)
+        .map(|b| (0..4).map(|i| (prompt(10 + i, (b % 2) as u64 * 10 + i as u64), greedy(10 + 3 * i))).collect())
+        .collect();
+    let run = |switch: bool| {
+        let mut h = Harness::on_with(&model, roomy(false), Spec::Ngram(3), false);
+        let mut outputs = Vec::new();
+        for (b, batch) in batches.iter().enumerate() {
+            if switch {
+                h.engine.set_async_scheduling(b % 2 == 1).expect("idle between batches");
+            }
+            let mut clients: Vec<_> = batch.iter().map(|(p, params)| h.submit(p.clone(), params.clone())).collect();
+            if switch && b == 1 {
+                let refused = h.engine.set_async_scheduling(false).expect_err("a request is queued");
+                assert!(refused.to_string().contains("idle"), "{refused}");
+            }
+            h.run(&mut clients.iter_mut().collect::<Vec<_>>(), 500);
+            outputs.extend(clients.iter().map(|c| (c.tokens(), c.end())));
+        }
+        h.assert_idle_and_leak_free();
+        (outputs, h.engine.num_steps_prepared_ahead())
+    };
+    let (plain, plain_ahead) = run(false);
+    let (switched, ahead) = run(true);
+    assert_eq!(plain_ahead, 0);
+    assert!(ahead > 10, "the async batches prepared only {ahead} steps ahead");
+    assert_eq!(switched, plain);
+    assert!(plain.iter().all(|(_, e)| *e == End::Finished(FinishReason::Length)));
+}

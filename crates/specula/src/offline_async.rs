@@ -2,15 +2,17 @@
 //! synchronous and with async scheduling, in the same run, and where each step's time goes
 //! (schedule, prepare, finalize, forward, sample, propose, update, and the compute gap between
 //! consecutive forward passes). The workload is the copy-this-passage prompts of `bench/copy_passages.jsonl`
-//! with n-gram speculation (non-adaptive, so it speculates at every batch size), greedy.
+//! with n-gram speculation (non-adaptive, so it speculates at every batch size), greedy. Both modes
+//! run on one loaded engine, switched while idle, alternating; every run's outputs must equal the
+//! warm-up run's.
 
 use crate::bench::workload::parse_prompts;
 use anyhow::{Context, Result};
 use specula_engine::handle::QueueCounters;
 use specula_engine::speculative::{build_proposer, SpecConfig, SpecMethod};
-use specula_engine::types::RequestId;
-use specula_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StepTimings};
-use specula_model::{load_model, ChatMessage};
+use specula_engine::types::{RequestId, TokenId};
+use specula_engine::{Engine, EngineConfig, GenerateRequest, RequestEvent, SamplingParams, StepTimings};
+use specula_model::{load_model, ChatMessage, Tokenizer};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,81 +30,121 @@ pub struct AsyncRow {
 
 const PASSAGES: &str = include_str!("../../../bench/copy_passages.jsonl");
 
-/// One run: `batch` requests decoding together; timings averaged over the steps without prefill.
-fn run_once(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usize, async_scheduling: bool) -> Result<AsyncRow> {
-    let loaded = load_model(path)?;
-    let tokenizer = Arc::new(loaded.tokenizer);
-    let template = loaded.chat_template.context("the model has no chat template")?;
-    let cfg = EngineConfig { max_num_seqs: batch, max_num_batched_tokens: 2048, max_model_len: 2048, threads, async_scheduling, ..Default::default() };
-    let counters = Arc::new(QueueCounters::default());
-    let spec = SpecConfig { adaptive: false, ..SpecConfig::new(SpecMethod::Ngram, k) };
-    let proposer = build_proposer(&spec, &loaded.model.config, &cfg)?;
-    let mut engine = Engine::new(loaded.model, tokenizer.clone(), cfg, counters)?.with_speculation(spec, proposer)?;
-    let mut rxs = Vec::new();
-    for (i, p) in parse_prompts(PASSAGES, "bench/copy_passages.jsonl", batch, max_tokens)?.into_iter().enumerate() {
-        let text = template.render(&[ChatMessage { role: "user".into(), content: p.text }], true)?;
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(max_tokens) };
-        engine.add_request(GenerateRequest { id: RequestId(i as u64 + 1), prompt: tokenizer.encode(&text)?, params, events: tx, grammar: None });
-        rxs.push(rx);
+/// One engine per thread count, loaded once; each run switches its scheduling mode while idle
+/// (`Engine::set_async_scheduling`), so sync and async share the weights' and the KV's memory and
+/// only the mode differs between them. No cross-request index: every run drafts from its own
+/// prompt alone, as the first did.
+struct Bench {
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    prompts: Vec<String>,
+    threads: usize,
+    max_tokens: usize,
+    next_id: u64,
+}
+
+impl Bench {
+    fn new(path: &Path, threads: usize, batch: usize, max_tokens: usize, k: usize) -> Result<Self> {
+        let loaded = load_model(path)?;
+        let tokenizer = Arc::new(loaded.tokenizer);
+        let template = loaded.chat_template.context("the model has no chat template")?;
+        let cfg = EngineConfig { max_num_seqs: batch, max_num_batched_tokens: 2048, max_model_len: 2048, threads, ..Default::default() };
+        let spec = SpecConfig { adaptive: false, corpus_tokens: 0, ..SpecConfig::new(SpecMethod::Ngram, k) };
+        let proposer = build_proposer(&spec, &loaded.model.config, &cfg)?;
+        let engine = Engine::new(loaded.model, tokenizer.clone(), cfg, Arc::new(QueueCounters::default()))?.with_speculation(spec, proposer)?;
+        let prompts = parse_prompts(PASSAGES, "bench/copy_passages.jsonl", batch, max_tokens)?
+            .into_iter()
+            .map(|p| template.render(&[ChatMessage { role: "user".into(), content: p.text }], true))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { engine, tokenizer, prompts, threads, max_tokens, next_id: 0 })
     }
-    // the clients read their streams on their own thread, as a server's connections do
-    let clients = std::thread::spawn(move || {
-        for mut rx in rxs {
-            while rx.blocking_recv().is_some() {}
+
+    /// One run: the batch's requests decoding together in `async_scheduling` mode; timings
+    /// averaged over the steps without prefill. Returns the row and every request's tokens.
+    fn run(&mut self, async_scheduling: bool) -> Result<(AsyncRow, Vec<Vec<TokenId>>)> {
+        self.engine.set_async_scheduling(async_scheduling)?;
+        let mut rxs = Vec::new();
+        for text in &self.prompts {
+            self.next_id += 1;
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(self.max_tokens) };
+            self.engine.add_request(GenerateRequest { id: RequestId(self.next_id), prompt: self.tokenizer.encode(text)?, params, events: tx, grammar: None });
+            rxs.push(rx);
         }
-    });
-    let mut sum = StepTimings::default();
-    let (mut gaps, mut host_gaps) = (Duration::ZERO, Duration::ZERO);
-    let (mut steps, mut gap_steps, mut tokens) = (0usize, 0usize, 0usize);
-    let mut wall = Duration::ZERO;
-    while engine.has_work() {
-        let t = Instant::now();
-        let s = engine.step();
-        let dt = t.elapsed();
-        if !s.ran_forward || s.has_prefill {
-            continue;
+        // the clients read their streams on their own thread, as a server's connections do
+        let clients = std::thread::spawn(move || {
+            rxs.into_iter()
+                .map(|mut rx| {
+                    let mut tokens = Vec::new();
+                    while let Some(e) = rx.blocking_recv() {
+                        if let RequestEvent::Delta { tokens: t, .. } = e {
+                            tokens.extend(t);
+                        }
+                    }
+                    tokens
+                })
+                .collect::<Vec<_>>()
+        });
+        let mut sum = StepTimings::default();
+        let (mut gaps, mut host_gaps) = (Duration::ZERO, Duration::ZERO);
+        let (mut steps, mut gap_steps, mut tokens) = (0usize, 0usize, 0usize);
+        let mut wall = Duration::ZERO;
+        while self.engine.has_work() {
+            let t = Instant::now();
+            let s = self.engine.step();
+            let dt = t.elapsed();
+            if !s.ran_forward || s.has_prefill {
+                continue;
+            }
+            steps += 1;
+            wall += dt;
+            tokens += s.num_emitted;
+            sum.schedule += s.timings.schedule;
+            sum.prepare += s.timings.prepare;
+            sum.finalize += s.timings.finalize;
+            sum.forward += s.timings.forward;
+            sum.sample += s.timings.sample;
+            sum.propose += s.timings.propose;
+            sum.update += s.timings.update;
+            if let (Some(g), Some(h)) = (s.timings.gap, s.timings.host_gap) {
+                gaps += g;
+                host_gaps += h;
+                gap_steps += 1;
+            }
         }
-        steps += 1;
-        wall += dt;
-        tokens += s.num_emitted;
-        sum.schedule += s.timings.schedule;
-        sum.prepare += s.timings.prepare;
-        sum.finalize += s.timings.finalize;
-        sum.forward += s.timings.forward;
-        sum.sample += s.timings.sample;
-        sum.propose += s.timings.propose;
-        sum.update += s.timings.update;
-        if let (Some(g), Some(h)) = (s.timings.gap, s.timings.host_gap) {
-            gaps += g;
-            host_gaps += h;
-            gap_steps += 1;
-        }
+        // the last step's events are sent; the requests' channels close as they finish
+        let outputs = clients.join().map_err(|_| anyhow::anyhow!("the stream reader panicked"))?;
+        let n = steps.max(1) as u32;
+        let mean = StepTimings {
+            schedule: sum.schedule / n,
+            prepare: sum.prepare / n,
+            finalize: sum.finalize / n,
+            forward: sum.forward / n,
+            sample: sum.sample / n,
+            propose: sum.propose / n,
+            update: sum.update / n,
+            gap: Some(gaps / gap_steps.max(1) as u32),
+            host_gap: Some(host_gaps / gap_steps.max(1) as u32),
+        };
+        let row = AsyncRow { threads: self.threads, async_scheduling, output_tok_s: tokens as f64 / wall.as_secs_f64(), steps, mean, step_wall: wall / n };
+        Ok((row, outputs))
     }
-    drop(engine);
-    clients.join().map_err(|_| anyhow::anyhow!("the stream reader panicked"))?;
-    let n = steps.max(1) as u32;
-    let mean = StepTimings {
-        schedule: sum.schedule / n,
-        prepare: sum.prepare / n,
-        finalize: sum.finalize / n,
-        forward: sum.forward / n,
-        sample: sum.sample / n,
-        propose: sum.propose / n,
-        update: sum.update / n,
-        gap: Some(gaps / gap_steps.max(1) as u32),
-        host_gap: Some(host_gaps / gap_steps.max(1) as u32),
-    };
-    Ok(AsyncRow { threads, async_scheduling, output_tok_s: tokens as f64 / wall.as_secs_f64(), steps, mean, step_wall: wall / n })
 }
 
 pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: usize, repeat: usize) -> Result<Vec<AsyncRow>> {
     let mut rows = Vec::new();
     for &t in threads {
-        // interleaved, so drift in machine load hits both modes alike
+        let mut bench = Bench::new(path, t, batch, max_tokens, k)?;
+        // a run not measured: first touches of the weights and KV, the pool's threads started
+        let (_, expected) = bench.run(false)?;
+        // interleaved on one engine, so drift in machine load hits both modes alike
         for _ in 0..repeat {
             for async_scheduling in [false, true] {
-                rows.push(run_once(path, t, batch, max_tokens, k, async_scheduling)?);
+                let (row, outputs) = bench.run(async_scheduling)?;
+                if outputs != expected {
+                    anyhow::bail!("threads {t}, async {async_scheduling}: the outputs differ from the first run's (greedy: they must not)");
+                }
+                rows.push(row);
             }
         }
     }
