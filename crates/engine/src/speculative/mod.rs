@@ -176,7 +176,14 @@ pub struct Speculation {
     pub(crate) by_support: Vec<adaptive::AcceptanceTracker>,
     /// The support band of each sequence's draft that awaits verification (credited then).
     supported: std::collections::BTreeMap<crate::types::SeqId, usize>,
+    /// A combined proposer's share of each sequence's recent steps that the n-gram drafted (a
+    /// moving average, [`NGRAM_SHARE_WEIGHT`]): how soon a draft model called back is expected
+    /// to hand over again, so what its catch-up is repaid over ([`Self::model_horizon`]).
+    ngram_share: std::collections::BTreeMap<crate::types::SeqId, f64>,
 }
+
+/// Weight of the newest step in a sequence's `ngram_share`.
+const NGRAM_SHARE_WEIGHT: f64 = 0.125;
 
 impl Speculation {
     /// `cost` from [`cost_model`].
@@ -193,6 +200,7 @@ impl Speculation {
             output_lengths: adaptive::OutputLengths::default(),
             by_support: (0..2 * adaptive::SUPPORT_BANDS).map(|_| adaptive::AcceptanceTracker::global()).collect(),
             supported: std::collections::BTreeMap::new(),
+            ngram_share: std::collections::BTreeMap::new(),
         }
     }
 
@@ -283,6 +291,7 @@ impl Speculation {
             return k;
         }
         let remaining = self.output_lengths.expected_remaining(catch_up.generated, catch_up.room);
+        let remaining = self.model_horizon(seq, remaining, adaptive::expected_tokens(alpha, k));
         let batch_backlog = catch_up.batch_backlog.max(catch_up.backlog);
         if adaptive::catch_up_pays(alpha, k, &self.cost, soon, batch_backlog, remaining) {
             if catch_up.backlog > 1 {
@@ -307,6 +316,20 @@ impl Speculation {
         self.proposer.remove(seq);
         self.trackers.remove(&seq);
         self.supported.remove(&seq);
+        self.ngram_share.remove(&seq);
+    }
+
+    /// The tokens a draft model's catch-up for `seq` is repaid over: the sequence's expected
+    /// `remaining` tokens, or, with a combined proposer whose n-gram drafted a share `s` of the
+    /// sequence's recent steps, the ~1/s steps (of `per_step` tokens) the model is expected to
+    /// draft before the n-gram takes over again and the model falls behind anew. On the agent
+    /// traces' edits the n-gram drafts most steps, and a model called back at each short match
+    /// caught up with every copy in between (benchmarks.md, "Agent traces").
+    fn model_horizon(&self, seq: crate::types::SeqId, remaining: usize, per_step: f64) -> usize {
+        match self.ngram_share.get(&seq) {
+            Some(&share) if share > 0.0 => remaining.min((per_step.max(1.0) / share).ceil() as usize),
+            _ => remaining,
+        }
     }
 
     /// Draft planning for one step: for each sequence that goes on decoding (`cands`), how many
@@ -361,9 +384,10 @@ impl Speculation {
     /// unit of step cost as the model's drafts for the sequence, else the model's (None: the
     /// sequence's estimate decides k). The model's drafts are priced at their acceptance, the
     /// draft model's cost and its catch-up over the `backlog` tokens it missed while the n-gram
-    /// drafted, spread over the steps the sequence's `remaining` tokens take (a draft model
-    /// called back after a long copy first feeds all of it: on the agent traces' edits that cost
-    /// more than it gained, benchmarks.md). Without adaptive k the model always.
+    /// drafted, spread over the steps it is expected to draft before the n-gram takes over again
+    /// ([`Self::model_horizon`]; a draft model called back after a long copy first feeds all of
+    /// it: on the agent traces' edits that cost more than it gained, benchmarks.md). Without
+    /// adaptive k the model always.
     fn choose(
         &mut self,
         seq: crate::types::SeqId,
@@ -378,12 +402,17 @@ impl Speculation {
                 let by_ngram = adaptive::best_k_gain(self.by_support[s.band()].alpha(), k_limit.min(s.len), &self.ngram_cost, decoding).1;
                 let alpha = tracker(&mut self.trackers, &self.global, seq).alpha();
                 let (k, gain) = adaptive::best_k_gain(alpha, k_limit, &self.cost, decoding);
-                // the catch-up, relative to the batch's plain step, per step of the rest
+                // the catch-up, relative to the batch's plain step, per step it is repaid over
                 let per_step = adaptive::expected_tokens(alpha, k);
-                let catch_up = self.cost.catch_up(backlog) / self.cost.relative(decoding.max(1)) / (remaining as f64 / per_step).max(1.0);
+                let horizon = self.model_horizon(seq, remaining, per_step);
+                let catch_up = self.cost.catch_up(backlog) / self.cost.relative(decoding.max(1)) / (horizon as f64 / per_step).max(1.0);
                 let by_model = if k == 0 { gain } else { per_step / (per_step / gain + catch_up) };
                 s.len > 0 && by_ngram >= by_model
             });
+        if self.cfg.adaptive {
+            let share = self.ngram_share.entry(seq).or_insert(0.0);
+            *share += NGRAM_SHARE_WEIGHT * (f64::from(u8::from(ngram)) - *share);
+        }
         self.proposer.choose_ngram(seq, ngram);
         if ngram {
             support
@@ -584,6 +613,29 @@ mod tests {
         assert!(sp.next_k(SeqId(2), k_limit, 1, late(20), None) > 0);
     }
 
+    /// With a combined proposer, a draft model called back for a sequence the n-gram drafted most
+    /// of its recent steps repays its catch-up over the few steps before the n-gram takes over
+    /// again, not over the rest of the output: the same catch-up pays for a sequence the model
+    /// drafts, and not for one the n-gram drafted 9 steps in 10.
+    #[test]
+    fn a_catch_up_is_repaid_only_until_the_n_gram_is_expected_to_take_over() {
+        let cfg = SpecConfig::new(SpecMethod::Draft, 4);
+        // a catch-up over 60 tokens costs about 3 target steps here
+        let cost = cost::CostModel::linear(0.5, 0.1);
+        let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
+        let k_limit = sp.batch_k_limit(1);
+        let late = CatchUp { backlog: 60, first_decode: false, room: 800, generated: 20, batch_soon: 1, batch_backlog: 60 };
+        assert!(sp.next_k(SeqId(1), k_limit, 1, late, None) > 0);
+        sp.ngram_share.insert(SeqId(1), 0.9);
+        sp.ngram_share.insert(SeqId(2), 0.0);
+        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, late, None), 0);
+        assert!(sp.next_k(SeqId(2), k_limit, 1, late, None) > 0);
+        assert_eq!(sp.model_horizon(SeqId(1), 800, 2.0), 3);
+        assert_eq!(sp.model_horizon(SeqId(3), 800, 2.0), 800);
+        sp.remove(SeqId(1));
+        assert!(sp.next_k(SeqId(1), k_limit, 1, late, None) > 0);
+    }
+
     /// A late catch-up is weighed as the whole batch's: one sequence 500 tokens behind, alone,
     /// catches up; three of them in a batch of three (1500 tokens, all needed before the batch's
     /// steps grow shorter) do not; one behind among two that draft already does.
@@ -700,6 +752,8 @@ mod tests {
         assert_eq!(drafts[0].tokens, (112..112 + reqs[0].max_draft as u32).collect::<Vec<_>>());
         assert_eq!(drafts[1].tokens, vec![7; reqs[1].max_draft]);
         assert_eq!(*asked.lock().unwrap(), vec![(SeqId(1), 0), (SeqId(2), reqs[1].max_draft)]);
+        // each choice moves the sequence's n-gram share (what a later catch-up is repaid over)
+        assert_eq!((sp.ngram_share[&SeqId(1)], sp.ngram_share[&SeqId(2)]), (NGRAM_SHARE_WEIGHT, 0.0));
         // once the model's drafts for seq 1 are kept better than the band's, the model drafts it
         for _ in 0..40 {
             sp.record(SeqId(1), 4, 4);
