@@ -193,9 +193,14 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
         let ratios: Vec<f64> = pairs.iter().map(|(s, a)| a.output_tok_s / s.output_tok_s).collect();
         let ratio = ratios.iter().sum::<f64>() / n;
         let spread = (ratios.iter().map(|r| (r - ratio).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)).sqrt();
+        let mut sorted = ratios.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = (sorted[(sorted.len() - 1) / 2] + sorted[sorted.len() / 2]) / 2.0;
+        // the standard error of the mean ratio: what the pairs say about a real difference
+        let stderr = spread / n.sqrt();
         let (gs, ga, hs, ha) = (mean(&gap, false), mean(&gap, true), mean(&idle, false), mean(&idle, true));
         println!(
-            "threads {t} ({} pairs): forward-to-forward gap {gs:.3} -> {ga:.3} ms ({:+.0}%), compute idle gap {hs:.3} -> {ha:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} (pairwise {:+.1}% ± {:.1}%; sync host share {:.2}%)",
+            "threads {t} ({} pairs): forward-to-forward gap {gs:.3} -> {ga:.3} ms ({:+.0}%), compute idle gap {hs:.3} -> {ha:.3} ms ({:+.0}%), output tok/s {:.1} -> {:.1} (pairwise mean {:+.1}% ± {:.1}% sd, ± {:.1}% standard error, median {:+.1}%; sync host share {:.2}%)",
             pairs.len(),
             100.0 * (ga - gs) / gs.max(1e-9),
             100.0 * (ha - hs) / hs.max(1e-9),
@@ -203,6 +208,8 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
             mean(&tok, true),
             100.0 * (ratio - 1.0),
             100.0 * spread,
+            100.0 * stderr,
+            100.0 * (median - 1.0),
             100.0 * mean(&host_share, false)
         );
     }
