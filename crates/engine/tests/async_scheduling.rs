@@ -519,9 +519,8 @@ fn a_request_arriving_mid_stream_starts_in_the_next_forward_pass() {
 #[test]
 fn scheduling_switches_between_batches_and_outputs_do_not_change() {
     let model = TinyModel::new();
-    let batches: Vec<Vec<(Vec<u32>, SamplingParams)>> = (0..4)
-        .map(|b| (0..4).map(|i| (prompt(10 + i, (b % 2) as u64 * 10 + i as u64), greedy(10 + 3 * i))).collect())
-        .collect();
+    let batches: Vec<Vec<(Vec<u32>, SamplingParams)>> =
+        (0..4).map(|b| (0..4).map(|i| (prompt(10 + i, (b % 2) as u64 * 10 + i as u64), greedy(10 + 3 * i))).collect()).collect();
     let run = |switch: bool| {
         let mut h = Harness::on_with(&model, roomy(false), Spec::Ngram(3), false);
         let mut outputs = Vec::new();

@@ -31,6 +31,11 @@ use std::collections::HashMap;
 /// anywhere in other requests' outputs).
 pub const CORPUS_MIN_MATCH: usize = 3;
 
+/// Most other running sequences a lookup reads (the newest of the tenant's): a lookup walks one
+/// automaton per peer (about 0.15 ms per step for 8 sequences of one tenant, `bench offline
+/// --async-compare`'s propose column), so a large batch does not pay it squared.
+pub const LIVE_PEERS: usize = 8;
+
 pub struct NgramProposer {
     /// Shortest match that is worth a draft.
     pub min_match: usize,
@@ -155,7 +160,8 @@ impl NgramProposer {
         let min = self.min_match;
         let s = self.fed(seq, tokens, prompt_len, tenant);
         let own = s.best_match(min).map_or(0, |m| m.len);
-        let live = self.live_lookup(seq, tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > own);
+        // (a match of the whole query cannot be beaten)
+        let live = if own >= QUERY_TOKENS { None } else { self.live_lookup(seq, tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > own) };
         let floor = live.as_ref().map_or(own, |m| m.len);
         let corpus = self.corpus.lookup(tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > floor).or(live);
         match corpus {
@@ -168,15 +174,17 @@ impl NgramProposer {
     }
 
     /// The longest suffix of `tokens`' last [`QUERY_TOKENS`] found in the text of another running
-    /// sequence of `tenant` (at least `min_len`, with something after it), and up to `k` tokens
-    /// that followed it there; on a tie, the sequence with the lowest id.
+    /// sequence of `tenant` (the newest [`LIVE_PEERS`]; at least `min_len`, with something after
+    /// it), and up to `k` tokens that followed it there; on a tie, the sequence with the lowest id.
     fn live_lookup(&self, seq: SeqId, tenant: Tenant, tokens: &[TokenId], min_len: usize, k: usize) -> Option<CorpusMatch> {
         let query = &tokens[tokens.len().saturating_sub(QUERY_TOKENS)..];
+        let mut peers: Vec<(SeqId, &SeqIndex)> = self.index.iter().filter(|(&other, s)| other != seq && s.tenant == tenant).map(|(&o, s)| (o, s)).collect();
+        if peers.len() > LIVE_PEERS {
+            peers.select_nth_unstable_by(LIVE_PEERS - 1, |a, b| b.0.cmp(&a.0));
+            peers.truncate(LIVE_PEERS);
+        }
         let mut best: Option<(usize, SeqId, usize)> = None;
-        for (&other, s) in &self.index {
-            if other == seq || s.tenant != tenant {
-                continue;
-            }
+        for (other, s) in peers {
             let Some((len, end)) = s.plain.longest_suffix_of(query).filter(|&(len, end)| len >= min_len && end + 1 < s.text.len()) else { continue };
             if best.is_none_or(|(l, id, _)| len > l || (len == l && other < id)) {
                 best = Some((len, other, end));
@@ -380,6 +388,28 @@ mod tests {
         p.corpus = Corpus::new(0);
         p.remove(SeqId(1));
         assert_eq!(draft(&mut p, &a), Vec::<TokenId>::new());
+    }
+
+    #[test]
+    fn a_lookup_reads_the_newest_running_sequences_only() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let params = crate::api::SamplingParams::greedy(8);
+        let mut p = NgramProposer::new(1);
+        // the oldest running sequence holds "41 42 43 44"; LIVE_PEERS newer ones hold nothing of it
+        let holder: Vec<TokenId> = vec![40, 41, 42, 43, 44, 45];
+        let mut feed = |p: &mut NgramProposer, seq: u64, text: &[TokenId]| {
+            let req = DraftRequest { seq: SeqId(seq), tokens: text, prompt_len: text.len(), max_draft: 2, params: &params, hidden: None, rng: None };
+            p.propose(&[req], &pool).unwrap();
+        };
+        feed(&mut p, 1, &holder);
+        let text: Vec<TokenId> = vec![7, 8, 9, 41, 42, 43];
+        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0)), Some(Support { len: 3, from_corpus: true }));
+        for seq in 2..2 + LIVE_PEERS as u64 {
+            feed(&mut p, seq, &[seq as TokenId + 1000, 1, 2, 3]);
+        }
+        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0)), Some(Support::own(0)));
+        p.remove(SeqId(2));
+        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0)), Some(Support { len: 3, from_corpus: true }));
     }
 
     #[test]
