@@ -180,10 +180,17 @@ pub struct Speculation {
     /// moving average, [`NGRAM_SHARE_WEIGHT`]): how soon a draft model called back is expected
     /// to hand over again, so what its catch-up is repaid over ([`Self::model_horizon`]).
     ngram_share: std::collections::BTreeMap<crate::types::SeqId, f64>,
+    /// The same share over every sequence's steps: where a new sequence's starts, so a draft
+    /// model's catch-up with a fresh prompt is priced by what the workload's sequences have been
+    /// doing (on code edits the n-gram drafts most steps: the draft model's prefill of each prompt
+    /// was spent for a few steps and delayed every first token).
+    ngram_share_prior: f64,
 }
 
 /// Weight of the newest step in a sequence's `ngram_share`.
 const NGRAM_SHARE_WEIGHT: f64 = 0.125;
+/// Weight of the newest step (of any sequence) in `ngram_share_prior`.
+const NGRAM_SHARE_PRIOR_WEIGHT: f64 = 1.0 / 256.0;
 
 impl Speculation {
     /// `cost` from [`cost_model`].
@@ -201,6 +208,7 @@ impl Speculation {
             by_support: (0..2 * adaptive::SUPPORT_BANDS).map(|_| adaptive::AcceptanceTracker::global()).collect(),
             supported: std::collections::BTreeMap::new(),
             ngram_share: std::collections::BTreeMap::new(),
+            ngram_share_prior: 0.0,
         }
     }
 
@@ -326,8 +334,8 @@ impl Speculation {
     /// traces' edits the n-gram drafts most steps, and a model called back at each short match
     /// caught up with every copy in between (benchmarks.md, "Agent traces").
     fn model_horizon(&self, seq: crate::types::SeqId, remaining: usize, per_step: f64) -> usize {
-        match self.ngram_share.get(&seq) {
-            Some(&share) if share > 0.0 => remaining.min((per_step.max(1.0) / share).ceil() as usize),
+        match self.ngram_share.get(&seq).copied().unwrap_or(self.ngram_share_prior) {
+            share if share > 0.0 => remaining.min((per_step.max(1.0) / share).ceil() as usize),
             _ => remaining,
         }
     }
@@ -410,8 +418,10 @@ impl Speculation {
                 s.len > 0 && by_ngram >= by_model
             });
         if self.cfg.adaptive {
-            let share = self.ngram_share.entry(seq).or_insert(0.0);
-            *share += NGRAM_SHARE_WEIGHT * (f64::from(u8::from(ngram)) - *share);
+            let chose = f64::from(u8::from(ngram));
+            let share = self.ngram_share.entry(seq).or_insert(self.ngram_share_prior);
+            *share += NGRAM_SHARE_WEIGHT * (chose - *share);
+            self.ngram_share_prior += NGRAM_SHARE_PRIOR_WEIGHT * (chose - self.ngram_share_prior);
         }
         self.proposer.choose_ngram(seq, ngram);
         if ngram {
@@ -632,6 +642,10 @@ mod tests {
         assert!(sp.next_k(SeqId(2), k_limit, 1, late, None) > 0);
         assert_eq!(sp.model_horizon(SeqId(1), 800, 2.0), 3);
         assert_eq!(sp.model_horizon(SeqId(3), 800, 2.0), 800);
+        // a new sequence starts from the share over every sequence's steps
+        sp.ngram_share_prior = 0.5;
+        assert_eq!(sp.model_horizon(SeqId(3), 800, 2.0), 4);
+        sp.ngram_share_prior = 0.0;
         sp.remove(SeqId(1));
         assert!(sp.next_k(SeqId(1), k_limit, 1, late, None) > 0);
     }
@@ -753,7 +767,10 @@ mod tests {
         assert_eq!(drafts[1].tokens, vec![7; reqs[1].max_draft]);
         assert_eq!(*asked.lock().unwrap(), vec![(SeqId(1), 0), (SeqId(2), reqs[1].max_draft)]);
         // each choice moves the sequence's n-gram share (what a later catch-up is repaid over)
-        assert_eq!((sp.ngram_share[&SeqId(1)], sp.ngram_share[&SeqId(2)]), (NGRAM_SHARE_WEIGHT, 0.0));
+        // (seq 2 started from the prior seq 1's choice moved, then chose the model)
+        let seq_2 = NGRAM_SHARE_PRIOR_WEIGHT * (1.0 - NGRAM_SHARE_WEIGHT);
+        assert_eq!((sp.ngram_share[&SeqId(1)], sp.ngram_share[&SeqId(2)]), (NGRAM_SHARE_WEIGHT, seq_2));
+        assert!(sp.ngram_share_prior > 0.0 && sp.ngram_share_prior < NGRAM_SHARE_PRIOR_WEIGHT);
         // once the model's drafts for seq 1 are kept better than the band's, the model drafts it
         for _ in 0..40 {
             sp.record(SeqId(1), 4, 4);
