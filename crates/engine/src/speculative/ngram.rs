@@ -397,7 +397,7 @@ mod tests {
         let mut p = NgramProposer::new(1);
         // the oldest running sequence holds "41 42 43 44"; LIVE_PEERS newer ones hold nothing of it
         let holder: Vec<TokenId> = vec![40, 41, 42, 43, 44, 45];
-        let mut feed = |p: &mut NgramProposer, seq: u64, text: &[TokenId]| {
+        let feed = |p: &mut NgramProposer, seq: u64, text: &[TokenId]| {
             let req = DraftRequest { seq: SeqId(seq), tokens: text, prompt_len: text.len(), max_draft: 2, params: &params, hidden: None, rng: None };
             p.propose(&[req], &pool).unwrap();
         };
