@@ -77,7 +77,7 @@ impl Engine {
             .thread_name(|i| format!("specula-compute-{i}"))
             .build()
             .map_err(|e| EngineError::ThreadPool(e.to_string()))?;
-        let runner = if cfg.async_scheduling { Some(AsyncRunner::new("specula-host").map_err(|e| EngineError::ThreadPool(e.to_string()))?) } else { None };
+        let runner = if cfg.async_scheduling { Some(host_runner()?) } else { None };
         let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         if cfg.async_scheduling && cfg.threads >= cores {
             tracing::warn!(
@@ -179,7 +179,7 @@ impl Engine {
             return Err(EngineError::Config("async scheduling can be switched only while the engine is idle".into()));
         }
         if on && self.runner.is_none() {
-            self.runner = Some(AsyncRunner::new("specula-host").map_err(|e| EngineError::ThreadPool(e.to_string()))?);
+            self.runner = Some(host_runner()?);
         } else if !on {
             self.runner = None;
         }
@@ -427,7 +427,7 @@ impl Engine {
     fn host_lost(&mut self, msg: &AsyncRunnerError) {
         tracing::error!("the async step runner failed and lost every request in flight: {msg}");
         // the old runner's Drop joins its dead worker
-        self.runner = AsyncRunner::new("specula-host").ok();
+        self.runner = host_runner().ok();
         if self.runner.is_none() {
             tracing::error!("cannot restart the async step runner; continuing with synchronous scheduling");
         }
@@ -572,6 +572,11 @@ impl Drop for HostMut<'_> {
     fn drop(&mut self) {
         sync_speculation(self.host, self.spec);
     }
+}
+
+/// The worker the host job runs on with async scheduling.
+fn host_runner() -> Result<AsyncRunner<HostDone>, EngineError> {
+    AsyncRunner::new("specula-host").map_err(|e| EngineError::ThreadPool(e.to_string()))
 }
 
 fn sync_speculation(host: &mut Host, spec: &mut Option<Speculation>) {

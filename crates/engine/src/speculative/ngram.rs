@@ -49,8 +49,8 @@ struct SeqIndex {
     prompt_len: usize,
     /// Whose sequence it is: only the same tenant's sequences draft from its text.
     tenant: Tenant,
-    /// The sequence's text as far as it was fed (for the other sequences' lookups; its own read
-    /// the text the engine passes).
+    /// The sequence's text (prompt and output) as far as it was fed: what its own matches
+    /// continue, and what the other sequences' lookups read.
     text: Vec<TokenId>,
     /// The sequence's text (prompt and output) as it is.
     plain: SuffixAutomaton,
@@ -79,38 +79,38 @@ impl SeqIndex {
         Self { prompt_len, tenant, text: Vec::new(), plain: SuffixAutomaton::new(), learner: EditLearner::default(), edited: None }
     }
 
-    /// Token `i` of the text `m` was found in (`tokens`: the sequence's).
-    fn at(&self, tokens: &[TokenId], edited: bool, i: usize) -> TokenId {
+    /// Token `i` of the text `m` was found in.
+    fn at(&self, edited: bool, i: usize) -> TokenId {
         match (&self.edited, edited) {
             (Some(e), true) if i < e.source.len() => e.source[i],
-            (Some(e), true) => tokens[self.prompt_len + i - e.source.len()],
-            _ => tokens[i],
+            (Some(e), true) => self.text[self.prompt_len + i - e.source.len()],
+            _ => self.text[i],
         }
     }
 
     /// Length of the text `m` was found in.
-    fn text_len(&self, tokens: &[TokenId], edited: bool) -> usize {
+    fn text_len(&self, edited: bool) -> usize {
         match (&self.edited, edited) {
-            (Some(e), true) => e.source.len() + tokens.len() - self.prompt_len,
-            _ => tokens.len(),
+            (Some(e), true) => e.source.len() + self.text.len() - self.prompt_len,
+            _ => self.text.len(),
         }
     }
 
-    /// Learns from the step that brought the text to `tokens` (fed to the automata already).
-    fn learn(&mut self, tokens: &[TokenId]) {
+    /// Learns from the step that brought the text to where it is (fed to the automata already).
+    fn learn(&mut self) {
         loop {
             let edited = self.edited.is_some();
-            let (n, source_len) = (self.text_len(tokens, edited), self.edited.as_ref().map_or(self.prompt_len, |e| e.source.len()));
+            let (n, source_len) = (self.text_len(edited), self.edited.as_ref().map_or(self.prompt_len, |e| e.source.len()));
             let m = self.edited.as_ref().map_or(&self.plain, |e| &e.automaton).longest_repeat();
             let mut learner = std::mem::take(&mut self.learner);
-            let learned = learner.observe(|i| self.at(tokens, edited, i), n, source_len, m);
+            let learned = learner.observe(|i| self.at(edited, i), n, source_len, m);
             self.learner = learner;
             if !learned {
                 return;
             }
-            let source = self.learner.apply(&tokens[..self.prompt_len]);
+            let source = self.learner.apply(&self.text[..self.prompt_len]);
             let mut automaton = SuffixAutomaton::new();
-            source.iter().chain(&tokens[self.prompt_len..]).for_each(|&t| automaton.push(t));
+            source.iter().chain(&self.text[self.prompt_len..]).for_each(|&t| automaton.push(t));
             self.edited = Some(Edited { source, automaton });
         }
     }
@@ -128,15 +128,15 @@ impl SeqIndex {
     }
 
     /// Up to `k` tokens continuing the text after the best match (its first occurrence).
-    fn continuation(&self, min_match: usize, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
+    fn continuation(&self, min_match: usize, k: usize) -> Vec<TokenId> {
         let Some(m) = self.best_match(min_match) else { return Vec::new() };
-        let (k, n) = (k.min(m.len), self.text_len(tokens, m.edited));
+        let (k, n) = (k.min(m.len), self.text_len(m.edited));
         // the continuation may run into the text's own end (a repeating pattern): it then goes on
         // with the draft's own tokens, which is what the text would be if the pattern continues
         let mut out = Vec::with_capacity(k);
         for i in 0..k {
             let at = m.end + 1 + i;
-            out.push(if at < n { self.at(tokens, m.edited, at) } else { out[at - n] });
+            out.push(if at < n { self.at(m.edited, at) } else { out[at - n] });
         }
         out
     }
@@ -163,12 +163,12 @@ impl NgramProposer {
         // (a match of the whole query cannot be beaten)
         let live = if own >= QUERY_TOKENS { None } else { self.live_lookup(seq, tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > own) };
         let floor = live.as_ref().map_or(own, |m| m.len);
-        let corpus = self.corpus.lookup(tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > floor).or(live);
-        match corpus {
+        let across = self.corpus.lookup(tenant, tokens, CORPUS_MIN_MATCH.max(min), k).filter(|m| m.len > floor).or(live);
+        match across {
             Some(m) => (Support { len: m.len, from_corpus: true }, m.continuation),
             None => {
                 let s = &self.index[&seq];
-                (Support::own(own), if k == 0 { Vec::new() } else { s.continuation(min, tokens, k) })
+                (Support::own(own), if k == 0 { Vec::new() } else { s.continuation(min, k) })
             }
         }
     }
@@ -211,7 +211,7 @@ impl NgramProposer {
             }
         }
         if tokens.len() > old && tokens.len() > prompt_len {
-            s.learn(tokens);
+            s.learn();
         }
         s
     }
@@ -219,8 +219,9 @@ impl NgramProposer {
     /// The draft for a text seen for the first time (tests, one-off lookups; no edits learned).
     pub fn lookup(&self, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
         let mut s = SeqIndex::new(tokens.len(), Tenant::default());
+        s.text = tokens.to_vec();
         tokens.iter().for_each(|&t| s.plain.push(t));
-        s.continuation(self.min_match, tokens, k)
+        s.continuation(self.min_match, k)
     }
 }
 
