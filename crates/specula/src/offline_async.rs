@@ -6,6 +6,7 @@
 //! run on one loaded engine, switched while idle, alternating; every run's outputs must equal the
 //! warm-up run's.
 
+use crate::bench::stats::Summary;
 use crate::bench::workload::parse_prompts;
 use anyhow::{Context, Result};
 use specula_engine::handle::QueueCounters;
@@ -193,9 +194,7 @@ pub fn run(path: &Path, threads: &[usize], batch: usize, max_tokens: usize, k: u
         let ratios: Vec<f64> = pairs.iter().map(|(s, a)| a.output_tok_s / s.output_tok_s).collect();
         let ratio = ratios.iter().sum::<f64>() / n;
         let spread = (ratios.iter().map(|r| (r - ratio).powi(2)).sum::<f64>() / (n - 1.0).max(1.0)).sqrt();
-        let mut sorted = ratios.clone();
-        sorted.sort_by(f64::total_cmp);
-        let median = (sorted[(sorted.len() - 1) / 2] + sorted[sorted.len() / 2]) / 2.0;
+        let median = Summary::of(&ratios).map_or(ratio, |s| s.p50);
         // the standard error of the mean ratio: what the pairs say about a real difference
         let stderr = spread / n.sqrt();
         let (gs, ga, hs, ha) = (mean(&gap, false), mean(&gap, true), mean(&idle, false), mean(&idle, true));

@@ -10,7 +10,7 @@ mod report;
 mod request;
 mod spec;
 mod sse;
-mod stats;
+pub(crate) mod stats;
 pub(crate) mod workload;
 
 #[cfg(test)]
