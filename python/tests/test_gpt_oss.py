@@ -6,7 +6,8 @@ experts, the harmony vocabulary and a harmony chat template).
   and a past tool call included, and generation stops at `<|return|>` and `<|call|>`, not at
   `<|end|>` (which ends the analysis message before the final one), as llama.cpp decides.
 - Served, greedy outputs are token for token the same with and without n-gram speculation and
-  async scheduling (the random model's output is noise, so only exactness is asserted).
+  async scheduling, and with the experts read in place from the file's map (`--expert-weights
+  mapped`) (the random model's output is noise, so only exactness is asserted).
 The forward pass itself is checked against the NumPy reference in test_moe_oracle.py.
 """
 
@@ -71,14 +72,16 @@ def chat_outputs(server: SpeculaServer) -> list:
     return out
 
 
-def test_served_gpt_oss_is_exact_under_ngram_and_async_scheduling(tiny_gpt_oss):
+def test_served_gpt_oss_is_exact_under_ngram_async_scheduling_and_mapped_experts(tiny_gpt_oss):
     runs = []
-    for flags in [(), ("--speculative-method", "ngram", "--async-scheduling")]:
+    for flags in [(), ("--speculative-method", "ngram", "--async-scheduling"), ("--expert-weights", "mapped", "--speculative-method", "ngram")]:
         server = SpeculaServer(*flags, "--max-model-len", "512")
         server.model = tiny_gpt_oss
         server.start()
         try:
             runs.append(chat_outputs(server))
+            if "mapped" in flags:
+                assert "expert weights read in place" in server.log_tail(100000), server.log_tail()
             if flags:
                 metrics = server.http().get("/metrics").text
                 drafted = [line for line in metrics.splitlines() if line.startswith("specula:spec_decode_num_draft_tokens ")]
@@ -86,4 +89,5 @@ def test_served_gpt_oss_is_exact_under_ngram_and_async_scheduling(tiny_gpt_oss):
         finally:
             server.stop()
     assert runs[0] == runs[1], json.dumps(runs, indent=1)[:2000]
+    assert runs[0] == runs[2], "experts read in place from the map changed the output"
     assert any(len(toks) > 5 for toks, *_ in runs[0])

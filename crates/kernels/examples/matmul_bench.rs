@@ -6,7 +6,8 @@
 //! ~160 MB (env BENCH_MB), rotated so the weights stream from memory as in decode (GB/s of weights), and many
 //! rows against one copy (prefill: rows x weight elements / s, "Gw/s"; BENCH_ROTATE=1 streams every
 //! row count from memory). Reports the median of several rounds; on a shared machine compare
-//! builds interleaved, not across sessions.
+//! builds interleaved, not across sessions. BENCH_IN_PLACE=1 reads the matrices in place
+//! (`QMatrix::new_in_place`: each group repacked as it is read) instead of repacked at load.
 
 use rand::{Rng, SeedableRng};
 use specula_kernels::matmul::{matmul, MatmulInput};
@@ -81,7 +82,15 @@ fn main() {
         ("gate/up IQ4XS", WeightFormat::IQ4XS, 8960, 1536),
         ("gate/up IQ4NL", WeightFormat::IQ4NL, 8960, 1536),
         ("gate/up MXFP4", WeightFormat::MXFP4, 8960, 1536),
+        ("30B-A3B expert gate Q4K", WeightFormat::Q4K, 768, 2048),
+        ("30B-A3B expert down Q6K", WeightFormat::Q6K, 2048, 768),
     ];
+    // BENCH_IN_PLACE=1: the matrices read in place (each group repacked as it is read)
+    let in_place = std::env::var("BENCH_IN_PLACE").is_ok_and(|v| v == "1");
+    let build = |f, rows, cols, raw: Vec<u8>, name: &str| match in_place {
+        true => QMatrix::new_in_place(f, rows, cols, WeightBytes::owned(raw), name).unwrap(),
+        false => QMatrix::new(f, rows, cols, WeightBytes::owned(raw), name).unwrap(),
+    };
     let rotate = std::env::var("BENCH_ROTATE").is_ok_and(|v| v == "1");
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     println!("{:<14} {:>6} {:>4} {:>10} {:>9} {:>9}", "shape", "rows", "thr", "us/call", "GB/s", "Gw/s");
@@ -93,13 +102,13 @@ fn main() {
         let raw = random_raw(&mut rng, f, rows, cols);
         let bytes = raw.len();
         let t = Instant::now();
-        let m = QMatrix::new(f, rows, cols, WeightBytes::owned(raw.clone()), name).unwrap();
+        let m = build(f, rows, cols, raw.clone(), name);
         let pack_s = t.elapsed().as_secs_f64();
         let budget: usize = std::env::var("BENCH_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(160);
         let copies = (budget * 1_000_000 / bytes).clamp(1, 64);
         let mut ms = vec![m];
         for _ in 1..copies {
-            ms.push(QMatrix::new(f, rows, cols, WeightBytes::owned(raw.clone()), name).unwrap());
+            ms.push(build(f, rows, cols, raw.clone(), name));
         }
         println!("{name:<14} pack {:.0} MB/s ({} MB, {} copies)", bytes as f64 / pack_s / 1e6, bytes / 1_000_000, copies);
         for &n in &row_counts {

@@ -493,4 +493,53 @@ mod tests {
         x[512 + 300] = 90.0;
         check(&a, &b, &x);
     }
+
+    /// A matrix read in place (each group repacked by the thread that reads it) gives the bits of
+    /// the same matrix repacked at load: every int8 format, batches from decode through pairs of
+    /// groups (5+ rows) to prefill tiles (70 rows: two tiles), one and two threads, and two
+    /// in-place matrices in one call (their groups share each thread's scratch).
+    #[test]
+    fn in_place_matrices_give_the_repacked_bits() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        for f in [
+            WeightFormat::Q4_0,
+            WeightFormat::Q4_1,
+            WeightFormat::Q8_0,
+            WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
+            WeightFormat::Q4K,
+            WeightFormat::Q5K,
+            WeightFormat::Q6K,
+            WeightFormat::Q2K,
+            WeightFormat::Q3K,
+            WeightFormat::IQ4NL,
+            WeightFormat::IQ4XS,
+            WeightFormat::MXFP4,
+        ] {
+            let cols = if f.block_len() > 128 { 512 } else { 128 };
+            let (a, b) = (random_matrix(&mut rng, f, 100, cols), random_matrix(&mut rng, f, 36, cols));
+            let in_place = |m: &QMatrix| QMatrix::new_in_place(m.format, m.rows, m.cols, WeightBytes::owned(m.bytes().to_vec()), "test").unwrap();
+            let (ia, ib) = (in_place(&a), in_place(&b));
+            assert!(matches!(ia.packed(), Some(Packed::Int8(p)) if p.is_in_place()), "{f:?}");
+            assert_eq!((ia.owned_bytes(), a.owned_bytes() > 0), (0, true), "{f:?}");
+            let mut x: Vec<f32> = (0..cols * 70).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+            for r in (2..70).step_by(3) {
+                x[r * cols + 37] = 400.0;
+            }
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for n in [1, 2, 5, 8, 9, 16, 70] {
+                for threads in [1, 2] {
+                    let xs = &x[..n * cols];
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    let (mut ya, mut yb, mut za, mut zb) = (vec![0f32; n * 100], vec![0f32; n * 36], vec![0f32; n * 100], vec![0f32; n * 36]);
+                    pool.install(|| {
+                        matmul_many(&MatmulInput::new(xs, cols, &[&a, &b]), &[&a, &b], &mut [&mut ya, &mut yb]);
+                        matmul_many(&MatmulInput::new(xs, cols, &[&ia, &ib]), &[&ia, &ib], &mut [&mut za, &mut zb]);
+                    });
+                    assert_eq!(bits(&za), bits(&ya), "{f:?}: {n} rows, {threads} threads");
+                    assert_eq!(bits(&zb), bits(&yb), "{f:?}: {n} rows, {threads} threads (second matrix)");
+                }
+            }
+        }
+    }
 }

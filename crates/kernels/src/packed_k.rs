@@ -337,6 +337,109 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Whether `pack_block8` repacks `format`.
+    pub(crate) fn packs_eight(format: WeightFormat) -> bool {
+        matches!(format, WeightFormat::Q4K | WeightFormat::Q5K | WeightFormat::Q6K)
+    }
+
+    /// The group block `dst` of Q4_K / Q5_K / Q6_K from the eight rows' ggml blocks `src[r]`:
+    /// the bytes `pack_block` writes lane by lane, with 8 x 8 transposes of 32-bit words (the
+    /// quants) and of bytes (the scales). Ours: a matrix read in place is repacked a group at a
+    /// time whenever a kernel reads it, so this must cost a fraction of the kernel (the scalar
+    /// `pack_block` cost twice the kernel's time).
+    ///
+    /// # Safety
+    /// AVX2 available; each `src[r]` valid for `format.block_bytes()` reads and `dst` for
+    /// `group_block_bytes(format)` writes; `packs_eight(format)`.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn pack_block8(format: WeightFormat, src: [*const u8; 8], dst: *mut u8) {
+        match format {
+            WeightFormat::Q4K | WeightFormat::Q5K => {
+                let (mut sc, mut mn) = ([0u64; 8], [0u64; 8]);
+                for r in 0..8 {
+                    std::ptr::copy_nonoverlapping(src[r], dst.add(2 * r), 2);
+                    std::ptr::copy_nonoverlapping(src[r].add(2), dst.add(off::K_DMIN + 2 * r), 2);
+                    (sc[r], mn[r]) = scales_mins_k4(src[r].add(4));
+                }
+                transpose_bytes8(sc, dst.add(off::K_SC));
+                transpose_bytes8(mn, dst.add(off::K_MN));
+                if format == WeightFormat::Q4K {
+                    transpose_words(src, 16, QK_K / 2, dst.add(off::Q4K_QS));
+                } else {
+                    transpose_words(src, 16, QK_K / 8, dst.add(off::Q5K_QH));
+                    transpose_words(src, 16 + QK_K / 8, QK_K / 2, dst.add(off::Q5K_QS));
+                }
+            }
+            WeightFormat::Q6K => {
+                let (mut lo, mut hi) = ([0u64; 8], [0u64; 8]);
+                for r in 0..8 {
+                    std::ptr::copy_nonoverlapping(src[r].add(208), dst.add(2 * r), 2);
+                    lo[r] = (src[r].add(192) as *const u64).read_unaligned();
+                    hi[r] = (src[r].add(200) as *const u64).read_unaligned();
+                }
+                transpose_bytes8(lo, dst.add(off::Q6K_SC));
+                transpose_bytes8(hi, dst.add(off::Q6K_SC + 64));
+                transpose_words(src, 0, 128, dst.add(off::Q6K_QL));
+                transpose_words(src, 128, 64, dst.add(off::Q6K_QH));
+            }
+            _ => unreachable!("{format:?} has no eight-row repacking"),
+        }
+    }
+
+    /// The eight 6-bit scales and mins of a Q4_K / Q5_K block (its 12 scale bytes at `q`) as the
+    /// bytes of two words, sub-block `j` in byte `j`: `scale_min_k4` for every `j` at once.
+    #[inline(always)]
+    unsafe fn scales_mins_k4(q: *const u8) -> (u64, u64) {
+        let w = |i: usize| (q.add(4 * i) as *const u32).read_unaligned();
+        let (u0, u1, u2) = (w(0), w(1), w(2));
+        const LOW6: u32 = 0x3f3f_3f3f;
+        const LOW4: u32 = 0x0f0f_0f0f;
+        const TOP2: u32 = 0x0303_0303;
+        let sc = (u0 & LOW6) as u64 | ((((u2 & LOW4) | (((u0 >> 6) & TOP2) << 4)) as u64) << 32);
+        let mn = (u1 & LOW6) as u64 | (((((u2 >> 4) & LOW4) | (((u1 >> 6) & TOP2) << 4)) as u64) << 32);
+        (sc, mn)
+    }
+
+    /// `dst[8 j + r]` = byte `j` of `rows[r]`: an 8 x 8 byte transpose.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn transpose_bytes8(rows: [u64; 8], dst: *mut u8) {
+        let pair = |a: u64, b: u64| _mm_set_epi64x(b as i64, a as i64);
+        let (ab, cd) = (pair(rows[0], rows[1]), pair(rows[2], rows[3]));
+        let (ef, gh) = (pair(rows[4], rows[5]), pair(rows[6], rows[7]));
+        // bytes of rows 0,1 interleaved (a0 b0 a1 b1 ...), etc.
+        let (ab, cd) = (_mm_unpacklo_epi8(ab, _mm_srli_si128::<8>(ab)), _mm_unpacklo_epi8(cd, _mm_srli_si128::<8>(cd)));
+        let (ef, gh) = (_mm_unpacklo_epi8(ef, _mm_srli_si128::<8>(ef)), _mm_unpacklo_epi8(gh, _mm_srli_si128::<8>(gh)));
+        let (abcd_lo, abcd_hi) = (_mm_unpacklo_epi16(ab, cd), _mm_unpackhi_epi16(ab, cd));
+        let (efgh_lo, efgh_hi) = (_mm_unpacklo_epi16(ef, gh), _mm_unpackhi_epi16(ef, gh));
+        let d = dst as *mut __m128i;
+        _mm_storeu_si128(d, _mm_unpacklo_epi32(abcd_lo, efgh_lo));
+        _mm_storeu_si128(d.add(1), _mm_unpackhi_epi32(abcd_lo, efgh_lo));
+        _mm_storeu_si128(d.add(2), _mm_unpacklo_epi32(abcd_hi, efgh_hi));
+        _mm_storeu_si128(d.add(3), _mm_unpackhi_epi32(abcd_hi, efgh_hi));
+    }
+
+    /// `interleave` of `len` bytes (a multiple of 32) at `at` in each of the eight rows at once:
+    /// 32-bit word `u` of row `r` to lane `r` of vector `u` at `dst`, eight vectors per 8 x 8
+    /// transpose.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn transpose_words(src: [*const u8; 8], at: usize, len: usize, dst: *mut u8) {
+        for c in 0..len / 32 {
+            let r: [__m256i; 8] = std::array::from_fn(|i| _mm256_loadu_si256(src[i].add(at + 32 * c) as *const __m256i));
+            let t = |a: __m256i, b: __m256i| (_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+            let ((t0, t1), (t2, t3), (t4, t5), (t6, t7)) = (t(r[0], r[1]), t(r[2], r[3]), t(r[4], r[5]), t(r[6], r[7]));
+            let q = |a: __m256i, b: __m256i| (_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+            // u_k: word k (low lane) and k + 4 (high lane) of rows 0-3, v_k of rows 4-7
+            let ((u0, u1), (u2, u3), (v0, v1), (v2, v3)) = (q(t0, t2), q(t1, t3), q(t4, t6), q(t5, t7));
+            let d = dst.add(256 * c) as *mut __m256i;
+            for (k, (u, v)) in [(u0, v0), (u1, v1), (u2, v2), (u3, v3)].into_iter().enumerate() {
+                _mm256_storeu_si256(d.add(k), _mm256_permute2x128_si256::<0x20>(u, v));
+                _mm256_storeu_si256(d.add(k + 4), _mm256_permute2x128_si256::<0x31>(u, v));
+            }
+        }
+    }
+
     #[inline(always)]
     pub(crate) unsafe fn bcast4(p: *const i8) -> __m256i {
         _mm256_set1_epi32((p as *const i32).read_unaligned())

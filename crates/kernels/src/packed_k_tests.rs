@@ -244,3 +244,30 @@ fn extreme_quants_do_not_overflow_the_integer_sums() {
         }
     }
 }
+
+/// The eight-row repacking (transposes) writes the bytes of `pack_block` lane by lane, on
+/// random blocks with every scale byte random (all 6-bit scale and min combinations reached).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn eight_row_repacking_writes_the_lane_by_lane_bytes() {
+    use rand::Rng;
+    if !crate::cpu::features().avx2_fma {
+        eprintln!("skipping: no AVX2");
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    for f in [WeightFormat::Q4K, WeightFormat::Q5K, WeightFormat::Q6K] {
+        assert!(x86::packs_eight(f));
+        for _ in 0..50 {
+            let src: Vec<Vec<u8>> = (0..GROUP_ROWS).map(|_| (0..f.block_bytes()).map(|_| rng.gen()).collect()).collect();
+            let mut want = vec![0u8; group_block_bytes(f)];
+            for (lane, s) in src.iter().enumerate() {
+                crate::packed_k::pack_block(f, s, lane, &mut want);
+            }
+            let mut got = vec![0xAAu8; group_block_bytes(f)];
+            // SAFETY: AVX2 checked above; each source holds one block, `got` one group block.
+            unsafe { x86::pack_block8(f, std::array::from_fn(|r| src[r].as_ptr()), got.as_mut_ptr()) };
+            assert!(got == want, "{f:?}: first difference at byte {:?}", got.iter().zip(&want).position(|(a, b)| a != b));
+        }
+    }
+}

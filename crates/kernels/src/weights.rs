@@ -69,7 +69,19 @@ pub enum Packed {
 }
 
 impl QMatrix {
+    /// The matrix over `bytes`, repacked for the kernels (a copy in this process's memory).
     pub fn new(format: WeightFormat, rows: usize, cols: usize, bytes: WeightBytes, what: &str) -> Result<Self, KernelError> {
+        Self::build(format, rows, cols, bytes, what, false)
+    }
+
+    /// The matrix over `bytes` read where they lie (a memory-mapped file's pages, no copy): the
+    /// int8 kernels repack each group of eight rows as they read it (`PackedInt8::in_place`),
+    /// with the same results. Formats without an int8 path are repacked as by `new`.
+    pub fn new_in_place(format: WeightFormat, rows: usize, cols: usize, bytes: WeightBytes, what: &str) -> Result<Self, KernelError> {
+        Self::build(format, rows, cols, bytes, what, true)
+    }
+
+    fn build(format: WeightFormat, rows: usize, cols: usize, bytes: WeightBytes, what: &str, in_place: bool) -> Result<Self, KernelError> {
         if !cols.is_multiple_of(format.block_len()) {
             return Err(KernelError::BlockMisaligned { what: what.to_string(), format, cols, block: format.block_len() });
         }
@@ -78,10 +90,27 @@ impl QMatrix {
             return Err(KernelError::ByteLength { what: what.to_string(), expected, got: bytes.as_slice().len() });
         }
         let raw = bytes.as_slice();
-        let packed = PackedInt8::pack(format, rows, cols, raw)
-            .map(|p| Packed::Int8(Arc::new(p)))
-            .or_else(|| PackedFloat::pack(format, rows, cols, raw).map(|p| Packed::Float(Arc::new(p))));
+        let int8 = match in_place {
+            true => PackedInt8::in_place(format, rows, cols, bytes.clone()),
+            false => PackedInt8::pack(format, rows, cols, raw),
+        };
+        let packed = int8.map(|p| Packed::Int8(Arc::new(p))).or_else(|| PackedFloat::pack(format, rows, cols, raw).map(|p| Packed::Float(Arc::new(p))));
         Ok(Self { format, rows, cols, bytes, packed })
+    }
+
+    /// Bytes of its repacked form this matrix holds in its own memory (0 when read in place or
+    /// when the kernels read the file's bytes as they are).
+    pub fn owned_bytes(&self) -> usize {
+        match &self.packed {
+            Some(Packed::Int8(p)) => p.owned_bytes(),
+            Some(Packed::Float(p)) => p.owned_bytes(),
+            None => 0,
+        }
+    }
+
+    /// Whether the kernels read this matrix in place (`new_in_place` of an int8 format).
+    pub fn is_in_place(&self) -> bool {
+        matches!(&self.packed, Some(Packed::Int8(p)) if p.is_in_place())
     }
 
     /// The repacked form the matmul kernels read, if the format has one.

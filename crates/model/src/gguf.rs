@@ -13,16 +13,30 @@ pub struct GgufFile {
     /// Metadata and tensor directory; every tensor lies inside `mmap`.
     pub header: GgufHeader,
     mmap: Arc<Mmap>,
+    /// Expert matrices (`matrix_stack`, `expert_matrix`) are read in place from the map instead
+    /// of repacked; the map's pages are then kept (`release_resident_pages` does nothing).
+    pub experts_in_place: bool,
 }
 
 impl GgufFile {
     pub fn open(path: &std::path::Path) -> Result<Self, ModelError> {
+        Self::open_with(path, false)
+    }
+
+    /// `open`, with every page of the file read and mapped now (`MAP_POPULATE`) when `populate`:
+    /// for weights read in place, which would otherwise fault in a page at a time during the
+    /// first requests.
+    pub fn open_with(path: &std::path::Path, populate: bool) -> Result<Self, ModelError> {
         let p = path.display().to_string();
         let f = std::fs::File::open(path).map_err(|e| ModelError::Io { path: p.clone(), source: e })?;
+        let mut options = memmap2::MmapOptions::new();
+        if populate {
+            options.populate();
+        }
         // SAFETY: the file is opened read-only; specula never writes model files while running.
-        let mmap = unsafe { Mmap::map(&f) }.map_err(|e| ModelError::Io { path: p.clone(), source: e })?;
+        let mmap = unsafe { options.map(&f) }.map_err(|e| ModelError::Io { path: p.clone(), source: e })?;
         let header = gguf_reader::parse(&mmap).map_err(|e| ModelError::BadGguf { path: p.clone(), message: e.to_string() })?;
-        Ok(Self { path: p, header, mmap: Arc::new(mmap) })
+        Ok(Self { path: p, header, mmap: Arc::new(mmap), experts_in_place: false })
     }
 
     /// Unmaps this process's resident pages of the file: once the weights are repacked, the
@@ -31,6 +45,9 @@ impl GgufFile {
     /// machine). They stay in the page cache until memory is needed; a later read faults the page
     /// back in from the file. Called per layer while loading, so the peak stays near one copy.
     pub fn release_resident_pages(&self) {
+        if self.experts_in_place {
+            return;
+        }
         #[cfg(unix)]
         {
             // SAFETY: the map is read-only and never written, so no page holds data that is not
@@ -149,8 +166,18 @@ impl GgufFile {
         self.header.tensor(name).ok_or_else(|| ModelError::BadTensor { name: name.to_string(), message: format!("missing from {}", self.path) })
     }
 
+    /// One expert's 2-D tensor (files with a tensor per expert): `matrix`, read in place when
+    /// `experts_in_place`.
+    pub fn expert_matrix(&self, name: &str) -> Result<QMatrix, ModelError> {
+        self.matrix_placed(name, self.experts_in_place)
+    }
+
     /// A 2-D tensor as a weight matrix over the memory map.
     pub fn matrix(&self, name: &str) -> Result<QMatrix, ModelError> {
+        self.matrix_placed(name, false)
+    }
+
+    fn matrix_placed(&self, name: &str, in_place: bool) -> Result<QMatrix, ModelError> {
         let info = self.tensor_info(name)?;
         let format = weight_format(name, info.ggml_type)?;
         let (rows, cols) = match info.dims[..] {
@@ -160,8 +187,12 @@ impl GgufFile {
         };
         let (start, len) = self.extent(info, format, 1, rows, cols)?;
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
-        QMatrix::new(format, rows, cols, WeightBytes::new(owner, start, len), name)
-            .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
+        let bytes = WeightBytes::new(owner, start, len);
+        match in_place {
+            true => QMatrix::new_in_place(format, rows, cols, bytes, name),
+            false => QMatrix::new(format, rows, cols, bytes, name),
+        }
+        .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
     }
 
     /// Rows `first..first + rows` of a 2-D tensor as their own weight matrix (a fused tensor's
@@ -207,8 +238,12 @@ impl GgufFile {
         (0..n)
             .map(|e| {
                 let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
-                QMatrix::new(format, rows, cols, WeightBytes::new(owner, start + e * len, len), name)
-                    .map_err(|er| ModelError::BadTensor { name: name.into(), message: er.to_string() })
+                let bytes = WeightBytes::new(owner, start + e * len, len);
+                match self.experts_in_place {
+                    true => QMatrix::new_in_place(format, rows, cols, bytes, name),
+                    false => QMatrix::new(format, rows, cols, bytes, name),
+                }
+                .map_err(|er| ModelError::BadTensor { name: name.into(), message: er.to_string() })
             })
             .collect()
     }

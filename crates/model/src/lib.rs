@@ -19,7 +19,8 @@ pub use chat::{ChatMessage, ChatTemplate, RenderedChat};
 pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
 pub use llama::{FeedForward, ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
-pub use loader::{load_model, load_tokenizer, LoadedModel};
+pub use loaded::{ExpertWeights, LoadOptions};
+pub use loader::{load_model, load_model_with, load_tokenizer, LoadedModel};
 pub use moe::{DenseFfn, ExchangeError, ExpertExchange, MoeFfn};
 pub use tokenizer::{DecodeStream, TokenBytes, Tokenizer};
 

@@ -267,6 +267,16 @@ impl LlamaModel {
         Ok(())
     }
 
+    /// Bytes of the weights the kernels read in place from the file's map (experts kept on
+    /// this rank only).
+    pub fn in_place_bytes(&self) -> usize {
+        let experts = self.layers.iter().filter_map(|l| match &l.ffn {
+            FeedForward::Moe(m) => Some(m.experts.iter().flatten()),
+            FeedForward::Dense(_) => None,
+        });
+        experts.flatten().flat_map(|e| [&e.gate, &e.up, &e.down]).filter(|m| m.is_in_place()).map(|m| m.bytes().len()).sum()
+    }
+
     /// The expert-parallel exchange, when enabled.
     pub fn expert_exchange(&self) -> Option<&Arc<dyn ExpertExchange>> {
         self.expert_exchange.as_ref()

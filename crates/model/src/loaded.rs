@@ -14,5 +14,43 @@ pub struct LoadedModel {
     pub load_time: Duration,
     /// Bytes of weights mapped.
     pub weight_bytes: usize,
+    /// Bytes of those weights the kernels read in place from the map (`ExpertWeights::Mapped`):
+    /// memory the page cache must keep for them, which the machine's "available" memory still
+    /// counts as free.
+    pub in_place_bytes: usize,
     pub name: String,
+}
+
+/// How a mixture-of-experts model's expert weights are held (`--expert-weights`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertWeights {
+    /// Repacked when the file fits in the memory available with a tenth to spare, else mapped.
+    #[default]
+    Auto,
+    /// Repacked at load into this process's memory (the fastest kernels; the file's size in
+    /// resident memory, private to the process).
+    Repacked,
+    /// Read in place from the memory-mapped file, each group of eight rows repacked as a kernel
+    /// reads it: no copy (the page cache holds them once for every process that maps the file,
+    /// and the kernel may evict them under pressure instead of failing), same results, slower.
+    Mapped,
+}
+
+impl ExpertWeights {
+    /// `Repacked` or `Mapped` for repacked copies totalling `bytes` (a file's size times the
+    /// copies to make) with `available` bytes of memory (unknown: repack): `Auto` maps when they
+    /// would take more than nine tenths of it, leaving the rest to the KV cache and the system.
+    pub fn settle(self, bytes: u64, available: Option<usize>) -> Self {
+        match self {
+            Self::Auto if available.is_some_and(|a| bytes as f64 > 0.9 * a as f64) => Self::Mapped,
+            Self::Auto => Self::Repacked,
+            other => other,
+        }
+    }
+}
+
+/// What `load_model_with` may choose.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    pub expert_weights: ExpertWeights,
 }

@@ -7,6 +7,7 @@ use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig,
 use crate::gguf::GgufFile;
 use crate::llama::{FeedForward, LayerExtras, LayerWeights, LlamaModel};
 pub use crate::loaded::LoadedModel;
+use crate::loaded::{ExpertWeights, LoadOptions};
 use crate::moe::{DenseFfn, FfnBias, MoeFfn, SharedExpert};
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
@@ -15,10 +16,20 @@ use std::path::Path;
 use std::time::Instant;
 
 pub fn load_model(path: &Path) -> Result<LoadedModel, ModelError> {
+    load_model_with(path, &LoadOptions::default())
+}
+
+pub fn load_model_with(path: &Path, options: &LoadOptions) -> Result<LoadedModel, ModelError> {
     let start = Instant::now();
-    let mut loaded = if path.is_dir() { crate::safetensors_folder::load(path)? } else { load_gguf(path)? };
+    let mut loaded = if path.is_dir() { crate::safetensors_folder::load(path)? } else { load_gguf(path, options)? };
     loaded.load_time = start.elapsed();
-    tracing::info!(model = %loaded.name, weights_mb = loaded.weight_bytes / 1_000_000, ms = loaded.load_time.as_millis() as u64, "model loaded");
+    tracing::info!(
+        model = %loaded.name,
+        weights_mb = loaded.weight_bytes / 1_000_000,
+        in_place_mb = loaded.in_place_bytes / 1_000_000,
+        ms = loaded.load_time.as_millis() as u64,
+        "model loaded"
+    );
     Ok(loaded)
 }
 
@@ -84,8 +95,20 @@ fn rope_neox(arch: &str) -> bool {
     matches!(arch, "qwen2" | "qwen2moe" | "qwen3" | "qwen3moe" | "gemma3" | "phi3" | "gpt-oss")
 }
 
-fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
-    let f = GgufFile::open(path)?;
+fn load_gguf(path: &Path, options: &LoadOptions) -> Result<LoadedModel, ModelError> {
+    let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    let available = crate::kv_store::available_memory();
+    let mapped = options.expert_weights.settle(file_bytes, available) == ExpertWeights::Mapped;
+    let mut f = GgufFile::open_with(path, mapped)?;
+    f.experts_in_place = mapped && f.has_tensor("blk.0.ffn_gate_inp.weight");
+    if f.experts_in_place {
+        tracing::info!(
+            "expert weights read in place from the map ({:?}: file {:.1} GB, {:.1} GB available)",
+            options.expert_weights,
+            file_bytes as f64 / 1e9,
+            available.unwrap_or(0) as f64 / 1e9
+        );
+    }
     let (model, weight_bytes) = gguf_model(&f)?;
 
     let (tokenizer, chat_template) = gguf_tokenizer(&f)?;
@@ -99,7 +122,8 @@ fn load_gguf(path: &Path) -> Result<LoadedModel, ModelError> {
         });
     }
     let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
-    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
+    let in_place_bytes = model.in_place_bytes();
+    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, in_place_bytes, name })
 }
 
 /// Only the tokenizer and chat template of a model (a GGUF file's metadata, without reading
@@ -402,7 +426,7 @@ fn moe_layer(f: &GgufFile, i: usize, m: &MoeConfig, hidden: usize, activation: A
         (0..m.n_experts)
             .map(|e| {
                 let te = |n: &str| format!("blk.{i}.{n}.{e}.weight");
-                Ok(DenseFfn::new(f.matrix(&te("ffn_gate"))?, f.matrix(&te("ffn_up"))?, f.matrix(&te("ffn_down"))?))
+                Ok(DenseFfn::new(f.expert_matrix(&te("ffn_gate"))?, f.expert_matrix(&te("ffn_up"))?, f.expert_matrix(&te("ffn_down"))?))
             })
             .collect::<Result<_, ModelError>>()?
     };

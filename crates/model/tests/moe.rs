@@ -9,7 +9,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::QTensor;
 use common::{logits_alone, logits_in_mixed_batch};
 use specula_model::testing::{write_tiny_moe, GgmlDType, TinyMoe, TinySpec, TINY_VOCAB};
-use specula_model::{load_model, ExchangeError, ExpertExchange, FeedForward, LlamaModel, ModelError};
+use specula_model::{load_model, load_model_with, ExchangeError, ExpertExchange, ExpertWeights, FeedForward, LlamaModel, LoadOptions, ModelError};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Barrier, Mutex};
 
@@ -190,6 +190,56 @@ fn per_expert_tensors_of_older_files_load_like_the_stacks() {
     let (a, b) = (load_model(&good).unwrap().model, load_model(&split).unwrap().model);
     let p = prompt(20, 1);
     assert!(logits_alone(&a, &p, &[20], 1) == logits_alone(&b, &p, &[20], 1), "per-expert tensors give other logits than the stacks");
+}
+
+/// `--expert-weights mapped`: the experts are read in place from the file's map (nothing
+/// repacked, their bytes counted as in place), the dense weights are repacked as before, and the
+/// logits are the repacked model's bits, in a whole prefill, in chunks on one thread and beside
+/// other sequences in one batch. Formats without an int8 kernel (F16) stay repacked.
+#[test]
+fn experts_read_in_place_give_the_repacked_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let load = |path: &Path, w: ExpertWeights| load_model_with(path, &LoadOptions { expert_weights: w }).unwrap();
+    for (i, format) in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::F16].into_iter().enumerate() {
+        let spec = TinySpec { weight_format: format, seed: 11, moe: Some(TinyMoe { shared_ffn: Some(32), ..Default::default() }), ..Default::default() };
+        let path = tiny_moe(dir.path(), &format!("m{i}.gguf"), &spec);
+        let (packed, mapped) = (load(&path, ExpertWeights::Repacked), load(&path, ExpertWeights::Mapped));
+        let experts = |m: &LlamaModel| -> Vec<bool> {
+            m.layers
+                .iter()
+                .flat_map(|l| match &l.ffn {
+                    FeedForward::Moe(f) => f.experts.iter().flatten().flat_map(|e| [e.gate.is_in_place(), e.up.is_in_place(), e.down.is_in_place()]).collect(),
+                    FeedForward::Dense(_) => vec![],
+                })
+                .collect()
+        };
+        let int8 = format != GgmlDType::F16;
+        assert!(experts(&mapped.model).iter().all(|&p| p == int8), "{format:?}: mapped experts read in place where the format has an int8 kernel");
+        assert!(experts(&packed.model).iter().all(|&p| !p), "{format:?}");
+        assert_eq!(packed.in_place_bytes, 0);
+        assert_eq!(mapped.in_place_bytes > 0, int8, "{format:?}");
+        for l in &mapped.model.layers {
+            assert!(!l.wq.is_in_place() && !l.wo.is_in_place(), "dense weights stay repacked");
+            let FeedForward::Moe(f) = &l.ffn else { panic!("dense layer") };
+            assert!(!f.shared.as_ref().expect("shared expert").ffn.gate.is_in_place(), "the shared expert stays repacked");
+        }
+        let p = prompt(40, i as u32);
+        let want = logits_alone(&packed.model, &p, &[p.len()], 2);
+        assert_eq!(want, logits_alone(&mapped.model, &p, &[p.len()], 2), "{format:?}: whole prefill");
+        assert_eq!(want, logits_alone(&mapped.model, &p, &[7, 1, 16], 1), "{format:?}: chunks, one thread");
+        assert_eq!(want, logits_in_mixed_batch(&mapped.model, &p, 2), "{format:?}: mixed batch");
+    }
+}
+
+#[test]
+fn auto_maps_the_experts_only_when_the_repacked_copy_would_not_fit() {
+    let gb = 1usize << 30;
+    assert_eq!(ExpertWeights::Auto.settle(18 * gb as u64, Some(22 * gb)), ExpertWeights::Repacked, "a 30B-A3B file on a 24 GB machine");
+    assert_eq!(ExpertWeights::Auto.settle(18 * gb as u64, Some(16 * gb)), ExpertWeights::Mapped, "on a 16 GB one");
+    assert_eq!(ExpertWeights::Auto.settle(36 * gb as u64, Some(22 * gb)), ExpertWeights::Mapped, "two in-process ranks");
+    assert_eq!(ExpertWeights::Auto.settle(18 * gb as u64, None), ExpertWeights::Repacked, "unknown memory");
+    assert_eq!(ExpertWeights::Mapped.settle(1, Some(22 * gb)), ExpertWeights::Mapped, "a choice is kept");
+    assert_eq!(ExpertWeights::Repacked.settle(36 * gb as u64, Some(gb)), ExpertWeights::Repacked, "a choice is kept");
 }
 
 /// An in-process exchange for `n` threads: a barrier-synchronised mailbox (no engine needed).

@@ -49,8 +49,32 @@ pub struct EngineArgs {
     /// default; outputs are identical; --structured-jump-forward=false to disable).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub structured_jump_forward: bool,
+    /// How a mixture-of-experts model's expert weights are held: `repacked` (the fastest
+    /// kernels; a private copy the size of the file), `mapped` (read in place from the file's
+    /// pages: no copy, shared by every process that maps the file, slower), or `auto` (repacked
+    /// when the file fits in nine tenths of the memory available).
+    #[arg(long, value_enum, default_value_t = ExpertWeightsArg::Auto)]
+    pub expert_weights: ExpertWeightsArg,
     #[command(flatten)]
     pub spec: SpecArgs,
+}
+
+/// `--expert-weights` (`specula_model::ExpertWeights`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertWeightsArg {
+    Auto,
+    Repacked,
+    Mapped,
+}
+
+impl From<ExpertWeightsArg> for specula_model::ExpertWeights {
+    fn from(a: ExpertWeightsArg) -> Self {
+        match a {
+            ExpertWeightsArg::Auto => Self::Auto,
+            ExpertWeightsArg::Repacked => Self::Repacked,
+            ExpertWeightsArg::Mapped => Self::Mapped,
+        }
+    }
 }
 
 /// Speculative decoding flags.
@@ -225,13 +249,27 @@ impl EngineArgs {
         Ok(())
     }
 
-    pub fn to_config(&self, model: &specula_model::ModelConfig) -> anyhow::Result<EngineConfig> {
+    /// How to load the model at `path` for `copies` engines in this process (in-process data
+    /// parallel ranks): `--expert-weights auto` is settled here for all of them, on the memory
+    /// available before the first copy is made.
+    pub fn load_options(&self, path: &std::path::Path, copies: usize) -> specula_model::LoadOptions {
+        let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        let expert_weights = specula_model::ExpertWeights::from(self.expert_weights)
+            .settle(file_bytes.saturating_mul(copies.max(1) as u64), specula_model::kv_store::available_memory());
+        specula_model::LoadOptions { expert_weights }
+    }
+
+    /// The engine's configuration for `model`, whose weights read in place from its file take
+    /// `in_place_bytes` of page cache (memory the machine reports available that the KV cache
+    /// must leave to them).
+    pub fn to_config(&self, model: &specula_model::ModelConfig, in_place_bytes: usize) -> anyhow::Result<EngineConfig> {
         let max_model_len = self.max_model_len.unwrap_or(model.context_length.min(8192));
         let bytes_per_token = 2 * model.n_layers * model.kv_width() * 4;
+        let available = specula_model::kv_store::available_memory().map(|a| a.saturating_sub(in_place_bytes));
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
             (Some(t), _) => t,
             (None, Some(mib)) => mib * 1024 * 1024 / bytes_per_token,
-            (None, None) => fit_default_kv((16 * 2048).max(max_model_len), max_model_len, bytes_per_token, specula_model::kv_store::available_memory()),
+            (None, None) => fit_default_kv((16 * 2048).max(max_model_len), max_model_len, bytes_per_token, available),
         };
         Ok(EngineConfig {
             max_num_seqs: self.max_num_seqs,

@@ -6,7 +6,7 @@ use crate::sampling_args::SamplingArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use specula_engine::{spawn_engine, GenerateRequest, RequestEvent};
-use specula_model::{load_model, ChatMessage};
+use specula_model::{load_model_with, ChatMessage};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,7 +32,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.to_params();
     params.validate(usize::MAX).map_err(|e| anyhow::anyhow!("invalid --{}: {}", e.param.replace('_', "-"), e.message))?;
     let path = crate::fetch::resolve_model(&args.engine.model)?;
-    let loaded = load_model(&path)?;
+    let loaded = load_model_with(&path, &args.engine.load_options(&path, 1))?;
     eprintln!("loaded {} in {} ms", loaded.name, loaded.load_time.as_millis());
     let text = if args.chat {
         let tmpl = loaded.chat_template.as_ref().context("this model has no chat template; drop --chat")?;
@@ -50,7 +50,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let cfg = args.engine.to_config(&loaded.model.config)?;
+    let cfg = args.engine.to_config(&loaded.model.config, loaded.in_place_bytes)?;
     if prompt.len() >= cfg.max_model_len {
         bail!("prompt has {} tokens but --max-model-len is {}", prompt.len(), cfg.max_model_len);
     }

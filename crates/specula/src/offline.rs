@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use specula_kernels::attention::KvLayout;
 use specula_model::kv_store::KvStore;
-use specula_model::{load_model, ForwardBatch, LlamaModel, SeqSpan};
+use specula_model::{load_model_with, ForwardBatch, LlamaModel, SeqSpan};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -66,6 +66,9 @@ pub struct OfflineArgs {
     pub reps: usize,
     #[arg(long)]
     pub output_json: Option<PathBuf>,
+    /// How a mixture-of-experts model's expert weights are held (as `serve --expert-weights`).
+    #[arg(long, value_enum, default_value_t = crate::engine_args::ExpertWeightsArg::Auto)]
+    pub expert_weights: crate::engine_args::ExpertWeightsArg,
     /// Also print the cost of verifying 1 + k tokens (k = 0..=8) of one sequence relative to 1.
     #[arg(long)]
     pub verify_curve: bool,
@@ -160,8 +163,12 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         Some(b) => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
         None => Vec::new(),
     };
-    let loaded = load_model(&path)?;
+    let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into() };
+    let loaded = load_model_with(&path, &options)?;
     let model = &loaded.model;
+    if loaded.in_place_bytes > 0 {
+        eprintln!("expert weights read in place from the map: {:.2} GB", loaded.in_place_bytes as f64 / 1e9);
+    }
     eprintln!("{}", specula_kernels::cpu::describe());
     let prompt: Vec<u32> = (0..args.prefill_len).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
     // candle-transformers' quantized_llama reads llama-family files only

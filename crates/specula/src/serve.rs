@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use specula_engine::dp::DpMode;
 use specula_engine::{spawn_engine, EngineHandle};
-use specula_model::load_model;
+use specula_model::load_model_with;
 use specula_server::{AppState, ServerConfig};
 use std::future::Future;
 use std::sync::Arc;
@@ -129,8 +129,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return run_mpi(args);
     }
     let path = crate::fetch::resolve_model(&args.engine.model)?;
-    let loaded = load_model(&path)?;
-    let mut cfg = args.engine.to_config(&loaded.model.config)?;
+    // one choice for every in-process rank (their copies are counted before the first is made)
+    let load_options = args.engine.load_options(&path, args.data_parallel_size.unwrap_or(1));
+    let loaded = load_model_with(&path, &load_options)?;
+    if loaded.in_place_bytes > 0 {
+        eprintln!(
+            "expert weights read in place from the file's map: {:.2} GB (--expert-weights {:?})",
+            loaded.in_place_bytes as f64 / 1e9,
+            args.engine.expert_weights
+        );
+    }
+    let mut cfg = args.engine.to_config(&loaded.model.config, loaded.in_place_bytes)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     // the test switch of the fault tests (python/tests/test_hostile_connections.py)
     if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {
@@ -147,7 +156,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         anyhow::bail!("--enable-expert-parallel spreads the experts over data-parallel ranks: pass --data-parallel-size N (N > 1) --data-parallel-mode lockstep, or run with mpirun and --data-parallel-backend mpi");
     }
     let (engine, join) = if dp_size > 1 {
-        let group = spawn_dp_group(&args, dp_size, &path, loaded.model, tokenizer.clone(), cfg)?;
+        let group = spawn_dp_group(&args, dp_size, &path, &load_options, loaded.model, tokenizer.clone(), cfg)?;
         let handle = group.handle.clone();
         (handle, EngineJoin::Group(group))
     } else {
@@ -306,6 +315,7 @@ fn spawn_dp_group(
     args: &ServeArgs,
     n: usize,
     path: &std::path::Path,
+    load_options: &specula_model::LoadOptions,
     first: specula_model::LlamaModel,
     tokenizer: Arc<specula_model::Tokenizer>,
     cfg: specula_engine::EngineConfig,
@@ -318,7 +328,7 @@ fn spawn_dp_group(
     let mut ranks = Vec::with_capacity(n);
     let mut models = vec![first];
     for _ in 1..n {
-        models.push(load_model(path)?.model);
+        models.push(load_model_with(path, load_options)?.model);
     }
     for model in models {
         let spec = args.engine.spec.build(&model, &tokenizer, &rank_cfg)?;

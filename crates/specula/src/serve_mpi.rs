@@ -21,7 +21,7 @@ use specula_engine::dp::{
     build_rank, check_same_config, spawn_replica_rank, BuiltRank, Communicator, DpMode, LockstepRank, RankSetup, RankStats, ReplicaRouter,
 };
 use specula_engine::{EngineConfig, EngineHandle};
-use specula_model::{load_model, Tokenizer};
+use specula_model::{load_model_with, Tokenizer};
 use specula_server::AppState;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -78,8 +78,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
 /// Loads the model and builds this process's engine rank.
 fn build(args: &ServeArgs, mode: DpMode, size: usize) -> Result<Built> {
     let path = crate::fetch::resolve_model(&args.engine.model)?;
-    let mut loaded = load_model(&path)?;
-    let mut cfg = args.engine.to_config(&loaded.model.config)?;
+    let mut loaded = load_model_with(&path, &args.engine.load_options(&path, 1))?;
+    let mut cfg = args.engine.to_config(&loaded.model.config, loaded.in_place_bytes)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     if args.engine.threads.is_none() {
         cfg.threads = default_threads();
