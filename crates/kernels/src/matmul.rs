@@ -380,6 +380,23 @@ mod tests {
         QMatrix::new(f, rows, cols, WeightBytes::owned(bytes), "test").unwrap()
     }
 
+    /// Every format with an int8 kernel.
+    const INT8_FORMATS: [WeightFormat; 13] = [
+        WeightFormat::Q4_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q8_0,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Q4K,
+        WeightFormat::Q5K,
+        WeightFormat::Q6K,
+        WeightFormat::Q2K,
+        WeightFormat::Q3K,
+        WeightFormat::IQ4NL,
+        WeightFormat::IQ4XS,
+        WeightFormat::MXFP4,
+    ];
+
     /// `xs x w^T` on a pool of `threads` threads.
     fn run_on_threads(w: &QMatrix, xs: &[f32], threads: usize) -> Vec<f32> {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -394,22 +411,7 @@ mod tests {
     #[test]
     fn a_rows_result_is_bitwise_independent_of_batch_and_threads() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for f in [
-            WeightFormat::Q4_1,
-            WeightFormat::Q8_0,
-            WeightFormat::F16,
-            WeightFormat::F32,
-            WeightFormat::Q5_0,
-            WeightFormat::Q5_1,
-            WeightFormat::Q4K,
-            WeightFormat::Q5K,
-            WeightFormat::Q6K,
-            WeightFormat::Q2K,
-            WeightFormat::Q3K,
-            WeightFormat::IQ4NL,
-            WeightFormat::IQ4XS,
-            WeightFormat::MXFP4,
-        ] {
+        for f in [WeightFormat::F16, WeightFormat::F32].into_iter().chain(INT8_FORMATS) {
             let cols = if f.block_len() > 128 { 512 } else { 128 };
             let w = random_matrix(&mut rng, f, 100, cols);
             assert!(w.packed().is_some(), "{f:?} has a packed kernel");
@@ -501,21 +503,7 @@ mod tests {
     #[test]
     fn in_place_matrices_give_the_repacked_bits() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(21);
-        for f in [
-            WeightFormat::Q4_0,
-            WeightFormat::Q4_1,
-            WeightFormat::Q8_0,
-            WeightFormat::Q5_0,
-            WeightFormat::Q5_1,
-            WeightFormat::Q4K,
-            WeightFormat::Q5K,
-            WeightFormat::Q6K,
-            WeightFormat::Q2K,
-            WeightFormat::Q3K,
-            WeightFormat::IQ4NL,
-            WeightFormat::IQ4XS,
-            WeightFormat::MXFP4,
-        ] {
+        for f in INT8_FORMATS {
             let cols = if f.block_len() > 128 { 512 } else { 128 };
             let (a, b) = (random_matrix(&mut rng, f, 100, cols), random_matrix(&mut rng, f, 36, cols));
             let in_place = |m: &QMatrix| QMatrix::new_in_place(m.format, m.rows, m.cols, WeightBytes::owned(m.bytes().to_vec()), "test").unwrap();

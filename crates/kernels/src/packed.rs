@@ -218,6 +218,15 @@ impl PackedInt8 {
         self.rows
     }
 
+    /// The repacked group blocks (group after group, each its blocks in order), where the matrix
+    /// holds them (`None` in place): what a device backend uploads to run the same kernel there.
+    pub fn repacked_bytes(&self) -> Option<&[u8]> {
+        match &self.store {
+            Store::Repacked(b) => Some(b),
+            Store::InPlace { .. } => None,
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn bytes_for_tests(&self) -> &[u8] {
         match &self.store {
