@@ -259,13 +259,15 @@ impl EngineArgs {
         specula_model::LoadOptions { expert_weights }
     }
 
-    /// The engine's configuration for `model`, whose weights read in place from its file take
-    /// `in_place_bytes` of page cache (memory the machine reports available that the KV cache
-    /// must leave to them).
-    pub fn to_config(&self, model: &specula_model::ModelConfig, in_place_bytes: usize) -> anyhow::Result<EngineConfig> {
+    /// The engine's configuration (one rank's) for `loaded`, the first of `ranks` in-process
+    /// copies of the model: the default KV cache is sized from the memory available less the
+    /// page cache the weights read in place need (which the machine counts as available) and the
+    /// weights the other copies will hold, shared among the ranks.
+    pub fn to_config(&self, loaded: &specula_model::LoadedModel, ranks: usize) -> anyhow::Result<EngineConfig> {
+        let model = &loaded.model.config;
         let max_model_len = self.max_model_len.unwrap_or(model.context_length.min(8192));
         let bytes_per_token = 2 * model.n_layers * model.kv_width() * 4;
-        let available = specula_model::kv_store::available_memory().map(|a| a.saturating_sub(in_place_bytes));
+        let available = specula_model::kv_store::available_memory().map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.in_place_bytes, ranks));
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
             (Some(t), _) => t,
             (None, Some(mib)) => mib * 1024 * 1024 / bytes_per_token,
@@ -286,6 +288,16 @@ impl EngineArgs {
             ..Default::default()
         })
     }
+}
+
+/// One rank's share of `available` bytes for its KV cache once `ranks` in-process copies of a
+/// model of `weight_bytes` are loaded (the first already is): the weights read in place
+/// (`in_place_bytes`, one page-cache copy for all) still count as available to the machine and
+/// are taken off, so are the other copies' own weights, and the rest is shared.
+fn kv_memory_per_rank(available: usize, weight_bytes: usize, in_place_bytes: usize, ranks: usize) -> usize {
+    let ranks = ranks.max(1);
+    let others = (ranks - 1).saturating_mul(weight_bytes.saturating_sub(in_place_bytes));
+    available.saturating_sub(in_place_bytes).saturating_sub(others) / ranks
 }
 
 /// The default KV cache (`wanted` tokens), shrunk to three quarters of the memory still available
@@ -322,6 +334,17 @@ mod tests {
         let fitted = fit_default_kv(32768, 8192, per, Some(5 * gib));
         assert!(fitted < 32768 && fitted * per <= 5 * gib / 4 * 3 && fitted >= 8192, "{fitted}");
         assert_eq!(fit_default_kv(32768, 8192, per, Some(gib)), 8192, "never below one sequence");
+    }
+
+    #[test]
+    fn the_kv_memory_leaves_the_mapped_experts_and_the_other_ranks_weights() {
+        let gb = 1usize << 30;
+        assert_eq!(kv_memory_per_rank(20 * gb, 18 * gb, 0, 1), 20 * gb, "repacked: MemAvailable already excludes them");
+        assert_eq!(kv_memory_per_rank(20 * gb, 18 * gb, 17 * gb, 1), 3 * gb, "the mapped experts' page cache is not for the KV cache");
+        // two in-process ranks of a 30B-A3B with mapped experts: the second rank's 1 GB of dense
+        // weights is still to come, and the rest is split
+        assert_eq!(kv_memory_per_rank(22 * gb, 18 * gb, 17 * gb, 2), 2 * gb);
+        assert_eq!(kv_memory_per_rank(gb, 18 * gb, 17 * gb, 4), 0, "never below zero");
     }
 
     #[derive(Parser)]

@@ -45,12 +45,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         args.prompt.clone()
     };
+    let cfg = args.engine.to_config(&loaded, 1)?;
     let tokenizer = Arc::new(loaded.tokenizer);
     let prompt = if args.chat { tokenizer.encode(&text)? } else { tokenizer.encode_prompt(&text)? };
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let cfg = args.engine.to_config(&loaded.model.config, loaded.in_place_bytes)?;
     if prompt.len() >= cfg.max_model_len {
         bail!("prompt has {} tokens but --max-model-len is {}", prompt.len(), cfg.max_model_len);
     }

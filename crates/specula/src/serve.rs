@@ -139,7 +139,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             args.engine.expert_weights
         );
     }
-    let mut cfg = args.engine.to_config(&loaded.model.config, loaded.in_place_bytes)?;
+    let mut cfg = args.engine.to_config(&loaded, args.data_parallel_size.unwrap_or(1))?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     // the test switch of the fault tests (python/tests/test_hostile_connections.py)
     if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {
