@@ -326,6 +326,31 @@ impl PackedInt8 {
         for a in &acts {
             assert_eq!(a.len(), self.act_blocks, "activation row has the wrong number of blocks");
         }
+        #[cfg(target_arch = "x86_64")]
+        if let Store::InPlace { raw, .. } = &self.store {
+            let native = match (self.format, span) {
+                (WeightFormat::Q4K, ActSpan::Super) => Some(packed_k::x86::rows_q4k_super_vnni as packed_k::x86::RowsKernel),
+                (WeightFormat::Q6K, ActSpan::Block) => Some(packed_k::x86::rows_q6k_vnni as packed_k::x86::RowsKernel),
+                _ => None,
+            };
+            if let (1, Some(kernel), true) = (N, native, crate::cpu::features().avx512_vnni) {
+                // decode over a matrix read in place: the rows straight from the file's blocks
+                let row_bytes = self.blocks * self.format.block_bytes();
+                let first = g * GROUP_ROWS;
+                let n = GROUP_ROWS.min(self.rows - first);
+                let bytes = raw.as_slice();
+                assert!(bytes.len() >= (first + n) * row_bytes, "group {g} outside the matrix");
+                let rows: [*const u8; GROUP_ROWS] = std::array::from_fn(|i| bytes[(first + i.min(n - 1)) * row_bytes..].as_ptr());
+                let mut out = [0f32; GROUP_ROWS];
+                // SAFETY: AVX2, FMA, F16C and AVX-512 VNNI/VL were detected at run time; each of
+                // the first n rows holds `blocks` blocks (asserted above) and the activation row
+                // `act_blocks` = 8 * blocks blocks (checked above); lanes past the matrix stay 0,
+                // as a repacked group's zero rows give.
+                kernel(&rows[..n], self.blocks, acts[0], &mut out[..n]);
+                std::ptr::copy_nonoverlapping(out.as_ptr(), dst[0], GROUP_ROWS);
+                return;
+            }
+        }
         // SAFETY: as the caller promised, for the group's bytes
         self.with_groups::<1, _>(g, |[group]| unsafe { self.dot_bytes_to::<N>(group, span, acts, dst) })
     }

@@ -400,6 +400,130 @@ pub(crate) mod x86 {
         (sc, mn)
     }
 
+    /// A kernel over rows read where they lie (`rows_q4k_super_vnni`, `rows_q6k_vnni`).
+    pub(crate) type RowsKernel = unsafe fn(&[*const u8], usize, &[BlockQ8], &mut [f32]);
+
+    /// Rows of Q4_K ggml blocks (`blocks` super-blocks each, at `rows[i]`) against one activation
+    /// row with super-block scales, read where they lie: a matrix read in place at one
+    /// activation row (decode), where repacking each group before the kernel reads it cost more
+    /// than the kernel. The arithmetic of `dot_group_scalar` for `ActSpan::Super`, in its order
+    /// (exact i32 `T` and `M` per super-block, then the same two fused multiply-adds), so the
+    /// same bits. Returns each row's result.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C, AVX-512 VNNI/VL available; each `rows[i]` valid for `blocks` Q4_K
+    /// blocks; `act` holds `8 * blocks` blocks, one scale per eight.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(crate) unsafe fn rows_q4k_super_vnni(rows: &[*const u8], blocks: usize, act: &[BlockQ8], out: &mut [f32]) {
+        let nib = _mm256_set1_epi8(0x0F);
+        // each activation block's sum (what the mins multiply), once for all the rows
+        let sums: Vec<i32> = act[..8 * blocks].iter().map(|a| a.h[0] as i32 + a.h[1] as i32).collect();
+        for (&row, out) in rows.iter().zip(out.iter_mut()) {
+            let mut acc = 0f32;
+            for b in 0..blocks {
+                let blk = row.add(b * 144);
+                if b + 1 < blocks {
+                    _mm_prefetch::<_MM_HINT_T0>(blk.add(144 + 64) as *const i8);
+                }
+                let d = f16_at_ptr(blk);
+                let dmin = f16_at_ptr(blk.add(2));
+                let (sc, mn) = scales_mins_k4(blk.add(4));
+                let a = &act[8 * b..8 * b + 8];
+                let mut t = _mm256_setzero_si256();
+                // M = sum_j m_j B_j: the eight mins against the eight block sums
+                let mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn as i64));
+                let mv = _mm256_mullo_epi32(mins, _mm256_loadu_si256(sums.as_ptr().add(8 * b) as *const __m256i));
+                for c in 0..4 {
+                    let q = _mm256_loadu_si256(blk.add(16 + 32 * c) as *const __m256i);
+                    for (j, w) in [(2 * c, _mm256_and_si256(q, nib)), (2 * c + 1, _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib))] {
+                        let av = _mm256_loadu_si256(a[j].qs.as_ptr() as *const __m256i);
+                        // u8 x i8 pairs summed to i16 (at most 2 x 15 x 127), then times the
+                        // sub-block's scale and summed into i32 lanes: exact
+                        let p = _mm256_maddubs_epi16(w, av);
+                        t = _mm256_dpwssd_epi32(t, p, _mm256_set1_epi16(((sc >> (8 * j)) & 0xFF) as i16));
+                    }
+                }
+                // exact i32 sum of the lanes (integer addition: any order gives the same sum)
+                let h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01_00_11_10>(h));
+                let t = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32::<0b10_11_00_01>(h)));
+                let h = _mm_add_epi32(_mm256_castsi256_si128(mv), _mm256_extracti128_si256::<1>(mv));
+                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01_00_11_10>(h));
+                let m = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32::<0b10_11_00_01>(h)));
+                let d_a = a[0].d;
+                acc = (d * d_a).mul_add(t as f32, acc);
+                acc = (-(dmin * d_a)).mul_add(m as f32, acc);
+            }
+            *out = acc;
+        }
+    }
+
+    /// As `rows_q4k_super_vnni` for Q6_K rows against an activation row with block scales:
+    /// `dot_group_scalar`'s Q6_K arithmetic (per activation block `t = sum over its two halves of
+    /// sc (s - 32 A)` exact in i32, then one fused multiply-add), in its order.
+    ///
+    /// # Safety
+    /// As `rows_q4k_super_vnni`, for Q6_K blocks and `8 * blocks` block-scaled activation blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub(crate) unsafe fn rows_q6k_vnni(rows: &[*const u8], blocks: usize, act: &[BlockQ8], out: &mut [f32]) {
+        let (nib, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3));
+        for (&row, out) in rows.iter().zip(out.iter_mut()) {
+            let mut acc = 0f32;
+            for b in 0..blocks {
+                let blk = row.add(b * 210);
+                if b + 1 < blocks {
+                    _mm_prefetch::<_MM_HINT_T0>(blk.add(210 + 64) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(blk.add(210 + 128) as *const i8);
+                }
+                let d = f16_at_ptr(blk.add(208));
+                let sc = blk.add(192) as *const i8;
+                for h in 0..2 {
+                    let ql = [_mm256_loadu_si256(blk.add(64 * h) as *const __m256i), _mm256_loadu_si256(blk.add(64 * h + 32) as *const __m256i)];
+                    let qh = _mm256_loadu_si256(blk.add(128 + 32 * h) as *const __m256i);
+                    let mut v = [_mm256_setzero_si256(); 4];
+                    for (i, v) in v.iter_mut().enumerate() {
+                        let ab = &act[8 * b + 4 * h + i];
+                        let low = if i < 2 { _mm256_and_si256(ql[i & 1], nib) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(ql[i & 1]), nib) };
+                        let high = _mm256_and_si256(_mm256_srlv_epi16_bytes(qh, 2 * i as i32), two);
+                        let w = _mm256_or_si256(low, _mm256_slli_epi16::<4>(high));
+                        // u8 (<= 63) x i8 pairs to i16 (at most 2 x 63 x 127), then the two
+                        // halves' scales: exact i32
+                        let p = _mm256_maddubs_epi16(w, _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i));
+                        let (s0, s1) = (*sc.add(8 * h + 2 * i) as i16, *sc.add(8 * h + 2 * i + 1) as i16);
+                        *v = _mm256_madd_epi16(p, _mm256_setr_epi16(s0, s0, s0, s0, s0, s0, s0, s0, s1, s1, s1, s1, s1, s1, s1, s1));
+                    }
+                    // the four blocks' lane sums at once (exact), then their float steps in order
+                    let a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                    let mut sums = [0i32; 4];
+                    _mm_storeu_si128(sums.as_mut_ptr() as *mut __m128i, _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a)));
+                    for (i, s) in sums.into_iter().enumerate() {
+                        let ab = &act[8 * b + 4 * h + i];
+                        let (s0, s1) = (*sc.add(8 * h + 2 * i) as i32, *sc.add(8 * h + 2 * i + 1) as i32);
+                        let t = s - 32 * (s0 * ab.h[0] as i32 + s1 * ab.h[1] as i32);
+                        acc = (d * ab.d).mul_add(t as f32, acc);
+                    }
+                }
+            }
+            *out = acc;
+        }
+    }
+
+    /// Each byte of `v` shifted right by `bits` (0, 2, 4 or 6; the bytes' own bits only).
+    #[inline(always)]
+    unsafe fn _mm256_srlv_epi16_bytes(v: __m256i, bits: i32) -> __m256i {
+        match bits {
+            0 => v,
+            2 => _mm256_srli_epi16::<2>(v),
+            4 => _mm256_srli_epi16::<4>(v),
+            _ => _mm256_srli_epi16::<6>(v),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn f16_at_ptr(p: *const u8) -> f32 {
+        f16::from_bits((p as *const u16).read_unaligned()).to_f32()
+    }
+
     /// `dst[8 j + r]` = byte `j` of `rows[r]`: an 8 x 8 byte transpose.
     #[target_feature(enable = "avx2")]
     #[inline]
