@@ -202,14 +202,6 @@ impl PackedInt8 {
         matches!(self.store, Store::InPlace { .. })
     }
 
-    /// Bytes this matrix holds in its own memory (0 in place: the map's pages are the file's).
-    pub fn owned_bytes(&self) -> usize {
-        match &self.store {
-            Store::Repacked(b) => b.len(),
-            Store::InPlace { .. } => 0,
-        }
-    }
-
     pub fn format(&self) -> WeightFormat {
         self.format
     }
@@ -267,12 +259,12 @@ impl PackedInt8 {
                     prefetch(raw.as_slice(), (g + 2 * G) * group_raw, G * group_raw);
                 }
                 for (j, (sid, sg, buf)) in s.slots.iter_mut().enumerate().take(G) {
-                    if (*sid, *sg) != (*id, g + j) || buf.len() != len {
+                    if (*sid, *sg) != (*id, g + j) {
                         // bytes no row writes (a partial last group's missing rows, a layout's
                         // padding) read as zeros, as in a matrix repacked at load: cleared when
                         // the slot changes matrix (each group of one matrix writes the same
-                        // bytes) and for a partial group
-                        if *sid != *id || buf.len() != len || (g + j + 1) * GROUP_ROWS > self.rows {
+                        // bytes, into a buffer of the same length) and for a partial group
+                        if *sid != *id || (g + j + 1) * GROUP_ROWS > self.rows {
                             buf.clear();
                             buf.resize(len, 0);
                         }

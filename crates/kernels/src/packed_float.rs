@@ -77,14 +77,6 @@ impl PackedFloat {
         self.rows
     }
 
-    /// Bytes of the repacked values.
-    pub fn owned_bytes(&self) -> usize {
-        match &self.data {
-            Data::F16(v) => 2 * v.len(),
-            Data::F32(v) => 4 * v.len(),
-        }
-    }
-
     /// Rows `8g..8g + 8` against `N` activation rows of `cols` floats, written at `dst[n]`.
     ///
     /// # Safety

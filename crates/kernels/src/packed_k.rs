@@ -443,13 +443,7 @@ pub(crate) mod x86 {
                         t = _mm256_dpwssd_epi32(t, p, _mm256_set1_epi16(((sc >> (8 * j)) & 0xFF) as i16));
                     }
                 }
-                // exact i32 sum of the lanes (integer addition: any order gives the same sum)
-                let h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
-                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01_00_11_10>(h));
-                let t = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32::<0b10_11_00_01>(h)));
-                let h = _mm_add_epi32(_mm256_castsi256_si128(mv), _mm256_extracti128_si256::<1>(mv));
-                let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01_00_11_10>(h));
-                let m = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32::<0b10_11_00_01>(h)));
+                let (t, m) = (hsum_epi32(t), hsum_epi32(mv));
                 let d_a = a[0].d;
                 acc = (d * d_a).mul_add(t as f32, acc);
                 acc = (-(dmin * d_a)).mul_add(m as f32, acc);
@@ -517,6 +511,15 @@ pub(crate) mod x86 {
             4 => _mm256_srli_epi16::<4>(v),
             _ => _mm256_srli_epi16::<6>(v),
         }
+    }
+
+    /// The sum of the eight i32 lanes of `v` (exact: integer addition in any order gives it).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn hsum_epi32(v: __m256i) -> i32 {
+        let h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let h = _mm_add_epi32(h, _mm_shuffle_epi32::<0b01_00_11_10>(h));
+        _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32::<0b10_11_00_01>(h)))
     }
 
     #[inline(always)]

@@ -98,16 +98,6 @@ impl QMatrix {
         Ok(Self { format, rows, cols, bytes, packed })
     }
 
-    /// Bytes of its repacked form this matrix holds in its own memory (0 when read in place or
-    /// when the kernels read the file's bytes as they are).
-    pub fn owned_bytes(&self) -> usize {
-        match &self.packed {
-            Some(Packed::Int8(p)) => p.owned_bytes(),
-            Some(Packed::Float(p)) => p.owned_bytes(),
-            None => 0,
-        }
-    }
-
     /// Whether the kernels read this matrix in place (`new_in_place` of an int8 format).
     pub fn is_in_place(&self) -> bool {
         matches!(&self.packed, Some(Packed::Int8(p)) if p.is_in_place())

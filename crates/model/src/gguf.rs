@@ -186,8 +186,21 @@ impl GgufFile {
             _ => return Err(ModelError::BadTensor { name: name.into(), message: format!("expected 2 dimensions, got shape {:?}", info.dims) }),
         };
         let (start, len) = self.extent(info, format, 1, rows, cols)?;
+        self.window_matrix(name, format, rows, cols, start..start + len, in_place)
+    }
+
+    /// The matrix over the map's bytes `at`, repacked or read in place.
+    fn window_matrix(
+        &self,
+        name: &str,
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        at: std::ops::Range<usize>,
+        in_place: bool,
+    ) -> Result<QMatrix, ModelError> {
         let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
-        let bytes = WeightBytes::new(owner, start, len);
+        let bytes = WeightBytes::new(owner, at.start, at.len());
         match in_place {
             true => QMatrix::new_in_place(format, rows, cols, bytes, name),
             false => QMatrix::new(format, rows, cols, bytes, name),
@@ -212,9 +225,7 @@ impl GgufFile {
         }
         let (start, _) = self.extent(info, format, 1, total, cols)?;
         let row_bytes = format.row_bytes(cols);
-        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
-        QMatrix::new(format, rows, cols, WeightBytes::new(owner, start + first * row_bytes, rows * row_bytes), name)
-            .map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
+        self.window_matrix(name, format, rows, cols, start + first * row_bytes..start + (first + rows) * row_bytes, false)
     }
 
     /// A 3-D stack of `[n x rows x cols]` weight matrices (llama.cpp's `ffn_*_exps` expert
@@ -235,17 +246,7 @@ impl GgufFile {
             return Err(ModelError::BadTensor { name: name.into(), message: format!("stacks {count} experts but the metadata says {n}") });
         }
         let (start, len) = self.extent(info, format, n, rows, cols)?;
-        (0..n)
-            .map(|e| {
-                let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
-                let bytes = WeightBytes::new(owner, start + e * len, len);
-                match self.experts_in_place {
-                    true => QMatrix::new_in_place(format, rows, cols, bytes, name),
-                    false => QMatrix::new(format, rows, cols, bytes, name),
-                }
-                .map_err(|er| ModelError::BadTensor { name: name.into(), message: er.to_string() })
-            })
-            .collect()
+        (0..n).map(|e| self.window_matrix(name, format, rows, cols, start + e * len..start + (e + 1) * len, self.experts_in_place)).collect()
     }
 
     /// A 1-D tensor (norm weights) as f32, whatever its stored type.

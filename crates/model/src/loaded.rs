@@ -14,10 +14,6 @@ pub struct LoadedModel {
     pub load_time: Duration,
     /// Bytes of weights mapped.
     pub weight_bytes: usize,
-    /// Bytes of those weights the kernels read in place from the map (`ExpertWeights::Mapped`):
-    /// memory the page cache must keep for them, which the machine's "available" memory still
-    /// counts as free.
-    pub in_place_bytes: usize,
     pub name: String,
 }
 

@@ -26,7 +26,7 @@ pub fn load_model_with(path: &Path, options: &LoadOptions) -> Result<LoadedModel
     tracing::info!(
         model = %loaded.name,
         weights_mb = loaded.weight_bytes / 1_000_000,
-        in_place_mb = loaded.in_place_bytes / 1_000_000,
+        in_place_mb = loaded.model.in_place_bytes() / 1_000_000,
         ms = loaded.load_time.as_millis() as u64,
         "model loaded"
     );
@@ -122,8 +122,7 @@ fn load_gguf(path: &Path, options: &LoadOptions) -> Result<LoadedModel, ModelErr
         });
     }
     let name = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
-    let in_place_bytes = model.in_place_bytes();
-    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, in_place_bytes, name })
+    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
 }
 
 /// Only the tokenizer and chat template of a model (a GGUF file's metadata, without reading

@@ -167,5 +167,5 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
         None
     };
     let name = dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_else(|| "model".into());
-    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, in_place_bytes: 0, name })
+    Ok(LoadedModel { model, tokenizer, chat_template, load_time: Default::default(), weight_bytes, name })
 }

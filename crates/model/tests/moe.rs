@@ -216,8 +216,8 @@ fn experts_read_in_place_give_the_repacked_bits() {
         let int8 = format != GgmlDType::F16;
         assert!(experts(&mapped.model).iter().all(|&p| p == int8), "{format:?}: mapped experts read in place where the format has an int8 kernel");
         assert!(experts(&packed.model).iter().all(|&p| !p), "{format:?}");
-        assert_eq!(packed.in_place_bytes, 0);
-        assert_eq!(mapped.in_place_bytes > 0, int8, "{format:?}");
+        assert_eq!(packed.model.in_place_bytes(), 0);
+        assert_eq!(mapped.model.in_place_bytes() > 0, int8, "{format:?}");
         for l in &mapped.model.layers {
             assert!(!l.wq.is_in_place() && !l.wo.is_in_place(), "dense weights stay repacked");
             let FeedForward::Moe(f) = &l.ffn else { panic!("dense layer") };

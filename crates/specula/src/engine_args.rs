@@ -267,7 +267,7 @@ impl EngineArgs {
         let model = &loaded.model.config;
         let max_model_len = self.max_model_len.unwrap_or(model.context_length.min(8192));
         let bytes_per_token = 2 * model.n_layers * model.kv_width() * 4;
-        let available = specula_model::kv_store::available_memory().map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.in_place_bytes, ranks));
+        let available = specula_model::kv_store::available_memory().map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.model.in_place_bytes(), ranks));
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
             (Some(t), _) => t,
             (None, Some(mib)) => mib * 1024 * 1024 / bytes_per_token,

@@ -166,8 +166,9 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into() };
     let loaded = load_model_with(&path, &options)?;
     let model = &loaded.model;
-    if loaded.in_place_bytes > 0 {
-        eprintln!("expert weights read in place from the map: {:.2} GB", loaded.in_place_bytes as f64 / 1e9);
+    let in_place = model.in_place_bytes();
+    if in_place > 0 {
+        eprintln!("expert weights read in place from the map: {:.2} GB", in_place as f64 / 1e9);
     }
     eprintln!("{}", specula_kernels::cpu::describe());
     let prompt: Vec<u32> = (0..args.prefill_len).map(|i| 100 + (i as u32 * 7919) % 40000).collect();

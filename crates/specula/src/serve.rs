@@ -129,17 +129,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return run_mpi(args);
     }
     let path = crate::fetch::resolve_model(&args.engine.model)?;
+    let dp_size = args.data_parallel_size.unwrap_or(1);
     // one choice for every in-process rank (their copies are counted before the first is made)
-    let load_options = args.engine.load_options(&path, args.data_parallel_size.unwrap_or(1));
+    let load_options = args.engine.load_options(&path, dp_size);
     let loaded = load_model_with(&path, &load_options)?;
-    if loaded.in_place_bytes > 0 {
-        eprintln!(
-            "expert weights read in place from the file's map: {:.2} GB (--expert-weights {:?})",
-            loaded.in_place_bytes as f64 / 1e9,
-            args.engine.expert_weights
-        );
+    let in_place = loaded.model.in_place_bytes();
+    if in_place > 0 {
+        let choice = clap::ValueEnum::to_possible_value(&args.engine.expert_weights).map_or_else(String::new, |v| v.get_name().to_string());
+        eprintln!("expert weights read in place from the file's map: {:.2} GB (--expert-weights {choice})", in_place as f64 / 1e9);
     }
-    let mut cfg = args.engine.to_config(&loaded, args.data_parallel_size.unwrap_or(1))?;
+    let mut cfg = args.engine.to_config(&loaded, dp_size)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     // the test switch of the fault tests (python/tests/test_hostile_connections.py)
     if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {
@@ -151,7 +150,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let _ = specula_server::metrics::prometheus_handle();
     let tokenizer = Arc::new(loaded.tokenizer);
     let chat = loaded.chat_template.map(Arc::new);
-    let dp_size = args.data_parallel_size.unwrap_or(1);
     if args.engine.enable_expert_parallel && dp_size < 2 {
         anyhow::bail!("--enable-expert-parallel spreads the experts over data-parallel ranks: pass --data-parallel-size N (N > 1) --data-parallel-mode lockstep, or run with mpirun and --data-parallel-backend mpi");
     }
