@@ -317,6 +317,27 @@ def test_folder_tokenizes_like_gguf(gguf_path, specula, hf_folder, tmp_path):
     assert [r["ids"] for r in res["folder"]] == [to.encode(gguf_path, t) for t in CORPUS]
 
 
+def test_folder_stops_where_the_gguf_does_and_at_generation_configs_eos(specula, gguf_path, hf_folder, tmp_path):
+    """A folder's stop set is config.json's EOS, generation_config.json's EOS list (what
+    transformers stops at) and the chat format's end-of-turn tokens, as the GGUF's is."""
+    cases = write_json(tmp_path / "cases.json", [{"messages": [{"role": "user", "content": "hi"}]}])
+
+    def eos(model, name):
+        out = tmp_path / f"{name}.json"
+        run_specula(specula, ["debug", "render-chat", "--model", str(model), "--input", str(cases), "--output", str(out)])
+        return json.loads(out.read_text(encoding="utf-8"))["eos"]
+
+    assert sorted(eos(hf_folder, "folder")) == sorted(eos(gguf_path, "gguf"))
+    extra = tmp_path / "with-generation-config"
+    extra.mkdir()
+    for f in hf_folder.iterdir():
+        (extra / f.name).symlink_to(f)
+    endoftext = to.encode(gguf_path, "<|endoftext|>")
+    assert len(endoftext) == 1, endoftext
+    write_json(extra / "generation_config.json", {"eos_token_id": [json.loads((hf_folder / "config.json").read_text())["eos_token_id"], endoftext[0]]})
+    assert endoftext[0] not in eos(hf_folder, "plain") and endoftext[0] in eos(extra, "extra")
+
+
 def _broken(kind: str, src: Path, dst: Path) -> str:
     """A copy of the folder (the big file symlinked) with one defect; returns the expected
     fragment of the error message."""

@@ -166,7 +166,7 @@ fn gguf_tokenizer(f: &GgufFile) -> Result<(Tokenizer, Option<ChatTemplate>), Mod
         // llama.cpp's default for SentencePiece models is to add the prefix space.
         add_space_prefix: f.meta_bool("tokenizer.ggml.add_space_prefix").unwrap_or(tok_model == "llama"),
     })?;
-    // Stop where the chat format ends a turn (<|im_end|>, <end_of_turn>, <|eot_id|>, <|eom_id|>).
+    // Stop where the chat format ends a turn (<|im_end|>, <end_of_turn>, <|eot_id|>, <|end|>, ...).
     tokenizer.add_end_of_turn_tokens();
     let tok_text = |id: Option<u32>| id.and_then(|i| tokens.get(i as usize).cloned()).unwrap_or_default();
     let chat_template = match f.meta_str("tokenizer.chat_template") {

@@ -147,8 +147,20 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
         }
     };
     let bos = id_of(cfg.get("bos_token_id")).first().copied();
-    let eos = id_of(cfg.get("eos_token_id"));
+    let mut eos = id_of(cfg.get("eos_token_id"));
+    // transformers stops at generation_config.json's EOS list (Qwen2.5-Instruct: <|im_end|> and
+    // <|endoftext|>; Phi-4-mini: <|endoftext|> and <|end|>), which config.json may not name
+    let gen = dir.join("generation_config.json");
+    if gen.exists() {
+        for id in id_of(read_json(&gen)?.get("eos_token_id")) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
     let mut tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), bos, eos)?;
+    // and where a chat format ends a turn, as a GGUF's tokenizer does
+    tokenizer.add_end_of_turn_tokens();
     let tc = dir.join("tokenizer_config.json");
     let chat_template = if tc.exists() {
         let t = read_json(&tc)?;

@@ -51,6 +51,64 @@ pub const HARMONY_TEMPLATE: &str = concat!(
     "{%- if add_generation_prompt -%}{{- '<|start|>assistant' }}{%- endif -%}",
 );
 
+/// The control tokens a tiny phi3 file adds after the tiny vocabulary (Phi-4-mini's chat format).
+pub const PHI3_TOKENS: [&str; 6] = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"];
+
+/// A compact Phi-4-mini chat template for the tiny phi3 files (written here from the format:
+/// `<|role|>content<|end|>` per message, tools as JSON between `<|tool|>` and `<|/tool|>` in the
+/// system message, `<|assistant|>` opens the answer). The file's EOS is `<|endoftext|>`, as in
+/// Phi-4-mini's GGUF files: a turn ends at `<|end|>`, which only the end-of-turn rule stops at.
+pub const PHI3_TEMPLATE: &str = concat!(
+    "{%- for message in messages -%}",
+    "{%- if message.role == 'system' and tools -%}{{- '<|system|>' + message.content + '<|tool|>' + (tools | tojson) + '<|/tool|><|end|>' }}",
+    "{%- else -%}{{- '<|' + message.role + '|>' + message.content + '<|end|>' }}{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' }}{%- else -%}{{- eos_token }}{%- endif -%}",
+);
+
+/// A compact Qwen3 chat template for the tiny qwen3 / qwen3moe files (written here from the
+/// format: ChatML, tools listed in the system message between `<tools>` tags, calls as
+/// `<tool_call>` JSON, results as `<tool_response>` in a user turn; `enable_thinking: false`
+/// closes an empty think block in the generation prompt). Real files carry Qwen's own template.
+pub const QWEN3_TEMPLATE: &str = concat!(
+    "{%- if tools -%}",
+    "{{- '<|im_start|>system\n' + (messages[0].content + '\n\n' if messages and messages[0].role == 'system' else '') + '# Tools\n\n<tools>' }}",
+    "{%- for t in tools -%}{{- '\n' + (t | tojson) }}{%- endfor -%}",
+    "{{- '\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}",
+    "{%- elif messages and messages[0].role == 'system' -%}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}",
+    "{%- endif -%}",
+    "{%- for message in messages -%}",
+    "{%- if message.role == 'user' -%}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}",
+    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\n' + (message.content if message.content is string else '') }}",
+    "{%- if message.tool_calls is defined and message.tool_calls -%}{%- for tc in message.tool_calls -%}{%- set f = tc.function if tc.function is defined else tc -%}",
+    "{{- '\n<tool_call>\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments if f.arguments is string else f.arguments | tojson) + '}\n</tool_call>' }}{%- endfor -%}{%- endif -%}",
+    "{{- '<|im_end|>\n' }}",
+    "{%- elif message.role == 'tool' -%}{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' }}",
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' }}{%- endif -%}{%- endif -%}",
+);
+
+/// A compact SmolLM3 chat template for the tiny smollm3 files (written here from the format:
+/// ChatML with a metadata system message naming the reasoning mode, `/think` or `/no_think`,
+/// chosen by `enable_thinking` or a flag in the system prompt; without thinking the generation
+/// prompt closes an empty think block).
+pub const SMOLLM3_TEMPLATE: &str = concat!(
+    "{%- set ns = namespace(think=true, sys='') -%}",
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{%- set ns.think = false -%}{%- endif -%}",
+    "{%- if messages and messages[0].role == 'system' -%}{%- set ns.sys = messages[0].content -%}{%- endif -%}",
+    "{%- if '/no_think' in ns.sys -%}{%- set ns.think = false -%}{%- elif '/think' in ns.sys -%}{%- set ns.think = true -%}{%- endif -%}",
+    "{%- set ns.sys = ns.sys | replace('/no_think', '') | replace('/think', '') | trim -%}",
+    "{{- '<|im_start|>system\n## Metadata\n\nReasoning Mode: ' + ('/think' if ns.think else '/no_think') + '\n\n## Custom Instructions\n\n' + ns.sys + '\n\n<|im_end|>\n' }}",
+    "{%- for message in messages -%}",
+    "{%- if message.role == 'user' or message.role == 'tool' -%}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}",
+    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\n' + message.content + '<|im_end|>\n' }}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' + ('' if ns.think else '<think>\n\n</think>\n') }}{%- endif -%}",
+);
+
 /// Shape and numerics of a tiny random Llama. The vocabulary is fixed: token `b` (0..256) is the
 /// single byte `b` in GPT-2's byte-to-unicode spelling, so the byte-level BPE tokenizer needs no
 /// merges, followed by the three ChatML control tokens.
@@ -168,8 +226,13 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let format_of = |name: &str| spec.tensor_formats.iter().find(|(n, _)| n == name).map(|(_, f)| *f).unwrap_or(spec.weight_format);
 
     // name, shape [rows, cols] (or [n] for norms), std of the random values, mean (norms ~1)
-    // gpt-oss files speak harmony: its control tokens after the tiny vocabulary
-    let extra_tokens: &[&str] = if arch == "gpt-oss" { &HARMONY_TOKENS } else { &[] };
+    // gpt-oss files speak harmony, phi3 files Phi-4-mini's format: their control tokens after
+    // the tiny vocabulary
+    let extra_tokens: &[&str] = match arch {
+        "gpt-oss" => &HARMONY_TOKENS,
+        "phi3" => &PHI3_TOKENS,
+        _ => &[],
+    };
     let vocab = TINY_VOCAB + extra_tokens.len();
     let mut plan: Vec<(String, Vec<usize>, f32, f32)> = vec![("token_embd.weight".into(), vec![vocab, h], 0.2, 0.0)];
     for i in 0..spec.layers {
@@ -301,7 +364,23 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
         metadata.push((k("attention.sliding_window_pattern"), Value::U32(spec.sliding_period as u32)));
     }
+    // each architecture's chat format (the others fall back to ChatML)
+    let template = match arch {
+        "phi3" => Some(PHI3_TEMPLATE),
+        "qwen3" | "qwen3moe" => Some(QWEN3_TEMPLATE),
+        "smollm3" => Some(SMOLLM3_TEMPLATE),
+        _ => None,
+    };
+    if let Some(t) = template {
+        metadata.push(("tokenizer.chat_template".into(), s(t)));
+    }
     if arch == "phi3" {
+        // Phi-4-mini's files: <|endoftext|> is BOS and EOS; turns end at <|end|>
+        for key in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"] {
+            if let Some((_, id)) = metadata.iter_mut().find(|(k, _)| k == key) {
+                *id = Value::U32(TINY_ENDOFTEXT);
+            }
+        }
         metadata.push((k("rope.scaling.attn_factor"), Value::F32(1.1902381)));
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(spec.context_length as u32)));
     }

@@ -143,7 +143,8 @@ impl Tokenizer {
     /// Adds the end-of-turn tokens of the common chat formats that exist in the vocabulary to
     /// the EOS set, so generation stops where the template ends an assistant turn:
     /// `<|im_end|>` (ChatML: Qwen, SmolLM), `<end_of_turn>` (Gemma), `<|eot_id|>` and
-    /// `<|eom_id|>` (Llama 3), `<|return|>` and `<|call|>` (gpt-oss's harmony). In harmony
+    /// `<|eom_id|>` (Llama 3), `<|end|>` (Phi-3 / Phi-4: the file's EOS is `<|endoftext|>`, the
+    /// template ends each turn with `<|end|>`), `<|return|>` and `<|call|>` (gpt-oss's harmony). In harmony
     /// `<|end|>` ends a message, not the turn (the analysis message is followed by the final
     /// one), so with `<|return|>` and `<|call|>` present it is no EOS, as llama.cpp decides.
     pub fn add_end_of_turn_tokens(&mut self) {
@@ -350,7 +351,7 @@ fn sentencepiece_bytes(piece: &str) -> Vec<u8> {
 }
 
 /// Turn-ending tokens of the chat formats we know (see `add_end_of_turn_tokens`).
-pub const END_OF_TURN_TOKENS: [&str; 6] = ["<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|return|>", "<|call|>"];
+pub const END_OF_TURN_TOKENS: [&str; 7] = ["<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>", "<|call|>"];
 
 /// What differs between the two kinds of GGUF tokenizer.
 struct Parts {

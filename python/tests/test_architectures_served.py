@@ -1,0 +1,120 @@
+"""qwen3moe, qwen2moe, phi3 and smollm3 through the whole stack on tiny random files (`specula debug
+write-tiny` / `write-tiny-moe`), as test_gpt_oss.py does for gpt-oss:
+
+- Each file's chat template (Qwen3's, Phi-4-mini's and SmolLM3's formats, written by the tiny
+  writer; qwen2moe files carry none and get ChatML, as Qwen1.5-MoE's template is) renders as
+  Python's jinja2 renders it (transformers' environment), with and without tools.
+- Generation stops where the format ends a turn. Phi-4-mini's files name `<|endoftext|>` as EOS
+  while every turn ends with `<|end|>` (its generation config stops at both; llama.cpp's
+  end-of-generation set has both): forcing that token with `logit_bias` must end the answer with
+  finish_reason "stop", not run on to max_tokens.
+- Served, greedy outputs (tokens, content, reasoning, finish reason) are the same with and
+  without n-gram speculation and async scheduling (the random model's text is noise, so only
+  exactness is asserted, and that the n-gram drafted).
+The forward passes themselves are checked against the NumPy reference (test_real_models.py,
+test_moe_oracle.py) and llama.cpp (scripts/llama_compare.sh).
+"""
+
+import json
+
+import pytest
+
+import tokenizer_oracle as to
+from conftest import run_specula
+from server_fixture import SpeculaServer
+from test_chat_template_oracle import CALL, RESULT, WEATHER_TOOL, A, S, U, compare, engine_render
+
+# name: (writer, flags, the token that ends an assistant turn)
+ARCHS = {
+    "qwen3moe": ("write-tiny-moe", ["--arch", "qwen3moe", "--experts", "8", "--experts-used", "3", "--head-dim", "32"], "<|im_end|>"),
+    "qwen2moe": ("write-tiny-moe", ["--arch", "qwen2moe", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32"], "<|im_end|>"),
+    "phi3": ("write-tiny", ["--arch", "phi3", "--rope-dims", "8"], "<|end|>"),
+    "smollm3": ("write-tiny", ["--arch", "smollm3", "--layers", "4"], "<|im_end|>"),
+}
+CASES = [
+    {"messages": [U]},
+    {"messages": [U], "add_generation_prompt": False},
+    {"messages": [S, U, A, U]},
+    {"messages": [S, U], "tools": [WEATHER_TOOL]},
+]
+# Qwen3's format also carries past calls and their results
+QWEN3_CASES = CASES + [{"messages": [U, CALL, RESULT], "tools": [WEATHER_TOOL]}]
+SMOLLM3_CASES = CASES + [{"messages": [{"role": "system", "content": "Be brief. /no_think"}, U]}]
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def tiny(request, tmp_path_factory, specula_bin):
+    name = request.param
+    writer, flags, _ = ARCHS[name]
+    path = tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"
+    run_specula(specula_bin, ["debug", writer, "--format", "q8_0", "--seed", "5", "--output", str(path), *flags])
+    return name, path
+
+
+def vocabulary(path):
+    reader = to._reader(str(path))
+    return reader, to._strings(reader, "tokenizer.ggml.tokens")
+
+
+def test_chat_template_renders_as_jinja2_and_turns_end_where_the_format_ends_them(tiny, specula_bin, tmp_path):
+    name, path = tiny
+    reader, tokens = vocabulary(path)
+    cases = {"qwen3moe": QWEN3_CASES, "smollm3": SMOLLM3_CASES}.get(name, CASES)
+    res = engine_render(specula_bin, str(path), cases, tmp_path)
+    if name == "qwen2moe":
+        assert "tokenizer.chat_template" not in reader.fields
+        assert res["renders"][0]["text"] == "<|im_start|>user\nWhat's the weather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    else:
+        template = to._scalar(reader, "tokenizer.chat_template")
+        bos = tokens[to._scalar(reader, "tokenizer.ggml.bos_token_id")]
+        eos = tokens[to._scalar(reader, "tokenizer.ggml.eos_token_id")]
+        compare(res["renders"], cases, template, bos, eos)
+    eos_names = {tokens[i] for i in res["eos"]}
+    assert ARCHS[name][2] in eos_names, eos_names
+    if name == "phi3":
+        assert tokens[to._scalar(reader, "tokenizer.ggml.eos_token_id")] == "<|endoftext|>"
+        assert res["renders"][3]["text"].startswith("<|system|>You are terse.<|tool|>[{")
+        assert res["renders"][2]["text"].endswith("<|user|>What's the weather in Paris?<|end|><|assistant|>")
+    if name == "smollm3":
+        assert "Reasoning Mode: /no_think" in res["renders"][4]["text"] and res["renders"][4]["text"].endswith("<think>\n\n</think>\n")
+        assert "Reasoning Mode: /think" in res["renders"][0]["text"]
+
+
+PROMPTS = ["Count: one two three one two three one two three", "abc abc abc abc abc", "Say something."]
+
+
+def chat(server: SpeculaServer, prompt: str, **extra) -> dict:
+    r = server.http().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
+                                                          "temperature": 0, "logprobs": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
+    name, path = tiny
+    _, tokens = vocabulary(path)
+    turn_end = tokens.index(ARCHS[name][2])
+    runs = []
+    for flags in [(), ("--speculative-method", "ngram", "--async-scheduling")]:
+        server = SpeculaServer(*flags, "--max-model-len", "512")
+        server.model = path
+        server.start()
+        try:
+            out = []
+            for p in PROMPTS:
+                c = chat(server, p)
+                out.append(([t["token"] for t in c["logprobs"]["content"]], c["message"].get("content"),
+                             c["message"].get("reasoning_content"), c["finish_reason"]))
+            runs.append(out)
+            # the turn-end token, forced, ends the answer there
+            c = chat(server, PROMPTS[0], logit_bias={str(turn_end): 100})
+            assert c["finish_reason"] == "stop", (name, c)
+            assert not c["message"].get("content") and not c["message"].get("reasoning_content"), c["message"]
+            if flags:
+                metrics = server.http().get("/metrics").text
+                drafted = [line for line in metrics.splitlines() if line.startswith("specula:spec_decode_num_draft_tokens ")]
+                assert drafted and float(drafted[0].split()[1]) > 0, "n-gram speculation drafted nothing: the test does not test it"
+        finally:
+            server.stop()
+    assert runs[0] == runs[1], json.dumps(runs, indent=1)[:2000]
+    assert any(len(toks) > 5 for toks, *_ in runs[0])
