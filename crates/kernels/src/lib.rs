@@ -23,6 +23,7 @@ pub mod packed_k;
 mod packed_k_tests;
 #[cfg(test)]
 mod packed_test_rows;
+pub mod peak;
 pub mod pool;
 pub mod q8;
 pub mod weights;

@@ -188,6 +188,22 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         .map(|&threads| Ok((threads, rayon::ThreadPoolBuilder::new().num_threads(threads).build()?.install(|| read_bandwidth(&stream)))))
         .collect::<Result<Vec<_>>>()?;
     drop(stream);
+    // and the int8 dot peak, each of the pool's threads running it at once
+    let peaks = args
+        .threads
+        .iter()
+        .map(|&threads| {
+            Ok((
+                threads,
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()?
+                    .broadcast(|_| specula_kernels::peak::int8_macs_per_second(0.3))
+                    .iter()
+                    .sum::<f64>(),
+            ))
+        })
+        .collect::<Result<Vec<(usize, f64)>>>()?;
     for &threads in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
@@ -224,6 +240,23 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         let (o, share) = ours.map_or(("-".into(), "-".into()), |o| (format!("{o:.1}"), format!("{:.0}%", 100.0 * o / bound)));
         println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8}", threads, bw / 1e9, bound, o, share);
     }
+    let macs = prefill_macs(model);
+    if peaks.iter().any(|&(_, p)| p > 0.0) {
+        println!("\ncompute bound of prefill: {:.2} GMAC per token (the weight matmuls; attention's products not counted) at the int8 dot peak", macs / 1e9);
+        println!(
+            "{:>7} {:>16} {:>12} {:>14} {:>8} {:>16} {:>8}",
+            "threads", "int8 peak GMAC/s", "bound tok/s", "specula tok/s", "share", "llama.cpp tok/s", "share"
+        );
+        let prefill = format!("prefill {} tok", prompt.len());
+        for &(threads, peak) in &peaks {
+            let bound = peak / macs;
+            let row = rows.iter().find(|r| r.threads == threads && r.what == prefill);
+            let share = |v: Option<f64>| v.map_or(("-".into(), "-".into()), |v| (format!("{v:.1}"), format!("{:.0}%", 100.0 * v / bound)));
+            let (o, os) = share(row.map(|r| r.ours));
+            let (l, ls) = share(row.and_then(|r| r.llama_cpp));
+            println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8} {:>16} {:>8}", threads, peak / 1e9, bound, o, os, l, ls);
+        }
+    }
     if args.verify_curve {
         println!("\nverify cost curve (one sequence, context {VERIFY_CONTEXT}, fastest of {VERIFY_ROUNDS} interleaved rounds): time of a 1 + k token step relative to a 1-token step");
         println!("{:>3} {:>8} {:>10} {:>8}", "k", "threads", "step ms", "relative");
@@ -241,6 +274,26 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
     }
     Ok(())
+}
+
+/// Multiply-accumulates of the weight matmuls one prompt token costs: every layer's projections,
+/// of a mixture of experts the router, the routed experts (k of them, at the held experts' mean
+/// size) and a shared expert; not the embedding (a lookup), nor the output projection (prefill
+/// scores its last token only), nor attention's own products (they grow with the context).
+fn prefill_macs(model: &LlamaModel) -> f64 {
+    use specula_model::llama::FeedForward;
+    let mm = |m: &specula_kernels::QMatrix| (m.rows * m.cols) as f64;
+    let dense = |d: &specula_model::moe::DenseFfn| mm(&d.gate) + mm(&d.up) + mm(&d.down);
+    let ffn = |f: &FeedForward| match f {
+        FeedForward::Dense(d) => dense(d),
+        FeedForward::Moe(m) => {
+            let held: Vec<f64> = m.experts.iter().flatten().map(dense).collect();
+            let mean = held.iter().sum::<f64>() / held.len().max(1) as f64;
+            let shared = m.shared.as_ref().map_or(0.0, |s| dense(&s.ffn) + s.gate.as_ref().map_or(0.0, mm));
+            mm(&m.router) + m.n_used as f64 * mean + shared
+        }
+    };
+    model.layers.iter().map(|l| mm(&l.wq) + mm(&l.wk) + mm(&l.wv) + mm(&l.wo) + ffn(&l.ffn)).sum()
 }
 
 /// Bytes one decode step of one sequence reads: every weight, less the embedding table (one row
