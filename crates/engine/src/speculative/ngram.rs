@@ -36,12 +36,27 @@ pub const CORPUS_MIN_MATCH: usize = 3;
 /// --async-compare`'s propose column), so a large batch does not pay it squared.
 pub const LIVE_PEERS: usize = 8;
 
+/// Draft tokens a support lookup keeps for the draft asked next (longer drafts look up again).
+const MEMO_DRAFT: usize = 64;
+
 pub struct NgramProposer {
     /// Shortest match that is worth a draft.
     pub min_match: usize,
     index: HashMap<SeqId, SeqIndex>,
     /// The outputs of recent finished requests (a budget of 0 keeps none).
     corpus: Corpus,
+    /// Each sequence's last support lookup ([`Proposer::support`], asked for every sequence that
+    /// may draft before its draft length is chosen) with up to [`MEMO_DRAFT`] tokens of its
+    /// draft: the draft asked next for the same text is cut from it instead of running the
+    /// cross-request lookups again, and continues the very match whose support chose its length.
+    memo: HashMap<SeqId, Memo>,
+}
+
+/// A support lookup's result for a text of `text_len` tokens.
+struct Memo {
+    text_len: usize,
+    support: Support,
+    draft: Vec<TokenId>,
 }
 
 /// One sequence's lookup state.
@@ -150,7 +165,7 @@ impl NgramProposer {
 
     /// With a cross-request index of at most `corpus_tokens` tokens ([`Corpus`]).
     pub fn with_corpus(min_match: usize, corpus_tokens: usize) -> Self {
-        Self { min_match: min_match.max(1), index: HashMap::new(), corpus: Corpus::new(corpus_tokens) }
+        Self { min_match: min_match.max(1), index: HashMap::new(), corpus: Corpus::new(corpus_tokens), memo: HashMap::new() }
     }
 
     /// The draft of up to `k` tokens for `r`'s sequence and how far it is backed: from the
@@ -233,7 +248,13 @@ impl Proposer for NgramProposer {
                 drafts.push(Draft::default());
                 continue;
             }
-            let (support, tokens) = self.draft(r.seq, r.tokens, r.prompt_len, r.params.tenant, r.max_draft);
+            let (support, tokens) = match self.memo.remove(&r.seq) {
+                // the support lookup of this step, for this text, kept enough of the draft
+                Some(m) if m.text_len == r.tokens.len() && (r.max_draft <= MEMO_DRAFT || m.draft.len() < MEMO_DRAFT) => {
+                    (m.support, m.draft.into_iter().take(r.max_draft).collect())
+                }
+                _ => self.draft(r.seq, r.tokens, r.prompt_len, r.params.tenant, r.max_draft),
+            };
             if support.from_corpus && !tokens.is_empty() {
                 metrics::counter!("specula:spec_decode_corpus_drafts").increment(1);
             }
@@ -243,11 +264,14 @@ impl Proposer for NgramProposer {
     }
 
     fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant) -> Option<Support> {
-        Some(self.draft(seq, tokens, prompt_len, tenant, 0).0)
+        let (support, draft) = self.draft(seq, tokens, prompt_len, tenant, MEMO_DRAFT);
+        self.memo.insert(seq, Memo { text_len: tokens.len(), support, draft });
+        Some(support)
     }
 
     fn remove(&mut self, seq: SeqId) {
         self.index.remove(&seq);
+        self.memo.remove(&seq);
     }
 
     fn finished(&mut self, tenant: Tenant, output: &[TokenId]) {
@@ -303,6 +327,35 @@ mod tests {
         assert_eq!(p.support(SeqId(1), &longer, 2, Tenant(0)), Some(Support::own(0)));
         assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6], 4, Tenant(0)), Some(Support::own(1)));
         assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3], 3, Tenant(0)), Some(Support::own(0)));
+    }
+
+    #[test]
+    fn the_draft_after_a_support_lookup_is_the_one_a_fresh_lookup_gives() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let params = crate::api::SamplingParams::greedy(8);
+        // a 90-token pattern twice then its start again: a long match with a long continuation
+        let pattern: Vec<TokenId> = (0..90).map(|i| 100 + (i * 7) % 53).collect();
+        let mut text: Vec<TokenId> = pattern.iter().chain(&pattern).copied().collect();
+        text.extend(&pattern[..20]);
+        let fresh = |text: &[TokenId], k: usize| {
+            let req = DraftRequest { seq: SeqId(1), tokens: text, prompt_len: 2, max_draft: k, params: &params, hidden: None, rng: None };
+            NgramProposer::new(2).propose(&[req], &pool).unwrap().remove(0).tokens
+        };
+        for k in [1, 5, MEMO_DRAFT, MEMO_DRAFT + 30] {
+            let mut p = NgramProposer::new(2);
+            assert!(p.support(SeqId(1), &text, 2, Tenant(0)).is_some_and(|s| s.len > MEMO_DRAFT));
+            let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: k, params: &params, hidden: None, rng: None };
+            let got = p.propose(&[req], &pool).unwrap().remove(0).tokens;
+            assert_eq!(got.len(), k, "a draft longer than the kept one is looked up again");
+            assert_eq!(got, fresh(&text, k));
+        }
+        // a text that moved on since the support lookup is looked up afresh
+        let mut p = NgramProposer::new(2);
+        p.support(SeqId(1), &text, 2, Tenant(0));
+        text.push(pattern[20]);
+        let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: 8, params: &params, hidden: None, rng: None };
+        assert_eq!(p.propose(&[req], &pool).unwrap().remove(0).tokens, fresh(&text, 8));
+        assert_eq!(fresh(&text, 8)[0], pattern[21]);
     }
 
     #[test]
