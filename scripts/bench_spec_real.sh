@@ -24,6 +24,7 @@
 # waits (up to AUDIT_WAIT seconds, default 1800) for every audited request's replay and a last
 # table gives identical / diverged / skipped per run. The replays share the engine with the run
 # (in its idle gaps), so take speed from a run without AUDIT.
+# TEMPERATURE=T: the measured requests sample at T (default 0, greedy; the warm-up stays greedy).
 # ROUNDS=N: the whole sequence of runs N times (results in OUTDIR/rN). The host's memory bandwidth
 # moves within minutes and the unspeculated decode moves with it, so each round's speed-ups are
 # taken against that round's own baseline, and the last table gives their medians. The "verify 8"
@@ -78,7 +79,7 @@ for round in $(seq 1 "$ROUNDS"); do
       $(server_cmd "$run") >"$dir/$name.server.log" 2>&1 &
       pid=$!
       if ! wait_up; then echo "   server did not come up (see $dir/$name.server.log)"; kill "$pid"; wait "$pid"; continue; fi
-      BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --dataset file --dataset-path "$DATA" --no-progress --temperature 0)
+      BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --dataset file --dataset-path "$DATA" --no-progress --temperature "${TEMPERATURE:-0}")
       # warm-up, on other prompts: the measured requests find nothing of it in the prefix cache or
       # in speculation's cross-request index
       "$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions --no-progress --temperature 0 \
