@@ -243,6 +243,31 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def greedy_chat(server, prompt: str, max_tokens: int = 40, **extra) -> dict:
+    """The first choice of a greedy chat completion of one user message, with logprobs."""
+    r = server.http().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                                                          "temperature": 0, "logprobs": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def chat_outputs(server, prompts: list[str]) -> list:
+    """Per prompt, what a speculative run must reproduce: tokens, content, reasoning, finish reason."""
+    out = []
+    for p in prompts:
+        c = greedy_chat(server, p)
+        out.append(([t["token"] for t in c["logprobs"]["content"]], c["message"].get("content"),
+                    c["message"].get("reasoning_content"), c["finish_reason"]))
+    return out
+
+
+def assert_drafted(server) -> None:
+    """Fails unless the server's speculation drafted something: an exactness test whose
+    speculation drafted nothing tests nothing."""
+    m = parse_prometheus(server.http().get("/metrics").text)
+    assert m.get("specula:spec_decode_num_draft_tokens", 0) > 0, "speculation drafted nothing: the test does not test it"
+
+
 def server_fixture(*args: str, api_key: str | None = None, threads: int = 2):
     """A module-scoped pytest fixture that yields a started SpeculaServer with these flags."""
 

@@ -21,7 +21,7 @@ import pytest
 
 import tokenizer_oracle as to
 from conftest import run_specula
-from server_fixture import SpeculaServer
+from server_fixture import SpeculaServer, assert_drafted, chat_outputs, greedy_chat
 from test_chat_template_oracle import CALL, RESULT, WEATHER_TOOL, A, S, U, compare, engine_render
 
 # name: (writer, flags, the token that ends an assistant turn)
@@ -83,13 +83,6 @@ def test_chat_template_renders_as_jinja2_and_turns_end_where_the_format_ends_the
 PROMPTS = ["Count: one two three one two three one two three", "abc abc abc abc abc", "Say something."]
 
 
-def chat(server: SpeculaServer, prompt: str, **extra) -> dict:
-    r = server.http().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 40,
-                                                          "temperature": 0, "logprobs": True, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
-
-
 def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
     name, path = tiny
     _, tokens = vocabulary(path)
@@ -100,20 +93,13 @@ def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
         server.model = path
         server.start()
         try:
-            out = []
-            for p in PROMPTS:
-                c = chat(server, p)
-                out.append(([t["token"] for t in c["logprobs"]["content"]], c["message"].get("content"),
-                             c["message"].get("reasoning_content"), c["finish_reason"]))
-            runs.append(out)
+            runs.append(chat_outputs(server, PROMPTS))
             # the turn-end token, forced, ends the answer there
-            c = chat(server, PROMPTS[0], logit_bias={str(turn_end): 100})
+            c = greedy_chat(server, PROMPTS[0], logit_bias={str(turn_end): 100})
             assert c["finish_reason"] == "stop", (name, c)
             assert not c["message"].get("content") and not c["message"].get("reasoning_content"), c["message"]
             if flags:
-                metrics = server.http().get("/metrics").text
-                drafted = [line for line in metrics.splitlines() if line.startswith("specula:spec_decode_num_draft_tokens ")]
-                assert drafted and float(drafted[0].split()[1]) > 0, "n-gram speculation drafted nothing: the test does not test it"
+                assert_drafted(server)
         finally:
             server.stop()
     assert runs[0] == runs[1], json.dumps(runs, indent=1)[:2000]

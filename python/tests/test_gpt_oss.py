@@ -17,7 +17,7 @@ import pytest
 
 import tokenizer_oracle as to
 from conftest import run_specula, write_json
-from server_fixture import SpeculaServer
+from server_fixture import SpeculaServer, assert_drafted, chat_outputs
 from test_chat_template_oracle import compare, engine_render
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -60,18 +60,6 @@ def test_harmony_template_renders_as_jinja2_and_stops_at_return_and_call(tiny_gp
 PROMPTS = ["Count: one two three one two three one two three", "abc abc abc abc abc", "Say something."]
 
 
-def chat_outputs(server: SpeculaServer) -> list:
-    out = []
-    for p in PROMPTS:
-        r = server.http().post("/v1/chat/completions", json={"messages": [{"role": "user", "content": p}], "max_tokens": 40,
-                                                              "temperature": 0, "logprobs": True})
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        out.append(([t["token"] for t in choice["logprobs"]["content"]], choice["message"].get("content"),
-                    choice["message"].get("reasoning_content"), choice["finish_reason"]))
-    return out
-
-
 def test_served_gpt_oss_is_exact_under_ngram_async_scheduling_and_mapped_experts(tiny_gpt_oss):
     runs = []
     for flags in [(), ("--speculative-method", "ngram", "--async-scheduling"), ("--expert-weights", "mapped", "--speculative-method", "ngram")]:
@@ -79,13 +67,11 @@ def test_served_gpt_oss_is_exact_under_ngram_async_scheduling_and_mapped_experts
         server.model = tiny_gpt_oss
         server.start()
         try:
-            runs.append(chat_outputs(server))
+            runs.append(chat_outputs(server, PROMPTS))
             if "mapped" in flags:
                 assert "expert weights read in place" in server.log_tail(100000), server.log_tail()
             if flags:
-                metrics = server.http().get("/metrics").text
-                drafted = [line for line in metrics.splitlines() if line.startswith("specula:spec_decode_num_draft_tokens ")]
-                assert drafted and float(drafted[0].split()[1]) > 0, "n-gram speculation drafted nothing: the test does not test it"
+                assert_drafted(server)
         finally:
             server.stop()
     assert runs[0] == runs[1], json.dumps(runs, indent=1)[:2000]
