@@ -392,8 +392,12 @@ impl PackedInt8 {
     /// From how many activation rows a matmul over this matrix takes groups in pairs (one pass
     /// of 512-bit vectors); None where it never does. The results are the same bits either way:
     /// only speed decides (matmul_bench, weights streamed from memory).
-    /// - Q4_0/Q4_1/Q8_0: at any row count; from three where 512-bit instructions are split in two
+    /// - Q4_0/Q4_1: at any row count; from three where 512-bit instructions are split in two
     ///   (Zen 4), where the pair made one or two rows slower.
+    /// - Q8_0: at any row count where 512-bit instructions run whole; never where they are split
+    ///   (Zen 4): there the one-group kernel, with its weights offset to unsigned, beat the pair
+    ///   by 1.15-1.25x at 4 rows, 1.1x at 16, 1.3x at 64 and 512 (matmul_bench, Q8_0 gate/up
+    ///   8960 x 1536, 2 threads; equal at 8).
     /// - Q4_K (super-scaled rows) and Q6_K (block-scaled) in `packed_k::x86::pair_k`, only where
     ///   512-bit instructions run whole (on Zen 4 Q4_K's pair was 15-25% slower), and only from a
     ///   few rows on: below, the one-group kernel streamed the weights as fast or faster (Zen 5).
@@ -406,7 +410,8 @@ impl PackedInt8 {
             return None;
         }
         match (span, self.format) {
-            (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => Some(if f.split_512 { 3 } else { 1 }),
+            (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1) => Some(if f.split_512 { 3 } else { 1 }),
+            (ActSpan::Block, WeightFormat::Q8_0) => (!f.split_512).then_some(1),
             (ActSpan::Block, WeightFormat::Q6K) if !f.split_512 && self.act_blocks * QK < 4096 => Some(8),
             (ActSpan::Super, WeightFormat::Q4K) if !f.split_512 => Some(5),
             _ => None,
@@ -530,12 +535,18 @@ mod x86 {
         unsafe fn q4_finish(acc: __m256i) -> __m256i;
         /// acc (i32) += per-lane sums of four |w| x sign(a, w) products (Q8 quants).
         unsafe fn q8(acc: __m256i, aw: __m256i, sa: __m256i) -> __m256i;
+        /// Whether Q8_0 blocks take the weights offset to unsigned (`w + 128` against `a`, less
+        /// `128 sum(a)`: one `vpdpbusd` with its broadcast folded in per weight vector and row)
+        /// instead of `sign` (a broadcast and a `vpsignb` more each). `maddubs` would saturate
+        /// its i16 pairs at `255 x 127 x 2`, so only VNNI does.
+        const Q8_OFFSET: bool;
     }
 
     struct Avx2;
     struct Vnni;
 
     impl IntDot for Avx2 {
+        const Q8_OFFSET: bool = false;
         #[inline(always)]
         unsafe fn q4(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
             _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, a))
@@ -552,6 +563,7 @@ mod x86 {
     }
 
     impl IntDot for Vnni {
+        const Q8_OFFSET: bool = true;
         #[inline(always)]
         unsafe fn q4(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(acc, w, a)
@@ -687,6 +699,22 @@ mod x86 {
                     }
                     for s in isum.iter_mut() {
                         *s = D::q4_finish(*s);
+                    }
+                }
+                _ if D::Q8_OFFSET => {
+                    // sum((w + 128) a) - 128 sum(a): the same exact integer sum (each lane at most
+                    // 32 x 255 x 127 before the subtraction)
+                    let offset = _mm256_set1_epi8(i8::MIN);
+                    for g in 0..8 {
+                        let u = _mm256_xor_si256(_mm256_loadu_si256(q.add(32 * g) as *const __m256i), offset);
+                        for n in 0..N {
+                            let ap = acts[n].get_unchecked(b).qs.as_ptr();
+                            isum[n] = _mm256_dpbusd_epi32(isum[n], u, bcast4(ap.add(4 * g)));
+                        }
+                    }
+                    for n in 0..N {
+                        let h = acts[n].get_unchecked(b).h;
+                        isum[n] = _mm256_sub_epi32(isum[n], _mm256_set1_epi32(128 * (h[0] as i32 + h[1] as i32)));
                     }
                 }
                 _ => {
