@@ -73,6 +73,7 @@ fn main() {
         ("down Q4K", WeightFormat::Q4K, 1536, 8960),
         ("lm_head Q6K", WeightFormat::Q6K, 151936, 1536),
         ("gate/up Q4_0", WeightFormat::Q4_0, 8960, 1536),
+        ("gate/up Q4_1", WeightFormat::Q4_1, 8960, 1536),
         ("gate/up Q8_0", WeightFormat::Q8_0, 8960, 1536),
         ("0.5B up Q5_0", WeightFormat::Q5_0, 4864, 896),
         ("0.5B lm Q8_0", WeightFormat::Q8_0, 151936, 896),

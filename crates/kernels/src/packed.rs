@@ -392,12 +392,12 @@ impl PackedInt8 {
     /// From how many activation rows a matmul over this matrix takes groups in pairs (one pass
     /// of 512-bit vectors); None where it never does. The results are the same bits either way:
     /// only speed decides (matmul_bench, weights streamed from memory).
-    /// - Q4_0/Q4_1: at any row count; from three where 512-bit instructions are split in two
-    ///   (Zen 4), where the pair made one or two rows slower.
-    /// - Q8_0: at any row count where 512-bit instructions run whole; never where they are split
-    ///   (Zen 4): there the one-group kernel, with its weights offset to unsigned, beat the pair
-    ///   by 1.15-1.25x at 4 rows, 1.1x at 16, 1.3x at 64 and 512 (matmul_bench, Q8_0 gate/up
-    ///   8960 x 1536, 2 threads; equal at 8).
+    /// - Q4_0/Q4_1/Q8_0: at any row count where 512-bit instructions run whole; never where they
+    ///   are split in two (Zen 4): there the one-group kernel was as fast or faster at every row
+    ///   count (matmul_bench, gate/up 8960 x 1536, 2 threads, two rounds, pair -> one group: Q4_0
+    ///   1.4x at 3 rows, 1.35x at 4, 1.1x at 8 and 16, 1.0-1.05x at 64; Q4_1 1.4-1.65x at 3, 1.3-1.45x
+    ///   at 4, 1.0-1.1x at 8-64; Q8_0, with its weights offset to unsigned, 1.15-1.25x at 4, equal
+    ///   at 8, 1.1x at 16, 1.3x at 64 and 512). Before, Zen 4 took the pair from three rows.
     /// - Q4_K (super-scaled rows) and Q6_K (block-scaled) in `packed_k::x86::pair_k`, only where
     ///   512-bit instructions run whole (on Zen 4 Q4_K's pair was 15-25% slower), and only from a
     ///   few rows on: below, the one-group kernel streamed the weights as fast or faster (Zen 5).
@@ -410,8 +410,7 @@ impl PackedInt8 {
             return None;
         }
         match (span, self.format) {
-            (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1) => Some(if f.split_512 { 3 } else { 1 }),
-            (ActSpan::Block, WeightFormat::Q8_0) => (!f.split_512).then_some(1),
+            (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => (!f.split_512).then_some(1),
             (ActSpan::Block, WeightFormat::Q6K) if !f.split_512 && self.act_blocks * QK < 4096 => Some(8),
             (ActSpan::Super, WeightFormat::Q4K) if !f.split_512 => Some(5),
             _ => None,
@@ -456,6 +455,19 @@ impl PackedInt8 {
         }
         self.dot_group_span_to::<N>(g, span, acts, dst[0]);
         self.dot_group_span_to::<N>(g + 1, span, acts, dst[1]);
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+impl PackedInt8 {
+    /// `dot_group_pair_to` through the 512-bit two-group kernel of Q4_0 / Q4_1 / Q8_0 whatever
+    /// `pair_min_rows` says, so the kernel is checked on CPUs whose matmuls do not take it.
+    ///
+    /// # Safety
+    /// As `dot_group_pair_to`; AVX-512 VNNI present.
+    pub(crate) unsafe fn dot_group_pair_512_for_tests<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+        assert!(crate::cpu::features().avx512_vnni && !packed_k::handles(self.format));
+        self.with_groups::<2, _>(g, |[g0, g1]| x86::pair_vnni512::<N>(self.format, g0, g1, self.blocks, acts, dst));
     }
 }
 
@@ -963,10 +975,23 @@ mod tests {
                 let [o0, o1] = &mut out;
                 // SAFETY: each pointer addresses one row of `out`.
                 unsafe { p.dot_group_pair_to::<N>(g, rows, [o0.each_mut().map(|r| r.as_mut_ptr()), o1.each_mut().map(|r| r.as_mut_ptr())]) };
+                let mut forced = None;
+                #[cfg(target_arch = "x86_64")]
+                if crate::cpu::features().avx512_vnni && !crate::packed_k::handles(f) {
+                    // the 512-bit pair itself, also where the matmul does not take it (Zen 4)
+                    let mut out512 = [[[0f32; GROUP_ROWS]; N]; 2];
+                    let [a, b] = &mut out512;
+                    // SAFETY: as above; AVX-512 VNNI was detected.
+                    unsafe { p.dot_group_pair_512_for_tests::<N>(g, rows, [a.each_mut().map(|r| r.as_mut_ptr()), b.each_mut().map(|r| r.as_mut_ptr())]) };
+                    forced = Some(out512);
+                }
                 for (j, group_out) in out.iter().enumerate() {
                     for (n, row) in rows.iter().enumerate() {
                         let reference = dot_group_scalar(f, &p.group_for_tests(g + j), p.blocks, row);
                         assert_eq!(group_out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} group {} activation {n} of {N}", g + j);
+                        if let Some(o) = &forced {
+                            assert_eq!(o[j][n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} 512-bit pair, group {} activation {n} of {N}", g + j);
+                        }
                     }
                 }
             }
