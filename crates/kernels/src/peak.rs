@@ -1,9 +1,10 @@
 //! The machine's int8 multiply-accumulate peak, measured: the instruction the int8 matmul kernels
 //! spend their time in (`vpdpbusd` on 256-bit vectors with AVX-512 VNNI, else AVX2's chain of
 //! `vpmaddubsw`, `vpmaddwd` and `vpaddd`), run back to back on registers with enough independent
-//! accumulators to hide its latency. What a compute-bound step (prefill, a verify step of many tokens) could reach
-//! at best: `bench offline` reports prefill as a share of it, as it reports decode as a share of
-//! the memory's read bandwidth. Written here (no crate measures one instruction's throughput).
+//! accumulators to hide its latency. What a compute-bound step (prefill, a verify step of many
+//! tokens) could reach at best: `bench offline` reports prefill as a share of it, as it reports
+//! decode as a share of the memory's read bandwidth. Written here (no crate measures one
+//! instruction's throughput).
 
 /// Multiply-accumulates per second the calling thread reaches with the int8 kernels' dot
 /// instruction, over about `seconds`; 0 where there is no SIMD path (the scalar kernels).

@@ -331,6 +331,16 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         .chain(extra_tokens.iter().map(|&s| Value::String(s.into())))
         .collect();
     let token_types: Vec<Value> = (0..vocab).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
+    // each architecture's chat format: its template (the others fall back to ChatML), BOS, EOS
+    let (template, bos, eos) = match arch {
+        // harmony: <|return|> ends generation (as the real files say)
+        "gpt-oss" => (Some(HARMONY_TEMPLATE), TINY_IM_START, (TINY_VOCAB + HARMONY_TOKENS.iter().position(|&t| t == "<|return|>").unwrap_or(0)) as u32),
+        // Phi-4-mini's files: <|endoftext|> is BOS and EOS; turns end at <|end|>
+        "phi3" => (Some(PHI3_TEMPLATE), TINY_ENDOFTEXT, TINY_ENDOFTEXT),
+        "qwen3" | "qwen3moe" => (Some(QWEN3_TEMPLATE), TINY_IM_START, TINY_IM_END),
+        "smollm3" => (Some(SMOLLM3_TEMPLATE), TINY_IM_START, TINY_IM_END),
+        _ => (None, TINY_IM_START, TINY_IM_END),
+    };
     let s = |x: &str| Value::String(x.into());
     let k = |key: &str| format!("{arch}.{key}");
     let mut metadata: Vec<(String, Value)> = vec![
@@ -352,8 +362,8 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         ("tokenizer.ggml.tokens".into(), Value::Array(tokens)),
         ("tokenizer.ggml.token_type".into(), Value::Array(token_types)),
         ("tokenizer.ggml.merges".into(), Value::Array(Vec::new())),
-        ("tokenizer.ggml.bos_token_id".into(), Value::U32(TINY_IM_START)),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32(TINY_IM_END)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
     if spec.head_dim.is_some() {
@@ -364,23 +374,10 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
         metadata.push((k("attention.sliding_window_pattern"), Value::U32(spec.sliding_period as u32)));
     }
-    // each architecture's chat format (the others fall back to ChatML)
-    let template = match arch {
-        "phi3" => Some(PHI3_TEMPLATE),
-        "qwen3" | "qwen3moe" => Some(QWEN3_TEMPLATE),
-        "smollm3" => Some(SMOLLM3_TEMPLATE),
-        _ => None,
-    };
     if let Some(t) = template {
         metadata.push(("tokenizer.chat_template".into(), s(t)));
     }
     if arch == "phi3" {
-        // Phi-4-mini's files: <|endoftext|> is BOS and EOS; turns end at <|end|>
-        for key in ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"] {
-            if let Some((_, id)) = metadata.iter_mut().find(|(k, _)| k == key) {
-                *id = Value::U32(TINY_ENDOFTEXT);
-            }
-        }
         metadata.push((k("rope.scaling.attn_factor"), Value::F32(1.1902381)));
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(spec.context_length as u32)));
     }
@@ -392,12 +389,6 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(32)));
     }
     if arch == "gpt-oss" {
-        // harmony: the template, and <|return|> ends generation (as the real files say)
-        metadata.push(("tokenizer.chat_template".into(), s(HARMONY_TEMPLATE)));
-        let ret = TINY_VOCAB + HARMONY_TOKENS.iter().position(|&t| t == "<|return|>").unwrap_or(0);
-        if let Some((_, eos)) = metadata.iter_mut().find(|(key, _)| key == "tokenizer.ggml.eos_token_id") {
-            *eos = Value::U32(ret as u32);
-        }
         // every other layer local; YaRN as gpt-oss's (factor 32 over 4096), scaled down
         metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
         metadata.push((k("rope.scaling.type"), s("yarn")));

@@ -182,28 +182,10 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     let mut rows = Vec::new();
     // the memory bound first, so its 1 GiB is gone before the model is timed
     let stream = bandwidth_buffer();
-    let bounds = args
-        .threads
-        .iter()
-        .map(|&threads| Ok((threads, rayon::ThreadPoolBuilder::new().num_threads(threads).build()?.install(|| read_bandwidth(&stream)))))
-        .collect::<Result<Vec<_>>>()?;
+    let bounds = per_thread_count(&args.threads, |pool| pool.install(|| read_bandwidth(&stream)))?;
     drop(stream);
     // and the int8 dot peak, each of the pool's threads running it at once
-    let peaks = args
-        .threads
-        .iter()
-        .map(|&threads| {
-            Ok((
-                threads,
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()?
-                    .broadcast(|_| specula_kernels::peak::int8_macs_per_second(0.3))
-                    .iter()
-                    .sum::<f64>(),
-            ))
-        })
-        .collect::<Result<Vec<(usize, f64)>>>()?;
+    let peaks = per_thread_count(&args.threads, |pool| pool.broadcast(|_| specula_kernels::peak::int8_macs_per_second(0.3)).iter().sum())?;
     for &threads in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
@@ -237,7 +219,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     for &(threads, bw) in &bounds {
         let ours = rows.iter().find(|r| r.threads == threads && r.what == "decode batch 1").map(|r| r.ours);
         let bound = bw / per_token;
-        let (o, share) = ours.map_or(("-".into(), "-".into()), |o| (format!("{o:.1}"), format!("{:.0}%", 100.0 * o / bound)));
+        let (o, share) = rate_and_share(ours, bound);
         println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8}", threads, bw / 1e9, bound, o, share);
     }
     let macs = prefill_macs(model);
@@ -251,9 +233,8 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         for &(threads, peak) in &peaks {
             let bound = peak / macs;
             let row = rows.iter().find(|r| r.threads == threads && r.what == prefill);
-            let share = |v: Option<f64>| v.map_or(("-".into(), "-".into()), |v| (format!("{v:.1}"), format!("{:.0}%", 100.0 * v / bound)));
-            let (o, os) = share(row.map(|r| r.ours));
-            let (l, ls) = share(row.and_then(|r| r.llama_cpp));
+            let (o, os) = rate_and_share(row.map(|r| r.ours), bound);
+            let (l, ls) = rate_and_share(row.and_then(|r| r.llama_cpp), bound);
             println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8} {:>16} {:>8}", threads, peak / 1e9, bound, o, os, l, ls);
         }
     }
@@ -274,6 +255,16 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
     }
     Ok(())
+}
+
+/// `measure` on a pool of each of `threads`' sizes: (threads, its result).
+fn per_thread_count(threads: &[usize], measure: impl Fn(&rayon::ThreadPool) -> f64) -> Result<Vec<(usize, f64)>> {
+    threads.iter().map(|&t| Ok((t, measure(&rayon::ThreadPoolBuilder::new().num_threads(t).build()?)))).collect()
+}
+
+/// A measured rate and its share of `bound`, as table cells ("-" for both where not measured).
+fn rate_and_share(rate: Option<f64>, bound: f64) -> (String, String) {
+    rate.map_or(("-".into(), "-".into()), |v| (format!("{v:.1}"), format!("{:.0}%", 100.0 * v / bound)))
 }
 
 /// Multiply-accumulates of the weight matmuls one prompt token costs: every layer's projections,
