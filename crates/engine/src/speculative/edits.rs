@@ -101,6 +101,39 @@ impl EditLearner {
     }
 }
 
+impl EditLearner {
+    /// A model's `draft` (continuing the output) with the learned edits applied where an edit's
+    /// `from` stands whole in it and its `to` does not already (a draft model that copies the
+    /// prompt drafts its old spans; one that read the edit in the context writes the new ones,
+    /// and an insertion must not be inserted twice), cut to `max` tokens, with the index of its
+    /// first changed token; None when nothing changes. Each edit once over the draft, in the order
+    /// they were learned, as [`EditLearner::apply`] applies them to the prompt.
+    pub fn rewrite(&self, draft: &[TokenId], max: usize) -> Option<(usize, Vec<TokenId>)> {
+        let draft = &draft[..draft.len().min(max)];
+        let mut text = draft.to_vec();
+        for e in &self.edits {
+            let mut out = Vec::with_capacity(text.len());
+            let mut i = 0;
+            while i < text.len() {
+                let rest = &text[i..];
+                // `to` already there, as far as the draft goes
+                let written = rest.iter().zip(&e.to).all(|(a, b)| a == b);
+                if rest.starts_with(&e.from) && !written {
+                    out.extend_from_slice(&e.to);
+                    i += e.from.len();
+                } else {
+                    out.push(text[i]);
+                    i += 1;
+                }
+            }
+            text = out;
+        }
+        text.truncate(max);
+        let first = text.iter().zip(draft).position(|(a, b)| a != b).or((text.len() != draft.len()).then(|| text.len().min(draft.len())))?;
+        Some((first, text))
+    }
+}
+
 /// The edit that turned the source's `from` (starting at source position `from_at`) into the
 /// output's `to`, trimmed to what differs (a shared head or tail is copy, not edit); an insertion
 /// keeps the source token before it on both sides, so that it applies where that token is. None
@@ -184,6 +217,26 @@ mod tests {
         output.extend([5, 6, 7, 8, 11, 12, 13, 14, 15, 16]);
         let l = learn(&source, &output);
         assert!(l.edits().is_empty(), "{:?}", l.edits());
+    }
+
+    #[test]
+    fn a_model_draft_gets_the_edits_it_copies_unedited_and_keeps_those_it_wrote() {
+        let l = EditLearner {
+            edits: vec![Edit { from: vec![50], to: vec![60] }, Edit { from: vec![20], to: vec![20, 21] }, Edit { from: vec![7, 8], to: vec![9] }],
+            anchor: None,
+        };
+        // the old name, an insertion not made, a two-token span: rewritten from index 1
+        assert_eq!(l.rewrite(&[1, 50, 3, 20, 30, 7, 8, 4], 16), Some((1, vec![1, 60, 3, 20, 21, 30, 9, 4])));
+        // already edited (the new name, the insertion made): nothing to change
+        assert_eq!(l.rewrite(&[1, 60, 3, 20, 21, 30], 16), None);
+        // an insertion whose `to` is cut by the draft's end may already be written: left alone
+        assert_eq!(l.rewrite(&[1, 2, 20], 16), None);
+        // a span cut by the draft's end is not there whole
+        assert_eq!(l.rewrite(&[1, 2, 7], 16), None);
+        // longer than asked: cut, the change still reported
+        assert_eq!(l.rewrite(&[2, 20, 30], 3), Some((2, vec![2, 20, 21])));
+        assert_eq!(l.rewrite(&[2, 3, 20, 30], 3), None, "the insertion's `to` falls past the cut");
+        assert_eq!(EditLearner::default().rewrite(&[1, 50], 4), None);
     }
 
     #[test]

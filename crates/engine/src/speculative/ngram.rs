@@ -231,6 +231,11 @@ impl NgramProposer {
         s
     }
 
+    /// What `seq`'s output learned of its edits to the prompt so far (none before it was fed).
+    pub fn edits(&self, seq: SeqId) -> Option<&EditLearner> {
+        self.index.get(&seq).map(|s| &s.learner)
+    }
+
     /// The draft for a text seen for the first time (tests, one-off lookups; no edits learned).
     pub fn lookup(&self, tokens: &[TokenId], k: usize) -> Vec<TokenId> {
         let mut s = SeqIndex::new(tokens.len(), Tenant::default());
