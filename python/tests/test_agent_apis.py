@@ -162,7 +162,52 @@ def test_anthropic_count_tokens_matches_tokenize(qwen):
         r.raise_for_status()
     assert counted.input_tokens == r.json()["count"]
     msg = c.messages.create(model=qwen.model_name, max_tokens=1, system="Be brief.", messages=HELLO)
-    assert msg.usage.input_tokens == counted.input_tokens
+    # Anthropic counts the prompt tokens read from a cache apart from input_tokens
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counted.input_tokens
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(qwen):
+    """Each API's usage says how much of the prompt the prefix cache served, as each SDK reads it
+    (OpenAI `prompt_tokens_details.cached_tokens`, Responses `input_tokens_details.cached_tokens`,
+    Anthropic `cache_read_input_tokens` beside `input_tokens`), streamed or not; checked against
+    the server's own prefix-cache hit counter at `/metrics`."""
+    system = f"Session {os.urandom(8).hex()}. You review Python code in a large repository. " + " ".join(
+        f"Rule {i}: keep function number {i} short, typed and tested." for i in range(12))
+    msgs = [{"role": "system", "content": system}, *HELLO]
+    g, c = gpt(qwen), claude(qwen)
+
+    def hits() -> float:
+        return qwen.wait_idle()["specula:prefix_cache_hits"]
+
+    before = hits()
+    first = g.chat.completions.create(model=qwen.model_name, messages=msgs, max_tokens=2, temperature=0)
+    prompt = first.usage.prompt_tokens
+    assert prompt > 100 and first.usage.prompt_tokens_details.cached_tokens == 0, first.usage
+    assert hits() == before, "a prompt that starts with a fresh nonce found nothing in the cache"
+    # the whole prompt but its last token (computed for the logits), in full blocks of 16
+    expect = (prompt - 1) // 16 * 16
+    seen = []
+    before = hits()
+    seen.append(("chat", g.chat.completions.create(model=qwen.model_name, messages=msgs, max_tokens=2, temperature=0)
+                 .usage.prompt_tokens_details.cached_tokens))
+    assert hits() - before == seen[-1][1], "usage and /metrics disagree on the cache hit"
+    chunks = list(g.chat.completions.create(model=qwen.model_name, messages=msgs, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    seen.append(("chat stream", chunks[-1].usage.prompt_tokens_details.cached_tokens))
+    r = g.responses.create(model=qwen.model_name, instructions=system, input=HELLO[0]["content"], max_output_tokens=2, temperature=0)
+    assert r.usage.input_tokens == prompt
+    seen.append(("responses", r.usage.input_tokens_details.cached_tokens))
+    done = [e for e in g.responses.create(model=qwen.model_name, instructions=system, input=HELLO[0]["content"],
+                                          max_output_tokens=2, temperature=0, stream=True) if e.type in ("response.completed", "response.incomplete")]
+    seen.append(("responses stream", done[-1].response.usage.input_tokens_details.cached_tokens))
+    m = c.messages.create(model=qwen.model_name, max_tokens=2, extra_body=GREEDY, system=system, messages=HELLO)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == prompt, m.usage
+    seen.append(("messages", m.usage.cache_read_input_tokens))
+    with c.messages.stream(model=qwen.model_name, max_tokens=2, extra_body=GREEDY, system=system, messages=HELLO) as st:
+        final = st.get_final_message()
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt, final.usage
+    seen.append(("messages stream", final.usage.cache_read_input_tokens))
+    assert all(cached == expect for _, cached in seen), (expect, seen)
 
 
 def test_anthropic_errors_raise_the_sdks_exceptions(qwen):

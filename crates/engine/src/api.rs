@@ -246,6 +246,9 @@ pub enum RequestEvent {
         reason: FinishReason,
         prompt_tokens: usize,
         completion_tokens: usize,
+        /// Prompt tokens served from the prefix cache (their KV reused, not computed).
+        #[serde(default)]
+        cached_tokens: usize,
     },
     Failed {
         message: String,

@@ -155,6 +155,9 @@ impl Scheduler {
                 Ok(cached) => {
                     s.num_computed = cached;
                     s.num_scheduled = cached;
+                    if !s.admitted {
+                        s.cached_prompt_tokens = cached.min(s.prompt_len);
+                    }
                 }
                 Err(KvCacheError::SeqExists(_)) => {}
                 Err(_) => break,

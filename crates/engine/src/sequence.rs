@@ -44,6 +44,9 @@ pub struct Sequence {
     pub arrival: Instant,
     /// Has been admitted to the running set at least once (left the waiting count).
     pub admitted: bool,
+    /// Prompt tokens whose KV the prefix cache held at the first admission (the usage's cached
+    /// tokens; a recompute after preemption does not change it).
+    pub cached_prompt_tokens: usize,
     pub num_preemptions: usize,
     /// Prompt logprobs computed so far (`SamplingParams::prompt_logprobs`): entry `i` for prompt
     /// token `i + 1`, top alternatives already cut to the request's k.
@@ -84,6 +87,7 @@ impl Sequence {
             events,
             arrival: Instant::now(),
             admitted: false,
+            cached_prompt_tokens: 0,
             num_preemptions: 0,
             prompt_lps: Vec::new(),
             prompt_ranks: Vec::new(),

@@ -413,20 +413,23 @@ pub struct TurnOutput {
     pub tokens: Vec<TokenId>,
     pub finish: FinishReason,
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// Waits for one choice to finish (an engine failure is a 500).
 pub async fn run_to_end(mut run: ChoiceRun) -> Result<TurnOutput, ApiError> {
-    let mut out = TurnOutput { text: String::new(), tokens: Vec::new(), finish: FinishReason::Abort, completion_tokens: 0 };
+    let mut out = TurnOutput { text: String::new(), tokens: Vec::new(), finish: FinishReason::Abort, completion_tokens: 0, cached_tokens: 0 };
     while let Some((_, event)) = run.next().await {
         match event {
             RequestEvent::Delta { tokens, text, .. } => {
                 out.tokens.extend(tokens);
                 out.text.push_str(&text);
             }
-            RequestEvent::Finished { reason, completion_tokens, .. } => {
+            RequestEvent::Finished { reason, completion_tokens, cached_tokens, .. } => {
                 out.finish = reason;
                 out.completion_tokens = completion_tokens;
+                out.cached_tokens = cached_tokens;
             }
             RequestEvent::Failed { message } => return Err(ApiError::internal(message)),
             RequestEvent::PromptLogprobs { .. } => {}

@@ -122,7 +122,7 @@ impl Stream for ChoiceRun {
                 }
             }
             RequestEvent::PromptLogprobs { .. } => {}
-            RequestEvent::Finished { reason, prompt_tokens, completion_tokens } => {
+            RequestEvent::Finished { reason, prompt_tokens, completion_tokens, .. } => {
                 self.timer.on_finished(*reason, *prompt_tokens, *completion_tokens);
                 self.guard.disarm();
                 self.done = true;
@@ -202,8 +202,21 @@ pub struct ChoiceOutput {
     pub logprobs: Vec<TokenLogprob>,
     pub finish_reason: FinishReason,
     pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
     /// The prompt's logprobs and ranks (entry i: prompt token i + 1), when asked for.
     pub prompt_logprobs: Option<(Vec<TokenLogprob>, Vec<u32>)>,
+}
+
+/// A request's prompt tokens served from the prefix cache, from each choice's `(index, cached)`
+/// where choice `i` ran prompt `i / choices_per_prompt`: per prompt the fewest any of its choices
+/// had (usage counts a prompt once, however many choices ran it), summed over the prompts.
+pub fn cached_tokens(choices_per_prompt: usize, per_choice: impl IntoIterator<Item = (usize, usize)>) -> usize {
+    let mut per_prompt = std::collections::BTreeMap::new();
+    for (index, cached) in per_choice {
+        per_prompt.entry(index / choices_per_prompt.max(1)).and_modify(|c: &mut usize| *c = (*c).min(cached)).or_insert(cached);
+    }
+    per_prompt.values().sum()
 }
 
 /// Waits for every choice to finish; the first failure fails the whole response (500) and the
@@ -217,6 +230,7 @@ pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError
             logprobs: Vec::new(),
             finish_reason: FinishReason::Abort,
             completion_tokens: 0,
+            cached_tokens: 0,
             prompt_logprobs: None,
         })
         .collect();
@@ -229,9 +243,10 @@ pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError
                 out.text.push_str(&text);
                 out.logprobs.extend(logprobs);
             }
-            RequestEvent::Finished { reason, completion_tokens, .. } => {
+            RequestEvent::Finished { reason, completion_tokens, cached_tokens, .. } => {
                 out.finish_reason = reason;
                 out.completion_tokens = completion_tokens;
+                out.cached_tokens = cached_tokens;
             }
             RequestEvent::Failed { message } => return Err(ApiError::internal(message)),
             RequestEvent::PromptLogprobs { logprobs, ranks } => out.prompt_logprobs = Some((logprobs, ranks)),
@@ -239,4 +254,17 @@ pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError
     }
     outputs.sort_by_key(|o| o.index);
     Ok(outputs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cached_tokens;
+
+    #[test]
+    fn cached_tokens_count_each_prompt_once_at_its_least_cached_choice() {
+        // two prompts, two choices each (choice i ran prompt i / 2), finishing in any order
+        assert_eq!(cached_tokens(2, [(3, 32), (0, 16), (2, 48), (1, 32)]), 16 + 32);
+        assert_eq!(cached_tokens(1, [(0, 64)]), 64);
+        assert_eq!(cached_tokens(3, []), 0);
+    }
 }

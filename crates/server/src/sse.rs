@@ -70,11 +70,16 @@ struct Pump<W> {
     include_usage: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Each finished choice's (index, prompt tokens from the prefix cache), and how many choices
+    /// ran each prompt (`generate::cached_tokens`).
+    cached: Vec<(usize, usize)>,
+    choices_per_prompt: usize,
     ended: bool,
 }
 
-/// The SSE response for `runs`; `prompt_tokens` is the request's usage prompt count.
-pub fn stream_response<W: ChunkWriter>(runs: Vec<ChoiceRun>, mut writer: W, include_usage: bool, prompt_tokens: usize) -> Response {
+/// The SSE response for `runs`; `prompt_tokens` is the request's usage prompt count, each prompt
+/// ran by `choices_per_prompt` of the runs (choice `i` ran prompt `i / choices_per_prompt`).
+pub fn stream_response<W: ChunkWriter>(runs: Vec<ChoiceRun>, mut writer: W, include_usage: bool, prompt_tokens: usize, choices_per_prompt: usize) -> Response {
     let pump = Pump {
         choices: futures::stream::select_all(runs),
         queue: writer.opening().into(),
@@ -82,6 +87,8 @@ pub fn stream_response<W: ChunkWriter>(runs: Vec<ChoiceRun>, mut writer: W, incl
         include_usage,
         prompt_tokens,
         completion_tokens: 0,
+        cached: Vec::new(),
+        choices_per_prompt,
         ended: false,
     };
     Sse::new(events(pump).map(Ok::<_, Infallible>)).into_response()
@@ -100,8 +107,9 @@ fn events<W: ChunkWriter>(pump: Pump<W>) -> impl Stream<Item = Event> + Send {
                 Some((index, RequestEvent::Delta { tokens, text, logprobs })) => {
                     p.queue.extend(p.writer.delta(index, &tokens, &text, &logprobs));
                 }
-                Some((index, RequestEvent::Finished { reason, completion_tokens, .. })) => {
+                Some((index, RequestEvent::Finished { reason, completion_tokens, cached_tokens, .. })) => {
                     p.completion_tokens += completion_tokens;
+                    p.cached.push((index, cached_tokens));
                     p.queue.extend(p.writer.finished(index, reason));
                 }
                 Some((index, RequestEvent::PromptLogprobs { logprobs, ranks })) => {
@@ -114,7 +122,8 @@ fn events<W: ChunkWriter>(pump: Pump<W>) -> impl Stream<Item = Event> + Send {
                     p.ended = true;
                 }
                 None => {
-                    let usage = Usage::new(p.prompt_tokens, p.completion_tokens);
+                    let usage =
+                        Usage::new(p.prompt_tokens, p.completion_tokens).cached(crate::generate::cached_tokens(p.choices_per_prompt, p.cached.iter().copied()));
                     p.queue.extend(p.writer.closing(usage, p.include_usage));
                     p.ended = true;
                 }

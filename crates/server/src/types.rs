@@ -301,11 +301,24 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// As OpenAI reports it: `cached_tokens`, the prompt tokens served from the prefix cache.
+    #[serde(default)]
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl Usage {
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens, prompt_tokens_details: PromptTokensDetails::default() }
+    }
+
+    /// With `cached` of the prompt tokens served from the prefix cache.
+    pub fn cached(self, cached: usize) -> Self {
+        Self { prompt_tokens_details: PromptTokensDetails { cached_tokens: cached.min(self.prompt_tokens) }, ..self }
     }
 }
 

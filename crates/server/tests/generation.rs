@@ -26,7 +26,7 @@ async fn completion_has_the_openai_shape() {
     assert_eq!(v["model"], MODEL);
     assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
     assert_eq!(v["choices"], json!([{"index": 0, "text": "hellohell", "logprobs": null, "finish_reason": "length"}]));
-    assert_eq!(v["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}));
+    assert_eq!(v["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}));
 }
 
 #[tokio::test]
@@ -83,7 +83,7 @@ async fn echo_with_logprobs_returns_the_prompt_logprobs_in_the_legacy_shape() {
     assert_eq!(c[1]["text"], "jk");
     assert_eq!(c[1]["logprobs"]["token_logprobs"], json!([null, -0.25]));
     assert!(c[0].get("prompt_logprobs").is_none(), "only when asked for");
-    assert_eq!(v["usage"], json!({"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}));
+    assert_eq!(v["usage"], json!({"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}));
     // the engine was asked for the prompt's logprobs with the client's k
     assert!(s.submitted().iter().all(|(_, _, p)| p.prompt_logprobs == Some(1)));
 
@@ -232,7 +232,7 @@ async fn prompt_lists_and_n_give_prompt_major_choices_with_seed_plus_i() {
     let texts: Vec<(u64, &str)> = v["choices"].as_array().unwrap().iter().map(|c| (c["index"].as_u64().unwrap(), c["text"].as_str().unwrap())).collect();
     assert_eq!(texts, vec![(0, "a"), (1, "a"), (2, "c"), (3, "c")]);
     // Each prompt counted once, each choice's tokens counted.
-    assert_eq!(v["usage"], json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}));
+    assert_eq!(v["usage"], json!({"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}));
     let mut seeds: Vec<(Vec<u32>, Option<u64>)> = s.submitted().into_iter().map(|(_, p, sp)| (p, sp.seed)).collect();
     seeds.sort();
     assert_eq!(seeds, vec![(vec![97, 98], Some(7)), (vec![97, 98], Some(8)), (vec![99, 100], Some(7)), (vec![99, 100], Some(8))]);
@@ -278,7 +278,7 @@ async fn chat_renders_the_template_and_answers_as_assistant() {
     assert_eq!(prompt[0], 259, "<|im_start|> is one control token");
     assert_eq!(v["choices"], json!([{"index": 0, "message": {"role": "assistant", "content": "<|im_start|>s"}, "logprobs": null, "finish_reason": "length"}]));
     let n = prompt.len();
-    assert_eq!(v["usage"], json!({"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2}));
+    assert_eq!(v["usage"], json!({"prompt_tokens": n, "completion_tokens": 2, "total_tokens": n + 2, "prompt_tokens_details": {"cached_tokens": 0}}));
 }
 
 #[tokio::test]
@@ -343,7 +343,7 @@ async fn include_usage_adds_a_final_usage_chunk() {
     let chunks = parse_chunks(&text_of(s.post_raw("/v1/completions", body.to_string()).await).await);
     let (last, rest) = chunks.split_last().unwrap();
     assert_eq!(last["choices"], json!([]));
-    assert_eq!(last["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}));
+    assert_eq!(last["usage"], json!({"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}));
     for c in rest {
         assert!(c["usage"].is_null() && c.get("usage").is_some(), "usage: null before the last chunk: {c}");
     }

@@ -531,7 +531,7 @@ mod tests {
                     logprobs: vec![TokenLogprob { token: 7, logprob: -0.25, top: vec![(7, -0.25), (8, -1.5)] }],
                 },
             ),
-            (41, RequestEvent::Finished { reason: FinishReason::Length, prompt_tokens: 3, completion_tokens: 1 }),
+            (41, RequestEvent::Finished { reason: FinishReason::Length, prompt_tokens: 3, completion_tokens: 1, cached_tokens: 2 }),
             (42, RequestEvent::Failed { message: "x".into() }),
         ];
         let back: Up = serde_json::from_slice(&serde_json::to_vec(&Up::Events(events.clone())).unwrap()).unwrap();

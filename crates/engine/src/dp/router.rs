@@ -335,7 +335,7 @@ mod tests {
         assert_eq!((c_on_rank.id, d_on_rank.id), (RequestId(3), RequestId(4)));
         // events pass through to the client; the terminal one releases the load
         a_on_rank.events.send(RequestEvent::Delta { tokens: vec![7], text: "x".into(), logprobs: vec![] }).unwrap();
-        a_on_rank.events.send(RequestEvent::Finished { reason: FinishReason::Length, prompt_tokens: 10, completion_tokens: 1 }).unwrap();
+        a_on_rank.events.send(RequestEvent::Finished { reason: FinishReason::Length, prompt_tokens: 10, completion_tokens: 1, cached_tokens: 0 }).unwrap();
         wait_until("the load of rank 0 to drop", || r.outstanding_tokens()[0] == 0);
         assert!(matches!(a_events.try_recv().unwrap(), RequestEvent::Delta { .. }));
         assert!(matches!(a_events.try_recv().unwrap(), RequestEvent::Finished { .. }));

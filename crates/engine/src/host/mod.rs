@@ -176,7 +176,7 @@ impl Host {
             if s.text_sent < s.text.len() {
                 s.send_delta(vec![], s.text[s.text_sent..].to_string(), vec![]);
             }
-            s.send(RequestEvent::Finished { reason, prompt_tokens: s.prompt_len, completion_tokens: s.output_len() });
+            s.send(RequestEvent::Finished { reason, prompt_tokens: s.prompt_len, completion_tokens: s.output_len(), cached_tokens: s.cached_prompt_tokens });
             // the sequence is gone: its output moves to speculation, not copied
             let output = s.tokens.split_off(s.prompt_len);
             self.finished.push((s.params.tenant, output));

@@ -294,8 +294,9 @@ impl Client {
         assert_eq!(terminals.len(), 1, "{}: expected exactly one Finished/Failed, got {:?}", self.id, self.events);
         assert_eq!(terminals[0], self.events.len() - 1, "{}: events after the terminal one: {:?}", self.id, self.events);
         match self.events.last().unwrap() {
-            RequestEvent::Finished { reason, prompt_tokens, completion_tokens } => {
+            RequestEvent::Finished { reason, prompt_tokens, completion_tokens, cached_tokens } => {
                 assert_eq!(*prompt_tokens, self.prompt_len, "{}: prompt_tokens", self.id);
+                assert!(*cached_tokens <= *prompt_tokens, "{}: more prompt tokens cached than sent", self.id);
                 assert_eq!(*completion_tokens, self.tokens().len(), "{}: completion_tokens != tokens streamed", self.id);
                 End::Finished(*reason)
             }

@@ -215,6 +215,7 @@ pub async fn create(State(state): State<AppState>, Extension(tenant): Extension<
         tokenizer: state.tokenizer.clone(),
         stops: prepared.plan.base.stop.to_vec(),
         prompt_tokens: prepared.prompt.len(),
+        cached_tokens: 0,
         parser: prepared.output_parser(),
         blocks: Blocks::default(),
         tokens: Vec::new(),
@@ -223,7 +224,7 @@ pub async fn create(State(state): State<AppState>, Extension(tenant): Extension<
         stop_sequence: None,
     };
     if req.stream.unwrap_or(false) {
-        return Ok(sse::stream_response(runs, writer, false, prepared.prompt.len()));
+        return Ok(sse::stream_response(runs, writer, false, prepared.prompt.len(), 1));
     }
     let Some(run) = runs.pop() else { return Err(ApiError::internal("no choice was submitted")) };
     let out = conversation::run_to_end(run).await?;
@@ -243,6 +244,8 @@ struct MessageWriter {
     tokenizer: Arc<Tokenizer>,
     stops: Vec<String>,
     prompt_tokens: usize,
+    /// Of them, served from the prefix cache (known once the output finished).
+    cached_tokens: usize,
     parser: OutputParser,
     blocks: Blocks,
     /// The tokens and text so far (which stop sequence ended the output).
@@ -296,7 +299,17 @@ impl MessageWriter {
         json!({
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
             "stop_reason": stop_reason, "stop_sequence": self.stop_sequence,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output_tokens},
+            "usage": self.usage_json(output_tokens),
+        })
+    }
+
+    /// Anthropic's usage: `input_tokens` counts the prompt tokens not read from the cache, which
+    /// `cache_read_input_tokens` counts (their sum is the prompt); nothing is written to a cache
+    /// on request (`cache_creation_input_tokens`: the prefix cache keeps blocks by itself).
+    fn usage_json(&self, output_tokens: usize) -> Value {
+        json!({
+            "input_tokens": self.prompt_tokens - self.cached_tokens.min(self.prompt_tokens), "output_tokens": output_tokens,
+            "cache_read_input_tokens": self.cached_tokens, "cache_creation_input_tokens": 0,
         })
     }
 
@@ -306,6 +319,7 @@ impl MessageWriter {
         self.blocks.feed(outs);
         self.blocks.close();
         (self.tokens, self.text) = (out.tokens, out.text);
+        self.cached_tokens = out.cached_tokens;
         self.stop(out.finish);
         let content = self.blocks.done.iter().map(|b| content_block(&b.kind, &b.text)).collect();
         self.message(content, Some(self.stop_reason), out.completion_tokens)
@@ -358,10 +372,14 @@ impl ChunkWriter for MessageWriter {
         event("message_delta", json!({"type": "message_delta", "delta": {}, "usage": {"output_tokens": usage.completion_tokens}}))
     }
 
+    /// The last `message_delta` carries the whole usage (its counts are cumulative; the SDKs
+    /// take its input and cache counts over `message_start`'s, sent before the prefix cache was
+    /// looked up).
     fn closing(&mut self, usage: Usage, _include_usage: bool) -> Vec<Event> {
         let delta = json!({"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence});
+        self.cached_tokens = usage.prompt_tokens_details.cached_tokens;
         vec![
-            event("message_delta", json!({"type": "message_delta", "delta": delta, "usage": {"output_tokens": usage.completion_tokens}})),
+            event("message_delta", json!({"type": "message_delta", "delta": delta, "usage": self.usage_json(usage.completion_tokens)})),
             event("message_stop", json!({"type": "message_stop"})),
         ]
     }

@@ -234,6 +234,7 @@ pub async fn create(
         model: config.model_name.clone(),
         echo,
         prompt_tokens: prepared.prompt.len(),
+        cached_tokens: 0,
         parser: prepared.output_parser(),
         blocks: Blocks::default(),
         item_ids: Vec::new(),
@@ -243,7 +244,7 @@ pub async fn create(
         tenant,
     };
     if req.stream.unwrap_or(false) {
-        return Ok(sse::stream_response(runs, writer, false, prepared.prompt.len()));
+        return Ok(sse::stream_response(runs, writer, false, prepared.prompt.len(), 1));
     }
     let Some(run) = runs.pop() else { return Err(ApiError::internal("no choice was submitted")) };
     let out = conversation::run_to_end(run).await?;
@@ -273,6 +274,8 @@ struct ResponseWriter {
     /// The request fields a response repeats.
     echo: Value,
     prompt_tokens: usize,
+    /// Of them, served from the prefix cache (known once the output finished).
+    cached_tokens: usize,
     parser: OutputParser,
     blocks: Blocks,
     /// The item id of each block.
@@ -293,7 +296,7 @@ impl ResponseWriter {
             "incomplete_details": if status == "incomplete" { json!({"reason": "max_output_tokens"}) } else { Value::Null },
             "model": self.model, "output": output,
             "usage": completion_tokens.map(|c| json!({
-                "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": self.prompt_tokens + c})),
         });
         if let (Value::Object(r), Value::Object(echo)) = (&mut r, &self.echo) {
@@ -359,6 +362,7 @@ impl ResponseWriter {
         self.blocks.feed(outs);
         self.blocks.close();
         self.finish = out.finish;
+        self.cached_tokens = out.cached_tokens;
         self.finish_response(out.completion_tokens)
     }
 
@@ -457,6 +461,7 @@ impl ChunkWriter for ResponseWriter {
     }
 
     fn closing(&mut self, usage: Usage, _include_usage: bool) -> Vec<Event> {
+        self.cached_tokens = usage.prompt_tokens_details.cached_tokens;
         let response = self.finish_response(usage.completion_tokens);
         let name = if response["status"] == "incomplete" { "response.incomplete" } else { "response.completed" };
         vec![self.event(name, json!({"response": response}))]

@@ -75,7 +75,7 @@ pub async fn create(
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         let parsers = if writer.parser.is_plain() { Vec::new() } else { vec![writer.parser.clone(); plan.n] };
         let writer = ChatChunks { include_usage: include_usage.then_some(None), parsers, ..writer };
-        return Ok(sse::stream_response(runs, writer, include_usage, prompt.len()));
+        return Ok(sse::stream_response(runs, writer, include_usage, prompt.len(), plan.n));
     }
     let outputs = generate::collect(runs).await?;
     Ok(axum::Json(writer.response(outputs, prompt.len())).into_response())
@@ -196,6 +196,7 @@ impl ChatChunks {
 
     fn response(self, outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> ChatCompletionResponse {
         let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
+        let cached = generate::cached_tokens(self.n, outputs.iter().map(|o| (o.index, o.cached_tokens)));
         // every choice ran the same prompt; the first one's prompt logprobs stand for all
         let prompt_logprobs = self.prompt_logprobs.map(|k| {
             let (entries, ranks) = outputs.iter().find_map(|o| o.prompt_logprobs.as_ref()).map_or((&[][..], &[][..]), |(e, r)| (&e[..], &r[..]));
@@ -222,7 +223,7 @@ impl ChatChunks {
             created: self.created,
             model: self.model,
             choices,
-            usage: Some(Some(Usage::new(prompt_tokens, completion_tokens))),
+            usage: Some(Some(Usage::new(prompt_tokens, completion_tokens).cached(cached))),
             prompt_logprobs,
         }
     }

@@ -83,10 +83,11 @@ pub async fn create(
     if req.stream.unwrap_or(false) {
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         let writer = CompletionChunks { include_usage: include_usage.then_some(None), ..writer };
-        return Ok(sse::stream_response(runs, writer, include_usage, prompt_tokens));
+        return Ok(sse::stream_response(runs, writer, include_usage, prompt_tokens, plan.n));
     }
     let outputs = generate::collect(runs).await?;
-    Ok(axum::Json(writer.response(outputs, prompt_tokens)).into_response())
+    let cached = generate::cached_tokens(plan.n, outputs.iter().map(|o| (o.index, o.cached_tokens)));
+    Ok(axum::Json(writer.response(outputs, Usage::new(prompt_tokens, 0).cached(cached))).into_response())
 }
 
 /// Every prompt shape becomes a list of token lists; text prompts get BOS when the model wants it.
@@ -221,7 +222,8 @@ impl CompletionChunks {
         vec![sse::json_event(&self.object(vec![choice], self.include_usage))]
     }
 
-    fn response(mut self, mut outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> CompletionResponse {
+    /// `prompt`: the request's prompt count (its completion count is the outputs').
+    fn response(mut self, mut outputs: Vec<ChoiceOutput>, prompt: Usage) -> CompletionResponse {
         if self.prompt_only {
             for o in &mut outputs {
                 o.text.clear();
@@ -249,7 +251,7 @@ impl CompletionChunks {
                 }
             })
             .collect();
-        self.object(choices, Some(Some(Usage::new(prompt_tokens, completion_tokens))))
+        self.object(choices, Some(Some(Usage::new(prompt.prompt_tokens, completion_tokens).cached(prompt.prompt_tokens_details.cached_tokens))))
     }
 }
 
@@ -290,7 +292,7 @@ impl ChunkWriter for CompletionChunks {
     }
 
     fn usage(&mut self, usage: Usage) -> Event {
-        let usage = if self.prompt_only { Usage::new(usage.prompt_tokens, 0) } else { usage };
+        let usage = if self.prompt_only { Usage::new(usage.prompt_tokens, 0).cached(usage.prompt_tokens_details.cached_tokens) } else { usage };
         sse::json_event(&self.object(Vec::new(), Some(Some(usage))))
     }
 }

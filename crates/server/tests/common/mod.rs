@@ -122,8 +122,12 @@ pub fn fake_engine(max_waiting: usize, tokenizer: Arc<Tokenizer>, tick: Duration
                     thread_log.lock().unwrap().aborted.push(id);
                     if let Some(pos) = active.iter().position(|a| a.id == id) {
                         let a = active.remove(pos);
-                        let _ =
-                            a.events.send(RequestEvent::Finished { reason: FinishReason::Abort, prompt_tokens: a.prompt.len(), completion_tokens: a.emitted });
+                        let _ = a.events.send(RequestEvent::Finished {
+                            reason: FinishReason::Abort,
+                            prompt_tokens: a.prompt.len(),
+                            completion_tokens: a.emitted,
+                            cached_tokens: 0,
+                        });
                     }
                     continue;
                 }
@@ -164,7 +168,12 @@ fn step(a: &mut Active, tokenizer: &Tokenizer) -> bool {
     let _ = a.events.send(RequestEvent::Delta { tokens: vec![token], text: tokenizer.token_text(token), logprobs });
     a.emitted += 1;
     if a.emitted >= a.params.max_tokens {
-        let _ = a.events.send(RequestEvent::Finished { reason: FinishReason::Length, prompt_tokens: a.prompt.len(), completion_tokens: a.emitted });
+        let _ = a.events.send(RequestEvent::Finished {
+            reason: FinishReason::Length,
+            prompt_tokens: a.prompt.len(),
+            completion_tokens: a.emitted,
+            cached_tokens: 0,
+        });
         return false;
     }
     true
