@@ -187,6 +187,11 @@ impl Prepared {
     pub fn output_parser(&self) -> OutputParser {
         OutputParser::new(self.reasoning, self.tool_names.clone(), self.harmony)
     }
+
+    /// A counter of one choice's reasoning tokens.
+    pub fn reasoning_counter(&self, tokenizer: &Arc<Tokenizer>) -> reasoning::ReasoningCounter {
+        reasoning::ReasoningCounter::new(tokenizer, self.reasoning, self.harmony)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

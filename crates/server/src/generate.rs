@@ -198,6 +198,8 @@ pub fn submit(engine: &EngineHandle, jobs: Vec<ChoiceJob>, tenant: Tenant, arriv
 pub struct ChoiceOutput {
     pub index: usize,
     pub text: String,
+    /// The generated tokens.
+    pub tokens: Vec<TokenId>,
     /// One entry per generated token when logprobs were asked for.
     pub logprobs: Vec<TokenLogprob>,
     pub finish_reason: FinishReason,
@@ -227,6 +229,7 @@ pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError
         .map(|r| ChoiceOutput {
             index: r.index,
             text: String::new(),
+            tokens: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: FinishReason::Abort,
             completion_tokens: 0,
@@ -239,7 +242,8 @@ pub async fn collect(runs: Vec<ChoiceRun>) -> Result<Vec<ChoiceOutput>, ApiError
     while let Some((index, event)) = events.next().await {
         let out = &mut outputs[slot[&index]];
         match event {
-            RequestEvent::Delta { text, logprobs, .. } => {
+            RequestEvent::Delta { tokens, text, logprobs } => {
+                out.tokens.extend(tokens);
                 out.text.push_str(&text);
                 out.logprobs.extend(logprobs);
             }

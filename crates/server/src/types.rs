@@ -304,6 +304,15 @@ pub struct Usage {
     /// As OpenAI reports it: `cached_tokens`, the prompt tokens served from the prefix cache.
     #[serde(default)]
     pub prompt_tokens_details: PromptTokensDetails,
+    /// As OpenAI reports it for reasoning models: `reasoning_tokens`, the completion tokens spent
+    /// reasoning; present where the template thinks (or speaks harmony).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompletionTokensDetails {
+    pub reasoning_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -313,7 +322,18 @@ pub struct PromptTokensDetails {
 
 impl Usage {
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
-        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens, prompt_tokens_details: PromptTokensDetails::default() }
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails::default(),
+            completion_tokens_details: None,
+        }
+    }
+
+    /// With `reasoning` of the completion tokens spent reasoning (None: not a reasoning output).
+    pub fn reasoning(self, reasoning: Option<usize>) -> Self {
+        Self { completion_tokens_details: reasoning.map(|r| CompletionTokensDetails { reasoning_tokens: r.min(self.completion_tokens) }), ..self }
     }
 
     /// With `cached` of the prompt tokens served from the prefix cache.

@@ -388,6 +388,9 @@ async fn reasoning_is_split_from_the_answer_in_every_dialect() {
     let (_, chat) = s.post("/v1/chat/completions", json!({"messages": user, "max_tokens": n})).await;
     let message = &chat["choices"][0]["message"];
     assert_eq!((message["reasoning_content"].as_str(), message["content"].as_str()), (Some("The user wants a greeting.\n"), Some("Hello there!")), "{chat}");
+    // the tokens from <think> through </think>
+    let reasoning_tokens = s.tokenizer.encode(&THOUGHT[..THOUGHT.find("</think>").unwrap() + "</think>".len()]).unwrap().len();
+    assert_eq!(chat["usage"]["completion_tokens_details"], json!({"reasoning_tokens": reasoning_tokens}), "{chat}");
 
     let (_, msg) = s.post("/v1/messages", json!({"messages": user, "max_tokens": n})).await;
     let blocks: Vec<(&str, &str)> =
@@ -399,16 +402,26 @@ async fn reasoning_is_split_from_the_answer_in_every_dialect() {
     assert_eq!(items, ["reasoning", "message"], "{resp}");
     assert_eq!(resp["output"][0]["content"][0]["text"], "The user wants a greeting.\n");
     assert_eq!(resp["output"][1]["content"][0]["text"], "Hello there!");
+    assert_eq!(resp["usage"]["output_tokens_details"]["reasoning_tokens"], reasoning_tokens, "{resp}");
 
     // streamed chat: reasoning_content deltas, then content deltas, adding up to the same
-    let body = s.post_raw("/v1/chat/completions", json!({"messages": user, "max_tokens": n, "stream": true}).to_string()).await;
-    let (mut reasoning, mut content) = (String::new(), String::new());
+    let body = json!({"messages": user, "max_tokens": n, "stream": true, "stream_options": {"include_usage": true}});
+    let body = s.post_raw("/v1/chat/completions", body.to_string()).await;
+    let (mut reasoning, mut content, mut usage) = (String::new(), String::new(), Value::Null);
     for d in sse_data(&text_of(body).await).iter().filter(|d| *d != "[DONE]") {
-        let delta = &serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"];
+        let chunk = serde_json::from_str::<Value>(d).unwrap();
+        let delta = &chunk["choices"][0]["delta"];
         reasoning.push_str(delta["reasoning_content"].as_str().unwrap_or_default());
         content.push_str(delta["content"].as_str().unwrap_or_default());
+        usage = chunk["usage"].clone();
     }
     assert_eq!((reasoning.as_str(), content.as_str()), ("The user wants a greeting.\n", "Hello there!"));
+    assert_eq!(usage["completion_tokens_details"], json!({"reasoning_tokens": reasoning_tokens}), "streamed usage");
+
+    // the stream of a response counts them too
+    let events = post_stream(&s, "/v1/responses", json!({"input": THOUGHT, "max_output_tokens": n, "stream": true})).await;
+    let done = &events.iter().find(|(e, _)| e == "response.completed" || e == "response.incomplete").unwrap().1;
+    assert_eq!(done["response"]["usage"]["output_tokens_details"]["reasoning_tokens"], reasoning_tokens, "{done}");
 
     // streamed messages: a thinking block with thinking_delta, then a text block
     let events = post_stream(&s, "/v1/messages", json!({"messages": user, "max_tokens": n, "stream": true})).await;

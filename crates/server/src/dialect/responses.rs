@@ -14,6 +14,7 @@ use crate::conversation::{self, BlockEvent, BlockKind, Blocks, Conversation, Out
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate;
+use crate::reasoning::ReasoningCounter;
 use crate::sse::{self, ChunkWriter};
 use crate::tools::ToolSet;
 use crate::types::Usage;
@@ -235,6 +236,7 @@ pub async fn create(
         echo,
         prompt_tokens: prepared.prompt.len(),
         cached_tokens: 0,
+        reasoning: prepared.reasoning_counter(&state.tokenizer),
         parser: prepared.output_parser(),
         blocks: Blocks::default(),
         item_ids: Vec::new(),
@@ -276,6 +278,8 @@ struct ResponseWriter {
     prompt_tokens: usize,
     /// Of them, served from the prefix cache (known once the output finished).
     cached_tokens: usize,
+    /// The output's reasoning tokens, counted as they come.
+    reasoning: ReasoningCounter,
     parser: OutputParser,
     blocks: Blocks,
     /// The item id of each block.
@@ -297,7 +301,7 @@ impl ResponseWriter {
             "model": self.model, "output": output,
             "usage": completion_tokens.map(|c| json!({
                 "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": self.prompt_tokens + c})),
+                "output_tokens": c, "output_tokens_details": {"reasoning_tokens": self.reasoning.count().min(c)}, "total_tokens": self.prompt_tokens + c})),
         });
         if let (Value::Object(r), Value::Object(echo)) = (&mut r, &self.echo) {
             r.extend(echo.clone());
@@ -363,6 +367,7 @@ impl ResponseWriter {
         self.blocks.close();
         self.finish = out.finish;
         self.cached_tokens = out.cached_tokens;
+        self.reasoning.feed(&out.tokens);
         self.finish_response(out.completion_tokens)
     }
 
@@ -442,7 +447,8 @@ impl ChunkWriter for ResponseWriter {
         vec![self.event("response.created", json!({"response": response.clone()})), self.event("response.in_progress", json!({"response": response}))]
     }
 
-    fn delta(&mut self, _index: usize, _tokens: &[TokenId], text: &str, _logprobs: &[TokenLogprob]) -> Vec<Event> {
+    fn delta(&mut self, _index: usize, tokens: &[TokenId], text: &str, _logprobs: &[TokenLogprob]) -> Vec<Event> {
+        self.reasoning.feed(tokens);
         let outs = self.parser.push(text);
         let events = self.blocks.feed(outs);
         self.block_events(events)

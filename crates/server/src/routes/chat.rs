@@ -10,6 +10,7 @@ use crate::conversation::{self, Conversation, Out, OutputParser, ThinkingBudget}
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceOutput};
+use crate::reasoning::ReasoningCounter;
 use crate::routes::{self, clamp_logprob as clamp};
 use crate::sse::{self, ChunkWriter};
 use crate::tools::{self, ParsedCall, Piece, ToolSet};
@@ -70,6 +71,7 @@ pub async fn create(
         parser: prepared.output_parser(),
         parsers: Vec::new(),
         calls_sent: vec![0; plan.n],
+        reasoning: vec![prepared.reasoning_counter(&state.tokenizer); plan.n],
     };
     if stream {
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
@@ -124,6 +126,8 @@ struct ChatChunks {
     parsers: Vec<OutputParser>,
     /// Streaming: calls sent so far, per choice (the next call's `index`).
     calls_sent: Vec<usize>,
+    /// Each choice's reasoning tokens (`usage.completion_tokens_details`), counted as they come.
+    reasoning: Vec<ReasoningCounter>,
 }
 
 fn tool_call(call: ParsedCall) -> ToolCall {
@@ -194,8 +198,17 @@ impl ChatChunks {
         deltas
     }
 
-    fn response(self, outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> ChatCompletionResponse {
+    /// The reasoning tokens of every choice, where the output can have them.
+    fn reasoning_tokens(&self) -> Option<usize> {
+        self.reasoning.first().is_some_and(ReasoningCounter::counts).then(|| self.reasoning.iter().map(ReasoningCounter::count).sum())
+    }
+
+    fn response(mut self, outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> ChatCompletionResponse {
         let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
+        for (c, o) in self.reasoning.iter_mut().zip(&outputs) {
+            c.feed(&o.tokens);
+        }
+        let reasoning = self.reasoning_tokens();
         let cached = generate::cached_tokens(self.n, outputs.iter().map(|o| (o.index, o.cached_tokens)));
         // every choice ran the same prompt; the first one's prompt logprobs stand for all
         let prompt_logprobs = self.prompt_logprobs.map(|k| {
@@ -223,7 +236,7 @@ impl ChatChunks {
             created: self.created,
             model: self.model,
             choices,
-            usage: Some(Some(Usage::new(prompt_tokens, completion_tokens).cached(cached))),
+            usage: Some(Some(Usage::new(prompt_tokens, completion_tokens).cached(cached).reasoning(reasoning))),
             prompt_logprobs,
         }
     }
@@ -242,7 +255,10 @@ impl ChunkWriter for ChatChunks {
 
     /// With tools, the text goes through the choice's call parser first; logprobs ride on the
     /// first chunk that goes out (an empty delta when the parser holds the text back).
-    fn delta(&mut self, index: usize, _tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Vec<Event> {
+    fn delta(&mut self, index: usize, tokens: &[TokenId], text: &str, logprobs: &[TokenLogprob]) -> Vec<Event> {
+        if let Some(c) = self.reasoning.get_mut(index) {
+            c.feed(tokens);
+        }
         if text.is_empty() && logprobs.is_empty() {
             return Vec::new();
         }
@@ -270,6 +286,7 @@ impl ChunkWriter for ChatChunks {
     }
 
     fn usage(&mut self, usage: Usage) -> Event {
+        let usage = usage.reasoning(self.reasoning_tokens());
         self.chunk(Vec::new(), Some(Some(usage)))
     }
 }
