@@ -111,7 +111,8 @@ impl EditLearner {
     pub fn rewrite(&self, draft: &[TokenId], max: usize) -> Option<(usize, Vec<TokenId>)> {
         let draft = &draft[..draft.len().min(max)];
         let mut text = draft.to_vec();
-        for e in &self.edits {
+        // (`from` is never empty: `edit_between` keeps a token on both sides of an insertion)
+        for e in self.edits.iter().filter(|e| !e.from.is_empty()) {
             let mut out = Vec::with_capacity(text.len());
             let mut i = 0;
             while i < text.len() {
