@@ -82,26 +82,9 @@ impl EditLearner {
     /// `source` with every edit applied, in the order they were learned (each to the result of
     /// the ones before, as each was learned against that text), left to right, never overlapping.
     pub fn apply(&self, source: &[TokenId]) -> Vec<TokenId> {
-        let mut text = source.to_vec();
-        for e in &self.edits {
-            let mut out = Vec::with_capacity(text.len());
-            let mut i = 0;
-            while i < text.len() {
-                if text[i..].starts_with(&e.from) {
-                    out.extend_from_slice(&e.to);
-                    i += e.from.len();
-                } else {
-                    out.push(text[i]);
-                    i += 1;
-                }
-            }
-            text = out;
-        }
-        text
+        self.edits.iter().fold(source.to_vec(), |text, e| replace(&text, e, false))
     }
-}
 
-impl EditLearner {
     /// A model's `draft` (continuing the output) with the learned edits applied where an edit's
     /// `from` stands whole in it and its `to` does not already (a draft model that copies the
     /// prompt drafts its old spans; one that read the edit in the context writes the new ones,
@@ -110,29 +93,34 @@ impl EditLearner {
     /// they were learned, as [`EditLearner::apply`] applies them to the prompt.
     pub fn rewrite(&self, draft: &[TokenId], max: usize) -> Option<(usize, Vec<TokenId>)> {
         let draft = &draft[..draft.len().min(max)];
-        let mut text = draft.to_vec();
-        // (`from` is never empty: `edit_between` keeps a token on both sides of an insertion)
-        for e in self.edits.iter().filter(|e| !e.from.is_empty()) {
-            let mut out = Vec::with_capacity(text.len());
-            let mut i = 0;
-            while i < text.len() {
-                let rest = &text[i..];
-                // `to` already there, as far as the draft goes
-                let written = rest.iter().zip(&e.to).all(|(a, b)| a == b);
-                if rest.starts_with(&e.from) && !written {
-                    out.extend_from_slice(&e.to);
-                    i += e.from.len();
-                } else {
-                    out.push(text[i]);
-                    i += 1;
-                }
-            }
-            text = out;
-        }
+        let mut text = self.edits.iter().fold(draft.to_vec(), |text, e| replace(&text, e, true));
         text.truncate(max);
         let first = text.iter().zip(draft).position(|(a, b)| a != b).or((text.len() != draft.len()).then(|| text.len().min(draft.len())))?;
         Some((first, text))
     }
+}
+
+/// `text` with every occurrence of `e.from` replaced by `e.to`, left to right, never overlapping;
+/// with `unless_written`, not where `e.to` already stands (as far as the text goes). An edit
+/// with nothing to replace (never learned: `edit_between` keeps a token on both sides of an
+/// insertion) leaves the text as it is.
+fn replace(text: &[TokenId], e: &Edit, unless_written: bool) -> Vec<TokenId> {
+    if e.from.is_empty() {
+        return text.to_vec();
+    }
+    let mut out = Vec::with_capacity(text.len());
+    let mut i = 0;
+    while i < text.len() {
+        let rest = &text[i..];
+        if rest.starts_with(&e.from) && !(unless_written && rest.iter().zip(&e.to).all(|(a, b)| a == b)) {
+            out.extend_from_slice(&e.to);
+            i += e.from.len();
+        } else {
+            out.push(text[i]);
+            i += 1;
+        }
+    }
+    out
 }
 
 /// The edit that turned the source's `from` (starting at source position `from_at`) into the
