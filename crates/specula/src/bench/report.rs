@@ -187,6 +187,9 @@ pub struct KindRow {
     pub mean_ttft_ms: f64,
     /// Mean over the requests of (E2E - TTFT) / (output tokens - 1), those with 2 or more.
     pub mean_tpot_ms: Option<f64>,
+    /// The share of these requests' prompt tokens their responses say the prefix cache served
+    /// (None where the server does not say).
+    pub prefix_cache_share: Option<f64>,
 }
 
 /// Per-kind rows, in the order the kinds first appear; empty when no prompt has a kind.
@@ -213,6 +216,10 @@ pub fn kind_rows(prompts: &[super::workload::Prompt], outcomes: &[RequestOutcome
                 request_tok_s: if e2e > 0.0 { output_tokens as f64 / e2e } else { 0.0 },
                 mean_ttft_ms: mean(&|o| Some(o.ttft_s * 1e3)).unwrap_or(0.0),
                 mean_tpot_ms: mean(&|o| o.tpot_s().map(|s| s * 1e3)),
+                prefix_cache_share: spec::prefix_cache_share(&ok.iter().fold(SpecCounters::new(), |mut t, o| {
+                    spec::add(&mut t, &o.spec);
+                    t
+                })),
             }
         })
         .collect()
@@ -223,12 +230,16 @@ pub fn print_kinds(rows: &[KindRow]) {
     if rows.is_empty() {
         return;
     }
-    println!("{:<12} {:>5} {:>10} {:>10} {:>10} {:>10} {:>10}", "turn kind", "reqs", "prompt tok", "out tok", "req tok/s", "TTFT ms", "TPOT ms");
+    println!(
+        "{:<12} {:>5} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10}",
+        "turn kind", "reqs", "prompt tok", "cached", "out tok", "req tok/s", "TTFT ms", "TPOT ms"
+    );
     for r in rows {
         let tpot = r.mean_tpot_ms.map_or("-".to_string(), |t| format!("{t:.1}"));
+        let cached = r.prefix_cache_share.map_or("-".to_string(), |s| format!("{:.0}%", s * 100.0));
         println!(
-            "{:<12} {:>5} {:>10.0} {:>10} {:>10.2} {:>10.1} {:>10}",
-            r.kind, r.requests, r.mean_prompt_tokens, r.output_tokens, r.request_tok_s, r.mean_ttft_ms, tpot
+            "{:<12} {:>5} {:>10.0} {:>8} {:>10} {:>10.2} {:>10.1} {:>10}",
+            r.kind, r.requests, r.mean_prompt_tokens, cached, r.output_tokens, r.request_tok_s, r.mean_ttft_ms, tpot
         );
     }
 }

@@ -4,7 +4,9 @@
 //! (vLLM-style `*spec_decode_num_{drafts,draft_tokens,accepted_tokens}` counters, any prefix),
 //! diffed around a run. Counters are raw; rates are computed when reported. The prefix cache's
 //! counters come the same two ways (`*prefix_cache_{queries,hits}` in /metrics, as vLLM and specula
-//! name them; llama-server's `timings.cache_n` / `prompt_n`).
+//! name them; per request OpenAI's `usage.prompt_tokens_details.cached_tokens` of
+//! `usage.prompt_tokens`, as specula, vLLM and OpenAI report it, or llama-server's
+//! `timings.cache_n` / `prompt_n`).
 
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -44,6 +46,12 @@ pub fn read_chunk(chunk: &serde_json::Value, into: &mut SpecCounters) {
         if let Some(x) = timings[theirs].as_f64() {
             into.insert(ours.to_string(), x);
         }
+    }
+    // OpenAI's usage: cached_tokens of prompt_tokens came from the cache
+    let usage = &chunk["usage"];
+    if let (Some(cached), Some(prompt)) = (usage["prompt_tokens_details"]["cached_tokens"].as_f64(), usage["prompt_tokens"].as_f64()) {
+        into.insert(PREFIX_CACHE_HITS.to_string(), cached);
+        into.insert(PREFIX_CACHE_QUERIES.to_string(), prompt);
     }
     // llama-server: prompt_n tokens were computed, cache_n came from its cache
     if let (Some(cached), Some(computed)) = (timings["cache_n"].as_f64(), timings["prompt_n"].as_f64()) {
@@ -182,6 +190,9 @@ specula:prefix_cache_other 9
         assert_eq!(prefix_cache_share(&c), Some(0.75));
         let mut l = SpecCounters::new();
         read_chunk(&json!({"timings": {"prompt_n": 10, "cache_n": 30}}), &mut l);
+        let mut u = SpecCounters::new();
+        read_chunk(&json!({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}}), &mut u);
+        assert_eq!(prefix_cache_share(&u), Some(0.64));
         assert_eq!(prefix_cache_share(&l), Some(0.75));
         assert_eq!(prefix_cache_share(&SpecCounters::from([(PREFIX_CACHE_QUERIES.into(), 0.0)])), None);
     }
