@@ -10,15 +10,13 @@
 
 use crate::bounds;
 use crate::error::ApiError;
-use crate::generate::{ChoiceJob, ChoiceRun};
+use crate::generate::{self, ChoiceJob, ChoiceOutput, ChoiceRun};
 use crate::harmony::{self, HarmonyParser};
 use crate::reasoning::{self, ReasoningParser, ReasoningPiece};
 use crate::tools::{self, CallParser, ParsedCall, Piece, ToolSet};
 use crate::validate::{self, DefaultMaxTokens, SamplingPlan};
 use crate::AppState;
-use futures::StreamExt;
 use serde_json::{json, Map, Value};
-use specula_engine::api::{FinishReason, RequestEvent};
 use specula_engine::constraint::Grammar;
 use specula_engine::types::TokenId;
 use specula_model::Tokenizer;
@@ -411,36 +409,10 @@ impl Blocks {
     }
 }
 
-/// One choice run to its end, for the non-streaming answers of the single-choice dialects.
-#[derive(Debug, Clone)]
-pub struct TurnOutput {
-    pub text: String,
-    pub tokens: Vec<TokenId>,
-    pub finish: FinishReason,
-    pub completion_tokens: usize,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_tokens: usize,
-}
-
-/// Waits for one choice to finish (an engine failure is a 500).
-pub async fn run_to_end(mut run: ChoiceRun) -> Result<TurnOutput, ApiError> {
-    let mut out = TurnOutput { text: String::new(), tokens: Vec::new(), finish: FinishReason::Abort, completion_tokens: 0, cached_tokens: 0 };
-    while let Some((_, event)) = run.next().await {
-        match event {
-            RequestEvent::Delta { tokens, text, .. } => {
-                out.tokens.extend(tokens);
-                out.text.push_str(&text);
-            }
-            RequestEvent::Finished { reason, completion_tokens, cached_tokens, .. } => {
-                out.finish = reason;
-                out.completion_tokens = completion_tokens;
-                out.cached_tokens = cached_tokens;
-            }
-            RequestEvent::Failed { message } => return Err(ApiError::internal(message)),
-            RequestEvent::PromptLogprobs { .. } => {}
-        }
-    }
-    Ok(out)
+/// One choice run to its end, for the non-streaming answers of the single-choice dialects (an
+/// engine failure is a 500).
+pub async fn run_to_end(run: ChoiceRun) -> Result<ChoiceOutput, ApiError> {
+    generate::collect(vec![run]).await?.pop().ok_or_else(|| ApiError::internal("no choice was submitted"))
 }
 
 /// Which of `stops` ended an output that finished with `Stop`: the engine cuts the text before

@@ -11,9 +11,9 @@ use crate::conversation::Out;
 use crate::tools::{partial_tag_len, ParsedCall, Piece};
 
 const START: &str = "<|start|>";
-const CHANNEL: &str = "<|channel|>";
-const MESSAGE: &str = "<|message|>";
-const END: &str = "<|end|>";
+pub(crate) const CHANNEL: &str = "<|channel|>";
+pub(crate) const MESSAGE: &str = "<|message|>";
+pub(crate) const END: &str = "<|end|>";
 
 /// Whether a chat template writes harmony (gpt-oss's): it has both channel and message tags.
 pub fn template_speaks_harmony(source: &str) -> bool {

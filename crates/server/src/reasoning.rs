@@ -5,6 +5,7 @@
 //! tool-call parser. Not for templates that do not think: the server only runs it when the chat
 //! template mentions both tags ([`template_thinks`]).
 
+use crate::harmony;
 use crate::tools::partial_tag_len;
 use specula_engine::types::TokenId;
 use specula_engine::ReasoningBudget;
@@ -227,7 +228,7 @@ impl ReasoningCounter {
     pub fn new(tokenizer: &Arc<Tokenizer>, opened: Option<bool>, harmony: bool) -> Self {
         let id = |t: &str| tokenizer.token_to_id(t);
         let mode = if harmony {
-            match (id("<|channel|>"), id("<|message|>"), id("<|end|>")) {
+            match (id(harmony::CHANNEL), id(harmony::MESSAGE), id(harmony::END)) {
                 (Some(channel), Some(message), Some(end)) => {
                     CountMode::Harmony { channel, message, end, tokenizer: tokenizer.clone(), header: None, body: None }
                 }

@@ -308,19 +308,19 @@ impl MessageWriter {
     /// on request (`cache_creation_input_tokens`: the prefix cache keeps blocks by itself).
     fn usage_json(&self, output_tokens: usize) -> Value {
         json!({
-            "input_tokens": self.prompt_tokens - self.cached_tokens.min(self.prompt_tokens), "output_tokens": output_tokens,
+            "input_tokens": self.prompt_tokens.saturating_sub(self.cached_tokens), "output_tokens": output_tokens,
             "cache_read_input_tokens": self.cached_tokens, "cache_creation_input_tokens": 0,
         })
     }
 
-    fn whole(mut self, out: conversation::TurnOutput) -> Value {
+    fn whole(mut self, out: generate::ChoiceOutput) -> Value {
         let mut outs = self.parser.push(&out.text);
         outs.extend(self.parser.finish());
         self.blocks.feed(outs);
         self.blocks.close();
         (self.tokens, self.text) = (out.tokens, out.text);
         self.cached_tokens = out.cached_tokens;
-        self.stop(out.finish);
+        self.stop(out.finish_reason);
         let content = self.blocks.done.iter().map(|b| content_block(&b.kind, &b.text)).collect();
         self.message(content, Some(self.stop_reason), out.completion_tokens)
     }

@@ -360,12 +360,12 @@ impl ResponseWriter {
         response
     }
 
-    fn whole(mut self, out: conversation::TurnOutput) -> Value {
+    fn whole(mut self, out: generate::ChoiceOutput) -> Value {
         let mut outs = self.parser.push(&out.text);
         outs.extend(self.parser.finish());
         self.blocks.feed(outs);
         self.blocks.close();
-        self.finish = out.finish;
+        self.finish = out.finish_reason;
         self.cached_tokens = out.cached_tokens;
         self.reasoning.feed(&out.tokens);
         self.finish_response(out.completion_tokens)

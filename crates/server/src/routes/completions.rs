@@ -86,8 +86,7 @@ pub async fn create(
         return Ok(sse::stream_response(runs, writer, include_usage, prompt_tokens, plan.n));
     }
     let outputs = generate::collect(runs).await?;
-    let cached = generate::cached_tokens(plan.n, outputs.iter().map(|o| (o.index, o.cached_tokens)));
-    Ok(axum::Json(writer.response(outputs, Usage::new(prompt_tokens, 0).cached(cached))).into_response())
+    Ok(axum::Json(writer.response(outputs, prompt_tokens, plan.n)).into_response())
 }
 
 /// Every prompt shape becomes a list of token lists; text prompts get BOS when the model wants it.
@@ -222,8 +221,9 @@ impl CompletionChunks {
         vec![sse::json_event(&self.object(vec![choice], self.include_usage))]
     }
 
-    /// `prompt`: the request's prompt count (its completion count is the outputs').
-    fn response(mut self, mut outputs: Vec<ChoiceOutput>, prompt: Usage) -> CompletionResponse {
+    /// `choices_per_prompt`: choice `i` ran prompt `i / choices_per_prompt`.
+    fn response(mut self, mut outputs: Vec<ChoiceOutput>, prompt_tokens: usize, choices_per_prompt: usize) -> CompletionResponse {
+        let cached = generate::cached_tokens(choices_per_prompt, outputs.iter().map(|o| (o.index, o.cached_tokens)));
         if self.prompt_only {
             for o in &mut outputs {
                 o.text.clear();
@@ -251,7 +251,7 @@ impl CompletionChunks {
                 }
             })
             .collect();
-        self.object(choices, Some(Some(Usage::new(prompt.prompt_tokens, completion_tokens).cached(prompt.prompt_tokens_details.cached_tokens))))
+        self.object(choices, Some(Some(Usage::new(prompt_tokens, completion_tokens).cached(cached))))
     }
 }
 
