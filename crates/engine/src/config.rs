@@ -13,6 +13,9 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// KV blocks in the pool.
     pub num_kv_blocks: usize,
+    /// What the KV cache stores (`--kv-cache-dtype`); the draft model's cache and the cost
+    /// model's measurement use it too.
+    pub kv_cache_dtype: specula_kernels::kv::KvDtype,
     pub enable_prefix_caching: bool,
     /// Compute threads for the forward pass.
     pub threads: usize,
@@ -44,6 +47,7 @@ impl Default for EngineConfig {
             max_model_len: 2048,
             block_size: 16,
             num_kv_blocks: 2048,
+            kv_cache_dtype: specula_kernels::kv::KvDtype::default(),
             enable_prefix_caching: true,
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             max_waiting: 256,

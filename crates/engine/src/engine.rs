@@ -70,7 +70,7 @@ impl Engine {
         model.fit_context(cfg.max_model_len);
         let c = &model.config;
         let layout = KvLayout { block_size: cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks)?;
+        let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks, cfg.kv_cache_dtype)?;
         let host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads)
@@ -88,7 +88,9 @@ impl Engine {
         }
         tracing::info!(
             kv_tokens = cfg.num_kv_blocks * cfg.block_size,
-            kv_mb = KvStore::bytes_per_token(c.n_layers, &layout) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
+            kv_mb = KvStore::bytes_per_token(c.n_layers, &layout, cfg.kv_cache_dtype) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
+            kv_dtype = %cfg.kv_cache_dtype,
+            max_model_len = cfg.max_model_len,
             threads = cfg.threads,
             async_scheduling = cfg.async_scheduling,
             "{}",

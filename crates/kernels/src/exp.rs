@@ -112,7 +112,7 @@ pub(crate) fn gate_mul(kind: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// combined in a fixed order. Two loops, not one: the compiler vectorises a plain loop of `exp`,
 /// not one fused with the lane sums.
 #[inline(always)]
-fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
+pub(crate) fn exp_shifted_sum(x: &mut [f32], max: f32) -> f32 {
     x.iter_mut().for_each(|v| *v = exp(*v - max));
     lane_sum(x)
 }
@@ -164,7 +164,7 @@ pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
 /// The maximum in eight lanes (a single running max is a serial chain of dependent compares;
 /// max is exact, so the lanes give the same value).
 #[inline(always)]
-fn lane_max(x: &[f32]) -> f32 {
+pub(crate) fn lane_max(x: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 8];
     let chunks = x.chunks_exact(8);
     let tail = chunks.remainder();

@@ -12,6 +12,7 @@ pub mod dot;
 pub mod exp;
 pub mod formats;
 pub mod group;
+pub mod kv;
 pub mod logits;
 pub mod matmul;
 pub mod ops;

@@ -1,24 +1,31 @@
-//! The KV cache's storage: per layer, one f32 buffer of keys and one of values, indexed by slot
-//! (block * block_size + offset). Which slots a sequence owns is the engine's business
-//! (engine::kv_cache); this type only holds the numbers.
+//! The KV cache's storage: per layer, one plane of keys and one of values in the chosen
+//! [`KvDtype`], indexed by slot (block * block_size + offset). Which slots a sequence owns is the
+//! engine's business (engine::kv_cache); this type only holds the numbers.
 
 use specula_kernels::attention::KvLayout;
+use specula_kernels::kv::{KvDtype, KvPlane};
 
 pub struct KvStore {
     pub layout: KvLayout,
     pub num_blocks: usize,
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
+    pub dtype: KvDtype,
+    pub k: Vec<KvPlane>,
+    pub v: Vec<KvPlane>,
 }
 
-/// The KV store cannot be had: more than the machine has available, or refused by the allocator.
+/// The KV store cannot be had: more than the machine has available, refused by the allocator, or
+/// a type the model's heads cannot be stored in.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot allocate the KV cache: {tokens} tokens need {:.2} GiB{}; lower --kv-cache-tokens (or --kv-cache-memory)", *bytes as f64 / GIB, .available.map(|a| format!(" but only {:.2} GiB is available", a as f64 / GIB)).unwrap_or_default())]
-pub struct KvAllocError {
-    pub tokens: usize,
-    pub bytes: usize,
-    /// What the machine had available (Linux: `MemAvailable`), when that was the reason.
-    pub available: Option<usize>,
+pub enum KvAllocError {
+    #[error("cannot allocate the KV cache: {tokens} tokens need {:.2} GiB{}; lower --kv-cache-tokens (or --kv-cache-memory), or store it smaller (--kv-cache-dtype q8_0)", *bytes as f64 / GIB, .available.map(|a| format!(" but only {:.2} GiB is available", a as f64 / GIB)).unwrap_or_default())]
+    Memory {
+        tokens: usize,
+        bytes: usize,
+        /// What the machine had available (Linux: `MemAvailable`), when that was the reason.
+        available: Option<usize>,
+    },
+    #[error("--kv-cache-dtype {dtype} stores heads in blocks of 32 values but this model's heads have {head_dim}; choose f16, bf16 or f32")]
+    HeadDim { dtype: KvDtype, head_dim: usize },
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -30,25 +37,22 @@ impl KvStore {
     /// as the free list rotates through blocks never touched before, which looks like a leak),
     /// and a machine without that memory fails here, with a clear error, not under load later.
     /// A store larger than the memory the machine has available is refused before allocating.
-    pub fn new(n_layers: usize, layout: KvLayout, num_blocks: usize) -> Result<Self, KvAllocError> {
+    pub fn new(n_layers: usize, layout: KvLayout, num_blocks: usize, dtype: KvDtype) -> Result<Self, KvAllocError> {
+        if !dtype.supports_head_dim(layout.head_dim) {
+            return Err(KvAllocError::HeadDim { dtype, head_dim: layout.head_dim });
+        }
         let tokens = num_blocks.saturating_mul(layout.block_size);
-        let n = tokens.saturating_mul(layout.kv_width());
-        let bytes = n.saturating_mul(2 * n_layers * std::mem::size_of::<f32>());
-        let fail = |available| KvAllocError { tokens, bytes, available };
+        let bytes = tokens.saturating_mul(Self::bytes_per_token(n_layers, &layout, dtype));
+        let fail = |available| KvAllocError::Memory { tokens, bytes, available };
         if let Some(available) = available_memory() {
             if bytes > available {
                 return Err(fail(Some(available)));
             }
         }
-        let buffer = || -> Result<Vec<f32>, KvAllocError> {
-            let mut v = Vec::new();
-            v.try_reserve_exact(n).map_err(|_| fail(None))?;
-            v.resize(n, 0.0);
-            Ok(v)
-        };
-        let k = (0..n_layers).map(|_| buffer()).collect::<Result<_, _>>()?;
-        let v = (0..n_layers).map(|_| buffer()).collect::<Result<_, _>>()?;
-        Ok(Self { layout, num_blocks, k, v })
+        let plane = || KvPlane::new(dtype, layout, num_blocks).map_err(|_| fail(None));
+        let k = (0..n_layers).map(|_| plane()).collect::<Result<_, _>>()?;
+        let v = (0..n_layers).map(|_| plane()).collect::<Result<_, _>>()?;
+        Ok(Self { layout, num_blocks, dtype, k, v })
     }
 
     pub fn num_slots(&self) -> usize {
@@ -56,8 +60,8 @@ impl KvStore {
     }
 
     /// Bytes one token's keys and values take over all layers.
-    pub fn bytes_per_token(n_layers: usize, layout: &KvLayout) -> usize {
-        2 * n_layers * layout.kv_width() * std::mem::size_of::<f32>()
+    pub fn bytes_per_token(n_layers: usize, layout: &KvLayout, dtype: KvDtype) -> usize {
+        2 * n_layers * dtype.bytes(layout.kv_width())
     }
 }
 
@@ -79,17 +83,31 @@ mod tests {
     }
 
     #[test]
-    fn a_store_is_zeroed_and_sized_by_its_blocks() {
-        let kv = KvStore::new(3, layout(), 5).unwrap();
-        assert_eq!(kv.k.len(), 3);
-        assert_eq!(kv.v.len(), 3);
-        assert!(kv.k.iter().chain(&kv.v).all(|b| b.len() == 5 * 16 * layout().kv_width() && b.iter().all(|&x| x == 0.0)));
+    fn a_store_is_zeroed_and_sized_by_its_blocks_and_type() {
+        for dtype in KvDtype::ALL {
+            let kv = KvStore::new(3, layout(), 5, dtype).unwrap();
+            assert_eq!((kv.k.len(), kv.v.len()), (3, 3));
+            assert!(kv.k.iter().chain(&kv.v).all(|p| p.slots() == 5 * 16 && p.dtype() == dtype && (0..80).all(|s| p.read(s).iter().all(|&x| x == 0.0))));
+            let per_token: usize = kv.k.iter().chain(&kv.v).map(|p| p.bytes()).sum::<usize>() / 80;
+            assert_eq!(per_token, KvStore::bytes_per_token(3, &layout(), dtype), "{dtype}");
+        }
+        // f16 is half of f32, q8_0 17/32 of f16
+        assert_eq!(KvStore::bytes_per_token(3, &layout(), KvDtype::F16) * 2, KvStore::bytes_per_token(3, &layout(), KvDtype::F32));
+        assert_eq!(KvStore::bytes_per_token(3, &layout(), KvDtype::Q8_0) * 32, KvStore::bytes_per_token(3, &layout(), KvDtype::F16) * 17);
+    }
+
+    #[test]
+    fn q8_0_refuses_heads_that_are_not_whole_blocks() {
+        let l = KvLayout { block_size: 16, n_heads: 4, n_kv_heads: 2, head_dim: 48 };
+        let e = KvStore::new(2, l, 4, KvDtype::Q8_0).err().expect("refused");
+        assert!(e.to_string().contains("heads have 48"), "{e}");
+        assert!(KvStore::new(2, l, 4, KvDtype::F16).is_ok());
     }
 
     #[test]
     fn a_store_larger_than_the_machine_is_an_error_not_an_abort() {
         // 2^40 tokens of 128 floats: far beyond any machine
-        let e = KvStore::new(24, layout(), 1 << 36).err().expect("a petabyte KV store was allocated");
+        let e = KvStore::new(24, layout(), 1 << 36, KvDtype::F16).err().expect("a petabyte KV store was allocated");
         let msg = e.to_string();
         assert!(msg.contains("cannot allocate the KV cache") && msg.contains("--kv-cache-tokens"), "{msg}");
         if available_memory().is_some() {

@@ -10,7 +10,7 @@ use crate::config::{Activation, AttentionKind, ModelConfig};
 use crate::kv_store::KvStore;
 use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
 use crate::ModelError;
-use specula_kernels::attention::{paged_attention_windowed, write_kv};
+use specula_kernels::attention::paged_attention_windowed;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, swiglu_oai_mul, Rope};
 use specula_kernels::{QMatrix, WeightFormat};
@@ -396,10 +396,11 @@ impl LlamaModel {
                     rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
                 }
                 if batch.slots[i] != NO_SLOT {
-                    write_kv(&mut kv.k[li], &mut kv.v[li], &kv.layout, batch.slots[i], &k[i * kvw..(i + 1) * kvw], &v[i * kvw..(i + 1) * kvw]);
+                    kv.k[li].write(batch.slots[i], &k[i * kvw..(i + 1) * kvw]);
+                    kv.v[li].write(batch.slots[i], &v[i * kvw..(i + 1) * kvw]);
                 }
             }
-            paged_attention_windowed(&q, &mut attn, &kv.k[li], &kv.v[li], &kv.layout, batch.seqs, scale, window, e.sinks.as_deref());
+            paged_attention_windowed(&q, &mut attn, kv.k[li].view(), kv.v[li].view(), &kv.layout, batch.seqs, scale, window, e.sinks.as_deref());
             matmul(&MatmulInput::new(&attn, qw, &[&l.wo]), &l.wo, &mut o);
             if let Some(b) = &e.o_bias {
                 add_bias(&mut o, b);

@@ -26,6 +26,9 @@ pub enum DebugCmd {
     /// Load a model as `serve` does (weights, tokenizer, chat template): exit 0 and a JSON
     /// summary, or exit 1 with a one-line error (the GGUF fuzz test).
     CheckModel(CheckModelArgs),
+    /// KL divergence and top-1 agreement of each KV cache type against f32, teacher-forced over
+    /// a long prompt, per range of positions.
+    KvFidelity(crate::kv_fidelity::KvFidelityArgs),
 }
 
 #[derive(Args)]
@@ -220,6 +223,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), arch: a.arch, head_dim: a.head_dim, ..Default::default() };
             write_tiny_moe(&a.output, &spec)?;
         }
+        DebugCmd::KvFidelity(a) => crate::kv_fidelity::run(a)?,
         DebugCmd::CheckModel(a) => {
             let loaded = load_model(&a.model)?;
             let c = &loaded.model.config;
@@ -292,7 +296,7 @@ pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], ch
     let c = &model.config;
     let layout = specula_kernels::attention::KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let blocks = prompt.len().div_ceil(16).max(1);
-    let mut kv = KvStore::new(c.n_layers, layout, blocks)?;
+    let mut kv = KvStore::new(c.n_layers, layout, blocks, specula_kernels::kv::KvDtype::F32)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut out = Vec::with_capacity(prompt.len() * c.vocab_size);

@@ -18,9 +18,14 @@ pub struct EngineArgs {
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 512)]
     pub max_num_batched_tokens: usize,
-    /// Longest prompt + completion (default: the model's context length, capped at 8192).
+    /// Longest prompt + completion (default: the model's trained context, as its file says; lowered
+    /// to what the KV cache can hold when the machine's memory cannot hold that much).
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// What the KV cache stores: f16 (auto), bf16, f32, or q8_0 (about half of f16's bytes; int8
+    /// values with a scale per 32). Attention reads the stored type in place.
+    #[arg(long, value_enum, default_value_t = KvDtypeArg::Auto)]
+    pub kv_cache_dtype: KvDtypeArg,
     /// KV-cache size in tokens (default: max(16 x 2048, max-model-len) tokens, shrunk to 3/4 of
     /// the memory left after the weights when that does not fit).
     #[arg(long)]
@@ -57,6 +62,29 @@ pub struct EngineArgs {
     pub expert_weights: ExpertWeightsArg,
     #[command(flatten)]
     pub spec: SpecArgs,
+}
+
+/// `--kv-cache-dtype` (vLLM's flag): `auto` is f16.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtypeArg {
+    Auto,
+    F32,
+    F16,
+    Bf16,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl From<KvDtypeArg> for specula_kernels::kv::KvDtype {
+    fn from(a: KvDtypeArg) -> Self {
+        use specula_kernels::kv::KvDtype;
+        match a {
+            KvDtypeArg::Auto | KvDtypeArg::F16 => KvDtype::F16,
+            KvDtypeArg::F32 => KvDtype::F32,
+            KvDtypeArg::Bf16 => KvDtype::Bf16,
+            KvDtypeArg::Q8_0 => KvDtype::Q8_0,
+        }
+    }
 }
 
 /// `--expert-weights` (`specula_model::ExpertWeights`).
@@ -265,20 +293,40 @@ impl EngineArgs {
     /// weights the other copies will hold, shared among the ranks.
     pub fn to_config(&self, loaded: &specula_model::LoadedModel, ranks: usize) -> anyhow::Result<EngineConfig> {
         let model = &loaded.model.config;
-        let max_model_len = self.max_model_len.unwrap_or(model.context_length.min(8192));
-        let bytes_per_token = 2 * model.n_layers * model.kv_width() * 4;
+        let kv_cache_dtype = specula_kernels::kv::KvDtype::from(self.kv_cache_dtype);
+        if !kv_cache_dtype.supports_head_dim(model.head_dim) {
+            anyhow::bail!(
+                "--kv-cache-dtype {kv_cache_dtype} stores heads in blocks of 32 values but this model's heads have {}; choose f16, bf16 or f32",
+                model.head_dim
+            );
+        }
+        let mut max_model_len = self.max_model_len.unwrap_or(model.context_length);
+        let bytes_per_token = 2 * model.n_layers * kv_cache_dtype.bytes(model.kv_width());
         let available = specula_model::kv_store::available_memory().map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.model.in_place_bytes(), ranks));
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
             (Some(t), _) => t,
             (None, Some(mib)) => mib * 1024 * 1024 / bytes_per_token,
-            (None, None) => fit_default_kv((16 * 2048).max(max_model_len), max_model_len, bytes_per_token, available),
+            (None, None) => {
+                // the model's whole context by default, unless the memory cannot hold one such
+                // sequence: then as much as it can (a length the user chose is kept, and refused
+                // later with what to change if it does not fit)
+                let min = if self.max_model_len.is_some() { max_model_len } else { max_model_len.min(MIN_DEFAULT_CONTEXT) };
+                fit_default_kv((16 * 2048).max(max_model_len), min, bytes_per_token, available)
+            }
         };
+        if self.max_model_len.is_none() && kv_tokens < max_model_len {
+            tracing::warn!(
+                "the model's context is {max_model_len} tokens but the KV cache holds {kv_tokens}: serving {kv_tokens} (choose with --max-model-len, or --kv-cache-dtype q8_0 to hold more)"
+            );
+            max_model_len = kv_tokens;
+        }
         Ok(EngineConfig {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len,
             block_size: self.block_size,
             num_kv_blocks: kv_tokens.div_ceil(self.block_size),
+            kv_cache_dtype,
             enable_prefix_caching: self.enable_prefix_caching,
             threads: self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
             max_waiting: self.max_waiting,
@@ -289,6 +337,10 @@ impl EngineArgs {
         })
     }
 }
+
+/// The shortest context a defaulted `--max-model-len` is lowered to when memory is short (below it
+/// the KV cache refuses to start, naming the flags).
+const MIN_DEFAULT_CONTEXT: usize = 8192;
 
 /// One rank's share of `available` bytes for its KV cache once `ranks` in-process copies of a
 /// model of `weight_bytes` are loaded (the first already is): the weights read in place

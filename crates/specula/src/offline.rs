@@ -86,6 +86,17 @@ pub struct OfflineArgs {
     /// summary gives the mean of the pairwise ratios).
     #[arg(long, default_value_t = 1)]
     pub async_repeat: usize,
+    /// Instead of the kernel-level table: the long-context table, a prompt of each of these
+    /// lengths prefilled in chunks of --max-num-batched-tokens, then --decode-steps at batch 1
+    /// from that depth (beside llama-bench's `-p D` and `-n N -d D` with flash attention).
+    #[arg(long, value_delimiter = ',')]
+    pub depth: Vec<usize>,
+    /// The KV cache's type for the measurements (as `serve --kv-cache-dtype`).
+    #[arg(long, value_enum, default_value_t = crate::engine_args::KvDtypeArg::Auto)]
+    pub kv_cache_dtype: crate::engine_args::KvDtypeArg,
+    /// Prefill chunk of the long-context table (the server's --max-num-batched-tokens).
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
 }
 
 struct Row {
@@ -179,6 +190,9 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     }
     let candle_ok = candle_ok && candle_baseline::AVAILABLE;
     let llama_at = |threads: usize, p: usize, n: usize| llama.iter().find(|e| e.0 == threads && e.1 == p && e.2 == n).map(|e| e.3);
+    if !args.depth.is_empty() {
+        return run_depths(&args, &path, &loaded);
+    }
     let mut rows = Vec::new();
     // the memory bound first, so its 1 GiB is gone before the model is timed
     let stream = bandwidth_buffer();
@@ -253,6 +267,40 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         let j: Vec<_> =
             rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle, "llama_cpp_tok_s": r.llama_cpp})).collect();
         std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
+    }
+    Ok(())
+}
+
+/// The long-context table (`--depth`): llama.cpp's runs first for each thread count and depth
+/// would page against our copy of a large model, so a small file is assumed here (both resident).
+fn run_depths(args: &OfflineArgs, path: &std::path::Path, loaded: &specula_model::LoadedModel) -> Result<()> {
+    use crate::offline_depth as d;
+    let dtype = specula_kernels::kv::KvDtype::from(args.kv_cache_dtype);
+    let model = &loaded.model;
+    let mut rows = Vec::new();
+    for &threads in &args.threads {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+        for &depth in &args.depth {
+            let (llama_prefill, llama_decode) = match &args.llama_bench {
+                Some(b) => {
+                    let (p, dd) = d::llama_bench(b, path, threads, depth, args.decode_steps, args.max_num_batched_tokens, dtype)?;
+                    (Some(p), Some(dd))
+                }
+                None => (None, None),
+            };
+            let (prefill, decode) = pool.install(|| d::measure(model, depth, args.max_num_batched_tokens, args.decode_steps, dtype))?;
+            eprintln!("threads {threads} depth {depth}: prefill {prefill:.1} tok/s, decode {decode:.2} tok/s");
+            rows.push(d::DepthRow { threads, depth, prefill, decode, llama_prefill, llama_decode });
+        }
+    }
+    println!("\nspecula bench offline --depth — {} ({})", loaded.name, specula_kernels::cpu::describe());
+    d::print(&rows, model, decode_bytes(model, loaded.weight_bytes), dtype, args.max_num_batched_tokens);
+    if let Some(p) = &args.output_json {
+        let j: Vec<_> = rows
+            .iter()
+            .map(|r| serde_json::json!({"threads": r.threads, "depth": r.depth, "kv_cache_dtype": dtype.name(), "prefill_tok_s": r.prefill, "decode_tok_s": r.decode, "llama_cpp_prefill_tok_s": r.llama_prefill, "llama_cpp_decode_tok_s": r.llama_decode}))
+            .collect();
+        std::fs::write(p, serde_json::to_string_pretty(&j)?)?;
     }
     Ok(())
 }
@@ -344,7 +392,7 @@ fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> Result<(KvS
     let c = &model.config;
     let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let per = tokens_per_seq.div_ceil(16);
-    let kv = KvStore::new(c.n_layers, layout, per * seqs)?;
+    let kv = KvStore::new(c.n_layers, layout, per * seqs, specula_kernels::kv::KvDtype::default())?;
     let tables = (0..seqs).map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect()).collect();
     Ok((kv, tables))
 }

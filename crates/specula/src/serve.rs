@@ -139,6 +139,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
         eprintln!("expert weights read in place from the file's map: {:.2} GB (--expert-weights {choice})", in_place as f64 / 1e9);
     }
     let mut cfg = args.engine.to_config(&loaded, dp_size)?;
+    let c = &loaded.model.config;
+    let kv_tokens = cfg.num_kv_blocks * cfg.block_size;
+    let kv_bytes = kv_tokens * 2 * c.n_layers * cfg.kv_cache_dtype.bytes(c.kv_width());
+    eprintln!(
+        "context: {} tokens a sequence (the model's: {}); KV cache: {kv_tokens} tokens as {} ({:.2} GiB{})",
+        cfg.max_model_len,
+        c.context_length,
+        cfg.kv_cache_dtype,
+        kv_bytes as f64 / (1u64 << 30) as f64,
+        if dp_size > 1 { ", each rank" } else { "" }
+    );
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     // the test switch of the fault tests (python/tests/test_hostile_connections.py)
     if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {

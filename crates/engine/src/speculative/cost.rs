@@ -161,7 +161,7 @@ pub fn time_forward(model: &LlamaModel, points: &[usize], context: usize, rounds
     let block = 16;
     let blocks = (context + max_n).div_ceil(block);
     let layout = KvLayout { block_size: block, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-    let mut kv = KvStore::new(c.n_layers, layout, blocks)?;
+    let mut kv = KvStore::new(c.n_layers, layout, blocks, specula_kernels::kv::KvDtype::default())?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let slot = |p: usize| table[p / block] as usize * block + p % block;
     let vocab = c.vocab_size as u32;

@@ -41,7 +41,7 @@ impl DraftModelProposer {
         }
         let c = &model.config;
         let layout = KvLayout { block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        let kv_store = KvStore::new(c.n_layers, layout, num_blocks)?;
+        let kv_store = KvStore::new(c.n_layers, layout, num_blocks, specula_kernels::kv::KvDtype::default())?;
         // with prefix caching: an agent's next turn resends the conversation, which the draft
         // would otherwise prefill whole again before its first draft (it doubled the time to the
         // first token of the 1.5B's agent turns, benchmarks.md S10)

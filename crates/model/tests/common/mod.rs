@@ -29,7 +29,7 @@ impl Cache {
         // odd blocks first, then even ones, each descending: tables jump around the store
         let mut free: Vec<u32> = (0..num_blocks as u32).filter(|b| b % 2 == 0).collect();
         free.extend((0..num_blocks as u32).filter(|b| b % 2 == 1));
-        Self { kv: KvStore::new(c.n_layers, layout, num_blocks).expect("a test KV store"), free }
+        Self { kv: KvStore::new(c.n_layers, layout, num_blocks, specula_kernels::kv::KvDtype::F32).expect("a test KV store"), free }
     }
 
     pub fn seq(&mut self, tokens: &[u32]) -> Seq {

@@ -1,0 +1,81 @@
+//! Microbenchmark of paged attention at depth, per KV type, on one layer of a model's shape.
+//!
+//! `cargo run --release -p specula-kernels --example attention_bench -- [depth] [threads,..] [heads,kv_heads,head_dim]`
+//!
+//! Decode: one query row at `depth` (the cache read once per step: GB/s of KV). Prefill: a chunk of
+//! 512 rows at the end of a `depth`-token prompt (GFLOP/s, counting 2 x 2 x head_dim flops per
+//! query-key pair: the scores and the weighted values). Default shape: Qwen2.5-Coder-1.5B (12
+//! heads, 2 KV heads of 128). Median of several rounds.
+
+use specula_kernels::attention::{paged_attention_windowed, KvLayout, SeqSpan};
+use specula_kernels::kv::{KvDtype, KvPlane};
+use std::time::Instant;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let depth: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(16384);
+    let threads: Vec<usize> = args.get(1).map_or(vec![1, 2], |s| s.split(',').filter_map(|t| t.parse().ok()).collect());
+    let shape: Vec<usize> = args.get(2).map_or(vec![12, 2, 128], |s| s.split(',').filter_map(|t| t.parse().ok()).collect());
+    let layout = KvLayout { block_size: 16, n_heads: shape[0], n_kv_heads: shape[1], head_dim: shape[2] };
+    let kvw = layout.kv_width();
+    let qw = layout.n_heads * layout.head_dim;
+    let blocks = depth.div_ceil(16);
+    let table: Vec<u32> = (0..blocks as u32).rev().collect();
+    let chunk = 512.min(depth);
+    println!("attention at depth {depth}, {} heads / {} KV heads of {}", layout.n_heads, layout.n_kv_heads, layout.head_dim);
+    println!("{:<6} {:>7} {:>12} {:>10} {:>14} {:>12}", "type", "threads", "decode ms", "KV GB/s", "prefill ms", "GFLOP/s");
+    for dtype in KvDtype::ALL {
+        let mut k = KvPlane::new(dtype, layout, blocks).expect("memory");
+        let mut v = KvPlane::new(dtype, layout, blocks).expect("memory");
+        let row: Vec<f32> = (0..kvw).map(|i| (i as f32 * 0.37).sin()).collect();
+        for s in 0..blocks * 16 {
+            k.write(s, &row);
+            v.write(s, &row);
+        }
+        let kv_bytes = (k.bytes() + v.bytes()) as f64 * depth as f64 / (blocks * 16) as f64;
+        for &t in &threads {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool");
+            let q1: Vec<f32> = (0..qw).map(|i| (i as f32 * 0.013).cos()).collect();
+            let mut o1 = vec![0f32; qw];
+            let seq1 = [SeqSpan { q_start: 0, q_len: 1, context_len: depth, block_table: &table }];
+            let decode = median(
+                (0..std::env::var("BENCH_DECODE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(15))
+                    .map(|_| {
+                        let s = Instant::now();
+                        pool.install(|| paged_attention_windowed(&q1, &mut o1, k.view(), v.view(), &layout, &seq1, 0.1, None, None));
+                        s.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            );
+            let qn: Vec<f32> = (0..chunk * qw).map(|i| (i as f32 * 0.013).cos()).collect();
+            let mut on = vec![0f32; chunk * qw];
+            let seqn = [SeqSpan { q_start: 0, q_len: chunk, context_len: depth, block_table: &table }];
+            let prefill_rounds = if std::env::var_os("BENCH_DECODE_ONLY").is_some() { 1 } else { 3 };
+            let prefill = median(
+                (0..prefill_rounds)
+                    .map(|_| {
+                        let s = Instant::now();
+                        pool.install(|| paged_attention_windowed(&qn, &mut on, k.view(), v.view(), &layout, &seqn, 0.1, None, None));
+                        s.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            );
+            let pairs = (0..chunk).map(|r| (depth - chunk + r + 1) as f64).sum::<f64>() * layout.n_heads as f64;
+            let flops = pairs * 4.0 * layout.head_dim as f64;
+            println!(
+                "{:<6} {:>7} {:>12.3} {:>10.1} {:>14.1} {:>12.1}",
+                dtype.name(),
+                t,
+                decode * 1e3,
+                kv_bytes / decode / 1e9,
+                prefill * 1e3,
+                flops / prefill / 1e9
+            );
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! The KV cache's element types and one layer's plane of keys or values stored in one of them.
+//!
+//! A plane holds, per slot (block * block_size + offset), `n_kv_heads * head_dim` values: f32,
+//! f16 or bf16 as they are, or q8_0 (blocks of 32 values: an f16 scale and 32 signed bytes,
+//! ggml's `block_q8_0` arithmetic, the scales kept apart from the bytes). Within a block the
+//! values are head-major (`[kv head][offset][head_dim]`): one KV head's keys of a block are one
+//! contiguous run, which is what attention streams (a task reads one KV head). Attention
+//! ([`crate::attention`]) reads every type in place, converting eight values at a time in
+//! registers; nothing here knows which slots a sequence owns.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The cache's geometry: slots per block and the shape of one slot's keys (or values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub block_size: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    pub fn kv_width(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
+/// Where a plane's values sit: slot-major (`[slot][kv head][head_dim]`, plain f32 slices) or
+/// head-major within each block (the model's cache).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvOrder {
+    SlotMajor,
+    HeadMajor,
+}
+
+impl KvOrder {
+    /// Element index of `slot`'s first value of KV head `kvh`.
+    #[inline(always)]
+    pub fn offset(self, l: &KvLayout, slot: usize, kvh: usize) -> usize {
+        match self {
+            KvOrder::SlotMajor => slot * l.kv_width() + kvh * l.head_dim,
+            KvOrder::HeadMajor => {
+                let (b, o) = (slot / l.block_size, slot % l.block_size);
+                ((b * l.n_kv_heads + kvh) * l.block_size + o) * l.head_dim
+            }
+        }
+    }
+}
+
+/// What the KV cache stores (`--kv-cache-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum KvDtype {
+    F32,
+    #[default]
+    F16,
+    Bf16,
+    Q8_0,
+}
+
+/// q8_0's block: 32 values share one scale.
+pub const Q8_BLOCK: usize = 32;
+
+impl KvDtype {
+    pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Q8_0];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+            KvDtype::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Bytes `n` values take (q8_0: `n` a multiple of 32, each block 32 bytes and a 2-byte scale).
+    pub fn bytes(self, n: usize) -> usize {
+        match self {
+            KvDtype::F32 => 4 * n,
+            KvDtype::F16 | KvDtype::Bf16 => 2 * n,
+            KvDtype::Q8_0 => n + n / Q8_BLOCK * 2,
+        }
+    }
+
+    /// Bytes of one value in the plane's main buffer (q8_0: its signed byte; the scales apart).
+    fn value_bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+            KvDtype::Q8_0 => 1,
+        }
+    }
+
+    /// Whether heads of `head_dim` values can be stored in this type (q8_0 blocks may not straddle
+    /// two heads).
+    pub fn supports_head_dim(self, head_dim: usize) -> bool {
+        self != KvDtype::Q8_0 || head_dim.is_multiple_of(Q8_BLOCK)
+    }
+}
+
+impl fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("unknown KV cache type '{0}' (one of f32, f16, bf16, q8_0)")]
+pub struct UnknownKvDtype(pub String);
+
+impl FromStr for KvDtype {
+    type Err = UnknownKvDtype;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(s)).ok_or_else(|| UnknownKvDtype(s.to_string()))
+    }
+}
+
+/// One layer's keys (or values): `slots * width` values of one type, head-major per block.
+pub struct KvPlane {
+    dtype: KvDtype,
+    layout: KvLayout,
+    width: usize,
+    /// f32 / f16 / bf16 values little-endian, or q8_0's signed bytes (one per value).
+    data: Vec<u8>,
+    /// q8_0 only: one f16 scale per 32 values, `slot * width / 32 + block`.
+    scales: Vec<u16>,
+}
+
+/// A plane could not be allocated (the allocator refused).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot allocate {bytes} bytes for a KV plane")]
+pub struct PlaneAllocError {
+    pub bytes: usize,
+}
+
+fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>, PlaneAllocError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| PlaneAllocError { bytes: n.saturating_mul(std::mem::size_of::<T>()) })?;
+    v.resize(n, T::default());
+    Ok(v)
+}
+
+impl KvPlane {
+    /// A zeroed plane of `blocks` blocks (written once, so its pages are resident).
+    pub fn new(dtype: KvDtype, layout: KvLayout, blocks: usize) -> Result<Self, PlaneAllocError> {
+        assert!(dtype.supports_head_dim(layout.head_dim), "a q8_0 head is whole blocks");
+        let width = layout.kv_width();
+        let n = blocks.saturating_mul(layout.block_size).saturating_mul(width);
+        let data = zeroed(n.saturating_mul(dtype.value_bytes()))?;
+        let scales = if dtype == KvDtype::Q8_0 { zeroed(n / Q8_BLOCK)? } else { Vec::new() };
+        Ok(Self { dtype, layout, width, data, scales })
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    pub fn slots(&self) -> usize {
+        self.data.len() / (self.width * self.dtype.value_bytes()).max(1)
+    }
+
+    /// Bytes the plane holds.
+    pub fn bytes(&self) -> usize {
+        self.data.len() + 2 * self.scales.len()
+    }
+
+    /// Stores one slot's `n_kv_heads * head_dim` values, rounded to the plane's type (f16 and
+    /// bf16 to nearest even; q8_0 as ggml's `quantize_row_q8_0`: scale = max |x| / 127, values
+    /// rounded half away from zero, the scale kept as f16).
+    pub fn write(&mut self, slot: usize, values: &[f32]) {
+        assert_eq!(values.len(), self.width, "one slot's values");
+        let hd = self.layout.head_dim;
+        for (kvh, head) in values.chunks_exact(hd).enumerate() {
+            let at = KvOrder::HeadMajor.offset(&self.layout, slot, kvh);
+            self.write_head(at, head);
+        }
+    }
+
+    /// One head's values at element `e`.
+    fn write_head(&mut self, e: usize, values: &[f32]) {
+        let w = values.len();
+        match self.dtype {
+            KvDtype::F32 => {
+                for (d, v) in self.data[e * 4..(e + w) * 4].chunks_exact_mut(4).zip(values) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            KvDtype::F16 => {
+                for (d, &v) in self.data[e * 2..(e + w) * 2].chunks_exact_mut(2).zip(values) {
+                    d.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            KvDtype::Bf16 => {
+                for (d, &v) in self.data[e * 2..(e + w) * 2].chunks_exact_mut(2).zip(values) {
+                    d.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+                }
+            }
+            KvDtype::Q8_0 => {
+                let q = &mut self.data[e..e + w];
+                let s = &mut self.scales[e / Q8_BLOCK..(e + w) / Q8_BLOCK];
+                for ((qb, sb), x) in q.chunks_exact_mut(Q8_BLOCK).zip(s.iter_mut()).zip(values.chunks_exact(Q8_BLOCK)) {
+                    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let d = amax / 127.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    for (o, &v) in qb.iter_mut().zip(x) {
+                        *o = ((v * id).round() as i8) as u8;
+                    }
+                    *sb = half::f16::from_f32(d).to_bits();
+                }
+            }
+        }
+    }
+
+    /// Slot `slot`'s values back as f32, heads in order (the reference the tests compare against).
+    pub fn read(&self, slot: usize) -> Vec<f32> {
+        let v = self.view();
+        let hd = self.layout.head_dim;
+        (0..self.layout.n_kv_heads)
+            .flat_map(|h| (0..hd).map(move |d| (h, d)))
+            .map(|(h, d)| v.get(KvOrder::HeadMajor.offset(&self.layout, slot, h) + d))
+            .collect()
+    }
+
+    pub fn view(&self) -> KvView<'_> {
+        KvView { dtype: self.dtype, order: KvOrder::HeadMajor, data: &self.data, scales: &self.scales }
+    }
+}
+
+/// A plane as attention reads it.
+#[derive(Clone, Copy)]
+pub struct KvView<'a> {
+    pub dtype: KvDtype,
+    pub order: KvOrder,
+    pub(crate) data: &'a [u8],
+    pub(crate) scales: &'a [u16],
+}
+
+impl<'a> KvView<'a> {
+    /// Plain f32 values (`slots * width`) seen as a plane.
+    pub fn f32(values: &'a [f32]) -> Self {
+        // SAFETY: any f32 storage is valid as bytes (u8 has no alignment or validity needs), and
+        // the length covers exactly the same memory.
+        let data = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) };
+        Self { dtype: KvDtype::F32, order: KvOrder::SlotMajor, data, scales: &[] }
+    }
+
+    /// How many values the view holds.
+    pub fn len(&self) -> usize {
+        match self.dtype {
+            KvDtype::F32 => self.data.len() / 4,
+            KvDtype::F16 | KvDtype::Bf16 => self.data.len() / 2,
+            KvDtype::Q8_0 => self.data.len().min(self.scales.len() * Q8_BLOCK),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Value `e` as f32 (the scalar reading every SIMD path matches).
+    #[inline(always)]
+    pub fn get(&self, e: usize) -> f32 {
+        match self.dtype {
+            KvDtype::F32 => f32::from_le_bytes([self.data[4 * e], self.data[4 * e + 1], self.data[4 * e + 2], self.data[4 * e + 3]]),
+            KvDtype::F16 => half::f16::from_bits(u16::from_le_bytes([self.data[2 * e], self.data[2 * e + 1]])).to_f32(),
+            KvDtype::Bf16 => half::bf16::from_bits(u16::from_le_bytes([self.data[2 * e], self.data[2 * e + 1]])).to_f32(),
+            KvDtype::Q8_0 => (self.data[e] as i8) as f32 * half::f16::from_bits(self.scales[e / Q8_BLOCK]).to_f32(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_type_round_trips_within_its_precision() {
+        let layout = KvLayout { block_size: 2, n_heads: 4, n_kv_heads: 2, head_dim: 32 };
+        let w = 64;
+        let vals: Vec<f32> = (0..w).map(|i| ((i as f32) * 0.731).sin() * 3.0).collect();
+        for dtype in KvDtype::ALL {
+            let mut p = KvPlane::new(dtype, layout, 2).unwrap();
+            p.write(1, &vals);
+            assert!(p.read(0).iter().chain(&p.read(2)).chain(&p.read(3)).all(|&x| x == 0.0), "{dtype}: neighbours untouched");
+            let back = p.read(1);
+            let tol = match dtype {
+                KvDtype::F32 => 0.0,
+                KvDtype::F16 => 3.0 * 2f32.powi(-11),
+                KvDtype::Bf16 => 3.0 * 2f32.powi(-8),
+                KvDtype::Q8_0 => 3.0 / 127.0 * 0.51 + 3.0 * 2f32.powi(-11),
+            };
+            for (a, b) in vals.iter().zip(&back) {
+                assert!((a - b).abs() <= tol * a.abs().max(1.0), "{dtype}: {a} -> {b}");
+            }
+            assert_eq!(p.bytes(), dtype.bytes(4 * w), "{dtype}");
+        }
+    }
+
+    #[test]
+    fn q8_0_is_ggmls_block_arithmetic() {
+        // max |x| = 2.54 -> d = 0.02, values rounded half away from zero
+        let mut x = vec![0f32; 32];
+        x[0] = 2.54;
+        x[1] = -0.03; // -1.5 -> -2
+        x[2] = 0.01; // 0.5 -> 1
+        let mut p = KvPlane::new(KvDtype::Q8_0, KvLayout { block_size: 1, n_heads: 1, n_kv_heads: 1, head_dim: 32 }, 1).unwrap();
+        p.write(0, &x);
+        let d = half::f16::from_f32(0.02).to_f32();
+        let back = p.read(0);
+        assert_eq!((back[0], back[1], back[2]), (127.0 * d, -2.0 * d, d));
+        // an all-zero block has scale 0 and stays zero
+        p.write(0, &[0.0; 32]);
+        assert!(p.read(0).iter().all(|&v| v == 0.0));
+    }
+
+    /// Head-major within a block: a block's keys of one head are one run of block_size * head_dim.
+    #[test]
+    fn a_blocks_keys_of_one_head_are_contiguous() {
+        let l = KvLayout { block_size: 4, n_heads: 6, n_kv_heads: 3, head_dim: 8 };
+        let o = KvOrder::HeadMajor;
+        assert_eq!((o.offset(&l, 0, 0), o.offset(&l, 1, 0), o.offset(&l, 3, 0), o.offset(&l, 0, 1)), (0, 8, 24, 32));
+        assert_eq!(o.offset(&l, 5, 2), ((3 + 2) * 4 + 1) * 8, "block 1, head 2, offset 1");
+        assert_eq!(KvOrder::SlotMajor.offset(&l, 5, 2), 5 * 24 + 16);
+    }
+
+    #[test]
+    fn names_parse_back() {
+        for d in KvDtype::ALL {
+            assert_eq!(d.name().parse::<KvDtype>().unwrap(), d);
+        }
+        assert!("q4_k".parse::<KvDtype>().unwrap_err().to_string().contains("one of f32, f16, bf16, q8_0"));
+    }
+}
