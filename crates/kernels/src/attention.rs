@@ -339,15 +339,15 @@ impl Attn<'_> {
             let (x, y) = (lo.max(a0), end.min(a1));
             *r = if x < y { (x - a0, y - a0) } else { (0, 0) };
         }
-        // scores, four vectors at a time over the union of their keys
+        // scores, up to six vectors at a time over the union of their keys
         let qw = self.layout.n_heads * hd;
         let qptr = |i: usize| -> usize { (s.q_start + u.t0 + i / g) * qw + (u.kvh * g + i % g) * hd };
         let mut i = 0;
         while i < sc.nv {
-            let nb = (sc.nv - i).min(4);
+            let nb = (sc.nv - i).min(SCORE_VECTORS);
             let (x, y) = union(&sc.range[i..i + nb]);
             if x < y {
-                let qs: [usize; 4] = std::array::from_fn(|j| qptr(i + j.min(nb - 1)));
+                let qs: [usize; SCORE_VECTORS] = std::array::from_fn(|j| qptr(i + j.min(nb - 1)));
                 self.scores(&mut sc.s[i * TILE..(i + nb) * TILE], nb, qs, &sc.offs[..n], x, y);
             }
             i += nb;
@@ -385,7 +385,7 @@ impl Attn<'_> {
 
     /// Scores of `nb` vectors (queries at `q[qs[i]..]`) against keys `x..y` of the tile:
     /// `s[i * TILE + j] = dot(q_i, k_j) * scale`.
-    fn scores(&self, s: &mut [f32], nb: usize, qs: [usize; 4], offs: &[usize], x: usize, y: usize) {
+    fn scores(&self, s: &mut [f32], nb: usize, qs: [usize; SCORE_VECTORS], offs: &[usize], x: usize, y: usize) {
         let hd = self.layout.head_dim;
         #[cfg(target_arch = "x86_64")]
         if self.simd {
@@ -461,6 +461,9 @@ impl Attn<'_> {
     }
 }
 
+/// Vectors whose scores one pass computes (each pass converts the tile's keys once): a GQA group
+/// of six query heads (Qwen2.5-1.5B) in one.
+const SCORE_VECTORS: usize = 6;
 /// Vectors whose weighted values one pass accumulates (each pass converts the tile's values once).
 const VALUE_VECTORS: usize = 3;
 
@@ -505,7 +508,7 @@ fn dot_ref(q: &[f32], k: &KvView, off: usize) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{KvDtype, KvView, Q8_BLOCK, TILE};
+    use super::{KvDtype, KvView, Q8_BLOCK, SCORE_VECTORS, TILE};
     use std::arch::x86_64::*;
 
     /// Prefetches (into L2) `len` bytes of the view's values from element `e` on (q8_0: its
@@ -572,7 +575,7 @@ mod avx2 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn score_block<const D: u8, const NB: usize, const NK: usize>(
         s: *mut f32,
-        q: [*const f32; 4],
+        q: [*const f32; SCORE_VECTORS],
         k: KvView,
         offs: &[usize],
         j: usize,
@@ -602,12 +605,21 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn scores_nb<const D: u8, const NB: usize>(s: &mut [f32], q: [*const f32; 4], k: KvView, offs: &[usize], x: usize, y: usize, hd: usize, scale: f32) {
+    unsafe fn scores_nb<const D: u8, const NB: usize, const NK: usize>(
+        s: &mut [f32],
+        q: [*const f32; SCORE_VECTORS],
+        k: KvView,
+        offs: &[usize],
+        x: usize,
+        y: usize,
+        hd: usize,
+        scale: f32,
+    ) {
         let sp = s.as_mut_ptr();
         let mut j = x;
-        while j + 3 <= y {
-            score_block::<D, NB, 3>(sp, q, k, offs, j, hd, scale);
-            j += 3;
+        while j + NK <= y {
+            score_block::<D, NB, NK>(sp, q, k, offs, j, hd, scale);
+            j += NK;
         }
         while j < y {
             score_block::<D, NB, 1>(sp, q, k, offs, j, hd, scale);
@@ -620,7 +632,7 @@ mod avx2 {
     pub(super) unsafe fn scores<const D: u8>(
         s: &mut [f32],
         nb: usize,
-        q: [*const f32; 4],
+        q: [*const f32; SCORE_VECTORS],
         k: KvView,
         offs: &[usize],
         x: usize,
@@ -628,11 +640,14 @@ mod avx2 {
         hd: usize,
         scale: f32,
     ) {
+        // at most 12 accumulators (NB x NK) beside NK keys and a query in the 16 registers
         match nb {
-            1 => scores_nb::<D, 1>(s, q, k, offs, x, y, hd, scale),
-            2 => scores_nb::<D, 2>(s, q, k, offs, x, y, hd, scale),
-            3 => scores_nb::<D, 3>(s, q, k, offs, x, y, hd, scale),
-            _ => scores_nb::<D, 4>(s, q, k, offs, x, y, hd, scale),
+            1 => scores_nb::<D, 1, 6>(s, q, k, offs, x, y, hd, scale),
+            2 => scores_nb::<D, 2, 4>(s, q, k, offs, x, y, hd, scale),
+            3 => scores_nb::<D, 3, 3>(s, q, k, offs, x, y, hd, scale),
+            4 => scores_nb::<D, 4, 3>(s, q, k, offs, x, y, hd, scale),
+            5 => scores_nb::<D, 5, 2>(s, q, k, offs, x, y, hd, scale),
+            _ => scores_nb::<D, 6, 2>(s, q, k, offs, x, y, hd, scale),
         }
     }
 
@@ -661,14 +676,11 @@ mod avx2 {
         }
         for j in x..y {
             let o = *offs.get_unchecked(j) + d;
-            let mut vv = [_mm256_setzero_ps(); NC];
+            let wj: [__m256; NB] = std::array::from_fn(|i| _mm256_broadcast_ss(&*w.add(i * TILE + j)));
             for c in 0..NC {
-                vv[c] = load8::<D>(v, o + 8 * c);
-            }
-            for i in 0..NB {
-                let wij = _mm256_broadcast_ss(&*w.add(i * TILE + j));
-                for c in 0..NC {
-                    r[i][c] = _mm256_fmadd_ps(wij, vv[c], r[i][c]);
+                let vv = load8::<D>(v, o + 8 * c);
+                for i in 0..NB {
+                    r[i][c] = _mm256_fmadd_ps(wj[i], vv, r[i][c]);
                 }
             }
         }

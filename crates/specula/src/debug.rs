@@ -142,6 +142,9 @@ pub struct IoArgs {
     /// Prefill chunk size (tokens per forward pass); 0 = whole prompt at once.
     #[arg(long, default_value_t = 0)]
     pub chunk: usize,
+    /// The KV cache's type (as `serve --kv-cache-dtype`; the served default unless given).
+    #[arg(long, value_enum, default_value_t = crate::engine_args::KvDtypeArg::Auto)]
+    pub kv_cache_dtype: crate::engine_args::KvDtypeArg,
 }
 
 pub fn run(cmd: DebugCmd) -> Result<()> {
@@ -192,7 +195,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(a.threads).build()?;
             let mut f = std::io::BufWriter::new(std::fs::File::create(&a.output)?);
             for p in prompts {
-                let logits = pool.install(|| all_position_logits(&model, &p, a.chunk))?;
+                let logits = pool.install(|| all_position_logits(&model, &p, a.chunk, a.kv_cache_dtype.into()))?;
                 for x in logits {
                     f.write_all(&x.to_le_bytes())?;
                 }
@@ -229,7 +232,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             let c = &loaded.model.config;
             if a.forward {
                 // one token through every layer: the shapes the loader accepted must compute
-                let logits = all_position_logits(&loaded.model, &[0], 0)?;
+                let logits = all_position_logits(&loaded.model, &[0], 0, specula_kernels::kv::KvDtype::default())?;
                 anyhow::ensure!(logits.len() == c.vocab_size, "one token gave {} logits for a vocabulary of {}", logits.len(), c.vocab_size);
             }
             let summary = serde_json::json!({
@@ -291,12 +294,12 @@ fn tiny_format(name: &str) -> Result<specula_model::testing::GgmlDType> {
     })
 }
 
-/// Runs one prompt through a private contiguous KV cache, `chunk` tokens per pass.
-pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], chunk: usize) -> Result<Vec<f32>> {
+/// Runs one prompt through a private contiguous KV cache of type `kv`, `chunk` tokens per pass.
+pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], chunk: usize, kv_dtype: specula_kernels::kv::KvDtype) -> Result<Vec<f32>> {
     let c = &model.config;
     let layout = specula_kernels::attention::KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let blocks = prompt.len().div_ceil(16).max(1);
-    let mut kv = KvStore::new(c.n_layers, layout, blocks, specula_kernels::kv::KvDtype::F32)?;
+    let mut kv = KvStore::new(c.n_layers, layout, blocks, kv_dtype)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut out = Vec::with_capacity(prompt.len() * c.vocab_size);
