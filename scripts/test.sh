@@ -19,6 +19,9 @@ if [ "${SPECULA_SKIP_LINT:-0}" != "1" ]; then
   # bench offline's candle baseline is behind a feature (the serving binary does not compile
   # candle-transformers): lint it too, so that it still builds
   cargo clippy -p specula --features candle-baseline --all-targets -- -D warnings
+  # no import cycle between the top-level modules of any crate, and docs/architecture.md names
+  # only what the code has
+  python3 scripts/check_structure.py
 fi
 
 # One build for everything below: the `ci` profile is release with debug assertions and overflow

@@ -1,10 +1,11 @@
 //! The engine's public surface: what a front end (HTTP server, CLI, benchmark) submits and what
 //! comes back. Everything crosses threads by channel; nothing here touches the model.
 
-use crate::constraint::Grammar;
 pub use crate::constraint::{Constraint, ReasoningBudget};
+use crate::constraint::{ConstraintCompiler, ConstraintError, Grammar};
 use crate::types::{RequestId, TokenId};
 use serde::{Deserialize, Serialize};
+use specula_model::Tokenizer;
 use std::sync::Arc;
 
 /// Per-request sampling settings, validated by [`SamplingParams::validate`] before submission.
@@ -274,8 +275,18 @@ pub struct GenerateRequest {
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
     pub events: tokio::sync::mpsc::UnboundedSender<RequestEvent>,
-    /// `params.constraint` and `params.reasoning_budget` compiled (`constraint::compile_params`), by the front end, off the engine
+    /// `params.constraint` and `params.reasoning_budget` compiled ([`compile_params`]), by the front end, off the engine
     /// thread; the choices of one request each get a clone of one compilation. The engine fails
     /// a request whose constraint comes without it (it never compiles on its own thread).
     pub grammar: Option<Grammar>,
+}
+
+/// The grammar a request's parameters need (its constraint and reasoning budget,
+/// [`ConstraintCompiler::compile_request`]), for [`GenerateRequest::grammar`]; `None` when they
+/// need none.
+pub fn compile_params(tokenizer: &Arc<Tokenizer>, params: &SamplingParams) -> Result<Option<Grammar>, ConstraintError> {
+    if !params.needs_grammar() {
+        return Ok(None);
+    }
+    ConstraintCompiler::for_tokenizer(tokenizer)?.compile_request(params.constraint.as_deref(), params.reasoning_budget.as_ref())
 }

@@ -14,9 +14,8 @@
 use crate::error::StepFailure;
 use crate::kv_cache::KvCacheManager;
 use crate::sequence::Sequence;
-use crate::speculative::Draft;
 use crate::step::{BatchInputs, Computed, PreparedSeq, PreparedStep, PromptRows, RowRange, SampleItem, SeqResult, StepJob, StepPlan};
-use crate::types::{SeqId, TokenId};
+use crate::types::{Draft, SeqId, TokenId};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Captures `plan`'s inputs from the host state (see the module docs).

@@ -13,8 +13,7 @@
 //! Not here: where the mask is applied (the compute job, `runner::job`) and how speculation uses
 //! it (docs/architecture.md, "Structured outputs").
 
-use crate::speculative::Draft;
-use crate::types::TokenId;
+use crate::types::{Draft, TokenId};
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{InferenceCapabilities, SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
@@ -240,15 +239,6 @@ impl TokenizerEnv for CanonicalTokEnv {
 /// HTTP 400 naming the problem, and the request carries the result to the engine.
 pub fn compile(tokenizer: &Arc<Tokenizer>, c: &Constraint) -> Result<Grammar, ConstraintError> {
     ConstraintCompiler::for_tokenizer(tokenizer)?.compile(c)
-}
-
-/// The grammar a request's parameters need (its constraint and reasoning budget,
-/// [`ConstraintCompiler::compile_request`]); `None` when they need none.
-pub fn compile_params(tokenizer: &Arc<Tokenizer>, params: &crate::api::SamplingParams) -> Result<Option<Grammar>, ConstraintError> {
-    if !params.needs_grammar() {
-        return Ok(None);
-    }
-    ConstraintCompiler::for_tokenizer(tokenizer)?.compile_request(params.constraint.as_deref(), params.reasoning_budget.as_ref())
 }
 
 /// JSON output layout the schema grammars use unless a schema sets its own `x-guidance`: one

@@ -5,8 +5,8 @@
 //! agreed step) run it with their own [`LoopHook`].
 
 use crate::api::RequestEvent;
-use crate::config::{FaultInjection, FaultPhase};
 use crate::engine::Engine;
+use crate::fault::{FaultInjection, FaultPhase};
 use crate::handle::EngineCommand;
 use crate::step::StepStats;
 use std::sync::atomic::Ordering;

@@ -4,6 +4,7 @@
 //! text ([`panic_message`]).
 
 use crate::constraint::ConstraintError;
+use crate::fault::Injected;
 use crate::kv_cache::KvCacheError;
 use crate::sampling::SamplingError;
 use crate::speculative::SpecError;
@@ -88,6 +89,12 @@ impl Eq for StepFailure {}
 impl From<specula_model::ModelError> for StepFailure {
     fn from(e: specula_model::ModelError) -> Self {
         StepFailure::Model(Arc::new(e))
+    }
+}
+
+impl From<Injected> for StepFailure {
+    fn from(_: Injected) -> Self {
+        StepFailure::Injected
     }
 }
 

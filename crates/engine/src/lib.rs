@@ -10,6 +10,7 @@ pub mod dp;
 pub mod engine;
 mod engine_loop;
 pub mod error;
+pub mod fault;
 pub mod handle;
 pub mod host;
 pub mod kv_cache;

@@ -3,8 +3,7 @@
 
 use super::*;
 use crate::api::SamplingParams;
-use crate::speculative::Draft;
-use crate::types::RequestId;
+use crate::types::{Draft, RequestId};
 
 const BS: usize = 8;
 

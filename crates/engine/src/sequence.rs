@@ -6,8 +6,7 @@
 use crate::api::{FinishReason, RequestEvent, SamplingParams, TokenLogprob};
 use crate::constraint::Grammar;
 use crate::sampling::{SeqRng, StopStrings};
-use crate::speculative::Draft;
-use crate::types::{RequestId, SeqId, TokenId};
+use crate::types::{Draft, RequestId, SeqId, TokenId};
 use specula_model::{DecodeStream, Tokenizer};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;

@@ -9,8 +9,7 @@ use crate::api::SamplingParams;
 use crate::constraint::Grammar;
 use crate::error::StepError;
 use crate::sampling::{PackedLogprobs, SeqRng};
-use crate::speculative::Draft;
-use crate::types::{SeqId, TokenId};
+use crate::types::{Draft, SeqId, TokenId};
 use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------------------------

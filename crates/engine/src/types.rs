@@ -1,5 +1,6 @@
-//! Domain identifiers shared by the whole engine. Newtypes so a block index can never be passed
-//! where a sequence id is expected.
+//! Domain identifiers shared by the whole engine, and the one value every phase passes along
+//! ([`Draft`]). Newtypes so a block index can never be passed where a sequence id is expected.
+//! A leaf: imports nothing of the engine.
 
 /// A token id in the target model's vocabulary.
 pub type TokenId = u32;
@@ -21,6 +22,16 @@ pub struct RequestId(pub u64);
 /// another's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct Tenant(pub u32);
+
+/// A proposal: `tokens.len()` draft tokens and, for stochastic proposers, the distribution each
+/// was drawn from (`probs[i]` over the target vocabulary). `None` means one-hot on the token.
+/// Written by the proposer (`speculative::Proposer`) and by jump-forward, cut by the grammar
+/// (`constraint`), carried by the step to the sequence and verified by the next step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Draft {
+    pub tokens: Vec<TokenId>,
+    pub probs: Option<Vec<Vec<f32>>>,
+}
 
 impl std::fmt::Display for SeqId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

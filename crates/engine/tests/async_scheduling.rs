@@ -14,7 +14,7 @@ mod common;
 
 use common::*;
 use specula_engine::api::RequestEvent;
-use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
+use specula_engine::fault::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::speculative::SpecMetrics;
 use specula_engine::{spawn_engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams};
 use specula_model::load_model;

@@ -10,8 +10,8 @@ mod dp_support;
 
 use common::{greedy, prompt, TinyModel};
 use dp_support::*;
-use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::dp::{CollectiveKind, CountingComm, DpGroup, LocalGroup, RankStats};
+use specula_engine::fault::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::{EngineConfig, FinishReason, RequestEvent, SamplingParams};
 use std::time::{Duration, Instant};
 

@@ -7,8 +7,8 @@ mod dp_support;
 
 use common::{greedy, prompt, seeded, TinyModel};
 use dp_support::*;
-use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::dp::RankStats;
+use specula_engine::fault::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::{FinishReason, RequestEvent};
 use std::time::{Duration, Instant};
 

@@ -8,8 +8,8 @@
 mod spec_support;
 
 use spec_support::{spec_config, End, Outcome, Rig};
-use specula_engine::config::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::constraint::compile;
+use specula_engine::fault::{FaultInjection, FaultKind, FaultPhase};
 use specula_engine::speculative::SpecMethod;
 use specula_engine::{Constraint, EngineConfig, FinishReason, SamplingParams};
 use specula_model::testing::model_for_tests;

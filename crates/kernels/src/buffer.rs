@@ -1,10 +1,56 @@
-//! Zeroed byte buffers for packed weights. A large one is an anonymous mapping that asks the
+//! The memory weights live in: [`WeightBytes`], one tensor's bytes as a window into a shared
+//! owner (the loader's memory map, or an owned buffer), and [`Buffer`], zeroed byte buffers for
+//! packed weights. A large `Buffer` is an anonymous mapping that asks the
 //! kernel for transparent huge pages (`madvise(MADV_HUGEPAGE)`, which `madvise`-mode THP, the
 //! common default, needs) before any page is touched: decode streams every weight once per
 //! token, and on 4 KB pages it crosses a page (a TLB miss, and the end of what the hardware
-//! prefetchers follow) every 64 cache lines.
+//! prefetchers follow) every 64 cache lines. A leaf: both the matrix (`weights`) and its int8
+//! groups read in place (`packed`) hold a `WeightBytes`, so neither imports the other for it.
 
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+/// Bytes of one tensor: a window into a shared owner (usually a memory-mapped file).
+#[derive(Clone)]
+pub struct WeightBytes {
+    /// Keeps the memory alive; `ptr` points into it.
+    _owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the bytes are immutable and owned by `_owner`, which is Send + Sync.
+unsafe impl Send for WeightBytes {}
+unsafe impl Sync for WeightBytes {}
+
+impl WeightBytes {
+    /// A window of `len` bytes at `start`; panics if it does not fit (a loader bug: loaders check
+    /// tensor extents against the file first).
+    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
+        let all = (*owner).as_ref();
+        assert!(start.checked_add(len).is_some_and(|e| e <= all.len()), "weight window outside its buffer");
+        let ptr = all[start..].as_ptr();
+        Self { _owner: owner, ptr, len }
+    }
+
+    pub fn owned(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        Self::new(Arc::new(bytes), 0, len)
+    }
+
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr/len were taken from the owner's slice, which lives as long as self and never moves
+        // (it is behind an Arc and immutable).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::fmt::Debug for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WeightBytes({} bytes)", self.len)
+    }
+}
 
 /// Buffers from this size on are mapped (one huge page).
 const MAP_FROM: usize = 2 << 20;

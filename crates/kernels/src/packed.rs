@@ -30,10 +30,10 @@
 //! Q5_0, Q5_1, Q4_K, Q5_K and Q6_K use the same structure (groups of eight rows, the same int8
 //! activation blocks) with their own group block layouts and kernels: see `packed_k.rs`.
 
+use crate::buffer::WeightBytes;
 use crate::formats::{WeightFormat, QK};
 pub use crate::group::GROUP_ROWS;
 use crate::q8::{ActSpan, BlockQ8};
-use crate::weights::WeightBytes;
 use crate::{packed_iq, packed_k};
 use half::f16;
 

@@ -1,50 +1,10 @@
 //! A weight matrix as the kernels see it: a format, a shape and bytes that may live in a memory
 //! map (the loader's) or in an owned buffer (tests, converted tensors).
 
+// the matrix's bytes; the crate root re-exports them from here (`specula_kernels::WeightBytes`)
+pub use crate::buffer::WeightBytes;
 use crate::{formats::WeightFormat, packed::PackedInt8, packed_float::PackedFloat, KernelError};
 use std::sync::Arc;
-
-/// Bytes of one tensor: a window into a shared owner (usually a memory-mapped file).
-#[derive(Clone)]
-pub struct WeightBytes {
-    /// Keeps the memory alive; `ptr` points into it.
-    _owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
-    ptr: *const u8,
-    len: usize,
-}
-
-// SAFETY: the bytes are immutable and owned by `_owner`, which is Send + Sync.
-unsafe impl Send for WeightBytes {}
-unsafe impl Sync for WeightBytes {}
-
-impl WeightBytes {
-    /// A window of `len` bytes at `start`; panics if it does not fit (a loader bug: loaders check
-    /// tensor extents against the file first).
-    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
-        let all = (*owner).as_ref();
-        assert!(start.checked_add(len).is_some_and(|e| e <= all.len()), "weight window outside its buffer");
-        let ptr = all[start..].as_ptr();
-        Self { _owner: owner, ptr, len }
-    }
-
-    pub fn owned(bytes: Vec<u8>) -> Self {
-        let len = bytes.len();
-        Self::new(Arc::new(bytes), 0, len)
-    }
-
-    #[inline]
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr/len were taken from the owner's slice, which lives as long as self and never moves
-        // (it is behind an Arc and immutable).
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl std::fmt::Debug for WeightBytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "WeightBytes({} bytes)", self.len)
-    }
-}
 
 /// A row-major matrix of `rows` outputs by `cols` inputs; `y = W x` computes one output per row.
 #[derive(Clone, Debug)]

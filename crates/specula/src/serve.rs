@@ -153,7 +153,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     // the test switch of the fault tests (python/tests/test_hostile_connections.py)
     if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {
-        cfg.fault_injection = Some(specula_engine::config::FaultInjection::parse(&spec).map_err(anyhow::Error::msg)?);
+        cfg.fault_injection = Some(specula_engine::fault::FaultInjection::parse(&spec).map_err(anyhow::Error::msg)?);
         eprintln!("SPECULA_INJECT_FAULT={spec}: a fault will be injected (test switch)");
     }
     let server_cfg = server_config(&args, &cfg, &loaded.name);

@@ -451,7 +451,7 @@ impl RankLoop {
     fn on_down(&mut self, body: &[u8]) -> Result<bool, DpError> {
         match serde_json::from_slice::<Down>(body).map_err(mpi_error("incoming"))? {
             Down::Submit { id, prompt, params } => {
-                let grammar = match crate::constraint::compile_params(&self.tokenizer, &params) {
+                let grammar = match crate::api::compile_params(&self.tokenizer, &params) {
                     Ok(g) => g,
                     Err(e) => {
                         self.outbox.push((id, RequestEvent::Failed { message: e.0 }));

@@ -5,8 +5,9 @@
 //! Not the command handling: every rank takes its commands in the one engine loop
 //! (`engine_loop::Commands`), with a `LoopHook` of `dp::group` or `dp::lockstep`.
 
-use crate::config::{EngineConfig, FaultInjection};
+use crate::config::EngineConfig;
 use crate::engine::Engine;
+use crate::fault::FaultInjection;
 use crate::speculative::{Proposer, SpecConfig};
 use serde::{Deserialize, Serialize};
 use specula_model::LlamaModel;

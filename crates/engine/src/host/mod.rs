@@ -11,16 +11,16 @@ pub mod worker;
 
 use crate::api::{FinishReason, GenerateRequest, RequestEvent, TokenLogprob};
 use crate::batch::prepare;
-use crate::config::{EngineConfig, FaultInjection, FaultPhase};
+use crate::config::EngineConfig;
 use crate::error::{panic_message, EngineError, StepError, StepFailure};
+use crate::fault::{FaultInjection, FaultPhase};
 use crate::handle::QueueCounters;
 use crate::kv_cache::{expect_kv, KvCacheManager};
 use crate::sampling::{unpack, RankedLogprob, StopCheck};
 use crate::scheduler::Scheduler;
 use crate::sequence::{is_stop_token, token_finish, Sequence};
-use crate::speculative::Draft;
 use crate::step::{Computed, HostWork, JobOutput, PreparedStep, StepPlan, StepTimings};
-use crate::types::{RequestId, SeqId, Tenant, TokenId};
+use crate::types::{Draft, RequestId, SeqId, Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -121,8 +121,7 @@ impl Host {
         // compiled by the front end, off this thread; one is never compiled here
         let GenerateRequest { id: request_id, prompt, params, events, grammar } = req;
         if problem.is_none() && params.needs_grammar() != grammar.is_some() {
-            problem =
-                Some("the request's constraint and its compiled grammar do not match (compile it with constraint::compile_params before submitting)".into());
+            problem = Some("the request's constraint and its compiled grammar do not match (compile it with api::compile_params before submitting)".into());
         }
         if let Some(message) = problem {
             self.counters.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -342,7 +341,7 @@ impl Host {
     /// and the drafts for the next step. `next` is the step already running after this one
     /// (async): its sequences keep their reserved slots and its preemptions own their KV state.
     fn apply(&mut self, step: u64, plan: &StepPlan, out: JobOutput, next: Option<&StepPlan>) -> Result<Applied, StepError> {
-        FaultInjection::trip(self.cfg.fault_injection, step, FaultPhase::Apply).map_err(|failure| StepError::Failed { step, failure })?;
+        FaultInjection::trip(self.cfg.fault_injection, step, FaultPhase::Apply).map_err(|injected| StepError::Failed { step, failure: injected.into() })?;
         let lp_rows = match &out.logprobs {
             Some(p) => unpack(p.words()).map_err(|e| StepError::Apply(e.into()))?.rows,
             None => Vec::new(),

@@ -7,14 +7,14 @@
 //! neighbouring steps runs inline or on the async runner, and so produces the same tokens.
 
 use super::execute;
-use crate::config::{FaultInjection, FaultPhase};
 use crate::constraint::{draft_after_forced, forced_prefix, masked_rows, TokenMask, JUMP_FORWARD_MAX_TOKENS};
 use crate::error::{panic_message, StepError, StepFailure};
+use crate::fault::{FaultInjection, FaultPhase};
 use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
 use crate::sequence::token_finish;
-use crate::speculative::{verify, Draft, DraftCandidate, DraftRequest, Speculation};
+use crate::speculative::{verify, DraftCandidate, DraftRequest, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
-use crate::types::{SeqId, TokenId};
+use crate::types::{Draft, SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;

@@ -2,6 +2,7 @@
 
 use super::SpecError;
 use crate::api::SamplingParams;
+pub use crate::types::Draft;
 use crate::types::{SeqId, Tenant, TokenId};
 
 /// One sequence asking for drafts this step.
@@ -24,14 +25,6 @@ pub struct DraftRequest<'a> {
     /// token for position `pos` with `rng.uniform_at(pos, false)` (the draw the target samples
     /// that position with) and proposes it one-hot keeps seeded outputs those of plain decoding.
     pub rng: Option<&'a crate::sampling::SeqRng>,
-}
-
-/// A proposal: `tokens.len()` draft tokens and, for stochastic proposers, the distribution each
-/// was drawn from (`probs[i]` over the target vocabulary). `None` means one-hot on the token.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Draft {
-    pub tokens: Vec<TokenId>,
-    pub probs: Option<Vec<Vec<f32>>>,
 }
 
 /// How far a draft is backed ([`Proposer::support`]): the length of the match it continues, and

@@ -159,7 +159,7 @@ impl Harness {
         let prompt_len = prompt.len();
         self.counters.waiting.fetch_add(1, Ordering::Relaxed);
         // compiled as a front end does, before submitting: an invalid one fails the request there
-        match specula_engine::constraint::compile_params(&self.tokenizer, &params) {
+        match specula_engine::api::compile_params(&self.tokenizer, &params) {
             Ok(grammar) => self.engine.add_request(GenerateRequest { id, prompt, params, events: tx, grammar }),
             Err(e) => {
                 self.counters.waiting.fetch_sub(1, Ordering::Relaxed);

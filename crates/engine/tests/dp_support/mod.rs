@@ -6,8 +6,8 @@
 #![allow(dead_code)]
 
 use crate::common::{tiny_config, TinyModel};
-use specula_engine::config::FaultInjection;
 use specula_engine::dp::{spawn_lockstep, spawn_replicas, Communicator, DpError, DpGroup, LocalGroup, RankSetup};
+use specula_engine::fault::FaultInjection;
 use specula_engine::handle::EngineHandle;
 use specula_engine::types::RequestId;
 use specula_engine::{spawn_engine, EngineConfig, FinishReason, GenerateRequest, RequestEvent, SamplingParams};

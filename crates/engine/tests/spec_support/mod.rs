@@ -87,7 +87,7 @@ impl Rig {
         self.counters.waiting.fetch_add(1, Ordering::Relaxed);
         // as the server does; a constraint that does not compile is submitted without a grammar,
         // which the engine refuses at admission
-        let grammar = specula_engine::constraint::compile_params(&self.tokenizer, &params).ok().flatten();
+        let grammar = specula_engine::api::compile_params(&self.tokenizer, &params).ok().flatten();
         self.engine.add_request(GenerateRequest { id, prompt, params, events: tx, grammar });
         Client { id, rx: Some(rx), events: Vec::new(), step_sizes: Vec::new() }
     }

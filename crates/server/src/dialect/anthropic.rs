@@ -7,10 +7,11 @@
 //! Anthropic's shape ([`anthropic_errors`]).
 
 use super::{block_text, sampling_fields};
-use crate::conversation::{self, BlockEvent, BlockKind, Blocks, Conversation, OutputParser, ThinkingBudget};
+use crate::conversation::{self, Conversation, ThinkingBudget};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate;
+use crate::output::{BlockEvent, BlockKind, Blocks, OutputParser};
 use crate::sse::{self, ChunkWriter};
 use crate::tools::ToolSet;
 use crate::types::Usage;

@@ -6,11 +6,11 @@
 //! becomes the shared [`Conversation`] (`conversation.rs`), as the other dialects' requests do.
 
 use crate::bounds;
-use crate::conversation::{self, Conversation, Out, OutputParser, ThinkingBudget};
+use crate::conversation::{self, Conversation, ThinkingBudget};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceOutput};
-use crate::reasoning::ReasoningCounter;
+use crate::output::{Out, OutputParser, ReasoningCounter};
 use crate::routes::{self, clamp_logprob as clamp};
 use crate::sse::{self, ChunkWriter};
 use crate::tools::{self, ParsedCall, Piece, ToolSet};

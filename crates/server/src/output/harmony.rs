@@ -7,7 +7,7 @@
 //! model that does not speak harmony) is answer text. Streamed: bodies are let out as they
 //! arrive, holding back only what could be the start of `<|end|>`; headers are read whole.
 
-use crate::conversation::Out;
+use super::Out;
 use crate::tools::{partial_tag_len, ParsedCall, Piece};
 
 const START: &str = "<|start|>";
