@@ -7,6 +7,9 @@
 #   LLAMA_SERVER=/path/to/llama-server THREADS=2 CONCURRENCY=1,4,8 NUM_PROMPTS=16 scripts/bench_serve_vs_llama.sh
 #   WORKLOAD=copy  SPEC="none ngram" ...   # the input-grounded chat workload (bench/copy_passages.jsonl)
 #   ASYNC="off on" ...                      # each specula run without and with --async-scheduling
+#   WORKLOAD=long CONCURRENCY=1 NUM_PROMPTS=4 ...  # coding-agent sessions of 16k-32k tokens
+#                                           # (bench/make_long_agent_sessions.py; LONG_MAX=65536 for longer),
+#                                           # llama-server with -fa on and its context set to hold them
 #
 # WORKLOAD=random: 128-token prompts, 128 output tokens (ignore_eos). SPEC lists specula's
 # speculative methods to run (none, ngram, mtp); K is --num-speculative-tokens.
@@ -29,8 +32,15 @@ PORT=${PORT:-18566}
 case "$WORKLOAD" in
   random) LOAD=(--random-input-len 128 --random-output-len 128 --ignore-eos) ;;
   copy) LOAD=(--endpoint /v1/chat/completions --dataset file --dataset-path bench/copy_passages.jsonl) ;;
-  *) echo "WORKLOAD must be random or copy" >&2; exit 2 ;;
+  long)
+    python3 bench/make_long_agent_sessions.py --output "$OUT/long_agent.jsonl" --max-tokens "${LONG_MAX:-32768}" >&2
+    LOAD=(--endpoint /v1/chat/completions --dataset file --dataset-path "$OUT/long_agent.jsonl") ;;
+  *) echo "WORKLOAD must be random, copy or long" >&2; exit 2 ;;
 esac
+# llama-server's slots and context (each slot holds its share of -c): one slot the size of a
+# whole session for the long workload (run it at concurrency 1)
+PARALLEL=8 LLAMA_CTX=16384
+if [ "$WORKLOAD" = long ]; then PARALLEL=1 LLAMA_CTX=$(( ${LONG_MAX:-32768} + 8192 )); fi
 BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --max-concurrency "$CONC" "${LOAD[@]}" --no-progress)
 
 
@@ -58,5 +68,6 @@ for m in $SPEC; do
   done
 done
 if [ -n "${LLAMA_SERVER:-}" ]; then
-  one "llama-server" "$LLAMA_SERVER" -m "$MODEL" --port "$PORT" -t "$THREADS" --parallel 8 -c 16384 --no-webui
+  one "llama-server" "$LLAMA_SERVER" -m "$MODEL" --port "$PORT" -t "$THREADS" --parallel "$PARALLEL" -c "$LLAMA_CTX" -fa on --no-webui \
+    ${LLAMA_KV:+-ctk "$LLAMA_KV" -ctv "$LLAMA_KV"}
 fi

@@ -605,3 +605,49 @@ fn seeded_sampling_with_speculation_is_plain_decoding_token_for_token() {
         }
     }
 }
+
+/// The KV cache's type changes the numbers every layer reads, never the exactness: under each
+/// type, greedy and seeded outputs with n-gram and draft-model speculation, and with async
+/// scheduling, are token for token those of plain decoding under the same type (the cache is
+/// shared by the target's verification and plain decoding; the draft's own cache uses it too).
+#[test]
+fn speculation_and_async_scheduling_are_exact_under_every_kv_cache_type() {
+    use specula_kernels::kv::KvDtype;
+    use specula_model::testing::{write_tiny_llama, TinySpec};
+    let dir = tempfile::tempdir().unwrap();
+    // heads of 32: whole q8_0 blocks
+    let target = dir.path().join("tiny-hd32.gguf");
+    write_tiny_llama(&target, &TinySpec { seed: 41, head_dim: Some(32), ..Default::default() }).expect("write tiny model");
+    let reqs: Vec<_> = (0..6u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..20).map(|j| 20 + (i * 3 + j % 5)).collect();
+            let p = if i % 2 == 0 {
+                SamplingParams::greedy(24)
+            } else {
+                SamplingParams { temperature: 0.8, top_p: 0.95, seed: Some(7 + i as u64), ..SamplingParams::greedy(24) }
+            };
+            (prompt, ignore_eos(p))
+        })
+        .collect();
+    let mut per_type = Vec::new();
+    for dtype in KvDtype::ALL {
+        let cfg = EngineConfig { kv_cache_dtype: dtype, ..tiny_config() };
+        let plain = Rig::new(&target, cfg.clone(), None).run_batch(&reqs);
+        let runs = [
+            ("n-gram", cfg.clone(), Some(spec_config(SpecMethod::Ngram, 3, None))),
+            ("self draft", cfg.clone(), Some(spec_config(SpecMethod::Draft, 3, Some(&target)))),
+            ("async n-gram", EngineConfig { async_scheduling: true, ..cfg.clone() }, Some(spec_config(SpecMethod::Ngram, 3, None))),
+            ("async plain", EngineConfig { async_scheduling: true, ..cfg.clone() }, None),
+        ];
+        for (name, cfg, spec) in runs {
+            let mut rig = Rig::new(&target, cfg, spec);
+            let got = rig.run_batch(&reqs);
+            rig.assert_no_leaks();
+            for (i, (a, b)) in plain.iter().zip(&got).enumerate() {
+                assert_eq!(a.tokens, b.tokens, "{dtype}, {name}, request {i}: output differs from plain decoding under {dtype}");
+            }
+        }
+        per_type.push(plain.iter().map(|o| o.tokens.clone()).collect::<Vec<_>>());
+    }
+    assert!(per_type.iter().all(|t| t.iter().all(|x| x.len() == 24)), "every request ran to its 24 tokens");
+}

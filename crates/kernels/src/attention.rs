@@ -89,6 +89,19 @@ pub fn paged_attention_windowed(
     a.run(seqs, out)
 }
 
+/// Calls the AVX2 kernel `$f` monomorphised for the view's type (`D`: 0 f32, 1 f16, 2 bf16, 3 q8_0).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_dtype {
+    ($dtype:expr, $($f:ident)::+ ($($arg:expr),* $(,)?)) => {
+        match $dtype {
+            KvDtype::F32 => $($f)::+::<0>($($arg),*),
+            KvDtype::F16 => $($f)::+::<1>($($arg),*),
+            KvDtype::Bf16 => $($f)::+::<2>($($arg),*),
+            KvDtype::Q8_0 => $($f)::+::<3>($($arg),*),
+        }
+    };
+}
+
 /// Whether the AVX2 path serves heads of this size.
 fn simd_ok(head_dim: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -394,12 +407,7 @@ impl Attn<'_> {
             // repeat the last used one.
             unsafe {
                 let qp = qs.map(|o| self.q.as_ptr().add(o));
-                match self.k.dtype {
-                    KvDtype::F32 => avx2::scores::<0>(s, nb, qp, self.k, offs, x, y, hd, self.scale),
-                    KvDtype::F16 => avx2::scores::<1>(s, nb, qp, self.k, offs, x, y, hd, self.scale),
-                    KvDtype::Bf16 => avx2::scores::<2>(s, nb, qp, self.k, offs, x, y, hd, self.scale),
-                    KvDtype::Q8_0 => avx2::scores::<3>(s, nb, qp, self.k, offs, x, y, hd, self.scale),
-                }
+                by_dtype!(self.k.dtype, avx2::scores(s, nb, qp, self.k, offs, x, y, hd, self.scale))
             }
             return;
         }
@@ -419,12 +427,7 @@ impl Attn<'_> {
         if self.simd {
             // SAFETY: as in `scores`; `acc` holds `nb` rows of `hd` and `w` `nb` rows of TILE.
             unsafe {
-                match self.v.dtype {
-                    KvDtype::F32 => avx2::weighted_values::<0>(acc, nb, alpha, w, self.v, offs, x, y, hd),
-                    KvDtype::F16 => avx2::weighted_values::<1>(acc, nb, alpha, w, self.v, offs, x, y, hd),
-                    KvDtype::Bf16 => avx2::weighted_values::<2>(acc, nb, alpha, w, self.v, offs, x, y, hd),
-                    KvDtype::Q8_0 => avx2::weighted_values::<3>(acc, nb, alpha, w, self.v, offs, x, y, hd),
-                }
+                by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd))
             }
             return;
         }
@@ -568,6 +571,27 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// An accumulator's two halves added (`hsum`'s first step).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn fold(v: __m256) -> __m128 {
+        _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+    }
+
+    /// Four accumulators' horizontal sums, each in `hsum`'s order: (l0 + l4) + (l2 + l6) and
+    /// (l1 + l5) + (l3 + l7), then their sum.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
+        let (x0, x1, x2, x3) = (fold(v[0]), fold(v[1]), fold(v[2]), fold(v[3]));
+        let (t0, t1) = (_mm_unpacklo_ps(x0, x1), _mm_unpacklo_ps(x2, x3));
+        let (t2, t3) = (_mm_unpackhi_ps(x0, x1), _mm_unpackhi_ps(x2, x3));
+        // r_l: lane l of each of the four
+        let (r0, r1) = (_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0));
+        let (r2, r3) = (_mm_movelh_ps(t2, t3), _mm_movehl_ps(t3, t2));
+        _mm_add_ps(_mm_add_ps(r0, r2), _mm_add_ps(r1, r3))
+    }
+
     /// `NB` queries against `NK` keys: one accumulator per (query, key) over the head, so each
     /// score has the same bits whatever the blocking.
     #[inline]
@@ -596,10 +620,20 @@ mod avx2 {
                 }
             }
         }
-        for i in 0..NB {
-            for n in 0..NK {
-                *s.add(i * TILE + j + n) = hsum(acc[i][n]) * scale;
+        // four horizontal sums at a time share one transpose (hsum4: the same bits as hsum)
+        let mut k = 0;
+        while k + 4 <= NB * NK {
+            let a: [__m256; 4] = std::array::from_fn(|x| acc[(k + x) / NK][(k + x) % NK]);
+            let mut sums = [0f32; 4];
+            _mm_storeu_ps(sums.as_mut_ptr(), _mm_mul_ps(hsum4(a), _mm_set1_ps(scale)));
+            for (x, v) in sums.into_iter().enumerate() {
+                *s.add((k + x) / NK * TILE + j + (k + x) % NK) = v;
             }
+            k += 4;
+        }
+        while k < NB * NK {
+            *s.add(k / NK * TILE + j + k % NK) = hsum(acc[k / NK][k % NK]) * scale;
+            k += 1;
         }
     }
 

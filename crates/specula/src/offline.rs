@@ -171,8 +171,8 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     // llama.cpp first, before our copy of the weights is resident: a 30B MoE file is most of
     // the machine's memory, and both at once would page
     let llama = match &args.llama_bench {
-        Some(b) => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
-        None => Vec::new(),
+        Some(b) if args.depth.is_empty() => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
+        _ => Vec::new(),
     };
     let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into() };
     let loaded = load_model_with(&path, &options)?;
