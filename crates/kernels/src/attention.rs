@@ -426,9 +426,7 @@ impl Attn<'_> {
         #[cfg(target_arch = "x86_64")]
         if self.simd {
             // SAFETY: as in `scores`; `acc` holds `nb` rows of `hd` and `w` `nb` rows of TILE.
-            unsafe {
-                by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd))
-            }
+            unsafe { by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd)) }
             return;
         }
         for i in 0..nb {
