@@ -2,8 +2,8 @@
 # Builds llama.cpp, the bar for CPU speed and the reference for logits, from the source vendored in
 # the PyPI sdist llama-cpp-python==0.3.36 (vendor/llama.cpp), into the project's cache: the shared
 # libraries (for llama-cpp-python's Python bindings, which python/llama_compare.py loads from the
-# sdist's own `llama_cpp` folder) and `llama-bench`. Portable flags, chosen at build time, never
-# -march=native: AVX, AVX2, FMA, F16C, AVX-512 (F, VNNI, BF16) on, AMX off. About 10 minutes on
+# sdist's own `llama_cpp` folder) and `llama-bench`. On Intel explicit flags (AVX, AVX2, FMA, F16C,
+# AVX-512 F/VNNI/BF16 on, AMX off); on AMD native, for the machine it runs on. About 10 minutes on
 # 2 cores; a second run reuses the build. Prints the folder that holds the results.
 #
 #   bash scripts/build_llama_cpp.sh            # -> $SPECULA_CACHE/llama.cpp
@@ -24,9 +24,16 @@ if [ ! -d "$SRC" ]; then
     || python3 -m pip download --no-deps --no-binary llama-cpp-python -d "$CACHE" "llama-cpp-python==$VERSION" >&2
   tar -xzf "$CACHE/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE"
 fi
+# AMD: native (Zen 3 has no AVX-512 and an AVX-512 build dies with SIGILL; Zen 4 has no AVX_VNNI);
+# Intel: the explicit flags with AMX off (the native build died in AMX prefill code on our Xeons)
+if grep -q AuthenticAMD /proc/cpuinfo 2>/dev/null; then
+  ISA=(-DGGML_NATIVE=ON)
+else
+  ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
-  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+  "${ISA[@]}" \
   -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=$SERVER >&2
 cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}" >&2
 echo "$CACHE"
