@@ -58,10 +58,6 @@ fn log_softmax(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| v as f64 - z).collect()
 }
 
-fn argmax(x: &[f32]) -> usize {
-    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) }).0
-}
-
 struct Runner<'a> {
     model: &'a LlamaModel,
     kv: KvStore,
@@ -124,7 +120,7 @@ pub fn run(a: KvFidelityArgs) -> Result<()> {
                 let range = edges.windows(2).position(|w| done + i < w[1]).unwrap_or(ranges - 1);
                 let slot = &mut acc[ti][range];
                 slot.0 += kl.max(0.0);
-                slot.1 += (argmax(p) == argmax(q)) as usize;
+                slot.1 += (specula_engine::sampling::argmax(p) == specula_engine::sampling::argmax(q)) as usize;
                 slot.2 += 1;
             }
         }

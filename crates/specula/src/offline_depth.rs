@@ -60,23 +60,14 @@ pub fn measure(model: &LlamaModel, depth: usize, chunk: usize, steps: usize, dty
     Ok((prefill, steps as f64 / start.elapsed().as_secs_f64()))
 }
 
-/// llama.cpp's KV type flag for ours, where it has the type.
-fn llama_type(dtype: KvDtype) -> &'static str {
-    match dtype {
-        KvDtype::F32 => "f32",
-        KvDtype::F16 => "f16",
-        KvDtype::Bf16 => "bf16",
-        KvDtype::Q8_0 => "q8_0",
-    }
-}
-
 /// `llama-bench` prefill of `depth` tokens and decode of `steps` tokens at that depth, flash
 /// attention on: (prefill tok/s, decode tok/s).
 pub fn llama_bench(bin: &Path, model: &Path, threads: usize, depth: usize, steps: usize, batch: usize, dtype: KvDtype) -> Result<(f64, f64)> {
     let run = |extra: &[String]| -> Result<f64> {
         let mut cmd = std::process::Command::new(bin);
         cmd.arg("-m").arg(model).args(["-t", &threads.to_string(), "-fa", "1", "-r", "1", "-o", "json", "-ub", &batch.to_string()]);
-        cmd.args(["-ctk", llama_type(dtype), "-ctv", llama_type(dtype)]).args(extra);
+        // our type names are llama.cpp's `-ctk` / `-ctv` names
+        cmd.args(["-ctk", dtype.name(), "-ctv", dtype.name()]).args(extra);
         eprintln!("running {cmd:?} ...");
         let out = cmd.output().with_context(|| format!("running {}", bin.display()))?;
         if !out.status.success() {
