@@ -5,7 +5,7 @@ bodies, chat that spells control tokens, half-sent requests), in rounds. After e
 server must be idle with its KV pool whole; across the run its resident memory, open file
 descriptors and threads must stay flat, and /health must answer fast throughout.
 
-SPECULA_SOAK_REQUESTS sets the number of requests (default 1200, a few minutes here); 3600 is the
+SPECULA_SOAK_REQUESTS sets the number of requests (default 600 in rounds of 50, two minutes here); 3600 is the
 one-hour equivalent of one agent session sending a request a second:
     SPECULA_SOAK_REQUESTS=3600 python3 -m pytest -q python/tests/test_soak.py
 The test prints a table of the rounds (RSS, fds, threads, /health latency).
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from server_fixture import HOST, httpx, server_fixture, sse_events
 
-REQUESTS = int(os.environ.get("SPECULA_SOAK_REQUESTS", "1200"))
-ROUND = 100
+REQUESTS = int(os.environ.get("SPECULA_SOAK_REQUESTS", "600"))
+ROUND = 50
 # growth allowed from the end of the warm-up quarter to the end of the run
 RSS_SLACK_MB = 24.0
 

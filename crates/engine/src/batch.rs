@@ -99,7 +99,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
         Some(Ok(out)) => out.results.iter_mut().map(|(id, r)| (*id, r)).collect(),
         _ => BTreeMap::new(),
     };
-    let PreparedStep { step, plan, seqs } = p;
+    let PreparedStep { step, plan, seqs, transfers } = p;
     let n_seqs = plan.seqs.len();
     let pending_prefill = plan.pending_prefill;
     let mut kept =
@@ -169,7 +169,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
         kept.total_tokens += n;
         kept.seqs.push(sch);
     }
-    (kept, StepJob { step, inputs, items, prompt_rows, pending_prefill })
+    (kept, StepJob { step, inputs, items, prompt_rows, pending_prefill, transfers })
 }
 
 #[cfg(test)]
@@ -232,6 +232,7 @@ mod tests {
             logprobs: None,
             prompt_logprobs: Vec::new(),
             timings: JobTimings { forward_start: now, forward_end: now, sample: Duration::ZERO, propose: Duration::ZERO },
+            transfers: Default::default(),
             _spent: (BatchInputs::default(), specula_model::ForwardOutput { logits: vec![], hidden: vec![] }),
         };
         Computed { step: 1, plan, outcome: Ok(out) }
@@ -254,7 +255,7 @@ mod tests {
         let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, placeholders: 0 };
         let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None, prompt_rows: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
-        let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5] };
+        let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5], transfers: Default::default() };
         let mut before = computed(
             &[1, 2, 3],
             vec![(1, result(vec![50, 51], 3, vec![60, 61], false, 9)), (2, result(vec![70], 0, vec![], true, 9)), (3, result(vec![71], 0, vec![], false, 9))],
@@ -291,7 +292,8 @@ mod tests {
     #[test]
     fn finalize_drops_oversized_drafts_and_the_sequences_of_a_failed_step() {
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
-        let prepared = PreparedStep { step: 1, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
+        let prepared =
+            PreparedStep { step: 1, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1], transfers: Default::default() };
         let mut before = computed(&[1], vec![(1, result(vec![8], 0, vec![60, 61, 62], false, 3))]);
         let (plan, job) = finalize(prepared, Some(&mut before), |_| true, BS);
         assert_eq!((plan.seqs[0].start, plan.seqs[0].num_tokens, plan.seqs[0].num_drafts), (4, 1, 0));
@@ -299,7 +301,8 @@ mod tests {
         assert!(job.items[0].draft.tokens.is_empty());
 
         let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
-        let prepared = PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1] };
+        let prepared =
+            PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1], transfers: Default::default() };
         let mut failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, failure: StepFailure::Injected }) };
         let (plan, job) = finalize(prepared, Some(&mut failed), |_| true, BS);
         assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());

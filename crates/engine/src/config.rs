@@ -19,6 +19,9 @@ pub struct EngineConfig {
     /// model's measurement use it too.
     pub kv_cache_dtype: specula_kernels::kv::KvDtype,
     pub enable_prefix_caching: bool,
+    /// The prefix cache's host-memory and disk tiers (`--prefix-cache-memory`,
+    /// `--prefix-cache-dir`); off by default here (the binary sizes them).
+    pub prefix_tiers: crate::kv_cache::PrefixTierConfig,
     /// Compute threads for the forward pass.
     pub threads: usize,
     /// Requests allowed to wait before submit answers "queue full".
@@ -51,6 +54,7 @@ impl Default for EngineConfig {
             num_kv_blocks: 2048,
             kv_cache_dtype: specula_kernels::kv::KvDtype::default(),
             enable_prefix_caching: true,
+            prefix_tiers: Default::default(),
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             max_waiting: 256,
             shutdown_grace: std::time::Duration::from_secs(10),

@@ -71,7 +71,12 @@ impl Engine {
         let c = &model.config;
         let layout = KvLayout { block_size: cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
         let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks, cfg.kv_cache_dtype)?;
-        let host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
+        let mut host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
+        let shape = format!("{} block {} layers {} kv heads {} head dim {}", cfg.kv_cache_dtype, cfg.block_size, c.n_layers, c.n_kv_heads, c.head_dim);
+        let namespace = cfg.prefix_tiers.disk.as_ref().map_or(0, |d| crate::kv_cache::disk_tier::namespace(d.model_key, &shape));
+        let tiers = crate::kv_cache::PrefixTiers::open(&cfg.prefix_tiers, namespace, kv_store.block_bytes())
+            .map_err(|e| EngineError::Config(format!("--prefix-cache-dir: {e}")))?;
+        host.kv.set_tiers(tiers);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads)
             .thread_name(|i| format!("specula-compute-{i}"))
@@ -408,9 +413,25 @@ impl Engine {
         finalized
     }
 
-    /// No step follows at once: the next forward pass starts no gap.
+    /// No step follows at once: the next forward pass starts no gap. Block copies the prefix
+    /// cache's tiers decided since the last step (the saves of the blocks the last step registered)
+    /// are done now rather than at the next step, which may never come.
     pub(crate) fn idle(&mut self) {
         self.last_job = None;
+        let Some(host) = self.host.as_mut() else { return };
+        let transfers = host.kv.take_transfers();
+        if transfers.is_empty() {
+            return;
+        }
+        match crate::runner::run_transfers(&mut self.compute.kv_store, transfers) {
+            Ok(done) => host.kv.finish_transfers(done),
+            Err(e) => tracing::error!("prefix cache block copies failed: {e}"),
+        }
+    }
+
+    /// Prefix-cache counters since start-up (hits from the KV store and from its tiers).
+    pub fn prefix_cache_stats(&self) -> crate::kv_cache::PrefixCacheStats {
+        self.host().kv.prefix_cache_stats()
     }
 
     /// Records pending step timings and publishes the gauges (what the host job does while steps

@@ -195,9 +195,10 @@ impl LoopHook for Standalone {
 
     fn on_idle(&mut self, engine: &mut Engine) {
         // Aborts and refused submits change the pool and queues without a step; publish that
-        // before going idle, or the gauges would show the last step's numbers forever.
-        engine.flush_metrics();
+        // before going idle, or the gauges would show the last step's numbers forever (after the
+        // idle work: the prefix cache's last saves change its tiers' gauges).
         engine.idle();
+        engine.flush_metrics();
     }
 
     fn on_stop(&mut self, _engine: &mut Engine) {

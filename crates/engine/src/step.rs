@@ -8,6 +8,7 @@
 use crate::api::SamplingParams;
 use crate::constraint::Grammar;
 use crate::error::StepError;
+use crate::kv_cache::transfer::{KvTransfers, TransfersDone};
 use crate::sampling::{PackedLogprobs, SeqRng};
 use crate::types::{Draft, SeqId, TokenId};
 use std::time::{Duration, Instant};
@@ -163,6 +164,8 @@ pub(crate) struct PreparedStep {
     pub step: u64,
     pub plan: StepPlan,
     pub seqs: Vec<PreparedSeq>,
+    /// The KV block copies decided while it was scheduled (prefix-cache tiers).
+    pub transfers: KvTransfers,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -205,6 +208,8 @@ pub(crate) struct StepJob {
     pub prompt_rows: Vec<PromptRows>,
     /// The plan's `pending_prefill`.
     pub pending_prefill: usize,
+    /// KV block copies to do before the forward pass (prefix-cache tiers).
+    pub transfers: KvTransfers,
 }
 
 /// What one sampled sequence got this step. Written by the compute job (sample, propose); read by
@@ -282,6 +287,8 @@ pub(crate) struct JobOutput {
     /// Prompt logprobs among `logprobs`' rows (after every emitted token's).
     pub prompt_logprobs: Vec<PromptLogprobsOut>,
     pub timings: JobTimings,
+    /// What the step's KV block copies did (saved bytes, loaded blocks).
+    pub transfers: TransfersDone,
     /// The step's input and logits buffers, freed with the output: by the host job when async,
     /// so not between two forward passes.
     pub _spent: (BatchInputs, specula_model::ForwardOutput),

@@ -228,6 +228,39 @@ impl KvPlane {
     pub fn view(&self) -> KvView<'_> {
         KvView { dtype: self.dtype, order: KvOrder::HeadMajor, data: &self.data, scales: &self.scales }
     }
+
+    /// Bytes one block of the plane takes in [`Self::copy_block_out`]'s form.
+    pub fn block_bytes(&self) -> usize {
+        self.dtype.bytes(self.layout.block_size * self.width)
+    }
+
+    /// Appends block `block`'s stored bytes to `out` as they are (the values, then q8_0's scales
+    /// little-endian): a block is one run of the plane (head-major within it), so this is a copy.
+    pub fn copy_block_out(&self, block: usize, out: &mut Vec<u8>) {
+        let n = self.layout.block_size * self.width;
+        let vb = self.dtype.value_bytes();
+        out.extend_from_slice(&self.data[block * n * vb..(block + 1) * n * vb]);
+        if self.dtype == KvDtype::Q8_0 {
+            let per = n / Q8_BLOCK;
+            out.extend(self.scales[block * per..(block + 1) * per].iter().flat_map(|s| s.to_le_bytes()));
+        }
+    }
+
+    /// Overwrites block `block` with bytes [`Self::copy_block_out`] gave (of a plane of the same
+    /// type and layout). `bytes` must be [`Self::block_bytes`] long.
+    pub fn copy_block_in(&mut self, block: usize, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.block_bytes(), "one block's bytes");
+        let n = self.layout.block_size * self.width;
+        let vb = self.dtype.value_bytes();
+        let (values, scales) = bytes.split_at(n * vb);
+        self.data[block * n * vb..(block + 1) * n * vb].copy_from_slice(values);
+        if self.dtype == KvDtype::Q8_0 {
+            let per = n / Q8_BLOCK;
+            for (d, s) in self.scales[block * per..(block + 1) * per].iter_mut().zip(scales.chunks_exact(2)) {
+                *d = u16::from_le_bytes([s[0], s[1]]);
+            }
+        }
+    }
 }
 
 /// A plane as attention reads it.
@@ -297,6 +330,27 @@ mod tests {
                 assert!((a - b).abs() <= tol * a.abs().max(1.0), "{dtype}: {a} -> {b}");
             }
             assert_eq!(p.bytes(), dtype.bytes(4 * w), "{dtype}");
+        }
+    }
+
+    #[test]
+    fn a_block_copied_out_and_in_reads_back_the_same_values_and_leaves_its_neighbours() {
+        let layout = KvLayout { block_size: 4, n_heads: 4, n_kv_heads: 2, head_dim: 32 };
+        for dtype in KvDtype::ALL {
+            let mut src = KvPlane::new(dtype, layout, 3).unwrap();
+            for slot in 0..12 {
+                src.write(slot, &(0..64).map(|i| ((slot * 64 + i) as f32 * 0.37).sin()).collect::<Vec<_>>());
+            }
+            let mut bytes = Vec::new();
+            src.copy_block_out(1, &mut bytes);
+            assert_eq!(bytes.len(), src.block_bytes(), "{dtype}");
+            assert_eq!(src.block_bytes() * 3, src.bytes(), "{dtype}: blocks tile the plane");
+            let mut dst = KvPlane::new(dtype, layout, 3).unwrap();
+            dst.copy_block_in(2, &bytes);
+            for off in 0..4 {
+                assert_eq!(dst.read(8 + off), src.read(4 + off), "{dtype}: slot {off} of the block");
+            }
+            assert!((0..8).all(|s| dst.read(s).iter().all(|&x| x == 0.0)), "{dtype}: other blocks untouched");
         }
     }
 

@@ -227,6 +227,13 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
 
+    /// Bytes one token's keys and values take over all layers in a KV cache of `dtype`
+    /// (`KvStore::bytes_per_token` for this model).
+    pub fn kv_bytes_per_token(&self, dtype: specula_kernels::kv::KvDtype) -> usize {
+        let layout = specula_kernels::attention::KvLayout { block_size: 1, n_heads: self.n_heads, n_kv_heads: self.n_kv_heads, head_dim: self.head_dim };
+        crate::KvStore::bytes_per_token(self.n_layers, &layout, dtype)
+    }
+
     /// How layer `layer` attends (global unless the model has sliding-window layers).
     pub fn attention_kind(&self, layer: usize) -> AttentionKind {
         match &self.arch_options.sliding {

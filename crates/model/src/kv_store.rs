@@ -28,6 +28,16 @@ pub enum KvAllocError {
     HeadDim { dtype: KvDtype, head_dim: usize },
 }
 
+/// Bytes offered for a KV block are not one block of this store (another model, type or block
+/// size), or the block is past the store.
+#[derive(Debug, thiserror::Error)]
+#[error("{got} bytes cannot fill KV block {block}: a block of this cache is {want} bytes")]
+pub struct BlockBytesError {
+    pub block: usize,
+    pub got: usize,
+    pub want: usize,
+}
+
 const GIB: f64 = (1u64 << 30) as f64;
 
 impl KvStore {
@@ -57,6 +67,35 @@ impl KvStore {
 
     pub fn num_slots(&self) -> usize {
         self.num_blocks * self.layout.block_size
+    }
+
+    /// Bytes one block takes over all layers, keys and values ([`Self::copy_block_out`]'s length).
+    pub fn block_bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|p| p.block_bytes()).sum()
+    }
+
+    /// Appends block `block`'s stored keys and values, every layer's keys then every layer's
+    /// values, to `out` (what the prefix cache's host and disk tiers keep).
+    pub fn copy_block_out(&self, block: usize, out: &mut Vec<u8>) {
+        out.reserve(self.block_bytes());
+        for p in self.k.iter().chain(&self.v) {
+            p.copy_block_out(block, out);
+        }
+    }
+
+    /// Overwrites block `block` with bytes [`Self::copy_block_out`] gave on a store of the same
+    /// model, type and block size; refuses any other length, changing nothing.
+    pub fn copy_block_in(&mut self, block: usize, bytes: &[u8]) -> Result<(), BlockBytesError> {
+        if bytes.len() != self.block_bytes() || block >= self.num_blocks {
+            return Err(BlockBytesError { block, got: bytes.len(), want: self.block_bytes() });
+        }
+        let mut rest = bytes;
+        for p in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let (this, next) = rest.split_at(p.block_bytes());
+            p.copy_block_in(block, this);
+            rest = next;
+        }
+        Ok(())
     }
 
     /// Bytes one token's keys and values take over all layers.
@@ -94,6 +133,29 @@ mod tests {
         // f16 is half of f32, q8_0 17/32 of f16
         assert_eq!(KvStore::bytes_per_token(3, &layout(), KvDtype::F16) * 2, KvStore::bytes_per_token(3, &layout(), KvDtype::F32));
         assert_eq!(KvStore::bytes_per_token(3, &layout(), KvDtype::Q8_0) * 32, KvStore::bytes_per_token(3, &layout(), KvDtype::F16) * 17);
+    }
+
+    #[test]
+    fn a_block_moves_between_stores_whole_and_other_lengths_are_refused() {
+        for dtype in KvDtype::ALL {
+            let mut a = KvStore::new(2, layout(), 3, dtype).unwrap();
+            for (l, p) in a.k.iter_mut().chain(a.v.iter_mut()).enumerate() {
+                for slot in 16..32 {
+                    p.write(slot, &(0..128).map(|i| (l * 1000 + slot * 128 + i) as f32 * 1e-3).collect::<Vec<_>>());
+                }
+            }
+            let mut bytes = Vec::new();
+            a.copy_block_out(1, &mut bytes);
+            assert_eq!(bytes.len(), a.block_bytes());
+            assert_eq!(a.block_bytes(), 16 * KvStore::bytes_per_token(2, &layout(), dtype));
+            let mut b = KvStore::new(2, layout(), 3, dtype).unwrap();
+            b.copy_block_in(0, &bytes).unwrap();
+            for (pa, pb) in a.k.iter().chain(&a.v).zip(b.k.iter().chain(&b.v)) {
+                assert!((0..16).all(|s| pa.read(16 + s) == pb.read(s)), "{dtype}");
+            }
+            assert!(b.copy_block_in(0, &bytes[1..]).is_err());
+            assert!(b.copy_block_in(3, &bytes).is_err(), "past the store");
+        }
     }
 
     #[test]

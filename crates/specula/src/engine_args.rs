@@ -38,6 +38,19 @@ pub struct EngineArgs {
     /// Prefix caching (on by default; --enable-prefix-caching=false to disable).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_prefix_caching: bool,
+    /// Host memory in MiB for prefix-cache blocks evicted from the KV cache, so that a
+    /// conversation resent later skips its prefill (default: a third of the memory left after the
+    /// weights and the KV cache, at most 8192; 0 turns it off).
+    #[arg(long)]
+    pub prefix_cache_memory: Option<usize>,
+    /// Keep prefix-cache blocks in files under DIR too, so that later processes on this machine
+    /// reuse them (keyed by the model's bytes, the KV type and the cache's shape; checksummed).
+    #[arg(long, value_name = "DIR")]
+    pub prefix_cache_dir: Option<PathBuf>,
+    /// Most MiB of files kept in --prefix-cache-dir for this model and KV type (least recently
+    /// used removed first).
+    #[arg(long, default_value_t = 16384, value_name = "MIB")]
+    pub prefix_cache_dir_size: u64,
     /// Requests allowed to wait before the server answers 503.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
@@ -287,11 +300,11 @@ impl EngineArgs {
         specula_model::LoadOptions { expert_weights }
     }
 
-    /// The engine's configuration (one rank's) for `loaded`, the first of `ranks` in-process
+    /// The engine's configuration (one rank's) for `loaded` (read from `path`), the first of `ranks` in-process
     /// copies of the model: the default KV cache is sized from the memory available less the
     /// page cache the weights read in place need (which the machine counts as available) and the
     /// weights the other copies will hold, shared among the ranks.
-    pub fn to_config(&self, loaded: &specula_model::LoadedModel, ranks: usize) -> anyhow::Result<EngineConfig> {
+    pub fn to_config(&self, path: &std::path::Path, loaded: &specula_model::LoadedModel, ranks: usize) -> anyhow::Result<EngineConfig> {
         let model = &loaded.model.config;
         let kv_cache_dtype = specula_kernels::kv::KvDtype::from(self.kv_cache_dtype);
         if !kv_cache_dtype.supports_head_dim(model.head_dim) {
@@ -301,7 +314,7 @@ impl EngineArgs {
             );
         }
         let mut max_model_len = self.max_model_len.unwrap_or(model.context_length);
-        let bytes_per_token = 2 * model.n_layers * kv_cache_dtype.bytes(model.kv_width());
+        let bytes_per_token = model.kv_bytes_per_token(kv_cache_dtype);
         let available = specula_model::kv_store::available_memory().map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.model.in_place_bytes(), ranks));
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
             (Some(t), _) => t,
@@ -320,6 +333,11 @@ impl EngineArgs {
             );
             max_model_len = kv_tokens;
         }
+        let host_bytes = match self.prefix_cache_memory {
+            Some(mib) => mib << 20,
+            // a third of what the KV cache leaves, up to 8 GiB (llama.cpp's --cache-ram default)
+            None => available.map_or(1 << 30, |a| (a.saturating_sub(kv_tokens * bytes_per_token) / 3).min(8 << 30)),
+        };
         Ok(EngineConfig {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -328,6 +346,7 @@ impl EngineArgs {
             num_kv_blocks: kv_tokens.div_ceil(self.block_size),
             kv_cache_dtype,
             enable_prefix_caching: self.enable_prefix_caching,
+            prefix_tiers: specula_engine::kv_cache::PrefixTierConfig { host_bytes, disk: self.disk_tier(path)? },
             threads: self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
             max_waiting: self.max_waiting,
             shutdown_grace: std::time::Duration::from_secs(10),
@@ -335,6 +354,16 @@ impl EngineArgs {
             jump_forward: self.structured_jump_forward,
             ..Default::default()
         })
+    }
+}
+
+impl EngineArgs {
+    /// `--prefix-cache-dir` for the model at `path` (its key read from the file), or `None`.
+    fn disk_tier(&self, path: &std::path::Path) -> anyhow::Result<Option<specula_engine::kv_cache::DiskTierConfig>> {
+        let Some(dir) = &self.prefix_cache_dir else { return Ok(None) };
+        let model_key = specula_engine::kv_cache::disk_tier::model_key(path)
+            .map_err(|e| anyhow::anyhow!("--prefix-cache-dir: cannot read the model {}: {e}", path.display()))?;
+        Ok(Some(specula_engine::kv_cache::DiskTierConfig { dir: dir.clone(), max_bytes: self.prefix_cache_dir_size << 20, model_key }))
     }
 }
 

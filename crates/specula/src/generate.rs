@@ -45,7 +45,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         args.prompt.clone()
     };
-    let cfg = args.engine.to_config(&loaded, 1)?;
+    let cfg = args.engine.to_config(&path, &loaded, 1)?;
     let tokenizer = Arc::new(loaded.tokenizer);
     let prompt = if args.chat { tokenizer.encode(&text)? } else { tokenizer.encode_prompt(&text)? };
     if prompt.is_empty() {

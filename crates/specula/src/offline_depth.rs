@@ -84,7 +84,7 @@ pub fn llama_bench(bin: &Path, model: &Path, threads: usize, depth: usize, steps
 /// Bytes one decode step at `depth` reads from the KV cache (every layer's keys and values).
 pub fn kv_bytes_at(model: &LlamaModel, depth: usize, dtype: KvDtype) -> f64 {
     let c = &model.config;
-    (depth * 2 * c.n_layers * dtype.bytes(c.kv_width())) as f64
+    (depth * c.kv_bytes_per_token(dtype)) as f64
 }
 
 pub fn print(rows: &[DepthRow], model: &LlamaModel, weights_read: f64, dtype: KvDtype, chunk: usize) {

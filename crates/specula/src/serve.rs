@@ -138,10 +138,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let choice = clap::ValueEnum::to_possible_value(&args.engine.expert_weights).map_or_else(String::new, |v| v.get_name().to_string());
         eprintln!("expert weights read in place from the file's map: {:.2} GB (--expert-weights {choice})", in_place as f64 / 1e9);
     }
-    let mut cfg = args.engine.to_config(&loaded, dp_size)?;
+    let mut cfg = args.engine.to_config(&path, &loaded, dp_size)?;
     let c = &loaded.model.config;
     let kv_tokens = cfg.num_kv_blocks * cfg.block_size;
-    let kv_bytes = kv_tokens * 2 * c.n_layers * cfg.kv_cache_dtype.bytes(c.kv_width());
+    let kv_bytes = kv_tokens * c.kv_bytes_per_token(cfg.kv_cache_dtype);
     eprintln!(
         "context: {} tokens a sequence (the model's: {}); KV cache: {kv_tokens} tokens as {} ({:.2} GiB{})",
         cfg.max_model_len,
@@ -150,6 +150,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
         kv_bytes as f64 / (1u64 << 30) as f64,
         if dp_size > 1 { ", each rank" } else { "" }
     );
+    let tiers = &cfg.prefix_tiers;
+    if args.engine.enable_prefix_caching && !tiers.is_off() {
+        let disk = tiers.disk.as_ref().map(|d| format!(", then {} (up to {:.1} GiB)", d.dir.display(), d.max_bytes as f64 / (1u64 << 30) as f64));
+        eprintln!("prefix cache: the KV cache, then {:.1} GiB of host memory{}", tiers.host_bytes as f64 / (1u64 << 30) as f64, disk.unwrap_or_default());
+    }
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     // the test switch of the fault tests (python/tests/test_hostile_connections.py)
     if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {

@@ -79,7 +79,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
 fn build(args: &ServeArgs, mode: DpMode, size: usize) -> Result<Built> {
     let path = crate::fetch::resolve_model(&args.engine.model)?;
     let mut loaded = load_model_with(&path, &args.engine.load_options(&path, 1))?;
-    let mut cfg = args.engine.to_config(&loaded, 1)?;
+    let mut cfg = args.engine.to_config(&path, &loaded, 1)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     if args.engine.threads.is_none() {
         cfg.threads = default_threads();

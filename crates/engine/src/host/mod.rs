@@ -229,12 +229,15 @@ impl Host {
         self.steps += 1;
         let step = self.steps;
         let fault = self.cfg.fault_injection;
+        // a failed step's copies are dropped with it: its loads were for its own sequences, which
+        // fail; a save not done only loses a cache entry
+        let transfers = self.kv.take_transfers();
         let result = catch_unwind(AssertUnwindSafe(|| {
             FaultInjection::trip(fault, step, FaultPhase::Prepare)?;
             prepare(&plan, &self.seqs, &self.kv)
         }));
         let err = match result {
-            Ok(Ok(seqs)) => return Some(PreparedStep { step, plan, seqs }),
+            Ok(Ok(seqs)) => return Some(PreparedStep { step, plan, seqs, transfers }),
             Ok(Err(failure)) => StepError::Failed { step, failure },
             Err(panic) => {
                 let message = panic_message(&panic);
@@ -260,6 +263,7 @@ impl Host {
         if p.plan.seqs.len() == first {
             return;
         }
+        p.transfers.append(self.kv.take_transfers());
         let late = StepPlan { seqs: p.plan.seqs[first..].to_vec(), ..Default::default() };
         match prepare(&late, &self.seqs, &self.kv) {
             Ok(seqs) => p.seqs.extend(seqs),
@@ -274,7 +278,10 @@ impl Host {
     /// Applies and streams a computed step. `next` is the step already running after it (async):
     /// its sequences keep the KV it writes, and the blocks reserved for its decodes beyond what
     /// they compute go back to the pool. Returns the tokens streamed.
-    pub fn complete(&mut self, done: Computed, next: Option<&StepPlan>) -> usize {
+    pub fn complete(&mut self, mut done: Computed, next: Option<&StepPlan>) -> usize {
+        if let Ok(out) = done.outcome.as_mut() {
+            self.kv.finish_transfers(std::mem::take(&mut out.transfers));
+        }
         let emitted = match done.outcome {
             Ok(out) => match catch_unwind(AssertUnwindSafe(|| self.apply(done.step, &done.plan, out, next))) {
                 Ok(Ok(applied)) => self.emit(applied),
@@ -481,6 +488,17 @@ impl Host {
         let p = self.kv.prefix_cache_stats();
         metrics::gauge!("specula:prefix_cache_queries").set(p.queried_tokens as f64);
         metrics::gauge!("specula:prefix_cache_hits").set(p.hit_tokens as f64);
+        if let Some(t) = self.kv.tier_sizes() {
+            // of the hits, the tokens loaded from the host-memory and disk tiers, and what they hold
+            metrics::gauge!("specula:prefix_cache_host_hits").set(p.host_hit_tokens as f64);
+            metrics::gauge!("specula:prefix_cache_disk_hits").set(p.disk_hit_tokens as f64);
+            metrics::gauge!("specula:prefix_cache_host_blocks").set(t.host_blocks as f64);
+            metrics::gauge!("specula:prefix_cache_host_bytes").set(t.host_bytes as f64);
+            if let Some((disk_blocks, disk_bytes)) = t.disk {
+                metrics::gauge!("specula:prefix_cache_disk_blocks").set(disk_blocks as f64);
+                metrics::gauge!("specula:prefix_cache_disk_bytes").set(disk_bytes as f64);
+            }
+        }
     }
 }
 

@@ -5,17 +5,9 @@
 //! not public: every mutation goes through the manager so refcounts stay balanced.
 
 use super::block_hash::BlockHash;
+use super::transfer::BlockKey;
 use crate::types::{BlockId, TokenId};
 use std::collections::{BTreeMap, HashMap, VecDeque};
-
-/// What a block registered in the prefix cache holds. Kept so that a hit is confirmed by
-/// comparing tokens, not trusted on the strength of a 64-bit hash alone.
-#[derive(Debug)]
-struct CachedContent {
-    hash: BlockHash,
-    parent: Option<BlockHash>,
-    tokens: Box<[TokenId]>,
-}
 
 #[derive(Debug, Default)]
 struct BlockMeta {
@@ -23,8 +15,9 @@ struct BlockMeta {
     /// it until it is handed out again.
     ref_count: u32,
     /// `Some` while the block is in the prefix cache: its KV is complete and immutable, so it may
-    /// be shared. A cached block is never written again until it is evicted.
-    cached: Option<CachedContent>,
+    /// be shared. A cached block is never written again until it is evicted. The key is kept so
+    /// that a hit is confirmed by comparing tokens, not trusted on a 64-bit hash alone.
+    cached: Option<BlockKey>,
     /// `Some(tick)` while the block is evictable (ref_count 0 and cached): its key in
     /// `BlockPool::evictable`.
     evictable_since: Option<u64>,
@@ -46,6 +39,9 @@ pub(crate) struct BlockPool {
     by_hash: HashMap<BlockHash, BlockId>,
     /// Monotonic clock for `evictable`; never reused, so keys are unique.
     next_tick: u64,
+    /// With lower prefix-cache tiers: the blocks evicted since the manager last took them, with
+    /// what they held (still there until the step that reuses them writes).
+    evicted: Option<Vec<(BlockId, BlockKey)>>,
 }
 
 impl BlockPool {
@@ -59,7 +55,18 @@ impl BlockPool {
             evictable: BTreeMap::new(),
             by_hash: HashMap::new(),
             next_tick: 0,
+            evicted: None,
         }
+    }
+
+    /// Keep a list of evicted blocks for [`Self::take_evicted`] from now on.
+    pub(crate) fn keep_evicted(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// The blocks evicted from the prefix cache since the last call, in order.
+    pub(crate) fn take_evicted(&mut self) -> Vec<(BlockId, BlockKey)> {
+        self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub(crate) fn num_total_blocks(&self) -> usize {
@@ -97,6 +104,9 @@ impl BlockPool {
                 debug_assert!(content.is_some(), "evictable block {b:?} was not cached");
                 if let Some(c) = content {
                     self.by_hash.remove(&c.hash);
+                    if let Some(ev) = self.evicted.as_mut() {
+                        ev.push((b, c));
+                    }
                 }
                 b
             }
@@ -111,8 +121,7 @@ impl BlockPool {
     /// comparing the stored tokens and parent, not just the hash.
     pub(crate) fn lookup(&self, hash: BlockHash, parent: Option<BlockHash>, tokens: &[TokenId]) -> Option<BlockId> {
         let block = *self.by_hash.get(&hash)?;
-        let content = self.meta(block).cached.as_ref()?;
-        (content.parent == parent && *content.tokens == *tokens).then_some(block)
+        self.meta(block).cached.as_ref()?.matches(parent, tokens).then_some(block)
     }
 
     /// One more holder for a block (a prefix-cache hit). An evictable block stops being evictable.
@@ -159,7 +168,7 @@ impl BlockPool {
             return false;
         }
         self.by_hash.insert(hash, block);
-        self.meta_mut(block).cached = Some(CachedContent { hash, parent, tokens: tokens.into() });
+        self.meta_mut(block).cached = Some(BlockKey { hash, parent, tokens: tokens.into() });
         true
     }
 

@@ -4,6 +4,8 @@
 
 use super::block_hash::{hash_block, BlockHash};
 use super::block_pool::BlockPool;
+use super::tiers::{PrefixTiers, Tier};
+use super::transfer::{BlockKey, BlockLoad, BlockSave, KvTransfers, SaveTo, TransfersDone};
 use super::{expect_kv, KvCacheError};
 use crate::types::{BlockId, SeqId, TokenId};
 use std::collections::HashMap;
@@ -13,8 +15,11 @@ use std::collections::HashMap;
 pub struct PrefixCacheStats {
     /// Prompt tokens looked up in the prefix cache (every prompt, whole length).
     pub queried_tokens: u64,
-    /// Of those, tokens whose KV was found cached and reused.
+    /// Of those, tokens whose KV was found cached and reused (from any tier).
     pub hit_tokens: u64,
+    /// Of the hits, tokens loaded from the host-memory tier and from the disk tier.
+    pub host_hit_tokens: u64,
+    pub disk_hit_tokens: u64,
 }
 
 impl PrefixCacheStats {
@@ -43,6 +48,10 @@ pub struct KvCacheManager {
     enable_prefix_caching: bool,
     seqs: HashMap<SeqId, SeqBlocks>,
     stats: PrefixCacheStats,
+    /// The prefix cache's host and disk tiers, when configured.
+    tiers: Option<PrefixTiers>,
+    /// Block copies decided since the last [`Self::take_transfers`] (the next step does them).
+    pending: KvTransfers,
 }
 
 impl KvCacheManager {
@@ -60,7 +69,74 @@ impl KvCacheManager {
         if num_blocks.checked_mul(block_size).is_none() {
             return Err(KvCacheError::InvalidConfig(format!("{num_blocks} blocks of {block_size} tokens overflow the slot index")));
         }
-        Ok(Self { pool: BlockPool::new(n, block_size), block_size, enable_prefix_caching, seqs: HashMap::new(), stats: PrefixCacheStats::default() })
+        Ok(Self {
+            pool: BlockPool::new(n, block_size),
+            block_size,
+            enable_prefix_caching,
+            seqs: HashMap::new(),
+            stats: PrefixCacheStats::default(),
+            tiers: None,
+            pending: KvTransfers::default(),
+        })
+    }
+
+    /// Adds the prefix cache's lower tiers: blocks evicted from the store are saved there (and,
+    /// with a disk tier, every registered block is written to disk), and a prompt's blocks missing
+    /// from the store are looked up there. Without prefix caching this does nothing.
+    pub(crate) fn set_tiers(&mut self, tiers: Option<PrefixTiers>) {
+        if self.enable_prefix_caching && tiers.is_some() {
+            self.pool.keep_evicted();
+            self.tiers = tiers;
+        }
+    }
+
+    /// What the lower tiers hold, when there are tiers.
+    pub fn tier_sizes(&self) -> Option<super::TierSizes> {
+        self.tiers.as_ref().map(|t| t.sizes())
+    }
+
+    /// The block copies the next step must do before its forward pass (see `transfer`): the saves
+    /// of blocks evicted or registered since the last call, and the loads of prompt blocks found
+    /// in a tier.
+    pub(crate) fn take_transfers(&mut self) -> KvTransfers {
+        self.note_evictions();
+        std::mem::take(&mut self.pending)
+    }
+
+    /// Takes back what a step's transfers did: saved bytes go to their tier; a loaded block that
+    /// its sequence still holds where it was loaded joins the prefix cache (until then it is the
+    /// sequence's own, as if computed: a step that never ran its load never shares it).
+    pub(crate) fn finish_transfers(&mut self, done: TransfersDone) {
+        if let Some(tiers) = self.tiers.as_mut() {
+            for saved in done.saved {
+                tiers.accept(saved);
+            }
+        }
+        for l in done.loaded {
+            let held = self.seqs.get(&l.seq).is_some_and(|b| b.table.get(l.index) == Some(&l.block) && b.hashes.get(l.index) == Some(&l.key.hash));
+            if held {
+                self.pool.register(l.block, l.key.hash, l.key.parent, &l.key.tokens);
+            }
+        }
+    }
+
+    /// Turns the pool's evictions into saves where a tier lacks the block.
+    fn note_evictions(&mut self) {
+        let Some(tiers) = self.tiers.as_ref() else { return };
+        for (block, key) in self.pool.take_evicted() {
+            if tiers.wants_evicted(key.hash) {
+                self.pending.saves.push(BlockSave { block, key, to: SaveTo::Evicted });
+            }
+        }
+    }
+
+    /// A block for `seq`'s prompt block `index`, filled from a tier: false when the pool has none
+    /// free.
+    fn load_block(&mut self, seq: SeqId, index: usize, key: BlockKey, bytes: std::sync::Arc<[u8]>) -> Option<BlockId> {
+        let block = self.pool.allocate()?;
+        self.note_evictions();
+        self.pending.loads.push(BlockLoad { block, bytes, seq, index, key });
+        Some(block)
     }
 
     pub fn block_size(&self) -> usize {
@@ -117,6 +193,7 @@ impl KvCacheManager {
                 blocks.table.push(block);
                 blocks.hashes.push(hash);
             }
+            self.load_from_tiers(seq, prompt, max_hit_blocks, &mut blocks);
             let cached = blocks.table.len() * self.block_size;
             self.stats.queried_tokens += prompt.len() as u64;
             self.stats.hit_tokens += cached as u64;
@@ -124,6 +201,34 @@ impl KvCacheManager {
         let cached = blocks.table.len() * self.block_size;
         self.seqs.insert(seq, blocks);
         Ok(cached)
+    }
+
+    /// Extends `blocks` (the prefix-cache hits of `prompt` in the store) with the next blocks found
+    /// in the lower tiers, up to `max_blocks`. Only when the free blocks hold the whole rest of the
+    /// prompt: a prompt that cannot be admitted now does not read tiers every step it waits.
+    fn load_from_tiers(&mut self, seq: SeqId, prompt: &[TokenId], max_blocks: usize, blocks: &mut SeqBlocks) {
+        if self.tiers.is_none() || blocks.table.len() >= max_blocks {
+            return;
+        }
+        let rest = prompt.len().div_ceil(self.block_size) - blocks.table.len();
+        if self.pool.num_free_blocks() < rest {
+            return;
+        }
+        let bs = self.block_size;
+        for index in blocks.table.len()..max_blocks {
+            let chunk = &prompt[index * bs..(index + 1) * bs];
+            let parent = blocks.hashes.last().copied();
+            let hash = hash_block(parent, chunk);
+            let Some((bytes, tier)) = self.tiers.as_mut().and_then(|t| t.get(hash, parent, chunk)) else { break };
+            let key = BlockKey { hash, parent, tokens: chunk.into() };
+            let Some(block) = self.load_block(seq, index, key, bytes) else { break };
+            blocks.table.push(block);
+            blocks.hashes.push(hash);
+            match tier {
+                Tier::Host => self.stats.host_hit_tokens += bs as u64,
+                Tier::Disk => self.stats.disk_hit_tokens += bs as u64,
+            }
+        }
     }
 
     /// New blocks `seq` needs to hold `total_tokens` tokens (0 if it already can).
@@ -211,7 +316,10 @@ impl KvCacheManager {
             let chunk = &tokens[i * bs..(i + 1) * bs];
             let parent = blocks.hashes.last().copied();
             let hash = hash_block(parent, chunk);
-            self.pool.register(blocks.table[i], hash, parent, chunk);
+            let block = blocks.table[i];
+            if self.pool.register(block, hash, parent, chunk) && self.tiers.as_ref().is_some_and(|t| t.wants_registered(hash)) {
+                self.pending.saves.push(BlockSave { block, key: BlockKey { hash, parent, tokens: chunk.into() }, to: SaveTo::Disk });
+            }
             blocks.hashes.push(hash);
         }
         Ok(())
@@ -274,6 +382,7 @@ impl KvCacheManager {
 
 #[cfg(test)]
 mod tests {
+    use super::super::transfer::LoadedBlock;
     use super::*;
 
     fn b(ids: &[u32]) -> Vec<BlockId> {
@@ -391,7 +500,7 @@ mod tests {
         kv.ensure_capacity(SeqId(2), 10).unwrap();
         // Block 2 held an uncached partial block, so it went back to the free list's tail.
         assert_eq!(kv.block_table(SeqId(2)).unwrap(), b(&[0, 1, 3]));
-        assert_eq!(kv.prefix_cache_stats(), PrefixCacheStats { queried_tokens: 20, hit_tokens: 8 });
+        assert_eq!(kv.prefix_cache_stats(), PrefixCacheStats { queried_tokens: 20, hit_tokens: 8, ..Default::default() });
         assert_eq!(kv.prefix_cache_stats().hit_rate(), Some(0.4));
     }
 
@@ -407,6 +516,93 @@ mod tests {
         // A one-token prompt can never hit.
         assert_eq!(kv.allocate_prompt(SeqId(3), &[1]), Ok(0));
         assert_eq!(kv.allocate_prompt(SeqId(4), &[]), Ok(0));
+    }
+
+    /// A manager of 4 blocks of 2 tokens with a host tier.
+    fn tiered() -> KvCacheManager {
+        let mut kv = KvCacheManager::new(4, 2, true).unwrap();
+        let tiers = PrefixTiers::open(&super::super::PrefixTierConfig { host_bytes: 1 << 20, disk: None }, 0, 8).unwrap();
+        kv.set_tiers(tiers);
+        kv
+    }
+
+    /// What a step does with saves: each block's "bytes" are its id, eight times.
+    fn do_saves(kv: &mut KvCacheManager) -> Vec<BlockSave> {
+        let t = kv.take_transfers();
+        assert!(t.loads.is_empty());
+        let saves = t.saves;
+        let saved = saves.iter().map(|s| super::super::transfer::SavedBlock { key: s.key.clone(), to: s.to, bytes: vec![s.block.0 as u8; 8] }).collect();
+        kv.finish_transfers(TransfersDone { saved, loaded: vec![] });
+        saves
+    }
+
+    #[test]
+    fn evicted_blocks_are_saved_and_come_back_as_loads_shared_once_the_step_did_them() {
+        let mut kv = tiered();
+        let a = [1, 2, 3, 4, 5];
+        prefill(&mut kv, 1, &a);
+        kv.free(SeqId(1)).unwrap();
+        assert!(kv.take_transfers().is_empty(), "nothing evicted yet");
+        // another prompt takes the whole pool: a's two cached blocks are evicted (the end of the
+        // chain first) and saved
+        prefill(&mut kv, 2, &[9, 9, 8, 8, 7, 7, 6, 6]);
+        let saves = do_saves(&mut kv);
+        assert_eq!(saves.iter().map(|s| (s.to, s.key.tokens.to_vec())).collect::<Vec<_>>(), vec![(SaveTo::Evicted, vec![3, 4]), (SaveTo::Evicted, vec![1, 2])]);
+        kv.free(SeqId(2)).unwrap();
+        // a again: both blocks from host memory, loaded into fresh blocks by the next step
+        assert_eq!(kv.allocate_prompt(SeqId(3), &a), Ok(4));
+        assert_eq!((kv.prefix_cache_stats().hit_tokens, kv.prefix_cache_stats().host_hit_tokens), (4, 4));
+        let t = kv.take_transfers();
+        let loads: Vec<(usize, Vec<u8>)> = t.loads.iter().map(|l| (l.index, l.bytes.to_vec())).collect();
+        assert_eq!(loads, vec![(0, vec![saves[1].block.0 as u8; 8]), (1, vec![saves[0].block.0 as u8; 8])]);
+        assert_eq!(t.saves.len(), 2, "the blocks they took were b's, evicted and saved in turn");
+        // until the step confirms its loads, another sequence cannot share them (it loads its own)
+        let done = |t: &KvTransfers| TransfersDone {
+            saved: vec![],
+            loaded: t.loads.iter().map(|l| LoadedBlock { block: l.block, seq: l.seq, index: l.index, key: l.key.clone() }).collect(),
+        };
+        kv.finish_transfers(done(&t));
+        kv.ensure_capacity(SeqId(3), 5).unwrap();
+        let before = kv.prefix_cache_stats();
+        assert_eq!(kv.allocate_prompt(SeqId(4), &a), Ok(4));
+        assert_eq!(kv.prefix_cache_stats().host_hit_tokens, before.host_hit_tokens, "shared from the store");
+        assert_eq!(kv.block_table(SeqId(4)).unwrap()[..2], kv.block_table(SeqId(3)).unwrap()[..2]);
+    }
+
+    #[test]
+    fn a_load_whose_sequence_has_gone_is_not_shared() {
+        let mut kv = tiered();
+        let a = [1, 2, 3, 4, 5];
+        prefill(&mut kv, 1, &a);
+        kv.free(SeqId(1)).unwrap();
+        prefill(&mut kv, 2, &[9, 9, 8, 8, 7, 7, 6, 6]);
+        do_saves(&mut kv);
+        kv.free(SeqId(2)).unwrap();
+        assert_eq!(kv.allocate_prompt(SeqId(3), &a), Ok(4));
+        let t = kv.take_transfers();
+        // the sequence fails before its step's result comes back: its blocks go back unshared
+        kv.free(SeqId(3)).unwrap();
+        let loaded = t.loads.iter().map(|l| LoadedBlock { block: l.block, seq: l.seq, index: l.index, key: l.key.clone() }).collect();
+        kv.finish_transfers(TransfersDone { saved: vec![], loaded });
+        assert_eq!(kv.num_free_blocks(), 4);
+        // not in the store: the next request loads from host memory again
+        let before = kv.prefix_cache_stats().host_hit_tokens;
+        assert_eq!(kv.allocate_prompt(SeqId(4), &a), Ok(4));
+        assert_eq!(kv.prefix_cache_stats().host_hit_tokens - before, 4, "nothing registered for a sequence that is gone");
+    }
+
+    #[test]
+    fn a_prompt_that_cannot_be_admitted_does_not_read_the_tiers() {
+        let mut kv = tiered();
+        let a = [1, 2, 3, 4, 5];
+        prefill(&mut kv, 1, &a);
+        kv.free(SeqId(1)).unwrap();
+        prefill(&mut kv, 2, &[9, 9, 8, 8, 7, 7, 6, 6]);
+        do_saves(&mut kv);
+        // b still runs: a's 3 blocks do not fit in the 0 free ones, so no load is tried
+        assert_eq!(kv.allocate_prompt(SeqId(3), &a), Ok(0));
+        assert!(kv.take_transfers().is_empty());
+        assert_eq!(kv.prefix_cache_stats().host_hit_tokens, 0);
     }
 
     #[test]

@@ -3,15 +3,26 @@
 //! Metadata only: it hands out block ids and slot indices; the tensors live in the model's KV
 //! store. Not a scheduler: it answers "does this fit?" and does what it is told, atomically.
 //!
+//! Below the store the prefix cache has a host-memory tier and a disk tier (`tiers`): evicted
+//! blocks are saved there and a prompt's missing blocks loaded from there, the copies done by the
+//! step's compute job (`transfer`).
+//!
 //! One owner, `&mut self` methods, no locks. `KvCacheManager::free` is the single way blocks go
 //! back; the engine frees a sequence on every way a request ends (invariant 4 of docs/architecture.md).
 
 mod block_hash;
 mod block_pool;
+pub mod disk_tier;
+mod host_tier;
 mod manager;
+mod tiers;
+pub mod transfer;
 
 pub use block_hash::{hash_block, BlockHash};
+pub use disk_tier::DiskTierConfig;
 pub use manager::{KvCacheManager, PrefixCacheStats};
+pub(crate) use tiers::PrefixTiers;
+pub use tiers::{PrefixTierConfig, TierSizes};
 
 use crate::types::SeqId;
 

@@ -65,6 +65,8 @@ pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, 
 }
 
 fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, StepFailure> {
+    // the prefix-cache tiers' block copies, before anything reads or writes the KV (`transfer`)
+    let transfers = super::run_transfers(&mut state.kv_store, job.transfers).map_err(|e| StepFailure::Invariant(e.to_string()))?;
     let mut inputs = job.inputs;
     inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
@@ -90,7 +92,7 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     let sample_end = Instant::now();
     let results = propose(ctx, state, job.step, items, results, &out.hidden, job.pending_prefill);
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
-    Ok(JobOutput { results, logprobs, prompt_logprobs, timings, _spent: (inputs, out) })
+    Ok(JobOutput { results, logprobs, prompt_logprobs, timings, transfers, _spent: (inputs, out) })
 }
 
 /// One constrained item's masks for its verified rows, and how many of its draft tokens its

@@ -7,7 +7,31 @@ pub mod job;
 
 pub use crate::step::{BatchInputs, RowRange};
 
+use crate::kv_cache::transfer::{KvTransfers, LoadedBlock, SavedBlock, TransfersDone};
+use specula_model::kv_store::BlockBytesError;
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
+
+/// Does a step's KV block copies (`crate::kv_cache::transfer`): every save, then every load.
+pub(crate) fn run_transfers(kv: &mut KvStore, t: KvTransfers) -> Result<TransfersDone, BlockBytesError> {
+    if t.is_empty() {
+        return Ok(TransfersDone::default());
+    }
+    let saved = t
+        .saves
+        .into_iter()
+        .map(|s| {
+            let mut bytes = Vec::new();
+            kv.copy_block_out(s.block.0 as usize, &mut bytes);
+            SavedBlock { key: s.key, to: s.to, bytes }
+        })
+        .collect();
+    let mut loaded = Vec::with_capacity(t.loads.len());
+    for l in t.loads {
+        kv.copy_block_in(l.block.0 as usize, &l.bytes)?;
+        loaded.push(LoadedBlock { block: l.block, seq: l.seq, index: l.index, key: l.key });
+    }
+    Ok(TransfersDone { saved, loaded })
+}
 
 /// Runs a prepared batch through the model on `pool`. `while_running` runs on the calling thread
 /// once the forward pass has been handed to the pool: async scheduling hands the host work to its
