@@ -136,7 +136,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 
 /// Dequantizes one row (`row.len() == format.row_bytes(out.len())`) into `out`.
 pub fn dequantize_row(format: WeightFormat, row: &[u8], out: &mut [f32]) {
-    debug_assert_eq!(row.len(), format.row_bytes(out.len()));
+    assert_eq!(row.len(), format.row_bytes(out.len()));
     let bb = format.block_bytes();
     match format {
         WeightFormat::F32 => {

@@ -257,7 +257,7 @@ fn write_group<K: GroupKernel, const N: usize>(k: &K, g: usize, b: usize, optr: 
 /// Runs `k` for the `G` full groups `g..g + G` and activation rows `b..b + N`, straight into the
 /// output (the caller checked that every group lies inside the matrix's `rows`).
 fn write_groups<K: GroupKernel, const G: usize, const N: usize>(k: &K, g: usize, b: usize, optr: *mut f32, rows: usize) {
-    debug_assert!((g + G) * GROUP_ROWS <= rows);
+    assert!((g + G) * GROUP_ROWS <= rows);
     // SAFETY: as in write_group: every row base..base + 8 of these groups is inside the output and
     // written by this task alone.
     unsafe { k.run_groups::<G, N>(g, b, std::array::from_fn(|j| std::array::from_fn(|i| optr.add(k.out_row(b + i) * rows + (g + j) * GROUP_ROWS)))) };
@@ -267,7 +267,7 @@ fn write_groups<K: GroupKernel, const G: usize, const N: usize>(k: &K, g: usize,
 /// activation rows: eight weight rows and up to `k.widest()` activation rows per kernel call,
 /// activation rows in tiles so a task's weights stay in cache.
 fn packed_rows<K: GroupKernel>(k: &K, rows: usize, n: usize, r0: usize, r1: usize, out: DisjointOut) {
-    debug_assert_eq!(r0 % GROUP_ROWS, 0);
+    assert_eq!(r0 % GROUP_ROWS, 0);
     let (optr, olen) = out.raw();
     assert!((0..n).all(|b| (k.out_row(b) + 1) * rows <= olen), "matmul: an activation row outside the output");
     let wide = k.widest() >= 8;

@@ -313,7 +313,7 @@ impl PackedInt8 {
     /// As `dot_group_to`.
     #[inline]
     pub unsafe fn dot_group_span_to<const N: usize>(&self, g: usize, span: ActSpan, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
-        debug_assert!((1..=MAX_ACTS).contains(&N));
+        assert!((1..=MAX_ACTS).contains(&N));
         assert!(span == ActSpan::Block || self.reads_super_span(), "{:?} has no kernel for super-block activation scales", self.format);
         for a in &acts {
             assert_eq!(a.len(), self.act_blocks, "activation row has the wrong number of blocks");
@@ -677,7 +677,7 @@ mod x86 {
         let format = format_of(F);
         let gbb = group_block_bytes(format);
         let qoff = quants_offset(format);
-        debug_assert!(group.len() >= blocks * gbb);
+        assert!(group.len() >= blocks * gbb);
         let gp = group.as_ptr();
         let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); N];
@@ -761,7 +761,7 @@ mod x86 {
         let format = format_of(F);
         let gbb = group_block_bytes(format);
         let qoff = quants_offset(format);
-        debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
+        assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
         let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
         let ahead = prefetch_bytes();
         let m4 = _mm512_set1_epi8(0x0F);

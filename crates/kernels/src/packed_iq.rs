@@ -76,8 +76,8 @@ pub(crate) fn group_block_bytes(format: WeightFormat) -> usize {
 
 /// Writes row `lane`'s ggml block `src` into its share of the group block `dst`.
 pub(crate) fn pack_block(format: WeightFormat, src: &[u8], lane: usize, dst: &mut [u8]) {
-    debug_assert_eq!(src.len(), format.block_bytes());
-    debug_assert_eq!(dst.len(), group_block_bytes(format));
+    assert_eq!(src.len(), format.block_bytes());
+    assert_eq!(dst.len(), group_block_bytes(format));
     match format {
         WeightFormat::Q2K => {
             // ggml: scales[16], qs[64], d, dmin
@@ -332,7 +332,7 @@ pub(crate) mod x86 {
         let format = format_of(F);
         let gbb = group_block_bytes(format);
         let per = format.block_len() / QK;
-        debug_assert!(group.len() >= blocks * gbb);
+        assert!(group.len() >= blocks * gbb);
         // Software prefetch by `packed_k`'s rules (measured there for Q4_K / Q5_K, whose rows
         // these super-block formats resemble): into L2 ahead on CPUs without `sw_prefetch`
         // (Zen 4) from five activation rows or on long rows; otherwise one group block ahead

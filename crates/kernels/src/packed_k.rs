@@ -86,8 +86,8 @@ pub(crate) fn group_block_bytes(format: WeightFormat) -> usize {
 
 /// Writes row `lane`'s ggml block `src` into its share of the group block `dst`.
 pub(crate) fn pack_block(format: WeightFormat, src: &[u8], lane: usize, dst: &mut [u8]) {
-    debug_assert_eq!(src.len(), format.block_bytes());
-    debug_assert_eq!(dst.len(), group_block_bytes(format));
+    assert_eq!(src.len(), format.block_bytes());
+    assert_eq!(dst.len(), group_block_bytes(format));
     dst[2 * lane..2 * lane + 2].copy_from_slice(&src[0..2]);
     match format {
         WeightFormat::Q5_0 | WeightFormat::Q5_1 => {
@@ -660,7 +660,7 @@ pub(crate) mod x86 {
     #[inline(always)]
     unsafe fn group_impl<D: Dot, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
         let gbb = group_block_bytes(format_of(F));
-        debug_assert!(group.len() >= blocks * gbb);
+        assert!(group.len() >= blocks * gbb);
         // Software prefetch of the weights, two ways (all measured with matmul_bench,
         // BENCH_ROTATE=1, weights streamed from memory, 2 threads, interleaved):
         // - Into L2, `L2_AHEAD` bytes ahead, on Zen 4 for the k-quants: always for Q6_K, from five
@@ -1148,7 +1148,7 @@ pub(crate) mod x86 {
     #[inline(always)]
     unsafe fn pair_q6k_impl<const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
         let gbb = group_block_bytes(WeightFormat::Q6K);
-        debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
+        assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
         let dist = pair_prefetch(gbb);
         let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
         let mut acc = [_mm512_setzero_ps(); N];
@@ -1174,7 +1174,7 @@ pub(crate) mod x86 {
     #[inline(always)]
     unsafe fn pair_q4k_super_impl<const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
         let gbb = group_block_bytes(WeightFormat::Q4K);
-        debug_assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
+        assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
         let dist = pair_prefetch(gbb);
         let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
         let m4 = _mm512_set1_epi8(0x0F);
