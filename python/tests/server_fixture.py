@@ -42,6 +42,8 @@ except ImportError:  # pragma: no cover - depends on the installed openai
 import numpy as np
 import pytest
 
+from conftest import missing
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HOST = "127.0.0.1"
@@ -50,13 +52,6 @@ HOST = "127.0.0.1"
 # ---------------------------------------------------------------------------------------------
 # Where the binary and the model are
 # ---------------------------------------------------------------------------------------------
-
-
-def _missing(reason: str):
-    """Skips (or, under CI, fails) the calling test/fixture."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI is set, so this is a failure, not a skip)", pytrace=False)
-    pytest.skip(reason)
 
 
 def binary_path() -> Path:
@@ -77,10 +72,10 @@ def model_path() -> Path | None:
 def require_binary_and_model() -> tuple[Path, Path]:
     binary = binary_path()
     if not (binary.is_file() and os.access(binary, os.X_OK)):
-        _missing(f"specula binary not found at {binary}: build it with `cargo build --release -p specula` or set SPECULA_BIN")
+        missing(f"specula binary not found at {binary}: build it with `cargo build --release -p specula` or set SPECULA_BIN")
     model = model_path()
     if model is None or not model.is_file():
-        _missing(
+        missing(
             f"model not found ({model or DEFAULT_MODEL_FILE + ' in the caches'}): run `specula fetch-model` or set SPECULA_MODEL"
         )
     return binary, model

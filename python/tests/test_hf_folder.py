@@ -61,7 +61,7 @@ import pytest
 
 import reference_forward as rf
 import tokenizer_oracle as to
-from conftest import REPO, run_specula, write_json
+from conftest import REPO, missing, run_specula, write_json
 from prompts import CHAT, ENGLISH
 
 MAX_ABS = 0.1  # folder vs exact reference; measured <= 0.041
@@ -164,18 +164,11 @@ def build_hf_folder(model_path: str, out: Path) -> Path:
 # ----------------------------------------------------------------------------- fixtures
 
 
-def _unavailable(msg: str):
-    """Skip, except under CI (env CI set), where a missing model/binary must fail the run."""
-    if os.environ.get("CI"):
-        pytest.fail(msg + " (CI is set, so this is an error rather than a skip)")
-    pytest.skip(msg)
-
-
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
     p = os.environ.get("SPECULA_MODEL")
     if not p or not os.path.isfile(p):
-        _unavailable(f"SPECULA_MODEL={p!r} is not a file (path of the default GGUF model)")
+        missing(f"SPECULA_MODEL={p!r} is not a file (path of the default GGUF model)")
     return p
 
 
@@ -183,7 +176,7 @@ def gguf_path() -> str:
 def specula(gguf_path) -> str:
     p = os.environ.get("SPECULA_BIN") or str(REPO / "target" / "release" / "specula")
     if not os.path.isfile(p) or not os.access(p, os.X_OK):
-        _unavailable(f"specula binary not found at {p} (cargo build --release -p specula, or set SPECULA_BIN)")
+        missing(f"specula binary not found at {p} (cargo build --release -p specula, or set SPECULA_BIN)")
     return p
 
 

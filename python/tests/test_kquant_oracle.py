@@ -6,6 +6,7 @@ import os
 import subprocess
 import numpy as np
 import pytest
+from conftest import missing
 from gguf import quants, GGMLQuantizationType as T
 
 BIN = os.environ.get("SPECULA_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "target", "release", "specula"))
@@ -31,9 +32,7 @@ TYPES = [
 def require_binary():
     """Skips locally without the binary; under CI a missing binary fails the run."""
     if not os.path.exists(BIN):
-        if os.environ.get("CI"):
-            pytest.fail(f"specula binary missing at {BIN}")
-        pytest.skip(f"specula binary missing at {BIN}")
+        missing(f"specula binary missing at {BIN}")
 
 
 def random_blocks(rng, n_blocks, block_bytes, scale_offsets):

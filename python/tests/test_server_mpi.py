@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from server_fixture import REPO, SpeculaServer, _missing, httpx, running_server, sse_events
+from conftest import missing
+from server_fixture import REPO, SpeculaServer, httpx, running_server, sse_events
 
 RANKS = 2
 MAX_TOKENS = 24
@@ -52,10 +53,10 @@ class MpiServer(SpeculaServer):
     def __init__(self, *args: str):
         super().__init__("--data-parallel-backend", "mpi", *args, threads=1)
         if shutil.which("mpirun") is None:
-            _missing("mpirun not found (apt-get install openmpi-bin libopenmpi-dev)")
+            missing("mpirun not found (apt-get install openmpi-bin libopenmpi-dev)")
         binary = mpi_binary()
         if not (binary.is_file() and os.access(binary, os.X_OK)):
-            _missing(f"MPI-enabled specula not found at {binary}: `cargo build --release -p specula --features mpi`, "
+            missing(f"MPI-enabled specula not found at {binary}: `cargo build --release -p specula --features mpi`, "
                      "copy target/release/specula there (or set SPECULA_MPI_BIN)")
         self.binary = binary
 

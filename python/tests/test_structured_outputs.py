@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from conftest import missing
 from server_fixture import SpeculaServer
 
 QWEN05_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -51,9 +52,7 @@ def get_server(model: str, config: str) -> SpeculaServer:
         if model == "qwen05":
             p = qwen05_path()
             if p is None or not p.is_file():
-                if os.environ.get("CI"):
-                    pytest.fail("Qwen2.5-Coder-0.5B not found: set SPECULA_MODEL_QWEN05")
-                pytest.skip("Qwen2.5-Coder-0.5B not found: set SPECULA_MODEL_QWEN05")
+                missing("Qwen2.5-Coder-0.5B not found: set SPECULA_MODEL_QWEN05")
             srv.model = p
         _servers[key] = srv.start()
     return _servers[key]

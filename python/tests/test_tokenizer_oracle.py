@@ -12,7 +12,7 @@ import unicodedata
 import pytest
 
 import tokenizer_oracle as to
-from conftest import run_specula, write_json
+from conftest import missing, run_specula, write_json
 from prompts import PROMPTS
 
 CORPUS = [
@@ -108,10 +108,7 @@ def extra_model_path(name: str) -> str:
     var, default = EXTRA_MODELS[name]
     p = os.environ.get(var) or default
     if not os.path.isfile(p):
-        msg = f"{var}={p} does not exist"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        missing(f"{var}={p} does not exist")
     return p
 
 

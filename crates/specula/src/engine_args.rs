@@ -123,7 +123,7 @@ impl From<ExpertWeightsArg> for specula_model::ExpertWeights {
 pub struct SpecArgs {
     /// ngram | draft | mtp, or ngram beside a model: ngram,draft | ngram,mtp (per sequence and
     /// step the drafts expected to keep more; default: no speculation).
-    #[arg(long)]
+    #[arg(long, value_parser = choices::<MethodChoice>(&["ngram", "draft", "mtp", "ngram,draft", "ngram,mtp"]))]
     pub speculative_method: Option<MethodChoice>,
     /// Draft tokens proposed per sequence and step (upper bound; adaptive logic may use fewer).
     #[arg(long, default_value_t = 3)]
@@ -142,7 +142,7 @@ pub struct SpecArgs {
     /// With --speculative-method draft: `q4_0` re-encodes the draft model's projections stored
     /// with more bits per weight as Q4_0 at load (a draft token costs the bytes it reads; the
     /// output stays exact), `stored` keeps the file's encoding.
-    #[arg(long, default_value = "q4_0")]
+    #[arg(long, default_value = "q4_0", value_parser = choices::<DraftWeights>(&["q4_0", "stored"]))]
     pub draft_weights: DraftWeights,
     /// Shortest match (tokens) of the text's suffix that the ngram method drafts from; the longest
     /// earlier match is found whatever its length, and the draft is at most as long as it.
@@ -183,6 +183,16 @@ pub struct SpecArgs {
     /// head gives less than this probability (0 drafts whatever the head thinks).
     #[arg(long, default_value_t = specula_engine::speculative::config::DEFAULT_MTP_MIN_CONFIDENCE, value_parser = parse_probability)]
     pub speculative_min_confidence: f32,
+}
+
+/// A parser that accepts only `values` (listed by `--help` and in the error) and hands the one
+/// given to `T`'s own parser.
+fn choices<T>(values: &'static [&'static str]) -> impl clap::builder::TypedValueParser<Value = T>
+where
+    T: std::str::FromStr<Err = String> + Clone + Send + Sync + 'static,
+{
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(values).try_map(|s| s.parse::<T>())
 }
 
 fn parse_cost(s: &str) -> Result<f64, String> {
@@ -447,5 +457,20 @@ mod tests {
             let err = Cli::try_parse_from(["x", "--speculative-method", "mtp", bad]).err().expect("refused");
             assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation, "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn the_method_and_draft_weights_list_their_values_in_help_and_errors() {
+        use clap::CommandFactory;
+        let mut cmd = Cli::command();
+        let help = cmd.render_long_help().to_string();
+        assert!(help.contains("ngram, draft, mtp, ngram,draft, ngram,mtp"), "{help}");
+        assert!(help.contains("q4_0, stored"), "{help}");
+        let c = Cli::try_parse_from(["x", "--speculative-method", "ngram,mtp", "--draft-weights", "stored"]).unwrap();
+        assert_eq!(c.spec.speculative_method.map(|m| (m.method, m.with_ngram)), Some((SpecMethod::Mtp, true)));
+        assert_eq!(c.spec.draft_weights, DraftWeights::Stored);
+        let err = Cli::try_parse_from(["x", "--speculative-method", "eagle"]).err().expect("refused");
+        assert_eq!(err.kind(), clap::error::ErrorKind::InvalidValue);
+        assert!(err.to_string().contains("ngram,draft"), "{err}");
     }
 }
