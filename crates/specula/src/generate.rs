@@ -69,7 +69,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
                 out.write_all(text.as_bytes())?;
                 out.flush()?;
             }
-            Some(RequestEvent::Finished { reason, completion_tokens, .. }) => break Ok((reason, completion_tokens)),
+            Some(RequestEvent::Finished { reason, completion_tokens, cached_tokens, .. }) => break Ok((reason, completion_tokens, cached_tokens)),
             Some(RequestEvent::Failed { message }) => break Err(anyhow::anyhow!(message)),
             Some(RequestEvent::PromptLogprobs { .. }) => {}
             None => break Err(anyhow::anyhow!("the engine stopped unexpectedly")),
@@ -78,13 +78,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     writeln!(out)?;
     drop(handle);
     let _ = join.join();
-    let (reason, n_gen) = result?;
+    let (reason, n_gen, cached) = result?;
     let end = Instant::now();
     let ttft = first.map(|f| f - start).unwrap_or_default();
     let gen_time = first.map(|f| end - f).unwrap_or_default();
     eprintln!(
-        "prompt: {n_prompt} tokens, {:.1} tokens/s | generation: {n_gen} tokens, {:.1} tokens/s | finish: {}",
+        "prompt: {n_prompt} tokens ({cached} from the prefix cache), {:.1} tokens/s, first token after {:.2} s | generation: {n_gen} tokens, {:.1} tokens/s | finish: {}",
         n_prompt as f64 / ttft.as_secs_f64().max(1e-9),
+        ttft.as_secs_f64(),
         n_gen.saturating_sub(1) as f64 / gen_time.as_secs_f64().max(1e-9),
         reason.as_str()
     );
