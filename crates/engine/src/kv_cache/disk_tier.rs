@@ -15,10 +15,10 @@
 //!   a full queue drops the write. Reads happen where a prompt is admitted.
 
 use super::block_hash::BlockHash;
+use super::byte_lru::ByteLru;
 use super::transfer::BlockKey;
 use crate::types::TokenId;
 use sha2::{Digest, Sha256};
-use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
@@ -55,34 +55,27 @@ pub fn model_key(path: &Path) -> std::io::Result<u64> {
     };
     files.retain(|p| p.extension().is_none_or(|e| e != "md"));
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; 4 << 20];
+    let mut buf = Vec::with_capacity(4 << 20);
+    // up to `n` bytes from where the file is, hashed
+    let mut hash_next = |h: &mut Sha256, f: &mut std::fs::File, n: u64| -> std::io::Result<()> {
+        buf.clear();
+        f.take(n).read_to_end(&mut buf)?;
+        h.update(&buf);
+        Ok(())
+    };
     for p in files {
         let mut f = std::fs::File::open(&p)?;
         let len = f.metadata()?.len();
         h.update(p.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
         h.update(len.to_le_bytes());
-        let n = read_up_to(&mut f, &mut buf)?;
-        h.update(&buf[..n]);
+        hash_next(&mut h, &mut f, 4 << 20)?;
         const SAMPLES: u64 = 64;
-        const SAMPLE: usize = 64 << 10;
         for i in 0..SAMPLES {
             f.seek(SeekFrom::Start(len / SAMPLES * i))?;
-            let n = read_up_to(&mut f, &mut buf[..SAMPLE])?;
-            h.update(&buf[..n]);
+            hash_next(&mut h, &mut f, 64 << 10)?;
         }
     }
     Ok(first_u64(&h.finalize()))
-}
-
-fn read_up_to(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
 }
 
 fn first_u64(digest: &[u8]) -> u64 {
@@ -97,11 +90,6 @@ pub fn namespace(model_key: u64, shape: &str) -> u64 {
     first_u64(&Sha256::digest(format!("specula kv block v{VERSION} model {model_key:016x} {shape}")))
 }
 
-struct Entry {
-    bytes: u64,
-    tick: u64,
-}
-
 enum Op {
     Write { path: PathBuf, bytes: Vec<u8> },
     Remove(PathBuf),
@@ -112,11 +100,8 @@ pub(crate) struct DiskTier {
     dir: PathBuf,
     namespace: u64,
     block_bytes: usize,
-    budget: u64,
-    used: u64,
-    index: HashMap<BlockHash, Entry>,
-    lru: BTreeMap<u64, BlockHash>,
-    next_tick: u64,
+    /// The files in this namespace: block hash -> file size.
+    index: ByteLru<()>,
     writer: Option<(SyncSender<Op>, JoinHandle<()>)>,
 }
 
@@ -153,22 +138,11 @@ impl DiskTier {
                 run_op(op);
             }
         })?;
-        let mut t = Self {
-            dir,
-            namespace,
-            block_bytes,
-            budget: cfg.max_bytes,
-            used: 0,
-            index: HashMap::new(),
-            lru: BTreeMap::new(),
-            next_tick: 0,
-            writer: Some((tx, handle)),
-        };
+        let mut t = Self { dir, namespace, block_bytes, index: ByteLru::new(cfg.max_bytes), writer: Some((tx, handle)) };
         for (_, hash, bytes) in found {
             t.add(hash, bytes);
         }
-        t.trim();
-        tracing::info!(dir = %t.dir.display(), blocks = t.index.len(), mib = t.used >> 20, "prefix cache on disk");
+        tracing::info!(dir = %t.dir.display(), blocks = t.index.len(), mib = t.index.used() >> 20, "prefix cache on disk");
         Ok(t)
     }
 
@@ -182,42 +156,22 @@ impl DiskTier {
     }
 
     pub(crate) fn used(&self) -> u64 {
-        self.used
+        self.index.used()
     }
 
     pub(crate) fn contains(&self, hash: BlockHash) -> bool {
-        self.index.contains_key(&hash)
+        self.index.contains(hash)
     }
 
     fn path(&self, hash: BlockHash) -> PathBuf {
         self.dir.join(format!("{:016x}.{EXTENSION}", hash.0))
     }
 
+    /// Indexes `hash`'s file of `bytes` as the most recently used; the files the budget then has
+    /// no room for are removed.
     fn add(&mut self, hash: BlockHash, bytes: u64) {
-        let tick = self.next_tick;
-        self.next_tick += 1;
-        if let Some(old) = self.index.insert(hash, Entry { bytes, tick }) {
-            self.lru.remove(&old.tick);
-            self.used -= old.bytes;
-        }
-        self.lru.insert(tick, hash);
-        self.used += bytes;
-    }
-
-    fn forget(&mut self, hash: BlockHash) {
-        if let Some(e) = self.index.remove(&hash) {
-            self.lru.remove(&e.tick);
-            self.used -= e.bytes;
-        }
-    }
-
-    fn trim(&mut self) {
-        while self.used > self.budget {
-            let Some((_, hash)) = self.lru.pop_first() else { break };
-            let path = self.path(hash);
-            if let Some(e) = self.index.remove(&hash) {
-                self.used -= e.bytes;
-            }
+        for (old, ()) in self.index.insert(hash, (), bytes) {
+            let path = self.path(old);
             self.send(Op::Remove(path));
         }
     }
@@ -237,7 +191,7 @@ impl DiskTier {
     /// The KV of the block holding `tokens` after `parent`, if a file has it and passes every
     /// check; a file that fails one is dropped from the index with a warning.
     pub(crate) fn get(&mut self, hash: BlockHash, parent: Option<BlockHash>, tokens: &[TokenId]) -> Option<Vec<u8>> {
-        if !self.index.contains_key(&hash) {
+        if !self.index.contains(hash) {
             return None;
         }
         let path = self.path(hash);
@@ -247,13 +201,7 @@ impl DiskTier {
         });
         match read {
             Ok((key, len, mut file)) if key.hash == hash && key.matches(parent, tokens) && len == self.block_bytes => {
-                let tick = self.next_tick;
-                self.next_tick += 1;
-                if let Some(e) = self.index.get_mut(&hash) {
-                    self.lru.remove(&e.tick);
-                    e.tick = tick;
-                    self.lru.insert(tick, hash);
-                }
+                self.index.touch(hash);
                 self.send(Op::Touch(path));
                 // the payload is the file's tail before the checksum
                 file.truncate(file.len() - 4);
@@ -268,17 +216,17 @@ impl DiskTier {
                     // same chain hash, other tokens: a hash collision, or a forged file
                     tracing::warn!(file = %path.display(), "prefix cache file holds other tokens than the prompt under its hash: ignored");
                 }
-                self.forget(hash);
+                self.index.remove(hash);
                 None
             }
             Err(FileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
                 // another process removed it
-                self.forget(hash);
+                self.index.remove(hash);
                 None
             }
             Err(e) => {
                 tracing::warn!(file = %path.display(), "prefix cache file ignored: {e}");
-                self.forget(hash);
+                self.index.remove(hash);
                 if matches!(e, FileError::Corrupt(_)) {
                     self.send(Op::Remove(path));
                 }
@@ -290,24 +238,22 @@ impl DiskTier {
     /// Writes `key`'s block unless a file has it already; the least recently used files go to
     /// keep the budget.
     pub(crate) fn put(&mut self, key: &BlockKey, payload: &[u8]) {
-        if self.index.contains_key(&key.hash) || payload.len() != self.block_bytes {
+        if self.index.contains(key.hash) || payload.len() != self.block_bytes {
             return;
         }
         let file = encode(self.namespace, key, payload);
         let size = file.len() as u64;
-        if size > self.budget {
+        if size > self.index.budget() {
             return;
         }
         let path = self.path(key.hash);
         if self.send(Op::Write { path, bytes: file }) {
             self.add(key.hash, size);
-            self.trim();
         }
     }
 
-    /// Waits until every queued write is on disk (the tests; dropping the tier does it too).
-    #[cfg(test)]
-    pub(crate) fn flush(&mut self) {
+    /// Waits until every queued write and removal is done; no more are queued after it.
+    fn flush(&mut self) {
         if let Some((tx, handle)) = self.writer.take() {
             drop(tx);
             let _ = handle.join();
@@ -318,10 +264,7 @@ impl DiskTier {
 impl Drop for DiskTier {
     /// Finishes the queued writes, so that what this process computed is there for the next one.
     fn drop(&mut self) {
-        if let Some((tx, handle)) = self.writer.take() {
-            drop(tx);
-            let _ = handle.join();
-        }
+        self.flush();
     }
 }
 

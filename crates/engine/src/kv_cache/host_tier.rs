@@ -3,76 +3,50 @@
 //! (no copy); the entry stays, so a second request with the same prefix finds it too.
 
 use super::block_hash::BlockHash;
+use super::byte_lru::ByteLru;
 use super::transfer::BlockKey;
 use crate::types::TokenId;
-use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-struct Entry {
-    key: BlockKey,
-    bytes: Arc<[u8]>,
-    tick: u64,
-}
-
 pub(crate) struct HostTier {
-    budget: usize,
-    used: usize,
-    entries: HashMap<BlockHash, Entry>,
-    /// tick of last use -> hash; the first is the next out.
-    lru: BTreeMap<u64, BlockHash>,
-    next_tick: u64,
+    lru: ByteLru<(BlockKey, Arc<[u8]>)>,
 }
 
 impl HostTier {
     pub(crate) fn new(budget: usize) -> Self {
-        Self { budget, used: 0, entries: HashMap::new(), lru: BTreeMap::new(), next_tick: 0 }
+        Self { lru: ByteLru::new(budget as u64) }
     }
 
     pub(crate) fn budget(&self) -> usize {
-        self.budget
+        self.lru.budget() as usize
     }
 
     pub(crate) fn used(&self) -> usize {
-        self.used
+        self.lru.used() as usize
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.entries.len()
+        self.lru.len()
     }
 
     pub(crate) fn contains(&self, hash: BlockHash) -> bool {
-        self.entries.contains_key(&hash)
+        self.lru.contains(hash)
     }
 
     /// The bytes of the block holding `tokens` after `parent`, if kept; marks it used.
     pub(crate) fn get(&mut self, hash: BlockHash, parent: Option<BlockHash>, tokens: &[TokenId]) -> Option<Arc<[u8]>> {
-        let tick = self.next_tick;
-        let e = self.entries.get_mut(&hash).filter(|e| e.key.matches(parent, tokens))?;
-        self.lru.remove(&e.tick);
-        e.tick = tick;
-        self.lru.insert(tick, hash);
-        self.next_tick += 1;
-        Some(e.bytes.clone())
+        let bytes = self.lru.peek(hash).filter(|(key, _)| key.matches(parent, tokens))?.1.clone();
+        self.lru.touch(hash);
+        Some(bytes)
     }
 
     /// Keeps `bytes` under `key`, making room by dropping the least recently used; a block larger
     /// than the whole budget, or one already kept, is not added.
     pub(crate) fn insert(&mut self, key: BlockKey, bytes: Arc<[u8]>) {
-        let size = entry_size(&key, &bytes);
-        if size > self.budget || self.entries.contains_key(&key.hash) {
-            return;
+        if !self.lru.contains(key.hash) {
+            let size = entry_size(&key, &bytes) as u64;
+            self.lru.insert(key.hash, (key, bytes), size);
         }
-        while self.used + size > self.budget {
-            let Some((_, old)) = self.lru.pop_first() else { break };
-            if let Some(e) = self.entries.remove(&old) {
-                self.used -= entry_size(&e.key, &e.bytes);
-            }
-        }
-        let tick = self.next_tick;
-        self.next_tick += 1;
-        self.used += size;
-        self.lru.insert(tick, key.hash);
-        self.entries.insert(key.hash, Entry { key, bytes, tick });
     }
 }
 

@@ -5,7 +5,7 @@
 use super::block_hash::{hash_block, BlockHash};
 use super::block_pool::BlockPool;
 use super::tiers::{PrefixTiers, Tier};
-use super::transfer::{BlockKey, BlockLoad, BlockSave, KvTransfers, SaveTo, TransfersDone};
+use super::transfer::{BlockKey, BlockLoad, BlockSave, KvTransfers, LoadedBlock, SaveTo, TransfersDone};
 use super::{expect_kv, KvCacheError};
 use crate::types::{BlockId, SeqId, TokenId};
 use std::collections::HashMap;
@@ -135,7 +135,7 @@ impl KvCacheManager {
     fn load_block(&mut self, seq: SeqId, index: usize, key: BlockKey, bytes: std::sync::Arc<[u8]>) -> Option<BlockId> {
         let block = self.pool.allocate()?;
         self.note_evictions();
-        self.pending.loads.push(BlockLoad { block, bytes, seq, index, key });
+        self.pending.loads.push(BlockLoad { at: LoadedBlock { block, seq, index, key }, bytes });
         Some(block)
     }
 
@@ -382,7 +382,6 @@ impl KvCacheManager {
 
 #[cfg(test)]
 mod tests {
-    use super::super::transfer::LoadedBlock;
     use super::*;
 
     fn b(ids: &[u32]) -> Vec<BlockId> {
@@ -536,35 +535,43 @@ mod tests {
         saves
     }
 
+    /// The prompt [`evict_a`] runs.
+    const A: [TokenId; 5] = [1, 2, 3, 4, 5];
+
+    /// Runs `A` as sequence 1 and frees it, then has sequence 2 (still running) take the whole pool
+    /// of [`tiered`], which evicts A's two cached blocks; returns their saves, done.
+    fn evict_a(kv: &mut KvCacheManager) -> Vec<BlockSave> {
+        prefill(kv, 1, &A);
+        kv.free(SeqId(1)).unwrap();
+        assert!(kv.take_transfers().is_empty(), "nothing evicted yet");
+        prefill(kv, 2, &[9, 9, 8, 8, 7, 7, 6, 6]);
+        do_saves(kv)
+    }
+
+    /// What the step did with `t`'s loads.
+    fn loads_done(t: KvTransfers) -> TransfersDone {
+        TransfersDone { saved: vec![], loaded: t.loads.into_iter().map(|l| l.at).collect() }
+    }
+
     #[test]
     fn evicted_blocks_are_saved_and_come_back_as_loads_shared_once_the_step_did_them() {
         let mut kv = tiered();
-        let a = [1, 2, 3, 4, 5];
-        prefill(&mut kv, 1, &a);
-        kv.free(SeqId(1)).unwrap();
-        assert!(kv.take_transfers().is_empty(), "nothing evicted yet");
-        // another prompt takes the whole pool: a's two cached blocks are evicted (the end of the
-        // chain first) and saved
-        prefill(&mut kv, 2, &[9, 9, 8, 8, 7, 7, 6, 6]);
-        let saves = do_saves(&mut kv);
+        // the end of the chain is evicted first
+        let saves = evict_a(&mut kv);
         assert_eq!(saves.iter().map(|s| (s.to, s.key.tokens.to_vec())).collect::<Vec<_>>(), vec![(SaveTo::Evicted, vec![3, 4]), (SaveTo::Evicted, vec![1, 2])]);
         kv.free(SeqId(2)).unwrap();
         // a again: both blocks from host memory, loaded into fresh blocks by the next step
-        assert_eq!(kv.allocate_prompt(SeqId(3), &a), Ok(4));
+        assert_eq!(kv.allocate_prompt(SeqId(3), &A), Ok(4));
         assert_eq!((kv.prefix_cache_stats().hit_tokens, kv.prefix_cache_stats().host_hit_tokens), (4, 4));
         let t = kv.take_transfers();
-        let loads: Vec<(usize, Vec<u8>)> = t.loads.iter().map(|l| (l.index, l.bytes.to_vec())).collect();
+        let loads: Vec<(usize, Vec<u8>)> = t.loads.iter().map(|l| (l.at.index, l.bytes.to_vec())).collect();
         assert_eq!(loads, vec![(0, vec![saves[1].block.0 as u8; 8]), (1, vec![saves[0].block.0 as u8; 8])]);
         assert_eq!(t.saves.len(), 2, "the blocks they took were b's, evicted and saved in turn");
-        // until the step confirms its loads, another sequence cannot share them (it loads its own)
-        let done = |t: &KvTransfers| TransfersDone {
-            saved: vec![],
-            loaded: t.loads.iter().map(|l| LoadedBlock { block: l.block, seq: l.seq, index: l.index, key: l.key.clone() }).collect(),
-        };
-        kv.finish_transfers(done(&t));
+        // the step confirms its loads: they join the prefix cache
+        kv.finish_transfers(loads_done(t));
         kv.ensure_capacity(SeqId(3), 5).unwrap();
         let before = kv.prefix_cache_stats();
-        assert_eq!(kv.allocate_prompt(SeqId(4), &a), Ok(4));
+        assert_eq!(kv.allocate_prompt(SeqId(4), &A), Ok(4));
         assert_eq!(kv.prefix_cache_stats().host_hit_tokens, before.host_hit_tokens, "shared from the store");
         assert_eq!(kv.block_table(SeqId(4)).unwrap()[..2], kv.block_table(SeqId(3)).unwrap()[..2]);
     }
@@ -572,35 +579,26 @@ mod tests {
     #[test]
     fn a_load_whose_sequence_has_gone_is_not_shared() {
         let mut kv = tiered();
-        let a = [1, 2, 3, 4, 5];
-        prefill(&mut kv, 1, &a);
-        kv.free(SeqId(1)).unwrap();
-        prefill(&mut kv, 2, &[9, 9, 8, 8, 7, 7, 6, 6]);
-        do_saves(&mut kv);
+        evict_a(&mut kv);
         kv.free(SeqId(2)).unwrap();
-        assert_eq!(kv.allocate_prompt(SeqId(3), &a), Ok(4));
+        assert_eq!(kv.allocate_prompt(SeqId(3), &A), Ok(4));
         let t = kv.take_transfers();
         // the sequence fails before its step's result comes back: its blocks go back unshared
         kv.free(SeqId(3)).unwrap();
-        let loaded = t.loads.iter().map(|l| LoadedBlock { block: l.block, seq: l.seq, index: l.index, key: l.key.clone() }).collect();
-        kv.finish_transfers(TransfersDone { saved: vec![], loaded });
+        kv.finish_transfers(loads_done(t));
         assert_eq!(kv.num_free_blocks(), 4);
         // not in the store: the next request loads from host memory again
         let before = kv.prefix_cache_stats().host_hit_tokens;
-        assert_eq!(kv.allocate_prompt(SeqId(4), &a), Ok(4));
+        assert_eq!(kv.allocate_prompt(SeqId(4), &A), Ok(4));
         assert_eq!(kv.prefix_cache_stats().host_hit_tokens - before, 4, "nothing registered for a sequence that is gone");
     }
 
     #[test]
     fn a_prompt_that_cannot_be_admitted_does_not_read_the_tiers() {
         let mut kv = tiered();
-        let a = [1, 2, 3, 4, 5];
-        prefill(&mut kv, 1, &a);
-        kv.free(SeqId(1)).unwrap();
-        prefill(&mut kv, 2, &[9, 9, 8, 8, 7, 7, 6, 6]);
-        do_saves(&mut kv);
+        evict_a(&mut kv);
         // b still runs: a's 3 blocks do not fit in the 0 free ones, so no load is tried
-        assert_eq!(kv.allocate_prompt(SeqId(3), &a), Ok(0));
+        assert_eq!(kv.allocate_prompt(SeqId(3), &A), Ok(0));
         assert!(kv.take_transfers().is_empty());
         assert_eq!(kv.prefix_cache_stats().host_hit_tokens, 0);
     }

@@ -12,6 +12,7 @@
 
 mod block_hash;
 mod block_pool;
+mod byte_lru;
 pub mod disk_tier;
 mod host_tier;
 mod manager;

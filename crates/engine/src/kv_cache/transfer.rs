@@ -44,15 +44,11 @@ pub struct BlockSave {
     pub to: SaveTo,
 }
 
-/// Copy `bytes` (found in a tier under `key`) into block `block`, which `seq` holds as its
-/// `index`-th block.
+/// Copy `bytes` (found in a tier under `at.key`) into the block `at` names.
 #[derive(Debug)]
 pub struct BlockLoad {
-    pub block: BlockId,
+    pub at: LoadedBlock,
     pub bytes: Arc<[u8]>,
-    pub seq: SeqId,
-    pub index: usize,
-    pub key: BlockKey,
 }
 
 /// One step's block copies, saves first (a block evicted and refilled in the same step is read
@@ -82,8 +78,8 @@ pub struct SavedBlock {
     pub bytes: Vec<u8>,
 }
 
-/// A load done: `seq`'s `index`-th block now holds `key`'s KV, so it may join the prefix cache
-/// (if `seq` still holds it there).
+/// Where a load goes: block `block`, which `seq` holds as its `index`-th, is to hold `key`'s KV.
+/// Once the load is done it may join the prefix cache (if `seq` still holds it there).
 #[derive(Debug)]
 pub struct LoadedBlock {
     pub block: BlockId,

@@ -7,7 +7,7 @@ pub mod job;
 
 pub use crate::step::{BatchInputs, RowRange};
 
-use crate::kv_cache::transfer::{KvTransfers, LoadedBlock, SavedBlock, TransfersDone};
+use crate::kv_cache::transfer::{KvTransfers, SavedBlock, TransfersDone};
 use specula_model::kv_store::BlockBytesError;
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
 
@@ -27,8 +27,8 @@ pub(crate) fn run_transfers(kv: &mut KvStore, t: KvTransfers) -> Result<Transfer
         .collect();
     let mut loaded = Vec::with_capacity(t.loads.len());
     for l in t.loads {
-        kv.copy_block_in(l.block.0 as usize, &l.bytes)?;
-        loaded.push(LoadedBlock { block: l.block, seq: l.seq, index: l.index, key: l.key });
+        kv.copy_block_in(l.at.block.0 as usize, &l.bytes)?;
+        loaded.push(l.at);
     }
     Ok(TransfersDone { saved, loaded })
 }
