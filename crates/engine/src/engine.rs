@@ -74,8 +74,9 @@ impl Engine {
         let mut host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
         let shape = format!("{} block {} layers {} kv heads {} head dim {}", cfg.kv_cache_dtype, cfg.block_size, c.n_layers, c.n_kv_heads, c.head_dim);
         let namespace = cfg.prefix_tiers.disk.as_ref().map_or(0, |d| crate::kv_cache::disk_tier::namespace(d.model_key, &shape));
-        let tiers = crate::kv_cache::PrefixTiers::open(&cfg.prefix_tiers, namespace, kv_store.block_bytes())
-            .map_err(|e| EngineError::Config(format!("--prefix-cache-dir: {e}")))?;
+        let tiers = crate::kv_cache::PrefixTiers::open(&cfg.prefix_tiers, namespace, kv_store.block_bytes()).map_err(|e| {
+            EngineError::Config(format!("--prefix-cache-dir {}: {e}", cfg.prefix_tiers.disk.as_ref().map_or_else(String::new, |d| d.dir.display().to_string())))
+        })?;
         host.kv.set_tiers(tiers);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads)
