@@ -150,7 +150,7 @@ impl Engine {
                 c.publish();
                 c
             }
-            None => crate::speculative::cost_model(&cfg, proposer.as_mut(), &self.ctx.model, &self.ctx.pool)
+            None => crate::speculative::cost_model(&cfg, proposer.as_mut(), &self.ctx.model, self.cfg.kv_cache_dtype, &self.ctx.pool)
                 .map_err(|e| EngineError::Config(format!("speculation cost model: {e}")))?,
         };
         self.compute.spec = Some(Speculation::new(cfg, proposer, cost));

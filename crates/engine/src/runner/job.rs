@@ -312,6 +312,10 @@ fn propose(
     let continuing = continuing(ctx, &items, &mut results);
     let decoding = continuing.iter().filter(|&&c| c).count();
     let room: Vec<usize> = items.iter().map(|it| room(ctx, it)).collect();
+    if let Some(sp) = state.spec.as_mut() {
+        let context: usize = items.iter().zip(&continuing).filter(|(_, &c)| c).map(|(it, _)| it.tokens.len()).sum();
+        sp.set_context(context / decoding.max(1));
+    }
     let forced = jump_forward(ctx, state.spec.as_ref(), &mut results, &continuing, &room, decoding);
     if let Some(sp) = state.spec.as_mut() {
         let needs_hidden = sp.proposer.needs_hidden();

@@ -191,7 +191,7 @@ impl OutputLengths {
 /// tokens against the catch-up's cost, both in target one-token steps.
 pub fn catch_up_pays(alpha: f64, k: usize, cost: &CostModel, batch: usize, backlog: usize, remaining: usize) -> bool {
     let gain = expected_tokens(alpha, k) / cost.step_cost(batch, k);
-    let saved = remaining as f64 * (1.0 - 1.0 / gain).max(0.0) * cost.relative(batch.max(1));
+    let saved = remaining as f64 * (1.0 - 1.0 / gain).max(0.0) * cost.plain_step(batch);
     saved > cost.catch_up(backlog)
 }
 

@@ -125,11 +125,13 @@ fn build_one(cfg: &SpecConfig, target: ProposerTarget, engine: &crate::config::E
 }
 
 /// The cost model `cfg` asks for: given figures, or the target's verify curve measured now on
-/// `pool` (a second or two; logged) and the proposer's draft token measured with it.
+/// `pool` (a second or two; logged), attention's cost per token of context over a cache of
+/// `kv_dtype` and the proposer's draft token measured with it.
 pub fn cost_model(
     cfg: &SpecConfig,
     proposer: &mut dyn Proposer,
     target: &specula_model::LlamaModel,
+    kv_dtype: specula_kernels::kv::KvDtype,
     pool: &rayon::ThreadPool,
 ) -> Result<cost::CostModel, SpecError> {
     let model = match cfg.verify_cost_per_token {
@@ -144,6 +146,8 @@ pub fn cost_model(
                     None => cost::CostModel::from_times(&times, proposer.cost_per_draft_token(&target.config)),
                 },
             };
+            let attention = pool.install(|| cost::time_attention(&target.config, kv_dtype, &cost::attention_points(cfg.num_speculative_tokens), 2))?;
+            let m = m.with_attention_times(&attention, times[0].1, cost::layer_windows(&target.config));
             tracing::info!(
                 "speculation cost model: {} ({:.1} s; give --speculative-verify-cost and --speculative-draft-cost to skip)",
                 m.describe(),
@@ -210,6 +214,13 @@ impl Speculation {
             ngram_share: std::collections::BTreeMap::new(),
             ngram_share_prior: 0.0,
         }
+    }
+
+    /// Prices the next steps at a mean context of `tokens` per decoding sequence: at depth each
+    /// verified row pays its attention over the whole context ([`cost::CostModel::set_context`]).
+    pub(crate) fn set_context(&mut self, tokens: usize) {
+        self.cost.set_context(tokens);
+        self.ngram_cost.set_context(tokens);
     }
 
     /// Most drafts per sequence this step, when `decoding` sequences decode: the configured k, or
@@ -413,7 +424,7 @@ impl Speculation {
                 // the catch-up, relative to the batch's plain step, per step it is repaid over
                 let per_step = adaptive::expected_tokens(alpha, k);
                 let horizon = self.model_horizon(seq, remaining, per_step);
-                let catch_up = self.cost.catch_up(backlog) / self.cost.relative(decoding.max(1)) / (horizon as f64 / per_step).max(1.0);
+                let catch_up = self.cost.catch_up(backlog) / self.cost.plain_step(decoding) / (horizon as f64 / per_step).max(1.0);
                 let by_model = if k == 0 { gain } else { per_step / (per_step / gain + catch_up) };
                 s.len > 0 && by_ngram >= by_model
             });
