@@ -41,14 +41,14 @@ one() {
 
 run() {
   case $1 in
-    dp1)                 one "$1" "$BIN" serve --threads 1 ;;
-    dp1-pinned)          one "$1" taskset -c 0 "$BIN" serve --threads 1 ;;
-    dp2-local)           one "$1" "$BIN" serve --threads 2 --data-parallel-size 2 ;;
-    dp2-mpi)             one "$1" "${MPIRUN[@]}" "$BIN" serve --threads 1 --data-parallel-backend mpi ;;
-    dp2-mpi-nobind)      one "$1" "${MPIRUN[@]}" --bind-to none "$BIN" serve --threads 1 --data-parallel-backend mpi ;;
-    dp2-lock-local)      one "$1" "$BIN" serve --threads 2 --data-parallel-size 2 --data-parallel-mode lockstep ;;
-    dp2-lock-mpi)        one "$1" "${MPIRUN[@]}" "$BIN" serve --threads 1 --data-parallel-backend mpi --data-parallel-mode lockstep ;;
-    dp2-lock-mpi-nobind) one "$1" "${MPIRUN[@]}" --bind-to none "$BIN" serve --threads 1 --data-parallel-backend mpi --data-parallel-mode lockstep ;;
+    dp1)                 one "$1" "$BIN" serve --speculative-method none --threads 1 ;;
+    dp1-pinned)          one "$1" taskset -c 0 "$BIN" serve --speculative-method none --threads 1 ;;
+    dp2-local)           one "$1" "$BIN" serve --speculative-method none --threads 2 --data-parallel-size 2 ;;
+    dp2-mpi)             one "$1" "${MPIRUN[@]}" "$BIN" serve --speculative-method none --threads 1 --data-parallel-backend mpi ;;
+    dp2-mpi-nobind)      one "$1" "${MPIRUN[@]}" --bind-to none "$BIN" serve --speculative-method none --threads 1 --data-parallel-backend mpi ;;
+    dp2-lock-local)      one "$1" "$BIN" serve --speculative-method none --threads 2 --data-parallel-size 2 --data-parallel-mode lockstep ;;
+    dp2-lock-mpi)        one "$1" "${MPIRUN[@]}" "$BIN" serve --speculative-method none --threads 1 --data-parallel-backend mpi --data-parallel-mode lockstep ;;
+    dp2-lock-mpi-nobind) one "$1" "${MPIRUN[@]}" --bind-to none "$BIN" serve --speculative-method none --threads 1 --data-parallel-backend mpi --data-parallel-mode lockstep ;;
     *) echo "unknown config $1" ;;
   esac
 }

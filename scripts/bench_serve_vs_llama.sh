@@ -7,6 +7,7 @@
 #   LLAMA_SERVER=/path/to/llama-server THREADS=2 CONCURRENCY=1,4,8 NUM_PROMPTS=16 scripts/bench_serve_vs_llama.sh
 #   WORKLOAD=copy  SPEC="none ngram" ...   # the input-grounded chat workload (bench/copy_passages.jsonl)
 #   ASYNC="off on" ...                      # each specula run without and with --async-scheduling
+#   SPECULA_FLAGS="--prefix-cache-dir D" ... # more flags for every specula run
 #   WORKLOAD=long CONCURRENCY=1 NUM_PROMPTS=4 ...  # coding-agent sessions of 16k-32k tokens
 #                                           # (bench/make_long_agent_sessions.py; LONG_MAX=65536 for longer),
 #                                           # llama-server with -fa on and its context set to hold them
@@ -33,7 +34,7 @@ case "$WORKLOAD" in
   random) LOAD=(--random-input-len 128 --random-output-len 128 --ignore-eos) ;;
   copy) LOAD=(--endpoint /v1/chat/completions --dataset file --dataset-path bench/copy_passages.jsonl) ;;
   long)
-    python3 bench/make_long_agent_sessions.py --output "$OUT/long_agent.jsonl" --max-tokens "${LONG_MAX:-32768}" >&2
+    python3 bench/make_long_agent_sessions.py --output "$OUT/long_agent.jsonl" --min-tokens "${LONG_MIN:-16384}" --max-tokens "${LONG_MAX:-32768}" >&2
     LOAD=(--endpoint /v1/chat/completions --dataset file --dataset-path "$OUT/long_agent.jsonl") ;;
   *) echo "WORKLOAD must be random, copy or long" >&2; exit 2 ;;
 esac
@@ -41,6 +42,7 @@ esac
 # whole session for the long workload (run it at concurrency 1)
 PARALLEL=8 LLAMA_CTX=16384
 if [ "$WORKLOAD" = long ]; then PARALLEL=1 LLAMA_CTX=$(( ${LONG_MAX:-32768} + 8192 )); fi
+LLAMA_CTX=${CONTEXT:-$LLAMA_CTX} # CONTEXT=N: llama-server's -c (e.g. 32768, specula's default for a 32k model)
 BENCH=("$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --max-concurrency "$CONC" "${LOAD[@]}" --no-progress)
 
 
@@ -50,8 +52,15 @@ one() {
   "$@" >"$OUT/$name.server.log" 2>&1 &
   local pid=$!
   if ! wait_up; then echo "   server did not come up (see $OUT/$name.server.log)"; kill "$pid"; wait "$pid"; return; fi
-  "${BENCH[@]}" --num-prompts 4 --seed 1 >/dev/null 2>&1 # warm-up
+  if [ "$WORKLOAD" = long ]; then
+    # a warm-up that shares nothing with the sessions: their first turn is measured cold
+    "$BIN" bench serve --base-url "http://127.0.0.1:$PORT" --random-input-len 64 --random-output-len 8 --num-prompts 2 --no-progress >/dev/null 2>&1
+  else
+    "${BENCH[@]}" --num-prompts 4 --seed 1 >/dev/null 2>&1 # warm-up
+  fi
   "${BENCH[@]}" --num-prompts "$N" --seed 0 --label "$name" --output-json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.bench.txt"
+  # the server's peak resident memory over the run
+  echo "   peak RSS $(awk '/VmHWM/ {printf "%.0f MiB", $2 / 1024}' "/proc/$pid/status")" | tee "$OUT/$name.rss"
   kill -INT "$pid"; wait "$pid"
 }
 
@@ -60,10 +69,10 @@ for m in $SPEC; do
     flags=(); suffix=""
     if [ "$a" = on ]; then flags=(--async-scheduling); suffix="-async"; fi
     if [ "$m" = none ]; then
-      one "specula$suffix" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 "${flags[@]}"
+      one "specula$suffix" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 --speculative-method none "${flags[@]}" ${SPECULA_FLAGS:-}
     else
       one "specula-$m-k$K$suffix" "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 \
-        --speculative-method "$m" --num-speculative-tokens "$K" "${flags[@]}"
+        --speculative-method "$m" --num-speculative-tokens "$K" "${flags[@]}" ${SPECULA_FLAGS:-}
     fi
   done
 done

@@ -110,6 +110,9 @@ class SpeculaServer:
     def command(self) -> list[str]:
         cmd = [str(self.binary), "serve", "--model", str(self.model), "--host", HOST, "--port", str(self.port),
                "--threads", str(self.threads), *self.args]
+        if not any(a.startswith("--speculative-method") for a in self.args):
+            # the server speculates (n-gram) by default; a test's baseline is the plain engine
+            cmd += ["--speculative-method", "none"]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         return cmd

@@ -122,12 +122,16 @@ impl From<ExpertWeightsArg> for specula_model::ExpertWeights {
 #[derive(Args, Debug, Clone)]
 pub struct SpecArgs {
     /// ngram | draft | mtp, or ngram beside a model: ngram,draft | ngram,mtp (per sequence and
-    /// step the drafts expected to keep more; default: no speculation).
-    #[arg(long, value_parser = choices::<MethodChoice>(&["ngram", "draft", "mtp", "ngram,draft", "ngram,mtp"]))]
-    pub speculative_method: Option<MethodChoice>,
-    /// Draft tokens proposed per sequence and step (upper bound; adaptive logic may use fewer).
-    #[arg(long, default_value_t = 3)]
-    pub num_speculative_tokens: usize,
+    /// step the drafts expected to keep more), or none. The n-gram method is on by default:
+    /// adaptive k drafts only where its measured cost model says the drafts pay (outputs are
+    /// identical with and without; docs/benchmarks.md, "Speculation by default").
+    #[arg(long, default_value = "ngram", value_parser = choices::<MethodArg>(&["none", "ngram", "draft", "mtp", "ngram,draft", "ngram,mtp"]))]
+    pub speculative_method: MethodArg,
+    /// Draft tokens proposed per sequence and step (upper bound; adaptive k may use fewer).
+    /// Default: 16 for the n-gram method (alone or beside a model: its drafts cost nothing and a
+    /// copied span is long), 3 for a draft model or an mtp head alone.
+    #[arg(long)]
+    pub num_speculative_tokens: Option<usize>,
     /// Draft model (GGUF or HF folder) for --speculative-method draft, head file for mtp
     /// (default for mtp: the head built in for the default model, heads/README.md).
     #[arg(long)]
@@ -185,6 +189,27 @@ pub struct SpecArgs {
     pub speculative_min_confidence: f32,
 }
 
+/// Default `--num-speculative-tokens` with the n-gram method: on the agent traces at 16 it drafted
+/// long copies whole (1.39x no speculation at c1, 1.05x at c8; docs/benchmarks.md).
+const NGRAM_DEFAULT_K: usize = 16;
+/// Default `--num-speculative-tokens` for a draft model or an mtp head alone.
+const MODEL_DEFAULT_K: usize = 3;
+
+/// `--speculative-method`: a method, or `none` (no speculation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MethodArg(pub Option<MethodChoice>);
+
+impl std::str::FromStr for MethodArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim().eq_ignore_ascii_case("none") {
+            Ok(Self(None))
+        } else {
+            s.parse().map(|m| Self(Some(m)))
+        }
+    }
+}
+
 /// A parser that accepts only `values` (listed by `--help` and in the error) and hands the one
 /// given to `T`'s own parser.
 fn choices<T>(values: &'static [&'static str]) -> impl clap::builder::TypedValueParser<Value = T>
@@ -215,8 +240,10 @@ fn parse_probability(s: &str) -> Result<f32, String> {
 
 impl SpecArgs {
     pub fn to_config(&self) -> Option<SpecConfig> {
-        let choice = self.speculative_method?;
-        let mut c = SpecConfig::new(choice.method, self.num_speculative_tokens);
+        let choice = self.speculative_method.0?;
+        let ngram = choice.method == SpecMethod::Ngram || choice.with_ngram;
+        let k = self.num_speculative_tokens.unwrap_or(if ngram { NGRAM_DEFAULT_K } else { MODEL_DEFAULT_K });
+        let mut c = SpecConfig::new(choice.method, k);
         c.with_ngram = choice.with_ngram;
         c.ngram_min = self.ngram_min;
         c.corpus_tokens = self.speculative_corpus_tokens;
@@ -464,10 +491,18 @@ mod tests {
         use clap::CommandFactory;
         let mut cmd = Cli::command();
         let help = cmd.render_long_help().to_string();
-        assert!(help.contains("ngram, draft, mtp, ngram,draft, ngram,mtp"), "{help}");
+        assert!(help.contains("none, ngram, draft, mtp, ngram,draft, ngram,mtp"), "{help}");
         assert!(help.contains("q4_0, stored"), "{help}");
         let c = Cli::try_parse_from(["x", "--speculative-method", "ngram,mtp", "--draft-weights", "stored"]).unwrap();
-        assert_eq!(c.spec.speculative_method.map(|m| (m.method, m.with_ngram)), Some((SpecMethod::Mtp, true)));
+        assert_eq!(c.spec.speculative_method.0.map(|m| (m.method, m.with_ngram)), Some((SpecMethod::Mtp, true)));
+        // n-gram speculation unless told otherwise
+        let default = Cli::try_parse_from(["x"]).unwrap().spec.to_config().expect("speculation on by default");
+        assert_eq!((default.method, default.with_ngram, default.adaptive, default.num_speculative_tokens), (SpecMethod::Ngram, false, true, 16));
+        let k = |args: &[&str]| Cli::try_parse_from([&["x"], args].concat()).unwrap().spec.to_config().unwrap().num_speculative_tokens;
+        assert_eq!(k(&["--speculative-method", "mtp"]), 3);
+        assert_eq!(k(&["--speculative-method", "ngram,draft"]), 16);
+        assert_eq!(k(&["--speculative-method", "draft", "--num-speculative-tokens", "5"]), 5);
+        assert!(Cli::try_parse_from(["x", "--speculative-method", "none"]).unwrap().spec.to_config().is_none());
         assert_eq!(c.spec.draft_weights, DraftWeights::Stored);
         let err = Cli::try_parse_from(["x", "--speculative-method", "eagle"]).err().expect("refused");
         assert_eq!(err.kind(), clap::error::ErrorKind::InvalidValue);

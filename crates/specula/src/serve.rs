@@ -231,7 +231,7 @@ fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_nam
     };
     server_cfg.allowed_origins = args.allowed_origins.clone();
     server_cfg.speculative_audit = args.speculative_audit;
-    if args.speculative_audit > 0.0 && args.engine.spec.speculative_method.is_none() {
+    if args.speculative_audit > 0.0 && args.engine.spec.speculative_method.0.is_none() {
         tracing::warn!("--speculative-audit has nothing to check without --speculative-method: the audit is off");
         server_cfg.speculative_audit = 0.0;
     }

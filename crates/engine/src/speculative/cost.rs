@@ -287,10 +287,14 @@ const ATTENTION_BYTES: usize = 64 << 20;
 
 /// The row counts attention is measured at for drafts of up to `max_k` tokens: one sequence's
 /// `1 + k` rows (a batch's sequences each read their own context, so its attention is that many
-/// times one sequence's).
+/// times one sequence's), powers of two up to the first that holds them (interpolated between:
+/// past a few rows the time grows about linearly with them).
 pub fn attention_points(max_k: usize) -> Vec<usize> {
-    let last = CURVE_POINTS.iter().position(|&n| n >= 1 + max_k).unwrap_or(CURVE_POINTS.len() - 1);
-    CURVE_POINTS[..=last].to_vec()
+    let mut points = vec![1];
+    while points[points.len() - 1] < 1 + max_k {
+        points.push(2 * points[points.len() - 1]);
+    }
+    points
 }
 
 /// How each of the model's layers attends: `None` the whole context, `Some(w)` the last `w`
@@ -417,8 +421,9 @@ mod tests {
         let t = time_attention(&c, KvDtype::F16, &[1, 4], 1).expect("scratch cache");
         assert_eq!(t.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 4]);
         assert!(t.iter().all(|&(_, s)| s > 0.0 && s < 1e-3), "{t:?}");
-        assert_eq!(attention_points(3), vec![1, 2, 3, 4]);
-        assert_eq!(attention_points(4), vec![1, 2, 3, 4, 6]);
+        assert_eq!(attention_points(3), vec![1, 2, 4]);
+        assert_eq!(attention_points(4), vec![1, 2, 4, 8]);
+        assert_eq!(attention_points(16), vec![1, 2, 4, 8, 16, 32]);
     }
 
     #[test]
