@@ -54,7 +54,7 @@ server_cmd() {
   local l=(-m "$TARGET" --port "$PORT" -t "$THREADS" --parallel 8 -c 32768 --no-webui --temp 0)
   case $1 in specula-none | llama-*) ;; specula-*) [ -n "${AUDIT:-}" ] && s+=(--speculative-audit "$AUDIT") ;; esac
   case $1 in
-    specula-none) echo "$BIN" serve --model "$TARGET" "${s[@]}" ;;
+    specula-none) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method none ;;
     specula-ngram) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" ;;
     specula-ngram_own) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram --num-speculative-tokens "$K_NGRAM" --speculative-corpus-tokens 0 ;;
     specula-ngram+draft) echo "$BIN" serve --model "$TARGET" "${s[@]}" --speculative-method ngram,draft --draft-model "$DRAFT" --num-speculative-tokens "$K_NGRAM" ${DRAFT_VOCAB:+--draft-vocab-size "$DRAFT_VOCAB"} ${DRAFT_WEIGHTS:+--draft-weights "$DRAFT_WEIGHTS"} ;;

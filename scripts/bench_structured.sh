@@ -39,7 +39,7 @@ pids=()
 for jf in true false; do
   PORT=$([ "$jf" = true ] && echo "$PORT_JF" || echo "$PORT_NOJF")
   # shellcheck disable=SC2086
-  "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 --structured-jump-forward="$jf" ${SPEC:-} >"$OUT/server-jf-$jf.log" 2>&1 &
+  "$BIN" serve --model "$MODEL" --port "$PORT" --threads "$THREADS" --max-num-seqs 8 --structured-jump-forward="$jf" ${SPEC:---speculative-method none} >"$OUT/server-jf-$jf.log" 2>&1 &
   pids+=($!)
   if ! wait_up; then echo "server did not come up (see $OUT/server-jf-$jf.log)"; kill "${pids[@]}"; exit 1; fi
 done
