@@ -199,6 +199,22 @@ const MODEL_DEFAULT_K: usize = 3;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MethodArg(pub Option<MethodChoice>);
 
+impl std::fmt::Display for MethodArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Some(m) = self.0 else { return f.write_str("none") };
+        let name = match m.method {
+            SpecMethod::Ngram => "ngram",
+            SpecMethod::Draft => "draft",
+            SpecMethod::Mtp => "mtp",
+        };
+        if m.with_ngram {
+            write!(f, "ngram,{name}")
+        } else {
+            f.write_str(name)
+        }
+    }
+}
+
 impl std::str::FromStr for MethodArg {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -503,6 +519,10 @@ mod tests {
         assert_eq!(k(&["--speculative-method", "ngram,draft"]), 16);
         assert_eq!(k(&["--speculative-method", "draft", "--num-speculative-tokens", "5"]), 5);
         assert!(Cli::try_parse_from(["x", "--speculative-method", "none"]).unwrap().spec.to_config().is_none());
+        // the start-up line names the method as the flag spells it
+        for m in ["none", "ngram", "draft", "mtp", "ngram,draft", "ngram,mtp"] {
+            assert_eq!(m.parse::<MethodArg>().unwrap().to_string(), m);
+        }
         assert_eq!(c.spec.draft_weights, DraftWeights::Stored);
         let err = Cli::try_parse_from(["x", "--speculative-method", "eagle"]).err().expect("refused");
         assert_eq!(err.kind(), clap::error::ErrorKind::InvalidValue);

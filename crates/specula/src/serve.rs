@@ -155,6 +155,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let disk = tiers.disk.as_ref().map(|d| format!(", then {} (up to {:.1} GiB)", d.dir.display(), d.max_bytes as f64 / (1u64 << 30) as f64));
         eprintln!("prefix cache: the KV cache, then {:.1} GiB of host memory{}", tiers.host_bytes as f64 / (1u64 << 30) as f64, disk.unwrap_or_default());
     }
+    match args.engine.spec.to_config() {
+        Some(sc) => eprintln!(
+            "speculative decoding: {}, up to {} draft tokens, {} (--speculative-method none turns it off)",
+            args.engine.spec.speculative_method,
+            sc.num_speculative_tokens,
+            if sc.adaptive { "as many as the measured cost model says pay" } else { "always all of them" }
+        ),
+        None => eprintln!("speculative decoding: off"),
+    }
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     // the test switch of the fault tests (python/tests/test_hostile_connections.py)
     if let Ok(spec) = std::env::var("SPECULA_INJECT_FAULT") {
