@@ -201,16 +201,9 @@ pub struct MethodArg(pub Option<MethodChoice>);
 
 impl std::fmt::Display for MethodArg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Some(m) = self.0 else { return f.write_str("none") };
-        let name = match m.method {
-            SpecMethod::Ngram => "ngram",
-            SpecMethod::Draft => "draft",
-            SpecMethod::Mtp => "mtp",
-        };
-        if m.with_ngram {
-            write!(f, "ngram,{name}")
-        } else {
-            f.write_str(name)
+        match self.0 {
+            Some(m) => m.fmt(f),
+            None => f.write_str("none"),
         }
     }
 }

@@ -12,15 +12,23 @@ pub enum SpecMethod {
     Mtp,
 }
 
+impl SpecMethod {
+    pub const ALL: [SpecMethod; 3] = [SpecMethod::Ngram, SpecMethod::Draft, SpecMethod::Mtp];
+
+    /// The name `--speculative-method` spells it with.
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecMethod::Ngram => "ngram",
+            SpecMethod::Draft => "draft",
+            SpecMethod::Mtp => "mtp",
+        }
+    }
+}
+
 impl std::str::FromStr for SpecMethod {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "ngram" => Ok(Self::Ngram),
-            "draft" => Ok(Self::Draft),
-            "mtp" => Ok(Self::Mtp),
-            other => Err(format!("unknown speculative method '{other}' (expected ngram, draft or mtp)")),
-        }
+        Self::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| format!("unknown speculative method '{s}' (expected ngram, draft or mtp)"))
     }
 }
 
@@ -31,6 +39,16 @@ pub struct MethodChoice {
     pub method: SpecMethod,
     /// The n-gram method drafts too, where it is expected to keep more (`method` is a model).
     pub with_ngram: bool,
+}
+
+impl std::fmt::Display for MethodChoice {
+    /// As `--speculative-method` spells it (`ngram,draft` for the n-gram method beside a model).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.with_ngram {
+            f.write_str("ngram,")?;
+        }
+        f.write_str(self.method.name())
+    }
 }
 
 impl std::str::FromStr for MethodChoice {

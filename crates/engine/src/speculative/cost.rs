@@ -182,9 +182,7 @@ impl CostModel {
             pts(&self.curve)
         );
         if !self.attention.is_empty() {
-            // per 1k keys of every layer: what 1k tokens of context add to a step
-            let n = self.layer_windows.len() as f64 * 1000.0;
-            let a: Vec<String> = self.attention.iter().map(|(r, t)| format!("{r}:{:.3}", t * n)).collect();
+            let a: Vec<String> = self.attention_per_1k_tokens().map(|(r, t)| format!("{r}:{t:.3}")).collect();
             line.push_str(&format!(", attention per 1k tokens of context (rows:relative) {}", a.join(" ")));
         }
         line
@@ -197,10 +195,16 @@ impl CostModel {
             metrics::gauge!("specula:spec_verify_relative_cost", "rows" => n.to_string()).set(r);
         }
         metrics::gauge!("specula:spec_draft_relative_cost").set(self.draft);
-        let layers = self.layer_windows.len() as f64;
-        for &(n, r) in &self.attention {
-            metrics::gauge!("specula:spec_attention_relative_cost_per_1k_tokens", "rows" => n.to_string()).set(r * layers * 1000.0);
+        for (n, r) in self.attention_per_1k_tokens() {
+            metrics::gauge!("specula:spec_attention_relative_cost_per_1k_tokens", "rows" => n.to_string()).set(r);
         }
+    }
+
+    /// What 1k tokens of context add to a step of one sequence's `rows` rows, relative to the
+    /// one-token step (every layer's attention over 1k more keys, windows aside).
+    fn attention_per_1k_tokens(&self) -> impl Iterator<Item = (usize, f64)> + '_ {
+        let layers = self.layer_windows.len() as f64;
+        self.attention.iter().map(move |&(n, r)| (n, r * layers * 1000.0))
     }
 }
 
