@@ -2,14 +2,14 @@
 # Builds llama.cpp, the bar for CPU speed and the reference for logits, from the source vendored in
 # the PyPI sdist llama-cpp-python==0.3.36 (vendor/llama.cpp), into the project's cache: the shared
 # libraries (for llama-cpp-python's Python bindings, which python/llama_compare.py loads from the
-# sdist's own `llama_cpp` folder) and `llama-bench`. On Intel explicit flags (AVX, AVX2, FMA, F16C,
+# sdist's own `llama_cpp` folder), `llama-bench` and `llama-perplexity` (KV fidelity). On Intel explicit flags (AVX, AVX2, FMA, F16C,
 # AVX-512 F/VNNI/BF16 on, AMX off); on AMD native, for the machine it runs on. About 10 minutes on
 # 2 cores; a second run reuses the build. Prints the folder that holds the results.
 #
 #   bash scripts/build_llama_cpp.sh            # -> $SPECULA_CACHE/llama.cpp
 #   WITH_SERVER=1 bash scripts/build_llama_cpp.sh   # also build/bin/llama-server (the serving benchmarks)
 set -euo pipefail
-SERVER=OFF TARGETS=(llama llama-bench)
+SERVER=OFF TARGETS=(llama llama-bench llama-perplexity)
 if [ -n "${WITH_SERVER:-}" ]; then SERVER=ON TARGETS+=(llama-server); fi
 CACHE="${SPECULA_CACHE:-$HOME/.cache/specula}/llama.cpp"
 VERSION=0.3.36

@@ -8,7 +8,7 @@
 //! heads, 2 KV heads of 128). Median of several rounds.
 
 use specula_kernels::attention::{paged_attention_windowed, KvLayout, SeqSpan};
-use specula_kernels::kv::{KvDtype, KvPlane};
+use specula_kernels::kv::{KvDtype, KvPlane, KvRole};
 use std::time::Instant;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -30,8 +30,8 @@ fn main() {
     println!("attention at depth {depth}, {} heads / {} KV heads of {}", layout.n_heads, layout.n_kv_heads, layout.head_dim);
     println!("{:<6} {:>7} {:>12} {:>10} {:>14} {:>12}", "type", "threads", "decode ms", "KV GB/s", "prefill ms", "GFLOP/s");
     for dtype in KvDtype::ALL {
-        let mut k = KvPlane::new(dtype, layout, blocks).expect("memory");
-        let mut v = KvPlane::new(dtype, layout, blocks).expect("memory");
+        let mut k = KvPlane::new(KvRole::Keys, dtype, layout, blocks).expect("memory");
+        let mut v = KvPlane::new(KvRole::Values, dtype, layout, blocks).expect("memory");
         let row: Vec<f32> = (0..kvw).map(|i| (i as f32 * 0.37).sin()).collect();
         for s in 0..blocks * 16 {
             k.write(s, &row);

@@ -71,7 +71,7 @@ pub fn paged_attention_windowed(
     assert!(sinks.is_none_or(|s| s.len() == layout.n_heads), "one attention sink per query head");
     assert!(layout.n_kv_heads > 0 && layout.n_heads.is_multiple_of(layout.n_kv_heads), "query heads in whole groups");
     assert!(k.dtype == v.dtype && k.order == v.order, "keys and values of one type and order");
-    assert!(k.dtype.supports_head_dim(layout.head_dim), "q8_0 heads are whole blocks");
+    assert!(k.dtype.supports_head_dim(layout.head_dim), "quantized heads are whole blocks");
     let qw = layout.n_heads * layout.head_dim;
     assert!(out.len() >= q.len());
     let slots_needed = seqs
@@ -89,7 +89,8 @@ pub fn paged_attention_windowed(
     a.run(seqs, out)
 }
 
-/// Calls the AVX2 kernel `$f` monomorphised for the view's type (`D`: 0 f32, 1 f16, 2 bf16, 3 q8_0).
+/// Calls the AVX2 kernel `$f` monomorphised for the view's type (`D`: 0 f32, 1 f16, 2 bf16, 3 q8_0,
+/// 4 q4_0).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_dtype {
     ($dtype:expr, $($f:ident)::+ ($($arg:expr),* $(,)?)) => {
@@ -98,6 +99,7 @@ macro_rules! by_dtype {
             KvDtype::F16 => $($f)::+::<1>($($arg),*),
             KvDtype::Bf16 => $($f)::+::<2>($($arg),*),
             KvDtype::Q8_0 => $($f)::+::<3>($($arg),*),
+            KvDtype::Q4_0 => $($f)::+::<4>($($arg),*),
         }
     };
 }
@@ -200,6 +202,7 @@ impl Scratch {
     }
 }
 
+#[derive(Clone, Copy)]
 struct Attn<'a> {
     q: &'a [f32],
     k: KvView<'a>,
@@ -214,6 +217,22 @@ struct Attn<'a> {
 
 impl Attn<'_> {
     fn run(&self, seqs: &[SeqSpan], out: &mut [f32]) {
+        if self.k.rot > 0 {
+            // the cache holds rotated keys: so do the queries (the dots are the same); `finish`
+            // turns the outputs back from the values' rotation
+            let mut q = self.q.to_vec();
+            let hd = self.layout.head_dim;
+            let qw = self.layout.n_heads * hd;
+            for s in seqs {
+                q[s.q_start * qw..(s.q_start + s.q_len) * qw].chunks_exact_mut(hd).for_each(|h| crate::kv::rotate(h, self.k.rot));
+            }
+            return Attn { q: &q, ..*self }.run_rotated(seqs, out);
+        }
+        self.run_rotated(seqs, out)
+    }
+
+    /// [`Self::run`] with the queries in the cache's space.
+    fn run_rotated(&self, seqs: &[SeqSpan], out: &mut [f32]) {
         let layout = &self.layout;
         let mut units = Vec::new();
         for (si, s) in seqs.iter().enumerate() {
@@ -458,6 +477,9 @@ impl Attn<'_> {
             for (o, &a) in o.iter_mut().zip(&total.acc[i * hd..(i + 1) * hd]) {
                 *o = a / l;
             }
+            if self.v.rot > 0 {
+                crate::kv::unrotate(o, self.v.rot);
+            }
         }
     }
 }
@@ -523,6 +545,10 @@ mod avx2 {
                 _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
                 (v.data.as_ptr().wrapping_add(e), len * Q8_BLOCK / (Q8_BLOCK + 2))
             }
+            KvDtype::Q4_0 => {
+                _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
+                (v.data.as_ptr().wrapping_add(e / 2), len * Q8_BLOCK / (Q8_BLOCK + 4))
+            }
         };
         let mut o = 0;
         while o < bytes {
@@ -542,7 +568,7 @@ mod avx2 {
     }
 
     /// Eight values from element `e` (a multiple of 8) of a view of type `D` (0 f32, 1 f16,
-    /// 2 bf16, 3 q8_0) as f32: the exact conversion `KvView::get` makes.
+    /// 2 bf16, 3 q8_0, 4 q4_0) as f32: the exact conversion `KvView::get` makes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
@@ -551,8 +577,18 @@ mod avx2 {
             0 => _mm256_loadu_ps(p.add(4 * e) as *const f32),
             1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * e) as *const __m128i)),
             2 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(2 * e) as *const __m128i)), 16)),
-            _ => {
+            3 => {
                 let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(e) as *const __m128i)));
+                let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
+                _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
+            }
+            _ => {
+                // values j and j + 16 of a block share byte j (low and high nibble)
+                let (blk, r) = (e / Q8_BLOCK, e % Q8_BLOCK);
+                let b = _mm_loadl_epi64(p.add(blk * (Q8_BLOCK / 2) + r % (Q8_BLOCK / 2)) as *const __m128i);
+                let b = if r >= Q8_BLOCK / 2 { _mm_srli_epi16(b, 4) } else { b };
+                let levels = _mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
+                let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(levels, _mm256_set1_epi32(8)));
                 let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
                 _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
             }

@@ -1,8 +1,9 @@
 //! The KV cache's element types and one layer's plane of keys or values stored in one of them.
 //!
 //! A plane holds, per slot (block * block_size + offset), `n_kv_heads * head_dim` values: f32,
-//! f16 or bf16 as they are, or q8_0 (blocks of 32 values: an f16 scale and 32 signed bytes,
-//! ggml's `block_q8_0` arithmetic, the scales kept apart from the bytes). Within a block the
+//! f16 or bf16 as they are, q8_0 (blocks of 32 values: an f16 scale and 32 signed bytes, ggml's
+//! `block_q8_0` arithmetic, the scales kept apart from the bytes) or q4_0 (an f16 scale and 32
+//! 4-bit values, ggml's `block_q4_0`, of each head rotated first: see [`rotate`]). Within a block the
 //! values are head-major (`[kv head][offset][head_dim]`): one KV head's keys of a block are one
 //! contiguous run, which is what attention streams (a task reads one KV head). Attention
 //! ([`crate::attention`]) reads every type in place, converting eight values at a time in
@@ -56,13 +57,14 @@ pub enum KvDtype {
     F16,
     Bf16,
     Q8_0,
+    Q4_0,
 }
 
-/// q8_0's block: 32 values share one scale.
+/// q8_0's (and q4_0's) block: 32 values share one scale.
 pub const Q8_BLOCK: usize = 32;
 
 impl KvDtype {
-    pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Q8_0];
+    pub const ALL: [KvDtype; 5] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Q8_0, KvDtype::Q4_0];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -70,31 +72,116 @@ impl KvDtype {
             KvDtype::F16 => "f16",
             KvDtype::Bf16 => "bf16",
             KvDtype::Q8_0 => "q8_0",
+            KvDtype::Q4_0 => "q4_0",
         }
     }
 
-    /// Bytes `n` values take (q8_0: `n` a multiple of 32, each block 32 bytes and a 2-byte scale).
+    /// Bytes `n` values take (q8_0 and q4_0: `n` a multiple of 32, each block 32 or 16 bytes and a
+    /// 2-byte scale).
     pub fn bytes(self, n: usize) -> usize {
+        self.data_bytes(n) + if self.has_scales() { n / Q8_BLOCK * 2 } else { 0 }
+    }
+
+    /// Bytes `n` values take in the plane's main buffer (the quantized types' scales apart).
+    fn data_bytes(self, n: usize) -> usize {
         match self {
-            KvDtype::F32 => 4 * n,
-            KvDtype::F16 | KvDtype::Bf16 => 2 * n,
-            KvDtype::Q8_0 => n + n / Q8_BLOCK * 2,
+            KvDtype::F32 => n.saturating_mul(4),
+            KvDtype::F16 | KvDtype::Bf16 => n.saturating_mul(2),
+            KvDtype::Q8_0 => n,
+            KvDtype::Q4_0 => n / 2,
         }
     }
 
-    /// Bytes of one value in the plane's main buffer (q8_0: its signed byte; the scales apart).
-    fn value_bytes(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 | KvDtype::Bf16 => 2,
-            KvDtype::Q8_0 => 1,
-        }
+    /// Whether values come in blocks of 32 with an f16 scale each.
+    fn has_scales(self) -> bool {
+        matches!(self, KvDtype::Q8_0 | KvDtype::Q4_0)
     }
 
-    /// Whether heads of `head_dim` values can be stored in this type (q8_0 blocks may not straddle
-    /// two heads).
+    /// Whether each head is stored rotated ([`rotate`]): the quantized types, whose levels would
+    /// otherwise be spent on a few outlier channels (a query's dot with a rotated key is the same
+    /// as with the key; attention rotates the queries alike and turns its output back). As
+    /// llama.cpp rotates its quantized K and V; measured on Qwen2.5 it halves q8_0's KL at depth
+    /// (docs/benchmarks.md).
+    pub fn rotated(self) -> bool {
+        self.has_scales()
+    }
+
+    /// Whether heads of `head_dim` values can be stored in this type (a quantized block may not
+    /// straddle two heads).
     pub fn supports_head_dim(self, head_dim: usize) -> bool {
-        self != KvDtype::Q8_0 || head_dim.is_multiple_of(Q8_BLOCK)
+        !self.has_scales() || head_dim.is_multiple_of(Q8_BLOCK)
+    }
+}
+
+/// Which of a layer's two planes: the quantized types rotate keys and values in blocks of
+/// different sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvRole {
+    Keys,
+    Values,
+}
+
+impl KvRole {
+    /// The Hadamard block [`rotate`] mixes for heads of `head_dim` values: for keys the largest
+    /// power of two that divides it (at most 256), for values at most 64 (llama.cpp's sizes: a
+    /// smaller rotation measured better for values).
+    pub fn rotation_size(self, head_dim: usize) -> usize {
+        let whole = 1usize << head_dim.trailing_zeros();
+        match self {
+            KvRole::Keys => whole.min(256),
+            KvRole::Values => whole.min(64),
+        }
+    }
+}
+
+/// The sign flip of dimension `d` before the Hadamard transform (a fixed pseudo-random diagonal,
+/// so that no channel pattern lines up with the transform's rows).
+#[inline]
+fn sign(d: usize) -> f32 {
+    if (d as u32).wrapping_mul(0x9E37_79B9).rotate_left(7) & 0x100 != 0 {
+        -1.0
+    } else {
+        1.0
+    }
+}
+
+/// The normalised Walsh-Hadamard transform of each run of `n` values (a power of two), in place.
+fn hadamard(x: &mut [f32], n: usize) {
+    let norm = 1.0 / (n as f32).sqrt();
+    for run in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (run[j], run[j + h]);
+                    run[j] = a + b;
+                    run[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        run.iter_mut().for_each(|v| *v *= norm);
+    }
+}
+
+/// Rotates one head's values (an orthogonal map: random signs, then a normalised Hadamard
+/// transform over blocks of `n`, a power of two), the form the quantized types store keys and
+/// values in and attention's queries are taken to. Dot products between two rotated vectors are those of the
+/// originals, and an outlier channel is spread over its whole block instead of setting one
+/// quantization block's scale alone (QuaRot; llama.cpp and ik_llama.cpp rotate their 4-bit K the
+/// same way).
+pub fn rotate(head: &mut [f32], n: usize) {
+    for (d, v) in head.iter_mut().enumerate() {
+        *v *= sign(d);
+    }
+    hadamard(head, n);
+}
+
+/// [`rotate`]'s inverse.
+pub fn unrotate(head: &mut [f32], n: usize) {
+    hadamard(head, n);
+    for (d, v) in head.iter_mut().enumerate() {
+        *v *= sign(d);
     }
 }
 
@@ -105,7 +192,7 @@ impl fmt::Display for KvDtype {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown KV cache type '{0}' (one of f32, f16, bf16, q8_0)")]
+#[error("unknown KV cache type '{0}' (one of f32, f16, bf16, q8_0, q4_0)")]
 pub struct UnknownKvDtype(pub String);
 
 impl FromStr for KvDtype {
@@ -118,11 +205,15 @@ impl FromStr for KvDtype {
 /// One layer's keys (or values): `slots * width` values of one type, head-major per block.
 pub struct KvPlane {
     dtype: KvDtype,
+    /// The Hadamard block each head is stored rotated in (0: not rotated).
+    rot: usize,
     layout: KvLayout,
     width: usize,
-    /// f32 / f16 / bf16 values little-endian, or q8_0's signed bytes (one per value).
+    /// f32 / f16 / bf16 values little-endian, q8_0's signed bytes (one per value) or q4_0's
+    /// nibbles (16 bytes per 32 values: value `j` of a block in byte `j % 16`, low nibble for the
+    /// first 16, high for the rest, as ggml packs them).
     data: Vec<u8>,
-    /// q8_0 only: one f16 scale per 32 values, `slot * width / 32 + block`.
+    /// q8_0 and q4_0: one f16 scale per 32 values, `slot * width / 32 + block`.
     scales: Vec<u16>,
 }
 
@@ -142,13 +233,14 @@ fn zeroed<T: Clone + Default>(n: usize) -> Result<Vec<T>, PlaneAllocError> {
 
 impl KvPlane {
     /// A zeroed plane of `blocks` blocks (written once, so its pages are resident).
-    pub fn new(dtype: KvDtype, layout: KvLayout, blocks: usize) -> Result<Self, PlaneAllocError> {
-        assert!(dtype.supports_head_dim(layout.head_dim), "a q8_0 head is whole blocks");
+    pub fn new(role: KvRole, dtype: KvDtype, layout: KvLayout, blocks: usize) -> Result<Self, PlaneAllocError> {
+        assert!(dtype.supports_head_dim(layout.head_dim), "a quantized head is whole blocks");
         let width = layout.kv_width();
         let n = blocks.saturating_mul(layout.block_size).saturating_mul(width);
-        let data = zeroed(n.saturating_mul(dtype.value_bytes()))?;
-        let scales = if dtype == KvDtype::Q8_0 { zeroed(n / Q8_BLOCK)? } else { Vec::new() };
-        Ok(Self { dtype, layout, width, data, scales })
+        let data = zeroed(dtype.data_bytes(n))?;
+        let scales = if dtype.has_scales() { zeroed(n / Q8_BLOCK)? } else { Vec::new() };
+        let rot = if dtype.rotated() { role.rotation_size(layout.head_dim) } else { 0 };
+        Ok(Self { dtype, rot, layout, width, data, scales })
     }
 
     pub fn dtype(&self) -> KvDtype {
@@ -160,7 +252,7 @@ impl KvPlane {
     }
 
     pub fn slots(&self) -> usize {
-        self.data.len() / (self.width * self.dtype.value_bytes()).max(1)
+        self.data.len() / self.dtype.data_bytes(self.width).max(1)
     }
 
     /// Bytes the plane holds.
@@ -170,13 +262,22 @@ impl KvPlane {
 
     /// Stores one slot's `n_kv_heads * head_dim` values, rounded to the plane's type (f16 and
     /// bf16 to nearest even; q8_0 as ggml's `quantize_row_q8_0`: scale = max |x| / 127, values
-    /// rounded half away from zero, the scale kept as f16).
+    /// rounded half away from zero, the scale kept as f16; q4_0 each head [`rotate`]d, then as
+    /// `quantize_row_q4_0`: scale = the signed value of largest magnitude / -8, levels 0..15 around 8).
     pub fn write(&mut self, slot: usize, values: &[f32]) {
         assert_eq!(values.len(), self.width, "one slot's values");
         let hd = self.layout.head_dim;
+        let mut rotated = Vec::new();
         for (kvh, head) in values.chunks_exact(hd).enumerate() {
             let at = KvOrder::HeadMajor.offset(&self.layout, slot, kvh);
-            self.write_head(at, head);
+            if self.rot > 0 {
+                rotated.clear();
+                rotated.extend_from_slice(head);
+                rotate(&mut rotated, self.rot);
+                self.write_head(at, &rotated);
+            } else {
+                self.write_head(at, head);
+            }
         }
     }
 
@@ -212,21 +313,40 @@ impl KvPlane {
                     *sb = half::f16::from_f32(d).to_bits();
                 }
             }
+            KvDtype::Q4_0 => {
+                let q = &mut self.data[e / 2..(e + w) / 2];
+                let s = &mut self.scales[e / Q8_BLOCK..(e + w) / Q8_BLOCK];
+                for ((qb, sb), x) in q.chunks_exact_mut(Q8_BLOCK / 2).zip(s.iter_mut()).zip(values.chunks_exact(Q8_BLOCK)) {
+                    let max = x.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                    let d = max / -8.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    let level = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+                    for (j, o) in qb.iter_mut().enumerate() {
+                        *o = level(x[j]) | (level(x[j + Q8_BLOCK / 2]) << 4);
+                    }
+                    *sb = half::f16::from_f32(d).to_bits();
+                }
+            }
         }
     }
 
-    /// Slot `slot`'s values back as f32, heads in order (the reference the tests compare against).
+    /// Slot `slot`'s values back as f32, heads in order (the reference the tests compare against;
+    /// a rotated type's heads turned back).
     pub fn read(&self, slot: usize) -> Vec<f32> {
         let v = self.view();
         let hd = self.layout.head_dim;
-        (0..self.layout.n_kv_heads)
+        let mut out: Vec<f32> = (0..self.layout.n_kv_heads)
             .flat_map(|h| (0..hd).map(move |d| (h, d)))
             .map(|(h, d)| v.get(KvOrder::HeadMajor.offset(&self.layout, slot, h) + d))
-            .collect()
+            .collect();
+        if self.rot > 0 {
+            out.chunks_exact_mut(hd).for_each(|h| unrotate(h, self.rot));
+        }
+        out
     }
 
     pub fn view(&self) -> KvView<'_> {
-        KvView { dtype: self.dtype, order: KvOrder::HeadMajor, data: &self.data, scales: &self.scales }
+        KvView { dtype: self.dtype, order: KvOrder::HeadMajor, rot: self.rot, data: &self.data, scales: &self.scales }
     }
 
     /// Bytes one block of the plane takes in [`Self::copy_block_out`]'s form.
@@ -234,13 +354,14 @@ impl KvPlane {
         self.dtype.bytes(self.layout.block_size * self.width)
     }
 
-    /// Appends block `block`'s stored bytes to `out` as they are (the values, then q8_0's scales
-    /// little-endian): a block is one run of the plane (head-major within it), so this is a copy.
+    /// Appends block `block`'s stored bytes to `out` as they are (the values, then the quantized
+    /// types' scales little-endian): a block is one run of the plane (head-major within it), so
+    /// this is a copy.
     pub fn copy_block_out(&self, block: usize, out: &mut Vec<u8>) {
         let n = self.layout.block_size * self.width;
-        let vb = self.dtype.value_bytes();
-        out.extend_from_slice(&self.data[block * n * vb..(block + 1) * n * vb]);
-        if self.dtype == KvDtype::Q8_0 {
+        let vb = self.dtype.data_bytes(n);
+        out.extend_from_slice(&self.data[block * vb..(block + 1) * vb]);
+        if self.dtype.has_scales() {
             let per = n / Q8_BLOCK;
             out.extend(self.scales[block * per..(block + 1) * per].iter().flat_map(|s| s.to_le_bytes()));
         }
@@ -251,10 +372,10 @@ impl KvPlane {
     pub fn copy_block_in(&mut self, block: usize, bytes: &[u8]) {
         assert_eq!(bytes.len(), self.block_bytes(), "one block's bytes");
         let n = self.layout.block_size * self.width;
-        let vb = self.dtype.value_bytes();
-        let (values, scales) = bytes.split_at(n * vb);
-        self.data[block * n * vb..(block + 1) * n * vb].copy_from_slice(values);
-        if self.dtype == KvDtype::Q8_0 {
+        let vb = self.dtype.data_bytes(n);
+        let (values, scales) = bytes.split_at(vb);
+        self.data[block * vb..(block + 1) * vb].copy_from_slice(values);
+        if self.dtype.has_scales() {
             let per = n / Q8_BLOCK;
             for (d, s) in self.scales[block * per..(block + 1) * per].iter_mut().zip(scales.chunks_exact(2)) {
                 *d = u16::from_le_bytes([s[0], s[1]]);
@@ -268,6 +389,8 @@ impl KvPlane {
 pub struct KvView<'a> {
     pub dtype: KvDtype,
     pub order: KvOrder,
+    /// The Hadamard block the heads are stored rotated in (0: not rotated).
+    pub rot: usize,
     pub(crate) data: &'a [u8],
     pub(crate) scales: &'a [u16],
 }
@@ -278,7 +401,7 @@ impl<'a> KvView<'a> {
         // SAFETY: any f32 storage is valid as bytes (u8 has no alignment or validity needs), and
         // the length covers exactly the same memory.
         let data = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) };
-        Self { dtype: KvDtype::F32, order: KvOrder::SlotMajor, data, scales: &[] }
+        Self { dtype: KvDtype::F32, order: KvOrder::SlotMajor, rot: 0, data, scales: &[] }
     }
 
     /// How many values the view holds.
@@ -287,6 +410,7 @@ impl<'a> KvView<'a> {
             KvDtype::F32 => self.data.len() / 4,
             KvDtype::F16 | KvDtype::Bf16 => self.data.len() / 2,
             KvDtype::Q8_0 => self.data.len().min(self.scales.len() * Q8_BLOCK),
+            KvDtype::Q4_0 => (2 * self.data.len()).min(self.scales.len() * Q8_BLOCK),
         }
     }
 
@@ -302,6 +426,11 @@ impl<'a> KvView<'a> {
             KvDtype::F16 => half::f16::from_bits(u16::from_le_bytes([self.data[2 * e], self.data[2 * e + 1]])).to_f32(),
             KvDtype::Bf16 => half::bf16::from_bits(u16::from_le_bytes([self.data[2 * e], self.data[2 * e + 1]])).to_f32(),
             KvDtype::Q8_0 => (self.data[e] as i8) as f32 * half::f16::from_bits(self.scales[e / Q8_BLOCK]).to_f32(),
+            KvDtype::Q4_0 => {
+                let byte = self.data[e / Q8_BLOCK * (Q8_BLOCK / 2) + e % (Q8_BLOCK / 2)];
+                let level = if e % Q8_BLOCK < Q8_BLOCK / 2 { byte & 0x0F } else { byte >> 4 };
+                (level as i32 - 8) as f32 * half::f16::from_bits(self.scales[e / Q8_BLOCK]).to_f32()
+            }
         }
     }
 }
@@ -316,7 +445,7 @@ mod tests {
         let w = 64;
         let vals: Vec<f32> = (0..w).map(|i| ((i as f32) * 0.731).sin() * 3.0).collect();
         for dtype in KvDtype::ALL {
-            let mut p = KvPlane::new(dtype, layout, 2).unwrap();
+            let mut p = KvPlane::new(KvRole::Keys, dtype, layout, 2).unwrap();
             p.write(1, &vals);
             assert!(p.read(0).iter().chain(&p.read(2)).chain(&p.read(3)).all(|&x| x == 0.0), "{dtype}: neighbours untouched");
             let back = p.read(1);
@@ -324,11 +453,23 @@ mod tests {
                 KvDtype::F32 => 0.0,
                 KvDtype::F16 => 3.0 * 2f32.powi(-11),
                 KvDtype::Bf16 => 3.0 * 2f32.powi(-8),
-                KvDtype::Q8_0 => 3.0 / 127.0 * 0.51 + 3.0 * 2f32.powi(-11),
+                // the quantized types store the rotated head: each value's error is a mix of its
+                // head's, so bounded in the mean (below), not one by one
+                KvDtype::Q8_0 | KvDtype::Q4_0 => f32::INFINITY,
             };
             for (a, b) in vals.iter().zip(&back) {
                 assert!((a - b).abs() <= tol * a.abs().max(1.0), "{dtype}: {a} -> {b}");
             }
+            let rms = |x: &mut dyn Iterator<Item = f32>| (x.map(|v| v * v).sum::<f32>() / w as f32).sqrt();
+            let err = rms(&mut vals.iter().zip(&back).map(|(a, b)| a - b));
+            // a level is 1/127 (q8_0) or 1/8 (q4_0) of the block's largest value, and this smooth
+            // head, rotated, has a few large coefficients: the error's rms about a level
+            let bound = match dtype {
+                KvDtype::Q4_0 => 0.15,
+                KvDtype::Q8_0 => 0.015,
+                _ => 3.0 * 2f32.powi(-8),
+            };
+            assert!(err <= bound * rms(&mut vals.iter().copied()), "{dtype}: rms error {err}");
             assert_eq!(p.bytes(), dtype.bytes(4 * w), "{dtype}");
         }
     }
@@ -337,7 +478,7 @@ mod tests {
     fn a_block_copied_out_and_in_reads_back_the_same_values_and_leaves_its_neighbours() {
         let layout = KvLayout { block_size: 4, n_heads: 4, n_kv_heads: 2, head_dim: 32 };
         for dtype in KvDtype::ALL {
-            let mut src = KvPlane::new(dtype, layout, 3).unwrap();
+            let mut src = KvPlane::new(KvRole::Keys, dtype, layout, 3).unwrap();
             for slot in 0..12 {
                 src.write(slot, &(0..64).map(|i| ((slot * 64 + i) as f32 * 0.37).sin()).collect::<Vec<_>>());
             }
@@ -345,7 +486,7 @@ mod tests {
             src.copy_block_out(1, &mut bytes);
             assert_eq!(bytes.len(), src.block_bytes(), "{dtype}");
             assert_eq!(src.block_bytes() * 3, src.bytes(), "{dtype}: blocks tile the plane");
-            let mut dst = KvPlane::new(dtype, layout, 3).unwrap();
+            let mut dst = KvPlane::new(KvRole::Keys, dtype, layout, 3).unwrap();
             dst.copy_block_in(2, &bytes);
             for off in 0..4 {
                 assert_eq!(dst.read(8 + off), src.read(4 + off), "{dtype}: slot {off} of the block");
@@ -355,18 +496,22 @@ mod tests {
     }
 
     #[test]
-    fn q8_0_is_ggmls_block_arithmetic() {
-        // max |x| = 2.54 -> d = 0.02, values rounded half away from zero
-        let mut x = vec![0f32; 32];
-        x[0] = 2.54;
-        x[1] = -0.03; // -1.5 -> -2
-        x[2] = 0.01; // 0.5 -> 1
-        let mut p = KvPlane::new(KvDtype::Q8_0, KvLayout { block_size: 1, n_heads: 1, n_kv_heads: 1, head_dim: 32 }, 1).unwrap();
+    fn q8_0_is_ggmls_block_arithmetic_on_the_rotated_head() {
+        // the stored bytes are ggml's quantize_row_q8_0 of the rotated values: scale max |x| / 127,
+        // rounded half away from zero
+        let layout = KvLayout { block_size: 1, n_heads: 1, n_kv_heads: 1, head_dim: 32 };
+        let x: Vec<f32> = (0..32).map(|i| ((i as f32) * 1.3).cos() * (1.0 + i as f32 / 4.0)).collect();
+        let mut p = KvPlane::new(KvRole::Keys, KvDtype::Q8_0, layout, 1).unwrap();
         p.write(0, &x);
-        let d = half::f16::from_f32(0.02).to_f32();
-        let back = p.read(0);
-        assert_eq!((back[0], back[1], back[2]), (127.0 * d, -2.0 * d, d));
-        // an all-zero block has scale 0 and stays zero
+        let mut r = x.clone();
+        rotate(&mut r, 32);
+        let amax = r.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = half::f16::from_f32(amax / 127.0).to_f32();
+        let v = p.view();
+        for (j, &rv) in r.iter().enumerate() {
+            assert_eq!(v.get(j), (rv * (127.0 / amax)).round() * d, "value {j}");
+        }
+        // an all-zero head has scale 0 and stays zero
         p.write(0, &[0.0; 32]);
         assert!(p.read(0).iter().all(|&v| v == 0.0));
     }
@@ -386,6 +531,64 @@ mod tests {
         for d in KvDtype::ALL {
             assert_eq!(d.name().parse::<KvDtype>().unwrap(), d);
         }
-        assert!("q4_k".parse::<KvDtype>().unwrap_err().to_string().contains("one of f32, f16, bf16, q8_0"));
+        assert!("q4_k".parse::<KvDtype>().unwrap_err().to_string().contains("one of f32, f16, bf16, q8_0, q4_0"));
+    }
+
+    #[test]
+    fn q4_0_is_ggmls_block_arithmetic_on_the_rotated_head() {
+        // the stored levels are ggml's quantize_row_q4_0 of the rotated values
+        let layout = KvLayout { block_size: 1, n_heads: 1, n_kv_heads: 1, head_dim: 32 };
+        let x: Vec<f32> = (0..32).map(|i| ((i as f32) * 1.7).sin() * (1.0 + i as f32 / 8.0)).collect();
+        let mut p = KvPlane::new(KvRole::Keys, KvDtype::Q4_0, layout, 1).unwrap();
+        p.write(0, &x);
+        let mut r = x.clone();
+        rotate(&mut r, 32);
+        let max = r.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let d = half::f16::from_f32(max / -8.0).to_f32();
+        let v = p.view();
+        for (j, &rv) in r.iter().enumerate() {
+            let level = ((rv * (-8.0 / max) + 8.5) as i32).min(15);
+            assert_eq!(v.get(j), (level - 8) as f32 * d, "value {j}");
+        }
+        // the largest magnitude maps to level 0 exactly (-8 * d = max)
+        let at = r.iter().position(|&v| v == max).unwrap();
+        assert_eq!(v.get(at), -8.0 * d);
+    }
+
+    #[test]
+    fn rotation_is_orthogonal_and_spreads_an_outlier_channel() {
+        for hd in [32, 64, 96, 128, 256] {
+            let a: Vec<f32> = (0..hd).map(|i| ((i as f32) * 0.91).sin()).collect();
+            let b: Vec<f32> = (0..hd).map(|i| ((i as f32) * 0.37).cos() + if i == 5 { 40.0 } else { 0.0 }).collect();
+            let n = KvRole::Keys.rotation_size(hd);
+            assert_eq!(n, if hd == 96 { 32 } else { hd }, "head {hd}");
+            let (mut ra, mut rb) = (a.clone(), b.clone());
+            rotate(&mut ra, n);
+            rotate(&mut rb, n);
+            let dot = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| (p * q) as f64).sum::<f64>();
+            assert!((dot(&a, &b) - dot(&ra, &rb)).abs() < 1e-4 * dot(&b, &b).sqrt(), "head {hd}: dots kept");
+            let mut back = rb.clone();
+            unrotate(&mut back, n);
+            assert!(back.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4 * 40.0), "head {hd}: inverse");
+            // the outlier of 40 is spread: no rotated value keeps more than its block's share
+            let n = n as f32;
+            assert!(rb.iter().all(|v| v.abs() < 40.0 / n.sqrt() + 0.5 * n.sqrt()), "head {hd}: outlier spread");
+        }
+        // a head with one outlier channel loses less through q4_0 rotated than it would plain
+        let layout = KvLayout { block_size: 1, n_heads: 1, n_kv_heads: 1, head_dim: 128 };
+        let x: Vec<f32> = (0..128).map(|i| ((i as f32) * 0.77).sin() + if i == 3 { 30.0 } else { 0.0 }).collect();
+        let mut p = KvPlane::new(KvRole::Keys, KvDtype::Q4_0, layout, 1).unwrap();
+        p.write(0, &x);
+        let err_rotated: f32 = p.read(0).iter().zip(&x).map(|(a, b)| (a - b).powi(2)).sum();
+        // the same levels without the rotation: the outlier's block is all scale, its 31 others 0
+        let plain: f32 = x
+            .chunks(32)
+            .map(|blk| {
+                let max = blk.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let d = max / -8.0;
+                blk.iter().map(|&v| (((v / d + 8.5) as i32).min(15) - 8) as f32 * d - v).map(|e| e * e).sum::<f32>()
+            })
+            .sum();
+        assert!(err_rotated < 0.7 * plain, "rotated {err_rotated} vs plain {plain}");
     }
 }

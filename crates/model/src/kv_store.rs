@@ -3,7 +3,7 @@
 //! engine's business (engine::kv_cache); this type only holds the numbers.
 
 use specula_kernels::attention::KvLayout;
-use specula_kernels::kv::{KvDtype, KvPlane};
+use specula_kernels::kv::{KvDtype, KvPlane, KvRole};
 
 pub struct KvStore {
     pub layout: KvLayout,
@@ -17,7 +17,7 @@ pub struct KvStore {
 /// a type the model's heads cannot be stored in.
 #[derive(Debug, thiserror::Error)]
 pub enum KvAllocError {
-    #[error("cannot allocate the KV cache: {tokens} tokens need {:.2} GiB{}; lower --kv-cache-tokens (or --kv-cache-memory), or store it smaller (--kv-cache-dtype q8_0)", *bytes as f64 / GIB, .available.map(|a| format!(" but only {:.2} GiB is available", a as f64 / GIB)).unwrap_or_default())]
+    #[error("cannot allocate the KV cache: {tokens} tokens need {:.2} GiB{}; lower --kv-cache-tokens (or --kv-cache-memory), or store it smaller (--kv-cache-dtype q8_0 or q4_0)", *bytes as f64 / GIB, .available.map(|a| format!(" but only {:.2} GiB is available", a as f64 / GIB)).unwrap_or_default())]
     Memory {
         tokens: usize,
         bytes: usize,
@@ -59,9 +59,9 @@ impl KvStore {
                 return Err(fail(Some(available)));
             }
         }
-        let plane = || KvPlane::new(dtype, layout, num_blocks).map_err(|_| fail(None));
-        let k = (0..n_layers).map(|_| plane()).collect::<Result<_, _>>()?;
-        let v = (0..n_layers).map(|_| plane()).collect::<Result<_, _>>()?;
+        let plane = |role| KvPlane::new(role, dtype, layout, num_blocks).map_err(|_| fail(None));
+        let k = (0..n_layers).map(|_| plane(KvRole::Keys)).collect::<Result<_, _>>()?;
+        let v = (0..n_layers).map(|_| plane(KvRole::Values)).collect::<Result<_, _>>()?;
         Ok(Self { layout, num_blocks, dtype, k, v })
     }
 
@@ -130,9 +130,10 @@ mod tests {
             let per_token: usize = kv.k.iter().chain(&kv.v).map(|p| p.bytes()).sum::<usize>() / 80;
             assert_eq!(per_token, KvStore::bytes_per_token(3, &layout(), dtype), "{dtype}");
         }
-        // f16 is half of f32, q8_0 17/32 of f16
+        // f16 is half of f32, q8_0 17/32 of f16, q4_0 9/32
         assert_eq!(KvStore::bytes_per_token(3, &layout(), KvDtype::F16) * 2, KvStore::bytes_per_token(3, &layout(), KvDtype::F32));
         assert_eq!(KvStore::bytes_per_token(3, &layout(), KvDtype::Q8_0) * 32, KvStore::bytes_per_token(3, &layout(), KvDtype::F16) * 17);
+        assert_eq!(KvStore::bytes_per_token(3, &layout(), KvDtype::Q4_0) * 32, KvStore::bytes_per_token(3, &layout(), KvDtype::F16) * 9);
     }
 
     #[test]

@@ -86,6 +86,8 @@ pub enum KvDtypeArg {
     Bf16,
     #[value(name = "q8_0")]
     Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 impl From<KvDtypeArg> for specula_kernels::kv::KvDtype {
@@ -96,6 +98,7 @@ impl From<KvDtypeArg> for specula_kernels::kv::KvDtype {
             KvDtypeArg::F32 => KvDtype::F32,
             KvDtypeArg::Bf16 => KvDtype::Bf16,
             KvDtypeArg::Q8_0 => KvDtype::Q8_0,
+            KvDtypeArg::Q4_0 => KvDtype::Q4_0,
         }
     }
 }

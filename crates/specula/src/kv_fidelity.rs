@@ -2,7 +2,10 @@
 //! One long prompt (real text) runs chunk by chunk through an f32 cache and, beside it, through a
 //! cache of each type asked for; at every position the KL divergence of the type's next-token
 //! distribution from the f32 one and whether their top tokens agree, reported per range of
-//! positions (where a long context's errors would accumulate).
+//! positions (where a long context's errors would accumulate). With `--llama-perplexity PATH`,
+//! llama.cpp's own caches of the same types against its f32 cache on the same text and length
+//! (`llama-perplexity --kl-divergence`, which scores the second half of its window; its f32 run
+//! without flash attention, which would round an f32 cache to f16) print beside.
 
 use anyhow::{Context, Result};
 use clap::Args;
@@ -25,10 +28,14 @@ pub struct KvFidelityArgs {
     #[arg(long, default_value_t = 512)]
     pub chunk: usize,
     /// Types to compare against f32.
-    #[arg(long, value_delimiter = ',', default_value = "f16,bf16,q8_0")]
+    #[arg(long, value_delimiter = ',', default_value = "f16,bf16,q8_0,q4_0")]
     pub types: Vec<String>,
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+    /// llama.cpp's `llama-perplexity` (scripts/build_llama_cpp.sh builds it): its KL for the same
+    /// types on the same text, over positions tokens/2..tokens, beside ours.
+    #[arg(long)]
+    pub llama_perplexity: Option<PathBuf>,
 }
 
 /// Python sources of this machine's standard library, in a fixed order, until `bytes` are read.
@@ -140,6 +147,59 @@ pub fn run(a: KvFidelityArgs) -> Result<()> {
                 100.0 * same as f64 / n.max(1) as f64
             );
         }
+    }
+    if let Some(bin) = &a.llama_perplexity {
+        llama_rows(bin, &path, &text, a.tokens, a.threads, &types)?;
+    }
+    Ok(())
+}
+
+/// llama.cpp's KL of each type's cache against its f32 cache, one window of `tokens` of `text`,
+/// printed as rows of the same table (its positions: the window's second half).
+fn llama_rows(bin: &std::path::Path, model: &std::path::Path, text: &str, tokens: usize, threads: usize, types: &[KvDtype]) -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("specula-kv-fidelity-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let result = llama_rows_in(&dir, bin, model, text, tokens, threads, types);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn llama_rows_in(
+    dir: &std::path::Path,
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    text: &str,
+    tokens: usize,
+    threads: usize,
+    types: &[KvDtype],
+) -> Result<()> {
+    let (file, base) = (dir.join("text.txt"), dir.join("base.kld"));
+    std::fs::write(&file, text)?;
+    let run = |ty: &str, compare: bool| -> Result<String> {
+        let mut cmd = std::process::Command::new(bin);
+        // the f32 reference without flash attention: with it, llama.cpp casts an f32 cache to f16
+        // (llama-graph.cpp, build_attn_mha), and its quantized caches need it
+        let fa = if compare { "on" } else { "off" };
+        cmd.arg("-m").arg(model).arg("-f").arg(&file).args(["-c", &tokens.to_string(), "--chunks", "1", "-fa", fa]);
+        cmd.args(["-t", &threads.to_string(), "-ctk", ty, "-ctv", ty, "--kl-divergence-base"]).arg(&base);
+        if compare {
+            cmd.arg("--kl-divergence");
+        }
+        eprintln!("running {cmd:?} ...");
+        let out = cmd.output().with_context(|| format!("running {}", bin.display()))?;
+        let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(out.status.success(), "{} failed ({}): {}", bin.display(), out.status, log.lines().last().unwrap_or(""));
+        Ok(log)
+    };
+    run("f32", false)?;
+    let field = |log: &str, key: &str| -> Result<f64> {
+        let line = log.lines().find(|l| l.starts_with(key)).with_context(|| format!("llama-perplexity printed no '{key}'"))?;
+        line[key.len()..].split_whitespace().next().and_then(|v| v.parse().ok()).with_context(|| format!("cannot read '{line}'"))
+    };
+    for t in types {
+        let log = run(t.name(), true)?;
+        let (kl, same) = (field(&log, "Mean    KLD:")?, field(&log, "Same top p:")?);
+        println!("{:<6} {:>13} {:>14.3e} {:>9.2}%   (llama.cpp)", t.name(), format!("{}-{}", tokens / 2, tokens), kl, same);
     }
     Ok(())
 }

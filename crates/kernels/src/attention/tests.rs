@@ -1,5 +1,5 @@
 use super::*;
-use crate::kv::KvPlane;
+use crate::kv::{KvPlane, KvRole};
 
 /// A paged cache of `ctx` positions written in a scattered block order, with the f32 values each
 /// position holds (before rounding to the plane's type).
@@ -17,8 +17,8 @@ fn cache(layout: KvLayout, dtype: KvDtype, ctx: usize) -> Cache {
     let mut table: Vec<u32> = (1..blocks as u32).rev().collect();
     table.sort_by_key(|b| b % 2 == 0);
     let kvw = layout.kv_width();
-    let mut k = KvPlane::new(dtype, layout, blocks).unwrap();
-    let mut v = KvPlane::new(dtype, layout, blocks).unwrap();
+    let mut k = KvPlane::new(KvRole::Keys, dtype, layout, blocks).unwrap();
+    let mut v = KvPlane::new(KvRole::Values, dtype, layout, blocks).unwrap();
     for p in 0..ctx {
         let slot = table[p / bs] as usize * bs + p % bs;
         let kr: Vec<f32> = (0..kvw).map(|i| ((p * kvw + i) as f32 * 0.37).sin() * 2.0).collect();
