@@ -26,7 +26,9 @@ use std::thread::JoinHandle;
 use std::time::SystemTime;
 
 const MAGIC: &[u8; 8] = b"SPKVBLK\0";
-const VERSION: u32 = 1;
+/// 2: q8_0 blocks hold rotated heads (`specula_kernels::kv::rotate`), so a version-1 q8_0 file
+/// would read as other keys.
+const VERSION: u32 = 2;
 const EXTENSION: &str = "kvb";
 /// Writes waiting for the writer thread before new ones are dropped.
 const WRITE_QUEUE: usize = 1024;
