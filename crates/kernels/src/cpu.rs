@@ -14,7 +14,7 @@ pub struct CpuFeatures {
     /// Whether the int8 kernels prefetch the weights one block ahead into L1 at every activation
     /// row count. Off on AMD Zen 4, where those prefetches made a stream from memory at few rows
     /// slower; there the k-quant kernels prefetch into L2 further ahead instead, by their own
-    /// rules (`packed_k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks).
+    /// rules (`packed::k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks).
     pub sw_prefetch: bool,
     /// Bytes ahead of the group block being read that those L1 prefetches reach; None: the
     /// kernel's own default (about one group block). AMD Zen 5: 16 KiB, where one block ahead left

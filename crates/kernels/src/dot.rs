@@ -1,6 +1,6 @@
 //! f32 vector kernels (dot products, weighted row sums) with a fixed reduction order: attention and
 //! the row-by-row matmul of K-quant weights. The other formats' matmul kernels live in `packed`
-//! and `packed_float`.
+//! and `packed::float`.
 
 /// f32 dot product with 8 independent partial sums combined in a fixed order (deterministic,
 /// and vectorizable by the compiler without fast-math).

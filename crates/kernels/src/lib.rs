@@ -17,13 +17,6 @@ pub mod logits;
 pub mod matmul;
 pub mod ops;
 pub mod packed;
-pub mod packed_float;
-pub(crate) mod packed_iq;
-pub mod packed_k;
-#[cfg(test)]
-mod packed_k_tests;
-#[cfg(test)]
-mod packed_test_rows;
 pub mod peak;
 pub mod pool;
 pub mod q8;

@@ -6,8 +6,8 @@
 //! of which rows share the batch, and of the thread count.
 
 use crate::dot::dot_f32;
+use crate::packed::float::PackedFloat;
 use crate::packed::{PackedInt8, GROUP_ROWS, MAX_ACTS};
-use crate::packed_float::PackedFloat;
 use crate::pool::DisjointOut;
 use crate::q8::{quantize_rows, quantize_rows_super, ActSpan, QuantizedActivations};
 use crate::weights::{Packed, QMatrix};
@@ -82,7 +82,7 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
     for (m, w) in ws.iter().enumerate() {
         // float kernels read several groups side by side for few activation rows
         let rows_per_task = match w.packed() {
-            Some(Packed::Float(_)) => rows_per_task.max(crate::packed_float::groups_side_by_side(input.rows) * GROUP_ROWS),
+            Some(Packed::Float(_)) => rows_per_task.max(crate::packed::float::groups_side_by_side(input.rows) * GROUP_ROWS),
             // Decode and verification (up to one batch tile of activation rows) stream the
             // weights from memory once: each thread takes long contiguous runs (about a quarter
             // of its share of the matrix) so the prefetchers see one stream instead of 16- or
@@ -219,14 +219,14 @@ struct FloatKernel<'a> {
 
 impl GroupKernel for FloatKernel<'_> {
     fn widest(&self) -> usize {
-        crate::packed_float::MAX_ACTS
+        crate::packed::float::MAX_ACTS
     }
     unsafe fn run<const N: usize>(&self, g: usize, b: usize, dst: [*mut f32; N]) {
         let cols = self.input.cols;
         self.p.dot_group_to::<N>(g, std::array::from_fn(|i| &self.input.x[(b + i) * cols..(b + i + 1) * cols]), dst)
     }
     fn side_by_side(&self, n: usize) -> usize {
-        crate::packed_float::groups_side_by_side(n)
+        crate::packed::float::groups_side_by_side(n)
     }
     unsafe fn run_groups<const G: usize, const N: usize>(&self, g: usize, b: usize, dst: [[*mut f32; N]; G]) {
         let cols = self.input.cols;
@@ -366,10 +366,10 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn random_matrix(rng: &mut rand::rngs::StdRng, f: WeightFormat, rows: usize, cols: usize) -> QMatrix {
-        if crate::packed_k::handles(f) || crate::packed_iq::handles(f) {
+        if crate::packed::k::handles(f) || crate::packed::iq::handles(f) {
             // no quantizer for these: random blocks with sane scales
             let bytes =
-                if crate::packed_k::handles(f) { crate::packed_k::random_raw(rng, f, rows, cols) } else { crate::packed_iq::random_raw(rng, f, rows, cols) };
+                if crate::packed::k::handles(f) { crate::packed::k::random_raw(rng, f, rows, cols) } else { crate::packed::iq::random_raw(rng, f, rows, cols) };
             return QMatrix::new(f, rows, cols, WeightBytes::owned(bytes), "test").unwrap();
         }
         let mut bytes = Vec::new();
@@ -421,7 +421,7 @@ mod tests {
             for r in (2..70).step_by(3) {
                 x[r * cols + 37] = 400.0;
             }
-            if crate::packed_k::reads_super_span(f) {
+            if crate::packed::k::reads_super_span(f) {
                 let spans = crate::q8::quantize_rows_super(&x, cols).spans;
                 assert_eq!(spans.iter().filter(|&&s| s == ActSpan::Block).count(), 23, "{f:?}");
             }

@@ -5,7 +5,7 @@
 //! A scale spans one block (`ActSpan::Block`, what every int8 kernel reads) or, for the Q4_K /
 //! Q5_K kernels, a whole super-block of 256 (`ActSpan::Super`, like ggml's Q8_K): those kernels
 //! then sum a super-block in integers and convert once instead of once per block, 4-16% faster
-//! (see `packed_k`). One scale over 256 values is too coarse where a single value dwarfs the rest
+//! (see `packed::k`). One scale over 256 values is too coarse where a single value dwarfs the rest
 //! (the massive activations of Qwen2.5's first position and of a few delimiter tokens: with super
 //! scales everywhere a 1.5B model's logits moved 50x further from the float reference than with
 //! block scales), so `quantize_rows_super` gives a row super scales only where no value carries

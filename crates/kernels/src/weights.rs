@@ -3,7 +3,7 @@
 
 // the matrix's bytes; the crate root re-exports them from here (`specula_kernels::WeightBytes`)
 pub use crate::buffer::WeightBytes;
-use crate::{formats::WeightFormat, packed::PackedInt8, packed_float::PackedFloat, KernelError};
+use crate::{formats::WeightFormat, packed::float::PackedFloat, packed::PackedInt8, KernelError};
 use std::sync::Arc;
 
 /// A row-major matrix of `rows` outputs by `cols` inputs; `y = W x` computes one output per row.

@@ -1,16 +1,16 @@
-//! Tests of the Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K kernels of `packed_k`, through the `PackedInt8`
+//! Tests of the Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K kernels of `packed::k`, through the `PackedInt8`
 //! that holds their groups: every SIMD path against the scalar reference, bit for bit, and the
 //! packed dot against the float dot of the dequantized rows. A module of its own (beside
-//! `packed_k.rs`) so that `packed_k` does not import `packed`, which dispatches to it.
+//! `packed/k.rs`) so that `packed::k` does not import `packed`, which dispatches to it.
 
 use crate::formats::dequantize_row;
 use crate::formats::{WeightFormat, QK};
 use crate::group::GROUP_ROWS;
-use crate::packed::PackedInt8;
 #[cfg(target_arch = "x86_64")]
-use crate::packed_k::x86;
-use crate::packed_k::{dot_group_scalar, group_block_bytes, random_raw, reads_super_span};
-use crate::packed_test_rows::{self as test_rows, activation_rows, rand_vec, shapes};
+use crate::packed::k::x86;
+use crate::packed::k::{dot_group_scalar, group_block_bytes, random_raw, reads_super_span};
+use crate::packed::test_rows::{self as test_rows, activation_rows, rand_vec, shapes};
+use crate::packed::PackedInt8;
 use crate::q8::{quantize_rows, quantize_rows_super, QuantizedActivations, SUPER_SPAN};
 use crate::q8::{ActSpan, BlockQ8};
 use half::f16;
@@ -262,7 +262,7 @@ fn eight_row_repacking_writes_the_lane_by_lane_bytes() {
             let src: Vec<Vec<u8>> = (0..GROUP_ROWS).map(|_| (0..f.block_bytes()).map(|_| rng.gen()).collect()).collect();
             let mut want = vec![0u8; group_block_bytes(f)];
             for (lane, s) in src.iter().enumerate() {
-                crate::packed_k::pack_block(f, s, lane, &mut want);
+                crate::packed::k::pack_block(f, s, lane, &mut want);
             }
             let mut got = vec![0xAAu8; group_block_bytes(f)];
             // SAFETY: AVX2 checked above; each source holds one block, `got` one group block.

@@ -1,4 +1,4 @@
-//! Test support shared by the integer-kernel tests (`packed_k_tests`, `packed_iq`'s tests): the
+//! Test support shared by the integer-kernel tests (`packed::k_tests`, `packed::iq`'s tests): the
 //! random values, matrix shapes, activation rows and group slices every format's test needs.
 
 use crate::formats::{WeightFormat, QK};
