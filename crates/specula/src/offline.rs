@@ -2,7 +2,8 @@
 //! and decode tokens/s at several batch sizes and thread counts — printed beside candle's own
 //! quantized Llama (candle-transformers, llama-family files only; built with the `candle-baseline`
 //! feature) and, with `--llama-bench`,
-//! llama.cpp's `llama-bench` (prefill and decode at batch 1) on the same GGUF in the same run.
+//! llama.cpp's `llama-bench` (prefill and decode at batch 1) on the same GGUF in the same run; with
+//! `--ik-bench`, ik_llama.cpp's (`-rtr 1 -fmoe 1`) beside it.
 //! Decode at batch 1 is also given as a share of this machine's memory bound: the bytes a decode
 //! step reads (every weight but the embedding table's unused rows) at the read bandwidth
 //! measured in the same run.
@@ -60,6 +61,11 @@ pub struct OfflineArgs {
     /// baseline: its pp{prefill-len} and tg{decode-steps} beside our prefill and decode at batch 1.
     #[arg(long)]
     pub llama_bench: Option<PathBuf>,
+    /// ik_llama.cpp's `llama-bench` (scripts/build_ik_llama.sh builds it), run with run-time
+    /// repacking and fused MoE (`-rtr 1 -fmoe 1`) on the same file and thread counts: a third
+    /// baseline beside llama.cpp's.
+    #[arg(long)]
+    pub ik_bench: Option<PathBuf>,
     /// Timed repetitions of each measurement after one warm-up (the mean is reported, as
     /// llama-bench does).
     #[arg(long, default_value_t = 2)]
@@ -105,6 +111,7 @@ struct Row {
     ours: f64,
     candle: Option<f64>,
     llama_cpp: Option<f64>,
+    ik: Option<f64>,
 }
 
 /// One warm-up call of `f`, then the mean of `reps` timed calls (each returns tokens/s).
@@ -126,6 +133,7 @@ fn run_llama_bench(
     prefill: usize,
     decode: usize,
     reps: usize,
+    extra: &[&str],
 ) -> Result<Vec<(usize, usize, usize, f64)>> {
     let t = threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
     eprintln!("running {} on {} (threads {t}) ...", bin.display(), model.display());
@@ -133,6 +141,7 @@ fn run_llama_bench(
         .arg("-m")
         .arg(model)
         .args(["-t", &t, "-p", &prefill.to_string(), "-n", &decode.to_string(), "-r", &reps.max(1).to_string(), "-o", "json"])
+        .args(extra)
         .output()
         .with_context(|| format!("running {}", bin.display()))?;
     if !out.status.success() {
@@ -170,10 +179,12 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     }
     // llama.cpp first, before our copy of the weights is resident: a 30B MoE file is most of
     // the machine's memory, and both at once would page
-    let llama = match &args.llama_bench {
-        Some(b) if args.depth.is_empty() => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps)?,
-        _ => Vec::new(),
+    let bench = |bin: &Option<PathBuf>, extra: &[&str]| match bin {
+        Some(b) if args.depth.is_empty() => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps, extra),
+        _ => Ok(Vec::new()),
     };
+    let llama_runs = bench(&args.llama_bench, &[])?;
+    let ik_runs = bench(&args.ik_bench, &["-rtr", "1", "-fmoe", "1"])?;
     let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into() };
     let loaded = load_model_with(&path, &options)?;
     let model = &loaded.model;
@@ -189,7 +200,8 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         eprintln!("no candle column: this binary was built without the candle baseline (cargo build --release -p specula --features candle-baseline)");
     }
     let candle_ok = candle_ok && candle_baseline::AVAILABLE;
-    let llama_at = |threads: usize, p: usize, n: usize| llama.iter().find(|e| e.0 == threads && e.1 == p && e.2 == n).map(|e| e.3);
+    let at =
+        |runs: &[(usize, usize, usize, f64)], threads: usize, p: usize, n: usize| runs.iter().find(|e| e.0 == threads && e.1 == p && e.2 == n).map(|e| e.3);
     if !args.depth.is_empty() {
         return run_depths(&args, &path, &loaded);
     }
@@ -204,20 +216,25 @@ pub fn run(args: OfflineArgs) -> Result<()> {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
         let candle = if candle_ok { Some(pool.install(|| candle_baseline::prefill_tps(&path, &prompt))?) } else { None };
-        rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle, llama_cpp: llama_at(threads, prompt.len(), 0) });
+        let (llama_cpp, ik) = (at(&llama_runs, threads, prompt.len(), 0), at(&ik_runs, threads, prompt.len(), 0));
+        rows.push(Row { what: format!("prefill {} tok", prompt.len()), threads, ours, candle, llama_cpp, ik });
         let score = pool.install(|| mean_tps(args.reps, || score_tps(model, &prompt, SCORE_TOP_K)))?;
         eprintln!("scoring at {threads} thread(s): {:.2}x plain prefill", score / ours);
-        rows.push(Row { what: format!("score {} tok, top-{SCORE_TOP_K}", prompt.len()), threads, ours: score, candle: None, llama_cpp: None });
+        rows.push(Row { what: format!("score {} tok, top-{SCORE_TOP_K}", prompt.len()), threads, ours: score, candle: None, llama_cpp: None, ik: None });
         for &b in &args.batch {
             let ours = pool.install(|| mean_tps(args.reps, || decode_tps(model, b, args.decode_steps)))?;
             let candle = if candle_ok { Some(pool.install(|| candle_baseline::decode_tps(&path, b, args.decode_steps))?) } else { None };
-            let llama_cpp = if b == 1 { llama_at(threads, 0, args.decode_steps) } else { None };
-            rows.push(Row { what: format!("decode batch {b}"), threads, ours, candle, llama_cpp });
+            let (llama_cpp, ik) =
+                if b == 1 { (at(&llama_runs, threads, 0, args.decode_steps), at(&ik_runs, threads, 0, args.decode_steps)) } else { (None, None) };
+            rows.push(Row { what: format!("decode batch {b}"), threads, ours, candle, llama_cpp, ik });
         }
     }
     println!("\nspecula bench offline — {} ({})", loaded.name, specula_kernels::cpu::describe());
     println!("weights mapped: {:.2} GB", loaded.weight_bytes as f64 / 1e9);
-    println!("{:<22} {:>7} {:>14} {:>14} {:>8} {:>14} {:>8}", "measurement", "threads", "specula tok/s", "candle tok/s", "ratio", "llama.cpp tok/s", "ratio");
+    println!(
+        "{:<22} {:>7} {:>14} {:>14} {:>8} {:>14} {:>8} {:>14} {:>8}",
+        "measurement", "threads", "specula tok/s", "candle tok/s", "ratio", "llama.cpp tok/s", "ratio", "ik_llama tok/s", "ratio"
+    );
     let cell = |base: Option<f64>, ours: f64| match base {
         Some(c) => (format!("{c:.1}"), format!("{:.2}x", ours / c)),
         None => ("-".into(), "-".into()),
@@ -225,7 +242,8 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     for r in &rows {
         let (c, cr) = cell(r.candle, r.ours);
         let (l, lr) = cell(r.llama_cpp, r.ours);
-        println!("{:<22} {:>7} {:>14.1} {:>14} {:>8} {:>14} {:>8}", r.what, r.threads, r.ours, c, cr, l, lr);
+        let (k, kr) = cell(r.ik, r.ours);
+        println!("{:<22} {:>7} {:>14.1} {:>14} {:>8} {:>14} {:>8} {:>14} {:>8}", r.what, r.threads, r.ours, c, cr, l, lr, k, kr);
     }
     let per_token = decode_bytes(model, loaded.weight_bytes);
     println!("\nmemory bound of decode batch 1: {:.2} GB read per token", per_token / 1e9);
@@ -240,8 +258,8 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     if peaks.iter().any(|&(_, p)| p > 0.0) {
         println!("\ncompute bound of prefill: {:.2} GMAC per token (the weight matmuls; attention's products not counted) at the int8 dot peak", macs / 1e9);
         println!(
-            "{:>7} {:>16} {:>12} {:>14} {:>8} {:>16} {:>8}",
-            "threads", "int8 peak GMAC/s", "bound tok/s", "specula tok/s", "share", "llama.cpp tok/s", "share"
+            "{:>7} {:>16} {:>12} {:>14} {:>8} {:>16} {:>8} {:>14} {:>8}",
+            "threads", "int8 peak GMAC/s", "bound tok/s", "specula tok/s", "share", "llama.cpp tok/s", "share", "ik_llama tok/s", "share"
         );
         let prefill = format!("prefill {} tok", prompt.len());
         for &(threads, peak) in &peaks {
@@ -249,7 +267,8 @@ pub fn run(args: OfflineArgs) -> Result<()> {
             let row = rows.iter().find(|r| r.threads == threads && r.what == prefill);
             let (o, os) = rate_and_share(row.map(|r| r.ours), bound);
             let (l, ls) = rate_and_share(row.and_then(|r| r.llama_cpp), bound);
-            println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8} {:>16} {:>8}", threads, peak / 1e9, bound, o, os, l, ls);
+            let (k, ks) = rate_and_share(row.and_then(|r| r.ik), bound);
+            println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8} {:>16} {:>8} {:>14} {:>8}", threads, peak / 1e9, bound, o, os, l, ls, k, ks);
         }
     }
     if args.verify_curve {
@@ -265,7 +284,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     }
     if let Some(p) = args.output_json {
         let j: Vec<_> =
-            rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle, "llama_cpp_tok_s": r.llama_cpp})).collect();
+            rows.iter().map(|r| serde_json::json!({"measurement": r.what, "threads": r.threads, "specula_tok_s": r.ours, "candle_tok_s": r.candle, "llama_cpp_tok_s": r.llama_cpp, "ik_llama_cpp_tok_s": r.ik})).collect();
         std::fs::write(&p, serde_json::to_string_pretty(&j)?)?;
     }
     Ok(())
