@@ -3,7 +3,7 @@
 # layouts, fused MoE up/gate, its own CPU flash attention), into the project's cache, native for the
 # machine it runs on (it is never committed, and nothing here ships it). The source is a snapshot of
 # its public repository: a checkout or bare git directory given as IK_SRC, else a shallow clone.
-# About 10-15 minutes on 2 cores; a second run reuses the build. Prints the llama-bench path, for
+# About 30 minutes on 2 cores (its iqk kernels are large templates); a second run reuses the build. Prints the llama-bench path, for
 #   specula bench offline --model M --llama-bench .../llama-bench --ik-bench "$(bash scripts/build_ik_llama.sh)"
 #
 #   bash scripts/build_ik_llama.sh                    # clones github.com/ikawrakow/ik_llama.cpp
