@@ -186,10 +186,8 @@ fn llama_rows_in(
             cmd.arg("--kl-divergence");
         }
         eprintln!("running {cmd:?} ...");
-        let out = cmd.output().with_context(|| format!("running {}", bin.display()))?;
-        let log = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-        anyhow::ensure!(out.status.success(), "{} failed ({}): {}", bin.display(), out.status, log.lines().last().unwrap_or(""));
-        Ok(log)
+        let out = crate::baseline_tool::output(&mut cmd)?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr))
     };
     run("f32", false)?;
     let field = |log: &str, key: &str| -> Result<f64> {

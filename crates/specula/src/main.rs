@@ -1,5 +1,6 @@
 //! The `specula` binary: clap CLI wiring the engine, server and benchmarks together.
 
+mod baseline_tool;
 mod bench;
 mod debug;
 mod engine_args;

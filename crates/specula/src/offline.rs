@@ -137,17 +137,13 @@ fn run_llama_bench(
 ) -> Result<Vec<(usize, usize, usize, f64)>> {
     let t = threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
     eprintln!("running {} on {} (threads {t}) ...", bin.display(), model.display());
-    let out = std::process::Command::new(bin)
-        .arg("-m")
-        .arg(model)
-        .args(["-t", &t, "-p", &prefill.to_string(), "-n", &decode.to_string(), "-r", &reps.max(1).to_string(), "-o", "json"])
-        .args(extra)
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        anyhow::bail!("{} failed ({}): {}", bin.display(), out.status, err.lines().last().unwrap_or(""));
-    }
+    let out = crate::baseline_tool::output(
+        std::process::Command::new(bin)
+            .arg("-m")
+            .arg(model)
+            .args(["-t", &t, "-p", &prefill.to_string(), "-n", &decode.to_string(), "-r", &reps.max(1).to_string(), "-o", "json"])
+            .args(extra),
+    )?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON")?;
     let entries = v.as_array().context("llama-bench's JSON is not a list")?;
     Ok(entries

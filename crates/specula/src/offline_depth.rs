@@ -69,10 +69,7 @@ pub fn llama_bench(bin: &Path, model: &Path, threads: usize, depth: usize, steps
         // our type names are llama.cpp's `-ctk` / `-ctv` names
         cmd.args(["-ctk", dtype.name(), "-ctv", dtype.name()]).args(extra);
         eprintln!("running {cmd:?} ...");
-        let out = cmd.output().with_context(|| format!("running {}", bin.display()))?;
-        if !out.status.success() {
-            anyhow::bail!("{} failed ({}): {}", bin.display(), out.status, String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or(""));
-        }
+        let out = crate::baseline_tool::output(&mut cmd)?;
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON")?;
         v.as_array().and_then(|a| a.first()).and_then(|e| e.get("avg_ts")).and_then(|x| x.as_f64()).context("llama-bench's JSON has no avg_ts")
     };
