@@ -342,7 +342,6 @@ impl Attn<'_> {
         #[cfg(target_arch = "x86_64")]
         if self.simd {
             let bs = self.layout.block_size;
-            let row = self.k.dtype.bytes(self.layout.head_dim);
             let mut p = a0;
             while p < a1 {
                 // one contiguous run: the rest of p's block (head-major), or one row
@@ -350,7 +349,7 @@ impl Attn<'_> {
                 let e = self.offset(s, u, p);
                 for view in [&self.k, &self.v] {
                     // SAFETY: prefetching is a hint and never faults.
-                    unsafe { avx2::prefetch(view, e, (end - p) * row) };
+                    unsafe { avx2::prefetch(view, e, (end - p) * self.layout.head_dim) };
                 }
                 p = end;
             }
@@ -531,25 +530,17 @@ fn dot_ref(q: &[f32], k: &KvView, off: usize) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{KvDtype, KvView, Q8_BLOCK, SCORE_VECTORS, TILE};
+    use super::{KvView, Q8_BLOCK, SCORE_VECTORS, TILE};
     use std::arch::x86_64::*;
 
-    /// Prefetches (into L2) `len` bytes of the view's values from element `e` on (q8_0: its
-    /// bytes and their scales).
+    /// Prefetches (into L2) the view's `n` values from element `e` on, in the bytes their type
+    /// takes (the quantized types: their bytes and their first scale).
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn prefetch(v: &KvView, e: usize, len: usize) {
-        let (base, bytes) = match v.dtype {
-            KvDtype::F32 => (v.data.as_ptr().wrapping_add(4 * e), len),
-            KvDtype::F16 | KvDtype::Bf16 => (v.data.as_ptr().wrapping_add(2 * e), len),
-            KvDtype::Q8_0 => {
-                _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
-                (v.data.as_ptr().wrapping_add(e), len * Q8_BLOCK / (Q8_BLOCK + 2))
-            }
-            KvDtype::Q4_0 => {
-                _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
-                (v.data.as_ptr().wrapping_add(e / 2), len * Q8_BLOCK / (Q8_BLOCK + 4))
-            }
-        };
+    pub(super) unsafe fn prefetch(v: &KvView, e: usize, n: usize) {
+        if v.dtype.has_scales() {
+            _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
+        }
+        let (base, bytes) = (v.data.as_ptr().wrapping_add(v.dtype.data_bytes(e)), v.dtype.data_bytes(n));
         let mut o = 0;
         while o < bytes {
             _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(o) as *const i8);

@@ -83,7 +83,7 @@ impl KvDtype {
     }
 
     /// Bytes `n` values take in the plane's main buffer (the quantized types' scales apart).
-    fn data_bytes(self, n: usize) -> usize {
+    pub(crate) fn data_bytes(self, n: usize) -> usize {
         match self {
             KvDtype::F32 => n.saturating_mul(4),
             KvDtype::F16 | KvDtype::Bf16 => n.saturating_mul(2),
@@ -93,7 +93,7 @@ impl KvDtype {
     }
 
     /// Whether values come in blocks of 32 with an f16 scale each.
-    fn has_scales(self) -> bool {
+    pub(crate) fn has_scales(self) -> bool {
         matches!(self, KvDtype::Q8_0 | KvDtype::Q4_0)
     }
 
