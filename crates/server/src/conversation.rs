@@ -8,7 +8,7 @@
 
 use crate::bounds;
 use crate::error::ApiError;
-use crate::generate::{self, ChoiceJob, ChoiceOutput, ChoiceRun};
+use crate::generate::ChoiceJob;
 use crate::output::{harmony, OutputParser, ReasoningCounter};
 use crate::reasoning;
 use crate::tools::{self, ToolSet};
@@ -188,12 +188,6 @@ impl Prepared {
     pub fn reasoning_counter(&self, tokenizer: &Arc<Tokenizer>) -> ReasoningCounter {
         ReasoningCounter::new(tokenizer, self.reasoning, self.harmony)
     }
-}
-
-/// One choice run to its end, for the non-streaming answers of the single-choice dialects (an
-/// engine failure is a 500).
-pub async fn run_to_end(run: ChoiceRun) -> Result<ChoiceOutput, ApiError> {
-    generate::collect(vec![run]).await?.pop().ok_or_else(|| ApiError::internal("no choice was submitted"))
 }
 
 /// Which of `stops` ended an output that finished with `Stop`: the engine cuts the text before

@@ -253,20 +253,20 @@ pub enum ServeError {
 /// limit and idle timeout, SSE keep-alive comments, and OpenAI-shaped 404/405s.
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
-        .route("/v1/completions", post(routes::completions::create))
-        .route("/v1/chat/completions", post(routes::chat::create))
+        .route("/v1/completions", post(dialect::handle::<dialect::completions::Completions>))
+        .route("/v1/chat/completions", post(dialect::handle::<dialect::chat::Chat>))
         .route("/v1/models", get(routes::models::list))
         .route("/v1/models/{model}", get(routes::models::retrieve))
         // vLLM serves its tokenizer endpoints at the root; they are behind the API key too
         .route("/tokenize", post(routes::tokenize::tokenize))
         .route("/detokenize", post(routes::tokenize::detokenize))
         .route("/tokenizer_info", get(routes::tokenize::info))
-        .route("/v1/responses", post(dialect::responses::create))
+        .route("/v1/responses", post(dialect::handle::<dialect::responses::Responses>))
         .route("/v1/responses/{id}", get(dialect::responses::retrieve))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key));
     // Anthropic's routes answer errors (auth included) in Anthropic's shape
     let anthropic = Router::new()
-        .route("/v1/messages", post(dialect::anthropic::create))
+        .route("/v1/messages", post(dialect::handle::<dialect::anthropic::Messages>))
         .route("/v1/messages/count_tokens", post(dialect::anthropic::count_tokens))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
         .route_layer(axum::middleware::from_fn(dialect::anthropic::anthropic_errors));

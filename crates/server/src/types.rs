@@ -9,42 +9,83 @@ use serde::{Deserialize, Deserializer, Serialize};
 // Requests
 // ---------------------------------------------------------------------------------------------
 
+/// The sampling fields of the OpenAI routes (completions and chat completions), declared once
+/// here: [`SamplingBlock`] holds them, and `with_sampling_block!` splices them into each request
+/// struct (with `sampling()`, the block read back). Spliced rather than `#[serde(flatten)]`ed:
+/// flattened fields are buffered before they are read, so a wrong type there would lose its
+/// field's name in the 400 (`extract.rs`). The fields each route spells its own way
+/// (`max_tokens`, `logprobs`) stay on the request; Anthropic Messages and Responses spell theirs
+/// after their APIs.
+macro_rules! declare_sampling_block {
+    ($d:tt $($(#[$fm:meta])* $field:ident: $ty:ty,)*) => {
+        /// See `declare_sampling_block!`.
+        #[derive(Debug, Default, Clone, Deserialize)]
+        pub struct SamplingBlock {
+            $($(#[$fm])* pub $field: $ty,)*
+        }
+
+        macro_rules! with_sampling_block {
+            ($d(#[$d m:meta])* pub struct $d name:ident { $d($d body:tt)* }) => {
+                $d(#[$d m])*
+                pub struct $d name {
+                    $d($d body)*
+                    $($(#[$fm])* pub $field: $ty,)*
+                }
+
+                impl $d name {
+                    /// The sampling fields, as the block every dialect fills.
+                    pub fn sampling(&self) -> SamplingBlock {
+                        SamplingBlock { $($field: self.$field.clone(),)* }
+                    }
+                }
+            };
+        }
+    };
+}
+
+declare_sampling_block! { $
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<i64>,
+    min_p: Option<f32>,
+    seed: Option<i64>,
+    stop: Option<Stop>,
+    stop_token_ids: Option<Vec<u32>>,
+    /// Token id (as a string key) -> bias in [-100, 100] added to its logit before sampling.
+    logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    n: Option<i64>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repetition_penalty: Option<f32>,
+    ignore_eos: Option<bool>,
+    /// Our extension: no speculative drafts for this request (the output is the same either way;
+    /// only its speed differs).
+    disable_speculation: Option<bool>,
+    /// vLLM's extension: the top-k logprobs of every prompt token (completions: `prompt_logprobs`
+    /// in each choice; chat: at the top level of the response, and not with `stream`, as in vLLM).
+    prompt_logprobs: Option<i64>,
+    /// Structured outputs, every way a client can ask for them.
+    #[serde(flatten)]
+    structured: StructuredFields,
+}
+
+with_sampling_block! {
 /// `POST /v1/completions`.
 #[derive(Debug, Default, Deserialize)]
 pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Option<Prompt>,
     pub max_tokens: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    /// Token id (as a string key) -> bias in [-100, 100] added to its logit before sampling.
-    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
-    pub n: Option<i64>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub ignore_eos: Option<bool>,
-    /// Our extension: no speculative drafts for this request (the output is the same either way;
-    /// only its speed differs).
-    pub disable_speculation: Option<bool>,
     /// Number of alternatives per position (0 = the sampled token's logprob only).
     pub logprobs: Option<i64>,
     /// Prepend the prompt's text to each choice's text (with `logprobs`, the prompt's logprobs too).
     pub echo: Option<bool>,
-    /// vLLM's extension: the top-k logprobs of every prompt token (`prompt_logprobs` in each choice).
-    pub prompt_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    /// Structured outputs, every way a client can ask for them.
-    #[serde(flatten)]
-    pub structured: StructuredFields,
+}
 }
 
+with_sampling_block! {
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Default, Deserialize)]
 pub struct ChatCompletionRequest {
@@ -53,29 +94,9 @@ pub struct ChatCompletionRequest {
     pub max_tokens: Option<i64>,
     /// The newer name for `max_tokens`; wins when both are given.
     pub max_completion_tokens: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    /// Token id (as a string key) -> bias in [-100, 100] added to its logit before sampling.
-    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
-    pub n: Option<i64>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub ignore_eos: Option<bool>,
-    /// Our extension: no speculative drafts for this request (the output is the same either way;
-    /// only its speed differs).
-    pub disable_speculation: Option<bool>,
     pub logprobs: Option<bool>,
     /// Alternatives per position; needs `logprobs: true`.
     pub top_logprobs: Option<i64>,
-    /// vLLM's extension: the top-k logprobs of every prompt token (the rendered conversation's),
-    /// as a top-level `prompt_logprobs` in the response. Not with `stream` (as in vLLM).
-    pub prompt_logprobs: Option<i64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     /// OpenAI function tools, as sent: checked (with the paths of the fields at fault) by
@@ -95,9 +116,7 @@ pub struct ChatCompletionRequest {
     /// OpenAI's `reasoning_effort` ("low", "medium", "high"): the template's `reasoning_effort`
     /// (gpt-oss's system message says it).
     pub reasoning_effort: Option<String>,
-    /// Structured outputs, every way a client can ask for them.
-    #[serde(flatten)]
-    pub structured: StructuredFields,
+}
 }
 
 /// Every way a client can ask for structured output, as sent; at most one may be given (checked in

@@ -4,7 +4,7 @@
 //! Knows nothing of HTTP beyond `ApiError`, and nothing of how requests are run.
 
 use crate::error::ApiError;
-use crate::types::{ChatCompletionRequest, CompletionRequest, MessageContent, RequestMessage, Stop, StructuredFields};
+use crate::types::{ChatCompletionRequest, CompletionRequest, MessageContent, RequestMessage, SamplingBlock, Stop, StructuredFields};
 use crate::ServerConfig;
 use serde_json::Value;
 use specula_engine::api::{Constraint, SamplingParams};
@@ -21,61 +21,31 @@ pub enum DefaultMaxTokens {
     Fixed(usize),
 }
 
-/// The sampling fields both endpoints share, as sent; each route fills it from its own request.
+/// The sampling fields of a request, whatever its dialect: the shared block (`SamplingBlock`,
+/// which the OpenAI routes flatten into their requests and the other dialects fill from their own
+/// spellings) and the fields each dialect names its own way.
 #[derive(Debug, Default)]
 pub struct SamplingFields {
+    pub sampling: SamplingBlock,
     pub max_tokens: Option<i64>,
     /// How the client spelled the max-tokens field, for error messages.
     pub max_tokens_param: &'static str,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
-    pub n: Option<i64>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub ignore_eos: Option<bool>,
-    pub disable_speculation: Option<bool>,
     pub logprobs: Option<i64>,
     /// How the client spelled the logprobs count (`logprobs` or `top_logprobs`).
     pub logprobs_param: &'static str,
-    /// vLLM's `prompt_logprobs`: top-k of every prompt position.
-    pub prompt_logprobs: Option<i64>,
     /// `max_tokens: 0` is allowed (completions with `echo`: the prompt only, nothing generated).
     pub allow_zero_max_tokens: bool,
-    /// The structured-output fields, as sent (`structured_constraint`).
-    pub structured: StructuredFields,
 }
 
 impl From<&CompletionRequest> for SamplingFields {
     fn from(r: &CompletionRequest) -> Self {
         Self {
+            sampling: r.sampling(),
             max_tokens: r.max_tokens,
             max_tokens_param: "max_tokens",
-            temperature: r.temperature,
-            top_p: r.top_p,
-            top_k: r.top_k,
-            min_p: r.min_p,
-            seed: r.seed,
-            stop: r.stop.clone(),
-            stop_token_ids: r.stop_token_ids.clone(),
-            logit_bias: r.logit_bias.clone(),
-            n: r.n,
-            presence_penalty: r.presence_penalty,
-            frequency_penalty: r.frequency_penalty,
-            repetition_penalty: r.repetition_penalty,
-            ignore_eos: r.ignore_eos,
-            disable_speculation: r.disable_speculation,
             logprobs: r.logprobs,
             logprobs_param: "logprobs",
-            prompt_logprobs: r.prompt_logprobs,
             allow_zero_max_tokens: r.echo == Some(true),
-            structured: r.structured.clone(),
         }
     }
 }
@@ -93,29 +63,7 @@ impl SamplingFields {
             Some(m) => (Some(m), "max_completion_tokens"),
             None => (r.max_tokens, "max_tokens"),
         };
-        Ok(Self {
-            max_tokens,
-            max_tokens_param,
-            temperature: r.temperature,
-            top_p: r.top_p,
-            top_k: r.top_k,
-            min_p: r.min_p,
-            seed: r.seed,
-            stop: r.stop.clone(),
-            stop_token_ids: r.stop_token_ids.clone(),
-            logit_bias: r.logit_bias.clone(),
-            n: r.n,
-            presence_penalty: r.presence_penalty,
-            frequency_penalty: r.frequency_penalty,
-            repetition_penalty: r.repetition_penalty,
-            ignore_eos: r.ignore_eos,
-            disable_speculation: r.disable_speculation,
-            logprobs,
-            logprobs_param: "top_logprobs",
-            prompt_logprobs: r.prompt_logprobs,
-            allow_zero_max_tokens: false,
-            structured: r.structured.clone(),
-        })
+        Ok(Self { sampling: r.sampling(), max_tokens, max_tokens_param, logprobs, logprobs_param: "top_logprobs", allow_zero_max_tokens: false })
     }
 }
 
@@ -143,6 +91,7 @@ pub fn check_model(requested: Option<&str>, config: &ServerConfig) -> Result<(),
 
 /// Checks every prompt-independent field.
 pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize) -> Result<SamplingPlan, ApiError> {
+    let s = f.sampling;
     let requested_max_tokens = match f.max_tokens {
         Some(0) if f.allow_zero_max_tokens => Some(0),
         Some(m) if m <= 0 => {
@@ -151,12 +100,12 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
         None => None,
     };
-    let n = match f.n.unwrap_or(1) {
+    let n = match s.n.unwrap_or(1) {
         n if n < 1 => return Err(ApiError::invalid_param("n", format!("n must be at least 1, got {n}"))),
         n if n as u64 > config.max_n as u64 => return Err(ApiError::invalid_param("n", format!("n is {n} but this server allows at most {}", config.max_n))),
         n => n as usize,
     };
-    let top_k = match f.top_k.unwrap_or(0) {
+    let top_k = match s.top_k.unwrap_or(0) {
         -1 | 0 => 0,
         k if k < 0 => return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (disabled) or positive, got {k}"))),
         k => usize::try_from(k).unwrap_or(usize::MAX),
@@ -166,12 +115,12 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
         Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
         None => None,
     };
-    let prompt_logprobs = match f.prompt_logprobs {
+    let prompt_logprobs = match s.prompt_logprobs {
         Some(k) if k < 0 => return Err(ApiError::invalid_param("prompt_logprobs", format!("prompt_logprobs must be >= 0, got {k}"))),
         Some(k) => Some(usize::try_from(k).unwrap_or(usize::MAX)),
         None => None,
     };
-    let stop: Vec<String> = f.stop.map(Stop::into_vec).unwrap_or_default();
+    let stop: Vec<String> = s.stop.map(Stop::into_vec).unwrap_or_default();
     if stop.len() > config.max_stop_strings {
         return Err(ApiError::invalid_param("stop", format!("{} stop strings given; at most {} are allowed", stop.len(), config.max_stop_strings)));
     }
@@ -181,9 +130,9 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
             format!("a stop string of {} characters is longer than the {} allowed", long.chars().count(), config.max_stop_string_chars),
         ));
     }
-    let stop_token_ids = f.stop_token_ids.unwrap_or_default();
+    let stop_token_ids = s.stop_token_ids.unwrap_or_default();
     // OpenAI's keys are token ids written as strings; anything else is refused, not ignored
-    let logit_bias = f
+    let logit_bias = s
         .logit_bias
         .unwrap_or_default()
         .into_iter()
@@ -195,29 +144,29 @@ pub fn sampling_plan(f: SamplingFields, config: &ServerConfig, vocab_size: usize
     if let Some(bad) = stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
         return Err(ApiError::invalid_param("stop_token_ids", format!("stop token id {bad} is outside the vocabulary (size {vocab_size})")));
     }
-    let (constraint, constraint_param) = match structured_constraint(&f.structured)? {
+    let (constraint, constraint_param) = match structured_constraint(&s.structured)? {
         Some((c, p)) => (Some(Arc::new(c)), p),
         None => (None, ""),
     };
     let defaults = SamplingParams::default();
     let base = SamplingParams {
-        temperature: f.temperature.unwrap_or(defaults.temperature),
+        temperature: s.temperature.unwrap_or(defaults.temperature),
         top_k,
-        top_p: f.top_p.unwrap_or(defaults.top_p),
-        min_p: f.min_p.unwrap_or(defaults.min_p),
-        repetition_penalty: f.repetition_penalty.unwrap_or(defaults.repetition_penalty),
-        presence_penalty: f.presence_penalty.unwrap_or(defaults.presence_penalty),
-        frequency_penalty: f.frequency_penalty.unwrap_or(defaults.frequency_penalty),
+        top_p: s.top_p.unwrap_or(defaults.top_p),
+        min_p: s.min_p.unwrap_or(defaults.min_p),
+        repetition_penalty: s.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+        presence_penalty: s.presence_penalty.unwrap_or(defaults.presence_penalty),
+        frequency_penalty: s.frequency_penalty.unwrap_or(defaults.frequency_penalty),
         // Negative seeds are accepted (OpenAI allows them) and wrap to the same 64 bits.
-        seed: f.seed.map(|s| s as u64),
+        seed: s.seed.map(|s| s as u64),
         // 0 (echo only) runs one step and drops its token: the engine always generates one
         max_tokens: requested_max_tokens.unwrap_or(1).max(1),
         // An empty stop string would end every request at once; it means nothing, so drop it.
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         stop_token_ids: stop_token_ids.into(),
         logit_bias: logit_bias.into(),
-        ignore_eos: f.ignore_eos.unwrap_or(false),
-        disable_speculation: f.disable_speculation.unwrap_or(false),
+        ignore_eos: s.ignore_eos.unwrap_or(false),
+        disable_speculation: s.disable_speculation.unwrap_or(false),
         logprobs,
         prompt_logprobs,
         constraint,
@@ -461,15 +410,15 @@ mod tests {
         let cases: Vec<(SamplingFields, &str)> = vec![
             (SamplingFields { max_tokens: Some(0), ..Default::default() }, "max_tokens"),
             (SamplingFields { max_tokens: Some(-3), ..Default::default() }, "max_tokens"),
-            (SamplingFields { temperature: Some(-0.5), ..Default::default() }, "temperature"),
-            (SamplingFields { top_p: Some(0.0), ..Default::default() }, "top_p"),
-            (SamplingFields { top_p: Some(1.5), ..Default::default() }, "top_p"),
-            (SamplingFields { top_k: Some(-2), ..Default::default() }, "top_k"),
-            (SamplingFields { n: Some(0), ..Default::default() }, "n"),
-            (SamplingFields { n: Some(17), ..Default::default() }, "n"),
+            (SamplingFields { sampling: SamplingBlock { temperature: Some(-0.5), ..Default::default() }, ..Default::default() }, "temperature"),
+            (SamplingFields { sampling: SamplingBlock { top_p: Some(0.0), ..Default::default() }, ..Default::default() }, "top_p"),
+            (SamplingFields { sampling: SamplingBlock { top_p: Some(1.5), ..Default::default() }, ..Default::default() }, "top_p"),
+            (SamplingFields { sampling: SamplingBlock { top_k: Some(-2), ..Default::default() }, ..Default::default() }, "top_k"),
+            (SamplingFields { sampling: SamplingBlock { n: Some(0), ..Default::default() }, ..Default::default() }, "n"),
+            (SamplingFields { sampling: SamplingBlock { n: Some(17), ..Default::default() }, ..Default::default() }, "n"),
             (SamplingFields { logprobs: Some(21), ..Default::default() }, "logprobs"),
             (SamplingFields { logprobs: Some(-1), ..Default::default() }, "logprobs"),
-            (SamplingFields { stop_token_ids: Some(vec![300]), ..Default::default() }, "stop_token_ids"),
+            (SamplingFields { sampling: SamplingBlock { stop_token_ids: Some(vec![300]), ..Default::default() }, ..Default::default() }, "stop_token_ids"),
         ];
         for (mut f, param) in cases {
             f.max_tokens_param = "max_tokens";
@@ -496,7 +445,8 @@ mod tests {
 
     #[test]
     fn choice_i_gets_seed_plus_i() {
-        let p = plan(SamplingFields { seed: Some(7), max_tokens_param: "max_tokens", ..Default::default() }).unwrap();
+        let p = plan(SamplingFields { sampling: SamplingBlock { seed: Some(7), ..Default::default() }, max_tokens_param: "max_tokens", ..Default::default() })
+            .unwrap();
         let cfg = config();
         let seeds: Vec<_> = (0..3).map(|i| p.params_for(5, i, DefaultMaxTokens::Fixed(16), &cfg).unwrap().seed).collect();
         assert_eq!(seeds, vec![Some(7), Some(8), Some(9)]);
@@ -527,6 +477,26 @@ mod tests {
         assert_eq!(plan(fields(3)).unwrap().base.prompt_logprobs, Some(3));
         for k in [-1, 21] {
             assert_eq!(plan(fields(k)).unwrap_err().param.as_deref(), Some("prompt_logprobs"));
+        }
+    }
+
+    /// The shared sampling block is spliced into both OpenAI requests: read back whole by
+    /// `sampling()`, and a wrong type in it still names its field (a flattened block would not).
+    #[test]
+    fn the_sampling_block_reads_back_and_its_type_errors_name_the_field() {
+        use crate::extract::parse_json;
+        let body = br#"{"temperature": 0.5, "stop": "x", "n": 2, "prompt_logprobs": 1, "guided_regex": "a+", "logprobs": true}"#;
+        let chat: ChatCompletionRequest = parse_json(body).unwrap();
+        let done: CompletionRequest = parse_json(br#"{"temperature": 0.5, "stop": "x", "n": 2, "prompt_logprobs": 1, "guided_regex": "a+"}"#).unwrap();
+        for b in [chat.sampling(), done.sampling()] {
+            assert_eq!((b.temperature, b.n, b.prompt_logprobs), (Some(0.5), Some(2), Some(1)));
+            assert_eq!(b.stop.map(Stop::into_vec), Some(vec!["x".to_string()]));
+            assert_eq!(b.structured.guided_regex, Some(serde_json::json!("a+")));
+        }
+        for field in ["temperature", "top_k", "stop_token_ids", "ignore_eos"] {
+            let body = format!(r#"{{"{field}": {{"wrong": 1}}}}"#);
+            assert_eq!(parse_json::<ChatCompletionRequest>(body.as_bytes()).unwrap_err().param.as_deref(), Some(field));
+            assert_eq!(parse_json::<CompletionRequest>(body.as_bytes()).unwrap_err().param.as_deref(), Some(field));
         }
     }
 

@@ -6,7 +6,7 @@
 //! `message_delta`, `message_stop`, `ping`). Errors on these routes, auth included, are in
 //! Anthropic's shape ([`anthropic_errors`]).
 
-use super::{block_text, sampling_fields};
+use super::{block_text, sampling_fields, Answer, Dialect, Turn};
 use crate::conversation::{self, Conversation, ThinkingBudget};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
@@ -23,14 +23,12 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use specula_engine::api::{FinishReason, TokenLogprob};
 use specula_engine::types::{Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// `POST /v1/messages` (and the body of `count_tokens`, which ignores the generation fields).
 #[derive(Debug, Default, Deserialize)]
@@ -204,32 +202,34 @@ fn tool_set(req: &MessagesRequest) -> Result<Option<ToolSet>, ApiError> {
     Ok(ToolSet::from_request(Some(&Value::Array(definitions)), openai_choice.as_ref())?.map(|t| ToolSet { parallel, ..t }))
 }
 
-pub async fn create(State(state): State<AppState>, Extension(tenant): Extension<Tenant>, ApiJson(req): ApiJson<MessagesRequest>) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let conv = conversation_of(&req, &state, false)?;
-    let prepared = conversation::prepare(&state, conv).await?;
-    let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, &state.config)?;
-    let mut runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
-    let writer = MessageWriter {
-        id: format!("msg_{:x}{:08x}", crate::unix_now(), runs[0].id.0),
-        model: state.config.model_name.clone(),
-        tokenizer: state.tokenizer.clone(),
-        stops: prepared.plan.base.stop.to_vec(),
-        prompt_tokens: prepared.prompt.len(),
-        cached_tokens: 0,
-        parser: prepared.output_parser(),
-        blocks: Blocks::default(),
-        tokens: Vec::new(),
-        text: String::new(),
-        stop_reason: "end_turn",
-        stop_sequence: None,
-    };
-    if req.stream.unwrap_or(false) {
-        return Ok(sse::stream_response(runs, writer, false, prepared.prompt.len(), 1));
+/// `POST /v1/messages`.
+pub struct Messages;
+
+impl Dialect for Messages {
+    type Request = MessagesRequest;
+    type Writer = MessageWriter;
+
+    async fn begin(state: &AppState, _tenant: Tenant, req: MessagesRequest) -> Result<Turn<MessageWriter>, ApiError> {
+        let conv = conversation_of(&req, state, false)?;
+        let prepared = conversation::prepare(state, conv).await?;
+        let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, &state.config)?;
+        let writer = MessageWriter {
+            id: String::new(),
+            model: state.config.model_name.clone(),
+            tokenizer: state.tokenizer.clone(),
+            stops: prepared.plan.base.stop.to_vec(),
+            prompt_tokens: prepared.prompt.len(),
+            cached_tokens: 0,
+            parser: prepared.output_parser(),
+            blocks: Blocks::default(),
+            tokens: Vec::new(),
+            text: String::new(),
+            stop_reason: "end_turn",
+            stop_sequence: None,
+        };
+        let stream = req.stream.unwrap_or(false).then_some(false);
+        Ok(Turn { jobs, writer, stream, prompt_tokens: prepared.prompt.len(), choices_per_prompt: 1 })
     }
-    let Some(run) = runs.pop() else { return Err(ApiError::internal("no choice was submitted")) };
-    let out = conversation::run_to_end(run).await?;
-    Ok(axum::Json(writer.whole(out)).into_response())
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's length, `{"input_tokens": N}`.
@@ -239,7 +239,7 @@ pub async fn count_tokens(State(state): State<AppState>, ApiJson(req): ApiJson<M
 }
 
 /// Builds the `message` object, or its event stream, for one request.
-struct MessageWriter {
+pub struct MessageWriter {
     id: String,
     model: String,
     tokenizer: Arc<Tokenizer>,
@@ -314,7 +314,7 @@ impl MessageWriter {
         })
     }
 
-    fn whole(mut self, out: generate::ChoiceOutput) -> Value {
+    fn message_of(mut self, out: generate::ChoiceOutput) -> Value {
         let mut outs = self.parser.push(&out.text);
         outs.extend(self.parser.finish());
         self.blocks.feed(outs);
@@ -344,6 +344,19 @@ impl MessageWriter {
                 BlockEvent::Stop(index) => event("content_block_stop", json!({"type": "content_block_stop", "index": index})),
             })
             .collect()
+    }
+}
+
+impl Answer for MessageWriter {
+    const ID_PREFIX: &'static str = "msg_";
+
+    fn name(&mut self, id: String) {
+        self.id = id;
+    }
+
+    fn whole(self, mut outputs: Vec<generate::ChoiceOutput>) -> Result<Response, ApiError> {
+        let out = outputs.pop().ok_or_else(|| ApiError::internal("no choice was submitted"))?;
+        Ok(axum::Json(self.message_of(out)).into_response())
     }
 }
 

@@ -9,10 +9,9 @@
 //! `GET /v1/responses/{id}` returns it.
 
 use super::store::Stored;
-use super::{block_text, sampling_fields};
+use super::{block_text, sampling_fields, Answer, Dialect, Turn};
 use crate::conversation::{self, Conversation, ThinkingBudget};
 use crate::error::ApiError;
-use crate::extract::ApiJson;
 use crate::generate;
 use crate::output::{BlockEvent, BlockKind, Blocks, OutputParser, ReasoningCounter};
 use crate::sse::{self, ChunkWriter};
@@ -29,7 +28,6 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use specula_engine::api::{FinishReason, TokenLogprob};
 use specula_engine::types::{Tenant, TokenId};
-use std::time::Instant;
 
 /// `POST /v1/responses`.
 #[derive(Debug, Default, Deserialize)]
@@ -179,78 +177,76 @@ fn response_format(text: Option<&Value>) -> Option<Value> {
     }
 }
 
-pub async fn create(
-    State(state): State<AppState>,
-    Extension(tenant): Extension<Tenant>,
-    ApiJson(req): ApiJson<ResponsesRequest>,
-) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let config = &state.config;
-    // any `model` is served by the loaded one (Codex-style clients send their own model names)
-    let mut fields = sampling_fields(req.max_output_tokens, "max_output_tokens", req.temperature, req.top_p, req.top_k, req.stop.clone(), req.seed);
-    fields.structured.response_format = response_format(req.text.as_ref());
-    let plan = validate::sampling_plan(fields, config, state.tokenizer.vocab_size()).map_err(|e| {
-        if e.param.as_deref() == Some("response_format") {
-            ApiError { param: Some("text.format".into()), ..e }
-        } else {
-            e
+/// `POST /v1/responses`.
+pub struct Responses;
+
+impl Dialect for Responses {
+    type Request = ResponsesRequest;
+    type Writer = ResponseWriter;
+
+    async fn begin(state: &AppState, tenant: Tenant, req: ResponsesRequest) -> Result<Turn<ResponseWriter>, ApiError> {
+        let config = &state.config;
+        // any `model` is served by the loaded one (Codex-style clients send their own model names)
+        let mut fields = sampling_fields(req.max_output_tokens, "max_output_tokens", req.temperature, req.top_p, req.top_k, req.stop.clone(), req.seed);
+        fields.sampling.structured.response_format = response_format(req.text.as_ref());
+        let plan = validate::sampling_plan(fields, config, state.tokenizer.vocab_size()).map_err(|e| {
+            if e.param.as_deref() == Some("response_format") {
+                ApiError { param: Some("text.format".into()), ..e }
+            } else {
+                e
+            }
+        })?;
+        let mut history = match &req.previous_response_id {
+            Some(id) => {
+                state
+                    .responses
+                    .get(id)
+                    .filter(|s| s.tenant == tenant)
+                    .ok_or_else(|| ApiError::invalid_param("previous_response_id", format!("Previous response with id '{id}' not found.")))?
+                    .messages
+            }
+            None => Vec::new(),
+        };
+        history.extend(input_messages(req.input.as_ref().unwrap_or(&Value::Null))?);
+        if history.is_empty() {
+            return Err(ApiError::invalid_param("input", "input must hold at least one item"));
         }
-    })?;
-    let mut history = match &req.previous_response_id {
-        Some(id) => {
-            state
-                .responses
-                .get(id)
-                .filter(|s| s.tenant == tenant)
-                .ok_or_else(|| ApiError::invalid_param("previous_response_id", format!("Previous response with id '{id}' not found.")))?
-                .messages
+        let mut messages: Vec<Value> = req.instructions.iter().map(|s| json!({"role": "system", "content": s})).collect();
+        messages.extend(history.iter().cloned());
+        let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+        if let Some(effort) = req.reasoning.as_ref().and_then(|r| r.get("effort")).filter(|e| e.is_string()) {
+            template_kwargs.entry("reasoning_effort").or_insert(effort.clone());
         }
-        None => Vec::new(),
-    };
-    history.extend(input_messages(req.input.as_ref().unwrap_or(&Value::Null))?);
-    if history.is_empty() {
-        return Err(ApiError::invalid_param("input", "input must hold at least one item"));
+        let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
+        let prepared = conversation::prepare(state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs, thinking_budget }).await?;
+        let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
+        let echo = json!({
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata.clone().unwrap_or(json!({})),
+            "parallel_tool_calls": req.parallel_tool_calls.unwrap_or(true), "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning.clone().unwrap_or(json!({"effort": null, "summary": null})), "store": req.store.unwrap_or(true),
+            "temperature": prepared.plan.base.temperature, "top_p": prepared.plan.base.top_p,
+            "text": req.text.clone().unwrap_or(json!({"format": {"type": "text"}})), "tool_choice": req.tool_choice.clone().unwrap_or(json!("auto")),
+            "tools": req.tools.clone().unwrap_or_default(), "truncation": "disabled", "user": null,
+        });
+        let writer = ResponseWriter {
+            id: String::new(),
+            created_at: crate::unix_now(),
+            model: config.model_name.clone(),
+            echo,
+            prompt_tokens: prepared.prompt.len(),
+            cached_tokens: 0,
+            reasoning: prepared.reasoning_counter(&state.tokenizer),
+            parser: prepared.output_parser(),
+            blocks: Blocks::default(),
+            item_ids: Vec::new(),
+            sequence: 0,
+            finish: FinishReason::Stop,
+            store: req.store.unwrap_or(true).then_some((state.responses.clone(), history)),
+            tenant,
+        };
+        let stream = req.stream.unwrap_or(false).then_some(false);
+        Ok(Turn { jobs, writer, stream, prompt_tokens: prepared.prompt.len(), choices_per_prompt: 1 })
     }
-    let mut messages: Vec<Value> = req.instructions.iter().map(|s| json!({"role": "system", "content": s})).collect();
-    messages.extend(history.iter().cloned());
-    let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    if let Some(effort) = req.reasoning.as_ref().and_then(|r| r.get("effort")).filter(|e| e.is_string()) {
-        template_kwargs.entry("reasoning_effort").or_insert(effort.clone());
-    }
-    let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
-    let prepared = conversation::prepare(&state, Conversation { messages, tools: tool_set(&req)?, plan, template_kwargs, thinking_budget }).await?;
-    let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
-    let mut runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
-    let echo = json!({
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata.clone().unwrap_or(json!({})),
-        "parallel_tool_calls": req.parallel_tool_calls.unwrap_or(true), "previous_response_id": req.previous_response_id,
-        "reasoning": req.reasoning.clone().unwrap_or(json!({"effort": null, "summary": null})), "store": req.store.unwrap_or(true),
-        "temperature": prepared.plan.base.temperature, "top_p": prepared.plan.base.top_p,
-        "text": req.text.clone().unwrap_or(json!({"format": {"type": "text"}})), "tool_choice": req.tool_choice.clone().unwrap_or(json!("auto")),
-        "tools": req.tools.clone().unwrap_or_default(), "truncation": "disabled", "user": null,
-    });
-    let writer = ResponseWriter {
-        id: format!("resp_{:x}{:08x}", crate::unix_now(), runs[0].id.0),
-        created_at: crate::unix_now(),
-        model: config.model_name.clone(),
-        echo,
-        prompt_tokens: prepared.prompt.len(),
-        cached_tokens: 0,
-        reasoning: prepared.reasoning_counter(&state.tokenizer),
-        parser: prepared.output_parser(),
-        blocks: Blocks::default(),
-        item_ids: Vec::new(),
-        sequence: 0,
-        finish: FinishReason::Stop,
-        store: req.store.unwrap_or(true).then_some((state.responses.clone(), history)),
-        tenant,
-    };
-    if req.stream.unwrap_or(false) {
-        return Ok(sse::stream_response(runs, writer, false, prepared.prompt.len(), 1));
-    }
-    let Some(run) = runs.pop() else { return Err(ApiError::internal("no choice was submitted")) };
-    let out = conversation::run_to_end(run).await?;
-    Ok(axum::Json(writer.whole(out)).into_response())
 }
 
 /// `GET /v1/responses/{id}`: a stored response, or 404.
@@ -269,7 +265,7 @@ pub async fn retrieve(State(state): State<AppState>, Extension(tenant): Extensio
 }
 
 /// Builds the `response` object, or its event stream, for one request.
-struct ResponseWriter {
+pub struct ResponseWriter {
     id: String,
     created_at: u64,
     model: String,
@@ -360,7 +356,7 @@ impl ResponseWriter {
         response
     }
 
-    fn whole(mut self, out: generate::ChoiceOutput) -> Value {
+    fn response_of(mut self, out: generate::ChoiceOutput) -> Value {
         let mut outs = self.parser.push(&out.text);
         outs.extend(self.parser.finish());
         self.blocks.feed(outs);
@@ -439,6 +435,19 @@ impl ResponseWriter {
 
 fn output_text(text: &str) -> Value {
     json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+}
+
+impl Answer for ResponseWriter {
+    const ID_PREFIX: &'static str = "resp_";
+
+    fn name(&mut self, id: String) {
+        self.id = id;
+    }
+
+    fn whole(self, mut outputs: Vec<generate::ChoiceOutput>) -> Result<Response, ApiError> {
+        let out = outputs.pop().ok_or_else(|| ApiError::internal("no choice was submitted"))?;
+        Ok(axum::Json(self.response_of(out)).into_response())
+    }
 }
 
 impl ChunkWriter for ResponseWriter {

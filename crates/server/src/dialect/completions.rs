@@ -1,24 +1,20 @@
 //! `POST /v1/completions`: text (or token-id) prompts in, `text_completion` objects out.
 //! Each prompt gets `n` choices, numbered prompt-major (prompt p, choice i -> index p * n + i).
 
+use super::{clamp_logprob as clamp, vllm_prompt_logprobs, Answer, Dialect, Turn};
 use crate::bounds;
 use crate::error::ApiError;
-use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceJob, ChoiceOutput};
-use crate::routes::{clamp_logprob as clamp, vllm_prompt_logprobs};
 use crate::sse::{self, ChunkWriter};
 use crate::types::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, PromptLogprobs, Usage};
 use crate::validate::{self, DefaultMaxTokens, SamplingFields};
 use crate::{unix_now, AppState};
-use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
 use specula_engine::api::{FinishReason, TokenLogprob};
 use specula_engine::types::{Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// One prompt, tokenized, with the text `echo` prepends.
 struct PromptInput {
@@ -26,67 +22,65 @@ struct PromptInput {
     text: String,
 }
 
-pub async fn create(
-    State(state): State<AppState>,
-    Extension(tenant): Extension<Tenant>,
-    ApiJson(req): ApiJson<CompletionRequest>,
-) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let config = &state.config;
-    let vocab = state.tokenizer.vocab_size();
-    validate::check_model(req.model.as_deref(), config)?;
-    bounds::check_completion(&req, &state)?;
-    let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
-    let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), None, plan.constraint_param, "", config).await?;
-    let echo = req.echo.unwrap_or(false);
-    // `max_tokens: 0` (echo only): the engine runs the prompt and one step whose token is dropped
-    let prompt_only = plan.requested_max_tokens == Some(0);
-    let echo_logprobs = if echo { plan.base.logprobs } else { None };
-    let want_prompt_logprobs = plan.base.prompt_logprobs;
-    // the engine computes the largest top-k either field asked for; each keeps its own
-    let mut plan = plan;
-    plan.base.prompt_logprobs = echo_logprobs.into_iter().chain(want_prompt_logprobs).max();
-    let prompt = req.prompt.ok_or_else(|| ApiError::invalid_param("prompt", "prompt is required"))?;
-    let tokenizer = state.tokenizer.clone();
-    let prompts = state.prep.run(move || tokenize(prompt, &tokenizer)).await??;
-    let mut jobs = Vec::with_capacity(prompts.len() * plan.n);
-    for (p, prompt) in prompts.iter().enumerate() {
-        validate::check_prompt(&prompt.tokens, "prompt", config, vocab)?;
-        for i in 0..plan.n {
-            let default = DefaultMaxTokens::Fixed(config.completions_default_max_tokens);
-            let params = plan.params_for(prompt.tokens.len(), i, default, config)?;
-            jobs.push(ChoiceJob { index: p * plan.n + i, prompt: prompt.tokens.clone(), params, grammar: grammar.clone() });
+/// `POST /v1/completions`.
+pub struct Completions;
+
+impl Dialect for Completions {
+    type Request = CompletionRequest;
+    type Writer = CompletionChunks;
+
+    async fn begin(state: &AppState, _tenant: Tenant, req: CompletionRequest) -> Result<Turn<CompletionChunks>, ApiError> {
+        let config = &state.config;
+        let vocab = state.tokenizer.vocab_size();
+        validate::check_model(req.model.as_deref(), config)?;
+        bounds::check_completion(&req, state)?;
+        let plan = validate::sampling_plan(SamplingFields::from(&req), config, vocab)?;
+        let grammar = state.prep.compile(&state.tokenizer, plan.base.constraint.clone(), None, plan.constraint_param, "", config).await?;
+        let echo = req.echo.unwrap_or(false);
+        // `max_tokens: 0` (echo only): the engine runs the prompt and one step whose token is dropped
+        let prompt_only = plan.requested_max_tokens == Some(0);
+        let echo_logprobs = if echo { plan.base.logprobs } else { None };
+        let want_prompt_logprobs = plan.base.prompt_logprobs;
+        // the engine computes the largest top-k either field asked for; each keeps its own
+        let mut plan = plan;
+        plan.base.prompt_logprobs = echo_logprobs.into_iter().chain(want_prompt_logprobs).max();
+        let prompt = req.prompt.ok_or_else(|| ApiError::invalid_param("prompt", "prompt is required"))?;
+        let tokenizer = state.tokenizer.clone();
+        let prompts = state.prep.run(move || tokenize(prompt, &tokenizer)).await??;
+        let mut jobs = Vec::with_capacity(prompts.len() * plan.n);
+        for (p, prompt) in prompts.iter().enumerate() {
+            validate::check_prompt(&prompt.tokens, "prompt", config, vocab)?;
+            for i in 0..plan.n {
+                let default = DefaultMaxTokens::Fixed(config.completions_default_max_tokens);
+                let params = plan.params_for(prompt.tokens.len(), i, default, config)?;
+                jobs.push(ChoiceJob { index: p * plan.n + i, prompt: prompt.tokens.clone(), params, grammar: grammar.clone() });
+            }
         }
+        let prompt_tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum();
+        let first_tokens: Vec<Option<TokenId>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.first().copied(), plan.n)).collect();
+        let echoes: Vec<String> = prompts.into_iter().flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n)).collect();
+        // with prompt logprobs, a choice's stream opens once they are here (echo or not)
+        let prompt_pending = vec![echo_logprobs.is_some() || want_prompt_logprobs.is_some(); echoes.len()];
+        let stream = req.stream.unwrap_or(false).then(|| req.stream_options.and_then(|o| o.include_usage).unwrap_or(false));
+        let writer = CompletionChunks {
+            id: String::new(),
+            created: unix_now(),
+            model: config.model_name.clone(),
+            tokenizer: state.tokenizer.clone(),
+            include_usage: stream.filter(|&u| u).map(|_| None),
+            logprobs: plan.base.logprobs.is_some(),
+            offsets: echoes.iter().map(|e| e.chars().count()).collect(),
+            echoes,
+            prompt_only,
+            echo_logprobs,
+            want_prompt_logprobs,
+            first_tokens,
+            prompt_pending,
+            prompt_tokens,
+            choices_per_prompt: plan.n,
+        };
+        Ok(Turn { jobs, writer, stream, prompt_tokens, choices_per_prompt: plan.n })
     }
-    let prompt_tokens: usize = prompts.iter().map(|p| p.tokens.len()).sum();
-    let runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
-    let id = format!("cmpl-{:x}{:08x}", unix_now(), runs[0].id.0);
-    let first_tokens: Vec<Option<TokenId>> = prompts.iter().flat_map(|p| std::iter::repeat_n(p.tokens.first().copied(), plan.n)).collect();
-    let echoes: Vec<String> = prompts.into_iter().flat_map(|p| std::iter::repeat_n(if echo { p.text } else { String::new() }, plan.n)).collect();
-    // with prompt logprobs, a choice's stream opens once they are here (echo or not)
-    let prompt_pending = vec![echo_logprobs.is_some() || want_prompt_logprobs.is_some(); echoes.len()];
-    let writer = CompletionChunks {
-        id,
-        created: unix_now(),
-        model: config.model_name.clone(),
-        tokenizer: state.tokenizer.clone(),
-        include_usage: None,
-        logprobs: plan.base.logprobs.is_some(),
-        offsets: echoes.iter().map(|e| e.chars().count()).collect(),
-        echoes,
-        prompt_only,
-        echo_logprobs,
-        want_prompt_logprobs,
-        first_tokens,
-        prompt_pending,
-    };
-    if req.stream.unwrap_or(false) {
-        let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        let writer = CompletionChunks { include_usage: include_usage.then_some(None), ..writer };
-        return Ok(sse::stream_response(runs, writer, include_usage, prompt_tokens, plan.n));
-    }
-    let outputs = generate::collect(runs).await?;
-    Ok(axum::Json(writer.response(outputs, prompt_tokens, plan.n)).into_response())
 }
 
 /// Every prompt shape becomes a list of token lists; text prompts get BOS when the model wants it.
@@ -153,7 +147,7 @@ fn echo_logprobs(tokenizer: &Tokenizer, first: TokenId, entries: &[TokenLogprob]
 }
 
 /// Builds `text_completion` objects for one request: streamed chunks and the whole response.
-struct CompletionChunks {
+pub struct CompletionChunks {
     id: String,
     created: u64,
     model: String,
@@ -177,6 +171,10 @@ struct CompletionChunks {
     /// Streaming, per choice: its opening chunk (echo and prompt logprobs) waits on the engine's
     /// prompt logprobs.
     prompt_pending: Vec<bool>,
+    /// Every prompt's tokens, for usage.
+    prompt_tokens: usize,
+    /// Choice `i` ran prompt `i / choices_per_prompt`.
+    choices_per_prompt: usize,
 }
 
 impl CompletionChunks {
@@ -221,9 +219,9 @@ impl CompletionChunks {
         vec![sse::json_event(&self.object(vec![choice], self.include_usage))]
     }
 
-    /// `choices_per_prompt`: choice `i` ran prompt `i / choices_per_prompt`.
-    fn response(mut self, mut outputs: Vec<ChoiceOutput>, prompt_tokens: usize, choices_per_prompt: usize) -> CompletionResponse {
-        let cached = generate::cached_tokens(choices_per_prompt, outputs.iter().map(|o| (o.index, o.cached_tokens)));
+    fn response(mut self, mut outputs: Vec<ChoiceOutput>) -> CompletionResponse {
+        let prompt_tokens = self.prompt_tokens;
+        let cached = generate::cached_tokens(self.choices_per_prompt, outputs.iter().map(|o| (o.index, o.cached_tokens)));
         if self.prompt_only {
             for o in &mut outputs {
                 o.text.clear();
@@ -252,6 +250,18 @@ impl CompletionChunks {
             })
             .collect();
         self.object(choices, Some(Some(Usage::new(prompt_tokens, completion_tokens).cached(cached))))
+    }
+}
+
+impl Answer for CompletionChunks {
+    const ID_PREFIX: &'static str = "cmpl-";
+
+    fn name(&mut self, id: String) {
+        self.id = id;
+    }
+
+    fn whole(self, outputs: Vec<ChoiceOutput>) -> Result<Response, ApiError> {
+        Ok(axum::Json(self.response(outputs)).into_response())
     }
 }
 

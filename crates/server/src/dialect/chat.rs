@@ -1,17 +1,16 @@
 //! `POST /v1/chat/completions`: messages rendered with the model's chat template (generation
 //! prompt added), `chat.completion` objects or `chat.completion.chunk` streams out. With `tools`,
-//! the output is searched for calls (`tools.rs`) and they come back as `message.tool_calls`, or
+//! the output is searched for calls (`tools/`) and they come back as `message.tool_calls`, or
 //! streamed as `delta.tool_calls` (a call's name once known, then its arguments as they come).
 //! A thinking template's reasoning comes back as `reasoning_content` (vLLM's field). The request
 //! becomes the shared [`Conversation`] (`conversation.rs`), as the other dialects' requests do.
 
+use super::{clamp_logprob as clamp, vllm_prompt_logprobs, Answer, Dialect, Turn};
 use crate::bounds;
 use crate::conversation::{self, Conversation, ThinkingBudget};
 use crate::error::ApiError;
-use crate::extract::ApiJson;
 use crate::generate::{self, ChoiceOutput};
 use crate::output::{Out, OutputParser, ReasoningCounter};
-use crate::routes::{self, clamp_logprob as clamp};
 use crate::sse::{self, ChunkWriter};
 use crate::tools::{self, ParsedCall, Piece, ToolSet};
 use crate::types::{
@@ -20,67 +19,64 @@ use crate::types::{
 };
 use crate::validate::{self, DefaultMaxTokens, SamplingFields};
 use crate::{unix_now, AppState};
-use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
 use specula_engine::api::{FinishReason, TokenLogprob};
 use specula_engine::types::{Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::sync::Arc;
-use std::time::Instant;
 
-pub async fn create(
-    State(state): State<AppState>,
-    Extension(tenant): Extension<Tenant>,
-    ApiJson(req): ApiJson<ChatCompletionRequest>,
-) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    let config = &state.config;
-    let vocab = state.tokenizer.vocab_size();
-    validate::check_model(req.model.as_deref(), config)?;
-    bounds::check_chat(&req, &state)?;
-    let plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
-    let stream = req.stream.unwrap_or(false);
-    if stream && plan.base.prompt_logprobs.is_some() {
-        // vLLM refuses it too: a chat stream has no place for the prompt's logprobs
-        return Err(ApiError::invalid_param("prompt_logprobs", "prompt_logprobs are answered on chat completions only without streaming; drop `stream`"));
-    }
-    let tools =
-        ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
-    let texts = validate::chat_messages(req.messages.as_deref())?;
-    let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
-    let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
-    if let Some(effort) = &req.reasoning_effort {
-        template_kwargs.entry("reasoning_effort").or_insert(serde_json::Value::String(effort.clone()));
-    }
-    let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
-    let prepared = conversation::prepare(&state, Conversation { messages, tools, plan, template_kwargs, thinking_budget }).await?;
-    let (plan, prompt) = (&prepared.plan, &prepared.prompt);
-    let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
-    let runs = generate::submit(&state.engine, jobs, tenant, arrived, state.audit.as_ref())?;
-    let writer = ChatChunks {
-        id: format!("chatcmpl-{:x}{:08x}", unix_now(), runs[0].id.0),
-        created: unix_now(),
-        model: config.model_name.clone(),
-        tokenizer: state.tokenizer.clone(),
-        n: plan.n,
-        logprobs: plan.base.logprobs.is_some(),
-        prompt_logprobs: plan.base.prompt_logprobs,
-        include_usage: None,
-        parser: prepared.output_parser(),
-        parsers: Vec::new(),
-        calls_sent: vec![0; plan.n],
-        reasoning: vec![prepared.reasoning_counter(&state.tokenizer); plan.n],
-    };
-    if stream {
+/// `POST /v1/chat/completions`.
+pub struct Chat;
+
+impl Dialect for Chat {
+    type Request = ChatCompletionRequest;
+    type Writer = ChatChunks;
+
+    async fn begin(state: &AppState, _tenant: Tenant, req: ChatCompletionRequest) -> Result<Turn<ChatChunks>, ApiError> {
+        let config = &state.config;
+        let vocab = state.tokenizer.vocab_size();
+        validate::check_model(req.model.as_deref(), config)?;
+        bounds::check_chat(&req, state)?;
+        let plan = validate::sampling_plan(SamplingFields::from_chat(&req)?, config, vocab)?;
+        let stream = req.stream.unwrap_or(false);
+        if stream && plan.base.prompt_logprobs.is_some() {
+            // vLLM refuses it too: a chat stream has no place for the prompt's logprobs
+            return Err(ApiError::invalid_param("prompt_logprobs", "prompt_logprobs are answered on chat completions only without streaming; drop `stream`"));
+        }
+        let tools =
+            ToolSet::from_request(req.tools.as_ref(), req.tool_choice.as_ref())?.map(|t| ToolSet { parallel: req.parallel_tool_calls.unwrap_or(true), ..t });
+        let texts = validate::chat_messages(req.messages.as_deref())?;
+        let messages = tools::template_messages(req.messages.as_deref().unwrap_or_default(), texts)?;
+        let mut template_kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+        if let Some(effort) = &req.reasoning_effort {
+            template_kwargs.entry("reasoning_effort").or_insert(serde_json::Value::String(effort.clone()));
+        }
+        let thinking_budget = ThinkingBudget::from_field(req.thinking_token_budget)?;
+        let prepared = conversation::prepare(state, Conversation { messages, tools, plan, template_kwargs, thinking_budget }).await?;
+        let (plan, prompt_tokens) = (&prepared.plan, prepared.prompt.len());
+        let jobs = prepared.jobs(DefaultMaxTokens::RemainingContext, config)?;
         let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        let parsers = if writer.parser.is_plain() { Vec::new() } else { vec![writer.parser.clone(); plan.n] };
-        let writer = ChatChunks { include_usage: include_usage.then_some(None), parsers, ..writer };
-        return Ok(sse::stream_response(runs, writer, include_usage, prompt.len(), plan.n));
+        let parser = prepared.output_parser();
+        // streaming with tools or reasoning: one parser per choice
+        let parsers = if !stream || parser.is_plain() { Vec::new() } else { vec![parser.clone(); plan.n] };
+        let writer = ChatChunks {
+            id: String::new(),
+            created: unix_now(),
+            model: config.model_name.clone(),
+            tokenizer: state.tokenizer.clone(),
+            n: plan.n,
+            prompt_tokens,
+            logprobs: plan.base.logprobs.is_some(),
+            prompt_logprobs: plan.base.prompt_logprobs,
+            include_usage: (stream && include_usage).then_some(None),
+            parser,
+            parsers,
+            calls_sent: vec![0; plan.n],
+            reasoning: vec![prepared.reasoning_counter(&state.tokenizer); plan.n],
+        };
+        Ok(Turn { jobs, writer, stream: stream.then_some(include_usage), prompt_tokens, choices_per_prompt: plan.n })
     }
-    let outputs = generate::collect(runs).await?;
-    Ok(axum::Json(writer.response(outputs, prompt.len())).into_response())
 }
 
 fn chat_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob]) -> ChatLogprobs {
@@ -108,12 +104,14 @@ fn chat_logprobs(tokenizer: &Tokenizer, entries: &[TokenLogprob]) -> ChatLogprob
 }
 
 /// Builds `chat.completion` and `chat.completion.chunk` objects for one request.
-struct ChatChunks {
+pub struct ChatChunks {
     id: String,
     created: u64,
     model: String,
     tokenizer: Arc<Tokenizer>,
     n: usize,
+    /// The rendered conversation's tokens, for usage.
+    prompt_tokens: usize,
     /// Whether the client asked for logprobs (then every choice carries them, even if empty).
     logprobs: bool,
     /// vLLM's `prompt_logprobs: k` (not streamed).
@@ -203,7 +201,8 @@ impl ChatChunks {
         self.reasoning.first().is_some_and(ReasoningCounter::counts).then(|| self.reasoning.iter().map(ReasoningCounter::count).sum())
     }
 
-    fn response(mut self, outputs: Vec<ChoiceOutput>, prompt_tokens: usize) -> ChatCompletionResponse {
+    fn response(mut self, outputs: Vec<ChoiceOutput>) -> ChatCompletionResponse {
+        let prompt_tokens = self.prompt_tokens;
         let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
         for (c, o) in self.reasoning.iter_mut().zip(&outputs) {
             c.feed(&o.tokens);
@@ -213,7 +212,7 @@ impl ChatChunks {
         // every choice ran the same prompt; the first one's prompt logprobs stand for all
         let prompt_logprobs = self.prompt_logprobs.map(|k| {
             let (entries, ranks) = outputs.iter().find_map(|o| o.prompt_logprobs.as_ref()).map_or((&[][..], &[][..]), |(e, r)| (&e[..], &r[..]));
-            routes::vllm_prompt_logprobs(&self.tokenizer, entries, ranks, k)
+            vllm_prompt_logprobs(&self.tokenizer, entries, ranks, k)
         });
         let choices = outputs
             .into_iter()
@@ -239,6 +238,18 @@ impl ChatChunks {
             usage: Some(Some(Usage::new(prompt_tokens, completion_tokens).cached(cached).reasoning(reasoning))),
             prompt_logprobs,
         }
+    }
+}
+
+impl Answer for ChatChunks {
+    const ID_PREFIX: &'static str = "chatcmpl-";
+
+    fn name(&mut self, id: String) {
+        self.id = id;
+    }
+
+    fn whole(self, outputs: Vec<ChoiceOutput>) -> Result<Response, ApiError> {
+        Ok(axum::Json(self.response(outputs)).into_response())
     }
 }
 
