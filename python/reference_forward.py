@@ -99,6 +99,13 @@ except ImportError as e:  # pragma: no cover
 # ----------------------------------------------------------------------------- GGUF reading
 
 
+@functools.lru_cache(maxsize=2)
+def open_reader(path: str) -> GGUFReader:
+    """One reader per file and process: building its fields reads every vocabulary string (about
+    30 s for Gemma's 262k tokens), and the weights, the config and the tests' tokenizing all ask."""
+    return GGUFReader(path)
+
+
 def field_value(reader: GGUFReader, key: str, default=None):
     """Scalar / string / array value of a GGUF metadata field (None-safe)."""
     f = reader.fields.get(key)
@@ -217,7 +224,7 @@ def dequant(t, dtype) -> np.ndarray:
 
 class Weights:
     def __init__(self, path: str, dtype=np.float32):
-        reader = GGUFReader(path)
+        reader = open_reader(os.path.realpath(path))
         self.cfg = read_config(reader)
         self.dtype = dtype
         t = {x.name: x for x in reader.tensors}

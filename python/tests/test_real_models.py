@@ -50,6 +50,7 @@ simulated envelope), per model since the envelopes differ by 10x between models.
 top-1 is allowed only where the reference's two best logits are within TOP1_TIE.
 """
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -117,18 +118,26 @@ def _bytes_to_unicode() -> dict:
     return dict(enumerate(byte_chars()))
 
 
+@functools.lru_cache(maxsize=2)
+def _vocabulary(path: str) -> tuple[dict, int, bool, int]:
+    """The GGUF's token index, its longest token (under 64 characters), whether it is byte-level
+    (gpt2) and its BOS id: read once per file (reading Gemma's 262k tokens takes ~20 s)."""
+    r = rf.open_reader(os.path.realpath(path))
+    toks = rf.field_value(r, "tokenizer.ggml.tokens")
+    byte_level = rf.field_value(r, "tokenizer.ggml.model") == "gpt2"
+    bos = -1 if byte_level else int(rf.field_value(r, "tokenizer.ggml.bos_token_id"))
+    return {t: i for i, t in enumerate(toks)}, max(len(t) for t in toks if len(t) < 64), byte_level, bos
+
+
 def greedy_ids(path: str, text: str) -> list:
     """Token ids for `text` by greedy longest match over the GGUF vocabulary: byte-level spelling
     for gpt2-style vocabularies (Qwen), SentencePiece '▁' spaces plus BOS for 'llama' ones (Gemma)."""
-    r = rf.GGUFReader(path)
-    toks = rf.field_value(r, "tokenizer.ggml.tokens")
-    if rf.field_value(r, "tokenizer.ggml.model") == "gpt2":
+    index, longest, byte_level, bos = _vocabulary(path)
+    if byte_level:
         m = _bytes_to_unicode()
         s, out = "".join(m[b] for b in text.encode()), []
     else:
-        s, out = "▁" + text.replace(" ", "▁"), [int(rf.field_value(r, "tokenizer.ggml.bos_token_id"))]
-    index = {t: i for i, t in enumerate(toks)}
-    longest = max(len(t) for t in toks if len(t) < 64)
+        s, out = "▁" + text.replace(" ", "▁"), [bos]
     i = 0
     while i < len(s):
         for n in range(min(longest, len(s) - i), 0, -1):
