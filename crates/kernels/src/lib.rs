@@ -6,6 +6,7 @@
 //! thread count, which is what makes the engine batch-invariant.
 
 pub mod attention;
+pub mod bandwidth;
 pub mod buffer;
 pub mod cpu;
 pub mod dot;

@@ -6,13 +6,14 @@
 //! `--ik-bench`, ik_llama.cpp's (`-rtr 1 -fmoe 1`) beside it.
 //! Decode at batch 1 is also given as a share of this machine's memory bound: the bytes a decode
 //! step reads (every weight but the embedding table's unused rows) at the read bandwidth
-//! measured in the same run.
+//! measured in the same run (the fastest of `specula_kernels::bandwidth`'s read kernels).
 
 use anyhow::{Context, Result};
 use clap::Args;
 use specula_kernels::attention::KvLayout;
+use specula_kernels::bandwidth::ReadKernel;
 use specula_model::kv_store::KvStore;
-use specula_model::{load_model_with, ForwardBatch, LlamaModel, SeqSpan};
+use specula_model::{load_model_with, Arch, ForwardBatch, LlamaModel, SeqSpan};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -191,7 +192,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     eprintln!("{}", specula_kernels::cpu::describe());
     let prompt: Vec<u32> = (0..args.prefill_len).map(|i| 100 + (i as u32 * 7919) % 40000).collect();
     // candle-transformers' quantized_llama reads llama-family files only
-    let candle_ok = !args.no_baseline && matches!(model.config.arch.as_str(), "llama" | "mistral") && model.config.moe.is_none();
+    let candle_ok = !args.no_baseline && matches!(model.config.arch, Arch::Llama | Arch::Mistral) && model.config.moe.is_none();
     if candle_ok && !candle_baseline::AVAILABLE {
         eprintln!("no candle column: this binary was built without the candle baseline (cargo build --release -p specula --features candle-baseline)");
     }
@@ -207,7 +208,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     let bounds = per_thread_count(&args.threads, |pool| pool.install(|| read_bandwidth(&stream)))?;
     drop(stream);
     // and the int8 dot peak, each of the pool's threads running it at once
-    let peaks = per_thread_count(&args.threads, |pool| pool.broadcast(|_| specula_kernels::peak::int8_macs_per_second(0.3)).iter().sum())?;
+    let peaks = per_thread_count(&args.threads, |pool| pool.broadcast(|_| specula_kernels::peak::int8_macs_per_second(0.3)).iter().sum::<f64>())?;
     for &threads in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
         let ours = pool.install(|| mean_tps(args.reps, || prefill_tps(model, &prompt)))?;
@@ -243,12 +244,18 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     }
     let per_token = decode_bytes(model, loaded.weight_bytes);
     println!("\nmemory bound of decode batch 1: {:.2} GB read per token", per_token / 1e9);
-    println!("{:>7} {:>16} {:>12} {:>14} {:>8}", "threads", "read GB/s", "bound tok/s", "specula tok/s", "share");
-    for &(threads, bw) in &bounds {
-        let ours = rows.iter().find(|r| r.threads == threads && r.what == "decode batch 1").map(|r| r.ours);
+    println!("{:>7} {:>16} {:>12} {:>14} {:>8}  {}", "threads", "read GB/s", "bound tok/s", "specula tok/s", "share", "fastest read kernel");
+    for (threads, per_kernel) in &bounds {
+        let ours = rows.iter().find(|r| r.threads == *threads && r.what == "decode batch 1").map(|r| r.ours);
+        let (kernel, bw) = best_read(per_kernel);
         let bound = bw / per_token;
         let (o, share) = rate_and_share(ours, bound);
-        println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8}", threads, bw / 1e9, bound, o, share);
+        println!("{:>7} {:>16.1} {:>12.1} {:>14} {:>8}  {}", threads, bw / 1e9, bound, o, share, kernel.name());
+    }
+    println!("read GB/s by kernel:");
+    for (threads, per_kernel) in &bounds {
+        let each: Vec<String> = per_kernel.iter().map(|(k, bw)| format!("{} {:.1}", k.name(), bw / 1e9)).collect();
+        println!("  {threads} thread(s): {}", each.join("; "));
     }
     let macs = prefill_macs(model);
     if peaks.iter().any(|&(_, p)| p > 0.0) {
@@ -321,7 +328,7 @@ fn run_depths(args: &OfflineArgs, path: &std::path::Path, loaded: &specula_model
 }
 
 /// `measure` on a pool of each of `threads`' sizes: (threads, its result).
-fn per_thread_count(threads: &[usize], measure: impl Fn(&rayon::ThreadPool) -> f64) -> Result<Vec<(usize, f64)>> {
+fn per_thread_count<T>(threads: &[usize], measure: impl Fn(&rayon::ThreadPool) -> T) -> Result<Vec<(usize, T)>> {
     threads.iter().map(|&t| Ok((t, measure(&rayon::ThreadPoolBuilder::new().num_threads(t).build()?)))).collect()
 }
 
@@ -376,31 +383,28 @@ fn bandwidth_buffer() -> specula_kernels::buffer::Buffer {
 }
 
 /// Bytes read per second by the current pool's threads streaming `buf`, each its own contiguous
-/// share: the fastest of 5 passes.
-fn read_bandwidth(buf: &[u8]) -> f64 {
+/// share, with each read kernel this CPU runs (`specula_kernels::bandwidth`): the fastest of 3
+/// passes of each, kernels interleaved pass by pass so a noisy neighbour hits them alike.
+fn read_bandwidth(buf: &[u8]) -> Vec<(ReadKernel, f64)> {
     use rayon::prelude::*;
     let share = buf.len().div_ceil(rayon::current_num_threads());
-    let mut best = f64::MAX;
+    let kernels = ReadKernel::available();
+    let mut best = vec![f64::MAX; kernels.len()];
     let mut check = 0u64;
-    for _ in 0..5 {
-        let t = Instant::now();
-        check = check.wrapping_add(buf.par_chunks(share).map(sum_words).reduce(|| 0, u64::wrapping_add));
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    std::hint::black_box(check);
-    buf.len() as f64 / best
-}
-
-/// Wrapping sum of the 64-bit words of `b` in eight independent lanes (vectorised by the compiler).
-fn sum_words(b: &[u8]) -> u64 {
-    let mut acc = [0u64; 8];
-    for c in b.chunks_exact(64) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            let w = u64::from_ne_bytes(c[8 * j..8 * j + 8].try_into().expect("8 bytes"));
-            *a = a.wrapping_add(w);
+    for _ in 0..3 {
+        for (k, b) in kernels.iter().zip(best.iter_mut()) {
+            let t = Instant::now();
+            check = check.wrapping_add(buf.par_chunks(share).map(|c| k.read(c)).reduce(|| 0, u64::wrapping_add));
+            *b = b.min(t.elapsed().as_secs_f64());
         }
     }
-    acc.iter().fold(0, |x, &y| x.wrapping_add(y))
+    std::hint::black_box(check);
+    kernels.into_iter().zip(best).map(|(k, t)| (k, buf.len() as f64 / t)).collect()
+}
+
+/// The fastest kernel's figure.
+fn best_read(per_kernel: &[(ReadKernel, f64)]) -> (ReadKernel, f64) {
+    per_kernel.iter().copied().fold((ReadKernel::OneStream, 0.0), |b, k| if k.1 > b.1 { k } else { b })
 }
 
 fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> Result<(KvStore, Vec<Vec<u32>>)> {
