@@ -1,11 +1,15 @@
 //! The hyper-parameters of a model, read from GGUF metadata or config.json: the Llama shape,
-//! plus the per-architecture switches (`ArchOptions`) that make one forward pass serve Llama,
-//! Mistral, Qwen2, Qwen3 and Gemma 3.
+//! plus the per-architecture switches (`ArchOptions`, from the family's `ArchDescriptor` and the
+//! file) that make one forward pass serve every family of `Arch`.
+
+pub use crate::arch::Activation;
+use crate::arch::Arch;
 
 /// Shape and numerics of the model; everything the forward pass needs besides weights.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
-    pub arch: String,
+    /// The family (`general.architecture`); the forward pass reads `arch_options`, never this.
+    pub arch: Arch,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -88,17 +92,6 @@ impl Default for ArchOptions {
             attn_sinks: false,
         }
     }
-}
-
-/// Feed-forward gate: `act(x Wgate) * (x Wup)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
-    /// SwiGLU (Llama, Qwen).
-    SiluGate,
-    /// GeGLU with the tanh approximation of GELU (Gemma).
-    GeluTanhGate,
-    /// gpt-oss's clamped SwiGLU: `min(g, 7) * sigmoid(1.702 min(g, 7)) * (clamp(u, -7, 7) + 1)`.
-    SwigluOai,
 }
 
 /// Sliding-window layers: of every `period` layers the first `period - 1` attend to the last
@@ -401,7 +394,7 @@ mod tests {
 
     fn tiny() -> ModelConfig {
         ModelConfig {
-            arch: "llama".into(),
+            arch: Arch::Llama,
             vocab_size: 10,
             hidden_size: 64,
             intermediate_size: 64,
@@ -451,7 +444,7 @@ mod tests {
     #[test]
     fn gemma3_layers_are_sliding_except_every_sixth() {
         let mut c = ModelConfig {
-            arch: "gemma3".into(),
+            arch: Arch::Gemma3,
             vocab_size: 10,
             hidden_size: 64,
             intermediate_size: 64,

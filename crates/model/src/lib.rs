@@ -2,6 +2,7 @@
 //! folders, memory-mapped), tokenizer, chat template and the Llama-family forward pass over a
 //! flattened batch with a paged KV cache.
 
+pub mod arch;
 pub mod chat;
 pub mod config;
 pub mod gguf;
@@ -15,6 +16,7 @@ pub mod safetensors_folder;
 pub mod testing;
 pub mod tokenizer;
 
+pub use arch::{Arch, ArchDescriptor};
 pub use chat::{ChatMessage, ChatTemplate, RenderedChat};
 pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;

@@ -1,6 +1,7 @@
 //! Turns a path into a ready model: a `.gguf` file or a Hugging Face folder (config.json +
 //! *.safetensors + tokenizer.json). Reports how long loading took.
 
+use crate::arch::{Arch, NormTopK};
 use crate::chat::{ChatTemplate, CHATML};
 use crate::config::YarnRope;
 use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig, SlidingWindow};
@@ -33,66 +34,44 @@ pub fn load_model_with(path: &Path, options: &LoadOptions) -> Result<LoadedModel
     Ok(loaded)
 }
 
-/// The architectures a GGUF may declare (`general.architecture`).
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"];
-
 /// The model alone (no tokenizer or chat template) from a `.gguf` file: for tools that feed
 /// token ids (the logits oracle), and for files whose tokenizer is not supported yet.
 pub fn load_gguf_weights(path: &Path) -> Result<LlamaModel, ModelError> {
     Ok(gguf_model(&GgufFile::open(path)?)?.0)
 }
 
-/// What `arch` changes in the Llama block, from its GGUF metadata (llama.cpp's conventions).
-fn arch_options(f: &GgufFile, arch: &str, hidden: usize) -> Result<ArchOptions, ModelError> {
+/// What `arch` changes in the Llama block: its descriptor's switches, and the values of them the
+/// file gives under the keys the descriptor names (llama.cpp's conventions and defaults).
+fn arch_options(f: &GgufFile, arch: Arch, hidden: usize) -> Result<ArchOptions, ModelError> {
+    let d = arch.descriptor();
     let key = |k: &str| format!("{arch}.{k}");
-    let mut o = ArchOptions { attn_scale: f.meta_f32_opt(&key("attention.scale"))?, ..Default::default() };
-    match arch {
-        "llama" | "mistral" => {}
-        // llama.cpp: every 4th layer has no RoPE (`n_no_rope_layer_step`, not in the file)
-        "smollm3" => o.no_rope_period = Some(4),
-        "qwen2" | "qwen2moe" => o.qkv_bias = true,
-        "qwen3" | "qwen3moe" => o.qk_norm = true,
-        // fused attn_qkv / ffn_up are split at load (`attention_weights`, `dense_ffn`); LongRoPE's
-        // factors are the `rope_factors_*` tensors and its attention factor scales cos and sin
-        "phi3" => o.rope_mscale = f.meta_f32_or(&key("rope.scaling.attn_factor"), 1.0)?,
-        "gemma3" => {
-            o.qk_norm = true;
-            o.post_norms = true;
-            o.activation = Activation::GeluTanhGate;
-            o.embed_scale = (hidden as f32).sqrt();
-            // llama.cpp: 5 local layers (base 10000, window `attention.sliding_window`) then 1 global.
-            let window = f.meta_u32(&key("attention.sliding_window"))? as usize;
-            let period = f.meta_u32_or(&key("attention.sliding_window_pattern"), 6)? as usize;
-            let rope_theta = f.meta_f32_or(&key("rope.local.freq_base"), 10000.0)?;
-            o.sliding = Some(SlidingWindow { window, period, rope_theta: Some(rope_theta) });
-        }
-        "gpt-oss" => {
-            // biases on Q/K/V and the output, a sink logit per head, every other layer local with
-            // the model's own (YaRN) RoPE (llama.cpp: swa pattern 2, rope_freq_*_train_swa = the
-            // global ones), clamped SwiGLU experts with biases
-            o.qkv_bias = true;
-            o.attn_out_bias = true;
-            o.attn_sinks = true;
-            o.activation = Activation::SwigluOai;
-            let window = f.meta_u32(&key("attention.sliding_window"))? as usize;
-            let period = f.meta_u32_or(&key("attention.sliding_window_pattern"), 2)? as usize;
-            o.sliding = Some(SlidingWindow { window, period, rope_theta: None });
-        }
-        other => {
-            return Err(ModelError::Unsupported(format!(
-                "architecture '{other}' in {} is not supported (supported: {})",
-                f.path,
-                SUPPORTED_ARCHITECTURES.join(", ")
-            )))
-        }
+    let mut o = ArchOptions {
+        qkv_bias: d.qkv_bias,
+        qk_norm: d.qk_norm,
+        post_norms: d.post_norms,
+        activation: d.activation,
+        embed_scale: d.embed_scale.factor(hidden),
+        attn_scale: f.meta_f32_opt(&key("attention.scale"))?,
+        no_rope_period: d.no_rope_period,
+        attn_out_bias: d.attn_out_bias,
+        attn_sinks: d.attn_sinks,
+        ..Default::default()
+    };
+    // fused attn_qkv / ffn_up are split at load (`attention_weights`, `dense_ffn`); LongRoPE's
+    // factors are the `rope_factors_*` tensors and its attention factor scales cos and sin
+    if d.long_rope {
+        o.rope_mscale = f.meta_f32_or(&key("rope.scaling.attn_factor"), 1.0)?;
+    }
+    if let Some(s) = d.sliding {
+        let window = f.meta_u32(&key("attention.sliding_window"))? as usize;
+        let period = f.meta_u32_or(&key("attention.sliding_window_pattern"), s.default_period)? as usize;
+        let rope_theta = match s.local_rope_base {
+            Some(base) => Some(f.meta_f32_or(&key("rope.local.freq_base"), base)?),
+            None => None,
+        };
+        o.sliding = Some(SlidingWindow { window, period, rope_theta });
     }
     Ok(o)
-}
-
-/// RoPE neighbours: llama.cpp rotates these architectures NeoX-style (pairs `i`, `i + d/2`);
-/// Llama's converter permutes Q/K so adjacent pairs are rotated instead.
-fn rope_neox(arch: &str) -> bool {
-    matches!(arch, "qwen2" | "qwen2moe" | "qwen3" | "qwen3moe" | "gemma3" | "phi3" | "gpt-oss")
 }
 
 fn load_gguf(path: &Path, options: &LoadOptions) -> Result<LoadedModel, ModelError> {
@@ -179,15 +158,15 @@ fn gguf_tokenizer(f: &GgufFile) -> Result<(Tokenizer, Option<ChatTemplate>), Mod
 
 /// The model and the bytes of weights it maps, from an open GGUF file.
 fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
-    let arch = f.meta_str("general.architecture")?.to_string();
-    if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+    let name = f.meta_str("general.architecture")?;
+    let Some(arch) = Arch::from_name(name) else {
         return Err(ModelError::Unsupported(format!(
             "architecture '{}' in {} is not supported (supported: {})",
-            crate::gguf_reader::shown(&arch).trim_matches('"'),
+            crate::gguf_reader::shown(name).trim_matches('"'),
             f.path,
-            SUPPORTED_ARCHITECTURES.join(", ")
+            Arch::supported_names()
         )));
-    }
+    };
     let key = |k: &str| format!("{arch}.{k}");
     let hidden = f.meta_u32(&key("embedding_length"))? as usize;
     let context = f.meta_u32_or(&key("context_length"), 2048)? as usize;
@@ -196,7 +175,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     let head_dim = f.meta_u32_or(&key("attention.key_length"), (hidden / n_heads.max(1)) as u32)? as usize;
     let embed = f.matrix("token_embd.weight")?;
     let tied = !f.has_tensor("output.weight");
-    let mut arch_options = arch_options(f, &arch, hidden)?;
+    let mut arch_options = arch_options(f, arch, hidden)?;
     // partial RoPE: the leading `rot` dimensions of each head rotate, the rest pass through
     if let Ok(rot) = f.meta_u32(&key("rope.dimension_count")) {
         if rot as usize != head_dim {
@@ -216,7 +195,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             1.0
         }
         Ok("yarn") => {
-            arch_options.rope_yarn = Some(yarn_rope(f, &arch, context)?);
+            arch_options.rope_yarn = Some(yarn_rope(f, arch, context)?);
             1.0
         }
         // Phi-3's LongRoPE: per-frequency factors in `rope_factors_{short,long}.weight`
@@ -224,7 +203,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         Ok(other) => return Err(ModelError::Unsupported(format!("RoPE scaling '{other}' in {} is not supported (linear, llama3, yarn, longrope)", f.path))),
     };
     let config = ModelConfig {
-        arch: arch.clone(),
+        arch,
         vocab_size: embed.rows,
         hidden_size: hidden,
         intermediate_size: f.meta_u32(&key("feed_forward_length"))? as usize,
@@ -235,10 +214,10 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         rms_eps: f.meta_f32(&key("attention.layer_norm_rms_epsilon"))?,
         rope_theta: f.meta_f32_or(&key("rope.freq_base"), 10000.0)?,
         rope_linear_scale: linear_scale,
-        rope_neox: rope_neox(&arch),
+        rope_neox: arch.descriptor().rope_neox,
         context_length: context,
         tied_embeddings: tied,
-        moe: moe_config(f, &arch)?,
+        moe: moe_config(f, arch)?,
         arch_options,
     };
     // Nothing is sized from the config before it is checked (a block_count of 2^32 - 1 must be
@@ -259,8 +238,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             wk,
             wv,
             wo: f.matrix(&t("attn_output"))?,
-            // gpt-oss names its pre-FFN norm `post_attention_norm`
-            ffn_norm: f.vector(&t(if arch == "gpt-oss" { "post_attention_norm" } else { "ffn_norm" }))?,
+            ffn_norm: f.vector(&t(arch.descriptor().ffn_norm))?,
             ffn,
         });
         extras.push(layer_extras(f, i, &config.arch_options)?);
@@ -289,7 +267,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
 /// context's attention factor: get_mscale(factor) / get_mscale(factor, log_mul) (1 without
 /// `yarn_log_multiplier`), divided by the 1 + 0.1 ln(factor) that ggml multiplies back in, times
 /// `rope.scaling.attn_factor`.
-fn yarn_rope(f: &GgufFile, arch: &str, context: usize) -> Result<YarnRope, ModelError> {
+fn yarn_rope(f: &GgufFile, arch: Arch, context: usize) -> Result<YarnRope, ModelError> {
     let key = |k: &str| format!("{arch}.{k}");
     let factor = f.meta_f32(&key("rope.scaling.factor"))?;
     let mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
@@ -379,7 +357,7 @@ fn layer_extras(f: &GgufFile, i: usize, o: &ArchOptions) -> Result<LayerExtras, 
 }
 
 /// The MoE shape from `{arch}.expert_count` / `expert_used_count` (None for a dense model).
-fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError> {
+fn moe_config(f: &GgufFile, arch: Arch) -> Result<Option<MoeConfig>, ModelError> {
     let key = |k: &str| format!("{arch}.{k}");
     let n_experts = match f.meta_u32(&key("expert_count")) {
         Ok(n) if n > 0 => n as usize,
@@ -401,12 +379,11 @@ fn moe_config(f: &GgufFile, arch: &str) -> Result<Option<MoeConfig>, ModelError>
         true => Some(f.matrix("blk.0.ffn_up_shexp.weight")?.rows),
         false => None,
     };
-    // llama.cpp fixes the rule per architecture: Qwen2-MoE keeps the softmax weights of the
-    // chosen experts as they are, Qwen3-MoE renormalises them; others follow the file (Mixtral: on).
-    let norm_topk = match arch {
-        "qwen2moe" => false,
-        "qwen3moe" | "gpt-oss" => true,
-        _ => f.meta_bool(&key("expert_weights_norm")).unwrap_or(true),
+    // llama.cpp fixes the rule for some families (Qwen2-MoE keeps the chosen experts' softmax
+    // weights as they are, Qwen3-MoE renormalises them); the others follow the file (Mixtral: on)
+    let norm_topk = match arch.descriptor().norm_topk {
+        NormTopK::Fixed(on) => on,
+        NormTopK::FromFile => f.meta_bool(&key("expert_weights_norm")).unwrap_or(true),
     };
     Ok(Some(MoeConfig { n_experts, n_used, expert_ffn, norm_topk, shared_ffn, expert_parallel_size: 1 }))
 }

@@ -1,6 +1,7 @@
 //! Loading a Hugging Face model folder: config.json, one or more *.safetensors (F32, F16 or
 //! BF16 tensors, memory-mapped) and tokenizer.json (+ tokenizer_config.json's chat template).
 
+use crate::arch::Arch;
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::llama::{FeedForward, LayerWeights, LlamaModel};
@@ -41,10 +42,12 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
             .map(|x| x as usize)
             .ok_or_else(|| ModelError::MissingMetadata(format!("cannot find {k} in {}/config.json", dir.display())))
     };
-    let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string();
-    if !matches!(arch.as_str(), "llama" | "mistral") {
-        return Err(ModelError::Unsupported(format!("model_type '{arch}' is not supported (llama-family only)")));
-    }
+    // a folder is read as Llama's plain block (HF layout, no per-family switches)
+    let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("llama");
+    let arch = match Arch::from_name(model_type) {
+        Some(a @ (Arch::Llama | Arch::Mistral)) => a,
+        _ => return Err(ModelError::Unsupported(format!("model_type '{model_type}' is not supported (llama-family only)"))),
+    };
     let hidden = get("hidden_size")?;
     let n_heads = get("num_attention_heads")?;
     let linear_scale = match cfg.get("rope_scaling") {

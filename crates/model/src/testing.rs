@@ -2,12 +2,14 @@
 //! (so tests exercise the same loader, tokenizer and kernels as production), and the one place
 //! that finds the real default model for the tests that need it. Not for production code paths.
 
+use crate::arch::Arch;
 use crate::ModelError;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
 
+pub use crate::arch::tiny_chat::{HARMONY_TEMPLATE, HARMONY_TOKENS, PHI3_TEMPLATE, PHI3_TOKENS, QWEN3_TEMPLATE, SMOLLM3_TEMPLATE};
 pub use candle_core::quantized::GgmlDType;
 
 /// Id of `<|endoftext|>` in the tiny vocabulary (after the 256 byte tokens).
@@ -18,96 +20,8 @@ pub const TINY_IM_START: u32 = 257;
 pub const TINY_IM_END: u32 = 258;
 /// 256 byte tokens + 3 control tokens.
 pub const TINY_VOCAB: usize = 259;
-
-/// The harmony control tokens a tiny gpt-oss file adds after the tiny vocabulary (ids 259...).
-pub const HARMONY_TOKENS: [&str; 7] = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"];
-
-/// A compact harmony chat template for the tiny gpt-oss files (written here from the format:
-/// a system message with the reasoning effort, instructions and tools in a developer message,
-/// past reasoning on the analysis channel, calls as commentary to `functions.NAME`, answers on
-/// the final channel, tool results from `functions.NAME`; the generation prompt opens an
-/// assistant message). Real gpt-oss files carry OpenAI's own template.
-pub const HARMONY_TEMPLATE: &str = concat!(
-    "{{- '<|start|>system<|message|>Reasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium') + '\n\n# Valid channels: analysis, commentary, final.<|end|>' }}",
-    "{%- set ns = namespace(dev='', last_call='') -%}",
-    "{%- for message in messages if message.role in ['system', 'developer'] -%}{%- set ns.dev = ns.dev + message.content -%}{%- endfor -%}",
-    "{%- if ns.dev or tools -%}",
-    "{{- '<|start|>developer<|message|>' }}",
-    "{%- if ns.dev -%}{{- '# Instructions\n\n' + ns.dev }}{%- endif -%}",
-    "{%- if tools -%}{{- '\n\n# Tools\n\nnamespace functions {\n' }}{%- for t in tools -%}{%- set f = t.function if t.function is defined else t -%}",
-    "{{- '// ' + (f.description if f.description is defined else '') + '\ntype ' + f.name + ' = (_: ' + (f.parameters | tojson) + ') => any;\n' }}{%- endfor -%}{{- '} // namespace functions' }}{%- endif -%}",
-    "{{- '<|end|>' }}",
-    "{%- endif -%}",
-    "{%- for message in messages -%}",
-    "{%- if message.role == 'user' -%}{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}",
-    "{%- elif message.role == 'assistant' -%}",
-    "{%- if message.thinking is defined and message.thinking -%}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}{%- endif -%}",
-    "{%- if message.tool_calls is defined and message.tool_calls -%}{%- for tc in message.tool_calls -%}{%- set f = tc.function if tc.function is defined else tc -%}{%- set ns.last_call = f.name -%}",
-    "{{- '<|start|>assistant to=functions.' + f.name + '<|channel|>commentary json<|message|>' + (f.arguments | tojson) + '<|call|>' }}{%- endfor -%}",
-    "{%- else -%}{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}{%- endif -%}",
-    "{%- elif message.role == 'tool' -%}{{- '<|start|>functions.' + ns.last_call + ' to=assistant<|channel|>commentary<|message|>' + (message.content | tojson) + '<|end|>' }}",
-    "{%- endif -%}",
-    "{%- endfor -%}",
-    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' }}{%- endif -%}",
-);
-
-/// The control tokens a tiny phi3 file adds after the tiny vocabulary (Phi-4-mini's chat format).
-pub const PHI3_TOKENS: [&str; 6] = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>"];
-
-/// A compact Phi-4-mini chat template for the tiny phi3 files (written here from the format:
-/// `<|role|>content<|end|>` per message, tools as JSON between `<|tool|>` and `<|/tool|>` in the
-/// system message, `<|assistant|>` opens the answer). The file's EOS is `<|endoftext|>`, as in
-/// Phi-4-mini's GGUF files: a turn ends at `<|end|>`, which only the end-of-turn rule stops at.
-pub const PHI3_TEMPLATE: &str = concat!(
-    "{%- for message in messages -%}",
-    "{%- if message.role == 'system' and tools -%}{{- '<|system|>' + message.content + '<|tool|>' + (tools | tojson) + '<|/tool|><|end|>' }}",
-    "{%- else -%}{{- '<|' + message.role + '|>' + message.content + '<|end|>' }}{%- endif -%}",
-    "{%- endfor -%}",
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>' }}{%- else -%}{{- eos_token }}{%- endif -%}",
-);
-
-/// A compact Qwen3 chat template for the tiny qwen3 / qwen3moe files (written here from the
-/// format: ChatML, tools listed in the system message between `<tools>` tags, calls as
-/// `<tool_call>` JSON, results as `<tool_response>` in a user turn; `enable_thinking: false`
-/// closes an empty think block in the generation prompt). Real files carry Qwen's own template.
-pub const QWEN3_TEMPLATE: &str = concat!(
-    "{%- if tools -%}",
-    "{{- '<|im_start|>system\n' + (messages[0].content + '\n\n' if messages and messages[0].role == 'system' else '') + '# Tools\n\n<tools>' }}",
-    "{%- for t in tools -%}{{- '\n' + (t | tojson) }}{%- endfor -%}",
-    "{{- '\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}",
-    "{%- elif messages and messages[0].role == 'system' -%}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}",
-    "{%- endif -%}",
-    "{%- for message in messages -%}",
-    "{%- if message.role == 'user' -%}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}",
-    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\n' + (message.content if message.content is string else '') }}",
-    "{%- if message.tool_calls is defined and message.tool_calls -%}{%- for tc in message.tool_calls -%}{%- set f = tc.function if tc.function is defined else tc -%}",
-    "{{- '\n<tool_call>\n{\"name\": \"' + f.name + '\", \"arguments\": ' + (f.arguments if f.arguments is string else f.arguments | tojson) + '}\n</tool_call>' }}{%- endfor -%}{%- endif -%}",
-    "{{- '<|im_end|>\n' }}",
-    "{%- elif message.role == 'tool' -%}{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}",
-    "{%- endif -%}",
-    "{%- endfor -%}",
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' }}",
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' }}{%- endif -%}{%- endif -%}",
-);
-
-/// A compact SmolLM3 chat template for the tiny smollm3 files (written here from the format:
-/// ChatML with a metadata system message naming the reasoning mode, `/think` or `/no_think`,
-/// chosen by `enable_thinking` or a flag in the system prompt; without thinking the generation
-/// prompt closes an empty think block).
-pub const SMOLLM3_TEMPLATE: &str = concat!(
-    "{%- set ns = namespace(think=true, sys='') -%}",
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{%- set ns.think = false -%}{%- endif -%}",
-    "{%- if messages and messages[0].role == 'system' -%}{%- set ns.sys = messages[0].content -%}{%- endif -%}",
-    "{%- if '/no_think' in ns.sys -%}{%- set ns.think = false -%}{%- elif '/think' in ns.sys -%}{%- set ns.think = true -%}{%- endif -%}",
-    "{%- set ns.sys = ns.sys | replace('/no_think', '') | replace('/think', '') | trim -%}",
-    "{{- '<|im_start|>system\n## Metadata\n\nReasoning Mode: ' + ('/think' if ns.think else '/no_think') + '\n\n## Custom Instructions\n\n' + ns.sys + '\n\n<|im_end|>\n' }}",
-    "{%- for message in messages -%}",
-    "{%- if message.role == 'user' or message.role == 'tool' -%}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}",
-    "{%- elif message.role == 'assistant' -%}{{- '<|im_start|>assistant\n' + message.content + '<|im_end|>\n' }}",
-    "{%- endif -%}",
-    "{%- endfor -%}",
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' + ('' if ns.think else '<think>\n\n</think>\n') }}{%- endif -%}",
-);
+/// The control tokens after the byte tokens, in id order from `TINY_ENDOFTEXT`.
+const TINY_CONTROL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 
 /// Shape and numerics of a tiny random Llama. The vocabulary is fixed: token `b` (0..256) is the
 /// single byte `b` in GPT-2's byte-to-unicode spelling, so the byte-level BPE tokenizer needs no
@@ -130,16 +44,15 @@ pub struct TinySpec {
     pub seed: u64,
     /// Mixture-of-experts FFN in every layer instead of the dense one (`write_tiny_moe`).
     pub moe: Option<TinyMoe>,
-    /// `general.architecture`: "llama" (default), "smollm3" (Llama's tensors; every 4th layer
-    /// without RoPE), "qwen2" / "qwen2moe" (adds Q/K/V biases), "qwen3" / "qwen3moe" (adds
-    /// per-head q/k norms), "gemma3" (q/k norms, post norms, sliding-window layers) or "phi3"
-    /// (fused `attn_qkv` and gate+up `ffn_up`, LongRoPE factors and attention factor); with
-    /// `write_tiny_moe`, "gpt-oss" (Q/K/V/output biases, attention sinks, every other layer
-    /// sliding, YaRN, clamped-SwiGLU experts with biases, a router bias).
-    pub arch: String,
+    /// `general.architecture` (default Llama): the tensors and metadata its
+    /// `ArchDescriptor` asks for (biases, norms, fused projections, sliding layers, LongRoPE,
+    /// YaRN, ...) and its chat format (`ArchDescriptor::tiny`). gpt-oss is meant for
+    /// `write_tiny_moe`.
+    pub arch: Arch,
     /// Head width when it is not hidden / heads (written as `attention.key_length`).
     pub head_dim: Option<usize>,
-    /// Gemma 3: the window, and the period of the local/global pattern (written as
+    /// Families with sliding-window layers: the window, and (where `TinyFiles::sliding_pattern_key`:
+    /// Gemma 3) the period of the local/global pattern (written as
     /// `attention.sliding_window_pattern`; every `period`-th layer is global).
     pub sliding_window: usize,
     pub sliding_period: usize,
@@ -187,7 +100,7 @@ impl Default for TinySpec {
             tied_embeddings: true,
             seed: 0,
             moe: None,
-            arch: "llama".into(),
+            arch: Arch::Llama,
             head_dim: None,
             sliding_window: 4,
             sliding_period: 2,
@@ -222,23 +135,19 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let ff = spec.moe.as_ref().map_or(spec.ffn, |m| m.expert_ffn);
     let head_dim = spec.head_dim.unwrap_or(h / spec.heads.max(1));
     let (qw, kvw) = (spec.heads * head_dim, spec.kv_heads * head_dim);
-    let arch = spec.arch.as_str();
+    let arch = spec.arch;
+    let d = arch.descriptor();
     let format_of = |name: &str| spec.tensor_formats.iter().find(|(n, _)| n == name).map(|(_, f)| *f).unwrap_or(spec.weight_format);
 
     // name, shape [rows, cols] (or [n] for norms), std of the random values, mean (norms ~1)
-    // gpt-oss files speak harmony, phi3 files Phi-4-mini's format: their control tokens after
-    // the tiny vocabulary
-    let extra_tokens: &[&str] = match arch {
-        "gpt-oss" => &HARMONY_TOKENS,
-        "phi3" => &PHI3_TOKENS,
-        _ => &[],
-    };
+    // the chat format's control tokens (harmony's, Phi-4-mini's) come after the tiny vocabulary
+    let extra_tokens = d.tiny.chat.extra_tokens;
     let vocab = TINY_VOCAB + extra_tokens.len();
     let mut plan: Vec<(String, Vec<usize>, f32, f32)> = vec![("token_embd.weight".into(), vec![vocab, h], 0.2, 0.0)];
     for i in 0..spec.layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
         plan.push((t("attn_norm"), vec![h], 0.05, 1.0));
-        if arch == "phi3" {
+        if d.fused_qkv {
             plan.push((t("attn_qkv"), vec![qw + 2 * kvw, h], 0.15, 0.0));
         } else {
             plan.push((t("attn_q"), vec![qw, h], 0.15, 0.0));
@@ -246,27 +155,28 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
             plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
         }
         plan.push((t("attn_output"), vec![h, qw], 0.1, 0.0));
-        // gpt-oss names its pre-FFN norm post_attention_norm
-        plan.push((t(if arch == "gpt-oss" { "post_attention_norm" } else { "ffn_norm" }), vec![h], 0.05, 1.0));
-        if arch == "gpt-oss" {
+        plan.push((t(d.ffn_norm), vec![h], 0.05, 1.0));
+        if d.attn_out_bias {
             plan.push((format!("blk.{i}.attn_output.bias"), vec![h], 0.3, 0.0));
+        }
+        if d.attn_sinks {
             plan.push((t("attn_sinks"), vec![spec.heads], 1.0, 0.5));
         }
-        if matches!(arch, "qwen2" | "qwen2moe" | "gpt-oss") {
+        if d.qkv_bias {
             for (n, w) in [("attn_q", qw), ("attn_k", kvw), ("attn_v", kvw)] {
                 plan.push((format!("blk.{i}.{n}.bias"), vec![w], 0.3, 0.0));
             }
         }
-        if matches!(arch, "qwen3" | "qwen3moe" | "gemma3") {
+        if d.qk_norm {
             plan.push((t("attn_q_norm"), vec![head_dim], 0.1, 1.0));
             plan.push((t("attn_k_norm"), vec![head_dim], 0.1, 1.0));
         }
-        if arch == "gemma3" {
+        if d.post_norms {
             plan.push((t("post_attention_norm"), vec![h], 0.05, 1.0));
             plan.push((t("post_ffw_norm"), vec![h], 0.05, 1.0));
         }
         match &spec.moe {
-            None if arch == "phi3" => {
+            None if d.fused_gate_up => {
                 plan.push((t("ffn_up"), vec![2 * ff, h], 0.15, 0.0));
                 plan.push((t("ffn_down"), vec![h, ff], 0.1, 0.0));
             }
@@ -281,7 +191,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
                 plan.push((t("ffn_gate_exps"), vec![e, ff, h], 0.15, 0.0));
                 plan.push((t("ffn_up_exps"), vec![e, ff, h], 0.15, 0.0));
                 plan.push((t("ffn_down_exps"), vec![e, h, ff], 0.1, 0.0));
-                if arch == "gpt-oss" {
+                if d.tiny.expert_biases {
                     plan.push((format!("blk.{i}.ffn_gate_inp.bias"), vec![e], 0.3, 0.0));
                     plan.push((format!("blk.{i}.ffn_gate_exps.bias"), vec![e, ff], 0.3, 0.0));
                     plan.push((format!("blk.{i}.ffn_up_exps.bias"), vec![e, ff], 0.3, 0.0));
@@ -297,14 +207,13 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         }
     }
     let rot = spec.rope_dims.unwrap_or(head_dim);
-    if arch == "phi3" {
+    if d.long_rope {
         // LongRoPE's per-frequency divisors (1 for the fast pairs up to ~4 for the slow ones)
         plan.push(("rope_factors_short.weight".into(), vec![rot / 2], 0.0, 0.0));
         plan.push(("rope_factors_long.weight".into(), vec![rot / 2], 0.0, 0.0));
     }
     plan.push(("output_norm.weight".into(), vec![h], 0.05, 1.0));
-    // llama.cpp's gpt-oss requires its own output matrix
-    if !spec.tied_embeddings || arch == "gpt-oss" {
+    if !spec.tied_embeddings || d.tiny.own_output {
         plan.push(("output.weight".into(), vec![vocab, h], 0.2, 0.0));
     }
 
@@ -325,26 +234,22 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         tensors.push((name.clone(), QTensor::quantize(&t, dtype).map_err(bad)?));
     }
 
-    let tokens: Vec<Value> = (0..=255u8)
-        .map(|b| Value::String(byte_token(b).to_string()))
-        .chain(["<|endoftext|>", "<|im_start|>", "<|im_end|>"].map(|s| Value::String(s.into())))
-        .chain(extra_tokens.iter().map(|&s| Value::String(s.into())))
-        .collect();
+    let controls: Vec<&str> = TINY_CONTROL.iter().chain(extra_tokens).copied().collect();
+    let tokens: Vec<Value> = (0..=255u8).map(|b| Value::String(byte_token(b).to_string())).chain(controls.iter().map(|&s| Value::String(s.into()))).collect();
     let token_types: Vec<Value> = (0..vocab).map(|i| Value::I32(if i < 256 { 1 } else { 3 })).collect();
-    // each architecture's chat format: its template (the others fall back to ChatML), BOS, EOS
-    let (template, bos, eos) = match arch {
-        // harmony: <|return|> ends generation (as the real files say)
-        "gpt-oss" => (Some(HARMONY_TEMPLATE), TINY_IM_START, (TINY_VOCAB + HARMONY_TOKENS.iter().position(|&t| t == "<|return|>").unwrap_or(0)) as u32),
-        // Phi-4-mini's files: <|endoftext|> is BOS and EOS; turns end at <|end|>
-        "phi3" => (Some(PHI3_TEMPLATE), TINY_ENDOFTEXT, TINY_ENDOFTEXT),
-        "qwen3" | "qwen3moe" => (Some(QWEN3_TEMPLATE), TINY_IM_START, TINY_IM_END),
-        "smollm3" => (Some(SMOLLM3_TEMPLATE), TINY_IM_START, TINY_IM_END),
-        _ => (None, TINY_IM_START, TINY_IM_END),
+    // the chat format's template (none: the loader falls back to ChatML), BOS and EOS
+    let chat = &d.tiny.chat;
+    let id_of = |text: &str| -> Result<u32, ModelError> {
+        match controls.iter().position(|&c| c == text) {
+            Some(i) => Ok((TINY_ENDOFTEXT as usize + i) as u32),
+            None => Err(ModelError::BadInput(format!("{arch}'s tiny chat format names {text}, which is not in the tiny vocabulary"))),
+        }
     };
+    let (template, bos, eos) = (chat.template, id_of(chat.bos)?, id_of(chat.eos)?);
     let s = |x: &str| Value::String(x.into());
     let k = |key: &str| format!("{arch}.{key}");
     let mut metadata: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), s(arch)),
+        ("general.architecture".into(), s(arch.name())),
         ("general.name".into(), s(if spec.moe.is_some() { "tiny-random-moe" } else { "tiny-random-llama" })),
         ("general.alignment".into(), Value::U32(32)),
         (k("context_length"), Value::U32(spec.context_length as u32)),
@@ -370,16 +275,18 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("attention.key_length"), Value::U32(head_dim as u32)));
         metadata.push((k("attention.value_length"), Value::U32(head_dim as u32)));
     }
-    if arch == "gemma3" {
-        metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
-        metadata.push((k("attention.sliding_window_pattern"), Value::U32(spec.sliding_period as u32)));
-    }
     if let Some(t) = template {
         metadata.push(("tokenizer.chat_template".into(), s(t)));
     }
-    if arch == "phi3" {
+    if d.long_rope {
         metadata.push((k("rope.scaling.attn_factor"), Value::F32(1.1902381)));
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(spec.context_length as u32)));
+    }
+    if d.sliding.is_some() {
+        metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
+        if d.tiny.sliding_pattern_key {
+            metadata.push((k("attention.sliding_window_pattern"), Value::U32(spec.sliding_period as u32)));
+        }
     }
     if spec.rope_llama3 {
         metadata.push((k("rope.scaling.type"), s("llama3")));
@@ -388,12 +295,13 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("rope.scaling.high_freq_factor"), Value::F32(4.0)));
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(32)));
     }
-    if arch == "gpt-oss" {
-        // every other layer local; YaRN as gpt-oss's (factor 32 over 4096), scaled down
-        metadata.push((k("attention.sliding_window"), Value::U32(spec.sliding_window as u32)));
+    if d.tiny.yarn {
+        // YaRN as gpt-oss's (factor 32 over 4096), scaled down
         metadata.push((k("rope.scaling.type"), s("yarn")));
         metadata.push((k("rope.scaling.factor"), Value::F32(4.0)));
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(64)));
+    }
+    if d.tiny.expert_ffn_key {
         metadata.push((k("expert_feed_forward_length"), Value::U32(ff as u32)));
     }
     if let Some(m) = &spec.moe {

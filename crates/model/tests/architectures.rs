@@ -8,7 +8,7 @@ mod common;
 use common::logits_alone;
 use specula_model::config::{Activation, AttentionKind};
 use specula_model::testing::{write_tiny_llama, GgmlDType, TinySpec};
-use specula_model::{load_model, LlamaModel};
+use specula_model::{load_model, Arch, LlamaModel};
 use std::path::Path;
 
 fn tiny(dir: &Path, name: &str, spec: &TinySpec) -> LlamaModel {
@@ -17,8 +17,8 @@ fn tiny(dir: &Path, name: &str, spec: &TinySpec) -> LlamaModel {
     load_model(&path).unwrap_or_else(|e| panic!("{name}: {e}")).model
 }
 
-fn spec(arch: &str) -> TinySpec {
-    TinySpec { arch: arch.into(), weight_format: GgmlDType::Q8_0, seed: 5, ..Default::default() }
+fn spec(arch: Arch) -> TinySpec {
+    TinySpec { arch, weight_format: GgmlDType::Q8_0, seed: 5, ..Default::default() }
 }
 
 fn prompt(n: usize) -> Vec<u32> {
@@ -28,16 +28,16 @@ fn prompt(n: usize) -> Vec<u32> {
 #[test]
 fn each_architecture_loads_its_switches() {
     let dir = tempfile::tempdir().unwrap();
-    let q2 = tiny(dir.path(), "qwen2", &spec("qwen2"));
+    let q2 = tiny(dir.path(), "qwen2", &spec(Arch::Qwen2));
     let o = &q2.config.arch_options;
     assert!(o.qkv_bias && !o.qk_norm && !o.post_norms && q2.config.rope_neox);
     assert!(q2.extras.iter().all(|e| e.q_bias.is_some() && e.q_norm.is_none()));
 
-    let q3 = tiny(dir.path(), "qwen3", &spec("qwen3"));
+    let q3 = tiny(dir.path(), "qwen3", &spec(Arch::Qwen3));
     let o = &q3.config.arch_options;
     assert!(!o.qkv_bias && o.qk_norm && !o.post_norms && q3.config.rope_neox);
 
-    let g = tiny(dir.path(), "gemma3", &TinySpec { head_dim: Some(32), layers: 4, ..spec("gemma3") });
+    let g = tiny(dir.path(), "gemma3", &TinySpec { head_dim: Some(32), layers: 4, ..spec(Arch::Gemma3) });
     let (c, o) = (&g.config, &g.config.arch_options);
     assert!(o.qk_norm && o.post_norms && c.rope_neox && o.activation == Activation::GeluTanhGate);
     assert_eq!((c.head_dim, c.q_width(), c.hidden_size), (32, 128, 64), "head_dim is independent of hidden / heads");
@@ -50,7 +50,7 @@ fn each_architecture_loads_its_switches() {
     // gpt-oss: biases, sinks, every other layer sliding with the model's own (YaRN) RoPE, clamped
     // SwiGLU experts with biases and a router bias
     let moe = specula_model::testing::TinyMoe { experts: 4, used: 2, ..Default::default() };
-    let oss = tiny(dir.path(), "gpt-oss", &TinySpec { layers: 4, moe: Some(moe), ..spec("gpt-oss") });
+    let oss = tiny(dir.path(), "gpt-oss", &TinySpec { layers: 4, moe: Some(moe), ..spec(Arch::GptOss) });
     let (c, o) = (&oss.config, &oss.config.arch_options);
     assert!(o.qkv_bias && o.attn_out_bias && o.attn_sinks && c.rope_neox && o.activation == Activation::SwigluOai);
     let y = o.rope_yarn.as_ref().expect("YaRN from rope.scaling.type");
@@ -66,14 +66,14 @@ fn each_architecture_loads_its_switches() {
     }
 
     // SmolLM3: Llama's block, every 4th layer without RoPE
-    let s3 = tiny(dir.path(), "smollm3", &TinySpec { layers: 8, ..spec("smollm3") });
+    let s3 = tiny(dir.path(), "smollm3", &TinySpec { layers: 8, ..spec(Arch::SmolLm3) });
     let rotating: Vec<bool> = (0..8).map(|l| s3.config.layer_uses_rope(l)).collect();
     assert_eq!(rotating, [true, true, true, false, true, true, true, false]);
     assert!(!s3.config.rope_neox);
 
     // Phi-3: fused Q/K/V and gate/up split at load, NeoX RoPE over 8 of 16 dimensions, the
     // LongRoPE attention factor from the file
-    let p3 = tiny(dir.path(), "phi3", &TinySpec { rope_dims: Some(8), ..spec("phi3") });
+    let p3 = tiny(dir.path(), "phi3", &TinySpec { rope_dims: Some(8), ..spec(Arch::Phi3) });
     let (c, o) = (&p3.config, &p3.config.arch_options);
     assert!(c.rope_neox && (c.rope_dims(), c.head_dim) == (8, 16), "{:?}", o.rope_dims);
     assert!((o.rope_mscale - 1.1902381).abs() < 1e-6);
@@ -89,9 +89,67 @@ fn each_architecture_loads_its_switches() {
     assert_ne!(long, short, "beyond it: the long factors");
     assert_eq!(long[..259], short[..259], "position 0 rotates by nothing either way");
 
-    let l3 = tiny(dir.path(), "llama3", &TinySpec { rope_llama3: true, ..spec("llama") });
+    let l3 = tiny(dir.path(), "llama3", &TinySpec { rope_llama3: true, ..spec(Arch::Llama) });
     let r = l3.config.arch_options.rope_llama3.as_ref().expect("llama3 scaling read");
     assert_eq!((r.factor, r.low_freq_factor, r.high_freq_factor, r.original_context_length), (8.0, 1.0, 4.0, 32));
+}
+
+/// The descriptor table is what the loader goes by: every family written by the tiny writer
+/// loads with its descriptor's switches, RoPE style, FFN norm, top-k rule, sliding layers and
+/// the chat format's BOS and EOS (a mixture of experts for each family whose experts are
+/// supported, its file asking not to renormalise).
+#[test]
+fn every_family_loads_what_its_descriptor_says() {
+    use specula_model::arch::{NormTopK, TinyChat};
+    use specula_model::testing::TinyMoe;
+    let dir = tempfile::tempdir().unwrap();
+    for arch in Arch::ALL {
+        let d = arch.descriptor();
+        let dense = TinySpec { layers: 4, ..spec(arch) };
+        let moe = TinySpec { moe: Some(TinyMoe { norm_topk: Some(false), ..Default::default() }), ..dense.clone() };
+        let moe_ok = d.activation != Activation::GeluTanhGate;
+        for (kind, s) in [("dense", Some(dense)), ("moe", moe_ok.then_some(moe))] {
+            let Some(s) = s else { continue };
+            let path = dir.path().join(format!("{arch}-{kind}.gguf"));
+            write_tiny_llama(&path, &s).unwrap_or_else(|e| panic!("{arch} {kind}: {e}"));
+            let m = load_model(&path).unwrap_or_else(|e| panic!("{arch} {kind}: {e}"));
+            let (c, o) = (&m.model.config, &m.model.config.arch_options);
+            let what = format!("{arch} {kind}");
+            assert_eq!(c.arch, arch, "{what}");
+            assert_eq!(
+                (o.qkv_bias, o.qk_norm, o.post_norms, o.attn_out_bias, o.attn_sinks),
+                (d.qkv_bias, d.qk_norm, d.post_norms, d.attn_out_bias, d.attn_sinks),
+                "{what}"
+            );
+            assert_eq!((o.activation, o.embed_scale, o.no_rope_period), (d.activation, d.embed_scale.factor(c.hidden_size), d.no_rope_period), "{what}");
+            assert_eq!(c.rope_neox, d.rope_neox, "{what}");
+            assert_eq!(o.rope_mscale != 1.0, d.long_rope, "{what}: LongRoPE's attention factor");
+            match (&o.sliding, d.sliding) {
+                (None, None) => {}
+                (Some(w), Some(sl)) => {
+                    let period = if d.tiny.sliding_pattern_key { s.sliding_period } else { sl.default_period as usize };
+                    assert_eq!((w.window, w.period, w.rope_theta), (s.sliding_window, period, sl.local_rope_base), "{what}");
+                    assert_eq!(m.model.rope_sliding.is_some(), sl.local_rope_base.is_some(), "{what}: the local layers' own RoPE");
+                }
+                (got, want) => panic!("{what}: sliding {got:?}, descriptor {want:?}"),
+            }
+            assert_eq!(o.rope_yarn.is_some(), d.tiny.yarn, "{what}");
+            assert!(m.model.layers.iter().all(|l| l.ffn_norm.len() == c.hidden_size), "{what}: {} read", d.ffn_norm);
+            if let Some(moe) = &c.moe {
+                let want = match d.norm_topk {
+                    NormTopK::Fixed(on) => on,
+                    NormTopK::FromFile => false,
+                };
+                assert_eq!(moe.norm_topk, want, "{what}");
+            }
+            let TinyChat { template, bos, eos, .. } = &d.tiny.chat;
+            let text = |id: Option<u32>| id.and_then(|i| m.tokenizer.id_to_token(i));
+            assert_eq!(text(m.tokenizer.bos).as_deref(), Some(*bos), "{what}");
+            assert_eq!(text(m.tokenizer.eos.first().copied()).as_deref(), Some(*eos), "{what}");
+            // without a template of its own a file falls back to ChatML (every tiny file has <|im_start|>)
+            assert!(m.chat_template.is_some(), "{what}: template {}", template.is_some());
+        }
+    }
 }
 
 /// Whole prompt, one token at a time, and uneven chunks: bitwise the same logits, for every
@@ -101,12 +159,12 @@ fn logits_do_not_depend_on_chunking_in_any_architecture() {
     let dir = tempfile::tempdir().unwrap();
     let p = prompt(29);
     for (name, s) in [
-        ("qwen2", spec("qwen2")),
-        ("qwen3", spec("qwen3")),
-        ("gemma3", TinySpec { head_dim: Some(32), layers: 3, sliding_window: 5, ..spec("gemma3") }),
-        ("llama3", TinySpec { rope_llama3: true, ..spec("llama") }),
-        ("smollm3", TinySpec { layers: 4, ..spec("smollm3") }),
-        ("phi3", TinySpec { rope_dims: Some(8), ..spec("phi3") }),
+        ("qwen2", spec(Arch::Qwen2)),
+        ("qwen3", spec(Arch::Qwen3)),
+        ("gemma3", TinySpec { head_dim: Some(32), layers: 3, sliding_window: 5, ..spec(Arch::Gemma3) }),
+        ("llama3", TinySpec { rope_llama3: true, ..spec(Arch::Llama) }),
+        ("smollm3", TinySpec { layers: 4, ..spec(Arch::SmolLm3) }),
+        ("phi3", TinySpec { rope_dims: Some(8), ..spec(Arch::Phi3) }),
     ] {
         let m = tiny(dir.path(), name, &s);
         let whole = logits_alone(&m, &p, &[p.len()], 2);
@@ -129,12 +187,12 @@ fn sliding_window_layers_forget_tokens_outside_the_window() {
         let (x, y) = (logits_alone(m, &a, &[16], 1), logits_alone(m, &b, &[16], 1));
         (0..16).map(|p| x[p * vocab..(p + 1) * vocab] != y[p * vocab..(p + 1) * vocab]).collect()
     };
-    let local = tiny(dir.path(), "all-local", &TinySpec { sliding_window: 4, sliding_period: 3, ..spec("gemma3") });
+    let local = tiny(dir.path(), "all-local", &TinySpec { sliding_window: 4, sliding_period: 3, ..spec(Arch::Gemma3) });
     assert!((0..2).all(|l| matches!(local.config.attention_kind(l), AttentionKind::Sliding { .. })));
     let c = changed(&local);
     assert!(c[..7].iter().all(|&x| x), "{c:?}");
     assert!(c[7..].iter().all(|&x| !x), "{c:?}");
-    let mixed = tiny(dir.path(), "local-global", &TinySpec { sliding_window: 4, sliding_period: 2, ..spec("gemma3") });
+    let mixed = tiny(dir.path(), "local-global", &TinySpec { sliding_window: 4, sliding_period: 2, ..spec(Arch::Gemma3) });
     assert!(changed(&mixed).iter().all(|&x| x));
 }
 
@@ -142,8 +200,8 @@ fn sliding_window_layers_forget_tokens_outside_the_window() {
 fn llama3_rope_scaling_changes_only_rotated_positions() {
     let dir = tempfile::tempdir().unwrap();
     let p = prompt(12);
-    let plain = logits_alone(&tiny(dir.path(), "plain", &spec("llama")), &p, &[12], 1);
-    let scaled = logits_alone(&tiny(dir.path(), "scaled", &TinySpec { rope_llama3: true, ..spec("llama") }), &p, &[12], 1);
+    let plain = logits_alone(&tiny(dir.path(), "plain", &spec(Arch::Llama)), &p, &[12], 1);
+    let scaled = logits_alone(&tiny(dir.path(), "scaled", &TinySpec { rope_llama3: true, ..spec(Arch::Llama) }), &p, &[12], 1);
     let v = 259;
     assert_eq!(plain[..v], scaled[..v], "position 0 is not rotated");
     assert_ne!(plain[v..], scaled[v..], "later positions see the scaled frequencies");
@@ -160,16 +218,29 @@ fn load_err(dir: &Path, name: &str, spec: &TinySpec) -> String {
 #[test]
 fn unknown_architecture_and_missing_tensors_are_one_line_errors_naming_them() {
     let dir = tempfile::tempdir().unwrap();
-    let e = load_err(dir.path(), "mamba", &spec("mamba"));
-    assert!(e.contains("architecture 'mamba'") && e.contains("qwen2") && e.contains("gemma3"), "{e}");
-    for (arch, tensor) in
-        [("qwen2", "blk.1.attn_k.bias"), ("qwen3", "blk.0.attn_q_norm.weight"), ("gemma3", "blk.1.post_ffw_norm.weight"), ("llama", "blk.0.ffn_up.weight")]
-    {
-        let e = load_err(dir.path(), arch, &TinySpec { omit_tensors: vec![tensor.into()], ..spec(arch) });
+    // a Llama file whose `general.architecture` is renamed in place (same length)
+    let path = dir.path().join("mamba.gguf");
+    write_tiny_llama(&path, &spec(Arch::Llama)).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let key = b"general.architecture";
+    let at = bytes.windows(key.len()).position(|w| w == key).expect("the key") + key.len() + 4 + 8; // value type, string length
+    assert_eq!(&bytes[at..at + 5], b"llama");
+    bytes[at..at + 5].copy_from_slice(b"mamba");
+    std::fs::write(&path, bytes).unwrap();
+    let e = load_model(&path).err().expect("mamba loaded").to_string();
+    assert!(!e.contains('\n'), "one line: {e}");
+    assert!(e.contains("architecture 'mamba'") && e.contains(&format!("(supported: {})", Arch::supported_names())), "{e}");
+    for (arch, tensor) in [
+        (Arch::Qwen2, "blk.1.attn_k.bias"),
+        (Arch::Qwen3, "blk.0.attn_q_norm.weight"),
+        (Arch::Gemma3, "blk.1.post_ffw_norm.weight"),
+        (Arch::Llama, "blk.0.ffn_up.weight"),
+    ] {
+        let e = load_err(dir.path(), arch.name(), &TinySpec { omit_tensors: vec![tensor.into()], ..spec(arch) });
         assert!(e.contains(tensor) && e.contains("missing"), "{arch}: {e}");
     }
     // Q8_K is ggml's activation format: no weight file has it, so nothing loads it
     let q8k = vec![("blk.0.attn_q.weight".into(), GgmlDType::Q8K)];
-    let e = load_err(dir.path(), "q8k", &TinySpec { hidden: 256, tensor_formats: q8k, ..spec("qwen2") });
+    let e = load_err(dir.path(), "q8k", &TinySpec { hidden: 256, tensor_formats: q8k, ..spec(Arch::Qwen2) });
     assert!(e.contains("blk.0.attn_q.weight") && e.contains("Q8_K"), "{e}");
 }

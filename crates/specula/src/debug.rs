@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use specula_model::kv_store::KvStore;
-use specula_model::{load_model, ForwardBatch, SeqSpan};
+use specula_model::{load_model, Arch, ForwardBatch, SeqSpan};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -31,6 +31,12 @@ pub enum DebugCmd {
     KvFidelity(crate::kv_fidelity::KvFidelityArgs),
 }
 
+/// `--arch`: one of `Arch::ALL`'s names, which `--help` lists.
+fn arch_parser() -> impl clap::builder::TypedValueParser<Value = Arch> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Arch::ALL.map(Arch::name)).try_map(|name| name.parse::<Arch>())
+}
+
 #[derive(Args)]
 pub struct CheckModelArgs {
     pub model: PathBuf,
@@ -43,9 +49,9 @@ pub struct CheckModelArgs {
 pub struct TinyArgs {
     #[arg(long)]
     pub output: PathBuf,
-    /// llama, smollm3, qwen2, qwen3, gemma3 or phi3
-    #[arg(long, default_value = "llama")]
-    pub arch: String,
+    /// The family (`general.architecture`), as `specula_model::Arch` describes it.
+    #[arg(long, default_value = "llama", value_parser = arch_parser())]
+    pub arch: Arch,
     /// Head width when not hidden / heads (gemma3 style).
     #[arg(long)]
     pub head_dim: Option<usize>,
@@ -75,8 +81,8 @@ pub struct TinyMoeArgs {
     pub output: PathBuf,
     /// llama (Mixtral-style), qwen2moe (Q/K/V biases), qwen3moe (q/k norms) or gpt-oss (biases,
     /// attention sinks, sliding layers, YaRN, clamped SwiGLU)
-    #[arg(long, default_value = "llama")]
-    pub arch: String,
+    #[arg(long, default_value = "llama", value_parser = arch_parser())]
+    pub arch: Arch,
     /// Head width when not hidden / heads (Qwen3-MoE: 128 with hidden 2048 and 32 heads).
     #[arg(long)]
     pub head_dim: Option<usize>,
@@ -236,7 +242,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 anyhow::ensure!(logits.len() == c.vocab_size, "one token gave {} logits for a vocabulary of {}", logits.len(), c.vocab_size);
             }
             let summary = serde_json::json!({
-                "arch": c.arch, "layers": c.n_layers, "vocab": c.vocab_size, "hidden": c.hidden_size,
+                "arch": c.arch.name(), "layers": c.n_layers, "vocab": c.vocab_size, "hidden": c.hidden_size,
                 "tokenizer_vocab": loaded.tokenizer.vocab_size(), "chat_template": loaded.chat_template.is_some(),
             });
             println!("{summary}");

@@ -305,7 +305,7 @@ pub fn run(name: Option<&str>, list: bool, print_path: bool) -> Result<()> {
             println!("{:<30} {:<11} {}", m.name, state, m.about);
         }
         println!();
-        println!("any GGUF of these architectures loads: {}", specula_model::loader::SUPPORTED_ARCHITECTURES.join(", "));
+        println!("any GGUF of these architectures loads: {}", specula_model::Arch::supported_names());
         println!("with tensors in: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4");
         return Ok(());
     }

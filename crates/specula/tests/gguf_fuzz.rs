@@ -452,7 +452,7 @@ fn mutated_tiny_gguf_headers_never_crash_and_impossible_ones_are_one_line_errors
     // a dense Llama in Q4_1 (untied) and a Qwen2 with biases in Q8_0: different tensors and types
     let specs = [
         ("llama.gguf", TinySpec { tied_embeddings: false, ..Default::default() }, 200, 1),
-        ("qwen2.gguf", TinySpec { arch: "qwen2".into(), weight_format: GgmlDType::Q8_0, seed: 2, ..Default::default() }, 80, 2),
+        ("qwen2.gguf", TinySpec { arch: specula_model::Arch::Qwen2, weight_format: GgmlDType::Q8_0, seed: 2, ..Default::default() }, 80, 2),
     ];
     for (name, spec, random, seed) in specs {
         let (_, bytes) = tiny_file(dir.path(), name, &spec);
