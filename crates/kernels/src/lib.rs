@@ -24,7 +24,7 @@ pub mod q8;
 pub mod weights;
 
 pub use formats::WeightFormat;
-pub use matmul::{matmul, matmul_many};
+pub use matmul::{matmul, matmul_grouped, matmul_many};
 pub use q8::{quantize_rows, quantize_rows_super, ActSpan, BlockQ8, QuantizedActivations, SUPER_SPAN};
 pub use weights::{QMatrix, WeightBytes};
 

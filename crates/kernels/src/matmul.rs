@@ -69,17 +69,33 @@ const BATCH_TILE: usize = 64;
 
 /// `outs[m]` (shape `input.rows x ws[m].rows`) = input x ws[m]^T, for every m, in one parallel region.
 pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]) {
+    matmul_regions(&|_| input, ws, outs);
+}
+
+/// `outs[m]` = `inputs[reads[m]]` x ws[m]^T for every m, in one parallel region: matrices that
+/// read different activations (a mixture of experts' projections, each expert its own rows), so
+/// that a step runs one region where it would run one a matrix. Each output element is the same
+/// kernel call on the same quantized input as in [`matmul_many`]: the same bits.
+pub fn matmul_grouped(inputs: &[&MatmulInput], reads: &[usize], ws: &[&QMatrix], outs: &mut [&mut [f32]]) {
+    assert_eq!(reads.len(), ws.len(), "matmul_grouped: one input index a matrix");
+    assert!(reads.iter().all(|&i| i < inputs.len()), "matmul_grouped: an input index out of range");
+    matmul_regions(&|m| inputs[reads[m]], ws, outs);
+}
+
+fn matmul_regions<'i>(input_of: &(dyn Fn(usize) -> &'i MatmulInput<'i> + Sync), ws: &[&QMatrix], outs: &mut [&mut [f32]]) {
     assert_eq!(ws.len(), outs.len());
-    for (w, o) in ws.iter().zip(outs.iter()) {
+    for (m, (w, o)) in ws.iter().zip(outs.iter()).enumerate() {
+        let input = input_of(m);
         assert_eq!(w.cols, input.cols, "matmul: weight has {} columns, input {}", w.cols, input.cols);
         assert_eq!(o.len(), input.rows * w.rows, "matmul: output buffer has the wrong size");
     }
     // every task writes a disjoint set of (batch row, weight row) elements
     let ptrs: Vec<DisjointOut> = outs.iter_mut().map(|o| DisjointOut::new(o)).collect();
-    // a multiple of the packed kernels' 8-row groups
-    let rows_per_task = if input.rows <= 4 { 16 } else { 32 };
     let mut tasks = Vec::new();
     for (m, w) in ws.iter().enumerate() {
+        let input = input_of(m);
+        // a multiple of the packed kernels' 8-row groups
+        let rows_per_task = if input.rows <= 4 { 16 } else { 32 };
         // float kernels read several groups side by side for few activation rows
         let rows_per_task = match w.packed() {
             Some(Packed::Float(_)) => rows_per_task.max(crate::packed::float::groups_side_by_side(input.rows) * GROUP_ROWS),
@@ -102,7 +118,7 @@ pub fn matmul_many(input: &MatmulInput, ws: &[&QMatrix], outs: &mut [&mut [f32]]
         }
     }
     let run = |&(m, r0, r1): &(usize, usize, usize)| {
-        let w = ws[m];
+        let (w, input) = (ws[m], input_of(m));
         let out = ptrs[m];
         match w.packed() {
             Some(Packed::Int8(p)) if p.reads_super_span() => {
@@ -494,6 +510,42 @@ mod tests {
         let mut x: Vec<f32> = (0..512 * 5).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
         x[512 + 300] = 90.0;
         check(&a, &b, &x);
+    }
+
+    /// Matrices reading different inputs in one region (a mixture of experts' projections) give
+    /// the bits of one call each: mixed formats (a k-quant reading super-block scales among them),
+    /// inputs of different row counts, two matrices on one input, one and two threads.
+    #[test]
+    fn grouped_matmuls_equal_one_call_each() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let ws = [
+            random_matrix(&mut rng, WeightFormat::Q4K, 48, 512),
+            random_matrix(&mut rng, WeightFormat::Q6K, 40, 512),
+            random_matrix(&mut rng, WeightFormat::Q8_0, 24, 512),
+            random_matrix(&mut rng, WeightFormat::Q4K, 64, 512),
+        ];
+        let mut xs: Vec<Vec<f32>> = [1usize, 3, 2].iter().map(|&n| (0..512 * n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()).collect();
+        xs[1][512 + 7] = 120.0; // a row on block scales beside rows on super-block scales
+        let reads = [0usize, 1, 2, 0];
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let refs: Vec<&QMatrix> = ws.iter().collect();
+                let inputs: Vec<MatmulInput> = xs.iter().map(|x| MatmulInput::new(x, 512, &refs)).collect();
+                let mut outs: Vec<Vec<f32>> = ws.iter().zip(reads).map(|(w, i)| vec![0f32; inputs[i].rows * w.rows]).collect();
+                let mut out_refs: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                matmul_grouped(&inputs.iter().collect::<Vec<_>>(), &reads, &refs, &mut out_refs);
+                for (m, (w, &i)) in ws.iter().zip(&reads).enumerate() {
+                    let mut one = vec![0f32; inputs[i].rows * w.rows];
+                    matmul(&MatmulInput::new(&xs[i], 512, &[w]), w, &mut one);
+                    assert_eq!(bits(&outs[m]), bits(&one), "matrix {m} at {threads} threads");
+                }
+            });
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
     }
 
     /// A matrix read in place (each group repacked by the thread that reads it) gives the bits of

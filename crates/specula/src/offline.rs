@@ -244,7 +244,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     }
     let per_token = decode_bytes(model, loaded.weight_bytes);
     println!("\nmemory bound of decode batch 1: {:.2} GB read per token", per_token / 1e9);
-    println!("{:>7} {:>16} {:>12} {:>14} {:>8}  {}", "threads", "read GB/s", "bound tok/s", "specula tok/s", "share", "fastest read kernel");
+    println!("{:>7} {:>16} {:>12} {:>14} {:>8}  fastest read kernel", "threads", "read GB/s", "bound tok/s", "specula tok/s", "share");
     for (threads, per_kernel) in &bounds {
         let ours = rows.iter().find(|r| r.threads == *threads && r.what == "decode batch 1").map(|r| r.ours);
         let (kernel, bw) = best_read(per_kernel);
