@@ -24,11 +24,25 @@ if [ "${SPECULA_SKIP_LINT:-0}" != "1" ]; then
   python3 scripts/check_structure.py
 fi
 
+# MPI data parallelism across processes needs Open MPI, and libclang for the mpi crate's
+# bindings (.ci/run installs both). Where they are, everything below is built once with the
+# `mpi` feature: it only adds the `--data-parallel-backend mpi` path (MPI starts only there), so
+# the same binary serves the plain tests and the MPI ones, and nothing is compiled twice.
+features=()
+if command -v mpirun >/dev/null && ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
+  features=(--features specula/mpi)
+elif [ -n "${CI:-}" ]; then
+  echo "error: mpirun or libclang is missing, so the MPI tests cannot run (.ci/run installs openmpi-bin, libopenmpi-dev, libclang-dev)" >&2
+  exit 1
+else
+  echo "warning: mpirun or libclang missing: skipping the MPI tests" >&2
+fi
+
 # One build for everything below: the `ci` profile is release with debug assertions and overflow
 # checks on (Cargo.toml), so the invariant checks run in the Rust tests and in the binary the
 # Python tests drive.
 profile=ci
-cargo build --profile $profile --workspace --bins
+cargo build --profile $profile --workspace --bins "${features[@]}"
 bin=./target/$profile/specula
 $bin fetch-model
 $bin fetch-model qwen2.5-coder-0.5b-instruct
@@ -38,7 +52,8 @@ export SPECULA_MODEL_QWEN05="${SPECULA_MODEL_QWEN05:-$($bin fetch-model qwen2.5-
 export SPECULA_MODEL_GEMMA="${SPECULA_MODEL_GEMMA:-$($bin fetch-model gemma-3-270m --print-path)}"
 export SPECULA_BIN="$PWD/target/$profile/specula"
 
-cargo test --profile $profile --workspace
+# with the mpi feature this includes the engine's dp_mpi test (ranks as processes under mpirun)
+cargo test --profile $profile --workspace "${features[@]}"
 # the GGUF fuzz test again in release (no overflow checks): opt-in, as it builds everything a
 # second time; the parser's `clippy::arithmetic_side_effects` denial keeps the two the same
 if [ "${SPECULA_FUZZ_RELEASE:-0}" = "1" ]; then
@@ -49,22 +64,9 @@ fi
 # when a path the CPU has and the environment allows was not exercised)
 SPECULA_NO_VNNI=1 cargo test --profile $profile -p specula-kernels
 
-# MPI data parallelism across processes (needs Open MPI, and libclang for the mpi crate's
-# bindings; .ci/run installs both)
-if command -v mpirun >/dev/null && ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
-  cargo test --profile $profile -p specula-engine --features mpi --test dp_mpi
-  # the MPI-enabled binary for python/tests/test_server_mpi.py (only the engine, server and
-  # binary crates build again with the feature), kept beside the plain one, which goes back in
-  # place (both builds stay cached, so that is a copy, not a rebuild)
-  cargo build --profile $profile -p specula --features mpi
-  cp target/$profile/specula target/$profile/specula-mpi
-  cargo build --profile $profile -p specula
-  export SPECULA_MPI_BIN="$PWD/target/$profile/specula-mpi"
-elif [ -n "${CI:-}" ]; then
-  echo "error: mpirun or libclang is missing, so the MPI tests cannot run (.ci/run installs openmpi-bin, libopenmpi-dev, libclang-dev)" >&2
-  exit 1
-else
-  echo "warning: mpirun or libclang missing: skipping the MPI tests" >&2
+# python/tests/test_server_mpi.py runs the same binary under mpirun
+if [ ${#features[@]} -gt 0 ]; then
+  export SPECULA_MPI_BIN="$SPECULA_BIN"
 fi
 
 if [ "${SPECULA_SKIP_PY:-0}" != "1" ]; then
