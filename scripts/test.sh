@@ -13,17 +13,6 @@ cd "$(dirname "$0")/.."
 
 python3 -m pip install -q --disable-pip-version-check -r python/requirements.txt
 
-if [ "${SPECULA_SKIP_LINT:-0}" != "1" ]; then
-  cargo fmt --all -- --check
-  # one pass over everything, with bench offline's candle baseline (behind a feature: the serving
-  # binary does not compile candle-transformers) on, so that it still builds; only its stand-in
-  # (offline.rs) is compiled without the feature, by the build below
-  cargo clippy --workspace --all-targets --features specula/candle-baseline -- -D warnings
-  # no import cycle between the top-level modules of any crate, and docs/architecture.md names
-  # only what the code has
-  python3 scripts/check_structure.py
-fi
-
 # MPI data parallelism across processes needs Open MPI, and libclang for the mpi crate's
 # bindings (.ci/run installs both). Where they are, everything below is built once with the
 # `mpi` feature: it only adds the `--data-parallel-backend mpi` path (MPI starts only there), so
@@ -36,6 +25,18 @@ elif [ -n "${CI:-}" ]; then
   exit 1
 else
   echo "warning: mpirun or libclang missing: skipping the MPI tests" >&2
+fi
+
+if [ "${SPECULA_SKIP_LINT:-0}" != "1" ]; then
+  cargo fmt --all -- --check
+  # one pass over everything, with bench offline's candle baseline (behind a feature: the serving
+  # binary does not compile candle-transformers) on, so that it still builds (only its stand-in,
+  # offline.rs, is compiled without the feature, by the build below), and the MPI backend where
+  # it builds
+  cargo clippy --workspace --all-targets --features specula/candle-baseline "${features[@]}" -- -D warnings
+  # no import cycle between the top-level modules of any crate, and docs/architecture.md names
+  # only what the code has
+  python3 scripts/check_structure.py
 fi
 
 # One build for everything below: the `ci` profile is release with debug assertions and overflow
