@@ -19,6 +19,7 @@ use crate::ModelError;
 use specula_kernels::matmul::{matmul, matmul_grouped, MatmulInput};
 use specula_kernels::ops::{add_bias, gelu_tanh_mul, silu_mul, swiglu_oai_mul};
 use specula_kernels::QMatrix;
+use std::borrow::Cow;
 
 /// The collectives an expert-parallel MoE layer makes, implemented by whoever owns the rank
 /// group (the engine's lockstep data parallelism). Every rank calls every method in the same
@@ -94,12 +95,38 @@ impl DenseFfn {
     /// Each FFN's output is the bits of its own [`DenseFfn::forward`].
     pub fn forward_grouped(ffns: &[&DenseFfn], xs: &[&[f32]], act: Activation, outs: &mut [&mut [f32]]) {
         debug_assert!(ffns.len() == xs.len() && xs.len() == outs.len());
-        let inputs: Vec<MatmulInput> = ffns.iter().zip(xs).map(|(f, x)| MatmulInput::new(x, f.gate.cols, &[&f.gate, &f.up])).collect();
-        let sizes: Vec<usize> = ffns.iter().zip(&inputs).map(|(f, i)| i.rows * f.gate.rows).collect();
-        let (mut gates, mut ups): (Vec<Vec<f32>>, Vec<Vec<f32>>) = sizes.iter().map(|&n| (vec![0f32; n], vec![0f32; n])).unzip();
+        // FFNs handed the same rows (the experts of a decode's one token) share one quantized
+        // input: `firsts` holds the first FFN reading each distinct input, `reads` each FFN's
+        let same = |a: &[f32], b: &[f32]| std::ptr::eq(a.as_ptr(), b.as_ptr()) && a.len() == b.len();
+        let (mut firsts, mut reads) = (Vec::new(), Vec::with_capacity(xs.len()));
+        for (i, x) in xs.iter().enumerate() {
+            match firsts.iter().position(|&j: &usize| same(xs[j], x)) {
+                Some(p) => reads.push(p),
+                None => {
+                    reads.push(firsts.len());
+                    firsts.push(i);
+                }
+            }
+        }
+        let inputs: Vec<MatmulInput> = firsts
+            .iter()
+            .enumerate()
+            .map(|(u, &j)| {
+                let ws: Vec<&QMatrix> = ffns.iter().zip(&reads).filter(|&(_, &r)| r == u).flat_map(|(f, _)| [&f.gate, &f.up]).collect();
+                MatmulInput::new(xs[j], ffns[j].gate.cols, &ws)
+            })
+            .collect();
+        let (mut gates, mut ups): (Vec<Vec<f32>>, Vec<Vec<f32>>) = ffns
+            .iter()
+            .zip(&reads)
+            .map(|(f, &r)| {
+                let n = inputs[r].rows * f.gate.rows;
+                (vec![0f32; n], vec![0f32; n])
+            })
+            .unzip();
         {
             let ws: Vec<&QMatrix> = ffns.iter().flat_map(|f| [&f.gate, &f.up]).collect();
-            let reads: Vec<usize> = (0..ffns.len()).flat_map(|i| [i, i]).collect();
+            let reads: Vec<usize> = reads.iter().flat_map(|&r| [r, r]).collect();
             let mut gate_up: Vec<&mut [f32]> = gates.iter_mut().zip(ups.iter_mut()).flat_map(|(g, u)| [g.as_mut_slice(), u.as_mut_slice()]).collect();
             matmul_grouped(&inputs.iter().collect::<Vec<_>>(), &reads, &ws, &mut gate_up);
         }
@@ -348,12 +375,20 @@ impl MoeFfn {
             }
             return Ok(());
         }
-        let xs: Vec<Vec<f32>> = picked.iter().map(|(_, picks)| gather(picks)).collect();
+        // an expert with one row borrows it, so experts sharing it (a decode's k experts of its one
+        // token) are handed the same slice and quantize it once (`forward_grouped`)
+        let xs: Vec<Cow<[f32]>> = picked
+            .iter()
+            .map(|(_, picks)| match picks[..] {
+                [i] => Cow::Borrowed(&x[(i / k) * h..(i / k + 1) * h]),
+                _ => Cow::Owned(gather(picks)),
+            })
+            .collect();
         let mut ys: Vec<Vec<f32>> = picked.iter().map(|(_, picks)| vec![0f32; picks.len() * h]).collect();
         let ffns: Vec<&DenseFfn> = picked.iter().map(|(f, _)| *f).collect();
         DenseFfn::forward_grouped(
             &ffns,
-            &xs.iter().map(Vec::as_slice).collect::<Vec<_>>(),
+            &xs.iter().map(|x| &x[..]).collect::<Vec<_>>(),
             self.activation,
             &mut ys.iter_mut().map(Vec::as_mut_slice).collect::<Vec<_>>(),
         );
