@@ -6,7 +6,7 @@
 //! `message_delta`, `message_stop`, `ping`). Errors on these routes, auth included, are in
 //! Anthropic's shape ([`anthropic_errors`]).
 
-use super::{block_text, sampling_fields, Answer, Dialect, Turn};
+use super::{block_text, only_choice, sampling_fields, Answer, Dialect, Turn};
 use crate::conversation::{self, Conversation, ThinkingBudget};
 use crate::error::ApiError;
 use crate::extract::ApiJson;
@@ -354,9 +354,8 @@ impl Answer for MessageWriter {
         self.id = id;
     }
 
-    fn whole(self, mut outputs: Vec<generate::ChoiceOutput>) -> Result<Response, ApiError> {
-        let out = outputs.pop().ok_or_else(|| ApiError::internal("no choice was submitted"))?;
-        Ok(axum::Json(self.message_of(out)).into_response())
+    fn whole(self, outputs: Vec<generate::ChoiceOutput>) -> Result<Response, ApiError> {
+        Ok(axum::Json(self.message_of(only_choice(outputs)?)).into_response())
     }
 }
 

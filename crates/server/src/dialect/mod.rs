@@ -89,6 +89,11 @@ pub async fn handle<D: Dialect>(
     }
 }
 
+/// The one choice of a single-choice dialect's whole answer (Anthropic Messages, Responses).
+pub(crate) fn only_choice(mut outputs: Vec<ChoiceOutput>) -> Result<ChoiceOutput, ApiError> {
+    outputs.pop().ok_or_else(|| ApiError::internal("no choice was submitted"))
+}
+
 /// The sampling fields of the dialects that spell only a few (Anthropic Messages, Responses), as
 /// the shared checks want them.
 pub(crate) fn sampling_fields(

@@ -9,7 +9,7 @@
 //! `GET /v1/responses/{id}` returns it.
 
 use super::store::Stored;
-use super::{block_text, sampling_fields, Answer, Dialect, Turn};
+use super::{block_text, only_choice, sampling_fields, Answer, Dialect, Turn};
 use crate::conversation::{self, Conversation, ThinkingBudget};
 use crate::error::ApiError;
 use crate::generate;
@@ -444,9 +444,8 @@ impl Answer for ResponseWriter {
         self.id = id;
     }
 
-    fn whole(self, mut outputs: Vec<generate::ChoiceOutput>) -> Result<Response, ApiError> {
-        let out = outputs.pop().ok_or_else(|| ApiError::internal("no choice was submitted"))?;
-        Ok(axum::Json(self.response_of(out)).into_response())
+    fn whole(self, outputs: Vec<generate::ChoiceOutput>) -> Result<Response, ApiError> {
+        Ok(axum::Json(self.response_of(only_choice(outputs)?)).into_response())
     }
 }
 
