@@ -683,6 +683,12 @@ TINY_SPECS += [
 # qwen2moe with its shared expert: llama.cpp's qwen2moe requires one (as every real Qwen2-MoE has)
 TINY_SPECS += [(f"moe-{a}", "write-tiny-moe", ["--shared-ffn", "64"] if a == "qwen2moe" else [], ["f32", "q8_0", "q4_0"], True) for a in MOE_ARCHS]
 TINY_SPECS += [("moe-qwen3moe-top3-of-8", "write-tiny-moe", ["--experts", "8", "--experts-used", "3", "--head-dim", "32"], ["q8_0"], False)]
+# qwen35: three Gated DeltaNet layers to one gated-attention layer (not widened: the convolution's
+# taps and the state width are not widths); rope dims 8 puts a RoPE pair in the unrotated section
+TINY_SPECS += [
+    ("dense-qwen35", "write-tiny", ["--layers", "4"], ["f32", "q8_0", "q4_0"], False),
+    ("dense-qwen35-rope8", "write-tiny", ["--layers", "8", "--rope-dims", "8"], ["q8_0"], False),
+]
 # gpt-oss: attention sinks, biases, alternating sliding layers, YaRN, clamped-SwiGLU experts
 TINY_SPECS += [("moe-gpt-oss-top4-of-8", "write-tiny-moe", ["--experts", "8", "--experts-used", "4", "--layers", "3"], ["f32", "q8_0", "q4_0"], False)]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent NumPy reference forward pass for Llama-family, Qwen2, Qwen3 and Gemma 3 GGUF models.
+"""Independent NumPy reference forward pass for Llama-family, Qwen2, Qwen3, Qwen3.5 and Gemma 3 GGUF models.
 
 It shares no code with the Rust engine: the GGUF is read with the `gguf` Python package
 (GGUFReader), every weight is dequantized with `gguf.quants.dequantize`, and the forward is
@@ -58,6 +58,32 @@ Other architectures, as llama.cpp builds them (src/models/*.cpp), on top of that
             high = min(d - 1, ceil(d_c(1))); ramp_i = 1 - clamp((i - low) / (high - low), 0, 1);
             f'_i = f_i / factor * (1 - ramp_i) + f_i * ramp_i; cos and sin times
             1 + 0.1 ln(factor).
+    qwen35  (Qwen3.5, llama.cpp src/models/qwen35.cpp) hybrid: the trunk is block_count -
+            nextn_predict_layers layers (the MTP layers after it are not run); layer i is a Gated
+            DeltaNet layer when attention.recurrent_layers[i] says so, else when
+            (i + 1) % full_attention_interval (default 4) != 0, otherwise a gated attention
+            layer.  Every layer: h += mixer(rmsnorm(h) * attn_norm);
+            h += SwiGLU(rmsnorm(h) * post_attention_norm) (the pre-FFN norm, as in gpt-oss).
+            Attention: attn_q holds, per head, head_dim query rows then head_dim gate rows;
+            qwen3's per-head q/k norms; interleaved M-RoPE (below); a *= sigmoid(gate) before
+            attn_output.
+            Gated DeltaNet (d = ssm.state_size, Hk = ssm.group_count key heads, Hv =
+            ssm.time_step_rank value heads, K = ssm.conv_kernel):
+              [q; k; v] = silu(causal depthwise conv_K(x Wqkv^T))  (ssm_conv1d [C, K], tap K-1
+                          is the current token, zeros before the first), q, k: Hk heads of d,
+                          v: Hv heads of d; z = x Wgate^T (attn_gate)
+              q, k = x / sqrt(sum x^2 + eps) per head (ggml: rms_norm(eps / d) / sqrt(d))
+              g = softplus(x Walpha^T + ssm_dt.bias) * ssm_a  (ssm_a = -exp(A_log) as stored)
+              beta = sigmoid(x Wbeta^T)
+              per value head h, with key head h % Hk (ggml_repeat tiles), state S[i][j] = 0:
+                S = exp(g_h) S;  S += k (beta_h (v - S^T k))^T;  o = S^T q / sqrt(d)
+              o_h = rmsnorm(o_h) * ssm_norm * silu(z_h);  out = concat(o_h) Wssm_out^T
+    imrope  (qwen35, rope.dimension_sections [s0, s1, s2, s3]) NeoX pairs (i, i + n_rot/2) over
+            the first n_rot = rope.dimension_count dims; pair i is in sector
+            m = i % (s0 + s1 + s2 + s3) and takes position t, h, w or e by ggml_mrope_cache_init's
+            interleaved rule: h if m % 3 == 1 and m < 3 s1, w if m % 3 == 2 and m < 3 s2, t if
+            m % 3 == 0 and m < 3 s0, else e.  For text t = h = w = the token's position and
+            e = 0 (llm_graph_input_pos::set_input), so those pairs are not rotated.
 
 RoPE: the HF->GGUF converter permutes the rows of Wq / Wk so that the two halves that HF's
 `rotate_half` (NeoX style) pairs up become adjacent elements.  A GGUF llama model is therefore
@@ -150,9 +176,18 @@ class Config:
     rope_mscale: float = 1.0  # phi3: cos and sin multiplied by rope.scaling.attn_factor
     yarn: tuple | None = None  # (factor, original_context_length)
     local_rope_own: bool = True  # gemma3: local layers rotate with their own base, unscaled
+    recurrent: tuple = ()  # qwen35: per layer, whether it is a Gated DeltaNet layer
+    rope_sections: tuple | None = None  # qwen35: interleaved M-RoPE sections (imrope)
+    attn_out_gate: bool = False  # qwen35: attn_q holds each head's queries then its output gate
+    ssm_state: int = 0  # qwen35 Gated DeltaNet: head width d (keys and values)
+    ssm_groups: int = 0  # key heads Hk
+    ssm_heads: int = 0  # value heads Hv
 
     def uses_rope(self, layer: int) -> bool:
         return self.no_rope_period == 0 or (layer + 1) % self.no_rope_period != 0
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[layer]
 
     def is_local(self, layer: int) -> bool:
         return self.sliding_window > 0 and layer % self.sliding_period < self.sliding_period - 1
@@ -167,7 +202,7 @@ def read_config(reader: GGUFReader) -> Config:
     head_dim = int(g("attention.key_length", hidden // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
-    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"):
+    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "gemma3", "phi3", "gpt-oss"):
         raise NotImplementedError(f"architecture {arch!r} is not modelled by this reference")
     gemma = arch == "gemma3"
     oss = arch == "gpt-oss"
@@ -184,9 +219,24 @@ def read_config(reader: GGUFReader) -> Config:
         yarn = (float(g("rope.scaling.factor")), int(g("rope.scaling.original_context_length", g("context_length"))))
     elif g("rope.scaling.type") not in (None, "none", "longrope"):
         raise NotImplementedError(f"rope scaling {g('rope.scaling.type')!r}")
+    # the trunk: llama.cpp loads nextn_predict_layers MTP layers after it, not run in the forward
+    n_layers = int(g("block_count")) - int(g("nextn_predict_layers", 0))
+    q35 = arch == "qwen35"
+    recurrent, sections, ssm = (), None, (0, 0, 0)
+    if q35:
+        if llama3 is not None or yarn is not None:
+            raise NotImplementedError("rope scaling on qwen35")
+        flags = g("attention.recurrent_layers")
+        period = int(g("full_attention_interval", 4))
+        recurrent = tuple(bool(flags[i]) if flags is not None else (i + 1) % period != 0 for i in range(n_layers))
+        sections = tuple(int(s) for s in g("rope.dimension_sections"))
+        sections = (sections + (0, 0, 0, 0))[:4]
+        ssm = (int(g("ssm.state_size")), int(g("ssm.group_count")), int(g("ssm.time_step_rank")))
+        # llama.cpp sizes the tensors with d_state and the state with d_inner / Hv: one width
+        assert int(g("ssm.inner_size")) == ssm[0] * ssm[2], "qwen35: ssm.inner_size != state_size * time_step_rank"
     return Config(
         arch=arch,
-        n_layers=int(g("block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         ffn=int(g("feed_forward_length")),
         n_heads=n_heads,
@@ -199,7 +249,7 @@ def read_config(reader: GGUFReader) -> Config:
         n_experts=int(g("expert_count", 0)),
         n_experts_used=int(g("expert_used_count", 0)),
         expert_weights_norm={"qwen2moe": False, "qwen3moe": True, "gpt-oss": True}.get(arch, bool(g("expert_weights_norm", True))),
-        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"),
+        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "gemma3", "phi3", "gpt-oss"),
         embed_scale=float(np.sqrt(np.float32(hidden))) if gemma else 1.0,
         gelu=gemma,
         sliding_window=int(g("attention.sliding_window", 0)) if gemma or oss else 0,
@@ -211,6 +261,12 @@ def read_config(reader: GGUFReader) -> Config:
         llama3=llama3,
         no_rope_period=4 if arch == "smollm3" else 0,
         rope_mscale=float(g("rope.scaling.attn_factor", 1.0)) if arch == "phi3" else 1.0,
+        recurrent=recurrent,
+        rope_sections=sections,
+        attn_out_gate=q35,
+        ssm_state=ssm[0],
+        ssm_groups=ssm[1],
+        ssm_heads=ssm[2],
     )
 
 
@@ -247,21 +303,43 @@ class Weights:
         for i in range(self.cfg.n_layers):
             p = f"blk.{i}."
             c = self.cfg
-            if p + "attn_qkv.weight" in t:  # phi3: Q, K, V rows stacked in one tensor
-                qkv = d(p + "attn_qkv.weight")
-                qw, kvw = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-                wq, wk, wv = qkv[:qw], qkv[qw : qw + kvw], qkv[qw + kvw : qw + 2 * kvw]
+            # gpt-oss and qwen35 call their pre-FFN norm post_attention_norm
+            ffn_norm = d(p + ("post_attention_norm.weight" if c.arch in ("gpt-oss", "qwen35") else "ffn_norm.weight"))
+            if c.is_recurrent(i):  # qwen35's Gated DeltaNet layer: no attention tensors
+                layer = dict(
+                    attn_norm=d(p + "attn_norm.weight"),
+                    ffn_norm=ffn_norm,
+                    ssm_qkv=d(p + "attn_qkv.weight"),  # [2 Hk d + Hv d, hidden]: q, k, v rows
+                    ssm_z=d(p + "attn_gate.weight"),  # [Hv d, hidden]
+                    ssm_beta=d(p + "ssm_beta.weight"),  # [Hv, hidden]
+                    ssm_alpha=d(p + "ssm_alpha.weight"),  # [Hv, hidden]
+                    ssm_conv=d(p + "ssm_conv1d.weight"),  # [channels, K] (ggml ne = [K, channels])
+                    ssm_dt=d(p + "ssm_dt.bias").reshape(-1),  # [Hv]
+                    ssm_a=d(p + "ssm_a").reshape(-1),  # [Hv], -exp(A_log)
+                    ssm_norm=d(p + "ssm_norm.weight").reshape(-1),  # [d]
+                    ssm_out=d(p + "ssm_out.weight"),  # [hidden, Hv d]
+                )
+                C = (2 * c.ssm_groups + c.ssm_heads) * c.ssm_state
+                assert layer["ssm_qkv"].shape == (C, c.hidden), layer["ssm_qkv"].shape
+                assert layer["ssm_conv"].shape[0] == C, layer["ssm_conv"].shape
+                assert layer["ssm_norm"].shape == (c.ssm_state,), layer["ssm_norm"].shape
+                assert layer["ssm_out"].shape == (c.hidden, c.ssm_heads * c.ssm_state), layer["ssm_out"].shape
             else:
-                wq, wk, wv = d(p + "attn_q.weight"), d(p + "attn_k.weight"), d(p + "attn_v.weight")
-            layer = dict(
-                attn_norm=d(p + "attn_norm.weight"),
-                wq=wq,
-                wk=wk,
-                wv=wv,
-                wo=d(p + "attn_output.weight"),
-                # gpt-oss calls its pre-FFN norm post_attention_norm
-                ffn_norm=d(p + ("post_attention_norm.weight" if c.arch == "gpt-oss" else "ffn_norm.weight")),
-            )
+                if p + "attn_qkv.weight" in t:  # phi3: Q, K, V rows stacked in one tensor
+                    qkv = d(p + "attn_qkv.weight")
+                    qw, kvw = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+                    wq, wk, wv = qkv[:qw], qkv[qw : qw + kvw], qkv[qw + kvw : qw + 2 * kvw]
+                else:
+                    # qwen35: wq has 2 n_heads head_dim rows (queries and output gate, split in `forward`)
+                    wq, wk, wv = d(p + "attn_q.weight"), d(p + "attn_k.weight"), d(p + "attn_v.weight")
+                layer = dict(
+                    attn_norm=d(p + "attn_norm.weight"),
+                    wq=wq,
+                    wk=wk,
+                    wv=wv,
+                    wo=d(p + "attn_output.weight"),
+                    ffn_norm=ffn_norm,
+                )
             # Architecture extras: present in the file -> used (qwen2 biases, qwen3/gemma3 q/k
             # norms, gemma3 post norms).
             for key, name in [
@@ -276,7 +354,7 @@ class Weights:
                 ("sinks", "attn_sinks.weight"),
                 ("router_b", "ffn_gate_inp.bias"),
             ]:
-                if p + name in t and not (c.arch == "gpt-oss" and key == "post_attn_norm"):
+                if p + name in t and not (c.arch in ("gpt-oss", "qwen35") and key == "post_attn_norm"):
                     layer[key] = d(p + name).reshape(-1)
             for key, name in [("gate_exps_b", "ffn_gate_exps.bias"), ("up_exps_b", "ffn_up_exps.bias"), ("down_exps_b", "ffn_down_exps.bias")]:
                 if p + name in t:
@@ -305,8 +383,9 @@ class Weights:
             self.layers.append(layer)
         c = self.cfg
         assert self.embd.shape == (c.vocab, c.hidden), self.embd.shape
-        assert self.layers[0]["wq"].shape == (c.n_heads * c.head_dim, c.hidden)
-        assert self.layers[0]["wk"].shape == (c.n_kv_heads * c.head_dim, c.hidden)
+        attn0 = next(L for L in self.layers if "wq" in L)  # qwen35: layer 0 is recurrent
+        assert attn0["wq"].shape == ((2 if c.attn_out_gate else 1) * c.n_heads * c.head_dim, c.hidden), attn0["wq"].shape
+        assert attn0["wk"].shape == (c.n_kv_heads * c.head_dim, c.hidden)
         if not c.n_experts:
             assert self.layers[0]["down"].shape == (c.hidden, c.ffn)
         # Llama 3's factors, or LongRoPE's short ones (the context here is within the original one)
@@ -314,8 +393,8 @@ class Weights:
         self.rope_freqs = d(factors).reshape(-1).astype(np.float64) if factors else None
         if c.arch == "qwen2":
             assert "bq" in self.layers[0], "qwen2 without attn_q.bias"
-        if c.arch in ("qwen3", "gemma3"):
-            assert "q_norm" in self.layers[0], f"{c.arch} without attn_q_norm"
+        if c.arch in ("qwen3", "qwen35", "gemma3"):
+            assert "q_norm" in attn0, f"{c.arch} without attn_q_norm"
         if c.arch == "gemma3":
             assert "post_ffn_norm" in self.layers[0], "gemma3 without post_ffw_norm"
 
@@ -430,8 +509,77 @@ def rope_neox(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int, freq_
     return out
 
 
+def imrope_rotated(rope_dim: int, sections: tuple) -> np.ndarray:
+    """[rope_dim / 2] bools: which NeoX pairs of a text token rotate with its position under
+    interleaved M-RoPE (ggml_mrope_cache_init, is_imrope); the others take the 4th position, 0."""
+    s0, s1, s2, s3 = sections
+    rotated = []
+    for i in range(rope_dim // 2):
+        m = i % (s0 + s1 + s2 + s3)
+        rotated.append((m % 3 == 1 and m < 3 * s1) or (m % 3 == 2 and m < 3 * s2) or (m % 3 == 0 and m < 3 * s0))
+    return np.array(rotated)
+
+
+def rope_imrope(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int, freq_factors=None, sections=None) -> np.ndarray:
+    """qwen35's interleaved M-RoPE for text: NeoX pairs (i, i + rope_dim/2); pair i rotates by
+    pos * theta^(-2i/rope_dim) when `imrope_rotated` says so, else by 0 (left as it is)."""
+    half = rope_dim // 2
+    inv_freq = _inv_freq(theta, rope_dim, freq_factors) * imrope_rotated(rope_dim, sections)
+    ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]
+    cos = np.cos(ang)[:, None, :].astype(x.dtype)
+    sin = np.sin(ang)[:, None, :].astype(x.dtype)
+    out = x.copy()
+    x0 = x[..., :half]
+    x1 = x[..., half:rope_dim]
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:rope_dim] = x0 * sin + x1 * cos
+    return out
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)  # log(1 + exp(x)), without overflow
+
+
+def gated_delta_net(x: np.ndarray, L: dict, c: Config, lin) -> np.ndarray:
+    """qwen35's Gated DeltaNet mixer on [T, hidden] (one sequence, state from zero), float64
+    inside, written token by token from the recurrence (see the module docstring)."""
+    T = x.shape[0]
+    d, Hk, Hv = c.ssm_state, c.ssm_groups, c.ssm_heads
+    kw, vw = Hk * d, Hv * d
+    qkv = lin(x, L["ssm_qkv"]).astype(np.float64)  # [T, 2 kw + vw]
+    z = lin(x, L["ssm_z"]).astype(np.float64).reshape(T, Hv, d)
+    beta = sigmoid(lin(x, L["ssm_beta"]).astype(np.float64))  # [T, Hv]
+    g = softplus(lin(x, L["ssm_alpha"]).astype(np.float64) + L["ssm_dt"]) * L["ssm_a"]  # [T, Hv]
+    # causal depthwise conv: y_t[c] = sum_j x_{t-(K-1)+j}[c] w[c, j], zeros before position 0
+    w = L["ssm_conv"].astype(np.float64)  # [C, K]
+    K = w.shape[1]
+    xp = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv])
+    y = silu(sum(xp[j : j + T] * w[:, j] for j in range(K)))
+    q = y[:, :kw].reshape(T, Hk, d)
+    k = y[:, kw : 2 * kw].reshape(T, Hk, d)
+    v = y[:, 2 * kw :].reshape(T, Hv, d)
+    eps = c.rms_eps
+    q = q / np.sqrt((q**2).sum(-1, keepdims=True) + eps)
+    k = k / np.sqrt((k**2).sum(-1, keepdims=True) + eps)
+    kh = np.arange(Hv) % Hk  # value head h reads key head h % Hk
+    q, k = q[:, kh], k[:, kh]  # [T, Hv, d]
+    S = np.zeros((Hv, d, d))  # S[h, i (key dim), j (value dim)]
+    o = np.zeros((T, Hv, d))
+    for t in range(T):
+        S = S * np.exp(g[t])[:, None, None]
+        delta = beta[t][:, None] * (v[t] - np.einsum("hij,hi->hj", S, k[t]))  # [Hv, d]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        o[t] = np.einsum("hij,hi->hj", S, q[t]) / np.sqrt(d)
+    o = rmsnorm(o, L["ssm_norm"].astype(np.float64), eps) * silu(z)
+    return lin(o.reshape(T, vw).astype(x.dtype), L["ssm_out"])
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -503,7 +651,8 @@ def forward(
     margin over the layers (see `moe_ffn`).
 
     rope: None picks the architecture's pairing (normal for llama/mistral, NeoX for qwen2, qwen3,
-    gemma3); rope="neox" on a llama file exists so the sanity test can show it is wrong there.
+    gemma3, interleaved M-RoPE for qwen35); rope="neox" on a llama file exists so the sanity test
+    can show it is wrong there.
     """
     W = load_weights(model_path, dtype)
     c = W.cfg
@@ -523,8 +672,8 @@ def forward(
         return quantize_q8_blocks(a) if act_quant in ("q8", "q8k") else a
 
     if rope is None:
-        rope = "neox" if c.neox else "normal"
-    rope_fn = {"normal": rope_normal, "neox": rope_neox}[rope]
+        rope = "imrope" if c.rope_sections else "neox" if c.neox else "normal"
+    rope_fn = {"normal": rope_normal, "neox": rope_neox, "imrope": functools.partial(rope_imrope, sections=c.rope_sections)}[rope]
     freq_factors = W.rope_freqs
     if freq_factors is None and c.llama3 is not None:
         freq_factors = llama3_freq_factors(c.llama3, c.rope_dim, c.rope_theta)
@@ -545,14 +694,33 @@ def forward(
     local_mask = np.where(dist >= c.sliding_window, -np.inf, 0.0).astype(ft) + mask if c.sliding_window else mask
 
     h = W.embd[tokens].astype(ft) * ft(c.embed_scale)  # [T, hidden]
+
+    def ffn(h, L):  # h + the layer's FFN block (dense or MoE), as in llama.cpp's graphs
+        x = rmsnorm(h, L["ffn_norm"], c.rms_eps)
+        if c.n_experts:
+            f = moe_ffn(x, L, c, lin, moe_margins)
+        else:
+            g = (gelu_tanh if c.gelu else silu)(lin(x, L["gate"])) * lin(x, L["up"])
+            f = lin(g, L["down"])
+        if "post_ffn_norm" in L:
+            f = rmsnorm(f, L["post_ffn_norm"], c.rms_eps)
+        return h + f
+
     for li, L in enumerate(W.layers):
         local = c.is_local(li)
         x = rmsnorm(h, L["attn_norm"], c.rms_eps)
+        if c.is_recurrent(li):  # qwen35: a Gated DeltaNet layer in place of attention
+            h = ffn(h + gated_delta_net(x, L, c, lin), L)
+            continue
         q = lin(x, L["wq"])
         k = lin(x, L["wk"])
         v = lin(x, L["wv"])
         if "bq" in L:
             q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
+        gate = None
+        if c.attn_out_gate:  # qwen35: per head, head_dim query rows then head_dim gate rows
+            qg = q.reshape(T, c.n_heads, 2, c.head_dim)
+            q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, c.n_heads * c.head_dim)
         q = q.reshape(T, c.n_heads, c.head_dim)
         k = k.reshape(T, c.n_kv_heads, c.head_dim)
         v = v.reshape(T, c.n_kv_heads, c.head_dim)
@@ -583,21 +751,14 @@ def forward(
         if "sinks" in L:
             p = p[..., :T]
         a = (p @ vh).transpose(1, 0, 2).reshape(T, c.n_heads * c.head_dim)
+        if gate is not None:
+            a = a * sigmoid(gate)
         o = lin(a, L["wo"])
         if "bo" in L:
             o = o + L["bo"]
         if "post_attn_norm" in L:
             o = rmsnorm(o, L["post_attn_norm"], c.rms_eps)
-        h = h + o
-        x = rmsnorm(h, L["ffn_norm"], c.rms_eps)
-        if c.n_experts:
-            f = moe_ffn(x, L, c, lin, moe_margins)
-        else:
-            g = (gelu_tanh if c.gelu else silu)(lin(x, L["gate"])) * lin(x, L["up"])
-            f = lin(g, L["down"])
-        if "post_ffn_norm" in L:
-            f = rmsnorm(f, L["post_ffn_norm"], c.rms_eps)
-        h = h + f
+        h = ffn(h + o, L)
     if last_only:
         h = h[-1:]
     x = rmsnorm(h, W.output_norm, c.rms_eps)

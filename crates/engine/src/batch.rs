@@ -66,7 +66,7 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
             }
             _ => None,
         };
-        out.push(PreparedSeq { block_table, tokens, item, prompt_rows });
+        out.push(PreparedSeq { block_table, state_slot: kv.state_slot(sch.seq)?, tokens, item, prompt_rows });
     }
     Ok(out)
 }
@@ -112,6 +112,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
         logits_rows: Vec::with_capacity(plan.total_tokens),
         sample_rows: Vec::with_capacity(n_seqs),
         hidden_layers: Vec::new(),
+        state_slots: Vec::new(),
     };
     let mut items = Vec::with_capacity(n_seqs);
     let mut prompt_rows = Vec::new();
@@ -150,6 +151,9 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
         inputs.slots.extend((sch.start..sch.start + n).map(|pos| ps.block_table[pos / block_size] as usize * block_size + pos % block_size));
         inputs.spans.push(RowRange { q_start, q_len: n, context_len: sch.start + n });
         inputs.block_tables.push(ps.block_table);
+        if let Some(slot) = ps.state_slot {
+            inputs.state_slots.push(slot as usize);
+        }
         if let Some(mut pr) = ps.prompt_rows.take() {
             // before the sampled rows, so logits rows stay in batch order
             let first = q_start + (pr.first_token - 1 - sch.start);
@@ -203,7 +207,7 @@ mod tests {
     fn ahead(seq: u64, start: usize, k: usize, table: Vec<u32>, history: &[TokenId]) -> (ScheduledSeq, PreparedSeq) {
         let id = SeqId(seq);
         let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, placeholders: 1 + k };
-        (sch, PreparedSeq { block_table: table, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)), prompt_rows: None })
+        (sch, PreparedSeq { block_table: table, state_slot: None, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)), prompt_rows: None })
     }
 
     fn result(tokens: Vec<TokenId>, num_drafts: usize, next_draft: Vec<TokenId>, finished: bool, seed: u64) -> SeqResult {
@@ -253,7 +257,7 @@ mod tests {
         let (s4, p4) = ahead(4, 5, 3, vec![15, 16], &[1, 2, 3, 4, 5]);
         // seq 5: a prefill chunk of 3 known tokens, not sampled
         let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, placeholders: 0 };
-        let p5 = PreparedSeq { block_table: vec![20, 21], tokens: vec![90, 91, 92], item: None, prompt_rows: None };
+        let p5 = PreparedSeq { block_table: vec![20, 21], state_slot: None, tokens: vec![90, 91, 92], item: None, prompt_rows: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
         let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5], transfers: Default::default() };
         let mut before = computed(

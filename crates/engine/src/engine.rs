@@ -70,7 +70,7 @@ impl Engine {
         model.fit_context(cfg.max_model_len);
         let c = &model.config;
         let layout = KvLayout { block_size: cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        let kv_store = KvStore::new(c.n_layers, layout, cfg.num_kv_blocks, cfg.kv_cache_dtype)?;
+        let kv_store = KvStore::for_model(c, layout, cfg.num_kv_blocks, cfg.kv_cache_dtype, cfg.max_num_seqs)?;
         let mut host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
         let shape = format!("{} block {} layers {} kv heads {} head dim {}", cfg.kv_cache_dtype, cfg.block_size, c.n_layers, c.n_kv_heads, c.head_dim);
         let namespace = cfg.prefix_tiers.disk.as_ref().map_or(0, |d| crate::kv_cache::disk_tier::namespace(d.model_key, &shape));
@@ -78,6 +78,19 @@ impl Engine {
             EngineError::Config(format!("--prefix-cache-dir {}: {e}", cfg.prefix_tiers.disk.as_ref().map_or_else(String::new, |d| d.dir.display().to_string())))
         })?;
         host.kv.set_tiers(tiers);
+        // a hybrid's recurrent state goes with each running sequence and cannot be rolled back yet:
+        // no prefix cache (a cached prefix has no state beside it) and no jump-forward drafts
+        let recurrent = c.arch_options.recurrent.is_some();
+        if let Some(r) = &c.arch_options.recurrent {
+            host.kv.set_state_slots(cfg.max_num_seqs);
+            tracing::info!(
+                recurrent_layers = r.count(),
+                state_mb_per_sequence = r.bytes_per_sequence() as f64 / 1e6,
+                state_mb = (r.bytes_per_sequence() * cfg.max_num_seqs) as f64 / 1e6,
+                "recurrent state for {} sequences; prefix caching and structured-output jump-forward are off for this model",
+                cfg.max_num_seqs
+            );
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads)
             .thread_name(|i| format!("specula-compute-{i}"))
@@ -94,7 +107,7 @@ impl Engine {
         }
         tracing::info!(
             kv_tokens = cfg.num_kv_blocks * cfg.block_size,
-            kv_mb = KvStore::bytes_per_token(c.n_layers, &layout, cfg.kv_cache_dtype) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
+            kv_mb = KvStore::bytes_per_token(c.kv_layers(), &layout, cfg.kv_cache_dtype) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
             kv_dtype = %cfg.kv_cache_dtype,
             max_model_len = cfg.max_model_len,
             threads = cfg.threads,
@@ -108,7 +121,7 @@ impl Engine {
             pool: Arc::new(pool),
             max_model_len: cfg.max_model_len,
             fault: cfg.fault_injection,
-            jump_forward: cfg.jump_forward,
+            jump_forward: cfg.jump_forward && !recurrent,
             queue: counters.clone(),
             max_num_seqs: cfg.max_num_seqs,
         };
@@ -144,6 +157,12 @@ impl Engine {
     /// and thread count measured (a data-parallel group measures once, on its first rank).
     pub fn with_speculation_cost(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>, cost: Option<CostModel>) -> Result<Self, EngineError> {
         cfg.validate().map_err(EngineError::Config)?;
+        if self.ctx.model.config.arch_options.recurrent.is_some() {
+            return Err(EngineError::Config(format!(
+                "speculative decoding on {} is not supported yet: its recurrent layers' state cannot be rolled back past a rejected draft (use --speculative-method none)",
+                self.ctx.model.config.arch
+            )));
+        }
         let mut proposer = proposer;
         let cost = match cost {
             Some(c) => {
@@ -499,7 +518,7 @@ impl Engine {
         let table = [0u32];
         let spans: Vec<SeqSpan> = (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect();
         let slots = vec![NO_SLOT; n];
-        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[] };
+        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[], state_slots: &[] };
         let (model, kv, pool) = (&self.ctx.model, &mut self.compute.kv_store, &self.ctx.pool);
         match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {
             Ok(Ok(_)) => Ok(()),

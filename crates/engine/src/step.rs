@@ -118,11 +118,15 @@ pub struct BatchInputs {
     /// Layers whose hidden states of the logits rows the forward pass returns (the proposer's
     /// `hidden_layers`; empty: none).
     pub hidden_layers: Vec<usize>,
+    /// One per scheduled sequence: its recurrent-state slot (hybrid models; empty otherwise).
+    pub state_slots: Vec<usize>,
 }
 
 /// One scheduled sequence, prepared. Written by prepare (from the host state); read by finalize.
 pub(crate) struct PreparedSeq {
     pub block_table: Vec<u32>,
+    /// Its recurrent-state slot (hybrid models).
+    pub state_slot: Option<u32>,
     /// Its input tokens; empty for a decode scheduled ahead (the step before samples them).
     pub tokens: Vec<TokenId>,
     /// Its sampling state, when the step samples it (history and random stream as the host knows

@@ -9,6 +9,7 @@ pub mod attention;
 pub mod bandwidth;
 pub mod buffer;
 pub mod cpu;
+pub mod delta_net;
 pub mod dot;
 pub mod exp;
 pub mod formats;

@@ -22,12 +22,24 @@ pub enum Arch {
     Gemma3,
     Phi3,
     GptOss,
+    Qwen35,
 }
 
 impl Arch {
     /// Every family, in the order errors and `--help` list them.
-    pub const ALL: [Arch; 10] =
-        [Arch::Llama, Arch::Mistral, Arch::SmolLm3, Arch::Qwen2, Arch::Qwen2Moe, Arch::Qwen3, Arch::Qwen3Moe, Arch::Gemma3, Arch::Phi3, Arch::GptOss];
+    pub const ALL: [Arch; 11] = [
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::SmolLm3,
+        Arch::Qwen2,
+        Arch::Qwen2Moe,
+        Arch::Qwen3,
+        Arch::Qwen3Moe,
+        Arch::Gemma3,
+        Arch::Phi3,
+        Arch::GptOss,
+        Arch::Qwen35,
+    ];
 
     /// What this family is and does, as data.
     pub fn descriptor(self) -> &'static ArchDescriptor {
@@ -42,6 +54,7 @@ impl Arch {
             Arch::Gemma3 => &GEMMA3,
             Arch::Phi3 => &PHI3,
             Arch::GptOss => &GPT_OSS,
+            Arch::Qwen35 => &QWEN35,
         }
     }
 
@@ -134,6 +147,8 @@ pub struct ArchDescriptor {
     /// The dense FFN's gate and up are one `ffn_up` of twice the width, gate first (no
     /// `ffn_gate`). As `fused_qkv`: the writer's form, the loader takes either.
     pub fused_gate_up: bool,
+    /// Gated DeltaNet layers between gated-attention ones (Qwen3.5): see [`Hybrid`].
+    pub hybrid: Option<Hybrid>,
     /// What the tiny writer puts in this family's files.
     pub tiny: TinyFiles,
 }
@@ -166,6 +181,17 @@ pub struct SlidingLayers {
     /// The local layers' own RoPE base when the file has no `{name}.rope.local.freq_base`;
     /// `None`: they rotate with the model's RoPE and the key is not read.
     pub local_rope_base: Option<f32>,
+}
+
+/// A hybrid family's layers, as llama.cpp's `qwen35` reads them: the recurrent ones from
+/// `{name}.attention.recurrent_layers` when the file lists them, else every layer but each
+/// `full_attention_interval`-th (default `default_interval`); the recurrent layers' shape from
+/// `{name}.ssm.*`; the attention layers gated (`ArchOptions::attn_output_gate`), with RoPE in
+/// interleaved sections (`rope.dimension_sections`: text positions rotate every section alike, a
+/// pair of the fourth section not at all).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hybrid {
+    pub default_interval: u32,
 }
 
 /// How a mixture of experts weighs its top-k experts.
@@ -230,6 +256,7 @@ const LLAMA: ArchDescriptor = ArchDescriptor {
     norm_topk: NormTopK::FromFile,
     fused_qkv: false,
     fused_gate_up: false,
+    hybrid: None,
     tiny: TinyFiles { chat: CHATML, own_output: false, expert_biases: false, sliding_pattern_key: false, yarn: false, expert_ffn_key: false },
 };
 
@@ -310,6 +337,11 @@ const GPT_OSS: ArchDescriptor = ArchDescriptor {
     ..LLAMA
 };
 
+/// Qwen3.5: three Gated DeltaNet layers to one gated-attention layer (q/k norms, partial
+/// interleaved RoPE), the pre-FFN norm named `post_attention_norm`; Qwen3's chat format.
+const QWEN35: ArchDescriptor =
+    ArchDescriptor { name: "qwen35", qk_norm: true, rope_neox: true, ffn_norm: "post_attention_norm", hybrid: Some(Hybrid { default_interval: 4 }), ..QWEN3 };
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,6 +374,7 @@ mod tests {
             Arch::Gemma3 => 7,
             Arch::Phi3 => 8,
             Arch::GptOss => 9,
+            Arch::Qwen35 => 10,
         };
         for (i, a) in Arch::ALL.into_iter().enumerate() {
             assert_eq!(index(a), i, "{a}");
@@ -356,20 +389,21 @@ mod tests {
             assert!(e.starts_with(&format!("unknown architecture '{bad}' (supported: ")), "{e}");
             assert!(Arch::ALL.iter().all(|a| e.contains(a.name())), "{e}");
         }
-        assert_eq!(Arch::supported_names(), "llama, mistral, smollm3, qwen2, qwen2moe, qwen3, qwen3moe, gemma3, phi3, gpt-oss");
+        assert_eq!(Arch::supported_names(), "llama, mistral, smollm3, qwen2, qwen2moe, qwen3, qwen3moe, gemma3, phi3, gpt-oss, qwen35");
     }
 
     /// The table as llama.cpp fixes it per family (the rules the loader had as name matches).
     #[test]
     fn the_table_keeps_llama_cpp_s_per_family_rules() {
         let with = |p: fn(&ArchDescriptor) -> bool| -> Vec<&str> { Arch::ALL.iter().filter(|a| p(a.descriptor())).map(|a| a.name()).collect() };
-        assert_eq!(with(|d| d.rope_neox), ["qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss"]);
+        assert_eq!(with(|d| d.rope_neox), ["qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "qwen35"]);
         assert_eq!(with(|d| d.qkv_bias), ["qwen2", "qwen2moe", "gpt-oss"]);
-        assert_eq!(with(|d| d.qk_norm), ["qwen3", "qwen3moe", "gemma3"]);
+        assert_eq!(with(|d| d.qk_norm), ["qwen3", "qwen3moe", "gemma3", "qwen35"]);
         assert_eq!(with(|d| d.post_norms), ["gemma3"]);
         assert_eq!(with(|d| d.sliding.is_some()), ["gemma3", "gpt-oss"]);
         assert_eq!(with(|d| d.norm_topk != NormTopK::FromFile), ["qwen2moe", "qwen3moe", "gpt-oss"]);
-        assert_eq!(with(|d| d.ffn_norm != "ffn_norm"), ["gpt-oss"]);
+        assert_eq!(with(|d| d.ffn_norm != "ffn_norm"), ["gpt-oss", "qwen35"]);
+        assert_eq!(with(|d| d.hybrid.is_some()), ["qwen35"]);
         assert_eq!(with(|d| d.fused_qkv || d.fused_gate_up || d.long_rope), ["phi3"]);
         assert_eq!(with(|d| d.no_rope_period.is_some()), ["smollm3"]);
         assert_eq!(EmbedScale::SqrtHidden.factor(64), 8.0);

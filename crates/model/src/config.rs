@@ -71,6 +71,11 @@ pub struct ArchOptions {
     /// One learned logit per query head that joins every attention softmax's denominator
     /// (`attn_sinks.weight`: gpt-oss).
     pub attn_sinks: bool,
+    /// The query projection is twice as wide: each head's queries, then its output gate, and the
+    /// attention output is multiplied by the gate's sigmoid (Qwen3.5 / Qwen3-Next).
+    pub attn_output_gate: bool,
+    /// Gated DeltaNet layers in place of attention in some layers (Qwen3.5 / Qwen3-Next hybrids).
+    pub recurrent: Option<RecurrentConfig>,
 }
 
 impl Default for ArchOptions {
@@ -90,7 +95,56 @@ impl Default for ArchOptions {
             rope_yarn: None,
             attn_out_bias: false,
             attn_sinks: false,
+            attn_output_gate: false,
+            recurrent: None,
         }
+    }
+}
+
+/// The Gated DeltaNet layers of a hybrid model, as llama.cpp reads them (`{arch}.ssm.*`): a short
+/// causal convolution over the mixed q/k/v channels, then the gated delta rule over one
+/// `head_dim x head_dim` state per value head. Each sequence keeps, per recurrent layer, the
+/// convolution's last `conv_kernel - 1` inputs and the heads' states (`RecurrentStore`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecurrentConfig {
+    /// Taps of the causal convolution (`ssm.conv_kernel`).
+    pub conv_kernel: usize,
+    /// Query/key heads (`ssm.group_count`).
+    pub k_heads: usize,
+    /// Value heads (`ssm.time_step_rank`); a multiple of `k_heads`.
+    pub v_heads: usize,
+    /// Width of every head (`ssm.state_size`; `ssm.inner_size` = `v_heads * head_dim`).
+    pub head_dim: usize,
+    /// Whether each layer is recurrent (`attention.recurrent_layers`, or every layer but each
+    /// `full_attention_interval`-th).
+    pub layers: Vec<bool>,
+}
+
+impl RecurrentConfig {
+    pub fn key_width(&self) -> usize {
+        self.k_heads * self.head_dim
+    }
+    pub fn value_width(&self) -> usize {
+        self.v_heads * self.head_dim
+    }
+    /// Channels of the convolution: queries, keys, values.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_width() + self.value_width()
+    }
+    /// Floats of one sequence's convolution window in one layer.
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels()
+    }
+    pub fn delta_shape(&self) -> specula_kernels::delta_net::DeltaShape {
+        specula_kernels::delta_net::DeltaShape { k_heads: self.k_heads, v_heads: self.v_heads, head_dim: self.head_dim }
+    }
+    /// Recurrent layers.
+    pub fn count(&self) -> usize {
+        self.layers.iter().filter(|&&r| r).count()
+    }
+    /// Bytes one sequence's state takes over all recurrent layers.
+    pub fn bytes_per_sequence(&self) -> usize {
+        self.count() * (self.conv_state_len() + self.delta_shape().state_len()) * std::mem::size_of::<f32>()
     }
 }
 
@@ -224,7 +278,23 @@ impl ModelConfig {
     /// (`KvStore::bytes_per_token` for this model).
     pub fn kv_bytes_per_token(&self, dtype: specula_kernels::kv::KvDtype) -> usize {
         let layout = specula_kernels::attention::KvLayout { block_size: 1, n_heads: self.n_heads, n_kv_heads: self.n_kv_heads, head_dim: self.head_dim };
-        crate::KvStore::bytes_per_token(self.n_layers, &layout, dtype)
+        crate::KvStore::bytes_per_token(self.kv_layers(), &layout, dtype)
+    }
+
+    /// Whether layer `layer` is a recurrent (Gated DeltaNet) layer rather than attention.
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        self.arch_options.recurrent.as_ref().is_some_and(|r| r.layers.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Layers with a KV cache (the attention layers).
+    pub fn kv_layers(&self) -> usize {
+        (0..self.n_layers).filter(|&l| !self.is_recurrent(l)).count()
+    }
+
+    /// Rows of each attention layer's query projection: the queries, and in gated attention
+    /// (`attn_output_gate`) each head's output gate beside them.
+    pub fn q_proj_rows(&self) -> usize {
+        self.q_width() * if self.arch_options.attn_output_gate { 2 } else { 1 }
     }
 
     /// How layer `layer` attends (global unless the model has sliding-window layers).
@@ -327,6 +397,18 @@ impl ModelConfig {
                 return bad(format!("rope.scaling.high_freq_factor {} must be above low_freq_factor {}", r.high_freq_factor, r.low_freq_factor));
             }
             within("rope.scaling.original_context_length", r.original_context_length, 1, limits::MAX_CONTEXT)?;
+        }
+        if let Some(r) = &self.arch_options.recurrent {
+            within("ssm.conv_kernel", r.conv_kernel, 1, 64)?;
+            within("ssm.group_count", r.k_heads, 1, limits::MAX_HEADS)?;
+            within("ssm.time_step_rank", r.v_heads, 1, limits::MAX_HEADS)?;
+            within("ssm.state_size", r.head_dim, 1, limits::MAX_HEAD_DIM)?;
+            if !r.v_heads.is_multiple_of(r.k_heads) {
+                return bad(format!("{} DeltaNet value heads cannot share {} key heads", r.v_heads, r.k_heads));
+            }
+            if r.layers.len() != self.n_layers {
+                return bad(format!("{} recurrent-layer flags for {} layers", r.layers.len(), self.n_layers));
+            }
         }
         if let Some(m) = &self.moe {
             within("expert_count", m.n_experts, 1, limits::MAX_EXPERTS)?;

@@ -2,6 +2,8 @@
 //! [`KvDtype`], indexed by slot (block * block_size + offset). Which slots a sequence owns is the
 //! engine's business (engine::kv_cache); this type only holds the numbers.
 
+use crate::config::ModelConfig;
+use crate::delta_net::RecurrentStore;
 use specula_kernels::attention::KvLayout;
 use specula_kernels::kv::{KvDtype, KvPlane, KvRole};
 
@@ -9,8 +11,11 @@ pub struct KvStore {
     pub layout: KvLayout,
     pub num_blocks: usize,
     pub dtype: KvDtype,
+    /// One plane per attention layer (a hybrid's recurrent layers have none).
     pub k: Vec<KvPlane>,
     pub v: Vec<KvPlane>,
+    /// The sequences' recurrent state (hybrid models), beside the blocks.
+    pub recurrent: Option<RecurrentStore>,
 }
 
 /// The KV store cannot be had: more than the machine has available, refused by the allocator, or
@@ -24,6 +29,8 @@ pub enum KvAllocError {
         /// What the machine had available (Linux: `MemAvailable`), when that was the reason.
         available: Option<usize>,
     },
+    #[error("cannot allocate the recurrent state: {sequences} sequences need {:.2} GiB but only {:.2} GiB is available; lower --max-num-seqs", *bytes as f64 / GIB, *available as f64 / GIB)]
+    State { sequences: usize, bytes: usize, available: usize },
     #[error("--kv-cache-dtype {dtype} stores heads in blocks of 32 values but this model's heads have {head_dim}; choose f16, bf16 or f32")]
     HeadDim { dtype: KvDtype, head_dim: usize },
 }
@@ -62,7 +69,23 @@ impl KvStore {
         let plane = |role| KvPlane::new(role, dtype, layout, num_blocks).map_err(|_| fail(None));
         let k = (0..n_layers).map(|_| plane(KvRole::Keys)).collect::<Result<_, _>>()?;
         let v = (0..n_layers).map(|_| plane(KvRole::Values)).collect::<Result<_, _>>()?;
-        Ok(Self { layout, num_blocks, dtype, k, v })
+        Ok(Self { layout, num_blocks, dtype, k, v, recurrent: None })
+    }
+
+    /// The store `config`'s model needs: a plane of keys and of values per attention layer and,
+    /// for a hybrid, the recurrent state of `sequences` sequence slots (each counted against the
+    /// memory available as the blocks are).
+    pub fn for_model(config: &ModelConfig, layout: KvLayout, num_blocks: usize, dtype: KvDtype, sequences: usize) -> Result<Self, KvAllocError> {
+        let Some(r) = &config.arch_options.recurrent else {
+            return Self::new(config.kv_layers(), layout, num_blocks, dtype);
+        };
+        let state = r.bytes_per_sequence().saturating_mul(sequences);
+        if let Some(available) = available_memory().filter(|&a| state > a) {
+            return Err(KvAllocError::State { sequences, bytes: state, available });
+        }
+        let mut store = Self::new(config.kv_layers(), layout, num_blocks, dtype)?;
+        store.recurrent = Some(RecurrentStore::new(r, sequences));
+        Ok(store)
     }
 
     pub fn num_slots(&self) -> usize {

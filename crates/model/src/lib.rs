@@ -5,6 +5,7 @@
 pub mod arch;
 pub mod chat;
 pub mod config;
+pub mod delta_net;
 pub mod gguf;
 pub mod gguf_reader;
 pub mod kv_store;
@@ -20,7 +21,7 @@ pub use arch::{Arch, ArchDescriptor};
 pub use chat::{ChatMessage, ChatTemplate, RenderedChat};
 pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
-pub use llama::{FeedForward, ForwardBatch, ForwardOutput, LlamaModel, SeqSpan};
+pub use llama::{AttentionWeights, FeedForward, ForwardBatch, ForwardOutput, LlamaModel, Mixer, SeqSpan};
 pub use loaded::{ExpertWeights, LoadOptions};
 pub use loader::{load_model, load_model_with, load_tokenizer, LoadedModel};
 pub use moe::{DenseFfn, ExchangeError, ExpertExchange, MoeFfn};

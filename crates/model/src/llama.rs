@@ -7,6 +7,7 @@
 //! post-FFN norms, GeGLU, an embedding scale, and sliding-window layers with their own RoPE.
 
 use crate::config::{Activation, AttentionKind, ModelConfig};
+use crate::delta_net::DeltaNetWeights;
 use crate::kv_store::KvStore;
 use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
 use crate::ModelError;
@@ -23,12 +24,43 @@ pub const NO_SLOT: usize = usize::MAX;
 
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>,
+    /// What mixes the positions: attention, or a Gated DeltaNet (hybrids' recurrent layers).
+    pub mixer: Mixer,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: FeedForward,
+}
+
+/// A layer's token mixer.
+pub enum Mixer {
+    Attention(AttentionWeights),
+    DeltaNet(Box<DeltaNetWeights>),
+}
+
+/// The attention projections. In gated attention (`ArchOptions::attn_output_gate`) `wq` has
+/// twice the rows: per head its queries, then its output gate.
+pub struct AttentionWeights {
     pub wq: QMatrix,
     pub wk: QMatrix,
     pub wv: QMatrix,
     pub wo: QMatrix,
-    pub ffn_norm: Vec<f32>,
-    pub ffn: FeedForward,
+}
+
+impl LayerWeights {
+    /// The attention projections, `None` for a recurrent layer.
+    pub fn attention(&self) -> Option<&AttentionWeights> {
+        match &self.mixer {
+            Mixer::Attention(a) => Some(a),
+            Mixer::DeltaNet(_) => None,
+        }
+    }
+
+    /// Every matrix of the layer's mixer.
+    pub fn mixer_matrices(&self) -> Vec<&QMatrix> {
+        match &self.mixer {
+            Mixer::Attention(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
+            Mixer::DeltaNet(d) => vec![&d.wqkv, &d.wgate, &d.wbeta, &d.walpha, &d.wout],
+        }
+    }
 }
 
 /// A layer's weights beyond Llama's, each present when the architecture has it (all `None`
@@ -76,6 +108,8 @@ pub struct LlamaModel {
     rope_long: Option<(usize, Rope)>,
     /// The rank group's collectives when the experts are spread over ranks (expert parallel).
     expert_exchange: Option<Arc<dyn ExpertExchange>>,
+    /// Per layer: its planes in the KV store (attention layers only; `None` for recurrent ones).
+    kv_index: Vec<Option<usize>>,
 }
 
 /// One step's flattened input. Token i of sequence s sits at row `s.q_start + i`, position
@@ -86,6 +120,9 @@ pub struct ForwardBatch<'a> {
     pub slots: &'a [usize],
     /// Rows whose logits are computed (sampled or verified positions), in output order.
     pub logits_rows: &'a [usize],
+    /// One per entry of `seqs`: the sequence's slot in the store's recurrent state (hybrid
+    /// models; empty for the others).
+    pub state_slots: &'a [usize],
     /// Also return, for every row of `logits_rows`, the hidden states (residual stream) after
     /// each of these layers, in this order (`n_layers - 1` is the final hidden state, before the
     /// output norm). Empty: none.
@@ -154,10 +191,21 @@ impl LlamaModel {
         check(&embed, c.vocab_size, c.hidden_size, "token embedding")?;
         check(&lm_head, c.vocab_size, c.hidden_size, "output projection")?;
         for (i, l) in layers.iter().enumerate() {
-            check(&l.wq, c.q_width(), c.hidden_size, &format!("layer {i} attn_q"))?;
-            check(&l.wk, c.kv_width(), c.hidden_size, &format!("layer {i} attn_k"))?;
-            check(&l.wv, c.kv_width(), c.hidden_size, &format!("layer {i} attn_v"))?;
-            check(&l.wo, c.hidden_size, c.q_width(), &format!("layer {i} attn_output"))?;
+            match (&l.mixer, &c.arch_options.recurrent) {
+                (Mixer::Attention(a), _) if !c.is_recurrent(i) => {
+                    check(&a.wq, c.q_proj_rows(), c.hidden_size, &format!("layer {i} attn_q"))?;
+                    check(&a.wk, c.kv_width(), c.hidden_size, &format!("layer {i} attn_k"))?;
+                    check(&a.wv, c.kv_width(), c.hidden_size, &format!("layer {i} attn_v"))?;
+                    check(&a.wo, c.hidden_size, c.q_width(), &format!("layer {i} attn_output"))?;
+                }
+                (Mixer::DeltaNet(d), Some(r)) if c.is_recurrent(i) => d.check(r, c.hidden_size, i)?,
+                _ => {
+                    return Err(ModelError::BadTensor {
+                        name: format!("layer {i}"),
+                        message: "its mixer (attention or recurrent) is not what the config says".into(),
+                    })
+                }
+            }
             match (&l.ffn, &c.moe) {
                 (FeedForward::Dense(f), None) => f.check(c.hidden_size, c.intermediate_size, &format!("layer {i} ffn"))?,
                 (FeedForward::Moe(m), Some(mc)) => m.check(c.hidden_size, mc, i)?,
@@ -180,7 +228,9 @@ impl LlamaModel {
         }
         let o = &c.arch_options;
         for (i, e) in extras.iter().enumerate() {
-            let want = |v: &Option<Vec<f32>>, on: bool, len: usize, what: &str| match (v, on) {
+            // a recurrent layer has none of attention's extras
+            let attends = !c.is_recurrent(i);
+            let want = |v: &Option<Vec<f32>>, on: bool, len: usize, what: &str| match (v, on && attends) {
                 (Some(v), true) => check_norm(v, len, &format!("layer {i} {what}")),
                 (None, false) => Ok(()),
                 (None, true) => Err(ModelError::BadTensor { name: format!("layer {i} {what}"), message: format!("missing, but {} needs it", c.arch) }),
@@ -209,7 +259,16 @@ impl LlamaModel {
         // Gemma 3's sliding layers keep the unscaled RoPE of their own base (llama.cpp:
         // rope_freq_scale_train_swa = 1); gpt-oss's rotate like the global ones.
         let rope_sliding = o.sliding.as_ref().and_then(|s| s.rope_theta).map(|theta| Rope::new(c.head_dim, rot, theta, 1.0, None, c.rope_neox));
-        Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, rope_long: None, expert_exchange: None })
+        let mut next = 0;
+        let kv_index = (0..c.n_layers)
+            .map(|l| {
+                (!c.is_recurrent(l)).then(|| {
+                    next += 1;
+                    next - 1
+                })
+            })
+            .collect();
+        Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, rope_long: None, expert_exchange: None, kv_index })
     }
 
     /// LongRoPE's long factors (`rope_factors_long.weight`, `rope_dims / 2` divisors), used
@@ -364,6 +423,9 @@ impl LlamaModel {
         }
         let (mut xn, mut o, mut down) = (vec![0f32; t * h], vec![0f32; t * h], vec![0f32; t * h]);
         let (mut q, mut k, mut v, mut attn) = (vec![0f32; t * qw], vec![0f32; t * kvw], vec![0f32; t * kvw], vec![0f32; t * qw]);
+        // gated attention: the query projection's rows, queries and gates interleaved per head
+        let mut q_gate = vec![0f32; if c.arch_options.attn_output_gate { 2 * t * qw } else { 0 }];
+        let mut gate_sig = vec![0f32; q_gate.len() / 2];
         let ff_bufs = if c.moe.is_some() { 0 } else { t * ff };
         let (mut gate, mut up, mut act) = (vec![0f32; ff_bufs], vec![0f32; ff_bufs], vec![0f32; ff_bufs]);
         let scale = c.attn_scale();
@@ -376,10 +438,35 @@ impl LlamaModel {
                 AttentionKind::Global => (None, &self.rope),
                 AttentionKind::Sliding { window, .. } => (Some(window), self.rope_sliding.as_ref().unwrap_or(&self.rope)),
             };
-            // attention block
+            // attention (or recurrent) block
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-            let inp = MatmulInput::new(&xn, h, &[&l.wq, &l.wk, &l.wv]);
-            matmul_many(&inp, &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v]);
+            let a = match &l.mixer {
+                Mixer::Attention(a) => a,
+                Mixer::DeltaNet(d) => {
+                    let (Some(r), Some(state)) = (&c.arch_options.recurrent, kv.recurrent.as_mut().and_then(|s| s.layer(li))) else {
+                        return Err(ModelError::BadInput(format!("layer {li} is recurrent but the KV store holds no recurrent state")));
+                    };
+                    d.forward(r, c.rms_eps, &xn, h, batch.seqs, batch.state_slots, state, &mut o);
+                    add_assign(&mut x, &o);
+                    self.feed_forward(l, e, &x, &mut xn, &active, (&mut gate, &mut up, &mut act), &mut down)?;
+                    add_assign(&mut x, &down);
+                    self.keep_hidden(batch, li, &x, &mut hidden);
+                    continue;
+                }
+            };
+            let kvi = self.kv_index[li].unwrap_or(0);
+            if c.arch_options.attn_output_gate {
+                let inp = MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]);
+                matmul_many(&inp, &[&a.wq, &a.wk, &a.wv], &mut [&mut q_gate, &mut k, &mut v]);
+                let hd = c.head_dim;
+                for ((pair, qh), gh) in q_gate.chunks_exact(2 * hd).zip(q.chunks_exact_mut(hd)).zip(gate_sig.chunks_exact_mut(hd)) {
+                    qh.copy_from_slice(&pair[..hd]);
+                    gh.iter_mut().zip(&pair[hd..]).for_each(|(s, &g)| *s = 1.0 / (1.0 + (-g).exp()));
+                }
+            } else {
+                let inp = MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]);
+                matmul_many(&inp, &[&a.wq, &a.wk, &a.wv], &mut [&mut q, &mut k, &mut v]);
+            }
             if let (Some(bq), Some(bk), Some(bv)) = (&e.q_bias, &e.k_bias, &e.v_bias) {
                 add_bias(&mut q, bq);
                 add_bias(&mut k, bk);
@@ -396,12 +483,15 @@ impl LlamaModel {
                     rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
                 }
                 if batch.slots[i] != NO_SLOT {
-                    kv.k[li].write(batch.slots[i], &k[i * kvw..(i + 1) * kvw]);
-                    kv.v[li].write(batch.slots[i], &v[i * kvw..(i + 1) * kvw]);
+                    kv.k[kvi].write(batch.slots[i], &k[i * kvw..(i + 1) * kvw]);
+                    kv.v[kvi].write(batch.slots[i], &v[i * kvw..(i + 1) * kvw]);
                 }
             }
-            paged_attention_windowed(&q, &mut attn, kv.k[li].view(), kv.v[li].view(), &kv.layout, batch.seqs, scale, window, e.sinks.as_deref());
-            matmul(&MatmulInput::new(&attn, qw, &[&l.wo]), &l.wo, &mut o);
+            paged_attention_windowed(&q, &mut attn, kv.k[kvi].view(), kv.v[kvi].view(), &kv.layout, batch.seqs, scale, window, e.sinks.as_deref());
+            if !gate_sig.is_empty() {
+                attn.iter_mut().zip(&gate_sig).for_each(|(o, &g)| *o *= g);
+            }
+            matmul(&MatmulInput::new(&attn, qw, &[&a.wo]), &a.wo, &mut o);
             if let Some(b) = &e.o_bias {
                 add_bias(&mut o, b);
             }
@@ -409,32 +499,9 @@ impl LlamaModel {
                 rms_norm_in_place(&mut o, w, c.rms_eps);
             }
             add_assign(&mut x, &o);
-
-            // feed-forward block
-            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
-            match &l.ffn {
-                FeedForward::Dense(f) => {
-                    let inp = MatmulInput::new(&xn, h, &[&f.gate, &f.up]);
-                    matmul_many(&inp, &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
-                    match c.arch_options.activation {
-                        Activation::SiluGate => silu_mul(&gate, &up, &mut act),
-                        Activation::GeluTanhGate => gelu_tanh_mul(&gate, &up, &mut act),
-                        Activation::SwigluOai => swiglu_oai_mul(&gate, &up, &mut act),
-                    }
-                    matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut down);
-                }
-                FeedForward::Moe(m) => m.forward(&xn, &active, self.expert_exchange.as_deref(), &mut down)?,
-            }
-            if let Some(w) = &e.post_ffn_norm {
-                rms_norm_in_place(&mut down, w, c.rms_eps);
-            }
+            self.feed_forward(l, e, &x, &mut xn, &active, (&mut gate, &mut up, &mut act), &mut down)?;
             add_assign(&mut x, &down);
-            for (f, _) in batch.hidden_layers.iter().enumerate().filter(|&(_, &hl)| hl == li) {
-                for (j, &r) in batch.logits_rows.iter().enumerate() {
-                    let at = (j * nf + f) * h;
-                    hidden[at..at + h].copy_from_slice(&x[r * h..(r + 1) * h]);
-                }
-            }
+            self.keep_hidden(batch, li, &x, &mut hidden);
         }
 
         let mut sel = vec![0f32; n * h];
@@ -443,6 +510,52 @@ impl LlamaModel {
         }
         let logits = self.logits(&sel)?;
         Ok(ForwardOutput { logits, hidden })
+    }
+
+    /// Layer `li`'s feed-forward block on the residual stream `x` (normed into `xn`), into `down`
+    /// (with its post-FFN norm where the model has one), before the residual add.
+    #[allow(clippy::too_many_arguments)]
+    fn feed_forward(
+        &self,
+        l: &LayerWeights,
+        e: &LayerExtras,
+        x: &[f32],
+        xn: &mut [f32],
+        active: &[bool],
+        (gate, up, act): (&mut [f32], &mut [f32], &mut [f32]),
+        down: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let c = &self.config;
+        rms_norm(x, &l.ffn_norm, c.rms_eps, xn);
+        match &l.ffn {
+            FeedForward::Dense(f) => {
+                let inp = MatmulInput::new(xn, c.hidden_size, &[&f.gate, &f.up]);
+                matmul_many(&inp, &[&f.gate, &f.up], &mut [&mut *gate, &mut *up]);
+                match c.arch_options.activation {
+                    Activation::SiluGate => silu_mul(gate, up, act),
+                    Activation::GeluTanhGate => gelu_tanh_mul(gate, up, act),
+                    Activation::SwigluOai => swiglu_oai_mul(gate, up, act),
+                }
+                matmul(&MatmulInput::new(act, c.intermediate_size, &[&f.down]), &f.down, down);
+            }
+            FeedForward::Moe(m) => m.forward(xn, active, self.expert_exchange.as_deref(), down)?,
+        }
+        if let Some(w) = &e.post_ffn_norm {
+            rms_norm_in_place(down, w, c.rms_eps);
+        }
+        Ok(())
+    }
+
+    /// Copies the logits rows' residual stream after layer `li` into `hidden` where the batch
+    /// asked for that layer's states.
+    fn keep_hidden(&self, batch: &ForwardBatch, li: usize, x: &[f32], hidden: &mut [f32]) {
+        let (h, nf) = (self.config.hidden_size, batch.hidden_layers.len());
+        for (f, _) in batch.hidden_layers.iter().enumerate().filter(|&(_, &hl)| hl == li) {
+            for (j, &r) in batch.logits_rows.iter().enumerate() {
+                let at = (j * nf + f) * h;
+                hidden[at..at + h].copy_from_slice(&x[r * h..(r + 1) * h]);
+            }
+        }
     }
 
     /// Keeps only these rows of the output projection, in this order: from then on the logits
@@ -471,8 +584,10 @@ impl LlamaModel {
             Ok(())
         };
         for (i, l) in self.layers.iter_mut().enumerate() {
-            for (m, what) in [(&mut l.wq, "attn_q"), (&mut l.wk, "attn_k"), (&mut l.wv, "attn_v"), (&mut l.wo, "attn_output")] {
-                one(m, &format!("blk.{i}.{what}"))?;
+            if let Mixer::Attention(a) = &mut l.mixer {
+                for (m, what) in [(&mut a.wq, "attn_q"), (&mut a.wk, "attn_k"), (&mut a.wv, "attn_v"), (&mut a.wo, "attn_output")] {
+                    one(m, &format!("blk.{i}.{what}"))?;
+                }
             }
             if let FeedForward::Dense(f) = &mut l.ffn {
                 for (m, what) in [(&mut f.gate, "ffn_gate"), (&mut f.up, "ffn_up"), (&mut f.down, "ffn_down")] {
@@ -530,6 +645,22 @@ impl LlamaModel {
         }
         if b.logits_rows.iter().any(|&r| r >= t) {
             return bad("logits row outside the batch".into());
+        }
+        if let Some(r) = &kv.recurrent {
+            if b.state_slots.len() != b.seqs.len() {
+                return bad(format!("{} recurrent state slots for {} sequences", b.state_slots.len(), b.seqs.len()));
+            }
+            if let Some(&s) = b.state_slots.iter().find(|&&s| s >= r.slots()) {
+                return bad(format!("recurrent state slot {s} outside the store's {}", r.slots()));
+            }
+            if b.state_slots.iter().enumerate().any(|(i, s)| b.state_slots[..i].contains(s)) {
+                return bad("two sequences share a recurrent state slot".into());
+            }
+        } else if self.config.arch_options.recurrent.is_some() {
+            return bad("the model has recurrent layers but the KV store holds no recurrent state".into());
+        }
+        if kv.k.len() != self.config.kv_layers() {
+            return bad(format!("the KV store has {} layers, the model attends in {}", kv.k.len(), self.config.kv_layers()));
         }
         if let Some(&l) = b.hidden_layers.iter().find(|&&l| l >= self.config.n_layers) {
             return bad(format!("hidden states of layer {l} asked for, but the model has {} layers", self.config.n_layers));

@@ -4,9 +4,11 @@
 use crate::arch::{Arch, NormTopK};
 use crate::chat::{ChatTemplate, CHATML};
 use crate::config::YarnRope;
-use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig, SlidingWindow};
+use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig, RecurrentConfig, SlidingWindow};
+use crate::delta_net::DeltaNetWeights;
 use crate::gguf::GgufFile;
-use crate::llama::{FeedForward, LayerExtras, LayerWeights, LlamaModel};
+use crate::gguf_reader::Value;
+use crate::llama::{AttentionWeights, FeedForward, LayerExtras, LayerWeights, LlamaModel, Mixer};
 pub use crate::loaded::LoadedModel;
 use crate::loaded::{ExpertWeights, LoadOptions};
 use crate::moe::{DenseFfn, FfnBias, MoeFfn, SharedExpert};
@@ -71,7 +73,75 @@ fn arch_options(f: &GgufFile, arch: Arch, hidden: usize) -> Result<ArchOptions, 
         };
         o.sliding = Some(SlidingWindow { window, period, rope_theta });
     }
+    if let Some(hy) = d.hybrid {
+        o.attn_output_gate = true;
+        let layers = trunk_layers(f, arch)?;
+        let recurrent = match f.meta(&key("attention.recurrent_layers")) {
+            Some(Value::Array(flags)) => {
+                let flags: Option<Vec<bool>> = flags
+                    .iter()
+                    .map(|v| match v {
+                        Value::Bool(b) => Some(*b),
+                        other => other.as_i64().map(|x| x != 0),
+                    })
+                    .collect();
+                let Some(mut flags) = flags else {
+                    return Err(ModelError::MissingMetadata(format!("{} in {} holds a value that is not a flag", key("attention.recurrent_layers"), f.path)));
+                };
+                // the list may cover the MTP layers too, which are never recurrent
+                flags.resize(layers, false);
+                flags
+            }
+            Some(_) => return Err(ModelError::MissingMetadata(format!("{} in {} is not an array", key("attention.recurrent_layers"), f.path))),
+            None => {
+                let interval = f.meta_u32_or(&key("full_attention_interval"), hy.default_interval)?.max(1) as usize;
+                (0..layers).map(|i| !(i + 1).is_multiple_of(interval)).collect()
+            }
+        };
+        let head_dim = f.meta_u32(&key("ssm.state_size"))? as usize;
+        let v_heads = f.meta_u32(&key("ssm.time_step_rank"))? as usize;
+        let inner = f.meta_u32(&key("ssm.inner_size"))? as usize;
+        if inner != v_heads * head_dim {
+            return Err(ModelError::Unsupported(format!("{}: ssm.inner_size {inner} is not ssm.time_step_rank {v_heads} x ssm.state_size {head_dim}", f.path)));
+        }
+        o.recurrent = Some(RecurrentConfig {
+            conv_kernel: f.meta_u32(&key("ssm.conv_kernel"))? as usize,
+            k_heads: f.meta_u32(&key("ssm.group_count"))? as usize,
+            v_heads,
+            head_dim,
+            layers: recurrent,
+        });
+    }
     Ok(o)
+}
+
+/// Layers of the trunk: `block_count` less the multi-token-prediction layers stored after it
+/// (`nextn_predict_layers`, which the main pass does not run).
+fn trunk_layers(f: &GgufFile, arch: Arch) -> Result<usize, ModelError> {
+    let all = f.meta_u32(&format!("{arch}.block_count"))?;
+    let nextn = f.meta_u32_or(&format!("{arch}.nextn_predict_layers"), 0)?;
+    match all.checked_sub(nextn) {
+        Some(n) => Ok(n as usize),
+        None => Err(ModelError::Unsupported(format!("{}: {nextn} prediction layers but block_count is {all}", f.path))),
+    }
+}
+
+/// The per-frequency divisors of interleaved multi-section RoPE (ggml's IMROPE) for text, where
+/// the first three sections' positions are the token's and the fourth's is 0: a pair the rule
+/// gives the fourth section does not rotate (an infinite divisor), every other rotates as NeoX's.
+fn imrope_factors(sections: [usize; 4], rot: usize) -> Vec<f32> {
+    let total: usize = sections.iter().sum();
+    (0..rot / 2)
+        .map(|i| {
+            let s = i % total.max(1);
+            let text = (s % 3 == 1 && s < 3 * sections[1]) || (s % 3 == 2 && s < 3 * sections[2]) || (s % 3 == 0 && s < 3 * sections[0]);
+            if text {
+                1.0
+            } else {
+                f32::INFINITY
+            }
+        })
+        .collect()
 }
 
 fn load_gguf(path: &Path, options: &LoadOptions) -> Result<LoadedModel, ModelError> {
@@ -207,7 +277,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         vocab_size: embed.rows,
         hidden_size: hidden,
         intermediate_size: f.meta_u32(&key("feed_forward_length"))? as usize,
-        n_layers: f.meta_u32(&key("block_count"))? as usize,
+        n_layers: trunk_layers(f, arch)?,
         n_heads,
         n_kv_heads,
         head_dim,
@@ -223,7 +293,7 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     // Nothing is sized from the config before it is checked (a block_count of 2^32 - 1 must be
     // an error, not an allocation failure).
     config.validate().map_err(|e| in_file(f, e))?;
-    check_layer_tensors(f, config.n_layers)?;
+    check_layer_tensors(f, f.meta_u32(&key("block_count"))? as usize)?;
     let (mut layers, mut extras) = (Vec::with_capacity(config.n_layers), Vec::with_capacity(config.n_layers));
     for i in 0..config.n_layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
@@ -231,17 +301,14 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
             None => FeedForward::Dense(dense_ffn(f, i, config.intermediate_size)?),
             Some(m) => FeedForward::Moe(moe_layer(f, i, m, config.hidden_size, config.arch_options.activation)?),
         };
-        let (wq, wk, wv) = attention_weights(f, i, config.q_width(), config.kv_width())?;
-        layers.push(LayerWeights {
-            attn_norm: f.vector(&t("attn_norm"))?,
-            wq,
-            wk,
-            wv,
-            wo: f.matrix(&t("attn_output"))?,
-            ffn_norm: f.vector(&t(arch.descriptor().ffn_norm))?,
-            ffn,
-        });
-        extras.push(layer_extras(f, i, &config.arch_options)?);
+        let mixer = if config.is_recurrent(i) {
+            Mixer::DeltaNet(Box::new(delta_net_weights(f, i)?))
+        } else {
+            let (wq, wk, wv) = attention_weights(f, i, config.q_proj_rows(), config.kv_width())?;
+            Mixer::Attention(AttentionWeights { wq, wk, wv, wo: f.matrix(&t("attn_output"))? })
+        };
+        layers.push(LayerWeights { attn_norm: f.vector(&t("attn_norm"))?, mixer, ffn_norm: f.vector(&t(arch.descriptor().ffn_norm))?, ffn });
+        extras.push(if config.is_recurrent(i) { LayerExtras::default() } else { layer_extras(f, i, &config.arch_options)? });
         // this layer's weights are repacked: its pages of the file need not stay mapped
         f.release_resident_pages();
     }
@@ -251,6 +318,11 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     // context beyond `rope.scaling.original_context_length`, are swapped in by `fit_context`)
     let rope_freqs = match ["rope_freqs.weight", "rope_factors_short.weight"].into_iter().find(|n| f.has_tensor(n)) {
         Some(name) => Some(f.vector(name)?),
+        None if arch.descriptor().hybrid.is_some() && f.meta(&key("rope.dimension_sections")).is_some() => {
+            let s = f.meta_i32s(&key("rope.dimension_sections"))?;
+            let at = |i: usize| s.get(i).map_or(0, |&v| v.max(0) as usize);
+            Some(imrope_factors([at(0), at(1), at(2), at(3)], config.rope_dims()))
+        }
         None => None,
     };
     let weight_bytes = usize::try_from(f.tensor_bytes()).unwrap_or(usize::MAX);
@@ -295,6 +367,22 @@ fn attention_weights(f: &GgufFile, i: usize, q_width: usize, kv_width: usize) ->
     Ok((f.matrix_rows(&fused, 0, q_width)?, f.matrix_rows(&fused, q_width, kv_width)?, f.matrix_rows(&fused, q_width + kv_width, kv_width)?))
 }
 
+/// Layer `i`'s Gated DeltaNet (llama.cpp's `qwen35` tensor names).
+fn delta_net_weights(f: &GgufFile, i: usize) -> Result<DeltaNetWeights, ModelError> {
+    let w = |n: &str| format!("blk.{i}.{n}.weight");
+    Ok(DeltaNetWeights {
+        wqkv: f.matrix(&w("attn_qkv"))?,
+        wgate: f.matrix(&w("attn_gate"))?,
+        wbeta: f.matrix(&w("ssm_beta"))?,
+        walpha: f.matrix(&w("ssm_alpha"))?,
+        conv: f.vector(&w("ssm_conv1d"))?,
+        dt_bias: f.vector(&format!("blk.{i}.ssm_dt.bias"))?,
+        a: f.vector(&format!("blk.{i}.ssm_a"))?,
+        norm: f.vector(&w("ssm_norm"))?,
+        wout: f.matrix(&w("ssm_out"))?,
+    })
+}
+
 /// Layer `i`'s dense SwiGLU: gate, up and down tensors, or (Phi-3) no `ffn_gate` and an
 /// `ffn_up` of twice the width whose first half is the gate (ggml's `swiglu` split).
 fn dense_ffn(f: &GgufFile, i: usize, ffn: usize) -> Result<DenseFfn, ModelError> {
@@ -315,8 +403,9 @@ fn in_file(f: &GgufFile, e: ModelError) -> ModelError {
     }
 }
 
-/// Every `blk.N.*` tensor must belong to one of the `n_layers` layers: a file whose
-/// `block_count` disagrees with its tensors is inconsistent, not a smaller model.
+/// Every `blk.N.*` tensor must belong to one of the `n_layers` layers (`block_count`, the
+/// prediction layers after the trunk included): a file whose `block_count` disagrees with its
+/// tensors is inconsistent, not a smaller model.
 fn check_layer_tensors(f: &GgufFile, n_layers: usize) -> Result<(), ModelError> {
     for t in &f.header.tensors {
         let Some(rest) = t.name.strip_prefix("blk.") else { continue };

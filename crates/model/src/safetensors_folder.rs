@@ -4,7 +4,7 @@
 use crate::arch::Arch;
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
-use crate::llama::{FeedForward, LayerWeights, LlamaModel};
+use crate::llama::{AttentionWeights, FeedForward, LayerWeights, LlamaModel, Mixer};
 use crate::loaded::LoadedModel;
 use crate::moe::DenseFfn;
 use crate::tokenizer::Tokenizer;
@@ -130,10 +130,12 @@ pub fn load(dir: &Path) -> Result<LoadedModel, ModelError> {
         let p = |n: &str| format!("model.layers.{i}.{n}.weight");
         layers.push(LayerWeights {
             attn_norm: vector(&p("input_layernorm"))?,
-            wq: matrix(&p("self_attn.q_proj"))?,
-            wk: matrix(&p("self_attn.k_proj"))?,
-            wv: matrix(&p("self_attn.v_proj"))?,
-            wo: matrix(&p("self_attn.o_proj"))?,
+            mixer: Mixer::Attention(AttentionWeights {
+                wq: matrix(&p("self_attn.q_proj"))?,
+                wk: matrix(&p("self_attn.k_proj"))?,
+                wv: matrix(&p("self_attn.v_proj"))?,
+                wo: matrix(&p("self_attn.o_proj"))?,
+            }),
             ffn_norm: vector(&p("post_attention_layernorm"))?,
             ffn: FeedForward::Dense(DenseFfn::new(matrix(&p("mlp.gate_proj"))?, matrix(&p("mlp.up_proj"))?, matrix(&p("mlp.down_proj"))?)),
         });

@@ -144,17 +144,37 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let extra_tokens = d.tiny.chat.extra_tokens;
     let vocab = TINY_VOCAB + extra_tokens.len();
     let mut plan: Vec<(String, Vec<usize>, f32, f32)> = vec![("token_embd.weight".into(), vec![vocab, h], 0.2, 0.0)];
+    // a hybrid's recurrent layers: every layer but each `interval`-th, heads as the attention's
+    let tiny_ssm = TinySsm { conv_kernel: 4, k_heads: spec.kv_heads, v_heads: spec.heads, head_dim };
+    let recurrent = |i: usize| d.hybrid.is_some_and(|hy| !(i + 1).is_multiple_of(hy.default_interval as usize));
     for i in 0..spec.layers {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
         plan.push((t("attn_norm"), vec![h], 0.05, 1.0));
-        if d.fused_qkv {
+        if recurrent(i) {
+            let TinySsm { conv_kernel, v_heads, head_dim: sd, .. } = tiny_ssm;
+            let (kw, vw) = (tiny_ssm.k_heads * sd, v_heads * sd);
+            plan.push((t("attn_qkv"), vec![2 * kw + vw, h], 0.15, 0.0));
+            plan.push((t("attn_gate"), vec![vw, h], 0.15, 0.0));
+            plan.push((t("ssm_beta"), vec![v_heads, h], 0.15, 0.0));
+            plan.push((t("ssm_alpha"), vec![v_heads, h], 0.15, 0.0));
+            plan.push((t("ssm_conv1d"), vec![2 * kw + vw, conv_kernel], 0.3, 0.0));
+            plan.push((format!("blk.{i}.ssm_dt.bias"), vec![v_heads], 0.5, 0.0));
+            // a = -exp(A_log): negative, so that the state decays
+            plan.push((format!("blk.{i}.ssm_a"), vec![v_heads], 0.3, -1.0));
+            plan.push((t("ssm_norm"), vec![sd], 0.05, 1.0));
+            plan.push((t("ssm_out"), vec![h, vw], 0.1, 0.0));
+        } else if d.fused_qkv {
             plan.push((t("attn_qkv"), vec![qw + 2 * kvw, h], 0.15, 0.0));
         } else {
-            plan.push((t("attn_q"), vec![qw, h], 0.15, 0.0));
+            // gated attention: each head's queries, then its output gate
+            let q_rows = if d.hybrid.is_some() { 2 * qw } else { qw };
+            plan.push((t("attn_q"), vec![q_rows, h], 0.15, 0.0));
             plan.push((t("attn_k"), vec![kvw, h], 0.15, 0.0));
             plan.push((t("attn_v"), vec![kvw, h], 0.15, 0.0));
         }
-        plan.push((t("attn_output"), vec![h, qw], 0.1, 0.0));
+        if !recurrent(i) {
+            plan.push((t("attn_output"), vec![h, qw], 0.1, 0.0));
+        }
         plan.push((t(d.ffn_norm), vec![h], 0.05, 1.0));
         if d.attn_out_bias {
             plan.push((format!("blk.{i}.attn_output.bias"), vec![h], 0.3, 0.0));
@@ -167,7 +187,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
                 plan.push((format!("blk.{i}.{n}.bias"), vec![w], 0.3, 0.0));
             }
         }
-        if d.qk_norm {
+        if d.qk_norm && !recurrent(i) {
             plan.push((t("attn_q_norm"), vec![head_dim], 0.1, 1.0));
             plan.push((t("attn_k_norm"), vec![head_dim], 0.1, 1.0));
         }
@@ -230,7 +250,9 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         let bad = |e: candle_core::Error| ModelError::BadTensor { name: name.clone(), message: e.to_string() };
         let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).map_err(bad)?;
         let router = name.ends_with("ffn_gate_inp.weight");
-        let dtype = if shape.len() == 1 || router || name.ends_with(".bias") { GgmlDType::F32 } else { format_of(name) };
+        // the convolution's taps stay F32, as llama.cpp's converter and quantizer keep them
+        let f32_only = router || name.ends_with(".bias") || name.contains("ssm_conv1d");
+        let dtype = if shape.len() == 1 || f32_only { GgmlDType::F32 } else { format_of(name) };
         tensors.push((name.clone(), QTensor::quantize(&t, dtype).map_err(bad)?));
     }
 
@@ -301,6 +323,20 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("rope.scaling.factor"), Value::F32(4.0)));
         metadata.push((k("rope.scaling.original_context_length"), Value::U32(64)));
     }
+    if d.hybrid.is_some() {
+        let TinySsm { conv_kernel, k_heads, v_heads, head_dim: sd } = tiny_ssm;
+        metadata.push((k("ssm.conv_kernel"), Value::U32(conv_kernel as u32)));
+        metadata.push((k("ssm.state_size"), Value::U32(sd as u32)));
+        metadata.push((k("ssm.group_count"), Value::U32(k_heads as u32)));
+        metadata.push((k("ssm.time_step_rank"), Value::U32(v_heads as u32)));
+        metadata.push((k("ssm.inner_size"), Value::U32((v_heads * sd) as u32)));
+        metadata.push((k("full_attention_interval"), Value::U32(d.hybrid.map_or(4, |hy| hy.default_interval))));
+        // Qwen3.5's proportions ([11, 11, 10, 0] over 32 pairs)
+        let pairs = rot / 2;
+        let a = pairs.div_ceil(3);
+        let sections = [a, a, pairs.saturating_sub(2 * a), 0];
+        metadata.push((k("rope.dimension_sections"), Value::Array(sections.iter().map(|&x| Value::I32(x as i32)).collect())));
+    }
     if d.tiny.expert_ffn_key {
         metadata.push((k("expert_feed_forward_length"), Value::U32(ff as u32)));
     }
@@ -319,6 +355,16 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     gguf_file::write(&mut std::io::Cursor::new(&mut bytes), &md, &ts).map_err(|e| io(std::io::Error::other(e.to_string())))?;
     type_empty_merges_as_strings(&mut bytes);
     std::fs::write(path, &bytes).map_err(io)
+}
+
+/// The recurrent layers of a tiny hybrid: DeltaNet heads shaped as the attention's (key heads as
+/// its KV heads, value heads as its query heads, the head width).
+#[derive(Clone, Copy)]
+struct TinySsm {
+    conv_kernel: usize,
+    k_heads: usize,
+    v_heads: usize,
+    head_dim: usize,
 }
 
 /// candle writes an empty array with element type u32; llama.cpp refuses a `merges` array that

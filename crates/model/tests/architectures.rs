@@ -77,7 +77,7 @@ fn each_architecture_loads_its_switches() {
     let (c, o) = (&p3.config, &p3.config.arch_options);
     assert!(c.rope_neox && (c.rope_dims(), c.head_dim) == (8, 16), "{:?}", o.rope_dims);
     assert!((o.rope_mscale - 1.1902381).abs() < 1e-6);
-    let l = &p3.layers[0];
+    let l = p3.layers[0].attention().expect("an attention layer");
     assert_eq!((l.wq.rows, l.wk.rows, l.wv.rows, l.wq.cols), (64, 32, 32, 64));
     // LongRoPE: the short factors within the original context (512 here), the long ones beyond
     let mut p3 = p3;
@@ -165,6 +165,10 @@ fn logits_do_not_depend_on_chunking_in_any_architecture() {
         ("llama3", TinySpec { rope_llama3: true, ..spec(Arch::Llama) }),
         ("smollm3", TinySpec { layers: 4, ..spec(Arch::SmolLm3) }),
         ("phi3", TinySpec { rope_dims: Some(8), ..spec(Arch::Phi3) }),
+        // three Gated DeltaNet layers and a gated-attention one: the recurrent state carries
+        // across chunks, and a RoPE pair in the fourth section stays unrotated (rope dims 8: sections [2, 2, 0, 0])
+        ("qwen35", TinySpec { layers: 4, ..spec(Arch::Qwen35) }),
+        ("qwen35-rope8", TinySpec { layers: 4, rope_dims: Some(8), ..spec(Arch::Qwen35) }),
     ] {
         let m = tiny(dir.path(), name, &s);
         let whole = logits_alone(&m, &p, &[p.len()], 2);

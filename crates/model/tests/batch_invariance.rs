@@ -33,6 +33,19 @@ fn tiny_model_is_batch_invariant_on_int8_and_f32_paths() {
     }
 }
 
+/// A hybrid (Gated DeltaNet and gated attention, Qwen3.5's): each sequence's recurrent state is
+/// its own, whatever shares the batch, and the delta rule reduces in the same order on any thread.
+#[test]
+fn hybrid_model_is_batch_invariant() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-qwen35.gguf");
+    let spec = TinySpec { arch: specula_model::Arch::Qwen35, layers: 4, weight_format: GgmlDType::Q8_0, seed: 9, ..Default::default() };
+    write_tiny_llama(&path, &spec).unwrap();
+    let m = load_model(&path).unwrap();
+    let prompt: Vec<u32> = (0..75u32).map(|i| (i * 37 + 11) % 259).collect();
+    common::assert_batch_invariant(&m.model, &prompt);
+}
+
 #[test]
 fn default_model_is_batch_invariant() {
     let Some(path) = model_for_tests("default_model_is_batch_invariant") else { return };

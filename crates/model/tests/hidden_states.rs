@@ -14,7 +14,8 @@ fn run(model: &LlamaModel, tokens: &[u32], rows: &[usize], layers: &[usize]) -> 
     let seq = cache.seq(tokens);
     let slots: Vec<usize> = (0..tokens.len()).map(|p| seq.table[p / BLOCK_SIZE] as usize * BLOCK_SIZE + p % BLOCK_SIZE).collect();
     let spans = [SeqSpan { q_start: 0, q_len: tokens.len(), context_len: tokens.len(), block_table: &seq.table }];
-    let out = model.forward(&ForwardBatch { tokens, seqs: &spans, slots: &slots, logits_rows: rows, hidden_layers: layers }, &mut cache.kv)?;
+    let out =
+        model.forward(&ForwardBatch { tokens, seqs: &spans, slots: &slots, logits_rows: rows, hidden_layers: layers, state_slots: &[] }, &mut cache.kv)?;
     Ok((out.logits, out.hidden))
 }
 

@@ -4,7 +4,7 @@
 mod common;
 
 use specula_model::testing::{write_tiny_llama, GgmlDType, TinySpec, TINY_IM_END, TINY_IM_START, TINY_VOCAB};
-use specula_model::{load_model, LoadedModel, ModelError};
+use specula_model::{load_model, LoadedModel, Mixer, ModelError};
 use std::path::{Path, PathBuf};
 
 fn tiny(dir: &Path, name: &str, spec: &TinySpec) -> PathBuf {
@@ -126,9 +126,10 @@ fn q2k_and_q3k_tensors_load_and_run_like_their_dequantized_weights() {
     let path = tiny(dir.path(), "low.gguf", &spec);
     let m = load_model(&path).unwrap_or_else(|e| panic!("Q2_K / Q3_K: {e}"));
     let l = &m.model.layers;
-    assert_eq!([l[0].wq.format, l[0].wv.format], [WeightFormat::Q2K, WeightFormat::Q3K]);
+    let a0 = l[0].attention().expect("an attention layer");
+    assert_eq!([a0.wq.format, a0.wv.format], [WeightFormat::Q2K, WeightFormat::Q3K]);
     let mut r = load_model(&path).unwrap();
-    let l0 = &mut r.model.layers[0];
+    let Mixer::Attention(l0) = &mut r.model.layers[0].mixer else { panic!("an attention layer") };
     (l0.wq, l0.wv) = (as_f32(&l0.wq), as_f32(&l0.wv));
     let FeedForward::Dense(ffn) = &mut r.model.layers[1].ffn else { panic!("a dense model") };
     (ffn.up, ffn.gate) = (as_f32(&ffn.up), as_f32(&ffn.gate));

@@ -219,7 +219,7 @@ fn experts_read_in_place_give_the_repacked_bits() {
         assert_eq!(packed.model.in_place_bytes(), 0);
         assert_eq!(mapped.model.in_place_bytes() > 0, int8, "{format:?}");
         for l in &mapped.model.layers {
-            assert!(!l.wq.is_in_place() && !l.wo.is_in_place(), "dense weights stay repacked");
+            assert!(l.mixer_matrices().iter().all(|m| !m.is_in_place()), "dense weights stay repacked");
             let FeedForward::Moe(f) = &l.ffn else { panic!("dense layer") };
             assert!(!f.shared.as_ref().expect("shared expert").ffn.gate.is_in_place(), "the shared expert stays repacked");
         }

@@ -305,7 +305,7 @@ pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], ch
     let c = &model.config;
     let layout = specula_kernels::attention::KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let blocks = prompt.len().div_ceil(16).max(1);
-    let mut kv = KvStore::new(c.n_layers, layout, blocks, kv_dtype)?;
+    let mut kv = KvStore::for_model(c, layout, blocks, kv_dtype, 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut out = Vec::with_capacity(prompt.len() * c.vocab_size);
@@ -315,8 +315,10 @@ pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], ch
         let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: done + n, block_table: &table }];
         let slots: Vec<usize> = (done..done + n).collect();
         let rows: Vec<usize> = (0..n).collect();
-        let o =
-            model.forward(&ForwardBatch { tokens: &prompt[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
+        let o = model.forward(
+            &ForwardBatch { tokens: &prompt[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &[0] },
+            &mut kv,
+        )?;
         out.extend_from_slice(&o.logits);
         done += n;
     }

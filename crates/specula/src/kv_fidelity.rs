@@ -77,7 +77,10 @@ impl Runner<'_> {
         let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: done + n, block_table: &table }];
         let slots: Vec<usize> = (done..done + n).collect();
         let rows: Vec<usize> = (0..n).collect();
-        Ok(self.model.forward(&ForwardBatch { tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut self.kv)?.logits)
+        Ok(self
+            .model
+            .forward(&ForwardBatch { tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &[0] }, &mut self.kv)?
+            .logits)
     }
 }
 
@@ -96,7 +99,7 @@ pub fn run(a: KvFidelityArgs) -> Result<()> {
     let c = &model.config;
     let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let blocks = a.tokens.div_ceil(16);
-    let store = |d| KvStore::new(c.n_layers, layout, blocks, d);
+    let store = |d| KvStore::for_model(c, layout, blocks, d, 1);
     let mut base = Runner { model, kv: store(KvDtype::F32)? };
     let mut others: Vec<Runner> = types.iter().map(|&d| Ok(Runner { model, kv: store(d)? })).collect::<Result<_>>()?;
     // position ranges: doubling from 512

@@ -354,7 +354,7 @@ fn prefill_macs(model: &LlamaModel) -> f64 {
             mm(&m.router) + m.n_used as f64 * mean + shared
         }
     };
-    model.layers.iter().map(|l| mm(&l.wq) + mm(&l.wk) + mm(&l.wv) + mm(&l.wo) + ffn(&l.ffn)).sum()
+    model.layers.iter().map(|l| l.mixer_matrices().into_iter().map(mm).sum::<f64>() + ffn(&l.ffn)).sum()
 }
 
 /// Bytes one decode step of one sequence reads: every weight, less the embedding table (one row
@@ -411,7 +411,7 @@ fn kv_for(model: &LlamaModel, tokens_per_seq: usize, seqs: usize) -> Result<(KvS
     let c = &model.config;
     let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let per = tokens_per_seq.div_ceil(16);
-    let kv = KvStore::new(c.n_layers, layout, per * seqs, specula_kernels::kv::KvDtype::default())?;
+    let kv = KvStore::for_model(c, layout, per * seqs, specula_kernels::kv::KvDtype::default(), seqs)?;
     let tables = (0..seqs).map(|s| ((s * per) as u32..((s + 1) * per) as u32).collect()).collect();
     Ok((kv, tables))
 }
@@ -423,7 +423,7 @@ fn prefill(model: &LlamaModel, prompt: &[u32], rows: &[usize]) -> Result<(Vec<f3
     let seqs = [SeqSpan { q_start: 0, q_len: prompt.len(), context_len: prompt.len(), block_table: &tables[0] }];
     let slots: Vec<usize> = (0..prompt.len()).map(|p| tables[0][p / 16] as usize * 16 + p % 16).collect();
     let start = Instant::now();
-    let out = model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: rows, hidden_layers: &[] }, &mut kv)?;
+    let out = model.forward(&ForwardBatch { tokens: prompt, seqs: &seqs, slots: &slots, logits_rows: rows, hidden_layers: &[], state_slots: &[0] }, &mut kv)?;
     Ok((out.logits, start))
 }
 
@@ -462,7 +462,10 @@ fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {
         let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| 200 + i * 13 + s as u32).collect();
         let seqs = [SeqSpan { q_start: 0, q_len: prompt_len, context_len: prompt_len, block_table: table }];
         let slots: Vec<usize> = (0..prompt_len).map(|p| table[p / 16] as usize * 16 + p % 16).collect();
-        let o = model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt_len - 1], hidden_layers: &[] }, &mut kv)?;
+        let o = model.forward(
+            &ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[prompt_len - 1], hidden_layers: &[], state_slots: &[s] },
+            &mut kv,
+        )?;
         last.push(argmax(&o.logits));
     }
     let start = Instant::now();
@@ -471,7 +474,8 @@ fn decode_tps(model: &LlamaModel, batch: usize, steps: usize) -> Result<f64> {
         let seqs: Vec<SeqSpan> = tables.iter().enumerate().map(|(s, t)| SeqSpan { q_start: s, q_len: 1, context_len: ctx, block_table: t }).collect();
         let slots: Vec<usize> = tables.iter().map(|t| t[(ctx - 1) / 16] as usize * 16 + (ctx - 1) % 16).collect();
         let rows: Vec<usize> = (0..batch).collect();
-        let o = model.forward(&ForwardBatch { tokens: &last, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
+        let o =
+            model.forward(&ForwardBatch { tokens: &last, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &rows }, &mut kv)?;
         last = o.logits.chunks_exact(vocab).map(argmax).collect();
     }
     Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())

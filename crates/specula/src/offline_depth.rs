@@ -33,7 +33,7 @@ pub fn measure(model: &LlamaModel, depth: usize, chunk: usize, steps: usize, dty
     let bs = 16;
     let blocks = (depth + steps + 1).div_ceil(bs);
     let layout = KvLayout { block_size: bs, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-    let mut kv = KvStore::new(c.n_layers, layout, blocks, dtype)?;
+    let mut kv = KvStore::for_model(c, layout, blocks, dtype, 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
     let tokens = prompt(depth, c.vocab_size);
@@ -44,8 +44,10 @@ pub fn measure(model: &LlamaModel, depth: usize, chunk: usize, steps: usize, dty
         let n = chunk.max(1).min(depth - done);
         let seqs = [SeqSpan { q_start: 0, q_len: n, context_len: done + n, block_table: &table }];
         let slots: Vec<usize> = (done..done + n).map(slot).collect();
-        let o =
-            model.forward(&ForwardBatch { tokens: &tokens[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &[n - 1], hidden_layers: &[] }, &mut kv)?;
+        let o = model.forward(
+            &ForwardBatch { tokens: &tokens[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &[n - 1], hidden_layers: &[], state_slots: &[0] },
+            &mut kv,
+        )?;
         last = specula_engine::sampling::argmax(&o.logits).unwrap_or(0);
         done += n;
     }
@@ -54,7 +56,10 @@ pub fn measure(model: &LlamaModel, depth: usize, chunk: usize, steps: usize, dty
     for step in 0..steps {
         let ctx = depth + step + 1;
         let seqs = [SeqSpan { q_start: 0, q_len: 1, context_len: ctx, block_table: &table }];
-        let o = model.forward(&ForwardBatch { tokens: &[last], seqs: &seqs, slots: &[slot(ctx - 1)], logits_rows: &[0], hidden_layers: &[] }, &mut kv)?;
+        let o = model.forward(
+            &ForwardBatch { tokens: &[last], seqs: &seqs, slots: &[slot(ctx - 1)], logits_rows: &[0], hidden_layers: &[], state_slots: &[0] },
+            &mut kv,
+        )?;
         last = specula_engine::sampling::argmax(&o.logits).unwrap_or(0);
     }
     Ok((prefill, steps as f64 / start.elapsed().as_secs_f64()))

@@ -232,12 +232,13 @@ fn teacher_forced(model: &LlamaModel, prompt: &[u32], answer: &[u32], layers: &[
     let tokens: Vec<u32> = prompt.iter().chain(answer).copied().collect();
     let layout = KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let blocks = tokens.len().div_ceil(16);
-    let mut kv = KvStore::new(c.n_layers, layout, blocks, specula_kernels::kv::KvDtype::F32)?;
+    let mut kv = KvStore::for_model(c, layout, blocks, specula_kernels::kv::KvDtype::F32, 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let seqs = [SeqSpan { q_start: 0, q_len: tokens.len(), context_len: tokens.len(), block_table: &table }];
     let slots: Vec<usize> = (0..tokens.len()).collect();
     let rows: Vec<usize> = (prompt.len() - 1..tokens.len()).collect();
-    let out = model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: layers }, &mut kv)?;
+    let out =
+        model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: layers, state_slots: &[0] }, &mut kv)?;
     let v = c.vocab_size;
     let top = out.logits.chunks_exact(v).map(top_probs).collect();
     Ok((out.hidden, top))

@@ -38,6 +38,8 @@ struct SeqBlocks {
     /// names `table[i]`'s content, so `hashes.len() <= table.len()`. The next committed block
     /// chains onto the last entry.
     hashes: Vec<BlockHash>,
+    /// Its slot of recurrent state (hybrid models), held from admission to `free`.
+    state: Option<u32>,
 }
 
 /// Owns the block pool and every sequence's block table.
@@ -52,6 +54,9 @@ pub struct KvCacheManager {
     tiers: Option<PrefixTiers>,
     /// Block copies decided since the last [`Self::take_transfers`] (the next step does them).
     pending: KvTransfers,
+    /// Recurrent-state slots not held by a sequence (a hybrid model's; `None` for the others),
+    /// and how many there are in all.
+    free_states: Option<(Vec<u32>, usize)>,
 }
 
 impl KvCacheManager {
@@ -77,7 +82,22 @@ impl KvCacheManager {
             stats: PrefixCacheStats::default(),
             tiers: None,
             pending: KvTransfers::default(),
+            free_states: None,
         })
+    }
+
+    /// Gives every sequence one of `n` slots of recurrent state (a hybrid model's) from its
+    /// admission until it is freed; a prompt is not admitted while all are held. A cached prefix
+    /// would have no state to go with it, so prefix caching is off from here on.
+    pub fn set_state_slots(&mut self, n: usize) {
+        self.free_states = Some(((0..n as u32).rev().collect(), n));
+        self.enable_prefix_caching = false;
+        self.tiers = None;
+    }
+
+    /// `seq`'s slot of recurrent state (`None` for a model without one).
+    pub fn state_slot(&self, seq: SeqId) -> Result<Option<u32>, KvCacheError> {
+        Ok(self.seq(seq)?.state)
     }
 
     /// Adds the prefix cache's lower tiers: blocks evicted from the store are saved there (and,
@@ -181,6 +201,9 @@ impl KvCacheManager {
             return Err(KvCacheError::SeqExists(seq));
         }
         let mut blocks = SeqBlocks::default();
+        if let Some((free, total)) = self.free_states.as_mut() {
+            blocks.state = Some(free.pop().ok_or(KvCacheError::OutOfStateSlots(*total))?);
+        }
         if self.enable_prefix_caching {
             let max_hit_blocks = prompt.len().saturating_sub(1) / self.block_size;
             for chunk in prompt.chunks_exact(self.block_size).take(max_hit_blocks) {
@@ -358,6 +381,9 @@ impl KvCacheManager {
         let blocks = self.seqs.remove(&seq).ok_or(KvCacheError::UnknownSeq(seq))?;
         for &block in blocks.table.iter().rev() {
             self.pool.release(block);
+        }
+        if let (Some((free, _)), Some(state)) = (self.free_states.as_mut(), blocks.state) {
+            free.push(state);
         }
         Ok(())
     }

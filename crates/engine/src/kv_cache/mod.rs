@@ -62,6 +62,8 @@ pub enum KvCacheError {
     PositionOutOfRange { seq: SeqId, start: usize, end: usize, capacity: usize },
     #[error("invalid KV-cache configuration: {0}")]
     InvalidConfig(String),
+    #[error("every one of the {0} recurrent-state slots is held by a running sequence")]
+    OutOfStateSlots(usize),
 }
 
 #[cfg(test)]

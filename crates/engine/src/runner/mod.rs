@@ -49,8 +49,14 @@ pub fn execute(
         .zip(&inputs.block_tables)
         .map(|(r, t)| SeqSpan { q_start: r.q_start, q_len: r.q_len, context_len: r.context_len, block_table: t })
         .collect();
-    let batch =
-        ForwardBatch { tokens: &inputs.tokens, seqs: &spans, slots: &inputs.slots, logits_rows: &inputs.logits_rows, hidden_layers: &inputs.hidden_layers };
+    let batch = ForwardBatch {
+        tokens: &inputs.tokens,
+        seqs: &spans,
+        slots: &inputs.slots,
+        logits_rows: &inputs.logits_rows,
+        hidden_layers: &inputs.hidden_layers,
+        state_slots: &inputs.state_slots,
+    };
     let mut out = None;
     // a panic in the forward pass comes out of the scope, after `while_running` has run
     pool.in_place_scope(|s| {

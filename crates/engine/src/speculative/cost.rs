@@ -239,7 +239,7 @@ pub fn time_forward(model: &LlamaModel, points: &[usize], context: usize, rounds
     let block = 16;
     let blocks = (context + max_n).div_ceil(block);
     let layout = KvLayout { block_size: block, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-    let mut kv = KvStore::new(c.n_layers, layout, blocks, specula_kernels::kv::KvDtype::default())?;
+    let mut kv = KvStore::for_model(c, layout, blocks, specula_kernels::kv::KvDtype::default(), 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let slot = |p: usize| table[p / block] as usize * block + p % block;
     let vocab = c.vocab_size as u32;
@@ -248,7 +248,10 @@ pub fn time_forward(model: &LlamaModel, points: &[usize], context: usize, rounds
         let prompt: Vec<u32> = (0..context).map(token).collect();
         let seqs = [SeqSpan { q_start: 0, q_len: context, context_len: context, block_table: &table }];
         let slots: Vec<usize> = (0..context).map(slot).collect();
-        model.forward(&ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[context - 1], hidden_layers: &[] }, &mut kv)?;
+        model.forward(
+            &ForwardBatch { tokens: &prompt, seqs: &seqs, slots: &slots, logits_rows: &[context - 1], hidden_layers: &[], state_slots: &[0] },
+            &mut kv,
+        )?;
     }
     let mut best = vec![f64::INFINITY; points.len()];
     for round in 0..=rounds {
@@ -259,7 +262,7 @@ pub fn time_forward(model: &LlamaModel, points: &[usize], context: usize, rounds
             // verification needs every row's logits
             let rows: Vec<usize> = (0..n).collect();
             let start = Instant::now();
-            model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut kv)?;
+            model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &[0] }, &mut kv)?;
             if round > 0 {
                 best[i] = best[i].min(start.elapsed().as_secs_f64());
             }

@@ -105,8 +105,9 @@ impl DraftModelProposer {
             spans.iter().zip(&tables).map(|(&(q_start, q_len, context_len), t)| SeqSpan { q_start, q_len, context_len, block_table: t }).collect();
         let model = &self.model;
         let kv_store = &mut self.kv_store;
-        let out =
-            pool.install(|| model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, kv_store))?;
+        let out = pool.install(|| {
+            model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &[] }, kv_store)
+        })?;
         Ok(out.logits)
     }
 }

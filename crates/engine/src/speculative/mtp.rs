@@ -17,7 +17,7 @@ use specula_kernels::formats::QK;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
 use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
 use specula_kernels::{QMatrix, WeightFormat};
-use specula_model::llama::{FeedForward, LayerWeights};
+use specula_model::llama::{AttentionWeights, FeedForward, LayerWeights, Mixer};
 use specula_model::DenseFfn;
 use specula_model::LlamaModel;
 use std::collections::HashMap;
@@ -107,10 +107,12 @@ impl MtpHead {
         let fc = matrix(fmt::FC, h, 2 * h)?;
         let layer = LayerWeights {
             attn_norm: file.vector(fmt::ATTN_NORM, h)?,
-            wq: matrix(fmt::ATTN_Q, qw, h)?,
-            wk: matrix(fmt::ATTN_K, kvw, h)?,
-            wv: matrix(fmt::ATTN_V, kvw, h)?,
-            wo: matrix(fmt::ATTN_OUTPUT, h, qw)?,
+            mixer: Mixer::Attention(AttentionWeights {
+                wq: matrix(fmt::ATTN_Q, qw, h)?,
+                wk: matrix(fmt::ATTN_K, kvw, h)?,
+                wv: matrix(fmt::ATTN_V, kvw, h)?,
+                wo: matrix(fmt::ATTN_OUTPUT, h, qw)?,
+            }),
             ffn_norm: file.vector(fmt::FFN_NORM, h)?,
             ffn: FeedForward::Dense(DenseFfn::new(matrix(fmt::FFN_GATE, ff, h)?, matrix(fmt::FFN_UP, ff, h)?, matrix(fmt::FFN_DOWN, h, ff)?)),
         };
@@ -178,7 +180,8 @@ impl MtpHead {
         let mut xn = vec![0f32; n * h];
         let (mut q, mut k, mut v) = (vec![0f32; n * qw], vec![0f32; n * kvw], vec![0f32; n * kvw]);
         rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-        matmul_many(&MatmulInput::new(&xn, h, &[&l.wq, &l.wk, &l.wv]), &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v]);
+        let Mixer::Attention(a) = &l.mixer else { unreachable!("the MTP head's layer is built attending in MtpHead::load") };
+        matmul_many(&MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]), &[&a.wq, &a.wk, &a.wv], &mut [&mut q, &mut k, &mut v]);
         for (i, &p) in pos.iter().enumerate() {
             self.rope.apply(&mut q[i * qw..(i + 1) * qw], p);
             self.rope.apply(&mut k[i * kvw..(i + 1) * kvw], p);
@@ -194,7 +197,8 @@ impl MtpHead {
         let (h, qw, ff) = (c.target_hidden, c.q_width(), c.ffn);
         let n = x.len() / h;
         let mut o = vec![0f32; n * h];
-        matmul(&MatmulInput::new(attn, qw, &[&l.wo]), &l.wo, &mut o);
+        let Mixer::Attention(a) = &l.mixer else { unreachable!("the MTP head's layer is built attending in MtpHead::load") };
+        matmul(&MatmulInput::new(attn, qw, &[&a.wo]), &a.wo, &mut o);
         add_assign(&mut x, &o);
 
         let mut xn = vec![0f32; n * h];
@@ -235,7 +239,7 @@ fn confidence(row: &[f32], i: usize) -> f32 {
 /// Bytes of the weights a dense layer's matmuls read per token; None for a mixture of experts.
 fn layer_bytes(l: &LayerWeights) -> Option<usize> {
     let FeedForward::Dense(f) = &l.ffn else { return None };
-    Some([&l.wq, &l.wk, &l.wv, &l.wo, &f.gate, &f.up, &f.down].iter().map(|m| m.bytes().len()).sum())
+    Some(l.mixer_matrices().into_iter().chain([&f.gate, &f.up, &f.down]).map(|m| m.bytes().len()).sum())
 }
 
 /// A target row the head has not turned into a context key yet: the row at `pos` and the token

@@ -33,6 +33,15 @@ impl TinyModel {
         write_tiny_llama(&draft, &TinySpec { seed: 12, layers: 1, ..Default::default() }).expect("write draft model");
         Self { _dir: dir, path, draft }
     }
+
+    /// A tiny hybrid (Qwen3.5's three Gated DeltaNet layers to one gated-attention layer), as
+    /// the main model; the draft is the ordinary tiny model.
+    pub fn hybrid() -> Self {
+        let m = Self::new();
+        let spec = TinySpec { seed: 13, layers: 4, arch: specula_model::Arch::Qwen35, ..Default::default() };
+        write_tiny_llama(&m.path, &spec).expect("write tiny hybrid");
+        m
+    }
 }
 
 /// Speculative decoding for a test engine (not adaptive, so it always speculates, unless built

@@ -7,12 +7,16 @@ use specula_kernels::attention::KvLayout;
 use specula_model::{ForwardBatch, KvStore, LlamaModel, SeqSpan};
 
 pub const BLOCK_SIZE: usize = 16;
+/// Sequences a test cache holds recurrent state for.
+const SEQS: usize = 16;
 
 /// A KV store plus a free list that hands blocks out in a scrambled order, so block tables are
 /// not contiguous (as in the engine after some churn).
 pub struct Cache {
     pub kv: KvStore,
     free: Vec<u32>,
+    /// Recurrent-state slots handed out (hybrid models), one per sequence.
+    states: usize,
 }
 
 /// One sequence's tokens, block table and how many tokens have their KV computed.
@@ -20,6 +24,8 @@ pub struct Seq {
     pub tokens: Vec<u32>,
     pub table: Vec<u32>,
     pub done: usize,
+    /// Its recurrent-state slot (used by hybrid models only).
+    pub state: usize,
 }
 
 impl Cache {
@@ -29,14 +35,17 @@ impl Cache {
         // odd blocks first, then even ones, each descending: tables jump around the store
         let mut free: Vec<u32> = (0..num_blocks as u32).filter(|b| b % 2 == 0).collect();
         free.extend((0..num_blocks as u32).filter(|b| b % 2 == 1));
-        Self { kv: KvStore::new(c.n_layers, layout, num_blocks, specula_kernels::kv::KvDtype::F32).expect("a test KV store"), free }
+        Self { kv: KvStore::for_model(c, layout, num_blocks, specula_kernels::kv::KvDtype::F32, SEQS).expect("a test KV store"), free, states: 0 }
     }
 
     pub fn seq(&mut self, tokens: &[u32]) -> Seq {
         let blocks = tokens.len().div_ceil(BLOCK_SIZE);
         assert!(self.free.len() >= blocks, "test cache too small");
         let table = self.free.split_off(self.free.len() - blocks);
-        Seq { tokens: tokens.to_vec(), table, done: 0 }
+        assert!(self.states < SEQS, "test cache holds state for {SEQS} sequences");
+        // the slots in reverse too: a sequence's state slot is not its index
+        self.states += 1;
+        Seq { tokens: tokens.to_vec(), table, done: 0, state: SEQS - self.states }
     }
 }
 
@@ -56,8 +65,10 @@ pub fn forward(model: &LlamaModel, cache: &mut Cache, work: &mut [(&mut Seq, usi
     let spans: Vec<SeqSpan> =
         work.iter().zip(&ranges).map(|((s, _), &(q_start, q_len, context_len))| SeqSpan { q_start, q_len, context_len, block_table: &s.table }).collect();
     let rows: Vec<usize> = (0..tokens.len()).collect();
-    let out =
-        model.forward(&ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &rows, hidden_layers: &[] }, &mut cache.kv).expect("forward");
+    let states: Vec<usize> = work.iter().map(|(s, _)| s.state).collect();
+    let out = model
+        .forward(&ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &states }, &mut cache.kv)
+        .expect("forward");
     let vocab = model.config.vocab_size;
     for (s, n) in work.iter_mut() {
         s.done += *n;
