@@ -19,6 +19,22 @@ Shapes (architecture, format as the published / llama-quantize files lay it out)
   rule for a fused QKV), ``ffn_down`` Q6_K on the ``use_more_bits`` layers, and the tied
   ``token_embd`` Q6_K (llama-quantize gives a tied embedding the output's type); norms and
   LongRoPE factors F32.
+* ``qwen3.5-4b`` (``qwen35``, "Q4_K_M"): a Qwen3.5-4B-like hybrid, its numbers following the
+  published Qwen3.5 / Qwen3-Next configs' proportions (hidden 2560, 32 layers, FFN 9216, vocabulary
+  248320, untied output). Every 4th layer (3, 7, 11, ...; ``full_attention_interval`` 4) is gated
+  full attention: 16 query heads of 256 (``attn_q`` holds each head's queries and its output
+  gate: 2 x 16 x 256 rows), 4 KV heads, Q/K norms, partial interleaved RoPE (64 of 256 dimensions,
+  ``rope.dimension_sections`` [11, 11, 10, 0]). The other layers are Gated DeltaNet (``ssm.*``:
+  16 query/key heads and 32 value heads of 128, a 4-tap causal convolution): a fused ``attn_qkv``
+  (2 x 16 x 128 + 32 x 128 rows), the output gate ``attn_gate``, the per-head ``ssm_beta`` /
+  ``ssm_alpha`` projections, ``ssm_out``; F32 ``ssm_conv1d``, ``ssm_dt.bias``, ``ssm_a`` (negative:
+  it is -exp(A_log)) and ``ssm_norm``. Formats: Q4_K, except ``attn_qkv`` Q5_K (llama-quantize's
+  Q4_K_M rule for a fused QKV), ``attn_v`` and ``ffn_down`` Q6_K on the ``use_more_bits`` layers,
+  ``ssm_beta`` / ``ssm_alpha`` Q8_0 (small matrices: 32 rows each), ``output`` Q6_K, ``token_embd``
+  Q4_K; norms and the recurrent layers' small vectors F32. The pre-FFN norm is
+  ``post_attention_norm`` (as llama.cpp names it for ``qwen35``). It is a "-like" shape, not a
+  copy of a released file's header: tokenizer and specials are the script's own (below, with
+  Qwen's ChatML specials and the ``qwen2`` pre-tokenizer as the qwen3 shape has).
 
 ``--layers N`` writes a shallower file with the same per-layer shapes; ``use_more_bits`` is then
 applied over N layers. Values are random but every block is valid: f16 scales are finite normal
@@ -26,7 +42,8 @@ numbers, E8M0 exponents are far from 0 and 255, Q8_0 never uses -128; the scales
 each dequantized weight has a standard deviation of ``min(0.02, 1/sqrt(fan_in))`` around a zero
 mean (so each projection roughly keeps the scale of its normalised input and the hidden state
 stays finite through the layers). Norm weights are ~1, biases small, the router F32 with
-std 1/sqrt(hidden).
+std 1/sqrt(hidden); Gated DeltaNet's ``ssm_a`` is -exp(uniform(-1, 1.5)), ``ssm_dt.bias`` has std
+0.5 and the convolution taps std 0.3.
 
 The file is streamed: the header, metadata and tensor directory first, then each tensor
 generated right before it is written (the largest, gpt-oss's Q8_0 embedding, is ~0.6 GB), with
@@ -111,6 +128,15 @@ SHAPES = {
         bos="<|endoftext|>", eos="<|endoftext|>",
         rope_dims=96, extra={"attn_factor": 1.1902381, "orig_ctx": 4096},
     ),
+    "qwen3.5-4b": Shape(
+        name="qwen3.5-4b", arch="qwen35", hidden=2560, layers=32, heads=16, kv_heads=4, head_dim=256,
+        vocab=248320, context=262144, rope_base=1e7, rms_eps=1e-6, ffn=9216,
+        file_type=int(gguf.LlamaFileType.MOSTLY_Q4_K_M), pre="qwen2",
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos="<|endoftext|>", eos="<|im_end|>",
+        rope_dims=64,
+        extra={"rope_sections": [11, 11, 10, 0], "full_attention_interval": 4,
+               "ssm_conv_kernel": 4, "ssm_state": 128, "ssm_groups": 16, "ssm_v_heads": 32},
+    ),
 }
 
 
@@ -124,7 +150,7 @@ class TensorPlan:
     name: str
     shape: tuple[int, ...]  # numpy order: (experts,) rows, cols; ggml ne is the reverse
     qtype: QT
-    kind: str  # weight | norm | bias | router | sinks | rope_short | rope_long
+    kind: str  # weight | norm | bias | router | sinks | rope_short | rope_long | ssm_a | dt_bias | conv
     expert: bool = False  # part of the routed experts (for the active-parameter count)
     layer: int = -1
 
@@ -204,6 +230,38 @@ def plan(s: Shape, n_layers: int) -> list[TensorPlan]:
         add("rope_factors_long.weight", (rot // 2,), F32, "rope_long")
         add("rope_factors_short.weight", (rot // 2,), F32, "rope_short")
         add("output_norm.weight", (h,), F32, "norm")
+    elif s.arch == "qwen35":
+        x = s.extra
+        interval, d_state, v_heads = x["full_attention_interval"], x["ssm_state"], x["ssm_v_heads"]
+        key_dim, value_dim = x["ssm_groups"] * d_state, v_heads * d_state
+        conv_dim = 2 * key_dim + value_dim  # the convolution runs over q, k and v alike
+        add("token_embd.weight", (s.vocab, h), QT.Q4_K)
+        for i in range(n_layers):
+            t, more = f"blk.{i}.", use_more_bits(i, n_layers)
+            add(t + "attn_norm.weight", (h,), F32, "norm", layer=i)
+            if (i + 1) % interval == 0:  # full attention, gated: queries and a gate per head
+                add(t + "attn_q.weight", (2 * qw, h), QT.Q4_K, layer=i)
+                add(t + "attn_k.weight", (kvw, h), QT.Q4_K, layer=i)
+                add(t + "attn_v.weight", (kvw, h), QT.Q6_K if more else QT.Q4_K, layer=i)
+                add(t + "attn_output.weight", (h, qw), QT.Q4_K, layer=i)
+                add(t + "attn_q_norm.weight", (s.head_dim,), F32, "norm", layer=i)
+                add(t + "attn_k_norm.weight", (s.head_dim,), F32, "norm", layer=i)
+            else:  # Gated DeltaNet
+                add(t + "attn_qkv.weight", (conv_dim, h), QT.Q5_K, layer=i)
+                add(t + "attn_gate.weight", (value_dim, h), QT.Q4_K, layer=i)
+                add(t + "ssm_beta.weight", (v_heads, h), QT.Q8_0, layer=i)
+                add(t + "ssm_alpha.weight", (v_heads, h), QT.Q8_0, layer=i)
+                add(t + "ssm_conv1d.weight", (conv_dim, x["ssm_conv_kernel"]), F32, "conv", layer=i)
+                add(t + "ssm_dt.bias", (v_heads,), F32, "dt_bias", layer=i)
+                add(t + "ssm_a", (v_heads,), F32, "ssm_a", layer=i)
+                add(t + "ssm_norm.weight", (d_state,), F32, "norm", layer=i)
+                add(t + "ssm_out.weight", (h, value_dim), QT.Q4_K, layer=i)
+            add(t + "post_attention_norm.weight", (h,), F32, "norm", layer=i)  # the pre-FFN norm
+            add(t + "ffn_gate.weight", (s.ffn, h), QT.Q4_K, layer=i)
+            add(t + "ffn_up.weight", (s.ffn, h), QT.Q4_K, layer=i)
+            add(t + "ffn_down.weight", (h, s.ffn), QT.Q6_K if more else QT.Q4_K, layer=i)
+        add("output_norm.weight", (h,), F32, "norm")
+        add("output.weight", (s.vocab, h), QT.Q6_K)
     else:
         raise ValueError(s.arch)
     return out
@@ -331,6 +389,13 @@ def f32_tensor(t: TensorPlan, s: Shape, rng) -> np.ndarray:
     elif t.kind in ("rope_short", "rope_long"):
         # LongRoPE divisors: 1 for the fastest pairs up to ~4 (short) / ~8 (long) for the slowest
         x = np.linspace(1.0, 4.0 if t.kind == "rope_short" else 8.0, n)
+    elif t.kind == "ssm_a":
+        # -exp(A_log): each head's decay rate, negative
+        x = -np.exp(rng.uniform(-1.0, 1.5, n))
+    elif t.kind == "dt_bias":
+        x = 0.5 * rng.standard_normal(n)
+    elif t.kind == "conv":
+        x = 0.3 * rng.standard_normal(n)
     else:
         x = rng.standard_normal(n) * weight_sigma(t)
     x = x.astype(np.float32).reshape(t.shape)
@@ -408,6 +473,15 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, n_layers: int) -> None:
     if s.arch == "phi3":
         w.add_rope_scaling_attn_factors(s.extra["attn_factor"])
         w.add_rope_scaling_orig_ctx_len(s.extra["orig_ctx"])
+    if s.arch == "qwen35":
+        x = s.extra
+        w.add_rope_dimension_sections(x["rope_sections"])  # int32 array
+        w.add_full_attention_interval(x["full_attention_interval"])
+        w.add_ssm_conv_kernel(x["ssm_conv_kernel"])
+        w.add_ssm_state_size(x["ssm_state"])
+        w.add_ssm_group_count(x["ssm_groups"])
+        w.add_ssm_time_step_rank(x["ssm_v_heads"])
+        w.add_ssm_inner_size(x["ssm_v_heads"] * x["ssm_state"])
 
     tokens, types, merges = vocabulary(s)
     w.add_tokenizer_model("gpt2")

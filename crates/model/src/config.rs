@@ -277,8 +277,7 @@ impl ModelConfig {
     /// Bytes one token's keys and values take over all layers in a KV cache of `dtype`
     /// (`KvStore::bytes_per_token` for this model).
     pub fn kv_bytes_per_token(&self, dtype: specula_kernels::kv::KvDtype) -> usize {
-        let layout = specula_kernels::attention::KvLayout { block_size: 1, n_heads: self.n_heads, n_kv_heads: self.n_kv_heads, head_dim: self.head_dim };
-        crate::KvStore::bytes_per_token(self.kv_layers(), &layout, dtype)
+        2 * self.kv_layers() * dtype.bytes(self.kv_width())
     }
 
     /// Whether layer `layer` is a recurrent (Gated DeltaNet) layer rather than attention.
