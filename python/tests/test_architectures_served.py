@@ -10,9 +10,8 @@ write-tiny` / `write-tiny-moe`), as test_gpt_oss.py does for gpt-oss:
   finish_reason "stop", not run on to max_tokens.
 - Served, greedy outputs (tokens, content, reasoning, finish reason) are the same with and
   without n-gram speculation and async scheduling (the random model's text is noise, so only
-  exactness is asserted, and that the n-gram drafted). The hybrid (Gated DeltaNet layers, whose
-  recurrent state speculation cannot roll back yet) serves with speculation off, asked or not:
-  its outputs are the same with and without async scheduling.
+  exactness is asserted, and that the n-gram drafted); for the hybrid that means rejected drafts
+  rolled back out of its recurrent state.
 The forward passes themselves are checked against the NumPy reference (test_real_models.py,
 test_moe_oracle.py) and llama.cpp (scripts/llama_compare.sh).
 """
@@ -34,8 +33,6 @@ ARCHS = {
     "smollm3": ("write-tiny", ["--arch", "smollm3", "--layers", "4"], "<|im_end|>"),
     "qwen35": ("write-tiny", ["--arch", "qwen35", "--layers", "4"], "<|im_end|>"),
 }
-# families with recurrent layers: no speculation yet
-HYBRID = {"qwen35"}
 CASES = [
     {"messages": [U]},
     {"messages": [U], "add_generation_prompt": False},
@@ -104,7 +101,7 @@ def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
             c = greedy_chat(server, PROMPTS[0], logit_bias={str(turn_end): 100})
             assert c["finish_reason"] == "stop", (name, c)
             assert not c["message"].get("content") and not c["message"].get("reasoning_content"), c["message"]
-            if flags and name not in HYBRID:
+            if flags:
                 assert_drafted(server)
         finally:
             server.stop()

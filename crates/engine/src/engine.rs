@@ -78,16 +78,15 @@ impl Engine {
             EngineError::Config(format!("--prefix-cache-dir {}: {e}", cfg.prefix_tiers.disk.as_ref().map_or_else(String::new, |d| d.dir.display().to_string())))
         })?;
         host.kv.set_tiers(tiers);
-        // a hybrid's recurrent state goes with each running sequence and cannot be rolled back yet:
-        // no prefix cache (a cached prefix has no state beside it) and no jump-forward drafts
-        let recurrent = c.arch_options.recurrent.is_some();
+        // a hybrid's recurrent state goes with each running sequence (rolled back by the model
+        // past rejected drafts): no prefix cache, as a cached prefix has no state beside it
         if let Some(r) = &c.arch_options.recurrent {
             host.kv.set_state_slots(cfg.max_num_seqs);
             tracing::info!(
                 recurrent_layers = r.count(),
                 state_mb_per_sequence = r.bytes_per_sequence() as f64 / 1e6,
                 state_mb = (r.bytes_per_sequence() * cfg.max_num_seqs) as f64 / 1e6,
-                "recurrent state for {} sequences; prefix caching and structured-output jump-forward are off for this model",
+                "recurrent state for {} sequences; prefix caching is off for this model",
                 cfg.max_num_seqs
             );
         }
@@ -121,7 +120,7 @@ impl Engine {
             pool: Arc::new(pool),
             max_model_len: cfg.max_model_len,
             fault: cfg.fault_injection,
-            jump_forward: cfg.jump_forward && !recurrent,
+            jump_forward: cfg.jump_forward,
             queue: counters.clone(),
             max_num_seqs: cfg.max_num_seqs,
         };
@@ -157,12 +156,6 @@ impl Engine {
     /// and thread count measured (a data-parallel group measures once, on its first rank).
     pub fn with_speculation_cost(mut self, cfg: SpecConfig, proposer: Box<dyn Proposer>, cost: Option<CostModel>) -> Result<Self, EngineError> {
         cfg.validate().map_err(EngineError::Config)?;
-        if self.ctx.model.config.arch_options.recurrent.is_some() {
-            return Err(EngineError::Config(format!(
-                "speculative decoding on {} is not supported yet: its recurrent layers' state cannot be rolled back past a rejected draft (use --speculative-method none)",
-                self.ctx.model.config.arch
-            )));
-        }
         let mut proposer = proposer;
         let cost = match cost {
             Some(c) => {

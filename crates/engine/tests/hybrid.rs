@@ -2,7 +2,9 @@
 //! whole engine: each running sequence holds one slot of recurrent state from admission to its
 //! end, so a request's greedy tokens and a seeded request's sampled tokens are the same alone, among
 //! 15 others arriving at staggered times (chunked prefills beside decodes), with async scheduling,
-//! and when a tiny KV pool forces preemption (a preempted sequence starts its state over).
+//! and when a tiny KV pool forces preemption (a preempted sequence starts its state over); and the
+//! same greedy tokens with speculative decoding (n-gram, a draft model, an mtp head), whose
+//! rejected drafts the model rolls back out of the recurrent state (`RecurrentStore`).
 
 mod common;
 
@@ -10,15 +12,25 @@ use common::{greedy, prompt, seeded, Client, Harness, Spec, TinyModel};
 use specula_engine::{EngineConfig, FinishReason, SamplingParams};
 
 fn alone(m: &TinyModel, cfg: EngineConfig, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
-    let mut h = Harness::on(m, cfg, Spec::None);
+    alone_with(m, cfg, Spec::None, p, params).0
+}
+
+/// The tokens, and the draft tokens verified and accepted.
+fn alone_with(m: &TinyModel, cfg: EngineConfig, spec: Spec, p: Vec<u32>, params: SamplingParams) -> (Vec<u32>, (u64, u64)) {
+    let mut h = Harness::on(m, cfg, spec);
     let mut c = h.submit(p, params);
     h.run(&mut [&mut c], 1000);
     h.assert_idle_and_leak_free();
-    c.finished_tokens(FinishReason::Length)
+    let drafted = h.engine.spec_metrics().map_or((0, 0), |s| (s.num_draft_tokens, s.num_accepted_tokens));
+    (c.finished_tokens(FinishReason::Length), drafted)
 }
 
 fn in_a_crowd(m: &TinyModel, cfg: EngineConfig, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
-    let mut h = Harness::on(m, cfg, Spec::None);
+    in_a_crowd_with(m, cfg, Spec::None, p, params)
+}
+
+fn in_a_crowd_with(m: &TinyModel, cfg: EngineConfig, spec: Spec, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
+    let mut h = Harness::on(m, cfg, spec);
     let mut others: Vec<Client> = Vec::new();
     let mut target = None;
     for i in 0..16u64 {
@@ -78,4 +90,23 @@ fn hybrid_preemption_under_a_tiny_kv_pool_changes_no_output() {
     // fewer state slots than requests: the rest wait for a running one to end
     let (few, _) = run(EngineConfig { max_num_seqs: 2, ..common::tiny_config() });
     assert_eq!(expected, few, "two sequences at a time");
+}
+
+#[test]
+fn hybrid_greedy_with_speculation_equals_greedy_without() {
+    let m = TinyModel::hybrid();
+    let p = prompt(77, 1);
+    let reference = alone(&m, common::tiny_config(), p.clone(), greedy(40));
+    for spec in [Spec::Ngram(3), Spec::OtherDraft(3), Spec::Mtp(2)] {
+        let (got, (drafted, accepted)) = alone_with(&m, common::tiny_config(), spec, p.clone(), greedy(40));
+        assert_eq!(reference, got, "{spec:?} alone");
+        // drafts were verified and some rejected: rollbacks ran
+        assert!(drafted > accepted, "{spec:?}: {drafted} drafted, {accepted} accepted");
+        assert_eq!(reference, in_a_crowd_with(&m, common::tiny_config(), spec, p.clone(), greedy(40)), "{spec:?} in a crowd");
+        let ahead = EngineConfig { async_scheduling: true, ..common::tiny_config() };
+        assert_eq!(reference, in_a_crowd_with(&m, ahead, spec, p.clone(), greedy(40)), "{spec:?} in a crowd, async scheduling");
+    }
+    // a seeded stream is the same alone and in a crowd under speculation too
+    let seeded_alone = alone_with(&m, common::tiny_config(), Spec::Ngram(3), p.clone(), seeded(40, 0.8, 42)).0;
+    assert_eq!(seeded_alone, in_a_crowd_with(&m, common::tiny_config(), Spec::Ngram(3), p.clone(), seeded(40, 0.8, 42)));
 }

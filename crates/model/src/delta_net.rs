@@ -81,21 +81,24 @@ impl DeltaNetWeights {
         let mut mixed = vec![0f32; rows * c];
         for (s, &slot) in seqs.iter().zip(state_slots) {
             let window = &mut state.conv[slot * conv_len..(slot + 1) * conv_len];
-            if s.context_len == s.q_len {
-                window.iter_mut().for_each(|v| *v = 0.0);
-                state.ssm[slot * ssm_len..(slot + 1) * ssm_len].iter_mut().for_each(|v| *v = 0.0);
-            }
             let span = s.q_start * c..(s.q_start + s.q_len) * c;
+            if kept_span(s.q_len) {
+                // what rolling this span back needs: the state before it and its rows' inputs
+                let k = &mut state.kept[slot];
+                copy_into(&mut k.conv, window);
+                copy_into(&mut k.ssm, &state.ssm[slot * ssm_len..(slot + 1) * ssm_len]);
+                copy_into(&mut k.pre, &qkv[span.clone()]);
+            }
             causal_conv1d_silu(&qkv[span.clone()], c, &self.conv, r.conv_kernel, window, &mut mixed[span]);
         }
-        let (mut q, mut k, mut v) = (Vec::with_capacity(rows * kw), Vec::with_capacity(rows * kw), Vec::with_capacity(rows * vw));
+        let (mut q, mut k_, mut v) = (Vec::with_capacity(rows * kw), Vec::with_capacity(rows * kw), Vec::with_capacity(rows * vw));
         for row in mixed.chunks_exact(c) {
             q.extend_from_slice(&row[..kw]);
-            k.extend_from_slice(&row[kw..2 * kw]);
+            k_.extend_from_slice(&row[kw..2 * kw]);
             v.extend_from_slice(&row[2 * kw..]);
         }
         l2_norm_heads(&mut q, d, eps);
-        l2_norm_heads(&mut k, d, eps);
+        l2_norm_heads(&mut k_, d, eps);
         // the decay's log and the write strength, per row and value head
         for row in 0..rows {
             for h in 0..hv {
@@ -104,9 +107,18 @@ impl DeltaNetWeights {
                 beta[i] = 1.0 / (1.0 + (-beta[i]).exp());
             }
         }
+        for (s, &slot) in seqs.iter().zip(state_slots).filter(|(s, _)| kept_span(s.q_len)) {
+            let (a, b) = (s.q_start, s.q_start + s.q_len);
+            let k = &mut state.kept[slot];
+            copy_into(&mut k.q, &q[a * kw..b * kw]);
+            copy_into(&mut k.k, &k_[a * kw..b * kw]);
+            copy_into(&mut k.v, &v[a * vw..b * vw]);
+            copy_into(&mut k.g, &alpha[a * hv..b * hv]);
+            copy_into(&mut k.beta, &beta[a * hv..b * hv]);
+        }
         let spans: Vec<DeltaSpan> = seqs.iter().zip(state_slots).map(|(s, &slot)| DeltaSpan { start: s.q_start, len: s.q_len, state: slot }).collect();
         let mut o = vec![0f32; rows * vw];
-        let inputs = DeltaInputs { q: &q, k: &k, v: &v, g: &alpha, beta: &beta };
+        let inputs = DeltaInputs { q: &q, k: &k_, v: &v, g: &alpha, beta: &beta };
         gated_delta_rule(r.delta_shape(), &inputs, &spans, state.ssm, &mut o);
         // gated RMSNorm per head: norm(o) * silu(z)
         for (oh, zh) in o.chunks_exact_mut(d).zip(z.chunks_exact(d)) {
@@ -132,16 +144,52 @@ fn bad(layer: usize, what: &str, message: String) -> ModelError {
     ModelError::BadTensor { name: format!("blk.{layer}.{what}"), message }
 }
 
-/// One recurrent layer's states of every sequence slot.
+/// A span of at most this many rows (a verify step's 1 + k, k drafts) keeps what rolling it back
+/// needs; a longer one is a prefill chunk, which is never rolled back, and a single row never is.
+pub const MAX_KEPT_ROWS: usize = 64;
+
+fn kept_span(rows: usize) -> bool {
+    (2..=MAX_KEPT_ROWS).contains(&rows)
+}
+
+fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
+    dst.clear();
+    dst.extend_from_slice(src);
+}
+
+/// One recurrent layer's states of every sequence slot, and what each slot kept of its last
+/// short span.
 pub struct LayerState<'a> {
     pub conv: &'a mut [f32],
     pub ssm: &'a mut [f32],
+    kept: &'a mut [Kept],
+}
+
+/// What rolling back one slot's last short span in one layer needs: the convolution window and
+/// head states before it, its rows' inputs to the convolution, and its rows' inputs to the delta
+/// rule. Grown on first use and reused (only sequences that speculate fill it).
+#[derive(Default)]
+struct Kept {
+    conv: Vec<f32>,
+    ssm: Vec<f32>,
+    pre: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
 }
 
 /// The recurrent state of every sequence slot, per recurrent layer: the convolution's window and
 /// the delta rule's head states, f32. The engine gives each running sequence one slot
-/// (`ForwardBatch::state_slots`); a span at position 0 starts its slot from zero.
+/// (`ForwardBatch::state_slots`). Each slot knows the position its state has reached, and a span
+/// must start there, at 0 (a fresh sequence: zero state), or inside the slot's last short span
+/// (a verify step whose drafts were rejected from there on): the state is then rolled back by
+/// restoring it from before that span and replaying the accepted rows' kept inputs through the
+/// delta rule (the same operations in the same order: the same bits as never having run the
+/// rejected rows), so speculation over recurrent layers stays exact without a copy per position.
 pub struct RecurrentStore {
+    config: RecurrentConfig,
     slots: usize,
     conv_len: usize,
     ssm_len: usize,
@@ -149,6 +197,12 @@ pub struct RecurrentStore {
     index: Vec<Option<usize>>,
     conv: Vec<Vec<f32>>,
     ssm: Vec<Vec<f32>>,
+    /// Per slot: the position its state has reached (`None`: never run).
+    pos: Vec<Option<usize>>,
+    /// Per slot: the first position and rows of its last span, when that span kept its inputs.
+    last: Vec<Option<(usize, usize)>>,
+    /// Per recurrent layer, per slot.
+    kept: Vec<Vec<Kept>>,
 }
 
 impl RecurrentStore {
@@ -166,7 +220,18 @@ impl RecurrentStore {
                 })
             })
             .collect();
-        Self { slots, conv_len, ssm_len, index, conv: vec![vec![0f32; slots * conv_len]; n], ssm: vec![vec![0f32; slots * ssm_len]; n] }
+        Self {
+            config: r.clone(),
+            slots,
+            conv_len,
+            ssm_len,
+            index,
+            conv: vec![vec![0f32; slots * conv_len]; n],
+            ssm: vec![vec![0f32; slots * ssm_len]; n],
+            pos: vec![None; slots],
+            last: vec![None; slots],
+            kept: (0..n).map(|_| (0..slots).map(|_| Kept::default()).collect()).collect(),
+        }
     }
 
     /// Sequence slots.
@@ -174,14 +239,74 @@ impl RecurrentStore {
         self.slots
     }
 
-    /// Bytes held.
+    /// Bytes held (the kept spans grow it while sequences speculate).
     pub fn bytes(&self) -> usize {
-        self.conv.len() * self.slots * (self.conv_len + self.ssm_len) * std::mem::size_of::<f32>()
+        let kept: usize =
+            self.kept.iter().flatten().map(|k| [&k.conv, &k.ssm, &k.pre, &k.q, &k.k, &k.v, &k.g, &k.beta].iter().map(|v| v.capacity()).sum::<usize>()).sum();
+        (self.conv.len() * self.slots * (self.conv_len + self.ssm_len) + kept) * std::mem::size_of::<f32>()
     }
 
     /// Layer `layer`'s states, `None` for an attention layer.
     pub fn layer(&mut self, layer: usize) -> Option<LayerState<'_>> {
         let i = (*self.index.get(layer)?)?;
-        Some(LayerState { conv: &mut self.conv[i], ssm: &mut self.ssm[i] })
+        Some(LayerState { conv: &mut self.conv[i], ssm: &mut self.ssm[i], kept: &mut self.kept[i] })
+    }
+
+    /// Brings every span's slot to the position the span starts at, before a forward pass runs
+    /// them: zero state at position 0, the state as it is where it already is, rolled back into
+    /// its last kept span (see the type's docs); anything else is an error (the state for that
+    /// position is gone). Then records where each slot will be after the pass.
+    pub fn begin(&mut self, seqs: &[SeqSpan], state_slots: &[usize]) -> Result<(), ModelError> {
+        for (s, &slot) in seqs.iter().zip(state_slots) {
+            let start = s.context_len - s.q_len;
+            match (self.pos[slot], self.last[slot]) {
+                _ if start == 0 => self.reset(slot),
+                (Some(p), _) if p == start => {}
+                (Some(p), Some((from, rows))) if from <= start && start < p && start < from + rows => self.roll_back(slot, start - from),
+                (p, _) => {
+                    return Err(ModelError::BadInput(format!(
+                        "recurrent state slot {slot} is at position {}; a span cannot continue it from position {start}",
+                        p.map_or_else(|| "none".to_string(), |p| p.to_string())
+                    )))
+                }
+            }
+            self.pos[slot] = Some(s.context_len);
+            self.last[slot] = kept_span(s.q_len).then_some((start, s.q_len));
+        }
+        Ok(())
+    }
+
+    /// Takes slot `slot`'s state as being at position `pos`, whatever it holds: for timing
+    /// forward passes that repeat one position (`cost::time_forward`), never for outputs.
+    pub fn assume_position(&mut self, slot: usize, pos: usize) {
+        if let Some(p) = self.pos.get_mut(slot) {
+            *p = Some(pos);
+        }
+    }
+
+    fn reset(&mut self, slot: usize) {
+        let (cl, sl) = (self.conv_len, self.ssm_len);
+        for (conv, ssm) in self.conv.iter_mut().zip(&mut self.ssm) {
+            conv[slot * cl..(slot + 1) * cl].iter_mut().for_each(|v| *v = 0.0);
+            ssm[slot * sl..(slot + 1) * sl].iter_mut().for_each(|v| *v = 0.0);
+        }
+    }
+
+    /// Slot `slot` back to `keep` rows into its last kept span, in every recurrent layer.
+    fn roll_back(&mut self, slot: usize, keep: usize) {
+        let r = &self.config;
+        let (c, kw, vw, hv) = (r.conv_channels(), r.key_width(), r.value_width(), r.v_heads);
+        let (cl, sl) = (self.conv_len, self.ssm_len);
+        let mut scratch = vec![0f32; keep * vw];
+        for ((conv, ssm), kept) in self.conv.iter_mut().zip(&mut self.ssm).zip(&self.kept) {
+            let k = &kept[slot];
+            // the window: the last width - 1 rows of the window before the span and the kept rows
+            let mut rows = k.conv.clone();
+            rows.extend_from_slice(&k.pre[..keep * c]);
+            conv[slot * cl..(slot + 1) * cl].copy_from_slice(&rows[rows.len() - cl..]);
+            ssm[slot * sl..(slot + 1) * sl].copy_from_slice(&k.ssm);
+            let inputs = DeltaInputs { q: &k.q[..keep * kw], k: &k.k[..keep * kw], v: &k.v[..keep * vw], g: &k.g[..keep * hv], beta: &k.beta[..keep * hv] };
+            gated_delta_rule(r.delta_shape(), &inputs, &[DeltaSpan { start: 0, len: keep, state: slot }], ssm, &mut scratch);
+        }
     }
 }

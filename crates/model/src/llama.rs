@@ -417,6 +417,9 @@ impl LlamaModel {
             }
         }
 
+        if let Some(store) = kv.recurrent.as_mut() {
+            store.begin(batch.seqs, batch.state_slots)?;
+        }
         let mut x = vec![0f32; t * h];
         for (i, &tok) in batch.tokens.iter().enumerate() {
             self.embed_into(tok, &mut x[i * h..(i + 1) * h]);

@@ -77,6 +77,9 @@ const TOKEN_USER_DEFINED: i32 = 4;
 /// Qwen2's split (llama.cpp `qwen2`, Hugging Face Qwen2 tokenizer.json): Llama 3's pattern with
 /// single digits.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's split (llama.cpp `qwen35`): Qwen2's, with combining marks (`\p{M}`) joining the
+/// letters they follow.
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split (llama.cpp `llama-bpe`, Meta-Llama-3 tokenizer.json): digits in groups of up to 3.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// o200k's split (llama.cpp `gpt-4o`: Phi-4-mini, gpt-oss): cased words keep their contraction,
@@ -390,11 +393,15 @@ fn byte_level_bpe(spec: &GgufTokenizerSpec) -> Result<Parts, ModelError> {
             normalizer = json!({"type": "NFC"});
             split_then_bytes(QWEN2_SPLIT)
         }
+        "qwen35" => {
+            normalizer = json!({"type": "NFC"});
+            split_then_bytes(QWEN35_SPLIT)
+        }
         "gpt-4o" => split_then_bytes(GPT4O_SPLIT),
         "gpt2" | "default" => byte_level,
         other => {
             return Err(ModelError::Unsupported(format!(
-                "GGUF pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported (known: default, gpt2, smollm, llama-bpe, qwen2, gpt-4o); put a tokenizer.json beside the model and pass the folder"
+                "GGUF pre-tokenizer '{other}' (tokenizer.ggml.pre) is not supported (known: default, gpt2, smollm, llama-bpe, qwen2, qwen35, gpt-4o); put a tokenizer.json beside the model and pass the folder"
             )))
         }
     };
@@ -558,6 +565,7 @@ mod tests {
     fn digit_splitting_follows_the_pre_tokenizer() {
         // Qwen2 and SmolLM: one digit per pre-token; Llama 3: up to three; GPT-2: whole runs.
         assert_eq!(pieces(&byte_level("qwen2").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
+        assert_eq!(pieces(&byte_level("qwen35").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
         assert_eq!(pieces(&byte_level("smollm").unwrap(), "12345"), ["1", "2", "3", "4", "5"]);
         assert_eq!(pieces(&byte_level("llama-bpe").unwrap(), "12345"), ["123", "4", "5"]);
         // o200k (Phi-4-mini, gpt-oss): groups of three like Llama 3, merges applied

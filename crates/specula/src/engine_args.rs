@@ -251,15 +251,6 @@ fn parse_probability(s: &str) -> Result<f32, String> {
 }
 
 impl SpecArgs {
-    /// Turns speculation off, with a warning, for a model it cannot run on yet: a hybrid's
-    /// recurrent state cannot be rolled back past a rejected draft (issue #51).
-    pub fn fit_model(&mut self, c: &specula_model::ModelConfig) {
-        if c.arch_options.recurrent.is_some() && self.speculative_method.0.is_some() {
-            tracing::warn!("speculative decoding is not supported on {} yet (its recurrent layers' state cannot be rolled back): off", c.arch);
-            self.speculative_method = MethodArg(None);
-        }
-    }
-
     pub fn to_config(&self) -> Option<SpecConfig> {
         let choice = self.speculative_method.0?;
         let ngram = choice.method == SpecMethod::Ngram || choice.with_ngram;

@@ -28,12 +28,11 @@ pub struct GenerateArgs {
     pub system: Option<String>,
 }
 
-pub fn run(mut args: GenerateArgs) -> Result<()> {
+pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.to_params();
     params.validate(usize::MAX).map_err(|e| anyhow::anyhow!("invalid --{}: {}", e.param.replace('_', "-"), e.message))?;
     let path = crate::fetch::resolve_model(&args.engine.model)?;
     let loaded = load_model_with(&path, &args.engine.load_options(&path, 1))?;
-    args.engine.spec.fit_model(&loaded.model.config);
     eprintln!("loaded {} in {} ms", loaded.name, loaded.load_time.as_millis());
     let text = if args.chat {
         let tmpl = loaded.chat_template.as_ref().context("this model has no chat template; drop --chat")?;

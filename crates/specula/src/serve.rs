@@ -119,7 +119,7 @@ pub enum DataParallelBackend {
     Mpi,
 }
 
-pub fn run(mut args: ServeArgs) -> Result<()> {
+pub fn run(args: ServeArgs) -> Result<()> {
     if args.engine.async_scheduling && args.data_parallel_mode == DataParallelMode::Lockstep {
         // lockstep ranks agree on a step's shape before it is scheduled; a step prepared ahead
         // would need the next agreement during the current step
@@ -133,7 +133,6 @@ pub fn run(mut args: ServeArgs) -> Result<()> {
     // one choice for every in-process rank (their copies are counted before the first is made)
     let load_options = args.engine.load_options(&path, dp_size);
     let loaded = load_model_with(&path, &load_options)?;
-    args.engine.spec.fit_model(&loaded.model.config);
     let in_place = loaded.model.in_place_bytes();
     if in_place > 0 {
         let choice = clap::ValueEnum::to_possible_value(&args.engine.expert_weights).map_or_else(String::new, |v| v.get_name().to_string());

@@ -79,14 +79,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
 fn build(args: &ServeArgs, mode: DpMode, size: usize) -> Result<Built> {
     let path = crate::fetch::resolve_model(&args.engine.model)?;
     let mut loaded = load_model_with(&path, &args.engine.load_options(&path, 1))?;
-    let mut spec_args = args.engine.spec.clone();
-    spec_args.fit_model(&loaded.model.config);
     let mut cfg = args.engine.to_config(&path, &loaded, 1)?;
     cfg.shutdown_grace = Duration::from_secs(args.shutdown_grace_secs);
     if args.engine.threads.is_none() {
         cfg.threads = default_threads();
     }
-    let spec = spec_args.build(&loaded.model, &loaded.tokenizer, &cfg)?;
+    let spec = args.engine.spec.build(&loaded.model, &loaded.tokenizer, &cfg)?;
     // this process keeps its 1/N of the experts (fails alike on every rank for a bad N)
     args.engine.setup_expert_parallel_mpi(&mut loaded.model, mode == DpMode::Lockstep)?;
     let desc =

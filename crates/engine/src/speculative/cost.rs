@@ -261,6 +261,10 @@ pub fn time_forward(model: &LlamaModel, points: &[usize], context: usize, rounds
             let slots: Vec<usize> = (context..context + n).map(slot).collect();
             // verification needs every row's logits
             let rows: Vec<usize> = (0..n).collect();
+            // every pass continues from the same position (a hybrid's state is taken as there)
+            if let Some(r) = kv.recurrent.as_mut() {
+                r.assume_position(0, context);
+            }
             let start = Instant::now();
             model.forward(&ForwardBatch { tokens: &toks, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &[0] }, &mut kv)?;
             if round > 0 {

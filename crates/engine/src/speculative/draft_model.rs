@@ -40,6 +40,14 @@ impl DraftModelProposer {
             )));
         }
         let c = &model.config;
+        if c.arch_options.recurrent.is_some() {
+            // it drafts a token per pass and would roll back over single rows, which a recurrent
+            // state cannot; a hybrid target drafts with a model of attention layers
+            return Err(SpecError::Config(format!(
+                "a {} model (recurrent layers) cannot be the draft model yet; draft with an attention model, the n-gram method or an mtp head",
+                c.arch
+            )));
+        }
         let layout = KvLayout { block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
         let kv_store = KvStore::new(c.n_layers, layout, num_blocks, specula_kernels::kv::KvDtype::default())?;
         // with prefix caching: an agent's next turn resends the conversation, which the draft
