@@ -29,6 +29,23 @@ pub enum DebugCmd {
     /// KL divergence and top-1 agreement of each KV cache type against f32, teacher-forced over
     /// a long prompt, per range of positions.
     KvFidelity(crate::kv_fidelity::KvFidelityArgs),
+    /// Write an untrained mtp head (random weights, shaped for --model) for timing speculation
+    /// on generated files (`--speculative-method mtp --draft-model HEAD
+    /// --speculative-force-accept`): its drafts are noise.
+    WriteRandomHead(RandomHeadArgs),
+}
+
+#[derive(Args)]
+pub struct RandomHeadArgs {
+    #[arg(long)]
+    pub model: PathBuf,
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Tokens of the head's pruned vocabulary.
+    #[arg(long, default_value_t = 4096)]
+    pub vocab: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 /// `--arch`: one of `Arch::ALL`'s names, which `--help` lists.
@@ -233,6 +250,10 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             write_tiny_moe(&a.output, &spec)?;
         }
         DebugCmd::KvFidelity(a) => crate::kv_fidelity::run(a)?,
+        DebugCmd::WriteRandomHead(a) => {
+            let target = specula_model::loader::load_gguf_weights(&a.model)?;
+            specula_engine::speculative::mtp_format::write_random_head(&a.output, &target, a.vocab, a.seed)?;
+        }
         DebugCmd::CheckModel(a) => {
             let loaded = load_model(&a.model)?;
             let c = &loaded.model.config;
