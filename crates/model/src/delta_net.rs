@@ -69,16 +69,17 @@ impl DeltaNetWeights {
         seqs: &[SeqSpan],
         state_slots: &[usize],
         state: LayerState,
+        scratch: &mut DeltaScratch,
         out: &mut [f32],
     ) {
         let rows = xn.len() / hidden;
         let (c, kw, vw, hv, d) = (r.conv_channels(), r.key_width(), r.value_width(), r.v_heads, r.head_dim);
-        let (mut qkv, mut z, mut beta, mut alpha) = (vec![0f32; rows * c], vec![0f32; rows * vw], vec![0f32; rows * hv], vec![0f32; rows * hv]);
+        let DeltaScratch { qkv, z, beta, alpha, mixed, q, k: k_, v, o } = scratch;
+        let (qkv, z, beta, alpha, mixed, o) = (sized(qkv, rows * c), sized(z, rows * vw), sized(beta, rows * hv), sized(alpha, rows * hv), sized(mixed, rows * c), sized(o, rows * vw));
         let mats = [&self.wqkv, &self.wgate, &self.wbeta, &self.walpha];
-        matmul_many(&MatmulInput::new(xn, hidden, &mats), &mats, &mut [&mut qkv, &mut z, &mut beta, &mut alpha]);
+        matmul_many(&MatmulInput::new(xn, hidden, &mats), &mats, &mut [&mut *qkv, &mut *z, &mut *beta, &mut *alpha]);
 
         let (conv_len, ssm_len) = (r.conv_state_len(), r.delta_shape().state_len());
-        let mut mixed = vec![0f32; rows * c];
         for (s, &slot) in seqs.iter().zip(state_slots) {
             let window = &mut state.conv[slot * conv_len..(slot + 1) * conv_len];
             let span = s.q_start * c..(s.q_start + s.q_len) * c;
@@ -91,14 +92,16 @@ impl DeltaNetWeights {
             }
             causal_conv1d_silu(&qkv[span.clone()], c, &self.conv, r.conv_kernel, window, &mut mixed[span]);
         }
-        let (mut q, mut k_, mut v) = (Vec::with_capacity(rows * kw), Vec::with_capacity(rows * kw), Vec::with_capacity(rows * vw));
+        q.clear();
+        k_.clear();
+        v.clear();
         for row in mixed.chunks_exact(c) {
             q.extend_from_slice(&row[..kw]);
             k_.extend_from_slice(&row[kw..2 * kw]);
             v.extend_from_slice(&row[2 * kw..]);
         }
-        l2_norm_heads(&mut q, d, eps);
-        l2_norm_heads(&mut k_, d, eps);
+        l2_norm_heads(q, d, eps);
+        l2_norm_heads(k_, d, eps);
         // the decay's log and the write strength, per row and value head
         for row in 0..rows {
             for h in 0..hv {
@@ -117,9 +120,8 @@ impl DeltaNetWeights {
             copy_into(&mut k.beta, &beta[a * hv..b * hv]);
         }
         let spans: Vec<DeltaSpan> = seqs.iter().zip(state_slots).map(|(s, &slot)| DeltaSpan { start: s.q_start, len: s.q_len, state: slot }).collect();
-        let mut o = vec![0f32; rows * vw];
-        let inputs = DeltaInputs { q: &q, k: &k_, v: &v, g: &alpha, beta: &beta };
-        gated_delta_rule(r.delta_shape(), &inputs, &spans, state.ssm, &mut o);
+        let inputs = DeltaInputs { q, k: k_, v, g: alpha, beta };
+        gated_delta_rule(r.delta_shape(), &inputs, &spans, state.ssm, o);
         // gated RMSNorm per head: norm(o) * silu(z)
         for (oh, zh) in o.chunks_exact_mut(d).zip(z.chunks_exact(d)) {
             let inv = 1.0 / (specula_kernels::dot::dot_f32(oh, oh) / d as f32 + eps).sqrt();
@@ -127,8 +129,29 @@ impl DeltaNetWeights {
                 *x = *x * inv * w * (g / (1.0 + (-g).exp()));
             }
         }
-        matmul(&MatmulInput::new(&o, vw, &[&self.wout]), &self.wout, out);
+        matmul(&MatmulInput::new(o, vw, &[&self.wout]), &self.wout, out);
     }
+}
+
+/// A recurrent layer's working buffers, kept across the layers of a forward pass (a prompt's
+/// would otherwise be allocated, faulted in and freed again in every layer).
+#[derive(Default)]
+pub struct DeltaScratch {
+    qkv: Vec<f32>,
+    z: Vec<f32>,
+    beta: Vec<f32>,
+    alpha: Vec<f32>,
+    mixed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Vec<f32>,
+}
+
+/// `buf` as `n` values (contents unspecified: every user overwrites them all).
+fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    buf.resize(n, 0.0);
+    &mut buf[..n]
 }
 
 /// ggml's softplus: `ln(1 + e^x)`, `x` itself above 20.

@@ -429,6 +429,7 @@ impl LlamaModel {
         // gated attention: the query projection's rows, queries and gates interleaved per head
         let mut q_gate = vec![0f32; if c.arch_options.attn_output_gate { 2 * t * qw } else { 0 }];
         let mut gate_sig = vec![0f32; q_gate.len() / 2];
+        let mut delta_scratch = crate::delta_net::DeltaScratch::default();
         let ff_bufs = if c.moe.is_some() { 0 } else { t * ff };
         let (mut gate, mut up, mut act) = (vec![0f32; ff_bufs], vec![0f32; ff_bufs], vec![0f32; ff_bufs]);
         let scale = c.attn_scale();
@@ -449,7 +450,7 @@ impl LlamaModel {
                     let (Some(r), Some(state)) = (&c.arch_options.recurrent, kv.recurrent.as_mut().and_then(|s| s.layer(li))) else {
                         return Err(ModelError::BadInput(format!("layer {li} is recurrent but the KV store holds no recurrent state")));
                     };
-                    d.forward(r, c.rms_eps, &xn, h, batch.seqs, batch.state_slots, state, &mut o);
+                    d.forward(r, c.rms_eps, &xn, h, batch.seqs, batch.state_slots, state, &mut delta_scratch, &mut o);
                     add_assign(&mut x, &o);
                     self.feed_forward(l, e, &x, &mut xn, &active, (&mut gate, &mut up, &mut act), &mut down)?;
                     add_assign(&mut x, &down);
