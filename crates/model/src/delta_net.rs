@@ -75,7 +75,8 @@ impl DeltaNetWeights {
         let rows = xn.len() / hidden;
         let (c, kw, vw, hv, d) = (r.conv_channels(), r.key_width(), r.value_width(), r.v_heads, r.head_dim);
         let DeltaScratch { qkv, z, beta, alpha, mixed, q, k: k_, v, o } = scratch;
-        let (qkv, z, beta, alpha, mixed, o) = (sized(qkv, rows * c), sized(z, rows * vw), sized(beta, rows * hv), sized(alpha, rows * hv), sized(mixed, rows * c), sized(o, rows * vw));
+        let (qkv, z, beta, alpha, mixed, o) =
+            (sized(qkv, rows * c), sized(z, rows * vw), sized(beta, rows * hv), sized(alpha, rows * hv), sized(mixed, rows * c), sized(o, rows * vw));
         let mats = [&self.wqkv, &self.wgate, &self.wbeta, &self.walpha];
         matmul_many(&MatmulInput::new(xn, hidden, &mats), &mats, &mut [&mut *qkv, &mut *z, &mut *beta, &mut *alpha]);
 
