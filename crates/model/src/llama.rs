@@ -31,6 +31,8 @@ pub struct LayerWeights {
 }
 
 /// A layer's token mixer.
+// one per layer, built once and never moved on the step path: the variants' sizes do not matter
+#[allow(clippy::large_enum_variant)]
 pub enum Mixer {
     Attention(AttentionWeights),
     DeltaNet(Box<DeltaNetWeights>),

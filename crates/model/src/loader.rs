@@ -134,7 +134,7 @@ fn imrope_factors(sections: [usize; 4], rot: usize) -> Vec<f32> {
     (0..rot / 2)
         .map(|i| {
             let s = i % total.max(1);
-            let text = (s % 3 == 1 && s < 3 * sections[1]) || (s % 3 == 2 && s < 3 * sections[2]) || (s % 3 == 0 && s < 3 * sections[0]);
+            let text = (s % 3 == 1 && s < 3 * sections[1]) || (s % 3 == 2 && s < 3 * sections[2]) || (s.is_multiple_of(3) && s < 3 * sections[0]);
             if text {
                 1.0
             } else {
