@@ -472,7 +472,7 @@ def rewrite_gguf(src: Path, dst: Path, widen: int = 1, seed: int = 0) -> None:
         tensors.append((t.name, data, QT.F32))
     # What llama.cpp's loader needs and the tiny MoE writer leaves out (specula infers it from
     # the tensors): the expert widths as metadata, and for qwen2moe an untied output matrix.
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in ("qwen2moe", "qwen3moe", "qwen35moe"):
         for key, tensor in (("expert_feed_forward_length", "blk.0.ffn_gate_exps.weight"), ("expert_shared_feed_forward_length", "blk.0.ffn_gate_shexp.weight")):
             if f"{arch}.{key}" not in r.fields and tensor in ne_of:
                 w.add_key_value(f"{arch}.{key}", ne_of[tensor][1], GGUFValueType.UINT32)
@@ -688,6 +688,8 @@ TINY_SPECS += [("moe-qwen3moe-top3-of-8", "write-tiny-moe", ["--experts", "8", "
 TINY_SPECS += [
     ("dense-qwen35", "write-tiny", ["--layers", "4"], ["f32", "q8_0", "q4_0"], False),
     ("dense-qwen35-rope8", "write-tiny", ["--layers", "8", "--rope-dims", "8"], ["q8_0"], False),
+    # the MoE hybrid: routed experts renormalised and a sigmoid-gated shared expert (required)
+    ("moe-qwen35moe", "write-tiny-moe", ["--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "64"], ["f32", "q8_0", "q4_0"], False),
 ]
 # gpt-oss: attention sinks, biases, alternating sliding layers, YaRN, clamped-SwiGLU experts
 TINY_SPECS += [("moe-gpt-oss-top4-of-8", "write-tiny-moe", ["--experts", "8", "--experts-used", "4", "--layers", "3"], ["f32", "q8_0", "q4_0"], False)]

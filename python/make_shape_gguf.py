@@ -35,6 +35,19 @@ Shapes (architecture, format as the published / llama-quantize files lay it out)
   ``post_attention_norm`` (as llama.cpp names it for ``qwen35``). It is a "-like" shape, not a
   copy of a released file's header: tokenizer and specials are the script's own (below, with
   Qwen's ChatML specials and the ``qwen2`` pre-tokenizer as the qwen3 shape has).
+* ``qwen3.5-35b-a3b`` (``qwen35moe``, "Q4_K_M"): a Qwen3.5-35B-A3B-like hybrid mixture of experts,
+  its numbers following the published Qwen3.5 / Qwen3-Next MoE configs' proportions (hidden 2048,
+  40 layers, vocabulary 248320, untied output). Layers as in ``qwen3.5-4b`` (same tensors, widths
+  from hidden 2048): every 4th gated full attention (16 query heads of 256, 2 KV heads, partial
+  interleaved RoPE 64 of 256, sections [11, 11, 10, 0]), the others Gated DeltaNet (16 query/key
+  heads and 32 value heads of 128). Every layer's FFN is a mixture of 256 experts, 8 used per
+  token, each 512 wide (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` 3-D stacks, F32
+  router ``ffn_gate_inp``), plus one always-on shared expert 512 wide (``ffn_gate_shexp`` /
+  ``ffn_up_shexp`` / ``ffn_down_shexp``) scaled by a sigmoid gate whose F32 weights
+  ``ffn_gate_inp_shexp`` hold one value per hidden unit. Formats: as ``qwen3.5-4b`` for the
+  attention and recurrent tensors; the expert and shared-expert matrices Q4_K, except
+  ``ffn_down_exps`` and ``ffn_down_shexp`` Q6_K on the ``use_more_bits`` layers (llama-quantize
+  reads the layer from the tensor name for MoE models, so both follow the layer rule).
 
 ``--layers N`` writes a shallower file with the same per-layer shapes; ``use_more_bits`` is then
 applied over N layers. Values are random but every block is valid: f16 scales are finite normal
@@ -137,6 +150,16 @@ SHAPES = {
         extra={"rope_sections": [11, 11, 10, 0], "full_attention_interval": 4,
                "ssm_conv_kernel": 4, "ssm_state": 128, "ssm_groups": 16, "ssm_v_heads": 32},
     ),
+    "qwen3.5-35b-a3b": Shape(
+        name="qwen3.5-35b-a3b", arch="qwen35moe", hidden=2048, layers=40, heads=16, kv_heads=2, head_dim=256,
+        vocab=248320, context=262144, rope_base=1e7, rms_eps=1e-6, ffn=512,
+        file_type=int(gguf.LlamaFileType.MOSTLY_Q4_K_M), pre="qwen2",
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], bos="<|endoftext|>", eos="<|im_end|>",
+        experts=256, experts_used=8, expert_ffn=512, rope_dims=64,
+        extra={"rope_sections": [11, 11, 10, 0], "full_attention_interval": 4,
+               "ssm_conv_kernel": 4, "ssm_state": 128, "ssm_groups": 16, "ssm_v_heads": 32,
+               "shared_expert_ffn": 512},
+    ),
 }
 
 
@@ -230,7 +253,7 @@ def plan(s: Shape, n_layers: int) -> list[TensorPlan]:
         add("rope_factors_long.weight", (rot // 2,), F32, "rope_long")
         add("rope_factors_short.weight", (rot // 2,), F32, "rope_short")
         add("output_norm.weight", (h,), F32, "norm")
-    elif s.arch == "qwen35":
+    elif s.arch in ("qwen35", "qwen35moe"):  # the same layers; the FFN dense or a mixture of experts
         x = s.extra
         interval, d_state, v_heads = x["full_attention_interval"], x["ssm_state"], x["ssm_v_heads"]
         key_dim, value_dim = x["ssm_groups"] * d_state, v_heads * d_state
@@ -257,9 +280,20 @@ def plan(s: Shape, n_layers: int) -> list[TensorPlan]:
                 add(t + "ssm_norm.weight", (d_state,), F32, "norm", layer=i)
                 add(t + "ssm_out.weight", (h, value_dim), QT.Q4_K, layer=i)
             add(t + "post_attention_norm.weight", (h,), F32, "norm", layer=i)  # the pre-FFN norm
-            add(t + "ffn_gate.weight", (s.ffn, h), QT.Q4_K, layer=i)
-            add(t + "ffn_up.weight", (s.ffn, h), QT.Q4_K, layer=i)
-            add(t + "ffn_down.weight", (h, s.ffn), QT.Q6_K if more else QT.Q4_K, layer=i)
+            if s.arch == "qwen35":
+                add(t + "ffn_gate.weight", (s.ffn, h), QT.Q4_K, layer=i)
+                add(t + "ffn_up.weight", (s.ffn, h), QT.Q4_K, layer=i)
+                add(t + "ffn_down.weight", (h, s.ffn), QT.Q6_K if more else QT.Q4_K, layer=i)
+            else:  # routed experts, then the shared expert and its sigmoid gate (one weight per hidden unit)
+                sh = x["shared_expert_ffn"]
+                add(t + "ffn_gate_inp.weight", (s.experts, h), F32, "router", layer=i)
+                add(t + "ffn_gate_exps.weight", (s.experts, s.expert_ffn, h), QT.Q4_K, expert=True, layer=i)
+                add(t + "ffn_up_exps.weight", (s.experts, s.expert_ffn, h), QT.Q4_K, expert=True, layer=i)
+                add(t + "ffn_down_exps.weight", (s.experts, h, s.expert_ffn), QT.Q6_K if more else QT.Q4_K, expert=True, layer=i)
+                add(t + "ffn_gate_inp_shexp.weight", (h,), F32, "router", layer=i)
+                add(t + "ffn_gate_shexp.weight", (sh, h), QT.Q4_K, layer=i)
+                add(t + "ffn_up_shexp.weight", (sh, h), QT.Q4_K, layer=i)
+                add(t + "ffn_down_shexp.weight", (h, sh), QT.Q6_K if more else QT.Q4_K, layer=i)
         add("output_norm.weight", (h,), F32, "norm")
         add("output.weight", (s.vocab, h), QT.Q6_K)
     else:
@@ -473,7 +507,7 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, n_layers: int) -> None:
     if s.arch == "phi3":
         w.add_rope_scaling_attn_factors(s.extra["attn_factor"])
         w.add_rope_scaling_orig_ctx_len(s.extra["orig_ctx"])
-    if s.arch == "qwen35":
+    if s.arch in ("qwen35", "qwen35moe"):
         x = s.extra
         w.add_rope_dimension_sections(x["rope_sections"])  # int32 array
         w.add_full_attention_interval(x["full_attention_interval"])
@@ -482,6 +516,8 @@ def write_metadata(w: gguf.GGUFWriter, s: Shape, n_layers: int) -> None:
         w.add_ssm_group_count(x["ssm_groups"])
         w.add_ssm_time_step_rank(x["ssm_v_heads"])
         w.add_ssm_inner_size(x["ssm_v_heads"] * x["ssm_state"])
+    if s.arch == "qwen35moe":
+        w.add_expert_shared_feed_forward_length(s.extra["shared_expert_ffn"])
 
     tokens, types, merges = vocabulary(s)
     w.add_tokenizer_model("gpt2")

@@ -202,7 +202,7 @@ def read_config(reader: GGUFReader) -> Config:
     head_dim = int(g("attention.key_length", hidden // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
-    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "gemma3", "phi3", "gpt-oss"):
+    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gemma3", "phi3", "gpt-oss"):
         raise NotImplementedError(f"architecture {arch!r} is not modelled by this reference")
     gemma = arch == "gemma3"
     oss = arch == "gpt-oss"
@@ -221,7 +221,7 @@ def read_config(reader: GGUFReader) -> Config:
         raise NotImplementedError(f"rope scaling {g('rope.scaling.type')!r}")
     # the trunk: llama.cpp loads nextn_predict_layers MTP layers after it, not run in the forward
     n_layers = int(g("block_count")) - int(g("nextn_predict_layers", 0))
-    q35 = arch == "qwen35"
+    q35 = arch in ("qwen35", "qwen35moe")
     recurrent, sections, ssm = (), None, (0, 0, 0)
     if q35:
         if llama3 is not None or yarn is not None:
@@ -248,8 +248,8 @@ def read_config(reader: GGUFReader) -> Config:
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         n_experts=int(g("expert_count", 0)),
         n_experts_used=int(g("expert_used_count", 0)),
-        expert_weights_norm={"qwen2moe": False, "qwen3moe": True, "gpt-oss": True}.get(arch, bool(g("expert_weights_norm", True))),
-        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "gemma3", "phi3", "gpt-oss"),
+        expert_weights_norm={"qwen2moe": False, "qwen3moe": True, "qwen35moe": True, "gpt-oss": True}.get(arch, bool(g("expert_weights_norm", True))),
+        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gemma3", "phi3", "gpt-oss"),
         embed_scale=float(np.sqrt(np.float32(hidden))) if gemma else 1.0,
         gelu=gemma,
         sliding_window=int(g("attention.sliding_window", 0)) if gemma or oss else 0,
@@ -304,7 +304,7 @@ class Weights:
             p = f"blk.{i}."
             c = self.cfg
             # gpt-oss and qwen35 call their pre-FFN norm post_attention_norm
-            ffn_norm = d(p + ("post_attention_norm.weight" if c.arch in ("gpt-oss", "qwen35") else "ffn_norm.weight"))
+            ffn_norm = d(p + ("post_attention_norm.weight" if c.arch in ("gpt-oss", "qwen35", "qwen35moe") else "ffn_norm.weight"))
             if c.is_recurrent(i):  # qwen35's Gated DeltaNet layer: no attention tensors
                 layer = dict(
                     attn_norm=d(p + "attn_norm.weight"),
@@ -354,7 +354,7 @@ class Weights:
                 ("sinks", "attn_sinks.weight"),
                 ("router_b", "ffn_gate_inp.bias"),
             ]:
-                if p + name in t and not (c.arch in ("gpt-oss", "qwen35") and key == "post_attn_norm"):
+                if p + name in t and not (c.arch in ("gpt-oss", "qwen35", "qwen35moe") and key == "post_attn_norm"):
                     layer[key] = d(p + name).reshape(-1)
             for key, name in [("gate_exps_b", "ffn_gate_exps.bias"), ("up_exps_b", "ffn_up_exps.bias"), ("down_exps_b", "ffn_down_exps.bias")]:
                 if p + name in t:
@@ -393,7 +393,7 @@ class Weights:
         self.rope_freqs = d(factors).reshape(-1).astype(np.float64) if factors else None
         if c.arch == "qwen2":
             assert "bq" in self.layers[0], "qwen2 without attn_q.bias"
-        if c.arch in ("qwen3", "qwen35", "gemma3"):
+        if c.arch in ("qwen3", "qwen35", "qwen35moe", "gemma3"):
             assert "q_norm" in attn0, f"{c.arch} without attn_q_norm"
         if c.arch == "gemma3":
             assert "post_ffn_norm" in self.layers[0], "gemma3 without post_ffw_norm"
@@ -522,18 +522,11 @@ def imrope_rotated(rope_dim: int, sections: tuple) -> np.ndarray:
 
 def rope_imrope(x: np.ndarray, pos: np.ndarray, theta: float, rope_dim: int, freq_factors=None, sections=None) -> np.ndarray:
     """qwen35's interleaved M-RoPE for text: NeoX pairs (i, i + rope_dim/2); pair i rotates by
-    pos * theta^(-2i/rope_dim) when `imrope_rotated` says so, else by 0 (left as it is)."""
-    half = rope_dim // 2
-    inv_freq = _inv_freq(theta, rope_dim, freq_factors) * imrope_rotated(rope_dim, sections)
-    ang = pos.astype(np.float64)[:, None] * inv_freq[None, :]
-    cos = np.cos(ang)[:, None, :].astype(x.dtype)
-    sin = np.sin(ang)[:, None, :].astype(x.dtype)
-    out = x.copy()
-    x0 = x[..., :half]
-    x1 = x[..., half:rope_dim]
-    out[..., :half] = x0 * cos - x1 * sin
-    out[..., half:rope_dim] = x0 * sin + x1 * cos
-    return out
+    pos * theta^(-2i/rope_dim) when `imrope_rotated` says so, else by 0 (left as it is): NeoX
+    RoPE with an infinite divisor for the pairs that do not rotate."""
+    rotated = imrope_rotated(rope_dim, sections)
+    divisors = np.where(rotated, 1.0, np.inf) if freq_factors is None else np.where(rotated, np.asarray(freq_factors, dtype=np.float64), np.inf)
+    return rope_neox(x, pos, theta, rope_dim, divisors)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""qwen3moe, qwen2moe, phi3, smollm3 and the qwen35 hybrid through the whole stack on tiny random files (`specula debug
+"""qwen3moe, qwen2moe, phi3, smollm3 and the qwen35 / qwen35moe hybrids through the whole stack on tiny random files (`specula debug
 write-tiny` / `write-tiny-moe`), as test_gpt_oss.py does for gpt-oss:
 
 - Each file's chat template (Qwen3's, Phi-4-mini's and SmolLM3's formats, written by the tiny
@@ -32,6 +32,7 @@ ARCHS = {
     "phi3": ("write-tiny", ["--arch", "phi3", "--rope-dims", "8"], "<|end|>"),
     "smollm3": ("write-tiny", ["--arch", "smollm3", "--layers", "4"], "<|im_end|>"),
     "qwen35": ("write-tiny", ["--arch", "qwen35", "--layers", "4"], "<|im_end|>"),
+    "qwen35moe": ("write-tiny-moe", ["--arch", "qwen35moe", "--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32"], "<|im_end|>"),
 }
 CASES = [
     {"messages": [U]},
@@ -61,7 +62,7 @@ def vocabulary(path):
 def test_chat_template_renders_as_jinja2_and_turns_end_where_the_format_ends_them(tiny, specula_bin, tmp_path):
     name, path = tiny
     reader, tokens = vocabulary(path)
-    cases = {"qwen3moe": QWEN3_CASES, "qwen35": QWEN3_CASES, "smollm3": SMOLLM3_CASES}.get(name, CASES)
+    cases = {"qwen3moe": QWEN3_CASES, "qwen35": QWEN3_CASES, "qwen35moe": QWEN3_CASES, "smollm3": SMOLLM3_CASES}.get(name, CASES)
     res = engine_render(specula_bin, str(path), cases, tmp_path)
     if name == "qwen2moe":
         assert "tokenizer.chat_template" not in reader.fields

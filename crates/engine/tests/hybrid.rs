@@ -30,30 +30,7 @@ fn in_a_crowd(m: &TinyModel, cfg: EngineConfig, p: Vec<u32>, params: SamplingPar
 }
 
 fn in_a_crowd_with(m: &TinyModel, cfg: EngineConfig, spec: Spec, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
-    let mut h = Harness::on(m, cfg, spec);
-    let mut others: Vec<Client> = Vec::new();
-    let mut target = None;
-    for i in 0..16u64 {
-        if i == 5 {
-            target = Some(h.submit(p.clone(), params.clone()));
-        } else {
-            let other = if i % 2 == 0 { greedy(20 + i as usize * 2) } else { seeded(30, 1.0, 1000 + i) };
-            others.push(h.submit(prompt(3 + (i as usize * 29) % 120, 100 + i), other));
-        }
-        if i % 2 == 1 {
-            h.step();
-        }
-    }
-    let mut target = target.expect("submitted");
-    let mut refs: Vec<&mut Client> = others.iter_mut().collect();
-    refs.push(&mut target);
-    h.run(&mut refs, 3000);
-    assert!(h.max_batch_seqs >= 6, "the crowd never shared a batch (at most {} sequences a step)", h.max_batch_seqs);
-    for o in &others {
-        o.finished_tokens(FinishReason::Length);
-    }
-    h.assert_idle_and_leak_free();
-    target.finished_tokens(FinishReason::Length)
+    common::in_a_crowd(Harness::on(m, cfg, spec), p, params)
 }
 
 #[test]

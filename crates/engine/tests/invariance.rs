@@ -24,37 +24,7 @@ fn alone_with(mut h: Harness, p: Vec<u32>, params: SamplingParams) -> (Vec<u32>,
 /// Runs `target` among 15 others that arrive two per step around it (it arrives 6th); returns
 /// its tokens and checks every other request finished properly.
 fn in_a_crowd(cfg: EngineConfig, spec: Spec, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
-    in_a_crowd_with(Harness::speculating(cfg, spec), p, params)
-}
-
-fn in_a_crowd_with(mut h: Harness, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
-    let mut others: Vec<Client> = Vec::new();
-    let mut target = None;
-    for i in 0..16u64 {
-        if i == 5 {
-            target = Some(h.submit(p.clone(), params.clone()));
-        } else {
-            let other = match i % 3 {
-                0 => greedy(20 + i as usize * 2),
-                1 => seeded(30, 1.0, 1000 + i),
-                _ => SamplingParams { temperature: 0.7, top_k: 20, max_tokens: 25 + i as usize, ignore_eos: true, ..Default::default() },
-            };
-            others.push(h.submit(prompt(3 + (i as usize * 29) % 120, 100 + i), other));
-        }
-        if i % 2 == 1 {
-            h.step();
-        }
-    }
-    let mut target = target.unwrap();
-    let mut refs: Vec<&mut Client> = others.iter_mut().collect();
-    refs.push(&mut target);
-    h.run(&mut refs, 2000);
-    assert!(h.max_batch_seqs >= 6, "the crowd never shared a batch (at most {} sequences a step)", h.max_batch_seqs);
-    for o in &others {
-        o.finished_tokens(FinishReason::Length);
-    }
-    h.assert_idle_and_leak_free();
-    target.finished_tokens(FinishReason::Length)
+    common::in_a_crowd(Harness::speculating(cfg, spec), p, params)
 }
 
 const SPECS: [Spec; 4] = [Spec::None, Spec::Ngram(3), Spec::SelfDraft(4), Spec::OtherDraft(2)];

@@ -23,11 +23,12 @@ pub enum Arch {
     Phi3,
     GptOss,
     Qwen35,
+    Qwen35Moe,
 }
 
 impl Arch {
     /// Every family, in the order errors and `--help` list them.
-    pub const ALL: [Arch; 11] = [
+    pub const ALL: [Arch; 12] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::SmolLm3,
@@ -39,6 +40,7 @@ impl Arch {
         Arch::Phi3,
         Arch::GptOss,
         Arch::Qwen35,
+        Arch::Qwen35Moe,
     ];
 
     /// What this family is and does, as data.
@@ -55,6 +57,7 @@ impl Arch {
             Arch::Phi3 => &PHI3,
             Arch::GptOss => &GPT_OSS,
             Arch::Qwen35 => &QWEN35,
+            Arch::Qwen35Moe => &QWEN35MOE,
         }
     }
 
@@ -342,6 +345,15 @@ const GPT_OSS: ArchDescriptor = ArchDescriptor {
 const QWEN35: ArchDescriptor =
     ArchDescriptor { name: "qwen35", qk_norm: true, rope_neox: true, ffn_norm: "post_attention_norm", hybrid: Some(Hybrid { default_interval: 4 }), ..QWEN3 };
 
+/// Qwen3.5's MoE hybrids (35B-A3B ...): the same layers, every FFN a mixture of experts whose
+/// chosen weights are renormalised, with a shared expert gated by a sigmoid.
+const QWEN35MOE: ArchDescriptor = ArchDescriptor {
+    name: "qwen35moe",
+    norm_topk: NormTopK::Fixed(true),
+    tiny: TinyFiles { expert_ffn_key: true, ..QWEN35.tiny },
+    ..QWEN35
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -375,6 +387,7 @@ mod tests {
             Arch::Phi3 => 8,
             Arch::GptOss => 9,
             Arch::Qwen35 => 10,
+            Arch::Qwen35Moe => 11,
         };
         for (i, a) in Arch::ALL.into_iter().enumerate() {
             assert_eq!(index(a), i, "{a}");
@@ -389,21 +402,21 @@ mod tests {
             assert!(e.starts_with(&format!("unknown architecture '{bad}' (supported: ")), "{e}");
             assert!(Arch::ALL.iter().all(|a| e.contains(a.name())), "{e}");
         }
-        assert_eq!(Arch::supported_names(), "llama, mistral, smollm3, qwen2, qwen2moe, qwen3, qwen3moe, gemma3, phi3, gpt-oss, qwen35");
+        assert_eq!(Arch::supported_names(), "llama, mistral, smollm3, qwen2, qwen2moe, qwen3, qwen3moe, gemma3, phi3, gpt-oss, qwen35, qwen35moe");
     }
 
     /// The table as llama.cpp fixes it per family (the rules the loader had as name matches).
     #[test]
     fn the_table_keeps_llama_cpp_s_per_family_rules() {
         let with = |p: fn(&ArchDescriptor) -> bool| -> Vec<&str> { Arch::ALL.iter().filter(|a| p(a.descriptor())).map(|a| a.name()).collect() };
-        assert_eq!(with(|d| d.rope_neox), ["qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "qwen35"]);
+        assert_eq!(with(|d| d.rope_neox), ["qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "qwen35", "qwen35moe"]);
         assert_eq!(with(|d| d.qkv_bias), ["qwen2", "qwen2moe", "gpt-oss"]);
-        assert_eq!(with(|d| d.qk_norm), ["qwen3", "qwen3moe", "gemma3", "qwen35"]);
+        assert_eq!(with(|d| d.qk_norm), ["qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe"]);
         assert_eq!(with(|d| d.post_norms), ["gemma3"]);
         assert_eq!(with(|d| d.sliding.is_some()), ["gemma3", "gpt-oss"]);
-        assert_eq!(with(|d| d.norm_topk != NormTopK::FromFile), ["qwen2moe", "qwen3moe", "gpt-oss"]);
-        assert_eq!(with(|d| d.ffn_norm != "ffn_norm"), ["gpt-oss", "qwen35"]);
-        assert_eq!(with(|d| d.hybrid.is_some()), ["qwen35"]);
+        assert_eq!(with(|d| d.norm_topk != NormTopK::FromFile), ["qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe"]);
+        assert_eq!(with(|d| d.ffn_norm != "ffn_norm"), ["gpt-oss", "qwen35", "qwen35moe"]);
+        assert_eq!(with(|d| d.hybrid.is_some()), ["qwen35", "qwen35moe"]);
         assert_eq!(with(|d| d.fused_qkv || d.fused_gate_up || d.long_rope), ["phi3"]);
         assert_eq!(with(|d| d.no_rope_period.is_some()), ["smollm3"]);
         assert_eq!(EmbedScale::SqrtHidden.factor(64), 8.0);

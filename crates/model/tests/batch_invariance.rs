@@ -44,6 +44,13 @@ fn hybrid_model_is_batch_invariant() {
     let m = load_model(&path).unwrap();
     let prompt: Vec<u32> = (0..75u32).map(|i| (i * 37 + 11) % 259).collect();
     common::assert_batch_invariant(&m.model, &prompt);
+    // the MoE hybrid (qwen35moe): routed experts and a gated shared expert after each mixer
+    let path = dir.path().join("tiny-qwen35moe.gguf");
+    let moe = specula_model::testing::TinyMoe { experts: 8, used: 2, shared_ffn: Some(32), ..Default::default() };
+    specula_model::testing::write_tiny_moe(&path, &TinySpec { arch: specula_model::Arch::Qwen35Moe, moe: Some(moe), ..spec }).unwrap();
+    let m = load_model(&path).unwrap();
+    assert!(m.model.config.moe.as_ref().is_some_and(|c| c.norm_topk && c.shared_ffn == Some(32)));
+    common::assert_batch_invariant(&m.model, &prompt);
 }
 
 #[test]

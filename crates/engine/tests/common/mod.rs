@@ -366,3 +366,36 @@ pub fn seeded(max_tokens: usize, temperature: f32, seed: u64) -> SamplingParams 
 fn draft_spec(k: usize) -> SpecConfig {
     SpecConfig { draft_cost: Some(0.1), verify_cost_per_token: Some(0.05), draft_weights: DraftWeights::Stored, ..SpecConfig::new(SpecMethod::Draft, k) }
 }
+
+/// Runs `p` on `h` among 15 others that arrive two per step around it (it arrives 6th: greedy,
+/// seeded and top-k-sampled neighbours of assorted lengths); returns its tokens and checks every
+/// other request finished properly and the crowd shared batches.
+pub fn in_a_crowd(mut h: Harness, p: Vec<u32>, params: SamplingParams) -> Vec<u32> {
+    let mut others: Vec<Client> = Vec::new();
+    let mut target = None;
+    for i in 0..16u64 {
+        if i == 5 {
+            target = Some(h.submit(p.clone(), params.clone()));
+        } else {
+            let other = match i % 3 {
+                0 => greedy(20 + i as usize * 2),
+                1 => seeded(30, 1.0, 1000 + i),
+                _ => SamplingParams { temperature: 0.7, top_k: 20, max_tokens: 25 + i as usize, ignore_eos: true, ..Default::default() },
+            };
+            others.push(h.submit(prompt(3 + (i as usize * 29) % 120, 100 + i), other));
+        }
+        if i % 2 == 1 {
+            h.step();
+        }
+    }
+    let mut target = target.expect("the target was submitted");
+    let mut refs: Vec<&mut Client> = others.iter_mut().collect();
+    refs.push(&mut target);
+    h.run(&mut refs, 3000);
+    assert!(h.max_batch_seqs >= 6, "the crowd never shared a batch (at most {} sequences a step)", h.max_batch_seqs);
+    for o in &others {
+        o.finished_tokens(FinishReason::Length);
+    }
+    h.assert_idle_and_leak_free();
+    target.finished_tokens(FinishReason::Length)
+}
