@@ -524,7 +524,8 @@ def run_specula(args: list[str]) -> None:
 def specula_logits(path: Path, prompts: list[list[int]], workdir: Path, threads: int) -> list[np.ndarray]:
     inp, out = workdir / "in.json", workdir / "out.bin"
     inp.write_text(json.dumps({"prompts": prompts}))
-    run_specula(["debug", "logits", "--model", str(path), "--input", str(inp), "--output", str(out), "--threads", str(threads)])
+    # KV in f32 as llama.cpp's here (the served default, f16, would round every key and value)
+    run_specula(["debug", "logits", "--model", str(path), "--input", str(inp), "--output", str(out), "--threads", str(threads), "--kv-cache-dtype", "f32"])
     flat = np.fromfile(out, dtype="<f4")
     rows = sum(len(p) for p in prompts)
     if flat.size % rows:

@@ -63,7 +63,7 @@ fn greedy_with_adaptive_speculation_equals_greedy_without() {
         assert!(drafted > 0, "{spec:?} adaptive never drafted: the test would prove nothing");
         assert_eq!(
             reference,
-            in_a_crowd_with(Harness::speculating_adaptive(common::tiny_config(), spec), p.clone(), greedy(40)),
+            common::in_a_crowd(Harness::speculating_adaptive(common::tiny_config(), spec), p.clone(), greedy(40)),
             "{spec:?} adaptive, in a crowd"
         );
     }

@@ -347,12 +347,8 @@ const QWEN35: ArchDescriptor =
 
 /// Qwen3.5's MoE hybrids (35B-A3B ...): the same layers, every FFN a mixture of experts whose
 /// chosen weights are renormalised, with a shared expert gated by a sigmoid.
-const QWEN35MOE: ArchDescriptor = ArchDescriptor {
-    name: "qwen35moe",
-    norm_topk: NormTopK::Fixed(true),
-    tiny: TinyFiles { expert_ffn_key: true, ..QWEN35.tiny },
-    ..QWEN35
-};
+const QWEN35MOE: ArchDescriptor =
+    ArchDescriptor { name: "qwen35moe", norm_topk: NormTopK::Fixed(true), tiny: TinyFiles { expert_ffn_key: true, ..QWEN35.tiny }, ..QWEN35 };
 
 #[cfg(test)]
 mod tests {
