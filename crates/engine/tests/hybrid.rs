@@ -87,3 +87,22 @@ fn hybrid_greedy_with_speculation_equals_greedy_without() {
     let seeded_alone = alone_with(&m, common::tiny_config(), Spec::Ngram(3), p.clone(), seeded(40, 0.8, 42)).0;
     assert_eq!(seeded_alone, in_a_crowd_with(&m, common::tiny_config(), Spec::Ngram(3), p.clone(), seeded(40, 0.8, 42)));
 }
+
+/// Lockstep data parallelism pads idle ranks with dummy batches, which carry no recurrent state:
+/// a hybrid is refused there at start-up with a one-line error naming the mode that works.
+#[test]
+fn lockstep_data_parallelism_refuses_a_hybrid_with_a_clear_error() {
+    use specula_engine::dp::{spawn_lockstep, LocalGroup, RankSetup};
+    let m = TinyModel::hybrid();
+    let mut tokenizer = None;
+    let ranks: Vec<RankSetup> = (0..2)
+        .map(|_| {
+            let loaded = specula_model::load_model(&m.path).expect("load tiny hybrid");
+            tokenizer.get_or_insert(std::sync::Arc::new(loaded.tokenizer));
+            RankSetup::new(loaded.model)
+        })
+        .collect();
+    let tokenizer = tokenizer.expect("two ranks");
+    let e = spawn_lockstep(ranks, LocalGroup::new(2), tokenizer, common::tiny_config()).err().expect("a hybrid in lockstep is refused").to_string();
+    assert!(e.contains("lockstep cannot serve qwen35") && e.contains("--data-parallel-mode replica") && !e.contains('\n'), "{e}");
+}
