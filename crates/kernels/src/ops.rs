@@ -90,6 +90,13 @@ impl Rope {
     }
 }
 
+/// The logistic function, `1 / (1 + e^-x)` (gates: gated attention's output, a shared expert's,
+/// DeltaNet's write strength).
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 /// out[i] = silu(gate[i]) * up[i]
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     gate_mul_parallel(Gate::Silu, gate, up, out);

@@ -101,6 +101,21 @@ impl Default for ArchOptions {
     }
 }
 
+/// For each flag, its index among the set flags (`None` where unset): a layer's place among the
+/// attention layers (its KV planes) or among the recurrent ones (its state).
+pub fn ranks_among(flags: impl IntoIterator<Item = bool>) -> Vec<Option<usize>> {
+    let mut next = 0;
+    flags
+        .into_iter()
+        .map(|on| {
+            on.then(|| {
+                next += 1;
+                next - 1
+            })
+        })
+        .collect()
+}
+
 /// The Gated DeltaNet layers of a hybrid model, as llama.cpp reads them (`{arch}.ssm.*`): a short
 /// causal convolution over the mixed q/k/v channels, then the gated delta rule over one
 /// `head_dim x head_dim` state per value head. Each sequence keeps, per recurrent layer, the

@@ -12,6 +12,7 @@ use crate::ModelError;
 use specula_kernels::attention::SeqSpan;
 use specula_kernels::delta_net::{causal_conv1d_silu, gated_delta_rule, l2_norm_heads, DeltaInputs, DeltaSpan};
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
+use specula_kernels::ops::{rms_norm_in_place, sigmoid};
 use specula_kernels::QMatrix;
 
 /// One recurrent layer's weights (llama.cpp's tensor names in brackets).
@@ -108,7 +109,7 @@ impl DeltaNetWeights {
             for h in 0..hv {
                 let i = row * hv + h;
                 alpha[i] = softplus(alpha[i] + self.dt_bias[h]) * self.a[h];
-                beta[i] = 1.0 / (1.0 + (-beta[i]).exp());
+                beta[i] = sigmoid(beta[i]);
             }
         }
         for (s, &slot) in seqs.iter().zip(state_slots).filter(|(s, _)| kept_span(s.q_len)) {
@@ -124,12 +125,8 @@ impl DeltaNetWeights {
         let inputs = DeltaInputs { q, k: k_, v, g: alpha, beta };
         gated_delta_rule(r.delta_shape(), &inputs, &spans, state.ssm, o);
         // gated RMSNorm per head: norm(o) * silu(z)
-        for (oh, zh) in o.chunks_exact_mut(d).zip(z.chunks_exact(d)) {
-            let inv = 1.0 / (specula_kernels::dot::dot_f32(oh, oh) / d as f32 + eps).sqrt();
-            for ((x, &w), &g) in oh.iter_mut().zip(&self.norm).zip(zh) {
-                *x = *x * inv * w * (g / (1.0 + (-g).exp()));
-            }
-        }
+        rms_norm_in_place(o, &self.norm, eps);
+        o.iter_mut().zip(z.iter()).for_each(|(x, &g)| *x *= g / (1.0 + (-g).exp()));
         matmul(&MatmulInput::new(o, vw, &[&self.wout]), &self.wout, out);
     }
 }
@@ -170,7 +167,7 @@ fn bad(layer: usize, what: &str, message: String) -> ModelError {
 
 /// A span of at most this many rows (a verify step's 1 + k, k drafts) keeps what rolling it back
 /// needs; a longer one is a prefill chunk, which is never rolled back, and a single row never is.
-pub const MAX_KEPT_ROWS: usize = 64;
+const MAX_KEPT_ROWS: usize = 64;
 
 fn kept_span(rows: usize) -> bool {
     (2..=MAX_KEPT_ROWS).contains(&rows)
@@ -233,17 +230,8 @@ impl RecurrentStore {
     /// `slots` sequences' state, written once so its pages are resident from the start.
     pub fn new(r: &RecurrentConfig, slots: usize) -> Self {
         let (conv_len, ssm_len) = (r.conv_state_len(), r.delta_shape().state_len());
-        let mut n = 0;
-        let index = r
-            .layers
-            .iter()
-            .map(|&rec| {
-                rec.then(|| {
-                    n += 1;
-                    n - 1
-                })
-            })
-            .collect();
+        let index = crate::config::ranks_among(r.layers.iter().copied());
+        let n = r.count();
         Self {
             config: r.clone(),
             slots,
@@ -261,13 +249,6 @@ impl RecurrentStore {
     /// Sequence slots.
     pub fn slots(&self) -> usize {
         self.slots
-    }
-
-    /// Bytes held (the kept spans grow it while sequences speculate).
-    pub fn bytes(&self) -> usize {
-        let kept: usize =
-            self.kept.iter().flatten().map(|k| [&k.conv, &k.ssm, &k.pre, &k.q, &k.k, &k.v, &k.g, &k.beta].iter().map(|v| v.capacity()).sum::<usize>()).sum();
-        (self.conv.len() * self.slots * (self.conv_len + self.ssm_len) + kept) * std::mem::size_of::<f32>()
     }
 
     /// Layer `layer`'s states, `None` for an attention layer.

@@ -13,7 +13,7 @@ use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
 use crate::ModelError;
 use specula_kernels::attention::paged_attention_windowed;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
-use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, swiglu_oai_mul, Rope};
+use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, sigmoid, silu_mul, swiglu_oai_mul, Rope};
 use specula_kernels::{QMatrix, WeightFormat};
 use std::sync::Arc;
 
@@ -261,15 +261,7 @@ impl LlamaModel {
         // Gemma 3's sliding layers keep the unscaled RoPE of their own base (llama.cpp:
         // rope_freq_scale_train_swa = 1); gpt-oss's rotate like the global ones.
         let rope_sliding = o.sliding.as_ref().and_then(|s| s.rope_theta).map(|theta| Rope::new(c.head_dim, rot, theta, 1.0, None, c.rope_neox));
-        let mut next = 0;
-        let kv_index = (0..c.n_layers)
-            .map(|l| {
-                (!c.is_recurrent(l)).then(|| {
-                    next += 1;
-                    next - 1
-                })
-            })
-            .collect();
+        let kv_index = crate::config::ranks_among((0..c.n_layers).map(|l| !c.is_recurrent(l)));
         Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, rope_long: None, expert_exchange: None, kv_index })
     }
 
@@ -446,58 +438,54 @@ impl LlamaModel {
             };
             // attention (or recurrent) block
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-            let a = match &l.mixer {
-                Mixer::Attention(a) => a,
+            match &l.mixer {
                 Mixer::DeltaNet(d) => {
                     let (Some(r), Some(state)) = (&c.arch_options.recurrent, kv.recurrent.as_mut().and_then(|s| s.layer(li))) else {
                         return Err(ModelError::BadInput(format!("layer {li} is recurrent but the KV store holds no recurrent state")));
                     };
                     d.forward(r, c.rms_eps, &xn, h, batch.seqs, batch.state_slots, state, &mut delta_scratch, &mut o);
-                    add_assign(&mut x, &o);
-                    self.feed_forward(l, e, &x, &mut xn, &active, (&mut gate, &mut up, &mut act), &mut down)?;
-                    add_assign(&mut x, &down);
-                    self.keep_hidden(batch, li, &x, &mut hidden);
-                    continue;
                 }
-            };
-            let kvi = self.kv_index[li].unwrap_or(0);
-            if c.arch_options.attn_output_gate {
-                let inp = MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]);
-                matmul_many(&inp, &[&a.wq, &a.wk, &a.wv], &mut [&mut q_gate, &mut k, &mut v]);
-                let hd = c.head_dim;
-                for ((pair, qh), gh) in q_gate.chunks_exact(2 * hd).zip(q.chunks_exact_mut(hd)).zip(gate_sig.chunks_exact_mut(hd)) {
-                    qh.copy_from_slice(&pair[..hd]);
-                    gh.iter_mut().zip(&pair[hd..]).for_each(|(s, &g)| *s = 1.0 / (1.0 + (-g).exp()));
+                Mixer::Attention(a) => {
+                    let kvi = self.kv_index[li].unwrap_or(0);
+                    // gated attention: each head's queries and then its output gate, in one projection
+                    let gated = c.arch_options.attn_output_gate;
+                    let q_out = if gated { &mut q_gate } else { &mut q };
+                    matmul_many(&MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]), &[&a.wq, &a.wk, &a.wv], &mut [q_out, &mut k, &mut v]);
+                    if gated {
+                        let hd = c.head_dim;
+                        for ((pair, qh), gh) in q_gate.chunks_exact(2 * hd).zip(q.chunks_exact_mut(hd)).zip(gate_sig.chunks_exact_mut(hd)) {
+                            qh.copy_from_slice(&pair[..hd]);
+                            gh.iter_mut().zip(&pair[hd..]).for_each(|(s, &g)| *s = sigmoid(g));
+                        }
+                    }
+                    if let (Some(bq), Some(bk), Some(bv)) = (&e.q_bias, &e.k_bias, &e.v_bias) {
+                        add_bias(&mut q, bq);
+                        add_bias(&mut k, bk);
+                        add_bias(&mut v, bv);
+                    }
+                    if let (Some(nq), Some(nk)) = (&e.q_norm, &e.k_norm) {
+                        rms_norm_in_place(&mut q, nq, c.rms_eps);
+                        rms_norm_in_place(&mut k, nk, c.rms_eps);
+                    }
+                    let rotates = c.layer_uses_rope(li);
+                    for i in 0..t {
+                        if rotates {
+                            rope.apply(&mut q[i * qw..(i + 1) * qw], positions[i]);
+                            rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
+                        }
+                        if batch.slots[i] != NO_SLOT {
+                            kv.k[kvi].write(batch.slots[i], &k[i * kvw..(i + 1) * kvw]);
+                            kv.v[kvi].write(batch.slots[i], &v[i * kvw..(i + 1) * kvw]);
+                        }
+                    }
+                    paged_attention_windowed(&q, &mut attn, kv.k[kvi].view(), kv.v[kvi].view(), &kv.layout, batch.seqs, scale, window, e.sinks.as_deref());
+                    if gated {
+                        attn.iter_mut().zip(&gate_sig).for_each(|(o, &g)| *o *= g);
+                    }
+                    matmul(&MatmulInput::new(&attn, qw, &[&a.wo]), &a.wo, &mut o);
                 }
-            } else {
-                let inp = MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]);
-                matmul_many(&inp, &[&a.wq, &a.wk, &a.wv], &mut [&mut q, &mut k, &mut v]);
             }
-            if let (Some(bq), Some(bk), Some(bv)) = (&e.q_bias, &e.k_bias, &e.v_bias) {
-                add_bias(&mut q, bq);
-                add_bias(&mut k, bk);
-                add_bias(&mut v, bv);
-            }
-            if let (Some(nq), Some(nk)) = (&e.q_norm, &e.k_norm) {
-                rms_norm_in_place(&mut q, nq, c.rms_eps);
-                rms_norm_in_place(&mut k, nk, c.rms_eps);
-            }
-            let rotates = c.layer_uses_rope(li);
-            for i in 0..t {
-                if rotates {
-                    rope.apply(&mut q[i * qw..(i + 1) * qw], positions[i]);
-                    rope.apply(&mut k[i * kvw..(i + 1) * kvw], positions[i]);
-                }
-                if batch.slots[i] != NO_SLOT {
-                    kv.k[kvi].write(batch.slots[i], &k[i * kvw..(i + 1) * kvw]);
-                    kv.v[kvi].write(batch.slots[i], &v[i * kvw..(i + 1) * kvw]);
-                }
-            }
-            paged_attention_windowed(&q, &mut attn, kv.k[kvi].view(), kv.v[kvi].view(), &kv.layout, batch.seqs, scale, window, e.sinks.as_deref());
-            if !gate_sig.is_empty() {
-                attn.iter_mut().zip(&gate_sig).for_each(|(o, &g)| *o *= g);
-            }
-            matmul(&MatmulInput::new(&attn, qw, &[&a.wo]), &a.wo, &mut o);
+            // (a recurrent layer has none of attention's extras)
             if let Some(b) = &e.o_bias {
                 add_bias(&mut o, b);
             }
@@ -505,9 +493,32 @@ impl LlamaModel {
                 rms_norm_in_place(&mut o, w, c.rms_eps);
             }
             add_assign(&mut x, &o);
-            self.feed_forward(l, e, &x, &mut xn, &active, (&mut gate, &mut up, &mut act), &mut down)?;
+
+            // feed-forward block
+            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
+            match &l.ffn {
+                FeedForward::Dense(f) => {
+                    let inp = MatmulInput::new(&xn, h, &[&f.gate, &f.up]);
+                    matmul_many(&inp, &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
+                    match c.arch_options.activation {
+                        Activation::SiluGate => silu_mul(&gate, &up, &mut act),
+                        Activation::GeluTanhGate => gelu_tanh_mul(&gate, &up, &mut act),
+                        Activation::SwigluOai => swiglu_oai_mul(&gate, &up, &mut act),
+                    }
+                    matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut down);
+                }
+                FeedForward::Moe(m) => m.forward(&xn, &active, self.expert_exchange.as_deref(), &mut down)?,
+            }
+            if let Some(w) = &e.post_ffn_norm {
+                rms_norm_in_place(&mut down, w, c.rms_eps);
+            }
             add_assign(&mut x, &down);
-            self.keep_hidden(batch, li, &x, &mut hidden);
+            for (f, _) in batch.hidden_layers.iter().enumerate().filter(|&(_, &hl)| hl == li) {
+                for (j, &r) in batch.logits_rows.iter().enumerate() {
+                    let at = (j * nf + f) * h;
+                    hidden[at..at + h].copy_from_slice(&x[r * h..(r + 1) * h]);
+                }
+            }
         }
 
         let mut sel = vec![0f32; n * h];
@@ -516,52 +527,6 @@ impl LlamaModel {
         }
         let logits = self.logits(&sel)?;
         Ok(ForwardOutput { logits, hidden })
-    }
-
-    /// Layer `li`'s feed-forward block on the residual stream `x` (normed into `xn`), into `down`
-    /// (with its post-FFN norm where the model has one), before the residual add.
-    #[allow(clippy::too_many_arguments)]
-    fn feed_forward(
-        &self,
-        l: &LayerWeights,
-        e: &LayerExtras,
-        x: &[f32],
-        xn: &mut [f32],
-        active: &[bool],
-        (gate, up, act): (&mut [f32], &mut [f32], &mut [f32]),
-        down: &mut [f32],
-    ) -> Result<(), ModelError> {
-        let c = &self.config;
-        rms_norm(x, &l.ffn_norm, c.rms_eps, xn);
-        match &l.ffn {
-            FeedForward::Dense(f) => {
-                let inp = MatmulInput::new(xn, c.hidden_size, &[&f.gate, &f.up]);
-                matmul_many(&inp, &[&f.gate, &f.up], &mut [&mut *gate, &mut *up]);
-                match c.arch_options.activation {
-                    Activation::SiluGate => silu_mul(gate, up, act),
-                    Activation::GeluTanhGate => gelu_tanh_mul(gate, up, act),
-                    Activation::SwigluOai => swiglu_oai_mul(gate, up, act),
-                }
-                matmul(&MatmulInput::new(act, c.intermediate_size, &[&f.down]), &f.down, down);
-            }
-            FeedForward::Moe(m) => m.forward(xn, active, self.expert_exchange.as_deref(), down)?,
-        }
-        if let Some(w) = &e.post_ffn_norm {
-            rms_norm_in_place(down, w, c.rms_eps);
-        }
-        Ok(())
-    }
-
-    /// Copies the logits rows' residual stream after layer `li` into `hidden` where the batch
-    /// asked for that layer's states.
-    fn keep_hidden(&self, batch: &ForwardBatch, li: usize, x: &[f32], hidden: &mut [f32]) {
-        let (h, nf) = (self.config.hidden_size, batch.hidden_layers.len());
-        for (f, _) in batch.hidden_layers.iter().enumerate().filter(|&(_, &hl)| hl == li) {
-            for (j, &r) in batch.logits_rows.iter().enumerate() {
-                let at = (j * nf + f) * h;
-                hidden[at..at + h].copy_from_slice(&x[r * h..(r + 1) * h]);
-            }
-        }
     }
 
     /// Keeps only these rows of the output projection, in this order: from then on the logits

@@ -471,7 +471,7 @@ impl MoeFfn {
         let mut scale = vec![1f32; live.len()];
         if let Some(g) = &s.gate {
             matmul(&MatmulInput::new(&xs, h, &[g]), g, &mut scale);
-            scale.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+            scale.iter_mut().for_each(|v| *v = specula_kernels::ops::sigmoid(*v));
         }
         for (i, &r) in live.iter().enumerate() {
             for (a, &b) in out[r * h..(r + 1) * h].iter_mut().zip(&ys[i * h..(i + 1) * h]) {
