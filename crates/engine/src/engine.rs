@@ -106,7 +106,7 @@ impl Engine {
         }
         tracing::info!(
             kv_tokens = cfg.num_kv_blocks * cfg.block_size,
-            kv_mb = KvStore::bytes_per_token(c.kv_layers(), &layout, cfg.kv_cache_dtype) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
+            kv_mb = c.kv_bytes_per_token(cfg.kv_cache_dtype) * cfg.num_kv_blocks * cfg.block_size / 1_000_000,
             kv_dtype = %cfg.kv_cache_dtype,
             max_model_len = cfg.max_model_len,
             threads = cfg.threads,

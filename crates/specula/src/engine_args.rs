@@ -364,7 +364,10 @@ impl EngineArgs {
         }
         let mut max_model_len = self.max_model_len.unwrap_or(model.context_length);
         let bytes_per_token = model.kv_bytes_per_token(kv_cache_dtype);
-        let available = specula_model::kv_store::available_memory().map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.model.in_place_bytes(), ranks));
+        // a hybrid's recurrent state (one slot per sequence) comes out of the same memory
+        let state_bytes = model.arch_options.recurrent.as_ref().map_or(0, |r| r.bytes_per_sequence().saturating_mul(self.max_num_seqs));
+        let available = specula_model::kv_store::available_memory()
+            .map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.model.in_place_bytes(), ranks).saturating_sub(state_bytes));
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
             (Some(t), _) => t,
             (None, Some(mib)) => mib * 1024 * 1024 / bytes_per_token,
