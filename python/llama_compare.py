@@ -689,6 +689,8 @@ TINY_SPECS += [("moe-qwen3moe-top3-of-8", "write-tiny-moe", ["--experts", "8", "
 TINY_SPECS += [
     ("dense-qwen35", "write-tiny", ["--layers", "4"], ["f32", "q8_0", "q4_0"], False),
     ("dense-qwen35-rope8", "write-tiny", ["--layers", "8", "--rope-dims", "8"], ["q8_0"], False),
+    # with the prediction layer after the trunk (nextn, as the files ship): the trunk is unchanged
+    ("dense-qwen35-nextn", "write-tiny", ["--layers", "4", "--nextn"], ["q8_0"], False),
     # the MoE hybrid: routed experts renormalised and a sigmoid-gated shared expert (required)
     ("moe-qwen35moe", "write-tiny-moe", ["--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "64"], ["f32", "q8_0", "q4_0"], False),
 ]

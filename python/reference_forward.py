@@ -59,7 +59,7 @@ Other architectures, as llama.cpp builds them (src/models/*.cpp), on top of that
             f'_i = f_i / factor * (1 - ramp_i) + f_i * ramp_i; cos and sin times
             1 + 0.1 ln(factor).
     qwen35  (Qwen3.5, llama.cpp src/models/qwen35.cpp) hybrid: the trunk is block_count -
-            nextn_predict_layers layers (the MTP layers after it are not run); layer i is a Gated
+            nextn_predict_layers layers (the MTP layer after it: nextn below); layer i is a Gated
             DeltaNet layer when attention.recurrent_layers[i] says so, else when
             (i + 1) % full_attention_interval (default 4) != 0, otherwise a gated attention
             layer.  Every layer: h += mixer(rmsnorm(h) * attn_norm);
@@ -84,6 +84,16 @@ Other architectures, as llama.cpp builds them (src/models/*.cpp), on top of that
             interleaved rule: h if m % 3 == 1 and m < 3 s1, w if m % 3 == 2 and m < 3 s2, t if
             m % 3 == 0 and m < 3 s0, else e.  For text t = h = w = the token's position and
             e = 0 (llm_graph_input_pos::set_input), so those pairs are not rotated.
+    nextn   (qwen35 / qwen35moe multi-token prediction, llama.cpp's graph_mtp; `mtp_forward`)
+            layer n = block_count - nextn_predict_layers (blk.n.*): one gated attention layer as
+            the trunk's (never recurrent) with the trunk's kind of FFN, and nextn.eh_proj
+            [H, 2H], nextn.enorm, nextn.hnorm, optional nextn.shared_head_norm (else
+            output_norm), nextn.embed_tokens (else token_embd), nextn.shared_head_head (else
+            the output head).  Teacher-forced over tokens t_0..t_{T-1}: with hn = the trunk's
+            final state after output_norm, row i < T - 1 has the input
+            [rmsnorm(embed[t_{i+1}]) * enorm, rmsnorm(hn_i) * hnorm] Weh^T; the T - 1 rows
+            then pass the block as one causal sequence at RoPE positions 1..T-1 (row i at the
+            position of t_{i+1}), and logits = (rmsnorm(x) * shared_head_norm) Whead^T.
 
 RoPE: the HF->GGUF converter permutes the rows of Wq / Wk so that the two halves that HF's
 `rotate_half` (NeoX style) pairs up become adjacent elements.  A GGUF llama model is therefore
@@ -102,7 +112,8 @@ row where no value carries more than SUPER_PEAK_ENERGY of its super-block's ener
 
 CLI:
     python3 python/reference_forward.py --model M.gguf --tokens 1,2,3 --out logits.npy
-writes a float32 [n_tokens, vocab] array (logits at every position).
+writes a float32 [n_tokens, vocab] array (logits at every position); with --nextn, the
+multi-token-prediction layer's [n_tokens - 1, vocab].
 """
 
 from __future__ import annotations
@@ -182,6 +193,7 @@ class Config:
     ssm_state: int = 0  # qwen35 Gated DeltaNet: head width d (keys and values)
     ssm_groups: int = 0  # key heads Hk
     ssm_heads: int = 0  # value heads Hv
+    n_nextn: int = 0  # qwen35: multi-token-prediction layers stored after the trunk (blk.{n_layers}.*)
 
     def uses_rope(self, layer: int) -> bool:
         return self.no_rope_period == 0 or (layer + 1) % self.no_rope_period != 0
@@ -219,7 +231,7 @@ def read_config(reader: GGUFReader) -> Config:
         yarn = (float(g("rope.scaling.factor")), int(g("rope.scaling.original_context_length", g("context_length"))))
     elif g("rope.scaling.type") not in (None, "none", "longrope"):
         raise NotImplementedError(f"rope scaling {g('rope.scaling.type')!r}")
-    # the trunk: llama.cpp loads nextn_predict_layers MTP layers after it, not run in the forward
+    # the trunk: llama.cpp loads nextn_predict_layers MTP layers after it (`mtp_forward` runs them)
     n_layers = int(g("block_count")) - int(g("nextn_predict_layers", 0))
     q35 = arch in ("qwen35", "qwen35moe")
     recurrent, sections, ssm = (), None, (0, 0, 0)
@@ -267,6 +279,7 @@ def read_config(reader: GGUFReader) -> Config:
         ssm_state=ssm[0],
         ssm_groups=ssm[1],
         ssm_heads=ssm[2],
+        n_nextn=int(g("nextn_predict_layers", 0)),
     )
 
 
@@ -299,13 +312,13 @@ class Weights:
         self.embd = d("token_embd.weight")  # [vocab, hidden]
         self.output = d("output.weight") if "output.weight" in t else self.embd  # tied
         self.output_norm = d("output_norm.weight")
-        self.layers = []
-        for i in range(self.cfg.n_layers):
+
+        def load_layer(i: int, recurrent: bool) -> dict:
             p = f"blk.{i}."
             c = self.cfg
             # gpt-oss and qwen35 call their pre-FFN norm post_attention_norm
             ffn_norm = d(p + ("post_attention_norm.weight" if c.arch in ("gpt-oss", "qwen35", "qwen35moe") else "ffn_norm.weight"))
-            if c.is_recurrent(i):  # qwen35's Gated DeltaNet layer: no attention tensors
+            if recurrent:  # qwen35's Gated DeltaNet layer: no attention tensors
                 layer = dict(
                     attn_norm=d(p + "attn_norm.weight"),
                     ffn_norm=ffn_norm,
@@ -380,8 +393,32 @@ class Weights:
                 layer.update(gate=gu[: c.ffn], up=gu[c.ffn :], down=d(p + "ffn_down.weight"))
             else:
                 layer.update(gate=d(p + "ffn_gate.weight"), up=d(p + "ffn_up.weight"), down=d(p + "ffn_down.weight"))
-            self.layers.append(layer)
+            return layer
+
+        self.layers = [load_layer(i, self.cfg.is_recurrent(i)) for i in range(self.cfg.n_layers)]
         c = self.cfg
+        # qwen35's multi-token-prediction (nextn) block, right after the trunk: one gated attention
+        # layer (never recurrent) with the trunk's kind of FFN, plus its input projection and norms
+        # (llama.cpp's load_block_mtp); `mtp_forward` runs it, `forward` does not.
+        self.nextn = None
+        n = c.n_layers
+        if c.n_nextn and f"blk.{n}.nextn.eh_proj.weight" in t:
+            p = f"blk.{n}.nextn."
+            self.nextn = load_layer(n, False)
+            self.nextn.update(
+                eh_proj=d(p + "eh_proj.weight"),  # [hidden, 2 hidden]: (embedding half, hidden half) columns
+                enorm=d(p + "enorm.weight").reshape(-1),
+                hnorm=d(p + "hnorm.weight").reshape(-1),
+                head_norm=d(p + "shared_head_norm.weight").reshape(-1) if p + "shared_head_norm.weight" in t else self.output_norm,
+                embed=d(p + "embed_tokens.weight") if p + "embed_tokens.weight" in t else self.embd,
+                head=d(p + "shared_head_head.weight") if p + "shared_head_head.weight" in t else self.output,
+            )
+            N = self.nextn
+            assert "wq" in N and "q_norm" in N, "nextn block without gated attention tensors"
+            assert N["eh_proj"].shape == (c.hidden, 2 * c.hidden), N["eh_proj"].shape
+            assert N["wq"].shape == (2 * c.n_heads * c.head_dim, c.hidden), N["wq"].shape
+            assert N["embed"].shape == (c.vocab, c.hidden) and N["head"].shape == (c.vocab, c.hidden)
+            assert N["enorm"].shape == N["hnorm"].shape == N["head_norm"].shape == (c.hidden,)
         assert self.embd.shape == (c.vocab, c.hidden), self.embd.shape
         attn0 = next(L for L in self.layers if "wq" in L)  # qwen35: layer 0 is recurrent
         assert attn0["wq"].shape == ((2 if c.attn_out_gate else 1) * c.n_heads * c.head_dim, c.hidden), attn0["wq"].shape
@@ -629,6 +666,141 @@ def _reads_super(W: Weights, w: np.ndarray) -> bool:
     return False
 
 
+@dataclass
+class Pass:
+    """What every block of one forward pass shares: the weights, the matmul (with the activation
+    rounding `act_quant` asks for), the RoPE and its options."""
+
+    W: Weights
+    act_quant: str | None = None
+    rope: str | None = None
+    moe_margins: np.ndarray | None = None
+
+    def __post_init__(self):
+        W, c = self.W, self.W.cfg
+        if self.act_quant not in (None, "none", "q8", "q8k"):
+            raise ValueError(f"unknown act_quant {self.act_quant!r}")
+        self.c = c
+        self.ft = W.dtype
+        if self.rope is None:
+            self.rope = "imrope" if c.rope_sections else "neox" if c.neox else "normal"
+        self.rope_fn = {"normal": rope_normal, "neox": rope_neox, "imrope": functools.partial(rope_imrope, sections=c.rope_sections)}[self.rope]
+        self.freq_factors = W.rope_freqs
+        if self.freq_factors is None and c.llama3 is not None:
+            self.freq_factors = llama3_freq_factors(c.llama3, c.rope_dim, c.rope_theta)
+        self.rope_mscale = c.rope_mscale
+        if self.freq_factors is None and c.yarn is not None:
+            self.freq_factors = yarn_freq_factors(c.yarn, c.rope_dim, c.rope_theta)
+            self.rope_mscale *= 1.0 + 0.1 * np.log(c.yarn[0])
+
+    def aq(self, a, w):
+        if self.act_quant == "q8k" and _reads_super(self.W, w):
+            return quantize_q8_super(a)
+        return quantize_q8_blocks(a) if self.act_quant in ("q8", "q8k") else a
+
+    def lin(self, x, w):
+        return self.aq(x, w) @ w.T
+
+    def check_tokens(self, tokens) -> np.ndarray:
+        tokens = np.asarray(list(tokens), dtype=np.int64)
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise ValueError("tokens must be a non-empty 1-D list of ids")
+        if tokens.min() < 0 or tokens.max() >= self.c.vocab:
+            raise ValueError(f"token id out of range [0, {self.c.vocab})")
+        return tokens
+
+
+def attention(P: Pass, x: np.ndarray, L: dict, li: int, pos: np.ndarray) -> np.ndarray:
+    """Layer li's attention mixer (after its input norm) on the rows x [T, hidden] of one causal
+    sequence at RoPE positions pos [T] (increasing: row i attends to rows 0..=i); the output
+    projection's result (with its bias and gemma3's post norm), before the residual add."""
+    c, ft, lin = P.c, P.ft, P.lin
+    T = x.shape[0]
+    local = c.is_local(li)
+    group = c.n_heads // c.n_kv_heads
+    scale = c.attn_scale if c.attn_scale is not None else 1.0 / np.sqrt(c.head_dim)
+    mask = np.triu(np.full((T, T), -np.inf, dtype=ft), k=1)
+    if local:  # key j is hidden from query i when i - j >= window
+        dist = pos[:, None] - pos[None, :]
+        mask = np.where(dist >= c.sliding_window, -np.inf, 0.0).astype(ft) + mask
+    q = lin(x, L["wq"])
+    k = lin(x, L["wk"])
+    v = lin(x, L["wv"])
+    if "bq" in L:
+        q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
+    gate = None
+    if c.attn_out_gate:  # qwen35: per head, head_dim query rows then head_dim gate rows
+        qg = q.reshape(T, c.n_heads, 2, c.head_dim)
+        q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, c.n_heads * c.head_dim)
+    q = q.reshape(T, c.n_heads, c.head_dim)
+    k = k.reshape(T, c.n_kv_heads, c.head_dim)
+    v = v.reshape(T, c.n_kv_heads, c.head_dim)
+    if "q_norm" in L:
+        q = rmsnorm(q, L["q_norm"], c.rms_eps)
+        k = rmsnorm(k, L["k_norm"], c.rms_eps)
+    rope_fn = P.rope_fn
+    if not c.uses_rope(li):
+        pass  # smollm3's NoPE layers
+    elif local and c.local_rope_own:  # own base, no frequency scaling (llama.cpp: rope_freq_scale_train_swa = 1)
+        q = rope_fn(q, pos, c.rope_theta_local, c.rope_dim)
+        k = rope_fn(k, pos, c.rope_theta_local, c.rope_dim)
+    else:
+        q = rope_fn(q, pos, c.rope_theta, c.rope_dim, P.freq_factors)
+        k = rope_fn(k, pos, c.rope_theta, c.rope_dim, P.freq_factors)
+        if P.rope_mscale != 1.0:  # ggml's mscale: cos and sin scaled, so the rotated dims
+            q[..., : c.rope_dim] *= ft(P.rope_mscale)
+            k[..., : c.rope_dim] *= ft(P.rope_mscale)
+    # GQA: query head j uses kv head j // group.
+    kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
+    vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
+    qh = q.transpose(1, 0, 2)  # [H, T, d]
+    s = (qh @ kh.transpose(0, 2, 1)) * ft(scale) + mask  # [H, T, T]
+    if "sinks" in L:  # one more logit per head in every row's softmax, whose share is dropped
+        s = np.concatenate([s, np.broadcast_to(L["sinks"][:, None, None], (c.n_heads, T, 1)).astype(ft)], axis=-1)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    if "sinks" in L:
+        p = p[..., :T]
+    a = (p @ vh).transpose(1, 0, 2).reshape(T, c.n_heads * c.head_dim)
+    if gate is not None:
+        a = a * sigmoid(gate)
+    o = lin(a, L["wo"])
+    if "bo" in L:
+        o = o + L["bo"]
+    if "post_attn_norm" in L:
+        o = rmsnorm(o, L["post_attn_norm"], c.rms_eps)
+    return o
+
+
+def ffn_block(P: Pass, h: np.ndarray, L: dict, moe_margins=None) -> np.ndarray:
+    """h + the layer's FFN block (dense or MoE), as in llama.cpp's graphs."""
+    c, lin = P.c, P.lin
+    x = rmsnorm(h, L["ffn_norm"], c.rms_eps)
+    if c.n_experts:
+        f = moe_ffn(x, L, c, lin, moe_margins)
+    else:
+        g = (gelu_tanh if c.gelu else silu)(lin(x, L["gate"])) * lin(x, L["up"])
+        f = lin(g, L["down"])
+    if "post_ffn_norm" in L:
+        f = rmsnorm(f, L["post_ffn_norm"], c.rms_eps)
+    return h + f
+
+
+def trunk(P: Pass, tokens: np.ndarray) -> np.ndarray:
+    """The final hidden state [T, hidden] (before the output norm) of every position."""
+    c = P.c
+    pos = np.arange(len(tokens))
+    h = P.W.embd[tokens].astype(P.ft) * P.ft(c.embed_scale)  # [T, hidden]
+    for li, L in enumerate(P.W.layers):
+        x = rmsnorm(h, L["attn_norm"], c.rms_eps)
+        if c.is_recurrent(li):  # qwen35: a Gated DeltaNet layer in place of attention
+            h = ffn_block(P, h + gated_delta_net(x, L, c, P.lin), L, P.moe_margins)
+        else:
+            h = ffn_block(P, h + attention(P, x, L, li, pos), L, P.moe_margins)
+    return h
+
+
 def forward(
     model_path: str,
     tokens,
@@ -648,114 +820,58 @@ def forward(
     can show it is wrong there.
     """
     W = load_weights(model_path, dtype)
-    c = W.cfg
-    tokens = np.asarray(list(tokens), dtype=np.int64)
-    if tokens.ndim != 1 or len(tokens) == 0:
-        raise ValueError("tokens must be a non-empty 1-D list of ids")
-    if tokens.min() < 0 or tokens.max() >= c.vocab:
-        raise ValueError(f"token id out of range [0, {c.vocab})")
-    T = len(tokens)
-    ft = W.dtype
-    if act_quant not in (None, "none", "q8", "q8k"):
-        raise ValueError(f"unknown act_quant {act_quant!r}")
-
-    def aq(a, w):
-        if act_quant == "q8k" and _reads_super(W, w):
-            return quantize_q8_super(a)
-        return quantize_q8_blocks(a) if act_quant in ("q8", "q8k") else a
-
-    if rope is None:
-        rope = "imrope" if c.rope_sections else "neox" if c.neox else "normal"
-    rope_fn = {"normal": rope_normal, "neox": rope_neox, "imrope": functools.partial(rope_imrope, sections=c.rope_sections)}[rope]
-    freq_factors = W.rope_freqs
-    if freq_factors is None and c.llama3 is not None:
-        freq_factors = llama3_freq_factors(c.llama3, c.rope_dim, c.rope_theta)
-    rope_mscale = c.rope_mscale
-    if freq_factors is None and c.yarn is not None:
-        freq_factors = yarn_freq_factors(c.yarn, c.rope_dim, c.rope_theta)
-        rope_mscale *= 1.0 + 0.1 * np.log(c.yarn[0])
-
-    def lin(x, w):
-        return aq(x, w) @ w.T
-
-    pos = np.arange(T)
-    group = c.n_heads // c.n_kv_heads
-    scale = c.attn_scale if c.attn_scale is not None else 1.0 / np.sqrt(c.head_dim)
-    mask = np.triu(np.full((T, T), -np.inf, dtype=ft), k=1)
-    # local layers: key j is hidden from query i when i - j >= window
-    dist = pos[:, None] - pos[None, :]
-    local_mask = np.where(dist >= c.sliding_window, -np.inf, 0.0).astype(ft) + mask if c.sliding_window else mask
-
-    h = W.embd[tokens].astype(ft) * ft(c.embed_scale)  # [T, hidden]
-
-    def ffn(h, L):  # h + the layer's FFN block (dense or MoE), as in llama.cpp's graphs
-        x = rmsnorm(h, L["ffn_norm"], c.rms_eps)
-        if c.n_experts:
-            f = moe_ffn(x, L, c, lin, moe_margins)
-        else:
-            g = (gelu_tanh if c.gelu else silu)(lin(x, L["gate"])) * lin(x, L["up"])
-            f = lin(g, L["down"])
-        if "post_ffn_norm" in L:
-            f = rmsnorm(f, L["post_ffn_norm"], c.rms_eps)
-        return h + f
-
-    for li, L in enumerate(W.layers):
-        local = c.is_local(li)
-        x = rmsnorm(h, L["attn_norm"], c.rms_eps)
-        if c.is_recurrent(li):  # qwen35: a Gated DeltaNet layer in place of attention
-            h = ffn(h + gated_delta_net(x, L, c, lin), L)
-            continue
-        q = lin(x, L["wq"])
-        k = lin(x, L["wk"])
-        v = lin(x, L["wv"])
-        if "bq" in L:
-            q, k, v = q + L["bq"], k + L["bk"], v + L["bv"]
-        gate = None
-        if c.attn_out_gate:  # qwen35: per head, head_dim query rows then head_dim gate rows
-            qg = q.reshape(T, c.n_heads, 2, c.head_dim)
-            q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, c.n_heads * c.head_dim)
-        q = q.reshape(T, c.n_heads, c.head_dim)
-        k = k.reshape(T, c.n_kv_heads, c.head_dim)
-        v = v.reshape(T, c.n_kv_heads, c.head_dim)
-        if "q_norm" in L:
-            q = rmsnorm(q, L["q_norm"], c.rms_eps)
-            k = rmsnorm(k, L["k_norm"], c.rms_eps)
-        if not c.uses_rope(li):
-            pass  # smollm3's NoPE layers
-        elif local and c.local_rope_own:  # own base, no frequency scaling (llama.cpp: rope_freq_scale_train_swa = 1)
-            q = rope_fn(q, pos, c.rope_theta_local, c.rope_dim)
-            k = rope_fn(k, pos, c.rope_theta_local, c.rope_dim)
-        else:
-            q = rope_fn(q, pos, c.rope_theta, c.rope_dim, freq_factors)
-            k = rope_fn(k, pos, c.rope_theta, c.rope_dim, freq_factors)
-            if rope_mscale != 1.0:  # ggml's mscale: cos and sin scaled, so the rotated dims
-                q[..., : c.rope_dim] *= ft(rope_mscale)
-                k[..., : c.rope_dim] *= ft(rope_mscale)
-        # GQA: query head j uses kv head j // group.
-        kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
-        vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
-        qh = q.transpose(1, 0, 2)  # [H, T, d]
-        s = (qh @ kh.transpose(0, 2, 1)) * ft(scale) + (local_mask if local else mask)  # [H, T, T]
-        if "sinks" in L:  # one more logit per head in every row's softmax, whose share is dropped
-            s = np.concatenate([s, np.broadcast_to(L["sinks"][:, None, None], (c.n_heads, T, 1)).astype(ft)], axis=-1)
-        s = s - s.max(axis=-1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
-        if "sinks" in L:
-            p = p[..., :T]
-        a = (p @ vh).transpose(1, 0, 2).reshape(T, c.n_heads * c.head_dim)
-        if gate is not None:
-            a = a * sigmoid(gate)
-        o = lin(a, L["wo"])
-        if "bo" in L:
-            o = o + L["bo"]
-        if "post_attn_norm" in L:
-            o = rmsnorm(o, L["post_attn_norm"], c.rms_eps)
-        h = ffn(h + o, L)
+    P = Pass(W, act_quant, rope, moe_margins)
+    h = trunk(P, P.check_tokens(tokens))
     if last_only:
         h = h[-1:]
-    x = rmsnorm(h, W.output_norm, c.rms_eps)
-    return lin(x, W.output)
+    x = rmsnorm(h, W.output_norm, W.cfg.rms_eps)
+    return P.lin(x, W.output)
+
+
+def mtp_forward(
+    model_path: str,
+    tokens,
+    dtype: str = "float32",
+    act_quant: str | None = None,
+    moe_margins: np.ndarray | None = None,
+) -> np.ndarray:
+    """Teacher-forced logits [len(tokens) - 1, vocab] of the file's multi-token-prediction (nextn)
+    layer (qwen35 / qwen35moe; llama.cpp's graph_mtp): row i, from the trunk's state after
+    tokens[0..=i] and the embedding of tokens[i + 1], scores the token after that (tokens[i + 2]).
+
+        hn  = rmsnorm(trunk hidden) * output_norm                    (llama.cpp's h_nextn)
+        x_i = [rmsnorm(embed[t_{i+1}]) * enorm, rmsnorm(hn_i) * hnorm] Weh^T   (embedding half first)
+        x  += gated attention(rmsnorm(x) * attn_norm)   rows 0..T-2 one causal sequence, row i at
+                                                        RoPE position i + 1 (the position of t_{i+1})
+        x  += FFN(rmsnorm(x) * post_attention_norm)     (the trunk's kind: dense or MoE)
+        logits = (rmsnorm(x) * shared_head_norm) Whead^T   (output_norm, output if the block has none)
+
+    moe_margins: optional float64 [len(tokens) - 1] array, lowered to row i's smallest router
+    margin in the trunk at position i and in the block's row i (`moe_ffn`); row i also depends on
+    the rows before it, so its margin is the prefix minimum (np.minimum.accumulate) of this.
+    act_quant: as `forward` (every matmul input, eh_proj's included, rounded)."""
+    W = load_weights(model_path, dtype)
+    c = W.cfg
+    N = W.nextn
+    if N is None:
+        raise ValueError(f"{model_path}: no multi-token-prediction layer (nextn_predict_layers = {c.n_nextn}, or no blk.{c.n_layers}.nextn.* tensors)")
+    trunk_margins = None if moe_margins is None else np.full(len(tokens), np.inf)
+    P = Pass(W, act_quant, None, trunk_margins)
+    tokens = P.check_tokens(tokens)
+    T = len(tokens)
+    h = trunk(P, tokens)
+    if T == 1:
+        return np.zeros((0, c.vocab), dtype=P.ft)
+    hn = rmsnorm(h[:-1], W.output_norm, c.rms_eps)  # h_nextn of rows 0..T-2
+    e = N["embed"][tokens[1:]].astype(P.ft)
+    x = np.concatenate([rmsnorm(e, N["enorm"], c.rms_eps), rmsnorm(hn, N["hnorm"], c.rms_eps)], axis=-1)
+    x = P.lin(x, N["eh_proj"])  # [T - 1, hidden]
+    block_margins = None if moe_margins is None else np.full(T - 1, np.inf)
+    x = x + attention(P, rmsnorm(x, N["attn_norm"], c.rms_eps), N, c.n_layers, np.arange(1, T))
+    x = ffn_block(P, x, N, block_margins)
+    if moe_margins is not None:
+        np.minimum(moe_margins, np.minimum(trunk_margins[:-1], block_margins), out=moe_margins)
+    return P.lin(rmsnorm(x, N["head_norm"], c.rms_eps), N["head"])
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -769,13 +885,19 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="compute precision")
     ap.add_argument("--act-quant", default="none", choices=["none", "q8", "q8k"], help="simulate 8-bit activation blocks (q8k: as specula's kernels)")
     ap.add_argument("--last-only", action="store_true", help="only the last position's logits")
+    ap.add_argument("--nextn", action="store_true", help="the multi-token-prediction layer's logits instead: [n_tokens - 1, vocab]")
     a = ap.parse_args(argv)
     if not a.model:
         ap.error("--model (or $SPECULA_MODEL) is required")
     toks = [int(t) for t in a.tokens.replace(" ", "").split(",") if t]
-    logits = forward(a.model, toks, dtype=a.dtype, act_quant=a.act_quant, last_only=a.last_only)
+    if a.nextn:
+        logits = mtp_forward(a.model, toks, dtype=a.dtype, act_quant=a.act_quant)
+        if a.last_only:
+            logits = logits[-1:]
+    else:
+        logits = forward(a.model, toks, dtype=a.dtype, act_quant=a.act_quant, last_only=a.last_only)
     np.save(a.out, logits.astype(np.float32))
-    top = int(np.argmax(logits[-1]))
+    top = int(np.argmax(logits[-1])) if len(logits) else None
     print(f"wrote {a.out}: shape {logits.shape}, last-position argmax {top}", file=sys.stderr)
     return 0
 

@@ -11,7 +11,8 @@ write-tiny` / `write-tiny-moe`), as test_gpt_oss.py does for gpt-oss:
 - Served, greedy outputs (tokens, content, reasoning, finish reason) are the same with and
   without n-gram speculation and async scheduling (the random model's text is noise, so only
   exactness is asserted, and that the n-gram drafted); for the hybrid that means rejected drafts
-  rolled back out of its recurrent state.
+  rolled back out of its recurrent state, and the same again drafting with the file's own
+  prediction layer (`--speculative-method mtp` without a head file).
 The forward passes themselves are checked against the NumPy reference (test_real_models.py,
 test_moe_oracle.py) and llama.cpp (scripts/llama_compare.sh).
 """
@@ -31,8 +32,9 @@ ARCHS = {
     "qwen2moe": ("write-tiny-moe", ["--arch", "qwen2moe", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32"], "<|im_end|>"),
     "phi3": ("write-tiny", ["--arch", "phi3", "--rope-dims", "8"], "<|end|>"),
     "smollm3": ("write-tiny", ["--arch", "smollm3", "--layers", "4"], "<|im_end|>"),
-    "qwen35": ("write-tiny", ["--arch", "qwen35", "--layers", "4"], "<|im_end|>"),
-    "qwen35moe": ("write-tiny-moe", ["--arch", "qwen35moe", "--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32"], "<|im_end|>"),
+    # the hybrids with their own prediction layer (nextn), as Qwen3.5 files ship
+    "qwen35": ("write-tiny", ["--arch", "qwen35", "--layers", "4", "--nextn"], "<|im_end|>"),
+    "qwen35moe": ("write-tiny-moe", ["--arch", "qwen35moe", "--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32", "--nextn"], "<|im_end|>"),
 }
 CASES = [
     {"messages": [U]},
@@ -92,7 +94,10 @@ def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
     turn_end = tokens.index(ARCHS[name][2])
     runs = []
     # adaptive k off: on a loaded machine its measured costs may say no draft pays
-    for flags in [(), ("--speculative-method", "ngram", "--no-speculative-adaptive", "--async-scheduling")]:
+    runs_flags = [(), ("--speculative-method", "ngram", "--no-speculative-adaptive", "--async-scheduling")]
+    if name.startswith("qwen35"):
+        runs_flags.append(("--speculative-method", "mtp", "--no-speculative-adaptive", "--async-scheduling"))
+    for flags in runs_flags:
         server = SpeculaServer(*flags, "--max-model-len", "512")
         server.model = path
         server.start()
@@ -106,5 +111,6 @@ def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
                 assert_drafted(server)
         finally:
             server.stop()
-    assert runs[0] == runs[1], json.dumps(runs, indent=1)[:2000]
+    for run in runs[1:]:
+        assert runs[0] == run, json.dumps(runs, indent=1)[:2000]
     assert any(len(toks) > 5 for toks, *_ in runs[0])

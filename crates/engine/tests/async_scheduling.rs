@@ -178,7 +178,7 @@ fn assert_same_spec_counters_but_the_disconnect(spec: Spec, mode: Mode, sync: Op
             assert!(sync.is_none() && asyn.is_none());
             return;
         }
-        Spec::Ngram(k) | Spec::SelfDraft(k) | Spec::OtherDraft(k) | Spec::Mtp(k) => k as u64,
+        Spec::Ngram(k) | Spec::SelfDraft(k) | Spec::OtherDraft(k) | Spec::Mtp(k) | Spec::Nextn(k) => k as u64,
     };
     let (ms, ma) = (sync.expect("speculating"), asyn.expect("speculating"));
     assert!(ms.num_draft_tokens > 0, "{spec:?} {mode:?}: never drafted, the comparison would prove nothing");

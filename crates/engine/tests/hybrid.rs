@@ -3,7 +3,8 @@
 //! end, so a request's greedy tokens and a seeded request's sampled tokens are the same alone, among
 //! 15 others arriving at staggered times (chunked prefills beside decodes), with async scheduling,
 //! and when a tiny KV pool forces preemption (a preempted sequence starts its state over); and the
-//! same greedy tokens with speculative decoding (n-gram, a draft model, an mtp head), whose
+//! same greedy tokens with speculative decoding (n-gram, a draft model, an mtp head, the file's
+//! own prediction layer), whose
 //! rejected drafts the model rolls back out of the recurrent state (`RecurrentStore`).
 
 mod common;
@@ -74,7 +75,7 @@ fn hybrid_greedy_with_speculation_equals_greedy_without() {
     let m = TinyModel::hybrid();
     let p = prompt(77, 1);
     let reference = alone(&m, common::tiny_config(), p.clone(), greedy(40));
-    for spec in [Spec::Ngram(3), Spec::OtherDraft(3), Spec::Mtp(2)] {
+    for spec in [Spec::Ngram(3), Spec::OtherDraft(3), Spec::Mtp(2), Spec::Nextn(3)] {
         let (got, (drafted, accepted)) = alone_with(&m, common::tiny_config(), spec, p.clone(), greedy(40));
         assert_eq!(reference, got, "{spec:?} alone");
         // drafts were verified and some rejected: rollbacks ran

@@ -13,6 +13,7 @@ pub mod llama;
 pub mod loaded;
 pub mod loader;
 pub mod moe;
+pub mod nextn;
 pub mod safetensors_folder;
 pub mod testing;
 pub mod tokenizer;
@@ -25,6 +26,7 @@ pub use llama::{AttentionWeights, FeedForward, ForwardBatch, ForwardOutput, Llam
 pub use loaded::{ExpertWeights, LoadOptions};
 pub use loader::{load_model, load_model_with, load_tokenizer, LoadedModel};
 pub use moe::{DenseFfn, ExchangeError, ExpertExchange, MoeFfn};
+pub use nextn::NextnLayer;
 pub use tokenizer::{DecodeStream, TokenBytes, Tokenizer};
 
 /// Everything that can go wrong loading or running a model, each naming what and where.

@@ -10,6 +10,7 @@ use crate::config::{Activation, AttentionKind, ModelConfig};
 use crate::delta_net::DeltaNetWeights;
 use crate::kv_store::KvStore;
 use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
+use crate::nextn::NextnLayer;
 use crate::ModelError;
 use specula_kernels::attention::paged_attention_windowed;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
@@ -112,6 +113,9 @@ pub struct LlamaModel {
     expert_exchange: Option<Arc<dyn ExpertExchange>>,
     /// Per layer: its planes in the KV store (attention layers only; `None` for recurrent ones).
     kv_index: Vec<Option<usize>>,
+    /// The file's own multi-token-prediction layer, when it has one and it was asked for
+    /// (`LoadOptions::nextn`): the mtp proposer's drafter; the forward never runs it.
+    pub nextn: Option<NextnLayer>,
 }
 
 /// One step's flattened input. Token i of sequence s sits at row `s.q_start + i`, position
@@ -262,7 +266,14 @@ impl LlamaModel {
         // rope_freq_scale_train_swa = 1); gpt-oss's rotate like the global ones.
         let rope_sliding = o.sliding.as_ref().and_then(|s| s.rope_theta).map(|theta| Rope::new(c.head_dim, rot, theta, 1.0, None, c.rope_neox));
         let kv_index = crate::config::ranks_among((0..c.n_layers).map(|l| !c.is_recurrent(l)));
-        Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, rope_long: None, expert_exchange: None, kv_index })
+        Ok(Self { config, embed, layers, extras, final_norm, lm_head, rope, rope_sliding, rope_long: None, expert_exchange: None, kv_index, nextn: None })
+    }
+
+    /// Attaches the file's prediction layer, checked against this model's shapes.
+    pub fn set_nextn(&mut self, layer: NextnLayer) -> Result<(), ModelError> {
+        layer.check(&self.config)?;
+        self.nextn = Some(layer);
+        Ok(())
     }
 
     /// LongRoPE's long factors (`rope_factors_long.weight`, `rope_dims / 2` divisors), used

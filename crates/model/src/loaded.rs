@@ -49,4 +49,7 @@ impl ExpertWeights {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LoadOptions {
     pub expert_weights: ExpertWeights,
+    /// Also load the file's multi-token-prediction layer (`nextn`), when it has one: only the
+    /// mtp proposer runs it, so it is left on disk otherwise.
+    pub nextn: bool,
 }

@@ -12,6 +12,7 @@ use crate::llama::{AttentionWeights, FeedForward, LayerExtras, LayerWeights, Lla
 pub use crate::loaded::LoadedModel;
 use crate::loaded::{ExpertWeights, LoadOptions};
 use crate::moe::{DenseFfn, FfnBias, MoeFfn, SharedExpert};
+use crate::nextn::NextnLayer;
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
 use specula_kernels::QMatrix;
@@ -39,7 +40,7 @@ pub fn load_model_with(path: &Path, options: &LoadOptions) -> Result<LoadedModel
 /// The model alone (no tokenizer or chat template) from a `.gguf` file: for tools that feed
 /// token ids (the logits oracle), and for files whose tokenizer is not supported yet.
 pub fn load_gguf_weights(path: &Path) -> Result<LlamaModel, ModelError> {
-    Ok(gguf_model(&GgufFile::open(path)?)?.0)
+    Ok(gguf_model(&GgufFile::open(path)?, true)?.0)
 }
 
 /// What `arch` changes in the Llama block: its descriptor's switches, and the values of them the
@@ -158,7 +159,7 @@ fn load_gguf(path: &Path, options: &LoadOptions) -> Result<LoadedModel, ModelErr
             available.unwrap_or(0) as f64 / 1e9
         );
     }
-    let (model, weight_bytes) = gguf_model(&f)?;
+    let (model, weight_bytes) = gguf_model(&f, options.nextn)?;
 
     let (tokenizer, chat_template) = gguf_tokenizer(&f)?;
     f.release_resident_pages();
@@ -226,8 +227,9 @@ fn gguf_tokenizer(f: &GgufFile) -> Result<(Tokenizer, Option<ChatTemplate>), Mod
     Ok((tokenizer, chat_template))
 }
 
-/// The model and the bytes of weights it maps, from an open GGUF file.
-fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
+/// The model and the bytes of weights it maps, from an open GGUF file; with `nextn`, its
+/// multi-token-prediction layer too where the file has one.
+fn gguf_model(f: &GgufFile, nextn: bool) -> Result<(LlamaModel, usize), ModelError> {
     let name = f.meta_str("general.architecture")?;
     let Some(arch) = Arch::from_name(name) else {
         return Err(ModelError::Unsupported(format!(
@@ -296,19 +298,9 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
     check_layer_tensors(f, f.meta_u32(&key("block_count"))? as usize)?;
     let (mut layers, mut extras) = (Vec::with_capacity(config.n_layers), Vec::with_capacity(config.n_layers));
     for i in 0..config.n_layers {
-        let t = |n: &str| format!("blk.{i}.{n}.weight");
-        let ffn = match &config.moe {
-            None => FeedForward::Dense(dense_ffn(f, i, config.intermediate_size)?),
-            Some(m) => FeedForward::Moe(moe_layer(f, i, m, config.hidden_size, config.arch_options.activation)?),
-        };
-        let mixer = if config.is_recurrent(i) {
-            Mixer::DeltaNet(Box::new(delta_net_weights(f, i)?))
-        } else {
-            let (wq, wk, wv) = attention_weights(f, i, config.q_proj_rows(), config.kv_width())?;
-            Mixer::Attention(AttentionWeights { wq, wk, wv, wo: f.matrix(&t("attn_output"))? })
-        };
-        layers.push(LayerWeights { attn_norm: f.vector(&t("attn_norm"))?, mixer, ffn_norm: f.vector(&t(arch.descriptor().ffn_norm))?, ffn });
-        extras.push(if config.is_recurrent(i) { LayerExtras::default() } else { layer_extras(f, i, &config.arch_options)? });
+        let (l, e) = layer_weights(f, i, &config)?;
+        layers.push(l);
+        extras.push(e);
         // this layer's weights are repacked: its pages of the file need not stay mapped
         f.release_resident_pages();
     }
@@ -326,7 +318,14 @@ fn gguf_model(f: &GgufFile) -> Result<(LlamaModel, usize), ModelError> {
         None => None,
     };
     let weight_bytes = usize::try_from(f.tensor_bytes()).unwrap_or(usize::MAX);
+    let nextn = match nextn && trunk_layers(f, arch)? < f.meta_u32(&key("block_count"))? as usize {
+        true => Some(nextn_layer(f, &config, &final_norm)?),
+        false => None,
+    };
     let mut model = LlamaModel::with_extras(config, embed, layers, extras, final_norm, lm_head, rope_freqs)?;
+    if let Some(n) = nextn {
+        model.set_nextn(n).map_err(|e| in_file(f, e))?;
+    }
     if f.has_tensor("rope_factors_long.weight") {
         let original = f.meta_u32_or(&key("rope.scaling.original_context_length"), context as u32)? as usize;
         model.set_long_rope_factors(&f.vector("rope_factors_long.weight")?, original)?;
@@ -353,6 +352,46 @@ fn yarn_rope(f: &GgufFile, arch: Arch, context: usize) -> Result<YarnRope, Model
         beta_slow: f.meta_f32_or(&key("rope.scaling.yarn_beta_slow"), 1.0)?,
         ext_factor: f.meta_f32_or(&key("rope.scaling.yarn_ext_factor"), 1.0)?,
         attn_factor,
+    })
+}
+
+/// Layer `i`'s weights (a trunk layer, or the attention block of a prediction layer after it).
+fn layer_weights(f: &GgufFile, i: usize, config: &ModelConfig) -> Result<(LayerWeights, LayerExtras), ModelError> {
+    let t = |n: &str| format!("blk.{i}.{n}.weight");
+    let ffn = match &config.moe {
+        None => FeedForward::Dense(dense_ffn(f, i, config.intermediate_size)?),
+        Some(m) => FeedForward::Moe(moe_layer(f, i, m, config.hidden_size, config.arch_options.activation)?),
+    };
+    let mixer = if config.is_recurrent(i) {
+        Mixer::DeltaNet(Box::new(delta_net_weights(f, i)?))
+    } else {
+        let (wq, wk, wv) = attention_weights(f, i, config.q_proj_rows(), config.kv_width())?;
+        Mixer::Attention(AttentionWeights { wq, wk, wv, wo: f.matrix(&t("attn_output"))? })
+    };
+    let layer = LayerWeights { attn_norm: f.vector(&t("attn_norm"))?, mixer, ffn_norm: f.vector(&t(config.arch.descriptor().ffn_norm))?, ffn };
+    let extras = if config.is_recurrent(i) { LayerExtras::default() } else { layer_extras(f, i, &config.arch_options)? };
+    Ok((layer, extras))
+}
+
+/// The first prediction layer after the trunk (`blk.{n_layers}`, llama.cpp's names); a file with
+/// several drafts with the first, as llama.cpp's qwen35 does.
+fn nextn_layer(f: &GgufFile, config: &ModelConfig, final_norm: &[f32]) -> Result<NextnLayer, ModelError> {
+    let i = config.n_layers;
+    let t = |n: &str| format!("blk.{i}.nextn.{n}.weight");
+    let (layer, extras) = layer_weights(f, i, config)?;
+    let optional = |n: &str| match f.has_tensor(&t(n)) {
+        true => f.matrix(&t(n)).map(Some),
+        false => Ok(None),
+    };
+    Ok(NextnLayer {
+        eh_proj: f.matrix(&t("eh_proj"))?,
+        enorm: f.vector(&t("enorm"))?,
+        hnorm: f.vector(&t("hnorm"))?,
+        head_norm: if f.has_tensor(&t("shared_head_norm")) { f.vector(&t("shared_head_norm"))? } else { final_norm.to_vec() },
+        layer: std::sync::Arc::new(layer),
+        extras,
+        embed: optional("embed_tokens")?,
+        head: optional("shared_head_head")?,
     })
 }
 

@@ -63,6 +63,9 @@ pub struct TinySpec {
     pub omit_tensors: Vec<String>,
     /// Dimensions of each head RoPE rotates, written as `rope.dimension_count` (default: all).
     pub rope_dims: Option<usize>,
+    /// Append a multi-token-prediction block after the trunk (llama.cpp's `nextn` tensors and
+    /// `nextn_predict_layers`; the hybrids ship one).
+    pub nextn: bool,
 }
 
 /// The MoE part of a tiny model, written with llama.cpp's tensor names: `ffn_gate_inp`
@@ -107,6 +110,7 @@ impl Default for TinySpec {
             rope_llama3: false,
             omit_tensors: Vec::new(),
             rope_dims: None,
+            nextn: false,
         }
     }
 }
@@ -146,9 +150,17 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
     let mut plan: Vec<(String, Vec<usize>, f32, f32)> = vec![("token_embd.weight".into(), vec![vocab, h], 0.2, 0.0)];
     // a hybrid's recurrent layers: every layer but each `interval`-th, heads as the attention's
     let tiny_ssm = TinySsm { conv_kernel: 4, k_heads: spec.kv_heads, v_heads: spec.heads, head_dim };
-    let recurrent = |i: usize| d.hybrid.is_some_and(|hy| !(i + 1).is_multiple_of(hy.default_interval as usize));
-    for i in 0..spec.layers {
+    // (the prediction block after the trunk attends)
+    let recurrent = |i: usize| i < spec.layers && d.hybrid.is_some_and(|hy| !(i + 1).is_multiple_of(hy.default_interval as usize));
+    let blocks = spec.layers + usize::from(spec.nextn);
+    for i in 0..blocks {
         let t = |n: &str| format!("blk.{i}.{n}.weight");
+        if i == spec.layers {
+            plan.push((t("nextn.eh_proj"), vec![h, 2 * h], 0.15, 0.0));
+            plan.push((t("nextn.enorm"), vec![h], 0.05, 1.0));
+            plan.push((t("nextn.hnorm"), vec![h], 0.05, 1.0));
+            plan.push((t("nextn.shared_head_norm"), vec![h], 0.05, 1.0));
+        }
         plan.push((t("attn_norm"), vec![h], 0.05, 1.0));
         if recurrent(i) {
             let TinySsm { conv_kernel, v_heads, head_dim: sd, .. } = tiny_ssm;
@@ -276,7 +288,7 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         ("general.alignment".into(), Value::U32(32)),
         (k("context_length"), Value::U32(spec.context_length as u32)),
         (k("embedding_length"), Value::U32(h as u32)),
-        (k("block_count"), Value::U32(spec.layers as u32)),
+        (k("block_count"), Value::U32(blocks as u32)),
         (k("feed_forward_length"), Value::U32(ff as u32)),
         (k("attention.head_count"), Value::U32(spec.heads as u32)),
         (k("attention.head_count_kv"), Value::U32(spec.kv_heads as u32)),
@@ -293,6 +305,9 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(eos)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
     ];
+    if spec.nextn {
+        metadata.push((k("nextn_predict_layers"), Value::U32(1)));
+    }
     if spec.head_dim.is_some() {
         metadata.push((k("attention.key_length"), Value::U32(head_dim as u32)));
         metadata.push((k("attention.value_length"), Value::U32(head_dim as u32)));

@@ -199,7 +199,7 @@ fn per_expert_tensors_of_older_files_load_like_the_stacks() {
 #[test]
 fn experts_read_in_place_give_the_repacked_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let load = |path: &Path, w: ExpertWeights| load_model_with(path, &LoadOptions { expert_weights: w }).unwrap();
+    let load = |path: &Path, w: ExpertWeights| load_model_with(path, &LoadOptions { expert_weights: w, ..Default::default() }).unwrap();
     for (i, format) in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::F16].into_iter().enumerate() {
         let spec = TinySpec { weight_format: format, seed: 11, moe: Some(TinyMoe { shared_ffn: Some(32), ..Default::default() }), ..Default::default() };
         let path = tiny_moe(dir.path(), &format!("m{i}.gguf"), &spec);

@@ -15,7 +15,8 @@ pub enum DebugCmd {
     /// "add_generation_prompt": bool}: writes {"renders": [{"text": ...} | {"error": ...}],
     /// "eos": [ids], "bos": id, "add_bos": bool}.
     RenderChat(RenderArgs),
-    /// Logits at every position of each prompt in {"prompts": [[ids]]}: little-endian f32.
+    /// Logits at every position of each prompt in {"prompts": [[ids]]}: little-endian f32
+    /// (`--nextn`: the file's prediction layer's, teacher-forced, one row fewer per prompt).
     Logits(IoArgs),
     /// Dequantize raw ggml blocks (one row of --cols elements per row) to little-endian f32.
     Dequant(DequantArgs),
@@ -88,6 +89,9 @@ pub struct TinyArgs {
     pub format: String,
     #[arg(long, default_value_t = 2)]
     pub layers: usize,
+    /// Append a multi-token-prediction block (`nextn`, as the hybrids ship).
+    #[arg(long)]
+    pub nextn: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -121,6 +125,9 @@ pub struct TinyMoeArgs {
     pub format: String,
     #[arg(long, default_value_t = 2)]
     pub layers: usize,
+    /// Append a multi-token-prediction block (`nextn`, as the hybrids ship).
+    #[arg(long)]
+    pub nextn: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -168,6 +175,11 @@ pub struct IoArgs {
     /// The KV cache's type (as `serve --kv-cache-dtype`; the served default unless given).
     #[arg(long, value_enum, default_value_t = crate::engine_args::KvDtypeArg::Auto)]
     pub kv_cache_dtype: crate::engine_args::KvDtypeArg,
+    /// Logits: the file's own multi-token-prediction layer's instead of the model's: row i pairs
+    /// the final state of position i with token i + 1 (at position i + 1) and attends to rows
+    /// 0..=i (llama.cpp's qwen35 MTP graph).
+    #[arg(long)]
+    pub nextn: bool,
 }
 
 pub fn run(cmd: DebugCmd) -> Result<()> {
@@ -217,8 +229,22 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             let prompts: Vec<Vec<u32>> = serde_json::from_value(v["prompts"].clone()).context("input must be {\"prompts\": [[ids]]}")?;
             let pool = rayon::ThreadPoolBuilder::new().num_threads(a.threads).build()?;
             let mut f = std::io::BufWriter::new(std::fs::File::create(&a.output)?);
+            let nextn = match a.nextn {
+                true => Some(specula_engine::speculative::mtp::MtpProposer::from_nextn(&model, &(0..model.config.vocab_size as u32).collect::<Vec<_>>())?),
+                false => None,
+            };
             for p in prompts {
-                let logits = pool.install(|| all_position_logits(&model, &p, a.chunk, a.kv_cache_dtype.into()))?;
+                let logits = pool.install(|| -> Result<Vec<f32>> {
+                    let Some(head) = &nextn else { return all_position_logits(&model, &p, a.chunk, a.kv_cache_dtype.into()) };
+                    let (_, hidden) = all_position_forward(
+                        &model,
+                        &p,
+                        a.chunk,
+                        a.kv_cache_dtype.into(),
+                        specula_engine::speculative::proposer::Proposer::hidden_layers(head),
+                    )?;
+                    Ok(head.teacher_forced(&p, &hidden)?)
+                })?;
                 for x in logits {
                     f.write_all(&x.to_le_bytes())?;
                 }
@@ -237,6 +263,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 sliding_period: a.sliding_period,
                 rope_llama3: a.rope_llama3,
                 rope_dims: a.rope_dims,
+                nextn: a.nextn,
                 ..Default::default()
             };
             write_tiny_llama(&a.output, &spec)?;
@@ -245,8 +272,16 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             use specula_model::testing::{write_tiny_moe, TinyMoe, TinySpec};
             let format = tiny_format(&a.format)?;
             let moe = TinyMoe { experts: a.experts, used: a.experts_used, expert_ffn: a.expert_ffn, shared_ffn: a.shared_ffn, norm_topk: a.norm_topk };
-            let spec =
-                TinySpec { weight_format: format, layers: a.layers, seed: a.seed, moe: Some(moe), arch: a.arch, head_dim: a.head_dim, ..Default::default() };
+            let spec = TinySpec {
+                weight_format: format,
+                layers: a.layers,
+                seed: a.seed,
+                moe: Some(moe),
+                arch: a.arch,
+                head_dim: a.head_dim,
+                nextn: a.nextn,
+                ..Default::default()
+            };
             write_tiny_moe(&a.output, &spec)?;
         }
         DebugCmd::KvFidelity(a) => crate::kv_fidelity::run(a)?,
@@ -323,6 +358,18 @@ fn tiny_format(name: &str) -> Result<specula_model::testing::GgmlDType> {
 
 /// Runs one prompt through a private contiguous KV cache of type `kv`, `chunk` tokens per pass.
 pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], chunk: usize, kv_dtype: specula_kernels::kv::KvDtype) -> Result<Vec<f32>> {
+    Ok(all_position_forward(model, prompt, chunk, kv_dtype, &[])?.0)
+}
+
+/// [`all_position_logits`], and every position's states after `hidden_layers` (as
+/// `ForwardOutput::hidden` lays them out).
+fn all_position_forward(
+    model: &specula_model::LlamaModel,
+    prompt: &[u32],
+    chunk: usize,
+    kv_dtype: specula_kernels::kv::KvDtype,
+    hidden_layers: &[usize],
+) -> Result<(Vec<f32>, Vec<f32>)> {
     let c = &model.config;
     let layout = specula_kernels::attention::KvLayout { block_size: 16, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
     let blocks = prompt.len().div_ceil(16).max(1);
@@ -330,6 +377,7 @@ pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], ch
     let table: Vec<u32> = (0..blocks as u32).collect();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut out = Vec::with_capacity(prompt.len() * c.vocab_size);
+    let mut hidden = Vec::new();
     let mut done = 0;
     while done < prompt.len() {
         let n = chunk.min(prompt.len() - done);
@@ -337,11 +385,12 @@ pub fn all_position_logits(model: &specula_model::LlamaModel, prompt: &[u32], ch
         let slots: Vec<usize> = (done..done + n).collect();
         let rows: Vec<usize> = (0..n).collect();
         let o = model.forward(
-            &ForwardBatch { tokens: &prompt[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &[0] },
+            &ForwardBatch { tokens: &prompt[done..done + n], seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers, state_slots: &[0] },
             &mut kv,
         )?;
         out.extend_from_slice(&o.logits);
+        hidden.extend_from_slice(&o.hidden);
         done += n;
     }
-    Ok(out)
+    Ok((out, hidden))
 }

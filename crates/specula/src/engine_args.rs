@@ -136,13 +136,14 @@ pub struct SpecArgs {
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
     /// Draft model (GGUF or HF folder) for --speculative-method draft, head file for mtp
-    /// (default for mtp: the head built in for the default model, heads/README.md).
+    /// (default for mtp: the model file's own prediction layer, `nextn`, where it has one, else
+    /// the head built in for the default model, heads/README.md).
     #[arg(long)]
     pub draft_model: Option<PathBuf>,
-    /// With --speculative-method draft: the draft proposes only the first N token ids (BPE and
-    /// SentencePiece vocabularies put frequent tokens first) and end-of-sequence tokens, and
-    /// computes only those rows of its output projection (cheaper drafts, slightly fewer
-    /// accepted); 0: the whole vocabulary. Default: 32768 for vocabularies over 65536 tokens,
+    /// With --speculative-method draft, or mtp through the model file's own prediction layer:
+    /// the draft proposes only the first N token ids (BPE and SentencePiece vocabularies put
+    /// frequent tokens first) and end-of-sequence tokens, and computes only those rows of its
+    /// output projection (cheaper drafts, slightly fewer accepted); 0: the whole vocabulary. Default: 32768 for vocabularies over 65536 tokens,
     /// else the whole vocabulary.
     #[arg(long)]
     pub draft_vocab_size: Option<usize>,
@@ -251,6 +252,12 @@ fn parse_probability(s: &str) -> Result<f32, String> {
 }
 
 impl SpecArgs {
+    /// Whether the proposer may be the target file's own prediction layer (`mtp` without
+    /// `--draft-model`): only then is that layer loaded.
+    pub fn wants_nextn(&self) -> bool {
+        self.speculative_method.0.is_some_and(|c| c.method == SpecMethod::Mtp) && self.draft_model.is_none()
+    }
+
     pub fn to_config(&self) -> Option<SpecConfig> {
         let choice = self.speculative_method.0?;
         let ngram = choice.method == SpecMethod::Ngram || choice.with_ngram;
@@ -283,9 +290,11 @@ impl SpecArgs {
         if cfg.force_accept {
             tracing::warn!("--speculative-force-accept is on: every draft token is accepted and the OUTPUT IS CHANGED (benchmarking only)");
         }
-        // mtp with no --draft-model: the head shipped for the default model (the loader checks
-        // that the target is the one it was trained for)
-        let shipped = cfg.method == SpecMethod::Mtp && cfg.draft_model.is_none();
+        // mtp with no --draft-model: the target file's own prediction layer where it has one
+        // (loaded for this, `SpecArgs::wants_nextn`), else the head shipped for the default model
+        // (the loader checks that the target is the one it was trained for)
+        let shipped = cfg.method == SpecMethod::Mtp && cfg.draft_model.is_none() && target.nextn.is_none();
+        cfg.end_tokens = (0..target.config.vocab_size as u32).filter(|&t| target_tokenizer.is_eos(t)).collect();
         if shipped {
             cfg.draft_model = Some(crate::shipped_head::materialise()?);
         } else if cfg.draft_model.is_some() {
@@ -300,7 +309,7 @@ impl SpecArgs {
             let e = anyhow::Error::from(e);
             if shipped {
                 e.context(format!(
-                    "--speculative-method mtp without --draft-model uses the built-in head, trained for {}; for another model pass --draft-model HEAD.safetensors (see `specula-train-head`)",
+                    "--speculative-method mtp without --draft-model uses the model file's own prediction layer (nextn), which this file has none of, or else the built-in head, trained for {}; for another model pass --draft-model HEAD.safetensors (see `specula-train-head`)",
                     crate::shipped_head::TARGET
                 ))
             } else {
@@ -346,7 +355,7 @@ impl EngineArgs {
         let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
         let expert_weights = specula_model::ExpertWeights::from(self.expert_weights)
             .settle(file_bytes.saturating_mul(copies.max(1) as u64), specula_model::kv_store::available_memory());
-        specula_model::LoadOptions { expert_weights }
+        specula_model::LoadOptions { expert_weights, nextn: self.spec.wants_nextn() }
     }
 
     /// The engine's configuration (one rank's) for `loaded` (read from `path`), the first of `ranks` in-process

@@ -182,7 +182,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     };
     let llama_runs = bench(&args.llama_bench, &[])?;
     let ik_runs = bench(&args.ik_bench, &["-rtr", "1", "-fmoe", "1"])?;
-    let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into() };
+    let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into(), nextn: false };
     let loaded = load_model_with(&path, &options)?;
     let model = &loaded.model;
     let in_place = model.in_place_bytes();

@@ -105,10 +105,14 @@ pub struct SpecConfig {
     pub corpus_tokens: usize,
     /// Draft model (GGUF or folder) for `draft`, head file for `mtp`.
     pub draft_model: Option<PathBuf>,
-    /// For `draft`: the draft proposes only the first n token ids (and end-of-sequence tokens),
-    /// computing only those rows of its output projection; 0: the whole vocabulary. None:
-    /// [`DEFAULT_DRAFT_VOCAB`] for vocabularies of more than twice that, else the whole one.
+    /// For `draft` and a file's own prediction layer (`mtp` without a head file): the draft
+    /// proposes only the first n token ids (and end-of-sequence tokens), computing only those
+    /// rows of its output projection; 0: the whole vocabulary. None: [`DEFAULT_DRAFT_VOCAB`] for
+    /// vocabularies of more than twice that, else the whole one ([`draft_vocab_size`]).
     pub draft_vocab: Option<usize>,
+    /// The target's end-of-sequence tokens: a restricted draft vocabulary of the target's own
+    /// prediction layer keeps them (a draft model keeps its own tokenizer's).
+    pub end_tokens: Vec<crate::types::TokenId>,
     /// For `draft`: the draft model's projections as stored or re-encoded smaller.
     pub draft_weights: DraftWeights,
     /// Accept every draft token (upper-bound benchmarks only: CHANGES THE OUTPUT).
@@ -149,6 +153,26 @@ pub const DEFAULT_MTP_MIN_CONFIDENCE: f32 = 0.5;
 /// code-edit prompts' tokens.
 pub const DEFAULT_DRAFT_VOCAB: usize = 32_768;
 
+/// The draft vocabulary `asked` (`SpecConfig::draft_vocab`) gives over a vocabulary of `vocab`.
+pub fn draft_vocab_size(asked: Option<usize>, vocab: usize) -> usize {
+    match asked {
+        Some(0) => vocab,
+        Some(n) => n.min(vocab),
+        None if vocab > 2 * DEFAULT_DRAFT_VOCAB => DEFAULT_DRAFT_VOCAB,
+        None => vocab,
+    }
+}
+
+/// The first `n` ids of a vocabulary of `vocab` and the ids of `always` beyond them, increasing.
+pub fn first_ids_and(n: usize, always: &[crate::types::TokenId], vocab: usize) -> Vec<crate::types::TokenId> {
+    let n = n.min(vocab);
+    let mut keep: Vec<crate::types::TokenId> = (0..n as crate::types::TokenId).collect();
+    keep.extend(always.iter().copied().filter(|&t| t as usize >= n && (t as usize) < vocab));
+    keep.sort_unstable();
+    keep.dedup();
+    keep
+}
+
 /// The cross-request index's default budget: 65 536 tokens (about 10 MB), some hundreds of
 /// recent answers.
 pub const DEFAULT_CORPUS_TOKENS: usize = 1 << 16;
@@ -166,6 +190,7 @@ impl SpecConfig {
             corpus_tokens: DEFAULT_CORPUS_TOKENS,
             draft_model: None,
             draft_vocab: None,
+            end_tokens: Vec::new(),
             draft_weights: DraftWeights::Q4_0,
             force_accept: false,
             adaptive: true,

@@ -64,10 +64,7 @@ impl DraftModelProposer {
         if n >= vocab {
             return Ok(self);
         }
-        let mut keep: Vec<TokenId> = (0..n as TokenId).collect();
-        keep.extend(always.iter().copied().filter(|&t| t as usize >= n && (t as usize) < vocab));
-        keep.sort_unstable();
-        keep.dedup();
+        let keep = super::config::first_ids_and(n, always, vocab);
         self.model.restrict_output(&keep)?;
         self.vocab = Some(VocabMap::from_d2t(keep, vocab).map_err(SpecError::Config)?);
         Ok(self)

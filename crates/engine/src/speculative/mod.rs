@@ -98,20 +98,12 @@ fn build_one(cfg: &SpecConfig, target: ProposerTarget, engine: &crate::config::E
             let vocab = loaded.model.config.vocab_size;
             let eos: Vec<crate::types::TokenId> = (0..vocab as crate::types::TokenId).filter(|&t| loaded.tokenizer.is_eos(t)).collect();
             let p = draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
-            let n = match cfg.draft_vocab {
-                Some(0) => vocab,
-                Some(n) => n,
-                None if vocab > 2 * config::DEFAULT_DRAFT_VOCAB => config::DEFAULT_DRAFT_VOCAB,
-                None => vocab,
-            };
+            let n = config::draft_vocab_size(cfg.draft_vocab, vocab);
             // re-encoded after the output is restricted: only the rows kept are converted
             let p = p.with_draft_vocab(n, &eos)?;
             Ok(Box::new(if cfg.draft_weights == config::DraftWeights::Q4_0 { p.with_q4_0_weights()? } else { p }))
         }
         SpecMethod::Mtp => {
-            let path = cfg.draft_model.as_ref().ok_or_else(|| {
-                SpecError::Config("--speculative-method mtp needs --draft-model HEAD.safetensors (an mtp head trained for this target)".into())
-            })?;
             let ProposerTarget::Model(model) = target else {
                 return Err(SpecError::Config(
                     "the mtp proposer reads the target's weights: build it from the loaded target model, not only its config".into(),
@@ -119,7 +111,16 @@ fn build_one(cfg: &SpecConfig, target: ProposerTarget, engine: &crate::config::E
             };
             // without adaptive speculation every step drafts exactly k
             let gate = if cfg.adaptive { cfg.mtp_min_confidence } else { 0.0 };
-            Ok(Box::new(mtp::MtpProposer::load(path, model)?.with_min_confidence(gate)))
+            // a head file when one is given, else the target file's own prediction layer
+            let proposer = match &cfg.draft_model {
+                Some(path) => mtp::MtpProposer::load(path, model)?,
+                None => {
+                    let vocab = model.config.vocab_size;
+                    let keep = config::first_ids_and(config::draft_vocab_size(cfg.draft_vocab, vocab), &cfg.end_tokens, vocab);
+                    mtp::MtpProposer::from_nextn(model, &keep)?
+                }
+            };
+            Ok(Box::new(proposer.with_min_confidence(gate)))
         }
     }
 }

@@ -1,5 +1,8 @@
 //! The mtp proposer: a one-layer EAGLE/MTP-style head that reads the target's final hidden state
 //! and the embedding of the next token, and drafts k tokens by running on its own hidden states.
+//! The head is one we trained (a head file, over a pruned vocabulary) or the target file's own
+//! multi-token-prediction layer (`nextn`, as Qwen3.5 ships it: RMSNorms before the input
+//! projection, gated attention with q/k norms and the target's RoPE, the target's FFN and head).
 //! Its attention reads the draft chain and, for a `sequence` head (EAGLE-style), the keys/values of
 //! the sequence's earlier target rows, kept per sequence (`SeqContext`) and built lazily from the
 //! hidden states of the tokens each step emitted: accepted tokens only, so nothing to roll back.
@@ -15,13 +18,14 @@ use crate::types::{SeqId, TokenId};
 use specula_kernels::attention::{paged_attention, KvLayout, SeqSpan};
 use specula_kernels::formats::QK;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
-use specula_kernels::ops::{add_assign, rms_norm, silu_mul, Rope};
+use specula_kernels::ops::{add_assign, rms_norm, rms_norm_in_place, sigmoid, silu_mul, Rope};
 use specula_kernels::{QMatrix, WeightFormat};
-use specula_model::llama::{AttentionWeights, FeedForward, LayerWeights, Mixer};
+use specula_model::llama::{AttentionWeights, FeedForward, LayerExtras, LayerWeights, Mixer};
 use specula_model::DenseFfn;
 use specula_model::LlamaModel;
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 /// RNG stream of the head's draws, apart from the target's per-completion streams (0, 1, ...).
 const MTP_RNG_STREAM: u64 = 0x6D74_7000;
@@ -55,14 +59,40 @@ pub struct MtpHead {
     fuse: Option<QMatrix>,
     /// `[H, 2H]`: concat(embedding(token), hidden) -> the layer's input.
     fc: QMatrix,
-    layer: LayerWeights,
+    layer: Arc<LayerWeights>,
+    /// The q/k norms of a file's prediction layer (a trained head has none).
+    extras: LayerExtras,
+    /// Whether the query projection also gives each head's output gate (gated attention).
+    gated: bool,
     norm: Vec<f32>,
     /// `[K, H]` over the pruned vocabulary.
     lm_head: QMatrix,
     vocab: VocabMap,
-    /// Rotate-half (HF/NeoX) pairs, as a PyTorch trainer writes them.
+    /// Rotate-half (HF/NeoX) pairs, as a PyTorch trainer writes them; a file's prediction layer
+    /// rotates as its target does.
     rope: Rope,
+    /// Earlier target rows a sequence's context keeps.
+    window: usize,
+    /// What a file's own prediction layer adds; `None` for a trained head.
+    nextn: Option<NextnInputs>,
 }
+
+/// The steps of a file's prediction layer around the shared body (llama.cpp's qwen35 MTP graph):
+/// the target's rows enter through the target's output norm (its `h_nextn`), the embedding and
+/// hidden halves of the input through `enorm` and `hnorm`, a row pairing target row `p` with the
+/// token after it sits at position `p + 1`, and the chain carries the head-normed output.
+struct NextnInputs {
+    target_norm: Vec<f32>,
+    enorm: Vec<f32>,
+    hnorm: Vec<f32>,
+    /// The layer's own token embedding (`nextn.embed_tokens`), where the file has one.
+    embed: Option<QMatrix>,
+}
+
+/// Earlier rows a file's prediction layer attends to (the sequence's output rows from its last
+/// prompt row on): llama.cpp runs it over every row of the sequence; a window bounds the memory
+/// and time per sequence here.
+pub const NEXTN_WINDOW: usize = 4096;
 
 impl MtpHead {
     /// Loads `path` and checks it fits `target`: format, hidden size, vocabulary, fingerprint,
@@ -105,7 +135,7 @@ impl MtpHead {
         };
         let fuse = if c.fuses() { Some(matrix(fmt::FUSE, h, c.feature_width())?) } else { None };
         let fc = matrix(fmt::FC, h, 2 * h)?;
-        let layer = LayerWeights {
+        let layer = Arc::new(LayerWeights {
             attn_norm: file.vector(fmt::ATTN_NORM, h)?,
             mixer: Mixer::Attention(AttentionWeights {
                 wq: matrix(fmt::ATTN_Q, qw, h)?,
@@ -115,12 +145,79 @@ impl MtpHead {
             }),
             ffn_norm: file.vector(fmt::FFN_NORM, h)?,
             ffn: FeedForward::Dense(DenseFfn::new(matrix(fmt::FFN_GATE, ff, h)?, matrix(fmt::FFN_UP, ff, h)?, matrix(fmt::FFN_DOWN, h, ff)?)),
-        };
+        });
         let norm = file.vector(fmt::NORM, h)?;
         let lm_head = matrix(fmt::LM_HEAD, k, h)?;
         let vocab = Self::vocab_map(&file, k, path)?;
         let rope = Rope::new(c.head_dim, c.head_dim, c.rope_theta, 1.0, None, true);
-        Ok(Self { config: c, fuse, fc, layer, norm, lm_head, vocab, rope })
+        let window = c.context.window();
+        Ok(Self { config: c, fuse, fc, layer, extras: LayerExtras::default(), gated: false, norm, lm_head, vocab, rope, window, nextn: None })
+    }
+
+    /// The target file's own prediction layer (`LlamaModel::nextn`, loaded with
+    /// `LoadOptions::nextn`) as a head proposing the target ids `keep` (increasing; the whole
+    /// vocabulary, or the output rows a draft step computes cut to those as a draft model's are,
+    /// `SpecConfig::draft_vocab`), the matrices as the file stores them.
+    pub fn from_nextn(target: &LlamaModel, keep: &[TokenId]) -> Result<Self, SpecError> {
+        let Some(n) = &target.nextn else {
+            return Err(SpecError::Config(format!(
+                "the target ({}) has no multi-token-prediction layer of its own (nextn); pass --draft-model HEAD.safetensors, an mtp head trained for it",
+                target.config.arch
+            )));
+        };
+        let t = &target.config;
+        let ffn = match &t.moe {
+            // (the cost estimate's width: the experts a token runs, and the shared one)
+            Some(m) => m.expert_ffn * m.n_used + m.shared_ffn.unwrap_or(0),
+            None => t.intermediate_size,
+        };
+        let head = n.head.as_ref().unwrap_or(&target.lm_head);
+        let (lm_head, vocab) = match keep.len() == t.vocab_size {
+            true => (head.clone(), VocabMap::identity(t.vocab_size)),
+            false => {
+                let rows: Vec<usize> = keep.iter().map(|&id| id as usize).collect();
+                let lm_head = head.select_rows(&rows, "nextn output rows").map_err(|e| SpecError::Config(e.to_string()))?;
+                (lm_head, VocabMap::from_d2t(keep.to_vec(), t.vocab_size).map_err(SpecError::Config)?)
+            }
+        };
+        let config = HeadConfig {
+            target_vocab: t.vocab_size,
+            target_hidden: t.hidden_size,
+            target_layers: t.n_layers,
+            feature_layers: vec![t.n_layers - 1],
+            num_heads: t.n_heads,
+            num_kv_heads: t.n_kv_heads,
+            head_dim: t.head_dim,
+            ffn,
+            rms_eps: t.rms_eps,
+            rope_theta: t.rope_theta,
+            target_fingerprint: fmt::target_fingerprint(target),
+            context: fmt::HeadContext::Sequence,
+        };
+        Ok(Self {
+            config,
+            fuse: None,
+            fc: n.eh_proj.clone(),
+            layer: Arc::clone(&n.layer),
+            extras: n.extras.clone(),
+            gated: t.arch_options.attn_output_gate,
+            norm: n.head_norm.clone(),
+            lm_head,
+            vocab,
+            rope: target.rope.clone(),
+            window: NEXTN_WINDOW,
+            nextn: Some(NextnInputs { target_norm: target.final_norm.clone(), enorm: n.enorm.clone(), hnorm: n.hnorm.clone(), embed: n.embed.clone() }),
+        })
+    }
+
+    /// Whether this is a file's own prediction layer rather than a trained head.
+    pub fn is_nextn(&self) -> bool {
+        self.nextn.is_some()
+    }
+
+    /// The position a row pairing target row `p` with the token after it is rotated at.
+    fn row_position(&self, p: usize) -> usize {
+        p + usize::from(self.nextn.is_some())
     }
 
     /// `d2t` (every id inside the target vocabulary, distinct) and `t2d` (exactly its inverse).
@@ -159,7 +256,11 @@ impl MtpHead {
 
     /// One H-wide state per target row from its feature-layer states (`[n, F * H]`): `fuse`
     /// applied, or the rows themselves for a head of one feature layer.
-    fn fused(&self, features: Vec<f32>) -> Vec<f32> {
+    fn fused(&self, mut features: Vec<f32>) -> Vec<f32> {
+        if let Some(n) = &self.nextn {
+            rms_norm_in_place(&mut features, &n.target_norm, self.config.rms_eps);
+            return features;
+        }
         let Some(fuse) = &self.fuse else { return features };
         let (h, w) = (self.config.target_hidden, self.config.feature_width());
         let mut out = vec![0f32; features.len() / w * h];
@@ -167,9 +268,27 @@ impl MtpHead {
         out
     }
 
+    /// concat(embedding(token), hidden) per row, each half through its RMSNorm for a file's
+    /// prediction layer: the input `project` reads.
+    fn input_rows<'a>(&self, embed: &QMatrix, rows: impl ExactSizeIterator<Item = (TokenId, &'a [f32])>) -> Vec<f32> {
+        let h = self.config.target_hidden;
+        let mut input = vec![0f32; rows.len() * 2 * h];
+        for (row, (tok, hidden)) in input.chunks_exact_mut(2 * h).zip(rows) {
+            embed.dequantize_row_into(tok as usize, &mut row[..h]);
+            row[h..].copy_from_slice(hidden);
+            if let Some(n) = &self.nextn {
+                let (e, x) = row.split_at_mut(h);
+                rms_norm_in_place(e, &n.enorm, self.config.rms_eps);
+                rms_norm_in_place(x, &n.hnorm, self.config.rms_eps);
+            }
+        }
+        input
+    }
+
     /// The layer's input and attention projections for `n` rows: `input` `[n, 2H]` rows of
-    /// concat(embedding, hidden), row i at position `pos[i]`. Returns the residual `x` `[n, H]`,
-    /// the rotated queries `[n, qw]` and keys and the values `[n, kvw]`.
+    /// concat(embedding, hidden), row i for target row `pos[i]`. Returns the residual `x` `[n, H]`,
+    /// the rotated queries `[n, qw]` and keys, the values `[n, kvw]` and, for gated attention,
+    /// the output gates (sigmoid applied) `[n, qw]`.
     fn project(&self, input: &[f32], pos: &[usize]) -> Projected {
         let c = &self.config;
         let l = &self.layer;
@@ -178,42 +297,69 @@ impl MtpHead {
         let mut x = vec![0f32; n * h];
         matmul(&MatmulInput::new(input, 2 * h, &[&self.fc]), &self.fc, &mut x);
         let mut xn = vec![0f32; n * h];
-        let (mut q, mut k, mut v) = (vec![0f32; n * qw], vec![0f32; n * kvw], vec![0f32; n * kvw]);
+        let q_rows = if self.gated { 2 * qw } else { qw };
+        let (mut q, mut k, mut v) = (vec![0f32; n * q_rows], vec![0f32; n * kvw], vec![0f32; n * kvw]);
         rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-        let Mixer::Attention(a) = &l.mixer else { unreachable!("the MTP head's layer is built attending in MtpHead::load") };
+        let Mixer::Attention(a) = &l.mixer else { unreachable!("an mtp head's layer attends (MtpHead::load, NextnLayer::check)") };
         matmul_many(&MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]), &[&a.wq, &a.wk, &a.wv], &mut [&mut q, &mut k, &mut v]);
+        let mut gate = Vec::new();
+        if self.gated {
+            // per head its queries, then its output gate (as the target's gated attention)
+            let hd = c.head_dim;
+            let (mut qs, mut gs) = (vec![0f32; n * qw], vec![0f32; n * qw]);
+            for ((pair, qh), gh) in q.chunks_exact(2 * hd).zip(qs.chunks_exact_mut(hd)).zip(gs.chunks_exact_mut(hd)) {
+                qh.copy_from_slice(&pair[..hd]);
+                gh.iter_mut().zip(&pair[hd..]).for_each(|(s, &g)| *s = sigmoid(g));
+            }
+            (q, gate) = (qs, gs);
+        }
+        if let (Some(nq), Some(nk)) = (&self.extras.q_norm, &self.extras.k_norm) {
+            rms_norm_in_place(&mut q, nq, c.rms_eps);
+            rms_norm_in_place(&mut k, nk, c.rms_eps);
+        }
         for (i, &p) in pos.iter().enumerate() {
+            let p = self.row_position(p);
             self.rope.apply(&mut q[i * qw..(i + 1) * qw], p);
             self.rope.apply(&mut k[i * kvw..(i + 1) * kvw], p);
         }
-        Projected { x, q, k, v }
+        Projected { x, q, k, v, gate }
     }
 
-    /// The rest of the layer for `n` rows, given their residual `x` and attention output `attn`
-    /// `[n, qw]`: returns the new hidden states `[n, H]` and logits `[n, K]`.
-    fn finish(&self, mut x: Vec<f32>, attn: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    /// The rest of the layer for `n` rows, given their residual `x`, attention output `attn`
+    /// `[n, qw]` and output gates (gated attention; else empty): returns the hidden states the
+    /// chain carries on `[n, H]` (a file's prediction layer: after the head norm, as llama.cpp's
+    /// `h_nextn`) and logits `[n, K]`.
+    fn finish(&self, mut x: Vec<f32>, attn: &mut [f32], gate: &[f32]) -> Result<(Vec<f32>, Vec<f32>), SpecError> {
         let c = &self.config;
         let l = &self.layer;
-        let (h, qw, ff) = (c.target_hidden, c.q_width(), c.ffn);
+        let (h, qw) = (c.target_hidden, c.q_width());
         let n = x.len() / h;
         let mut o = vec![0f32; n * h];
-        let Mixer::Attention(a) = &l.mixer else { unreachable!("the MTP head's layer is built attending in MtpHead::load") };
+        let Mixer::Attention(a) = &l.mixer else { unreachable!("an mtp head's layer attends (MtpHead::load, NextnLayer::check)") };
+        if !gate.is_empty() {
+            attn.iter_mut().zip(gate).for_each(|(o, &g)| *o *= g);
+        }
         matmul(&MatmulInput::new(attn, qw, &[&a.wo]), &a.wo, &mut o);
         add_assign(&mut x, &o);
 
         let mut xn = vec![0f32; n * h];
-        let (mut gate, mut up, mut act) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
         rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
-        let FeedForward::Dense(f) = &l.ffn else { unreachable!("the MTP head's FFN is built dense in MtpHead::load") };
-        matmul_many(&MatmulInput::new(&xn, h, &[&f.gate, &f.up]), &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
-        silu_mul(&gate, &up, &mut act);
-        matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut o);
+        match &l.ffn {
+            FeedForward::Dense(f) => {
+                let ff = f.gate.rows;
+                let (mut gate, mut up, mut act) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
+                matmul_many(&MatmulInput::new(&xn, h, &[&f.gate, &f.up]), &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
+                silu_mul(&gate, &up, &mut act);
+                matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut o);
+            }
+            FeedForward::Moe(m) => m.forward(&xn, &vec![true; n], None, &mut o)?,
+        }
         add_assign(&mut x, &o);
 
         rms_norm(&x, &self.norm, c.rms_eps, &mut xn);
         let mut logits = vec![0f32; n * self.vocab.draft_vocab()];
         matmul(&MatmulInput::new(&xn, h, &[&self.lm_head]), &self.lm_head, &mut logits);
-        (x, logits)
+        Ok((if self.nextn.is_some() { xn } else { x }, logits))
     }
 }
 
@@ -223,6 +369,7 @@ struct Projected {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    gate: Vec<f32>,
 }
 
 /// softmax(row)[i] (temperature 1).
@@ -306,7 +453,8 @@ impl SeqContext {
     /// row moves); `room` chain slots stay free after the context.
     fn push(&mut self, k: &[f32], v: &[f32], window: usize, room: usize) {
         let w = k.len();
-        let need = (window + room) * w;
+        // grown as rows arrive (a prediction layer's window is long; most sequences are not)
+        let need = ((self.len + 1).min(window) + room) * w;
         if self.k.len() < need {
             self.k.resize(need, 0.0);
             self.v.resize(need, 0.0);
@@ -361,7 +509,13 @@ impl MtpProposer {
             (Some(h), Some(t)) if t > 0 => Some(h as f64 / t as f64),
             _ => None,
         };
-        Self { head, min_confidence: 0.0, weight_share, embed: target.embed.clone(), rngs: HashMap::new(), contexts: HashMap::new() }
+        let embed = head.nextn.as_ref().and_then(|n| n.embed.clone()).unwrap_or_else(|| target.embed.clone());
+        Self { head, min_confidence: 0.0, weight_share, embed, rngs: HashMap::new(), contexts: HashMap::new() }
+    }
+
+    /// The target file's own prediction layer as the drafter (see [`MtpHead::from_nextn`]).
+    pub fn from_nextn(target: &LlamaModel, keep: &[TokenId]) -> Result<Self, SpecError> {
+        Ok(Self::new(MtpHead::from_nextn(target, keep)?, target))
     }
 
     /// Loads the head at `path` for `target` (see [`MtpHead::load`]).
@@ -435,7 +589,7 @@ impl MtpProposer {
     fn propose_here(&mut self, reqs: &[DraftRequest]) -> Result<Vec<Draft>, SpecError> {
         let c = self.head.config.clone();
         let (h, kvw, qw, hw) = (c.target_hidden, c.kv_width(), c.q_width(), c.feature_width());
-        let window = c.context.window();
+        let window = self.head.window;
         let kd = self.head.vocab.draft_vocab();
         let mut drafts: Vec<Draft> = reqs.iter().map(|r| Draft { tokens: Vec::new(), probs: (!r.params.is_greedy()).then(Vec::new) }).collect();
         // every request's rows join its context, drafting or not
@@ -476,11 +630,7 @@ impl MtpProposer {
             }
         }
         let fused = self.head.fused(features);
-        let mut input = vec![0f32; pos.len() * 2 * h];
-        for ((row, &tok), f) in input.chunks_exact_mut(2 * h).zip(&tokens).zip(fused.chunks_exact(h)) {
-            self.embed.dequantize_row_into(tok as usize, &mut row[..h]);
-            row[h..].copy_from_slice(f);
-        }
+        let input = self.head.input_rows(&self.embed, tokens.iter().copied().zip(fused.chunks_exact(h)));
         let pr = self.head.project(&input, &pos);
         let (mut x0, mut q0) = (vec![0f32; chains.len() * h], vec![0f32; chains.len() * qw]);
         for (i, &j) in owner.iter().enumerate() {
@@ -493,8 +643,14 @@ impl MtpProposer {
         for ch in &chains {
             self.contexts.get_mut(&reqs[ch.req].seq).expect("drafting sequences have a context").pending.clear();
         }
-        let attn = self.attend(&q0, &chains, reqs, 0);
-        let (mut hidden, mut logits) = self.head.finish(x0, &attn);
+        let mut g0 = vec![0f32; if pr.gate.is_empty() { 0 } else { chains.len() * qw }];
+        if !g0.is_empty() {
+            for (i, &j) in owner.iter().enumerate() {
+                g0[j * qw..(j + 1) * qw].copy_from_slice(&pr.gate[i * qw..(i + 1) * qw]);
+            }
+        }
+        let mut attn = self.attend(&q0, &chains, reqs, 0);
+        let (mut hidden, mut logits) = self.head.finish(x0, &mut attn, &g0)?;
 
         let mut p = Vec::with_capacity(kd);
         for step in 0..chain_len {
@@ -532,11 +688,7 @@ impl MtpProposer {
             }
             // chain step `step + 1`: (embedding of the draft, the head's own hidden state) at the
             // next position; its key goes to the chain slot after the context
-            let mut input = vec![0f32; chains.len() * 2 * h];
-            for (row, ch) in input.chunks_exact_mut(2 * h).zip(&chains) {
-                self.embed.dequantize_row_into(ch.token as usize, &mut row[..h]);
-                row[h..].copy_from_slice(&ch.hidden);
-            }
+            let input = self.head.input_rows(&self.embed, chains.iter().map(|ch| (ch.token, ch.hidden.as_slice())));
             let pos: Vec<usize> = chains.iter().map(|ch| ch.pos + step + 1).collect();
             let pr = self.head.project(&input, &pos);
             for (j, ch) in chains.iter().enumerate() {
@@ -545,10 +697,38 @@ impl MtpProposer {
                 ctx.k[slot * kvw..(slot + 1) * kvw].copy_from_slice(&pr.k[j * kvw..(j + 1) * kvw]);
                 ctx.v[slot * kvw..(slot + 1) * kvw].copy_from_slice(&pr.v[j * kvw..(j + 1) * kvw]);
             }
-            let attn = self.attend(&pr.q, &chains, reqs, step + 1);
-            (hidden, logits) = self.head.finish(pr.x, &attn);
+            let mut attn = self.attend(&pr.q, &chains, reqs, step + 1);
+            (hidden, logits) = self.head.finish(pr.x, &mut attn, &pr.gate)?;
         }
         Ok(drafts)
+    }
+
+    /// The head's logits at every row of one sequence, teacher-forced (the oracle's view): row
+    /// `i` pairs the target's row `i` (its states `hidden[i]`, as the forward returns them for
+    /// `hidden_layers()`) with `tokens[i + 1]` and attends to rows `0..=i`. `tokens.len() - 1`
+    /// rows of the head's vocabulary. Unlike drafting, every row of the sequence is context.
+    pub fn teacher_forced(&self, tokens: &[TokenId], hidden: &[f32]) -> Result<Vec<f32>, SpecError> {
+        let c = &self.head.config;
+        let (h, fw, qw) = (c.target_hidden, c.feature_width(), c.q_width());
+        let n = tokens.len().saturating_sub(1);
+        if hidden.len() < n * fw {
+            return Err(SpecError::Config(format!("{} hidden values for {n} rows of {fw}", hidden.len())));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.embed.rows) {
+            return Err(SpecError::Config(format!("token {t} is outside the embedding of {} rows", self.embed.rows)));
+        }
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let fused = self.head.fused(hidden[..n * fw].to_vec());
+        let input = self.head.input_rows(&self.embed, tokens[1..].iter().copied().zip(fused.chunks_exact(h)));
+        let pos: Vec<usize> = (0..n).collect();
+        let pr = self.head.project(&input, &pos);
+        let layout = KvLayout { block_size: n, n_heads: c.num_heads, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+        let span = SeqSpan { q_start: 0, q_len: n, context_len: n, block_table: &[0] };
+        let mut attn = vec![0f32; n * qw];
+        paged_attention(&pr.q, &mut attn, &pr.k, &pr.v, &layout, &[span], 1.0 / (c.head_dim as f32).sqrt());
+        Ok(self.head.finish(pr.x, &mut attn, &pr.gate)?.1)
     }
 
     /// Attention of each chain's query at chain step `step` over its sequence's context and the

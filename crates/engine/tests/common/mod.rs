@@ -38,7 +38,8 @@ impl TinyModel {
     /// the main model; the draft is the ordinary tiny model.
     pub fn hybrid() -> Self {
         let m = Self::new();
-        let spec = TinySpec { seed: 13, layers: 4, arch: specula_model::Arch::Qwen35, ..Default::default() };
+        // with its own prediction layer, as Qwen3.5 files ship (`Spec::Nextn`)
+        let spec = TinySpec { seed: 13, layers: 4, arch: specula_model::Arch::Qwen35, nextn: true, ..Default::default() };
         write_tiny_llama(&m.path, &spec).expect("write tiny hybrid");
         m
     }
@@ -56,6 +57,8 @@ pub enum Spec {
     OtherDraft(usize),
     /// A random mtp head (pruned vocabulary of 64 tokens) written beside the model.
     Mtp(usize),
+    /// The model file's own prediction layer (`TinyModel::hybrid` has one).
+    Nextn(usize),
 }
 
 /// Small limits that make prefills chunk: 16 sequences, 64 tokens a step, 256-token context.
@@ -141,6 +144,7 @@ impl Harness {
                 draft_cost: Some(0.1),
                 ..SpecConfig::new(SpecMethod::Mtp, k)
             }),
+            Spec::Nextn(k) => Some(SpecConfig { draft_cost: Some(0.1), ..SpecConfig::new(SpecMethod::Mtp, k) }),
         };
         if let Some(sc) = spec_cfg {
             let sc = SpecConfig { adaptive, ..sc };
@@ -151,6 +155,10 @@ impl Harness {
                 if !head.exists() {
                     specula_engine::speculative::mtp_format::write_random_head(&head, &target, 64, 5).expect("write head");
                 }
+                build_proposer(&sc, &target, &cfg).expect("proposer")
+            } else if let Spec::Nextn(_) = spec {
+                let options = specula_model::LoadOptions { nextn: true, ..Default::default() };
+                let target = specula_model::load_model_with(&model.path, &options).expect("load tiny model").model;
                 build_proposer(&sc, &target, &cfg).expect("proposer")
             } else {
                 build_proposer(&sc, &target_config, &cfg).expect("proposer")
