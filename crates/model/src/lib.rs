@@ -13,7 +13,6 @@ pub mod llama;
 pub mod loaded;
 pub mod loader;
 pub mod moe;
-pub mod nextn;
 pub mod safetensors_folder;
 pub mod testing;
 pub mod tokenizer;
@@ -22,11 +21,10 @@ pub use arch::{Arch, ArchDescriptor};
 pub use chat::{ChatMessage, ChatTemplate, RenderedChat};
 pub use config::{ModelConfig, MoeConfig};
 pub use kv_store::KvStore;
-pub use llama::{AttentionWeights, FeedForward, ForwardBatch, ForwardOutput, LlamaModel, Mixer, SeqSpan};
+pub use llama::{AttentionWeights, FeedForward, ForwardBatch, ForwardOutput, LlamaModel, Mixer, NextnLayer, SeqSpan};
 pub use loaded::{ExpertWeights, LoadOptions};
 pub use loader::{load_model, load_model_with, load_tokenizer, LoadedModel};
 pub use moe::{DenseFfn, ExchangeError, ExpertExchange, MoeFfn};
-pub use nextn::NextnLayer;
 pub use tokenizer::{DecodeStream, TokenBytes, Tokenizer};
 
 /// Everything that can go wrong loading or running a model, each naming what and where.

@@ -8,11 +8,10 @@ use crate::config::{Activation, ArchOptions, Llama3Rope, ModelConfig, MoeConfig,
 use crate::delta_net::DeltaNetWeights;
 use crate::gguf::GgufFile;
 use crate::gguf_reader::Value;
-use crate::llama::{AttentionWeights, FeedForward, LayerExtras, LayerWeights, LlamaModel, Mixer};
+use crate::llama::{AttentionWeights, FeedForward, LayerExtras, LayerWeights, LlamaModel, Mixer, NextnLayer};
 pub use crate::loaded::LoadedModel;
 use crate::loaded::{ExpertWeights, LoadOptions};
 use crate::moe::{DenseFfn, FfnBias, MoeFfn, SharedExpert};
-use crate::nextn::NextnLayer;
 use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use crate::ModelError;
 use specula_kernels::QMatrix;
