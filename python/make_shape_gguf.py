@@ -188,7 +188,7 @@ class TensorPlan:
         return self.n // block * size
 
 
-def plan(s: Shape, n_layers: int) -> list[TensorPlan]:
+def plan(s: Shape, n_layers: int, nextn: bool = False) -> list[TensorPlan]:
     h, qw, kvw = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim
     out: list[TensorPlan] = []
 
@@ -259,10 +259,17 @@ def plan(s: Shape, n_layers: int) -> list[TensorPlan]:
         key_dim, value_dim = x["ssm_groups"] * d_state, v_heads * d_state
         conv_dim = 2 * key_dim + value_dim  # the convolution runs over q, k and v alike
         add("token_embd.weight", (s.vocab, h), QT.Q4_K)
-        for i in range(n_layers):
+        # with `nextn`, the prediction layer after the trunk: a full-attention block with its
+        # input projection and norms (llama.cpp's names; it shares the embedding and output head)
+        for i in range(n_layers + int(nextn)):
             t, more = f"blk.{i}.", use_more_bits(i, n_layers)
+            if i == n_layers:
+                add(t + "nextn.eh_proj.weight", (h, 2 * h), QT.Q4_K, layer=i)
+                add(t + "nextn.enorm.weight", (h,), F32, "norm", layer=i)
+                add(t + "nextn.hnorm.weight", (h,), F32, "norm", layer=i)
+                add(t + "nextn.shared_head_norm.weight", (h,), F32, "norm", layer=i)
             add(t + "attn_norm.weight", (h,), F32, "norm", layer=i)
-            if (i + 1) % interval == 0:  # full attention, gated: queries and a gate per head
+            if (i + 1) % interval == 0 or i == n_layers:  # full attention, gated: queries and a gate per head
                 add(t + "attn_q.weight", (2 * qw, h), QT.Q4_K, layer=i)
                 add(t + "attn_k.weight", (kvw, h), QT.Q4_K, layer=i)
                 add(t + "attn_v.weight", (kvw, h), QT.Q6_K if more else QT.Q4_K, layer=i)
@@ -480,13 +487,15 @@ def vocabulary(s: Shape) -> tuple[list[str], list[int], list[str]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def write_metadata(w: gguf.GGUFWriter, s: Shape, n_layers: int) -> None:
+def write_metadata(w: gguf.GGUFWriter, s: Shape, n_layers: int, nextn: bool = False) -> None:
     w.add_name(f"{s.name} (random weights, real shapes)")
     w.add_file_type(s.file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
-    w.add_block_count(n_layers)
+    w.add_block_count(n_layers + int(nextn))
+    if nextn:
+        w.add_nextn_predict_layers(1)
     w.add_feed_forward_length(s.ffn)
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
@@ -555,13 +564,16 @@ def main() -> int:
     ap.add_argument("--layers", type=int, help="layers to write (default: the real count)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--print-plan", action="store_true", help="list the tensors, formats and sizes; write nothing")
+    ap.add_argument("--nextn", action="store_true", help="qwen3.5 shapes: append the prediction (MTP) layer the real files ship")
     a = ap.parse_args()
 
     s = SHAPES[a.shape]
     n_layers = a.layers or s.layers
     if n_layers < 1:
         ap.error("--layers must be at least 1")
-    tensors = plan(s, n_layers)
+    if a.nextn and s.arch not in ("qwen35", "qwen35moe"):
+        ap.error("--nextn is for the qwen3.5 shapes")
+    tensors = plan(s, n_layers, a.nextn)
     data_bytes = sum(t.nbytes for t in tensors)
     total, active = params(s, tensors)
     if a.print_plan:
@@ -574,7 +586,7 @@ def main() -> int:
         ap.error("--output is required (or --print-plan)")
 
     w = gguf.GGUFWriter(a.output, s.arch)
-    write_metadata(w, s, n_layers)
+    write_metadata(w, s, n_layers, a.nextn)
     for t in tensors:
         # numpy-order element shape; tensor_dtype float32 so gguf-py takes the shape as elements
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)

@@ -182,7 +182,12 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     };
     let llama_runs = bench(&args.llama_bench, &[])?;
     let ik_runs = bench(&args.ik_bench, &["-rtr", "1", "-fmoe", "1"])?;
-    let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into(), nextn: false };
+    let llama_verify = match (&args.llama_bench, args.verify_curve) {
+        (Some(b), true) => llama_verify_curve(b, &path, &args.threads, VERIFY_MAX_K)?,
+        _ => Vec::new(),
+    };
+    // the file's prediction layer, when it has one, is timed beside the verify curve
+    let options = specula_model::LoadOptions { expert_weights: args.expert_weights.into(), nextn: args.verify_curve };
     let loaded = load_model_with(&path, &options)?;
     let model = &loaded.model;
     let in_place = model.in_place_bytes();
@@ -276,12 +281,30 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     }
     if args.verify_curve {
         println!("\nverify cost curve (one sequence, context {VERIFY_CONTEXT}, fastest of {VERIFY_ROUNDS} interleaved rounds): time of a 1 + k token step relative to a 1-token step");
-        println!("{:>3} {:>8} {:>10} {:>8}", "k", "threads", "step ms", "relative");
+        println!("{:>3} {:>8} {:>10} {:>8} {:>16} {:>16}", "k", "threads", "step ms", "relative", "llama.cpp ms", "llama.cpp rel.");
         for &threads in &args.threads {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-            let times = pool.install(|| verify_curve(model, 8))?;
+            let times = pool.install(|| verify_curve(model, VERIFY_MAX_K))?;
+            let theirs: Vec<f64> = llama_verify.iter().filter(|r| r.0 == threads).map(|r| r.2).collect();
             for (k, t) in times.iter().enumerate() {
-                println!("{:>3} {:>8} {:>10.2} {:>8.2}", k, threads, t * 1e3, t / times[0]);
+                let (l, lr) = match (theirs.get(k), theirs.first()) {
+                    (Some(&l), Some(&l0)) => (format!("{:.2}", l * 1e3), format!("{:.2}", l / l0)),
+                    _ => ("-".into(), "-".into()),
+                };
+                println!("{:>3} {:>8} {:>10.2} {:>8.2} {:>16} {:>16}", k, threads, t * 1e3, t / times[0], l, lr);
+            }
+            if model.nextn.is_some() {
+                let vocab = model.config.vocab_size;
+                let cut = specula_engine::speculative::config::draft_vocab_size(None, vocab);
+                for keep in [vocab, cut].into_iter().collect::<std::collections::BTreeSet<_>>().into_iter().rev() {
+                    let ids: Vec<u32> = (0..keep as u32).collect();
+                    let t = pool.install(|| nextn_draft_step(model, &ids))?;
+                    println!(
+                        "the file's prediction layer (nextn), one draft token over {keep} output rows: {:.2} ms, {:.3} of a 1-token step ({threads} threads)",
+                        t * 1e3,
+                        t / times[0]
+                    );
+                }
             }
         }
     }
@@ -486,6 +509,59 @@ const VERIFY_CONTEXT: usize = 128;
 /// Rounds of the verify-cost measurement; each round times every k once, so the machine's drift
 /// (10-15% over a minute on these shared hosts) hits all k alike, and the fastest is reported.
 const VERIFY_ROUNDS: usize = 24;
+
+/// Largest k of the verify-cost curve.
+const VERIFY_MAX_K: usize = 8;
+
+/// llama.cpp's verify curve: llama-bench's time for a batch of 1 + k tokens at depth
+/// `VERIFY_CONTEXT` (what its speculative verification computes), k = 0..=max_k, per thread
+/// count: (threads, k, seconds).
+fn llama_verify_curve(bin: &std::path::Path, model: &std::path::Path, threads: &[usize], max_k: usize) -> Result<Vec<(usize, usize, f64)>> {
+    let sizes = (1..=max_k + 1).map(|n| n.to_string()).collect::<Vec<_>>().join(",");
+    let t = threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    eprintln!("running {} for its verify curve (batches of 1..={} tokens at depth {VERIFY_CONTEXT}) ...", bin.display(), max_k + 1);
+    let out = crate::baseline_tool::output(std::process::Command::new(bin).arg("-m").arg(model).args([
+        "-t",
+        &t,
+        "-p",
+        &sizes,
+        "-n",
+        "0",
+        "-d",
+        &VERIFY_CONTEXT.to_string(),
+        "-r",
+        "5",
+        "-o",
+        "json",
+    ]))?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON")?;
+    let mut rows: Vec<(usize, usize, f64)> = v
+        .as_array()
+        .context("llama-bench's JSON is not a list")?
+        .iter()
+        .filter_map(|e| {
+            let n = |k: &str| e.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
+            let (threads, tokens, ts) = (n("n_threads")?, n("n_prompt")?, e.get("avg_ts")?.as_f64()?);
+            (tokens >= 1 && ts > 0.0).then(|| (threads, tokens - 1, tokens as f64 / ts))
+        })
+        .collect();
+    rows.sort_by_key(|r| (r.0, r.1));
+    Ok(rows)
+}
+
+/// Seconds of one draft token of the file's prediction layer proposing `keep` (fastest of 20):
+/// one row through it at the start of a sequence (its attention over one row).
+fn nextn_draft_step(model: &LlamaModel, keep: &[u32]) -> Result<f64> {
+    let head = specula_engine::speculative::mtp::MtpProposer::from_nextn(model, keep)?;
+    let hidden = vec![0.5f32; model.config.hidden_size];
+    let mut best = f64::INFINITY;
+    for _ in 0..20 {
+        let t = std::time::Instant::now();
+        std::hint::black_box(head.teacher_forced(&[1, 2], &hidden)?);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
 
 /// Seconds per step of one sequence at context `VERIFY_CONTEXT` computing 1 + k new tokens,
 /// k = 0..=max_k (the engine's start-up measurement, `speculative::cost`, with more rounds).
