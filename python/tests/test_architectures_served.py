@@ -1,4 +1,4 @@
-"""qwen3moe, qwen2moe, phi3, smollm3 and the qwen35 / qwen35moe hybrids through the whole stack on tiny random files (`specula debug
+"""qwen3moe, qwen2moe, phi3, smollm3 and the qwen35 / qwen35moe / qwen3next hybrids through the whole stack on tiny random files (`specula debug
 write-tiny` / `write-tiny-moe`), as test_gpt_oss.py does for gpt-oss:
 
 - Each file's chat template (Qwen3's, Phi-4-mini's and SmolLM3's formats, written by the tiny
@@ -35,6 +35,8 @@ ARCHS = {
     # the hybrids with their own prediction layer (nextn), as Qwen3.5 files ship
     "qwen35": ("write-tiny", ["--arch", "qwen35", "--layers", "4", "--nextn"], "<|im_end|>"),
     "qwen35moe": ("write-tiny-moe", ["--arch", "qwen35moe", "--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32", "--nextn"], "<|im_end|>"),
+    # Qwen3-Next's layout: beta/alpha fused per key head, key heads repeated in runs, no RoPE sections
+    "qwen3next": ("write-tiny-moe", ["--arch", "qwen3next", "--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "32", "--nextn"], "<|im_end|>"),
 }
 CASES = [
     {"messages": [U]},
@@ -64,7 +66,7 @@ def vocabulary(path):
 def test_chat_template_renders_as_jinja2_and_turns_end_where_the_format_ends_them(tiny, specula_bin, tmp_path):
     name, path = tiny
     reader, tokens = vocabulary(path)
-    cases = {"qwen3moe": QWEN3_CASES, "qwen35": QWEN3_CASES, "qwen35moe": QWEN3_CASES, "smollm3": SMOLLM3_CASES}.get(name, CASES)
+    cases = {"qwen3moe": QWEN3_CASES, "qwen35": QWEN3_CASES, "qwen35moe": QWEN3_CASES, "qwen3next": QWEN3_CASES, "smollm3": SMOLLM3_CASES}.get(name, CASES)
     res = engine_render(specula_bin, str(path), cases, tmp_path)
     if name == "qwen2moe":
         assert "tokenizer.chat_template" not in reader.fields
@@ -95,7 +97,7 @@ def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
     runs = []
     # adaptive k off: on a loaded machine its measured costs may say no draft pays
     runs_flags = [(), ("--speculative-method", "ngram", "--no-speculative-adaptive", "--async-scheduling")]
-    if name.startswith("qwen35"):
+    if name.startswith(("qwen35", "qwen3next")):
         runs_flags.append(("--speculative-method", "mtp", "--no-speculative-adaptive", "--async-scheduling"))
     for flags in runs_flags:
         server = SpeculaServer(*flags, "--max-model-len", "512")

@@ -12,16 +12,27 @@
 use crate::dot::dot_f32;
 use crate::pool::{parallel_for, DisjointOut};
 
-/// Heads of a Gated DeltaNet layer: `k_heads` query/key heads shared by `v_heads` value heads
-/// (value head `h` reads key head `h % k_heads`, ggml's tiling), all `head_dim` wide.
+/// Heads of a Gated DeltaNet layer: `k_heads` query/key heads shared by `v_heads` value heads,
+/// all `head_dim` wide.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeltaShape {
     pub k_heads: usize,
     pub v_heads: usize,
     pub head_dim: usize,
+    /// Which key head value head `h` reads: `h / (v_heads / k_heads)` (each key head's value heads
+    /// in a run, Qwen3-Next's repeat-interleave) when set, else `h % k_heads` (Qwen3.5's tiling).
+    pub interleaved: bool,
 }
 
 impl DeltaShape {
+    /// The query/key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        match self.interleaved {
+            true => h / (self.v_heads / self.k_heads),
+            false => h % self.k_heads,
+        }
+    }
+
     /// Floats of one sequence's state in one layer.
     pub fn state_len(&self) -> usize {
         self.v_heads * self.head_dim * self.head_dim
@@ -54,7 +65,7 @@ pub struct DeltaInputs<'a> {
 /// states in `states` in place and writing `out` (`rows x v_heads*head_dim`). The spans' states
 /// must be distinct (each task writes its own).
 pub fn gated_delta_rule(shape: DeltaShape, x: &DeltaInputs, spans: &[DeltaSpan], states: &mut [f32], out: &mut [f32]) {
-    let DeltaShape { k_heads, v_heads, head_dim: d } = shape;
+    let DeltaShape { k_heads, v_heads, head_dim: d, .. } = shape;
     let (kw, vw) = (k_heads * d, v_heads * d);
     let rows = out.len() / vw.max(1);
     assert!(k_heads > 0 && v_heads.is_multiple_of(k_heads), "delta rule: {v_heads} value heads over {k_heads} key heads");
@@ -70,7 +81,7 @@ pub fn gated_delta_rule(shape: DeltaShape, x: &DeltaInputs, spans: &[DeltaSpan],
     let (st, o) = (DisjointOut::new(states), DisjointOut::new(out));
     parallel_for(spans.len() * v_heads, &|task| {
         let (span, h) = (spans[task / v_heads], task % v_heads);
-        let kh = h % k_heads;
+        let kh = shape.key_head(h);
         // SAFETY: task (span, h) alone touches head h of its span's state (states are distinct,
         // asserted) and head h's columns of its span's output rows.
         let m = unsafe { st.slice((span.state * v_heads + h) * d * d, d * d) };
@@ -199,11 +210,11 @@ mod tests {
 
     /// The rule as written in the papers, in f64, one matrix `S[i][j]` per head.
     fn reference(shape: DeltaShape, x: &DeltaInputs, rows: usize, s: &mut [Vec<f64>]) -> Vec<f64> {
-        let DeltaShape { k_heads, v_heads, head_dim: d } = shape;
+        let DeltaShape { k_heads, v_heads, head_dim: d, interleaved } = shape;
         let mut out = vec![0f64; rows * v_heads * d];
         for r in 0..rows {
             for h in 0..v_heads {
-                let kh = h % k_heads;
+                let kh = if interleaved { h / (v_heads / k_heads) } else { h % k_heads };
                 let q: Vec<f64> = x.q[r * k_heads * d + kh * d..][..d].iter().map(|&v| v as f64).collect();
                 let k: Vec<f64> = x.k[r * k_heads * d + kh * d..][..d].iter().map(|&v| v as f64).collect();
                 let v = &x.v[r * v_heads * d + h * d..][..d];
@@ -235,7 +246,12 @@ mod tests {
 
     #[test]
     fn the_rule_matches_the_f64_reference_and_splits_into_steps_with_the_same_bits() {
-        let shape = DeltaShape { k_heads: 2, v_heads: 4, head_dim: 16 };
+        for interleaved in [false, true] {
+            rule_matches_reference(DeltaShape { k_heads: 2, v_heads: 4, head_dim: 16, interleaved });
+        }
+    }
+
+    fn rule_matches_reference(shape: DeltaShape) {
         let rows = 7;
         let (kw, vw) = (2 * 16, 4 * 16);
         let mut q = rand(rows * kw, 1, 2.0);

@@ -24,11 +24,12 @@ pub enum Arch {
     GptOss,
     Qwen35,
     Qwen35Moe,
+    Qwen3Next,
 }
 
 impl Arch {
     /// Every family, in the order errors and `--help` list them.
-    pub const ALL: [Arch; 12] = [
+    pub const ALL: [Arch; 13] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::SmolLm3,
@@ -41,6 +42,7 @@ impl Arch {
         Arch::GptOss,
         Arch::Qwen35,
         Arch::Qwen35Moe,
+        Arch::Qwen3Next,
     ];
 
     /// What this family is and does, as data.
@@ -58,6 +60,7 @@ impl Arch {
             Arch::GptOss => &GPT_OSS,
             Arch::Qwen35 => &QWEN35,
             Arch::Qwen35Moe => &QWEN35MOE,
+            Arch::Qwen3Next => &QWEN3NEXT,
         }
     }
 
@@ -195,6 +198,11 @@ pub struct SlidingLayers {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hybrid {
     pub default_interval: u32,
+    /// Qwen3-Next's layout (llama.cpp's `qwen3next`): each key head's value heads in a run
+    /// (`RecurrentConfig::heads_interleaved`), beta and alpha in one projection grouped per key
+    /// head (`ssm_ba`; older files also fuse q, k, v and z per key head in `ssm_in`), and
+    /// plain partial NeoX RoPE (no sections). Off: Qwen3.5's.
+    pub next_layout: bool,
 }
 
 /// How a mixture of experts weighs its top-k experts.
@@ -342,13 +350,22 @@ const GPT_OSS: ArchDescriptor = ArchDescriptor {
 
 /// Qwen3.5: three Gated DeltaNet layers to one gated-attention layer (q/k norms, partial
 /// interleaved RoPE), the pre-FFN norm named `post_attention_norm`; Qwen3's chat format.
-const QWEN35: ArchDescriptor =
-    ArchDescriptor { name: "qwen35", qk_norm: true, rope_neox: true, ffn_norm: "post_attention_norm", hybrid: Some(Hybrid { default_interval: 4 }), ..QWEN3 };
+const QWEN35: ArchDescriptor = ArchDescriptor {
+    name: "qwen35",
+    qk_norm: true,
+    rope_neox: true,
+    ffn_norm: "post_attention_norm",
+    hybrid: Some(Hybrid { default_interval: 4, next_layout: false }),
+    ..QWEN3
+};
 
 /// Qwen3.5's MoE hybrids (35B-A3B ...): the same layers, every FFN a mixture of experts whose
 /// chosen weights are renormalised, with a shared expert gated by a sigmoid.
 const QWEN35MOE: ArchDescriptor =
     ArchDescriptor { name: "qwen35moe", norm_topk: NormTopK::Fixed(true), tiny: TinyFiles { expert_ffn_key: true, ..QWEN35.tiny }, ..QWEN35 };
+
+/// Qwen3-Next (80B-A3B): the MoE hybrid in its earlier layout (see `Hybrid::next_layout`).
+const QWEN3NEXT: ArchDescriptor = ArchDescriptor { name: "qwen3next", hybrid: Some(Hybrid { default_interval: 4, next_layout: true }), ..QWEN35MOE };
 
 #[cfg(test)]
 mod tests {
@@ -384,6 +401,7 @@ mod tests {
             Arch::GptOss => 9,
             Arch::Qwen35 => 10,
             Arch::Qwen35Moe => 11,
+            Arch::Qwen3Next => 12,
         };
         for (i, a) in Arch::ALL.into_iter().enumerate() {
             assert_eq!(index(a), i, "{a}");
@@ -398,21 +416,22 @@ mod tests {
             assert!(e.starts_with(&format!("unknown architecture '{bad}' (supported: ")), "{e}");
             assert!(Arch::ALL.iter().all(|a| e.contains(a.name())), "{e}");
         }
-        assert_eq!(Arch::supported_names(), "llama, mistral, smollm3, qwen2, qwen2moe, qwen3, qwen3moe, gemma3, phi3, gpt-oss, qwen35, qwen35moe");
+        assert_eq!(Arch::supported_names(), "llama, mistral, smollm3, qwen2, qwen2moe, qwen3, qwen3moe, gemma3, phi3, gpt-oss, qwen35, qwen35moe, qwen3next");
     }
 
     /// The table as llama.cpp fixes it per family (the rules the loader had as name matches).
     #[test]
     fn the_table_keeps_llama_cpp_s_per_family_rules() {
         let with = |p: fn(&ArchDescriptor) -> bool| -> Vec<&str> { Arch::ALL.iter().filter(|a| p(a.descriptor())).map(|a| a.name()).collect() };
-        assert_eq!(with(|d| d.rope_neox), ["qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "qwen35", "qwen35moe"]);
+        assert_eq!(with(|d| d.rope_neox), ["qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "qwen35", "qwen35moe", "qwen3next"]);
         assert_eq!(with(|d| d.qkv_bias), ["qwen2", "qwen2moe", "gpt-oss"]);
-        assert_eq!(with(|d| d.qk_norm), ["qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe"]);
+        assert_eq!(with(|d| d.qk_norm), ["qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe", "qwen3next"]);
         assert_eq!(with(|d| d.post_norms), ["gemma3"]);
         assert_eq!(with(|d| d.sliding.is_some()), ["gemma3", "gpt-oss"]);
-        assert_eq!(with(|d| d.norm_topk != NormTopK::FromFile), ["qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe"]);
-        assert_eq!(with(|d| d.ffn_norm != "ffn_norm"), ["gpt-oss", "qwen35", "qwen35moe"]);
-        assert_eq!(with(|d| d.hybrid.is_some()), ["qwen35", "qwen35moe"]);
+        assert_eq!(with(|d| d.norm_topk != NormTopK::FromFile), ["qwen2moe", "qwen3moe", "gpt-oss", "qwen35moe", "qwen3next"]);
+        assert_eq!(with(|d| d.ffn_norm != "ffn_norm"), ["gpt-oss", "qwen35", "qwen35moe", "qwen3next"]);
+        assert_eq!(with(|d| d.hybrid.is_some()), ["qwen35", "qwen35moe", "qwen3next"]);
+        assert_eq!(with(|d| d.hybrid.is_some_and(|h| h.next_layout)), ["qwen3next"]);
         assert_eq!(with(|d| d.fused_qkv || d.fused_gate_up || d.long_rope), ["phi3"]);
         assert_eq!(with(|d| d.no_rope_period.is_some()), ["smollm3"]);
         assert_eq!(EmbedScale::SqrtHidden.factor(64), 8.0);

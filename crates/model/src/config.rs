@@ -133,6 +133,9 @@ pub struct RecurrentConfig {
     /// Whether each layer is recurrent (`attention.recurrent_layers`, or every layer but each
     /// `full_attention_interval`-th).
     pub layers: Vec<bool>,
+    /// Each key head's value heads in a run (`DeltaShape::interleaved`, Qwen3-Next) rather than
+    /// tiled (Qwen3.5).
+    pub heads_interleaved: bool,
 }
 
 impl RecurrentConfig {
@@ -151,7 +154,7 @@ impl RecurrentConfig {
         (self.conv_kernel - 1) * self.conv_channels()
     }
     pub fn delta_shape(&self) -> specula_kernels::delta_net::DeltaShape {
-        specula_kernels::delta_net::DeltaShape { k_heads: self.k_heads, v_heads: self.v_heads, head_dim: self.head_dim }
+        specula_kernels::delta_net::DeltaShape { k_heads: self.k_heads, v_heads: self.v_heads, head_dim: self.head_dim, interleaved: self.heads_interleaved }
     }
     /// Recurrent layers.
     pub fn count(&self) -> usize {

@@ -110,6 +110,7 @@ fn arch_options(f: &GgufFile, arch: Arch, hidden: usize) -> Result<ArchOptions, 
             v_heads,
             head_dim,
             layers: recurrent,
+            heads_interleaved: hy.next_layout,
         });
     }
     Ok(o)
@@ -361,8 +362,8 @@ fn layer_weights(f: &GgufFile, i: usize, config: &ModelConfig) -> Result<(LayerW
         None => FeedForward::Dense(dense_ffn(f, i, config.intermediate_size)?),
         Some(m) => FeedForward::Moe(moe_layer(f, i, m, config.hidden_size, config.arch_options.activation)?),
     };
-    let mixer = if config.is_recurrent(i) {
-        Mixer::DeltaNet(Box::new(delta_net_weights(f, i)?))
+    let mixer = if let (true, Some(r)) = (config.is_recurrent(i), &config.arch_options.recurrent) {
+        Mixer::DeltaNet(Box::new(delta_net_weights(f, i, r)?))
     } else {
         let (wq, wk, wv) = attention_weights(f, i, config.q_proj_rows(), config.kv_width())?;
         Mixer::Attention(AttentionWeights { wq, wk, wv, wo: f.matrix(&t("attn_output"))? })
@@ -405,14 +406,41 @@ fn attention_weights(f: &GgufFile, i: usize, q_width: usize, kv_width: usize) ->
     Ok((f.matrix_rows(&fused, 0, q_width)?, f.matrix_rows(&fused, q_width, kv_width)?, f.matrix_rows(&fused, q_width + kv_width, kv_width)?))
 }
 
-/// Layer `i`'s Gated DeltaNet (llama.cpp's `qwen35` tensor names).
-fn delta_net_weights(f: &GgufFile, i: usize) -> Result<DeltaNetWeights, ModelError> {
+/// Row indices of part `part` of every group, for a matrix whose rows come in `groups` groups of
+/// parts `sizes` rows each (llama.cpp's `qwen3next` fuses per key head).
+fn grouped_rows(groups: usize, sizes: &[usize], part: usize) -> Vec<usize> {
+    let (width, start) = (sizes.iter().sum::<usize>(), sizes[..part].iter().sum::<usize>());
+    (0..groups).flat_map(|g| g * width + start..g * width + start + sizes[part]).collect()
+}
+
+/// Layer `i`'s Gated DeltaNet: llama.cpp's `qwen35` tensor names, or `qwen3next`'s fused ones
+/// (`ssm_ba`, and in older files `ssm_in`), split into the same matrices at load.
+fn delta_net_weights(f: &GgufFile, i: usize, r: &RecurrentConfig) -> Result<DeltaNetWeights, ModelError> {
     let w = |n: &str| format!("blk.{i}.{n}.weight");
+    // value heads per key head
+    let (g, per) = (r.k_heads, r.v_heads / r.k_heads.max(1));
+    let pick = |name: &str, sizes: &[usize], parts: &[usize]| -> Result<QMatrix, ModelError> {
+        let m = f.matrix(name)?;
+        let rows: Vec<usize> = parts.iter().flat_map(|&p| grouped_rows(g, sizes, p)).collect();
+        m.select_rows(&rows, name).map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
+    };
+    let (wbeta, walpha) = match f.has_tensor(&w("ssm_ba")) {
+        true => (pick(&w("ssm_ba"), &[per, per], &[0])?, pick(&w("ssm_ba"), &[per, per], &[1])?),
+        false => (f.matrix(&w("ssm_beta"))?, f.matrix(&w("ssm_alpha"))?),
+    };
+    let (wqkv, wgate) = match f.has_tensor(&w("ssm_in")) && !f.has_tensor(&w("attn_qkv")) {
+        true => {
+            let (d, vd) = (r.head_dim, per * r.head_dim);
+            let sizes = [d, d, vd, vd];
+            (pick(&w("ssm_in"), &sizes, &[0, 1, 2])?, pick(&w("ssm_in"), &sizes, &[3])?)
+        }
+        false => (f.matrix(&w("attn_qkv"))?, f.matrix(&w("attn_gate"))?),
+    };
     Ok(DeltaNetWeights {
-        wqkv: f.matrix(&w("attn_qkv"))?,
-        wgate: f.matrix(&w("attn_gate"))?,
-        wbeta: f.matrix(&w("ssm_beta"))?,
-        walpha: f.matrix(&w("ssm_alpha"))?,
+        wqkv,
+        wgate,
+        wbeta,
+        walpha,
         conv: f.vector(&w("ssm_conv1d"))?,
         dt_bias: f.vector(&format!("blk.{i}.ssm_dt.bias"))?,
         a: f.vector(&format!("blk.{i}.ssm_a"))?,

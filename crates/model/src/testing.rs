@@ -66,6 +66,9 @@ pub struct TinySpec {
     /// Append a multi-token-prediction block after the trunk (llama.cpp's `nextn` tensors and
     /// `nextn_predict_layers`; the hybrids ship one).
     pub nextn: bool,
+    /// qwen3next: q, k, v and z in one `ssm_in` per key head, as older files store them (else
+    /// `attn_qkv` and `attn_gate`).
+    pub fused_ssm_in: bool,
 }
 
 /// The MoE part of a tiny model, written with llama.cpp's tensor names: `ffn_gate_inp`
@@ -111,6 +114,7 @@ impl Default for TinySpec {
             omit_tensors: Vec::new(),
             rope_dims: None,
             nextn: false,
+            fused_ssm_in: false,
         }
     }
 }
@@ -165,10 +169,20 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         if recurrent(i) {
             let TinySsm { conv_kernel, v_heads, head_dim: sd, .. } = tiny_ssm;
             let (kw, vw) = (tiny_ssm.k_heads * sd, v_heads * sd);
-            plan.push((t("attn_qkv"), vec![2 * kw + vw, h], 0.15, 0.0));
-            plan.push((t("attn_gate"), vec![vw, h], 0.15, 0.0));
-            plan.push((t("ssm_beta"), vec![v_heads, h], 0.15, 0.0));
-            plan.push((t("ssm_alpha"), vec![v_heads, h], 0.15, 0.0));
+            // qwen3next fuses per key head: beta and alpha always, q, k, v and z in older files
+            let next = d.hybrid.is_some_and(|hy| hy.next_layout);
+            if next && spec.fused_ssm_in {
+                plan.push((t("ssm_in"), vec![2 * kw + 2 * vw, h], 0.15, 0.0));
+            } else {
+                plan.push((t("attn_qkv"), vec![2 * kw + vw, h], 0.15, 0.0));
+                plan.push((t("attn_gate"), vec![vw, h], 0.15, 0.0));
+            }
+            if next {
+                plan.push((t("ssm_ba"), vec![2 * v_heads, h], 0.15, 0.0));
+            } else {
+                plan.push((t("ssm_beta"), vec![v_heads, h], 0.15, 0.0));
+                plan.push((t("ssm_alpha"), vec![v_heads, h], 0.15, 0.0));
+            }
             plan.push((t("ssm_conv1d"), vec![2 * kw + vw, conv_kernel], 0.3, 0.0));
             plan.push((format!("blk.{i}.ssm_dt.bias"), vec![v_heads], 0.5, 0.0));
             // a = -exp(A_log): negative, so that the state decays
@@ -346,6 +360,8 @@ pub fn write_tiny_llama(path: &Path, spec: &TinySpec) -> Result<(), ModelError> 
         metadata.push((k("ssm.time_step_rank"), Value::U32(v_heads as u32)));
         metadata.push((k("ssm.inner_size"), Value::U32((v_heads * sd) as u32)));
         metadata.push((k("full_attention_interval"), Value::U32(d.hybrid.map_or(4, |hy| hy.default_interval))));
+    }
+    if d.hybrid.is_some_and(|hy| !hy.next_layout) {
         // Qwen3.5's proportions ([11, 11, 10, 0] over 32 pairs)
         let pairs = rot / 2;
         let a = pairs.div_ceil(3);

@@ -128,6 +128,9 @@ pub struct TinyMoeArgs {
     /// Append a multi-token-prediction block (`nextn`, as the hybrids ship).
     #[arg(long)]
     pub nextn: bool,
+    /// qwen3next: q, k, v and z fused per key head in `ssm_in`, as older files store them.
+    #[arg(long)]
+    pub fused_ssm_in: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -280,6 +283,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 arch: a.arch,
                 head_dim: a.head_dim,
                 nextn: a.nextn,
+                fused_ssm_in: a.fused_ssm_in,
                 ..Default::default()
             };
             write_tiny_moe(&a.output, &spec)?;
