@@ -472,7 +472,7 @@ def rewrite_gguf(src: Path, dst: Path, widen: int = 1, seed: int = 0) -> None:
         tensors.append((t.name, data, QT.F32))
     # What llama.cpp's loader needs and the tiny MoE writer leaves out (specula infers it from
     # the tensors): the expert widths as metadata, and for qwen2moe an untied output matrix.
-    if arch in ("qwen2moe", "qwen3moe", "qwen35moe"):
+    if arch in ("qwen2moe", "qwen3moe", "qwen35moe", "qwen3next"):
         for key, tensor in (("expert_feed_forward_length", "blk.0.ffn_gate_exps.weight"), ("expert_shared_feed_forward_length", "blk.0.ffn_gate_shexp.weight")):
             if f"{arch}.{key}" not in r.fields and tensor in ne_of:
                 w.add_key_value(f"{arch}.{key}", ne_of[tensor][1], GGUFValueType.UINT32)
@@ -693,6 +693,12 @@ TINY_SPECS += [
     ("dense-qwen35-nextn", "write-tiny", ["--layers", "4", "--nextn"], ["q8_0"], False),
     # the MoE hybrid: routed experts renormalised and a sigmoid-gated shared expert (required)
     ("moe-qwen35moe", "write-tiny-moe", ["--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "64"], ["f32", "q8_0", "q4_0"], False),
+    # Qwen3-Next: qwen35moe's hybrid with beta and alpha fused per key head (ssm_ba), the key
+    # heads shared by value heads interleaved (h // r, not h % Hk), plain NeoX RoPE (no sections)
+    ("moe-qwen3next", "write-tiny-moe", ["--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "64"], ["f32", "q8_0", "q4_0"], False),
+    # older Qwen3-Next files: q, k, v and z fused per key head in ssm_in; and the prediction layer
+    ("moe-qwen3next-ssm-in", "write-tiny-moe", ["--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "64", "--fused-ssm-in"], ["q8_0"], False),
+    ("moe-qwen3next-nextn", "write-tiny-moe", ["--layers", "4", "--experts", "8", "--experts-used", "2", "--shared-ffn", "64", "--nextn"], ["q8_0"], False),
 ]
 # gpt-oss: attention sinks, biases, alternating sliding layers, YaRN, clamped-SwiGLU experts
 TINY_SPECS += [("moe-gpt-oss-top4-of-8", "write-tiny-moe", ["--experts", "8", "--experts-used", "4", "--layers", "3"], ["f32", "q8_0", "q4_0"], False)]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent NumPy reference forward pass for Llama-family, Qwen2, Qwen3, Qwen3.5 and Gemma 3 GGUF models.
+"""Independent NumPy reference forward pass for Llama-family, Qwen2, Qwen3, Qwen3.5, Qwen3-Next and Gemma 3 GGUF models.
 
 It shares no code with the Rust engine: the GGUF is read with the `gguf` Python package
 (GGUFReader), every weight is dequantized with `gguf.quants.dequantize`, and the forward is
@@ -78,13 +78,23 @@ Other architectures, as llama.cpp builds them (src/models/*.cpp), on top of that
               per value head h, with key head h % Hk (ggml_repeat tiles), state S[i][j] = 0:
                 S = exp(g_h) S;  S += k (beta_h (v - S^T k))^T;  o = S^T q / sqrt(d)
               o_h = rmsnorm(o_h) * ssm_norm * silu(z_h);  out = concat(o_h) Wssm_out^T
+    qwen3next (llama.cpp src/models/qwen3next.cpp) qwen35moe's hybrid (routed experts renormalised,
+            sigmoid-gated shared expert; the same gated attention and nextn block), except:
+              ssm_ba [2 Hv, hidden] replaces ssm_beta and ssm_alpha: with r = Hv / Hk its rows
+                come per key head g as [beta of value heads g r..g r + r - 1, their alpha];
+              legacy files: ssm_in [Hk (2 d + 2 r d), hidden] in place of attn_qkv and attn_gate,
+                per key head g the rows [q_g, k_g, v of heads g r.., z of heads g r..]
+                (qkv = [all q; all k; all v] in that order, z likewise);
+              value head h reads key head h // r (ggml_repeat_4d on [d, 1, Hk] -> [d, r, Hk]
+                interleaves; qwen35's repeat on [d, Hk] -> [d, Hv] tiles: h % Hk);
+              RoPE: plain NeoX (ggml_rope_ext) over rope.dimension_count dims, no sections.
     imrope  (qwen35, rope.dimension_sections [s0, s1, s2, s3]) NeoX pairs (i, i + n_rot/2) over
             the first n_rot = rope.dimension_count dims; pair i is in sector
             m = i % (s0 + s1 + s2 + s3) and takes position t, h, w or e by ggml_mrope_cache_init's
             interleaved rule: h if m % 3 == 1 and m < 3 s1, w if m % 3 == 2 and m < 3 s2, t if
             m % 3 == 0 and m < 3 s0, else e.  For text t = h = w = the token's position and
             e = 0 (llm_graph_input_pos::set_input), so those pairs are not rotated.
-    nextn   (qwen35 / qwen35moe multi-token prediction, llama.cpp's graph_mtp; `mtp_forward`)
+    nextn   (qwen35 / qwen35moe / qwen3next multi-token prediction, llama.cpp's graph_mtp; `mtp_forward`)
             layer n = block_count - nextn_predict_layers (blk.n.*): one gated attention layer as
             the trunk's (never recurrent) with the trunk's kind of FFN, and nextn.eh_proj
             [H, 2H], nextn.enorm, nextn.hnorm, optional nextn.shared_head_norm (else
@@ -159,6 +169,10 @@ def field_value(reader: GGUFReader, key: str, default=None):
     return [bytes(f.parts[i]).decode("utf-8") if f.types[-1] == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0] for i in f.data]
 
 
+# llama.cpp's Gated DeltaNet hybrids (src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp)
+HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
+
+
 @dataclass
 class Config:
     arch: str
@@ -193,6 +207,7 @@ class Config:
     ssm_state: int = 0  # qwen35 Gated DeltaNet: head width d (keys and values)
     ssm_groups: int = 0  # key heads Hk
     ssm_heads: int = 0  # value heads Hv
+    ssm_interleave: bool = False  # qwen3next: value head h reads key head h // (Hv / Hk) (qwen35: h % Hk)
     n_nextn: int = 0  # qwen35: multi-token-prediction layers stored after the trunk (blk.{n_layers}.*)
 
     def uses_rope(self, layer: int) -> bool:
@@ -214,7 +229,7 @@ def read_config(reader: GGUFReader) -> Config:
     head_dim = int(g("attention.key_length", hidden // n_heads))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
-    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gemma3", "phi3", "gpt-oss"):
+    if arch not in ("llama", "mistral", "smollm3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", *HYBRIDS, "gemma3", "phi3", "gpt-oss"):
         raise NotImplementedError(f"architecture {arch!r} is not modelled by this reference")
     gemma = arch == "gemma3"
     oss = arch == "gpt-oss"
@@ -233,19 +248,21 @@ def read_config(reader: GGUFReader) -> Config:
         raise NotImplementedError(f"rope scaling {g('rope.scaling.type')!r}")
     # the trunk: llama.cpp loads nextn_predict_layers MTP layers after it (`mtp_forward` runs them)
     n_layers = int(g("block_count")) - int(g("nextn_predict_layers", 0))
-    q35 = arch in ("qwen35", "qwen35moe")
+    q35 = arch in HYBRIDS
     recurrent, sections, ssm = (), None, (0, 0, 0)
     if q35:
         if llama3 is not None or yarn is not None:
-            raise NotImplementedError("rope scaling on qwen35")
+            raise NotImplementedError(f"rope scaling on {arch}")
         flags = g("attention.recurrent_layers")
         period = int(g("full_attention_interval", 4))
         recurrent = tuple(bool(flags[i]) if flags is not None else (i + 1) % period != 0 for i in range(n_layers))
-        sections = tuple(int(s) for s in g("rope.dimension_sections"))
-        sections = (sections + (0, 0, 0, 0))[:4]
+        if arch != "qwen3next":  # qwen3next: plain NeoX (ggml_rope_ext); llama.cpp reads no sections
+            sections = tuple(int(s) for s in g("rope.dimension_sections"))
+            sections = (sections + (0, 0, 0, 0))[:4]
         ssm = (int(g("ssm.state_size")), int(g("ssm.group_count")), int(g("ssm.time_step_rank")))
         # llama.cpp sizes the tensors with d_state and the state with d_inner / Hv: one width
-        assert int(g("ssm.inner_size")) == ssm[0] * ssm[2], "qwen35: ssm.inner_size != state_size * time_step_rank"
+        assert int(g("ssm.inner_size")) == ssm[0] * ssm[2], f"{arch}: ssm.inner_size != state_size * time_step_rank"
+        assert ssm[2] % ssm[1] == 0, f"{arch}: ssm.time_step_rank (value heads) not a multiple of ssm.group_count (key heads)"
     return Config(
         arch=arch,
         n_layers=n_layers,
@@ -260,8 +277,8 @@ def read_config(reader: GGUFReader) -> Config:
         rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         n_experts=int(g("expert_count", 0)),
         n_experts_used=int(g("expert_used_count", 0)),
-        expert_weights_norm={"qwen2moe": False, "qwen3moe": True, "qwen35moe": True, "gpt-oss": True}.get(arch, bool(g("expert_weights_norm", True))),
-        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "gemma3", "phi3", "gpt-oss"),
+        expert_weights_norm={"qwen2moe": False, "qwen3moe": True, "qwen35moe": True, "qwen3next": True, "gpt-oss": True}.get(arch, bool(g("expert_weights_norm", True))),
+        neox=arch in ("qwen2", "qwen2moe", "qwen3", "qwen3moe", *HYBRIDS, "gemma3", "phi3", "gpt-oss"),
         embed_scale=float(np.sqrt(np.float32(hidden))) if gemma else 1.0,
         gelu=gemma,
         sliding_window=int(g("attention.sliding_window", 0)) if gemma or oss else 0,
@@ -279,6 +296,7 @@ def read_config(reader: GGUFReader) -> Config:
         ssm_state=ssm[0],
         ssm_groups=ssm[1],
         ssm_heads=ssm[2],
+        ssm_interleave=arch == "qwen3next",
         n_nextn=int(g("nextn_predict_layers", 0)),
     )
 
@@ -316,24 +334,42 @@ class Weights:
         def load_layer(i: int, recurrent: bool) -> dict:
             p = f"blk.{i}."
             c = self.cfg
-            # gpt-oss and qwen35 call their pre-FFN norm post_attention_norm
-            ffn_norm = d(p + ("post_attention_norm.weight" if c.arch in ("gpt-oss", "qwen35", "qwen35moe") else "ffn_norm.weight"))
-            if recurrent:  # qwen35's Gated DeltaNet layer: no attention tensors
+            # gpt-oss and the qwen35 / qwen3next hybrids call their pre-FFN norm post_attention_norm
+            ffn_norm = d(p + ("post_attention_norm.weight" if c.arch in ("gpt-oss", *HYBRIDS) else "ffn_norm.weight"))
+            if recurrent:  # a Gated DeltaNet layer: no attention tensors
                 layer = dict(
                     attn_norm=d(p + "attn_norm.weight"),
                     ffn_norm=ffn_norm,
-                    ssm_qkv=d(p + "attn_qkv.weight"),  # [2 Hk d + Hv d, hidden]: q, k, v rows
-                    ssm_z=d(p + "attn_gate.weight"),  # [Hv d, hidden]
-                    ssm_beta=d(p + "ssm_beta.weight"),  # [Hv, hidden]
-                    ssm_alpha=d(p + "ssm_alpha.weight"),  # [Hv, hidden]
                     ssm_conv=d(p + "ssm_conv1d.weight"),  # [channels, K] (ggml ne = [K, channels])
                     ssm_dt=d(p + "ssm_dt.bias").reshape(-1),  # [Hv]
                     ssm_a=d(p + "ssm_a").reshape(-1),  # [Hv], -exp(A_log)
                     ssm_norm=d(p + "ssm_norm.weight").reshape(-1),  # [d]
                     ssm_out=d(p + "ssm_out.weight"),  # [hidden, Hv d]
                 )
+                dk, Hk, Hv = c.ssm_state, c.ssm_groups, c.ssm_heads
+                r = Hv // Hk
+                if p + "attn_qkv.weight" in t:  # llama.cpp prefers these when present (qwen3next too)
+                    layer["ssm_qkv"] = d(p + "attn_qkv.weight")  # [2 Hk d + Hv d, hidden]: q, k, v rows
+                    layer["ssm_z"] = d(p + "attn_gate.weight")  # [Hv d, hidden]
+                    assert layer["ssm_qkv"].shape == ((2 * Hk + Hv) * dk, c.hidden), layer["ssm_qkv"].shape
+                    assert layer["ssm_z"].shape == (Hv * dk, c.hidden), layer["ssm_z"].shape
+                elif c.arch == "qwen3next" and p + "ssm_in.weight" in t:
+                    # legacy qwen3next: per key head g, rows [q_g (d), k_g (d), v (r d), z (r d)]
+                    layer["ssm_in"] = d(p + "ssm_in.weight")
+                    assert layer["ssm_in"].shape == (Hk * (2 * dk + 2 * r * dk), c.hidden), layer["ssm_in"].shape
+                else:
+                    raise KeyError(f"{p[:-1]}: a recurrent layer without attn_qkv.weight" + (" or ssm_in.weight" if c.arch == "qwen3next" else ""))
+                if c.arch == "qwen3next":
+                    if p + "ssm_ba.weight" not in t:  # llama.cpp's LLM_TENSOR_SSM_BETA_ALPHA: "blk.%d.ssm_ba"
+                        other = [n for n in t if n.startswith(p) and ("beta" in n or "alpha" in n)]
+                        raise KeyError(f"{p}ssm_ba.weight (qwen3next's fused beta / alpha, as llama.cpp names it) is missing; the layer has {other}")
+                    # per key head g, rows [beta of value heads g r..g r + r - 1, then their alpha]
+                    layer["ssm_ba"] = d(p + "ssm_ba.weight")  # [2 Hv, hidden]
+                    assert layer["ssm_ba"].shape == (2 * Hv, c.hidden), layer["ssm_ba"].shape
+                else:
+                    layer["ssm_beta"] = d(p + "ssm_beta.weight")  # [Hv, hidden]
+                    layer["ssm_alpha"] = d(p + "ssm_alpha.weight")  # [Hv, hidden]
                 C = (2 * c.ssm_groups + c.ssm_heads) * c.ssm_state
-                assert layer["ssm_qkv"].shape == (C, c.hidden), layer["ssm_qkv"].shape
                 assert layer["ssm_conv"].shape[0] == C, layer["ssm_conv"].shape
                 assert layer["ssm_norm"].shape == (c.ssm_state,), layer["ssm_norm"].shape
                 assert layer["ssm_out"].shape == (c.hidden, c.ssm_heads * c.ssm_state), layer["ssm_out"].shape
@@ -367,7 +403,7 @@ class Weights:
                 ("sinks", "attn_sinks.weight"),
                 ("router_b", "ffn_gate_inp.bias"),
             ]:
-                if p + name in t and not (c.arch in ("gpt-oss", "qwen35", "qwen35moe") and key == "post_attn_norm"):
+                if p + name in t and not (c.arch in ("gpt-oss", *HYBRIDS) and key == "post_attn_norm"):
                     layer[key] = d(p + name).reshape(-1)
             for key, name in [("gate_exps_b", "ffn_gate_exps.bias"), ("up_exps_b", "ffn_up_exps.bias"), ("down_exps_b", "ffn_down_exps.bias")]:
                 if p + name in t:
@@ -430,7 +466,7 @@ class Weights:
         self.rope_freqs = d(factors).reshape(-1).astype(np.float64) if factors else None
         if c.arch == "qwen2":
             assert "bq" in self.layers[0], "qwen2 without attn_q.bias"
-        if c.arch in ("qwen3", "qwen35", "qwen35moe", "gemma3"):
+        if c.arch in ("qwen3", *HYBRIDS, "gemma3"):
             assert "q_norm" in attn0, f"{c.arch} without attn_q_norm"
         if c.arch == "gemma3":
             assert "post_ffn_norm" in self.layers[0], "gemma3 without post_ffw_norm"
@@ -579,15 +615,26 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 
 def gated_delta_net(x: np.ndarray, L: dict, c: Config, lin) -> np.ndarray:
-    """qwen35's Gated DeltaNet mixer on [T, hidden] (one sequence, state from zero), float64
+    """qwen35's (and qwen3next's) Gated DeltaNet mixer on [T, hidden] (one sequence, state from zero), float64
     inside, written token by token from the recurrence (see the module docstring)."""
     T = x.shape[0]
     d, Hk, Hv = c.ssm_state, c.ssm_groups, c.ssm_heads
     kw, vw = Hk * d, Hv * d
-    qkv = lin(x, L["ssm_qkv"]).astype(np.float64)  # [T, 2 kw + vw]
-    z = lin(x, L["ssm_z"]).astype(np.float64).reshape(T, Hv, d)
-    beta = sigmoid(lin(x, L["ssm_beta"]).astype(np.float64))  # [T, Hv]
-    g = softplus(lin(x, L["ssm_alpha"]).astype(np.float64) + L["ssm_dt"]) * L["ssm_a"]  # [T, Hv]
+    r = Hv // Hk
+    if "ssm_qkv" in L:
+        qkv = lin(x, L["ssm_qkv"]).astype(np.float64)  # [T, 2 kw + vw]
+        z = lin(x, L["ssm_z"]).astype(np.float64).reshape(T, Hv, d)
+    else:  # qwen3next's legacy ssm_in: per key head g, [q_g, k_g, v of heads g r.., z of heads g r..]
+        m = lin(x, L["ssm_in"]).astype(np.float64).reshape(T, Hk, 2 * d + 2 * r * d)
+        qkv = np.concatenate([m[..., :d].reshape(T, kw), m[..., d : 2 * d].reshape(T, kw), m[..., 2 * d : 2 * d + r * d].reshape(T, vw)], axis=-1)
+        z = m[..., 2 * d + r * d :].reshape(T, Hv, d)
+    if "ssm_ba" in L:  # qwen3next: per key head g, [beta of value heads g r..g r + r - 1, their alpha]
+        ba = lin(x, L["ssm_ba"]).astype(np.float64).reshape(T, Hk, 2 * r)
+        b, a = ba[..., :r].reshape(T, Hv), ba[..., r:].reshape(T, Hv)
+    else:
+        b, a = lin(x, L["ssm_beta"]).astype(np.float64), lin(x, L["ssm_alpha"]).astype(np.float64)
+    beta = sigmoid(b)  # [T, Hv]
+    g = softplus(a + L["ssm_dt"]) * L["ssm_a"]  # [T, Hv]
     # causal depthwise conv: y_t[c] = sum_j x_{t-(K-1)+j}[c] w[c, j], zeros before position 0
     w = L["ssm_conv"].astype(np.float64)  # [C, K]
     K = w.shape[1]
@@ -599,7 +646,9 @@ def gated_delta_net(x: np.ndarray, L: dict, c: Config, lin) -> np.ndarray:
     eps = c.rms_eps
     q = q / np.sqrt((q**2).sum(-1, keepdims=True) + eps)
     k = k / np.sqrt((k**2).sum(-1, keepdims=True) + eps)
-    kh = np.arange(Hv) % Hk  # value head h reads key head h % Hk
+    # value head h reads key head h % Hk (qwen35: ggml_repeat_4d tiles the Hk heads) or, in
+    # qwen3next, h // r (its repeat on [d, 1, Hk] -> [d, r, Hk] interleaves them)
+    kh = np.arange(Hv) // r if c.ssm_interleave else np.arange(Hv) % Hk
     q, k = q[:, kh], k[:, kh]  # [T, Hv, d]
     S = np.zeros((Hv, d, d))  # S[h, i (key dim), j (value dim)]
     o = np.zeros((T, Hv, d))
@@ -816,7 +865,7 @@ def forward(
     margin over the layers (see `moe_ffn`).
 
     rope: None picks the architecture's pairing (normal for llama/mistral, NeoX for qwen2, qwen3,
-    gemma3, interleaved M-RoPE for qwen35); rope="neox" on a llama file exists so the sanity test
+    gemma3, qwen3next, interleaved M-RoPE for qwen35); rope="neox" on a llama file exists so the sanity test
     can show it is wrong there.
     """
     W = load_weights(model_path, dtype)
@@ -836,7 +885,7 @@ def mtp_forward(
     moe_margins: np.ndarray | None = None,
 ) -> np.ndarray:
     """Teacher-forced logits [len(tokens) - 1, vocab] of the file's multi-token-prediction (nextn)
-    layer (qwen35 / qwen35moe; llama.cpp's graph_mtp): row i, from the trunk's state after
+    layer (qwen35 / qwen35moe / qwen3next; llama.cpp's graph_mtp): row i, from the trunk's state after
     tokens[0..=i] and the embedding of tokens[i + 1], scores the token after that (tokens[i + 2]).
 
         hn  = rmsnorm(trunk hidden) * output_norm                    (llama.cpp's h_nextn)
