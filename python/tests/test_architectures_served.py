@@ -116,3 +116,37 @@ def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
     for run in runs[1:]:
         assert runs[0] == run, json.dumps(runs, indent=1)[:2000]
     assert any(len(toks) > 5 for toks, *_ in runs[0])
+
+
+def test_hybrid_resent_conversation_restarts_from_its_state_checkpoint(tiny):
+    """A hybrid's prefix cache: the second turn of a conversation (the first turn, its answer and
+    a new user message, resent whole as agents do) finds the first turn's prompt cached up to its
+    recurrent-state checkpoint (`usage.prompt_tokens_details.cached_tokens`), and answers with the
+    tokens and logprobs of a server that caches nothing."""
+    name, path = tiny
+    if not name.startswith(("qwen35", "qwen3next")):
+        pytest.skip("recurrent-state checkpoints are the hybrids' prefix cache")
+    turn1 = [{"role": "system", "content": "You are a coding agent. " * 5}, {"role": "user", "content": "List the files, then read main.rs."}]
+
+    def ask(server, messages):
+        r = server.http().post("/v1/chat/completions", json={"messages": messages, "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2})
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return j["choices"][0], (j["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    runs = []
+    for flags in [("--enable-prefix-caching", "false"), ()]:
+        server = SpeculaServer(*flags, "--max-model-len", "512")
+        server.model = path
+        server.start()
+        try:
+            first, _ = ask(server, turn1)
+            turn2 = turn1 + [{"role": "assistant", "content": first["message"].get("content") or "ok"}, {"role": "user", "content": "Now run the tests."}]
+            second, cached = ask(server, turn2)
+            runs.append((first["logprobs"], second["logprobs"], cached))
+        finally:
+            server.stop()
+    (cold1, cold2, cold_cached), (warm1, warm2, warm_cached) = runs
+    assert cold_cached == 0
+    assert warm_cached >= 64, f"the second turn found {warm_cached} tokens cached"
+    assert (warm1, warm2) == (cold1, cold2)

@@ -19,6 +19,10 @@ pub struct EngineConfig {
     /// model's measurement use it too.
     pub kv_cache_dtype: specula_kernels::kv::KvDtype,
     pub enable_prefix_caching: bool,
+    /// A hybrid model's prefix cache: snapshots of recurrent state kept at the end of prompts'
+    /// cached prefixes (`--state-checkpoints`, each the size of one sequence's state); 0: no
+    /// prefix caching for hybrids. Other models ignore it.
+    pub state_checkpoints: usize,
     /// The prefix cache's host-memory and disk tiers (`--prefix-cache-memory`,
     /// `--prefix-cache-dir`); off by default here (the binary sizes them).
     pub prefix_tiers: crate::kv_cache::PrefixTierConfig,
@@ -44,6 +48,9 @@ pub struct EngineConfig {
     pub fault_injection: Option<FaultInjection>,
 }
 
+/// Default `EngineConfig::state_checkpoints`: a few agents' conversations at once.
+pub const DEFAULT_STATE_CHECKPOINTS: usize = 8;
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -54,6 +61,7 @@ impl Default for EngineConfig {
             num_kv_blocks: 2048,
             kv_cache_dtype: specula_kernels::kv::KvDtype::default(),
             enable_prefix_caching: true,
+            state_checkpoints: DEFAULT_STATE_CHECKPOINTS,
             prefix_tiers: Default::default(),
             threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             max_waiting: 256,

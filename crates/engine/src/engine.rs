@@ -79,14 +79,20 @@ impl Engine {
         })?;
         host.kv.set_tiers(tiers);
         // a hybrid's recurrent state goes with each running sequence (rolled back by the model
-        // past rejected drafts): no prefix cache, as a cached prefix has no state beside it
+        // past rejected drafts); its cached prefixes are used with checkpoints of that state
         if let Some(r) = &c.arch_options.recurrent {
-            host.kv.set_state_slots(cfg.max_num_seqs);
+            host.kv.set_state_slots(cfg.max_num_seqs, cfg.state_checkpoints);
+            let prefix = match host.kv.state_checkpoints() {
+                Some((_, n)) => {
+                    format!("prefix caching with up to {n} state checkpoints of {:.1} MB (--state-checkpoints)", r.bytes_per_sequence() as f64 / 1e6)
+                }
+                None => "prefix caching is off for this model".into(),
+            };
             tracing::info!(
                 recurrent_layers = r.count(),
                 state_mb_per_sequence = r.bytes_per_sequence() as f64 / 1e6,
                 state_mb = (r.bytes_per_sequence() * cfg.max_num_seqs) as f64 / 1e6,
-                "recurrent state for {} sequences; prefix caching is off for this model",
+                "recurrent state for {} sequences; {prefix}",
                 cfg.max_num_seqs
             );
         }

@@ -93,7 +93,8 @@ impl Scheduler {
                 if s.pending_tokens() > budget && !s.draft.tokens.is_empty() {
                     s.draft = Default::default(); // not enough room to verify: plain decode this step
                 }
-                (s.tokens.len() + s.draft.tokens.len()).saturating_sub(base).min(budget)
+                // a hybrid's prefill chunk stops where its state is checkpointed
+                kv.chunk_len(id, base, (s.tokens.len() + s.draft.tokens.len()).saturating_sub(base).min(budget))
             };
             if n == 0 {
                 i += 1;
@@ -116,6 +117,9 @@ impl Scheduler {
                 break;
             }
             let s = seqs.get_mut(&id).expect("present above");
+            if !ahead {
+                kv.note_scheduled(id, &s.tokens, base, n);
+            }
             let sch = if ahead {
                 s.add_placeholders(n);
                 ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, placeholders: n }
@@ -162,13 +166,14 @@ impl Scheduler {
                 Err(KvCacheError::SeqExists(_)) => {}
                 Err(_) => break,
             }
-            let n = (s.tokens.len() - s.num_computed).min(budget);
+            let n = kv.chunk_len(id, s.num_computed, (s.tokens.len() - s.num_computed).min(budget));
             if kv.ensure_capacity(id, s.num_computed + n).is_err() {
                 kv.release(id);
                 s.num_computed = 0;
                 s.num_scheduled = 0;
                 break;
             }
+            kv.note_scheduled(id, &s.tokens, s.num_computed, n);
             self.waiting.pop_front();
             self.running.push(id);
             if !s.admitted {

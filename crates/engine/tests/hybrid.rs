@@ -107,3 +107,69 @@ fn lockstep_data_parallelism_refuses_a_hybrid_with_a_clear_error() {
     let e = spawn_lockstep(ranks, LocalGroup::new(2), tokenizer, common::tiny_config()).err().expect("a hybrid in lockstep is refused").to_string();
     assert!(e.contains("lockstep cannot serve qwen35") && e.contains("--data-parallel-mode replica") && !e.contains('\n'), "{e}");
 }
+
+/// A token's logprob and its top alternatives, as bits.
+type LogprobBits = (u32, u32, Vec<(u32, u32)>);
+
+/// What one turn gave: its tokens and their logprobs.
+type TurnOutput = (Vec<u32>, Vec<LogprobBits>);
+
+/// The tokens and, bit for bit, the logprobs (with the top 3) a client received.
+fn tokens_and_logprobs(c: &Client) -> TurnOutput {
+    let lp = c
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            specula_engine::RequestEvent::Delta { logprobs, .. } => {
+                Some(logprobs.iter().map(|l| (l.token, l.logprob.to_bits(), l.top.iter().map(|&(t, p)| (t, p.to_bits())).collect())))
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    (c.finished_tokens(FinishReason::Length), lp)
+}
+
+/// A hybrid's prefix cache: a conversation resent with a turn more restarts from the recurrent
+/// state checkpointed at the last block boundary of its earlier prompt (its prefill chunk cut
+/// there), its KV blocks taken from the cache up to that boundary: the tokens it finds cached
+/// are counted, and its tokens and logprobs are, to the bit, those computed from scratch, with
+/// async scheduling and with speculation too; with every checkpoint taken by other prompts it
+/// recomputes, still the same.
+#[test]
+fn hybrid_prefix_cache_restores_the_checkpointed_state_and_changes_no_output() {
+    let m = TinyModel::hybrid();
+    // 70 tokens: the state is checkpointed after 64, four blocks of 16
+    let first = prompt(70, 3);
+    let with_logprobs = |n| SamplingParams { logprobs: Some(3), ..greedy(n) };
+    let run_turns = |cfg: EngineConfig, spec: Spec, turns: &[Vec<u32>]| -> (Vec<TurnOutput>, Vec<u64>) {
+        let mut h = Harness::on(&m, cfg, spec);
+        let (mut outs, mut hits) = (Vec::new(), Vec::new());
+        for t in turns {
+            let before = h.engine.prefix_cache_stats().hit_tokens;
+            let mut c = h.submit(t.clone(), with_logprobs(16));
+            h.run(&mut [&mut c], 1000);
+            outs.push(tokens_and_logprobs(&c));
+            hits.push(h.engine.prefix_cache_stats().hit_tokens - before);
+        }
+        h.assert_idle_and_leak_free();
+        (outs, hits)
+    };
+    let cold = EngineConfig { enable_prefix_caching: false, ..common::tiny_config() };
+    let (out1, _) = run_turns(cold.clone(), Spec::None, std::slice::from_ref(&first));
+    let second = [first.clone(), out1[0].0.clone(), prompt(30, 4)].concat();
+    let (expected, _) = run_turns(cold, Spec::None, &[first.clone(), second.clone()]);
+    let ahead = EngineConfig { async_scheduling: true, ..common::tiny_config() };
+    for (cfg, spec) in
+        [(common::tiny_config(), Spec::None), (ahead, Spec::None), (common::tiny_config(), Spec::Ngram(3)), (common::tiny_config(), Spec::Nextn(2))]
+    {
+        let (got, hits) = run_turns(cfg.clone(), spec, &[first.clone(), second.clone()]);
+        assert_eq!(hits, [0, 64], "{spec:?}, async {}: the second turn restarts at the first one's checkpoint", cfg.async_scheduling);
+        assert!(got == expected, "{spec:?}, async {}: outputs differ from the cold ones", cfg.async_scheduling);
+    }
+    // one checkpoint, taken by another prompt in between: no usable hit, the same output
+    let one = EngineConfig { state_checkpoints: 1, ..common::tiny_config() };
+    let (got, hits) = run_turns(one, Spec::None, &[first.clone(), prompt(50, 9), second.clone()]);
+    assert_eq!(hits, [0, 0, 0], "the checkpoint was reused for the other prompt");
+    assert!(got[0] == expected[0] && got[2] == expected[1]);
+}

@@ -630,8 +630,9 @@ fn out_of_range_d2t_and_inconsistent_t2d_are_refused() {
 fn build_proposer_explains_what_mtp_needs() {
     let f = fixture(16);
     let no_head = spec_config(SpecMethod::Mtp, 3, None);
+    // a target without a prediction layer of its own needs a head file
     let e = build_proposer(&no_head, &f.target, &tiny_config()).err().unwrap().to_string();
-    assert!(e.contains("--speculative-method mtp needs --draft-model"), "{e}");
+    assert!(e.contains("has no multi-token-prediction layer of its own (nextn); pass --draft-model"), "{e}");
     let cfg = spec_config(SpecMethod::Mtp, 3, Some(&f.head));
     let e = build_proposer(&cfg, &f.target.config, &tiny_config()).err().unwrap().to_string();
     assert!(e.contains("build it from the loaded target model"), "{e}");

@@ -224,6 +224,17 @@ pub struct RecurrentStore {
     last: Vec<Option<(usize, usize)>>,
     /// Per recurrent layer, per slot.
     kept: Vec<Vec<Kept>>,
+    /// Copies of one slot's state at a position, by id (a hybrid's prefix cache: the engine
+    /// decides which ids hold what); allocated on the first save to an id.
+    checkpoints: Vec<Option<Checkpoint>>,
+}
+
+/// A slot's state at `position`: every recurrent layer's convolution window, then every layer's
+/// head states.
+struct Checkpoint {
+    position: usize,
+    conv: Vec<f32>,
+    ssm: Vec<f32>,
 }
 
 impl RecurrentStore {
@@ -243,7 +254,48 @@ impl RecurrentStore {
             pos: vec![None; slots],
             last: vec![None; slots],
             kept: (0..n).map(|_| (0..slots).map(|_| Kept::default()).collect()).collect(),
+            checkpoints: Vec::new(),
         }
+    }
+
+    /// Copies slot `slot`'s state, which must be at `position`, into checkpoint `id` (replacing
+    /// what it held).
+    pub fn save_checkpoint(&mut self, slot: usize, id: usize, position: usize) -> Result<(), ModelError> {
+        if self.pos.get(slot).copied().flatten() != Some(position) {
+            return Err(ModelError::BadInput(format!("recurrent state slot {slot} is not at position {position}: no checkpoint of it there")));
+        }
+        if self.checkpoints.len() <= id {
+            self.checkpoints.resize_with(id + 1, || None);
+        }
+        let (cl, sl) = (self.conv_len, self.ssm_len);
+        let c = self.checkpoints[id].get_or_insert_with(|| Checkpoint { position, conv: Vec::new(), ssm: Vec::new() });
+        c.position = position;
+        c.conv.clear();
+        c.ssm.clear();
+        for (conv, ssm) in self.conv.iter().zip(&self.ssm) {
+            c.conv.extend_from_slice(&conv[slot * cl..(slot + 1) * cl]);
+            c.ssm.extend_from_slice(&ssm[slot * sl..(slot + 1) * sl]);
+        }
+        Ok(())
+    }
+
+    /// Puts checkpoint `id`, which must hold a state at `position`, into slot `slot`: the slot's
+    /// next span continues from there.
+    pub fn restore_checkpoint(&mut self, id: usize, slot: usize, position: usize) -> Result<(), ModelError> {
+        let Some(c) = self.checkpoints.get(id).and_then(Option::as_ref).filter(|c| c.position == position) else {
+            return Err(ModelError::BadInput(format!("recurrent state checkpoint {id} holds no state at position {position}")));
+        };
+        if slot >= self.slots {
+            return Err(ModelError::BadInput(format!("recurrent state slot {slot} of {}", self.slots)));
+        }
+        let (cl, sl) = (self.conv_len, self.ssm_len);
+        for (i, (conv, ssm)) in self.conv.iter_mut().zip(&mut self.ssm).enumerate() {
+            conv[slot * cl..(slot + 1) * cl].copy_from_slice(&c.conv[i * cl..(i + 1) * cl]);
+            ssm[slot * sl..(slot + 1) * sl].copy_from_slice(&c.ssm[i * sl..(i + 1) * sl]);
+        }
+        self.pos[slot] = Some(position);
+        self.last[slot] = None;
+        Ok(())
     }
 
     /// Sequence slots.

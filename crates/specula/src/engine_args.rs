@@ -38,6 +38,12 @@ pub struct EngineArgs {
     /// Prefix caching (on by default; --enable-prefix-caching=false to disable).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub enable_prefix_caching: bool,
+    /// Hybrid models (Qwen3.5, Qwen3-Next): snapshots of recurrent state kept for the prefix
+    /// cache, each at the end of a prompt's last full block and the size of one sequence's state
+    /// (logged at start-up); a resent conversation restarts from the deepest one it finds. 0:
+    /// no prefix caching for these models.
+    #[arg(long, default_value_t = specula_engine::config::DEFAULT_STATE_CHECKPOINTS)]
+    pub state_checkpoints: usize,
     /// Host memory in MiB for prefix-cache blocks evicted from the KV cache, so that a
     /// conversation resent later skips its prefill (default: a third of the memory left after the
     /// weights and the KV cache, at most 8192; 0 turns it off).
@@ -373,8 +379,10 @@ impl EngineArgs {
         }
         let mut max_model_len = self.max_model_len.unwrap_or(model.context_length);
         let bytes_per_token = model.kv_bytes_per_token(kv_cache_dtype);
-        // a hybrid's recurrent state (one slot per sequence) comes out of the same memory
-        let state_bytes = model.arch_options.recurrent.as_ref().map_or(0, |r| r.bytes_per_sequence().saturating_mul(self.max_num_seqs));
+        // a hybrid's recurrent state (one slot per sequence, and the prefix cache's checkpoints)
+        // comes out of the same memory
+        let states = self.max_num_seqs + if self.enable_prefix_caching { self.state_checkpoints } else { 0 };
+        let state_bytes = model.arch_options.recurrent.as_ref().map_or(0, |r| r.bytes_per_sequence().saturating_mul(states));
         let available = specula_model::kv_store::available_memory()
             .map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.model.in_place_bytes(), ranks).saturating_sub(state_bytes));
         let kv_tokens = match (self.kv_cache_tokens, self.kv_cache_memory) {
@@ -407,6 +415,7 @@ impl EngineArgs {
             num_kv_blocks: kv_tokens.div_ceil(self.block_size),
             kv_cache_dtype,
             enable_prefix_caching: self.enable_prefix_caching,
+            state_checkpoints: self.state_checkpoints,
             prefix_tiers: specula_engine::kv_cache::PrefixTierConfig { host_bytes, disk: self.disk_tier(path)? },
             threads: self.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)),
             max_waiting: self.max_waiting,

@@ -4,8 +4,9 @@
 
 use super::block_hash::{hash_block, BlockHash};
 use super::block_pool::BlockPool;
+use super::state_checkpoints::StateCheckpoints;
 use super::tiers::{PrefixTiers, Tier};
-use super::transfer::{BlockKey, BlockLoad, BlockSave, KvTransfers, LoadedBlock, SaveTo, TransfersDone};
+use super::transfer::{BlockKey, BlockLoad, BlockSave, KvTransfers, LoadedBlock, SaveTo, StateRestore, StateSave, TransfersDone};
 use super::{expect_kv, KvCacheError};
 use crate::types::{BlockId, SeqId, TokenId};
 use std::collections::HashMap;
@@ -40,6 +41,10 @@ struct SeqBlocks {
     hashes: Vec<BlockHash>,
     /// Its slot of recurrent state (hybrid models), held from admission to `free`.
     state: Option<u32>,
+    /// Where its recurrent state is to be checkpointed (hybrid models with prefix caching): the
+    /// last block boundary of its prompt before the final token, until a step ending there has
+    /// been planned.
+    checkpoint_at: Option<usize>,
 }
 
 /// Owns the block pool and every sequence's block table.
@@ -57,6 +62,8 @@ pub struct KvCacheManager {
     /// Recurrent-state slots not held by a sequence (a hybrid model's; `None` for the others),
     /// and how many there are in all.
     free_states: Option<(Vec<u32>, usize)>,
+    /// A hybrid's recurrent-state checkpoints, which its cached blocks are used with.
+    checkpoints: Option<StateCheckpoints>,
 }
 
 impl KvCacheManager {
@@ -83,16 +90,59 @@ impl KvCacheManager {
             tiers: None,
             pending: KvTransfers::default(),
             free_states: None,
+            checkpoints: None,
         })
     }
 
     /// Gives every sequence one of `n` slots of recurrent state (a hybrid model's) from its
     /// admission until it is freed; a prompt is not admitted while all are held. A cached prefix
-    /// would have no state to go with it, so prefix caching is off from here on.
-    pub fn set_state_slots(&mut self, n: usize) {
+    /// is of use only with the state at its end: with `checkpoints` > 0 each prompt's state is
+    /// saved at its last block boundary into one of that many checkpoints, and a prompt's cache
+    /// hit is cut to the deepest boundary with one (`state_checkpoints`); with 0 prefix caching is
+    /// off. The lower tiers are off either way (their blocks have no state).
+    pub fn set_state_slots(&mut self, n: usize, checkpoints: usize) {
         self.free_states = Some(((0..n as u32).rev().collect(), n));
-        self.enable_prefix_caching = false;
         self.tiers = None;
+        if checkpoints == 0 || !self.enable_prefix_caching {
+            self.enable_prefix_caching = false;
+        } else {
+            self.checkpoints = Some(StateCheckpoints::new(u32::try_from(checkpoints).unwrap_or(u32::MAX)));
+        }
+    }
+
+    /// Recurrent-state checkpoints held, and room for how many (a hybrid with prefix caching).
+    pub fn state_checkpoints(&self) -> Option<(usize, usize)> {
+        self.checkpoints.as_ref().map(|c| (c.len(), c.capacity() as usize))
+    }
+
+    /// How many of the `n` tokens from `start` a step of `seq` may compute: a hybrid's prefill
+    /// chunk stops at the block boundary where its state is to be checkpointed. `n` otherwise.
+    pub fn chunk_len(&self, seq: SeqId, start: usize, n: usize) -> usize {
+        match self.seqs.get(&seq).and_then(|b| b.checkpoint_at) {
+            Some(at) if start < at && at < start + n => at - start,
+            _ => n,
+        }
+    }
+
+    /// `seq` (whose known tokens are `tokens`) is scheduled to compute `n` tokens from `start`:
+    /// a step ending where its state is to be checkpointed saves it there (see
+    /// [`Self::chunk_len`]). Call once the step is decided.
+    pub fn note_scheduled(&mut self, seq: SeqId, tokens: &[TokenId], start: usize, n: usize) {
+        let bs = self.block_size;
+        let Some(b) = self.seqs.get_mut(&seq) else { return };
+        let Some(at) = b.checkpoint_at.filter(|&at| start + n == at && at <= tokens.len()) else { return };
+        b.checkpoint_at = None;
+        let (Some(ck), Some(slot)) = (self.checkpoints.as_mut(), b.state) else { return };
+        // the chain hash of the prefix's last block: what a later prompt's hits are keyed by
+        let mut key = b.hashes.last().copied();
+        for chunk in tokens[..at].chunks_exact(bs).skip(b.hashes.len()) {
+            key = Some(hash_block(key, chunk));
+        }
+        if let Some(key) = key {
+            if let Some(checkpoint) = ck.reserve(key) {
+                self.pending.state_saves.push(StateSave { slot, checkpoint, position: at, key });
+            }
+        }
     }
 
     /// `seq`'s slot of recurrent state (`None` for a model without one).
@@ -130,6 +180,11 @@ impl KvCacheManager {
         if let Some(tiers) = self.tiers.as_mut() {
             for saved in done.saved {
                 tiers.accept(saved);
+            }
+        }
+        if let Some(ck) = self.checkpoints.as_mut() {
+            for s in done.states_saved {
+                ck.saved(s.key, s.checkpoint);
             }
         }
         for l in done.loaded {
@@ -217,6 +272,7 @@ impl KvCacheManager {
                 blocks.hashes.push(hash);
             }
             self.load_from_tiers(seq, prompt, max_hit_blocks, &mut blocks);
+            self.cut_to_checkpoint(&mut blocks, prompt.len());
             let cached = blocks.table.len() * self.block_size;
             self.stats.queried_tokens += prompt.len() as u64;
             self.stats.hit_tokens += cached as u64;
@@ -224,6 +280,25 @@ impl KvCacheManager {
         let cached = blocks.table.len() * self.block_size;
         self.seqs.insert(seq, blocks);
         Ok(cached)
+    }
+
+    /// A hybrid's hits (`blocks`, of a prompt of `len` tokens) cut to the deepest block boundary
+    /// whose recurrent state was checkpointed, that state restored into the sequence's slot by the
+    /// next step, and the prompt's own checkpoint planned (its last boundary before the final
+    /// token, unless the hit reaches it). Other models: nothing.
+    fn cut_to_checkpoint(&mut self, blocks: &mut SeqBlocks, len: usize) {
+        let (Some(ck), Some(slot)) = (self.checkpoints.as_mut(), blocks.state) else { return };
+        let keep = blocks.hashes.iter().rposition(|&h| ck.contains(h)).map_or(0, |i| i + 1);
+        for block in blocks.table.drain(keep..).rev() {
+            self.pool.release(block);
+        }
+        blocks.hashes.truncate(keep);
+        let bs = self.block_size;
+        if let Some(checkpoint) = blocks.hashes.last().and_then(|&h| ck.lookup(h)) {
+            self.pending.state_restores.push(StateRestore { checkpoint, slot, position: keep * bs });
+        }
+        let at = len.saturating_sub(1) / bs * bs;
+        blocks.checkpoint_at = (at > keep * bs).then_some(at);
     }
 
     /// Extends `blocks` (the prefix-cache hits of `prompt` in the store) with the next blocks found
@@ -384,6 +459,14 @@ impl KvCacheManager {
         }
         if let (Some((free, _)), Some(state)) = (self.free_states.as_mut(), blocks.state) {
             free.push(state);
+            // its checkpoint copies not handed to a step yet are dropped with it
+            self.pending.state_restores.retain(|r| r.slot != state);
+            let ck = self.checkpoints.as_mut();
+            let (dropped, kept): (Vec<StateSave>, Vec<StateSave>) = std::mem::take(&mut self.pending.state_saves).into_iter().partition(|s| s.slot == state);
+            self.pending.state_saves = kept;
+            if let Some(ck) = ck {
+                dropped.iter().for_each(|s| ck.cancel(s.checkpoint));
+            }
         }
         Ok(())
     }
@@ -557,7 +640,7 @@ mod tests {
         assert!(t.loads.is_empty());
         let saves = t.saves;
         let saved = saves.iter().map(|s| super::super::transfer::SavedBlock { key: s.key.clone(), to: s.to, bytes: vec![s.block.0 as u8; 8] }).collect();
-        kv.finish_transfers(TransfersDone { saved, loaded: vec![] });
+        kv.finish_transfers(TransfersDone { saved, loaded: vec![], states_saved: vec![] });
         saves
     }
 
@@ -576,7 +659,7 @@ mod tests {
 
     /// What the step did with `t`'s loads.
     fn loads_done(t: KvTransfers) -> TransfersDone {
-        TransfersDone { saved: vec![], loaded: t.loads.into_iter().map(|l| l.at).collect() }
+        TransfersDone { saved: vec![], loaded: t.loads.into_iter().map(|l| l.at).collect(), states_saved: vec![] }
     }
 
     #[test]

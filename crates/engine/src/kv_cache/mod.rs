@@ -16,6 +16,7 @@ mod byte_lru;
 pub mod disk_tier;
 mod host_tier;
 mod manager;
+mod state_checkpoints;
 mod tiers;
 pub mod transfer;
 

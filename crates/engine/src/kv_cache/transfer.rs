@@ -51,22 +51,46 @@ pub struct BlockLoad {
     pub bytes: Arc<[u8]>,
 }
 
+/// Before the forward pass: put checkpoint `checkpoint` (a sequence's recurrent state at
+/// `position`, a hybrid's prefix-cache hit) into state slot `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateRestore {
+    pub checkpoint: u32,
+    pub slot: u32,
+    pub position: usize,
+}
+
+/// After the forward pass: copy state slot `slot`, then at `position` (the end of the prompt
+/// prefix whose last block is `key`), into checkpoint `checkpoint`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateSave {
+    pub slot: u32,
+    pub checkpoint: u32,
+    pub position: usize,
+    pub key: BlockHash,
+}
+
 /// One step's block copies, saves first (a block evicted and refilled in the same step is read
-/// before it is written).
+/// before it is written), and a hybrid's recurrent-state checkpoints: restores before the
+/// forward pass, saves after it (`state_checkpoints`).
 #[derive(Debug, Default)]
 pub struct KvTransfers {
     pub saves: Vec<BlockSave>,
     pub loads: Vec<BlockLoad>,
+    pub state_restores: Vec<StateRestore>,
+    pub state_saves: Vec<StateSave>,
 }
 
 impl KvTransfers {
     pub fn is_empty(&self) -> bool {
-        self.saves.is_empty() && self.loads.is_empty()
+        self.saves.is_empty() && self.loads.is_empty() && self.state_restores.is_empty() && self.state_saves.is_empty()
     }
 
     pub fn append(&mut self, mut other: KvTransfers) {
         self.saves.append(&mut other.saves);
         self.loads.append(&mut other.loads);
+        self.state_restores.append(&mut other.state_restores);
+        self.state_saves.append(&mut other.state_saves);
     }
 }
 
@@ -93,4 +117,6 @@ pub struct LoadedBlock {
 pub struct TransfersDone {
     pub saved: Vec<SavedBlock>,
     pub loaded: Vec<LoadedBlock>,
+    /// The recurrent-state checkpoints saved after the forward pass.
+    pub states_saved: Vec<StateSave>,
 }

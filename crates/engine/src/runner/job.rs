@@ -65,8 +65,11 @@ pub(crate) fn run_job(ctx: &JobContext, state: &mut ComputeState, job: StepJob, 
 }
 
 fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while_forward: impl FnOnce()) -> Result<JobOutput, StepFailure> {
-    // the prefix-cache tiers' block copies, before anything reads or writes the KV (`transfer`)
-    let transfers = super::run_transfers(&mut state.kv_store, job.transfers).map_err(|e| StepFailure::Invariant(e.to_string()))?;
+    // the prefix-cache tiers' block copies and state restores, before anything reads or writes
+    // the KV (`transfer`); the state saves after the forward pass
+    let mut job = job;
+    let state_saves = std::mem::take(&mut job.transfers.state_saves);
+    let mut transfers = super::run_transfers(&mut state.kv_store, job.transfers).map_err(|e| StepFailure::Invariant(e.to_string()))?;
     let mut inputs = job.inputs;
     inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
@@ -79,6 +82,7 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
         masks = grammar_masks(&mut items, ctx.fault, job.step);
     })?;
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
+    transfers.states_saved = super::run_state_saves(&mut state.kv_store, state_saves).map_err(|e| StepFailure::Invariant(e.to_string()))?;
     let forward_end = Instant::now();
     tracing::trace!(
         step = job.step,

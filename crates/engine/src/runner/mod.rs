@@ -7,15 +7,18 @@ pub mod job;
 
 pub use crate::step::{BatchInputs, RowRange};
 
-use crate::kv_cache::transfer::{KvTransfers, SavedBlock, TransfersDone};
+use crate::kv_cache::transfer::{KvTransfers, SavedBlock, StateSave, TransfersDone};
 use specula_model::kv_store::BlockBytesError;
 use specula_model::{ForwardBatch, ForwardOutput, KvStore, LlamaModel, ModelError, SeqSpan};
 
-/// Does a step's KV block copies (`crate::kv_cache::transfer`): every save, then every load.
-pub(crate) fn run_transfers(kv: &mut KvStore, t: KvTransfers) -> Result<TransfersDone, BlockBytesError> {
+/// Does a step's KV block copies (`crate::kv_cache::transfer`): every save, then every load,
+/// then the recurrent-state restores (a hybrid's prefix-cache hits). The state saves come after
+/// the forward pass: [`run_state_saves`].
+pub(crate) fn run_transfers(kv: &mut KvStore, t: KvTransfers) -> Result<TransfersDone, ModelError> {
     if t.is_empty() {
         return Ok(TransfersDone::default());
     }
+    let restores = t.state_restores;
     let saved = t
         .saves
         .into_iter()
@@ -27,10 +30,25 @@ pub(crate) fn run_transfers(kv: &mut KvStore, t: KvTransfers) -> Result<Transfer
         .collect();
     let mut loaded = Vec::with_capacity(t.loads.len());
     for l in t.loads {
-        kv.copy_block_in(l.at.block.0 as usize, &l.bytes)?;
+        kv.copy_block_in(l.at.block.0 as usize, &l.bytes).map_err(|e: BlockBytesError| ModelError::BadInput(e.to_string()))?;
         loaded.push(l.at);
     }
-    Ok(TransfersDone { saved, loaded })
+    for r in restores {
+        recurrent(kv)?.restore_checkpoint(r.checkpoint as usize, r.slot as usize, r.position)?;
+    }
+    Ok(TransfersDone { saved, loaded, states_saved: Vec::new() })
+}
+
+/// A hybrid's recurrent-state checkpoints of this step, after its forward pass.
+pub(crate) fn run_state_saves(kv: &mut KvStore, saves: Vec<StateSave>) -> Result<Vec<StateSave>, ModelError> {
+    for s in &saves {
+        recurrent(kv)?.save_checkpoint(s.slot as usize, s.checkpoint as usize, s.position)?;
+    }
+    Ok(saves)
+}
+
+fn recurrent(kv: &mut KvStore) -> Result<&mut specula_model::delta_net::RecurrentStore, ModelError> {
+    kv.recurrent.as_mut().ok_or_else(|| ModelError::BadInput("a recurrent-state checkpoint for a model without recurrent state".into()))
 }
 
 /// Runs a prepared batch through the model on `pool`. `while_running` runs on the calling thread
