@@ -70,7 +70,10 @@ impl Engine {
         model.fit_context(cfg.max_model_len);
         let c = &model.config;
         let layout = KvLayout { block_size: cfg.block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        let kv_store = KvStore::for_model(c, layout, cfg.num_kv_blocks, cfg.kv_cache_dtype, cfg.max_num_seqs)?;
+        // a hybrid's state slots: one per sequence, and one more for a lockstep rank's dummy
+        // batches (`run_dummy_batch`)
+        let state_slots = cfg.max_num_seqs + usize::from(c.arch_options.recurrent.is_some());
+        let kv_store = KvStore::for_model(c, layout, cfg.num_kv_blocks, cfg.kv_cache_dtype, state_slots)?;
         let mut host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
         let shape = format!("{} block {} layers {} kv heads {} head dim {}", cfg.kv_cache_dtype, cfg.block_size, c.n_layers, c.n_kv_heads, c.head_dim);
         let namespace = cfg.prefix_tiers.disk.as_ref().map_or(0, |d| crate::kv_cache::disk_tier::namespace(d.model_key, &shape));
@@ -510,14 +513,24 @@ impl Engine {
 
     /// A forward pass of `n` placeholder tokens that writes no KV and computes no logits: each
     /// token is its own one-token sequence at position 0 reading block 0 (whatever it holds; the
-    /// result is discarded). A lockstep rank with nothing scheduled runs it to join whatever
-    /// collectives the model makes, at the padded size. A panic comes back as an error.
+    /// result is discarded). A hybrid's are one sequence of `n` tokens from position 0 in the
+    /// state slot kept for them (the last; reset by starting at 0, so no sequence's state is
+    /// touched). A lockstep rank with nothing scheduled runs it to join whatever collectives the
+    /// model makes, at the padded size. A panic comes back as an error.
     pub(crate) fn run_dummy_batch(&mut self, n: usize) -> Result<(), StepFailure> {
+        if n == 0 {
+            return Ok(());
+        }
         let tokens = vec![0u32; n];
-        let table = [0u32];
-        let spans: Vec<SeqSpan> = (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect();
+        let recurrent = self.compute.kv_store.recurrent.as_ref().map(|r| r.slots() - 1);
+        let table = vec![0u32; if recurrent.is_some() { n.div_ceil(self.compute.kv_store.layout.block_size).max(1) } else { 1 }];
+        let spans: Vec<SeqSpan> = match recurrent {
+            Some(_) => vec![SeqSpan { q_start: 0, q_len: n, context_len: n, block_table: &table }],
+            None => (0..n).map(|i| SeqSpan { q_start: i, q_len: 1, context_len: 1, block_table: &table }).collect(),
+        };
         let slots = vec![NO_SLOT; n];
-        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[], state_slots: &[] };
+        let state_slots: Vec<usize> = recurrent.into_iter().collect();
+        let batch = ForwardBatch { tokens: &tokens, seqs: &spans, slots: &slots, logits_rows: &[], hidden_layers: &[], state_slots: &state_slots };
         let (model, kv, pool) = (&self.ctx.model, &mut self.compute.kv_store, &self.ctx.pool);
         match catch_unwind(AssertUnwindSafe(|| pool.install(|| model.forward(&batch, kv)))) {
             Ok(Ok(_)) => Ok(()),

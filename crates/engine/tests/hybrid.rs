@@ -5,9 +5,11 @@
 //! and when a tiny KV pool forces preemption (a preempted sequence starts its state over); and the
 //! same greedy tokens with speculative decoding (n-gram, a draft model, an mtp head, the file's
 //! own prediction layer), whose
-//! rejected drafts the model rolls back out of the recurrent state (`RecurrentStore`).
+//! rejected drafts the model rolls back out of the recurrent state (`RecurrentStore`); lockstep data
+//! parallelism's dummy batches; the prefix cache through state checkpoints.
 
 mod common;
+mod dp_support;
 
 use common::{greedy, prompt, seeded, Client, Harness, Spec, TinyModel};
 use specula_engine::{EngineConfig, FinishReason, SamplingParams};
@@ -89,23 +91,26 @@ fn hybrid_greedy_with_speculation_equals_greedy_without() {
     assert_eq!(seeded_alone, in_a_crowd_with(&m, common::tiny_config(), Spec::Ngram(3), p.clone(), seeded(40, 0.8, 42)));
 }
 
-/// Lockstep data parallelism pads idle ranks with dummy batches, which carry no recurrent state:
-/// a hybrid is refused there at start-up with a one-line error naming the mode that works.
+/// Lockstep data parallelism pads idle ranks with dummy batches: a hybrid's run in a state slot
+/// kept for them, so a request on one of three ranks (the others padding every step) and
+/// requests spread over the ranks give a single engine's tokens.
 #[test]
-fn lockstep_data_parallelism_refuses_a_hybrid_with_a_clear_error() {
-    use specula_engine::dp::{spawn_lockstep, LocalGroup, RankSetup};
+fn lockstep_data_parallelism_serves_a_hybrid_with_single_engine_outputs() {
+    let _serial = dp_support::serial();
     let m = TinyModel::hybrid();
-    let mut tokenizer = None;
-    let ranks: Vec<RankSetup> = (0..2)
-        .map(|_| {
-            let loaded = specula_model::load_model(&m.path).expect("load tiny hybrid");
-            tokenizer.get_or_insert(std::sync::Arc::new(loaded.tokenizer));
-            RankSetup::new(loaded.model)
-        })
-        .collect();
-    let tokenizer = tokenizer.expect("two ranks");
-    let e = spawn_lockstep(ranks, LocalGroup::new(2), tokenizer, common::tiny_config()).err().expect("a hybrid in lockstep is refused").to_string();
-    assert!(e.contains("lockstep cannot serve qwen35") && e.contains("--data-parallel-mode replica") && !e.contains('\n'), "{e}");
+    let reqs: Vec<_> = (0..4).map(|i| (prompt(30 + 23 * i, 40 + i as u64), greedy(20))).collect();
+    let expected = dp_support::single_engine_outputs(&m, &reqs);
+    let group = dp_support::lockstep(&m, 3);
+    let mut alone = dp_support::submit(&group.rank_handles[1], reqs[0].0.clone(), reqs[0].1.clone());
+    assert_eq!(alone.finished(FinishReason::Length), expected[0]);
+    let mut streams: Vec<_> =
+        reqs.iter().enumerate().map(|(i, (p, params))| dp_support::submit(&group.rank_handles[i % 3], p.clone(), params.clone())).collect();
+    for (s, want) in streams.iter_mut().zip(&expected) {
+        assert_eq!(&s.finished(FinishReason::Length), want);
+    }
+    let stats = group.stats.clone();
+    assert!(dp_support::shutdown_and_join(group).iter().all(|r| r.is_ok()));
+    assert!(specula_engine::dp::RankStats::get(&stats[0].dummy_steps) > 0, "rank 0 padded while rank 1 ran alone");
 }
 
 /// A token's logprob and its top alternatives, as bits.

@@ -86,9 +86,6 @@ fn build(args: &ServeArgs, mode: DpMode, size: usize) -> Result<Built> {
     }
     let spec = args.engine.spec.build(&loaded.model, &loaded.tokenizer, &cfg)?;
     // this process keeps its 1/N of the experts (fails alike on every rank for a bad N)
-    if mode == DpMode::Lockstep && loaded.model.config.arch_options.recurrent.is_some() {
-        return Err(specula_engine::dp::group::lockstep_refuses_recurrent(loaded.model.config.arch).into());
-    }
     args.engine.setup_expert_parallel_mpi(&mut loaded.model, mode == DpMode::Lockstep)?;
     let desc =
         format!("specula_version={}\n{}", env!("CARGO_PKG_VERSION"), describe_config(&cfg, &loaded.model.config, spec.as_ref().map(|s| &s.0), size, mode));

@@ -231,14 +231,6 @@ pub fn spawn_replica_rank(built: BuiltRank, rank: usize, stats: Arc<RankStats>) 
         .map_err(EngineError::Spawn)
 }
 
-/// Lockstep ranks with nothing scheduled run dummy batches, which carry no recurrent-state slots:
-/// a hybrid model (recurrent layers) serves data-parallel as replicas only, for now.
-pub fn lockstep_refuses_recurrent(arch: specula_model::Arch) -> EngineError {
-    EngineError::Config(format!(
-        "--data-parallel-mode lockstep cannot serve {arch} yet (its recurrent layers take no dummy batches); use --data-parallel-mode replica"
-    ))
-}
-
 /// Starts a lockstep group over `comms` (rank r's communicator at index r, e.g. from
 /// `LocalGroup::new`). Returns once every rank has passed the start-up configuration check, or
 /// with the check's error (which every rank reported).
@@ -256,9 +248,6 @@ pub fn spawn_lockstep<C: Communicator + Send + 'static>(
         if c.rank() != i || c.size() != n {
             return Err(EngineError::Config(format!("communicator {i} is rank {} of {}, expected rank {i} of {n}", c.rank(), c.size())));
         }
-    }
-    if let Some(r) = ranks.iter().find(|r| r.model.config.arch_options.recurrent.is_some()) {
-        return Err(lockstep_refuses_recurrent(r.model.config.arch));
     }
     let descs: Vec<String> =
         ranks.iter().map(|r| describe_config(&rank_config(&cfg, n), &r.model.config, r.spec.as_ref().map(|s| &s.0), n, DpMode::Lockstep)).collect();
