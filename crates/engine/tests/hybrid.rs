@@ -91,6 +91,32 @@ fn hybrid_greedy_with_speculation_equals_greedy_without() {
     assert_eq!(seeded_alone, in_a_crowd_with(&m, common::tiny_config(), Spec::Ngram(3), p.clone(), seeded(40, 0.8, 42)));
 }
 
+/// A hybrid draft model (a small Qwen3.5 drafting for a large one): its state is checkpointed
+/// where each chain starts and put back after it, so it catches up again from there; the target
+/// itself as the draft accepts every greedy draft, another hybrid rejects most, and both give
+/// the tokens of no speculation, alone, in a crowd and with async scheduling.
+#[test]
+fn a_hybrid_draft_model_drafts_exactly() {
+    let m = TinyModel::hybrid_with_hybrid_draft();
+    let p = prompt(77, 1);
+    let reference = alone(&m, common::tiny_config(), p.clone(), greedy(40));
+    for spec in [Spec::SelfDraft(3), Spec::OtherDraft(3)] {
+        let (got, (drafted, accepted)) = alone_with(&m, common::tiny_config(), spec, p.clone(), greedy(40));
+        assert_eq!(reference, got, "{spec:?} alone");
+        assert!(drafted > 0, "{spec:?} drafted nothing");
+        if spec == Spec::SelfDraft(3) {
+            assert_eq!(drafted, accepted, "the target drafting for itself is always right");
+        } else {
+            assert!(drafted > accepted, "{spec:?}: {drafted} drafted, {accepted} accepted");
+        }
+        assert_eq!(reference, in_a_crowd_with(&m, common::tiny_config(), spec, p.clone(), greedy(40)), "{spec:?} in a crowd");
+        let ahead = EngineConfig { async_scheduling: true, ..common::tiny_config() };
+        assert_eq!(reference, in_a_crowd_with(&m, ahead, spec, p.clone(), greedy(40)), "{spec:?} in a crowd, async scheduling");
+    }
+    let seeded_alone = alone_with(&m, common::tiny_config(), Spec::OtherDraft(3), p.clone(), seeded(40, 0.8, 42)).0;
+    assert_eq!(seeded_alone, alone(&m, common::tiny_config(), p.clone(), seeded(40, 0.8, 42)), "seeded, drafted by a hybrid");
+}
+
 /// Lockstep data parallelism pads idle ranks with dummy batches: a hybrid's run in a state slot
 /// kept for them, so a request on one of three ranks (the others padding every step) and
 /// requests spread over the ranks give a single engine's tokens.

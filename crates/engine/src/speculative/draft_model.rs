@@ -9,6 +9,11 @@
 //! these are the frequent ones) and the end-of-sequence tokens; it never proposes another token,
 //! and the rejection sampler stays exact (those tokens have draft probability 0). Greedy requests
 //! take the draft's argmax directly (no distribution is built or carried).
+//!
+//! A hybrid draft (recurrent layers, Qwen3.5's small models) cannot roll its state back over the
+//! single rows it drafts with: its state is checkpointed where the chain starts (after the rows
+//! that catch up with the sequence) and put back after the chain, so the next proposal feeds the
+//! accepted tokens again from there (one batched span).
 
 use super::proposer::{Draft, DraftRequest, Proposer};
 use super::vocab_map::VocabMap;
@@ -29,10 +34,14 @@ pub struct DraftModelProposer {
     /// The tokens the draft may propose when its output is restricted (column j of its logits is
     /// token `d2t(j)`); None: the whole vocabulary.
     vocab: Option<VocabMap>,
+    /// A hybrid draft's chains of this proposal: (sequence, state slot, where the chain starts).
+    chain_starts: Vec<(SeqId, u32, usize)>,
 }
 
 impl DraftModelProposer {
-    pub fn new(model: LlamaModel, target_vocab: usize, num_blocks: usize, block_size: usize) -> Result<Self, SpecError> {
+    /// A draft with `num_blocks` blocks of KV; a hybrid draft also holds recurrent state for
+    /// `max_seqs` sequences (and a checkpoint of each).
+    pub fn new(model: LlamaModel, target_vocab: usize, num_blocks: usize, block_size: usize, max_seqs: usize) -> Result<Self, SpecError> {
         if model.config.vocab_size != target_vocab {
             return Err(SpecError::Config(format!(
                 "the draft model's vocabulary has {} tokens but the target's has {target_vocab}; a draft model must share the target's tokenizer",
@@ -40,21 +49,17 @@ impl DraftModelProposer {
             )));
         }
         let c = &model.config;
-        if c.arch_options.recurrent.is_some() {
-            // it drafts a token per pass and would roll back over single rows, which a recurrent
-            // state cannot; a hybrid target drafts with a model of attention layers
-            return Err(SpecError::Config(format!(
-                "a {} model (recurrent layers) cannot be the draft model yet; draft with an attention model, the n-gram method or an mtp head",
-                c.arch
-            )));
-        }
         let layout = KvLayout { block_size, n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim };
-        let kv_store = KvStore::new(c.n_layers, layout, num_blocks, specula_kernels::kv::KvDtype::default())?;
+        let kv_store = KvStore::for_model(c, layout, num_blocks, specula_kernels::kv::KvDtype::default(), max_seqs)?;
         // with prefix caching: an agent's next turn resends the conversation, which the draft
         // would otherwise prefill whole again before its first draft (it doubled the time to the
-        // first token of the 1.5B's agent turns, benchmarks.md S10)
-        let kv = KvCacheManager::new(num_blocks, block_size, true)?;
-        Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None })
+        // first token of the 1.5B's agent turns, benchmarks.md S10); a hybrid draft's cache is
+        // off (its chain's checkpoints are its own)
+        let mut kv = KvCacheManager::new(num_blocks, block_size, true)?;
+        if c.arch_options.recurrent.is_some() {
+            kv.set_state_slots(max_seqs, 0);
+        }
+        Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None, chain_starts: Vec::new() })
     }
 
     /// Restricts the draft to the first `n` token ids and `always` (end-of-sequence tokens):
@@ -90,6 +95,31 @@ impl DraftModelProposer {
         self.kv.prefix_cache_stats()
     }
 
+    /// A hybrid draft: each drafting sequence's state where its chain starts (after this
+    /// proposal's first rows), saved in the checkpoint of its slot (ids are slots).
+    fn checkpoint_chain_starts(&mut self, items: &[(SeqId, Vec<TokenId>, usize)]) -> Result<(), SpecError> {
+        let Some(store) = self.kv_store.recurrent.as_mut() else { return Ok(()) };
+        for (seq, feed, start) in items {
+            if let Some(slot) = self.kv.state_slot(*seq)? {
+                store.save_checkpoint(slot as usize, slot as usize, start + feed.len())?;
+                self.chain_starts.push((*seq, slot, start + feed.len()));
+            }
+        }
+        Ok(())
+    }
+
+    /// A hybrid draft after its chain: each sequence's state back where the chain started, and
+    /// its draft computed to there (its next proposal feeds the accepted tokens again).
+    fn back_to_chain_starts(&mut self) -> Result<(), SpecError> {
+        for (seq, slot, at) in std::mem::take(&mut self.chain_starts) {
+            if let (Some(store), Some(st)) = (self.kv_store.recurrent.as_mut(), self.state.get_mut(&seq)) {
+                store.restore_checkpoint(slot as usize, slot as usize, at)?;
+                st.0 = st.0.min(at);
+            }
+        }
+        Ok(())
+    }
+
     fn run(&mut self, items: &[(SeqId, Vec<TokenId>, usize)], pool: &rayon::ThreadPool) -> Result<Vec<f32>, SpecError> {
         // items: (seq, tokens to feed, start position)
         let mut tokens = Vec::new();
@@ -97,7 +127,11 @@ impl DraftModelProposer {
         let mut tables = Vec::new();
         let mut spans = Vec::new();
         let mut rows = Vec::new();
+        let mut state_slots = Vec::new();
         for (seq, feed, start) in items {
+            if let Some(slot) = self.kv.state_slot(*seq)? {
+                state_slots.push(slot as usize);
+            }
             self.kv.ensure_capacity(*seq, start + feed.len())?;
             let q_start = tokens.len();
             tokens.extend_from_slice(feed);
@@ -111,7 +145,10 @@ impl DraftModelProposer {
         let model = &self.model;
         let kv_store = &mut self.kv_store;
         let out = pool.install(|| {
-            model.forward(&ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &[] }, kv_store)
+            model.forward(
+                &ForwardBatch { tokens: &tokens, seqs: &seqs, slots: &slots, logits_rows: &rows, hidden_layers: &[], state_slots: &state_slots },
+                kv_store,
+            )
         })?;
         Ok(out.logits)
     }
@@ -188,6 +225,9 @@ impl Proposer for DraftModelProposer {
                 break;
             }
             let logits = self.run(&items, pool)?;
+            if step == 0 && max_k > 1 {
+                self.checkpoint_chain_starts(&items)?;
+            }
             let mut next_items = Vec::new();
             let mut next_active = Vec::new();
             for (j, ((seq, feed, start), &i)) in items.iter().zip(&active).enumerate() {
@@ -229,6 +269,7 @@ impl Proposer for DraftModelProposer {
             items = next_items;
             active = next_active;
         }
+        self.back_to_chain_starts()?;
         if drafting > 0 {
             tracing::debug!(drafting, first_rows, max_k, micros = start.elapsed().as_micros() as u64, "draft model proposed");
         }
@@ -236,9 +277,12 @@ impl Proposer for DraftModelProposer {
     }
 
     fn rollback(&mut self, seq: SeqId, kept: usize) {
+        let hybrid = self.kv_store.recurrent.is_some();
         if let Some(st) = self.state.get_mut(&seq) {
             if st.0 > kept {
-                st.0 = kept;
+                // a hybrid's state is where its chain started, and cannot go further back: it
+                // starts over (drafting never asks for this; a sequence rolled back further does)
+                st.0 = if hybrid { 0 } else { kept };
             }
             let keep = st.0;
             match self.kv.truncate(seq, keep) {
@@ -273,7 +317,7 @@ mod tests {
         write_tiny_llama(&path, &TinySpec { seed: 5, ..Default::default() }).unwrap();
         let model = specula_model::load_model(&path).unwrap().model;
         let vocab = model.config.vocab_size;
-        DraftModelProposer::new(model, vocab, 32, 16).unwrap()
+        DraftModelProposer::new(model, vocab, 32, 16, 4).unwrap()
     }
 
     fn draft(p: &mut DraftModelProposer, seq: u64, tokens: &[TokenId], pool: &rayon::ThreadPool) -> Vec<TokenId> {

@@ -97,7 +97,8 @@ fn build_one(cfg: &SpecConfig, target: ProposerTarget, engine: &crate::config::E
             let loaded = specula_model::load_model(path)?;
             let vocab = loaded.model.config.vocab_size;
             let eos: Vec<crate::types::TokenId> = (0..vocab as crate::types::TokenId).filter(|&t| loaded.tokenizer.is_eos(t)).collect();
-            let p = draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size)?;
+            let p =
+                draft_model::DraftModelProposer::new(loaded.model, target.config().vocab_size, engine.num_kv_blocks, engine.block_size, engine.max_num_seqs)?;
             let n = config::draft_vocab_size(cfg.draft_vocab, vocab);
             // re-encoded after the output is restricted: only the rows kept are converted
             let p = p.with_draft_vocab(n, &eos)?;

@@ -43,6 +43,15 @@ impl TinyModel {
         write_tiny_llama(&m.path, &spec).expect("write tiny hybrid");
         m
     }
+
+    /// [`Self::hybrid`] whose draft is a hybrid too (another seed), as a small Qwen3.5 drafts for
+    /// a large one.
+    pub fn hybrid_with_hybrid_draft() -> Self {
+        let m = Self::hybrid();
+        let spec = TinySpec { seed: 14, layers: 4, arch: specula_model::Arch::Qwen35, ..Default::default() };
+        write_tiny_llama(&m.draft, &spec).expect("write tiny hybrid draft");
+        m
+    }
 }
 
 /// Speculative decoding for a test engine (not adaptive, so it always speculates, unless built
