@@ -118,14 +118,15 @@ def test_served_exact_under_ngram_and_async_and_stopping_at_the_turn_end(tiny):
     assert any(len(toks) > 5 for toks, *_ in runs[0])
 
 
-def test_hybrid_resent_conversation_restarts_from_its_state_checkpoint(tiny):
+@pytest.mark.parametrize("name", [n for n in ARCHS if n.startswith(("qwen35", "qwen3next"))])
+def test_hybrid_resent_conversation_restarts_from_its_state_checkpoint(name, tmp_path, specula_bin):
     """A hybrid's prefix cache: the second turn of a conversation (the first turn, its answer and
     a new user message, resent whole as agents do) finds the first turn's prompt cached up to its
     recurrent-state checkpoint (`usage.prompt_tokens_details.cached_tokens`), and answers with the
     tokens and logprobs of a server that caches nothing."""
-    name, path = tiny
-    if not name.startswith(("qwen35", "qwen3next")):
-        pytest.skip("recurrent-state checkpoints are the hybrids' prefix cache")
+    writer, flags, _ = ARCHS[name]
+    path = tmp_path / f"tiny-{name}.gguf"
+    run_specula(specula_bin, ["debug", writer, "--format", "q8_0", "--seed", "5", "--output", str(path), *flags])
     turn1 = [{"role": "system", "content": "You are a coding agent. " * 5}, {"role": "user", "content": "List the files, then read main.rs."}]
 
     def ask(server, messages):

@@ -75,14 +75,9 @@ impl Engine {
         let state_slots = cfg.max_num_seqs + usize::from(c.arch_options.recurrent.is_some());
         let kv_store = KvStore::for_model(c, layout, cfg.num_kv_blocks, cfg.kv_cache_dtype, state_slots)?;
         let mut host = Host::new(cfg.clone(), tokenizer.clone(), counters.clone(), c.vocab_size)?;
-        let shape = format!("{} block {} layers {} kv heads {} head dim {}", cfg.kv_cache_dtype, cfg.block_size, c.n_layers, c.n_kv_heads, c.head_dim);
-        let namespace = cfg.prefix_tiers.disk.as_ref().map_or(0, |d| crate::kv_cache::disk_tier::namespace(d.model_key, &shape));
-        let tiers = crate::kv_cache::PrefixTiers::open(&cfg.prefix_tiers, namespace, kv_store.block_bytes()).map_err(|e| {
-            EngineError::Config(format!("--prefix-cache-dir {}: {e}", cfg.prefix_tiers.disk.as_ref().map_or_else(String::new, |d| d.dir.display().to_string())))
-        })?;
-        host.kv.set_tiers(tiers);
         // a hybrid's recurrent state goes with each running sequence (rolled back by the model
-        // past rejected drafts); its cached prefixes are used with checkpoints of that state
+        // past rejected drafts); its cached prefixes are used with checkpoints of that state, and
+        // the prefix cache's tiers (set below) are not taken
         if let Some(r) = &c.arch_options.recurrent {
             host.kv.set_state_slots(cfg.max_num_seqs, cfg.state_checkpoints);
             let prefix = match host.kv.state_checkpoints() {
@@ -99,6 +94,12 @@ impl Engine {
                 cfg.max_num_seqs
             );
         }
+        let shape = format!("{} block {} layers {} kv heads {} head dim {}", cfg.kv_cache_dtype, cfg.block_size, c.n_layers, c.n_kv_heads, c.head_dim);
+        let namespace = cfg.prefix_tiers.disk.as_ref().map_or(0, |d| crate::kv_cache::disk_tier::namespace(d.model_key, &shape));
+        let tiers = crate::kv_cache::PrefixTiers::open(&cfg.prefix_tiers, namespace, kv_store.block_bytes()).map_err(|e| {
+            EngineError::Config(format!("--prefix-cache-dir {}: {e}", cfg.prefix_tiers.disk.as_ref().map_or_else(String::new, |d| d.dir.display().to_string())))
+        })?;
+        host.kv.set_tiers(tiers);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.threads)
             .thread_name(|i| format!("specula-compute-{i}"))

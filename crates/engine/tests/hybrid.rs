@@ -191,9 +191,15 @@ fn hybrid_prefix_cache_restores_the_checkpointed_state_and_changes_no_output() {
     let second = [first.clone(), out1[0].0.clone(), prompt(30, 4)].concat();
     let (expected, _) = run_turns(cold, Spec::None, &[first.clone(), second.clone()]);
     let ahead = EngineConfig { async_scheduling: true, ..common::tiny_config() };
-    for (cfg, spec) in
-        [(common::tiny_config(), Spec::None), (ahead, Spec::None), (common::tiny_config(), Spec::Ngram(3)), (common::tiny_config(), Spec::Nextn(2))]
-    {
+    // a host-memory tier asked for is not taken (its blocks would have no state)
+    let tiers = EngineConfig { prefix_tiers: specula_engine::kv_cache::PrefixTierConfig { host_bytes: 64 << 20, disk: None }, ..common::tiny_config() };
+    for (cfg, spec) in [
+        (common::tiny_config(), Spec::None),
+        (ahead, Spec::None),
+        (tiers, Spec::None),
+        (common::tiny_config(), Spec::Ngram(3)),
+        (common::tiny_config(), Spec::Nextn(2)),
+    ] {
         let (got, hits) = run_turns(cfg.clone(), spec, &[first.clone(), second.clone()]);
         assert_eq!(hits, [0, 64], "{spec:?}, async {}: the second turn restarts at the first one's checkpoint", cfg.async_scheduling);
         assert!(got == expected, "{spec:?}, async {}: outputs differ from the cold ones", cfg.async_scheduling);

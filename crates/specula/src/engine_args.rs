@@ -380,8 +380,11 @@ impl EngineArgs {
         let mut max_model_len = self.max_model_len.unwrap_or(model.context_length);
         let bytes_per_token = model.kv_bytes_per_token(kv_cache_dtype);
         // a hybrid's recurrent state (one slot per sequence and one for lockstep dummy batches,
-        // and the prefix cache's checkpoints) comes out of the same memory
-        let states = self.max_num_seqs + 1 + if self.enable_prefix_caching { self.state_checkpoints } else { 0 };
+        // the prefix cache's checkpoints, and with speculation what each slot keeps to roll its
+        // last verify span back: about its state again) comes out of the same memory
+        let checkpoints = if self.enable_prefix_caching { self.state_checkpoints } else { 0 };
+        let kept = if self.spec.speculative_method.0.is_some() { self.max_num_seqs } else { 0 };
+        let states = self.max_num_seqs + 1 + checkpoints + kept;
         let state_bytes = model.arch_options.recurrent.as_ref().map_or(0, |r| r.bytes_per_sequence().saturating_mul(states));
         let available = specula_model::kv_store::available_memory()
             .map(|a| kv_memory_per_rank(a, loaded.weight_bytes, loaded.model.in_place_bytes(), ranks).saturating_sub(state_bytes));

@@ -153,8 +153,10 @@ impl KvCacheManager {
     /// Adds the prefix cache's lower tiers: blocks evicted from the store are saved there (and,
     /// with a disk tier, every registered block is written to disk), and a prompt's blocks missing
     /// from the store are looked up there. Without prefix caching this does nothing.
+    /// A hybrid model's manager (`set_state_slots` called first) takes none: its blocks are of
+    /// use only with the state checkpoints, which stay in memory.
     pub(crate) fn set_tiers(&mut self, tiers: Option<PrefixTiers>) {
-        if self.enable_prefix_caching && tiers.is_some() {
+        if self.enable_prefix_caching && tiers.is_some() && self.free_states.is_none() {
             self.pool.keep_evicted();
             self.tiers = tiers;
         }
