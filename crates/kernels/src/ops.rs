@@ -97,6 +97,15 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// Gated attention's query projection (`pairs`: per head `head_dim` queries, then `head_dim`
+/// output-gate logits) split into the queries `q` and the gates `gate`, the sigmoid applied.
+pub fn split_query_gate(pairs: &[f32], head_dim: usize, q: &mut [f32], gate: &mut [f32]) {
+    for ((pair, qh), gh) in pairs.chunks_exact(2 * head_dim).zip(q.chunks_exact_mut(head_dim)).zip(gate.chunks_exact_mut(head_dim)) {
+        qh.copy_from_slice(&pair[..head_dim]);
+        gh.iter_mut().zip(&pair[head_dim..]).for_each(|(s, &g)| *s = sigmoid(g));
+    }
+}
+
 /// out[i] = silu(gate[i]) * up[i]
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     gate_mul_parallel(Gate::Silu, gate, up, out);

@@ -13,7 +13,7 @@ use crate::moe::{DenseFfn, ExpertExchange, MoeFfn};
 use crate::ModelError;
 use specula_kernels::attention::paged_attention_windowed;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
-use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, sigmoid, silu_mul, swiglu_oai_mul, Rope};
+use specula_kernels::ops::{add_assign, add_bias, gelu_tanh_mul, rms_norm, rms_norm_in_place, silu_mul, split_query_gate, swiglu_oai_mul, Rope};
 use specula_kernels::{QMatrix, WeightFormat};
 use std::sync::Arc;
 
@@ -528,11 +528,7 @@ impl LlamaModel {
                     let q_out = if gated { &mut q_gate } else { &mut q };
                     matmul_many(&MatmulInput::new(&xn, h, &[&a.wq, &a.wk, &a.wv]), &[&a.wq, &a.wk, &a.wv], &mut [q_out, &mut k, &mut v]);
                     if gated {
-                        let hd = c.head_dim;
-                        for ((pair, qh), gh) in q_gate.chunks_exact(2 * hd).zip(q.chunks_exact_mut(hd)).zip(gate_sig.chunks_exact_mut(hd)) {
-                            qh.copy_from_slice(&pair[..hd]);
-                            gh.iter_mut().zip(&pair[hd..]).for_each(|(s, &g)| *s = sigmoid(g));
-                        }
+                        split_query_gate(&q_gate, c.head_dim, &mut q, &mut gate_sig);
                     }
                     if let (Some(bq), Some(bk), Some(bv)) = (&e.q_bias, &e.k_bias, &e.v_bias) {
                         add_bias(&mut q, bq);

@@ -419,20 +419,25 @@ fn delta_net_weights(f: &GgufFile, i: usize, r: &RecurrentConfig) -> Result<Delt
     let w = |n: &str| format!("blk.{i}.{n}.weight");
     // value heads per key head
     let (g, per) = (r.k_heads, r.v_heads / r.k_heads.max(1));
-    let pick = |name: &str, sizes: &[usize], parts: &[usize]| -> Result<QMatrix, ModelError> {
-        let m = f.matrix(name)?;
+    // the fused tensor read once, its parts' rows gathered from it
+    let pick = |m: &QMatrix, name: &str, sizes: &[usize], parts: &[usize]| -> Result<QMatrix, ModelError> {
         let rows: Vec<usize> = parts.iter().flat_map(|&p| grouped_rows(g, sizes, p)).collect();
         m.select_rows(&rows, name).map_err(|e| ModelError::BadTensor { name: name.into(), message: e.to_string() })
     };
     let (wbeta, walpha) = match f.has_tensor(&w("ssm_ba")) {
-        true => (pick(&w("ssm_ba"), &[per, per], &[0])?, pick(&w("ssm_ba"), &[per, per], &[1])?),
+        true => {
+            let (name, sizes) = (w("ssm_ba"), [per, per]);
+            let ba = f.matrix(&name)?;
+            (pick(&ba, &name, &sizes, &[0])?, pick(&ba, &name, &sizes, &[1])?)
+        }
         false => (f.matrix(&w("ssm_beta"))?, f.matrix(&w("ssm_alpha"))?),
     };
     let (wqkv, wgate) = match f.has_tensor(&w("ssm_in")) && !f.has_tensor(&w("attn_qkv")) {
         true => {
             let (d, vd) = (r.head_dim, per * r.head_dim);
-            let sizes = [d, d, vd, vd];
-            (pick(&w("ssm_in"), &sizes, &[0, 1, 2])?, pick(&w("ssm_in"), &sizes, &[3])?)
+            let (name, sizes) = (w("ssm_in"), [d, d, vd, vd]);
+            let qkvz = f.matrix(&name)?;
+            (pick(&qkvz, &name, &sizes, &[0, 1, 2])?, pick(&qkvz, &name, &sizes, &[3])?)
         }
         false => (f.matrix(&w("attn_qkv"))?, f.matrix(&w("attn_gate"))?),
     };

@@ -131,7 +131,7 @@ fn run_llama_bench(
     bin: &std::path::Path,
     model: &std::path::Path,
     threads: &[usize],
-    prefill: usize,
+    prefill: &str,
     decode: usize,
     reps: usize,
     extra: &[&str],
@@ -142,7 +142,7 @@ fn run_llama_bench(
         std::process::Command::new(bin)
             .arg("-m")
             .arg(model)
-            .args(["-t", &t, "-p", &prefill.to_string(), "-n", &decode.to_string(), "-r", &reps.max(1).to_string(), "-o", "json"])
+            .args(["-t", &t, "-p", prefill, "-n", &decode.to_string(), "-r", &reps.max(1).to_string(), "-o", "json"])
             .args(extra),
     )?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON")?;
@@ -177,7 +177,7 @@ pub fn run(args: OfflineArgs) -> Result<()> {
     // llama.cpp first, before our copy of the weights is resident: a 30B MoE file is most of
     // the machine's memory, and both at once would page
     let bench = |bin: &Option<PathBuf>, extra: &[&str]| match bin {
-        Some(b) if args.depth.is_empty() => run_llama_bench(b, &path, &args.threads, args.prefill_len, args.decode_steps, args.reps, extra),
+        Some(b) if args.depth.is_empty() => run_llama_bench(b, &path, &args.threads, &args.prefill_len.to_string(), args.decode_steps, args.reps, extra),
         _ => Ok(Vec::new()),
     };
     let llama_runs = bench(&args.llama_bench, &[])?;
@@ -518,32 +518,11 @@ const VERIFY_MAX_K: usize = 8;
 /// count: (threads, k, seconds).
 fn llama_verify_curve(bin: &std::path::Path, model: &std::path::Path, threads: &[usize], max_k: usize) -> Result<Vec<(usize, usize, f64)>> {
     let sizes = (1..=max_k + 1).map(|n| n.to_string()).collect::<Vec<_>>().join(",");
-    let t = threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
-    eprintln!("running {} for its verify curve (batches of 1..={} tokens at depth {VERIFY_CONTEXT}) ...", bin.display(), max_k + 1);
-    let out = crate::baseline_tool::output(std::process::Command::new(bin).arg("-m").arg(model).args([
-        "-t",
-        &t,
-        "-p",
-        &sizes,
-        "-n",
-        "0",
-        "-d",
-        &VERIFY_CONTEXT.to_string(),
-        "-r",
-        "5",
-        "-o",
-        "json",
-    ]))?;
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama-bench printed no JSON")?;
-    let mut rows: Vec<(usize, usize, f64)> = v
-        .as_array()
-        .context("llama-bench's JSON is not a list")?
-        .iter()
-        .filter_map(|e| {
-            let n = |k: &str| e.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
-            let (threads, tokens, ts) = (n("n_threads")?, n("n_prompt")?, e.get("avg_ts")?.as_f64()?);
-            (tokens >= 1 && ts > 0.0).then(|| (threads, tokens - 1, tokens as f64 / ts))
-        })
+    let runs = run_llama_bench(bin, model, threads, &sizes, 0, 5, &["-d", &VERIFY_CONTEXT.to_string()])?;
+    let mut rows: Vec<(usize, usize, f64)> = runs
+        .into_iter()
+        .filter(|&(_, tokens, _, ts)| tokens >= 1 && ts > 0.0)
+        .map(|(threads, tokens, _, ts)| (threads, tokens - 1, tokens as f64 / ts))
         .collect();
     rows.sort_by_key(|r| (r.0, r.1));
     Ok(rows)

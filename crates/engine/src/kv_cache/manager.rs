@@ -463,12 +463,14 @@ impl KvCacheManager {
             free.push(state);
             // its checkpoint copies not handed to a step yet are dropped with it
             self.pending.state_restores.retain(|r| r.slot != state);
-            let ck = self.checkpoints.as_mut();
-            let (dropped, kept): (Vec<StateSave>, Vec<StateSave>) = std::mem::take(&mut self.pending.state_saves).into_iter().partition(|s| s.slot == state);
-            self.pending.state_saves = kept;
-            if let Some(ck) = ck {
-                dropped.iter().for_each(|s| ck.cancel(s.checkpoint));
-            }
+            let mut ck = self.checkpoints.as_mut();
+            self.pending.state_saves.retain(|s| {
+                let dropped = s.slot == state;
+                if let (true, Some(ck)) = (dropped, ck.as_deref_mut()) {
+                    ck.cancel(s.checkpoint);
+                }
+                !dropped
+            });
         }
         Ok(())
     }

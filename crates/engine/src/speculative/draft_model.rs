@@ -34,9 +34,10 @@ pub struct DraftModelProposer {
     /// The tokens the draft may propose when its output is restricted (column j of its logits is
     /// token `d2t(j)`); None: the whole vocabulary.
     vocab: Option<VocabMap>,
-    /// A hybrid draft's chains of this proposal: (sequence, state slot, where the chain starts).
-    chain_starts: Vec<(SeqId, u32, usize)>,
 }
+
+/// A hybrid draft's chain in one proposal: its sequence, its state slot, where the chain starts.
+type ChainStart = (SeqId, u32, usize);
 
 impl DraftModelProposer {
     /// A draft with `num_blocks` blocks of KV; a hybrid draft also holds recurrent state for
@@ -59,7 +60,7 @@ impl DraftModelProposer {
         if c.arch_options.recurrent.is_some() {
             kv.set_state_slots(max_seqs, 0);
         }
-        Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None, chain_starts: Vec::new() })
+        Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None })
     }
 
     /// Restricts the draft to the first `n` token ids and `always` (end-of-sequence tokens):
@@ -97,21 +98,22 @@ impl DraftModelProposer {
 
     /// A hybrid draft: each drafting sequence's state where its chain starts (after this
     /// proposal's first rows), saved in the checkpoint of its slot (ids are slots).
-    fn checkpoint_chain_starts(&mut self, items: &[(SeqId, Vec<TokenId>, usize)]) -> Result<(), SpecError> {
-        let Some(store) = self.kv_store.recurrent.as_mut() else { return Ok(()) };
+    fn checkpoint_chain_starts(&mut self, items: &[(SeqId, Vec<TokenId>, usize)]) -> Result<Vec<ChainStart>, SpecError> {
+        let mut starts = Vec::new();
+        let Some(store) = self.kv_store.recurrent.as_mut() else { return Ok(starts) };
         for (seq, feed, start) in items {
             if let Some(slot) = self.kv.state_slot(*seq)? {
                 store.save_checkpoint(slot as usize, slot as usize, start + feed.len())?;
-                self.chain_starts.push((*seq, slot, start + feed.len()));
+                starts.push((*seq, slot, start + feed.len()));
             }
         }
-        Ok(())
+        Ok(starts)
     }
 
     /// A hybrid draft after its chain: each sequence's state back where the chain started, and
     /// its draft computed to there (its next proposal feeds the accepted tokens again).
-    fn back_to_chain_starts(&mut self) -> Result<(), SpecError> {
-        for (seq, slot, at) in std::mem::take(&mut self.chain_starts) {
+    fn back_to_chain_starts(&mut self, starts: Vec<ChainStart>) -> Result<(), SpecError> {
+        for (seq, slot, at) in starts {
             if let (Some(store), Some(st)) = (self.kv_store.recurrent.as_mut(), self.state.get_mut(&seq)) {
                 store.restore_checkpoint(slot as usize, slot as usize, at)?;
                 st.0 = st.0.min(at);
@@ -220,13 +222,14 @@ impl Proposer for DraftModelProposer {
         let (start, first_rows, drafting) = (std::time::Instant::now(), items.iter().map(|it| it.1.len()).sum::<usize>(), items.len());
         let mut p = Vec::with_capacity(vocab);
         let mut full = Vec::new();
+        let mut chain_starts = Vec::new();
         for step in 0..max_k {
             if items.is_empty() {
                 break;
             }
             let logits = self.run(&items, pool)?;
             if step == 0 && max_k > 1 {
-                self.checkpoint_chain_starts(&items)?;
+                chain_starts = self.checkpoint_chain_starts(&items)?;
             }
             let mut next_items = Vec::new();
             let mut next_active = Vec::new();
@@ -269,7 +272,7 @@ impl Proposer for DraftModelProposer {
             items = next_items;
             active = next_active;
         }
-        self.back_to_chain_starts()?;
+        self.back_to_chain_starts(chain_starts)?;
         if drafting > 0 {
             tracing::debug!(drafting, first_rows, max_k, micros = start.elapsed().as_micros() as u64, "draft model proposed");
         }

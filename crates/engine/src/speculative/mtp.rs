@@ -18,8 +18,9 @@ use crate::types::{SeqId, TokenId};
 use specula_kernels::attention::{paged_attention, KvLayout, SeqSpan};
 use specula_kernels::formats::QK;
 use specula_kernels::matmul::{matmul, matmul_many, MatmulInput};
-use specula_kernels::ops::{add_assign, rms_norm, rms_norm_in_place, sigmoid, silu_mul, Rope};
+use specula_kernels::ops::{add_assign, rms_norm, rms_norm_in_place, split_query_gate, Rope};
 use specula_kernels::{QMatrix, WeightFormat};
+use specula_model::config::Activation;
 use specula_model::llama::{AttentionWeights, FeedForward, LayerExtras, LayerWeights, Mixer};
 use specula_model::DenseFfn;
 use specula_model::LlamaModel;
@@ -210,11 +211,6 @@ impl MtpHead {
         })
     }
 
-    /// Whether this is a file's own prediction layer rather than a trained head.
-    pub fn is_nextn(&self) -> bool {
-        self.nextn.is_some()
-    }
-
     /// The position a row pairing target row `p` with the token after it is rotated at.
     fn row_position(&self, p: usize) -> usize {
         p + usize::from(self.nextn.is_some())
@@ -305,12 +301,8 @@ impl MtpHead {
         let mut gate = Vec::new();
         if self.gated {
             // per head its queries, then its output gate (as the target's gated attention)
-            let hd = c.head_dim;
             let (mut qs, mut gs) = (vec![0f32; n * qw], vec![0f32; n * qw]);
-            for ((pair, qh), gh) in q.chunks_exact(2 * hd).zip(qs.chunks_exact_mut(hd)).zip(gs.chunks_exact_mut(hd)) {
-                qh.copy_from_slice(&pair[..hd]);
-                gh.iter_mut().zip(&pair[hd..]).for_each(|(s, &g)| *s = sigmoid(g));
-            }
+            split_query_gate(&q, c.head_dim, &mut qs, &mut gs);
             (q, gate) = (qs, gs);
         }
         if let (Some(nq), Some(nk)) = (&self.extras.q_norm, &self.extras.k_norm) {
@@ -345,13 +337,7 @@ impl MtpHead {
         let mut xn = vec![0f32; n * h];
         rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
         match &l.ffn {
-            FeedForward::Dense(f) => {
-                let ff = f.gate.rows;
-                let (mut gate, mut up, mut act) = (vec![0f32; n * ff], vec![0f32; n * ff], vec![0f32; n * ff]);
-                matmul_many(&MatmulInput::new(&xn, h, &[&f.gate, &f.up]), &[&f.gate, &f.up], &mut [&mut gate, &mut up]);
-                silu_mul(&gate, &up, &mut act);
-                matmul(&MatmulInput::new(&act, ff, &[&f.down]), &f.down, &mut o);
-            }
+            FeedForward::Dense(f) => f.forward(&xn, Activation::SiluGate, &mut o),
             FeedForward::Moe(m) => m.forward(&xn, &vec![true; n], None, &mut o)?,
         }
         add_assign(&mut x, &o);
