@@ -4,7 +4,7 @@ Starts `specula serve` twice on the same file (`--enable-prefix-caching false`, 
 default, which for a hybrid keeps recurrent-state checkpoints), sends each a two-turn
 conversation as agents send it (a long system prompt and a request; then the same with the
 answer and a new request appended, resent whole), and prints a table: each turn's prompt tokens,
-cached tokens and time to the answer (8 tokens).
+cached tokens and time to the answer (8 tokens). `--rules` sets the system prompt's length.
 
     python3 bench/hybrid_resent_turn.py --model /tmp/q35-4b-nextn.gguf [--specula target/release/specula]
 """
@@ -19,11 +19,12 @@ try:
 except ImportError:  # newer openai releases ship its successor
     import httpx2 as httpx
 
-RULES = " ".join(f"Rule {i}: keep edits small and run the tests after each change." for i in range(60))
-TURN1 = [
-    {"role": "system", "content": "You are a coding agent working in a repository. " + RULES},
-    {"role": "user", "content": "List the files and read main.rs."},
-]
+def turn1(rules: int) -> list:
+    text = " ".join(f"Rule {i}: keep edits small and run the tests after each change." for i in range(rules))
+    return [
+        {"role": "system", "content": "You are a coding agent working in a repository. " + text},
+        {"role": "user", "content": "List the files and read main.rs."},
+    ]
 
 
 def ask(base: str, messages: list) -> tuple[float, int, int, str]:
@@ -35,8 +36,8 @@ def ask(base: str, messages: list) -> tuple[float, int, int, str]:
     return time.time() - t, j["usage"]["prompt_tokens"], cached, j["choices"][0]["message"].get("content") or ""
 
 
-def session(specula: str, model: str, port: int, flags: list[str]) -> list[tuple[float, int, int, str]]:
-    proc = subprocess.Popen([specula, "serve", "--model", model, "--port", str(port), "--max-model-len", "8192", *flags],
+def session(specula: str, model: str, port: int, flags: list[str], rules: int) -> list[tuple[float, int, int, str]]:
+    proc = subprocess.Popen([specula, "serve", "--model", model, "--port", str(port), "--max-model-len", "32768", *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -47,8 +48,8 @@ def session(specula: str, model: str, port: int, flags: list[str]) -> list[tuple
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        first = ask(base, TURN1)
-        turn2 = TURN1 + [{"role": "assistant", "content": first[3] or "ok"}, {"role": "user", "content": "Now run the tests and report."}]
+        first = ask(base, turn1(rules))
+        turn2 = turn1(rules) + [{"role": "assistant", "content": first[3] or "ok"}, {"role": "user", "content": "Now run the tests and report."}]
         return [first, ask(base, turn2)]
     finally:
         proc.terminate()
@@ -60,10 +61,14 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--specula", default="target/release/specula")
     ap.add_argument("--port", type=int, default=8093)
+    ap.add_argument("--rules", type=int, default=60, help="lines of the system prompt (60: about 3.4k tokens; 290: about 16k)")
+    ap.add_argument("--cached-only", action="store_true",
+                    help="only the server with the cache (its cold first turn is the baseline: a long prompt takes minutes a turn)")
     a = ap.parse_args()
     rows = []
-    for name, flags in [("no prefix cache", ["--enable-prefix-caching", "false"]), ("state checkpoints (default)", [])]:
-        for turn, (secs, prompt, cached, _) in enumerate(session(a.specula, a.model, a.port, flags), 1):
+    servers = [("no prefix cache", ["--enable-prefix-caching", "false"]), ("state checkpoints (default)", [])]
+    for name, flags in servers[1:] if a.cached_only else servers:
+        for turn, (secs, prompt, cached, _) in enumerate(session(a.specula, a.model, a.port, flags, a.rules), 1):
             rows.append((name, turn, prompt, cached, secs))
     print("| server | turn | prompt tokens | cached | time to the answer, s |")
     print("|---|---:|---:|---:|---:|")
