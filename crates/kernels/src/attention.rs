@@ -85,11 +85,11 @@ pub fn paged_attention_windowed(
     for s in seqs {
         assert!(s.q_len <= s.context_len && (s.q_start + s.q_len) * qw <= q.len(), "a sequence's rows lie outside the batch");
     }
-    let a = Attn { q, k, v, layout: *layout, scale, window, sinks, group: layout.n_heads / layout.n_kv_heads, simd: simd_ok(layout.head_dim) };
+    let a = Attn { q, k, v, layout: *layout, scale, window, sinks, group: layout.n_heads / layout.n_kv_heads, simd: Simd::for_head(layout.head_dim) };
     a.run(seqs, out)
 }
 
-/// Calls the AVX2 kernel `$f` monomorphised for the view's type (`D`: 0 f32, 1 f16, 2 bf16, 3 q8_0,
+/// Calls the SIMD kernel `$f` monomorphised for the view's type (`D`: 0 f32, 1 f16, 2 bf16, 3 q8_0,
 /// 4 q4_0).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_dtype {
@@ -104,17 +104,43 @@ macro_rules! by_dtype {
     };
 }
 
-/// Whether the AVX2 path serves heads of this size.
-fn simd_ok(head_dim: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let f = crate::cpu::features();
-        f.avx2_fma && f16c() && head_dim.is_multiple_of(8)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
+/// The kernels one call runs, picked from the CPU's features and the head size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Simd {
+    /// The portable reference (`dot_ref`'s order): the bits of the other two.
+    Scalar,
+    /// Eight f32 lanes (AVX2, FMA, F16C); heads of a multiple of 8.
+    Avx2,
+    /// The same lanes two vectors or sixteen dimensions at a time (AVX-512 F/BW/VL, detected with
+    /// VNNI as the int8 kernels' path); heads of a multiple of 16. The AVX2 path's bits.
+    Avx512,
+}
+
+impl Simd {
+    fn for_head(head_dim: usize) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f = crate::cpu::features();
+            if f.avx2_fma && f16c() && head_dim.is_multiple_of(8) {
+                return if f.avx512_vnni && head_dim.is_multiple_of(16) { Simd::Avx512 } else { Simd::Avx2 };
+            }
+        }
         let _ = head_dim;
-        false
+        Simd::Scalar
+    }
+
+    /// Whether the AVX2 helpers (prefetch, the softmax's lanes) may run: both SIMD paths.
+    fn avx2(self) -> bool {
+        self != Simd::Scalar
+    }
+
+    /// Vectors whose weighted values one pass accumulates.
+    fn value_vectors(self) -> usize {
+        if self == Simd::Avx512 {
+            VALUE_VECTORS_512
+        } else {
+            VALUE_VECTORS
+        }
     }
 }
 
@@ -193,12 +219,22 @@ struct Scratch {
     range: Vec<(usize, usize)>,
     /// The current span's state.
     span: State,
+    /// The unit's queries in pairs for the AVX-512 scores (`avx512::pack_queries`).
+    qpack: Vec<f32>,
 }
 
 impl Scratch {
     fn new(a: &Attn, u: &Unit) -> Self {
         let nv = (u.t1 - u.t0) * a.group;
-        Self { nv, offs: vec![0; TILE], s: vec![0.0; nv * TILE], alpha: vec![1.0; nv], range: vec![(0, 0); nv], span: State::new(nv, a.layout.head_dim) }
+        Self {
+            nv,
+            offs: vec![0; TILE],
+            s: vec![0.0; nv * TILE],
+            alpha: vec![1.0; nv],
+            range: vec![(0, 0); nv],
+            span: State::new(nv, a.layout.head_dim),
+            qpack: Vec::new(),
+        }
     }
 }
 
@@ -212,7 +248,7 @@ struct Attn<'a> {
     window: Option<usize>,
     sinks: Option<&'a [f32]>,
     group: usize,
-    simd: bool,
+    simd: Simd,
 }
 
 impl Attn<'_> {
@@ -326,6 +362,12 @@ impl Attn<'_> {
         let (_, end) = self.row_keys(s, u.t1 - 1);
         let (p0, p1) = ((span * SPAN).max(lo), ((span + 1) * SPAN).min(end));
         sc.span.reset();
+        #[cfg(target_arch = "x86_64")]
+        if self.simd == Simd::Avx512 {
+            let (g, hd) = (self.group, self.layout.head_dim);
+            let qw = self.layout.n_heads * hd;
+            avx512::pack_queries(&mut sc.qpack, self.q, sc.nv, hd, |i| (s.q_start + u.t0 + i / g) * qw + (u.kvh * g + i % g) * hd);
+        }
         let mut a0 = p0;
         while a0 < p1 {
             let a1 = ((a0 / TILE + 1) * TILE).min(p1);
@@ -340,7 +382,7 @@ impl Attn<'_> {
     /// prefetcher does not follow from one block to the next.
     fn prefetch(&self, s: &SeqSpan, u: &Unit, a0: usize, a1: usize) {
         #[cfg(target_arch = "x86_64")]
-        if self.simd {
+        if self.simd.avx2() {
             let bs = self.layout.block_size;
             let mut p = a0;
             while p < a1 {
@@ -379,7 +421,7 @@ impl Attn<'_> {
             let (x, y) = union(&sc.range[i..i + nb]);
             if x < y {
                 let qs: [usize; SCORE_VECTORS] = std::array::from_fn(|j| qptr(i + j.min(nb - 1)));
-                self.scores(&mut sc.s[i * TILE..(i + nb) * TILE], nb, qs, &sc.offs[..n], x, y);
+                self.scores(&mut sc.s[i * TILE..(i + nb) * TILE], nb, qs, &sc.qpack, i, &sc.offs[..n], x, y);
             }
             i += nb;
         }
@@ -393,9 +435,9 @@ impl Attn<'_> {
                 row[..n].fill(0.0);
                 continue;
             }
-            let m = st.m[i].max(tile_max(&row[x..y], self.simd));
+            let m = st.m[i].max(tile_max(&row[x..y], self.simd.avx2()));
             let alpha = exp(st.m[i] - m);
-            let sum = tile_exp_sum(&mut row[x..y], m, self.simd);
+            let sum = tile_exp_sum(&mut row[x..y], m, self.simd.avx2());
             row[..x].fill(0.0);
             row[y..n].fill(0.0);
             st.l[i] = st.l[i] * alpha + sum;
@@ -405,7 +447,7 @@ impl Attn<'_> {
         // acc = acc * alpha + weights . values, a few vectors at a time
         let mut i = 0;
         while i < sc.nv {
-            let nb = (sc.nv - i).min(VALUE_VECTORS);
+            let nb = (sc.nv - i).min(self.simd.value_vectors());
             let (x, y) = union(&sc.range[i..i + nb]);
             let acc = &mut st.acc[i * hd..(i + nb) * hd];
             let w = &sc.s[i * TILE..(i + nb) * TILE];
@@ -414,13 +456,27 @@ impl Attn<'_> {
         }
     }
 
-    /// Scores of `nb` vectors (queries at `q[qs[i]..]`) against keys `x..y` of the tile:
-    /// `s[i * TILE + j] = dot(q_i, k_j) * scale`.
-    fn scores(&self, s: &mut [f32], nb: usize, qs: [usize; SCORE_VECTORS], offs: &[usize], x: usize, y: usize) {
+    /// Scores of `nb` vectors (queries at `q[qs[i]..]`, or pairs from `v0 / 2` on in `qpack` for
+    /// the AVX-512 path) against keys `x..y` of the tile: `s[i * TILE + j] = dot(q_i, k_j) * scale`.
+    #[allow(clippy::too_many_arguments)]
+    fn scores(&self, s: &mut [f32], nb: usize, qs: [usize; SCORE_VECTORS], qpack: &[f32], v0: usize, offs: &[usize], x: usize, y: usize) {
         let hd = self.layout.head_dim;
         #[cfg(target_arch = "x86_64")]
-        if self.simd {
-            // SAFETY: AVX2, FMA and F16C were detected (`simd_ok`); every query and key row is in
+        if self.simd == Simd::Avx512 {
+            // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C were detected (`Simd::for_head`); `qpack`
+            // holds every pair of the unit's vectors (packed in `span_state`), `v0` is even (a
+            // multiple of SCORE_VECTORS) and the keys are in bounds as below.
+            unsafe {
+                debug_assert!(v0.is_multiple_of(2) && (v0 / 2 + nb.div_ceil(2)) * 2 * hd <= qpack.len());
+                let qp = qpack.as_ptr().add(v0 / 2 * 2 * hd);
+                by_dtype!(self.k.dtype, avx512::scores(s, nb, qp, self.k, offs, x, y, hd, self.scale))
+            }
+            return;
+        }
+        let _ = (qpack, v0);
+        #[cfg(target_arch = "x86_64")]
+        if self.simd == Simd::Avx2 {
+            // SAFETY: AVX2, FMA and F16C were detected (`Simd::for_head`); every query and key row is in
             // bounds (the batch and block tables were checked on entry); unused query pointers
             // repeat the last used one.
             unsafe {
@@ -442,7 +498,14 @@ impl Attn<'_> {
     fn weighted_values(&self, acc: &mut [f32], nb: usize, alpha: &[f32], w: &[f32], offs: &[usize], x: usize, y: usize) {
         let hd = self.layout.head_dim;
         #[cfg(target_arch = "x86_64")]
-        if self.simd {
+        if self.simd == Simd::Avx512 {
+            // SAFETY: as in `scores`; `acc` holds `nb` (at most VALUE_VECTORS_512) rows of `hd`, a
+            // multiple of 16, and `w` `nb` rows of TILE.
+            unsafe { by_dtype!(self.v.dtype, avx512::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd)) }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.simd == Simd::Avx2 {
             // SAFETY: as in `scores`; `acc` holds `nb` rows of `hd` and `w` `nb` rows of TILE.
             unsafe { by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd)) }
             return;
@@ -488,6 +551,8 @@ impl Attn<'_> {
 const SCORE_VECTORS: usize = 6;
 /// Vectors whose weighted values one pass accumulates (each pass converts the tile's values once).
 const VALUE_VECTORS: usize = 3;
+/// The same on the AVX-512 path (32 registers): a group of six query heads in one pass.
+const VALUE_VECTORS_512: usize = 6;
 
 /// The smallest range holding every non-empty one.
 fn union(r: &[(usize, usize)]) -> (usize, usize) {
@@ -529,262 +594,9 @@ fn dot_ref(q: &[f32], k: &KvView, off: usize) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{KvView, Q8_BLOCK, SCORE_VECTORS, TILE};
-    use std::arch::x86_64::*;
-
-    /// Prefetches (into L2) the view's `n` values from element `e` on, in the bytes their type
-    /// takes (the quantized types: their bytes and their first scale).
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn prefetch(v: &KvView, e: usize, n: usize) {
-        if v.dtype.has_scales() {
-            _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
-        }
-        let (base, bytes) = (v.data.as_ptr().wrapping_add(v.dtype.data_bytes(e)), v.dtype.data_bytes(n));
-        let mut o = 0;
-        while o < bytes {
-            _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(o) as *const i8);
-            o += 64;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn lane_max(x: &[f32]) -> f32 {
-        crate::exp::lane_max(x)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
-        crate::exp::exp_shifted_sum(x, m)
-    }
-
-    /// Eight values from element `e` (a multiple of 8) of a view of type `D` (0 f32, 1 f16,
-    /// 2 bf16, 3 q8_0, 4 q4_0) as f32: the exact conversion `KvView::get` makes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
-        let p = v.data.as_ptr();
-        match D {
-            0 => _mm256_loadu_ps(p.add(4 * e) as *const f32),
-            1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * e) as *const __m128i)),
-            2 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(2 * e) as *const __m128i)), 16)),
-            3 => {
-                let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(e) as *const __m128i)));
-                let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
-                _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
-            }
-            _ => {
-                // values j and j + 16 of a block share byte j (low and high nibble)
-                let (blk, r) = (e / Q8_BLOCK, e % Q8_BLOCK);
-                let b = _mm_loadl_epi64(p.add(blk * (Q8_BLOCK / 2) + r % (Q8_BLOCK / 2)) as *const __m128i);
-                let b = if r >= Q8_BLOCK / 2 { _mm_srli_epi16(b, 4) } else { b };
-                let levels = _mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
-                let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(levels, _mm256_set1_epi32(8)));
-                let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
-                _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
-            }
-        }
-    }
-
-    /// The lanes summed: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), `dot_ref`'s order.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
-
-    /// An accumulator's two halves added (`hsum`'s first step).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn fold(v: __m256) -> __m128 {
-        _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
-    }
-
-    /// Four accumulators' horizontal sums, each in `hsum`'s order: (l0 + l4) + (l2 + l6) and
-    /// (l1 + l5) + (l3 + l7), then their sum.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
-        let (x0, x1, x2, x3) = (fold(v[0]), fold(v[1]), fold(v[2]), fold(v[3]));
-        let (t0, t1) = (_mm_unpacklo_ps(x0, x1), _mm_unpacklo_ps(x2, x3));
-        let (t2, t3) = (_mm_unpackhi_ps(x0, x1), _mm_unpackhi_ps(x2, x3));
-        // r_l: lane l of each of the four
-        let (r0, r1) = (_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0));
-        let (r2, r3) = (_mm_movelh_ps(t2, t3), _mm_movehl_ps(t3, t2));
-        _mm_add_ps(_mm_add_ps(r0, r2), _mm_add_ps(r1, r3))
-    }
-
-    /// `NB` queries against `NK` keys: one accumulator per (query, key) over the head, so each
-    /// score has the same bits whatever the blocking.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn score_block<const D: u8, const NB: usize, const NK: usize>(
-        s: *mut f32,
-        q: [*const f32; SCORE_VECTORS],
-        k: KvView,
-        offs: &[usize],
-        j: usize,
-        hd: usize,
-        scale: f32,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); NK]; NB];
-        let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
-        for c in (0..hd).step_by(8) {
-            let mut kv = [_mm256_setzero_ps(); NK];
-            for n in 0..NK {
-                kv[n] = load8::<D>(k, ko[n] + c);
-            }
-            for i in 0..NB {
-                let qv = _mm256_loadu_ps(q[i].add(c));
-                for n in 0..NK {
-                    acc[i][n] = _mm256_fmadd_ps(qv, kv[n], acc[i][n]);
-                }
-            }
-        }
-        // four horizontal sums at a time share one transpose (hsum4: the same bits as hsum)
-        let mut k = 0;
-        while k + 4 <= NB * NK {
-            let a: [__m256; 4] = std::array::from_fn(|x| acc[(k + x) / NK][(k + x) % NK]);
-            let mut sums = [0f32; 4];
-            _mm_storeu_ps(sums.as_mut_ptr(), _mm_mul_ps(hsum4(a), _mm_set1_ps(scale)));
-            for (x, v) in sums.into_iter().enumerate() {
-                *s.add((k + x) / NK * TILE + j + (k + x) % NK) = v;
-            }
-            k += 4;
-        }
-        while k < NB * NK {
-            *s.add(k / NK * TILE + j + k % NK) = hsum(acc[k / NK][k % NK]) * scale;
-            k += 1;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn scores_nb<const D: u8, const NB: usize, const NK: usize>(
-        s: &mut [f32],
-        q: [*const f32; SCORE_VECTORS],
-        k: KvView,
-        offs: &[usize],
-        x: usize,
-        y: usize,
-        hd: usize,
-        scale: f32,
-    ) {
-        let sp = s.as_mut_ptr();
-        let mut j = x;
-        while j + NK <= y {
-            score_block::<D, NB, NK>(sp, q, k, offs, j, hd, scale);
-            j += NK;
-        }
-        while j < y {
-            score_block::<D, NB, 1>(sp, q, k, offs, j, hd, scale);
-            j += 1;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn scores<const D: u8>(
-        s: &mut [f32],
-        nb: usize,
-        q: [*const f32; SCORE_VECTORS],
-        k: KvView,
-        offs: &[usize],
-        x: usize,
-        y: usize,
-        hd: usize,
-        scale: f32,
-    ) {
-        // at most 12 accumulators (NB x NK) beside NK keys and a query in the 16 registers
-        match nb {
-            1 => scores_nb::<D, 1, 6>(s, q, k, offs, x, y, hd, scale),
-            2 => scores_nb::<D, 2, 4>(s, q, k, offs, x, y, hd, scale),
-            3 => scores_nb::<D, 3, 3>(s, q, k, offs, x, y, hd, scale),
-            4 => scores_nb::<D, 4, 3>(s, q, k, offs, x, y, hd, scale),
-            5 => scores_nb::<D, 5, 2>(s, q, k, offs, x, y, hd, scale),
-            _ => scores_nb::<D, 6, 2>(s, q, k, offs, x, y, hd, scale),
-        }
-    }
-
-    /// `NB` vectors' outputs, `NC` chunks of eight from dimension `d`: rescaled, then one fused
-    /// multiply-add per key in order (each output lane's chain is the same whatever the blocking).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
-        acc: *mut f32,
-        alpha: &[f32],
-        w: *const f32,
-        v: KvView,
-        offs: &[usize],
-        x: usize,
-        y: usize,
-        d: usize,
-        hd: usize,
-    ) {
-        let mut r = [[_mm256_setzero_ps(); NC]; NB];
-        for i in 0..NB {
-            let a = _mm256_set1_ps(alpha[i]);
-            for c in 0..NC {
-                r[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc.add(i * hd + d + 8 * c)), a);
-            }
-        }
-        for j in x..y {
-            let o = *offs.get_unchecked(j) + d;
-            let wj: [__m256; NB] = std::array::from_fn(|i| _mm256_broadcast_ss(&*w.add(i * TILE + j)));
-            for c in 0..NC {
-                let vv = load8::<D>(v, o + 8 * c);
-                for i in 0..NB {
-                    r[i][c] = _mm256_fmadd_ps(wj[i], vv, r[i][c]);
-                }
-            }
-        }
-        for i in 0..NB {
-            for c in 0..NC {
-                _mm256_storeu_ps(acc.add(i * hd + d + 8 * c), r[i][c]);
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn values_nb<const D: u8, const NB: usize>(acc: &mut [f32], alpha: &[f32], w: &[f32], v: KvView, offs: &[usize], x: usize, y: usize, hd: usize) {
-        let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
-        let mut d = 0;
-        while d + 32 <= hd {
-            value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd);
-            d += 32;
-        }
-        while d < hd {
-            value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd);
-            d += 8;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn weighted_values<const D: u8>(
-        acc: &mut [f32],
-        nb: usize,
-        alpha: &[f32],
-        w: &[f32],
-        v: KvView,
-        offs: &[usize],
-        x: usize,
-        y: usize,
-        hd: usize,
-    ) {
-        match nb {
-            1 => values_nb::<D, 1>(acc, alpha, w, v, offs, x, y, hd),
-            2 => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd),
-            _ => values_nb::<D, 3>(acc, alpha, w, v, offs, x, y, hd),
-        }
-    }
-}
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 #[cfg(test)]
 mod tests;

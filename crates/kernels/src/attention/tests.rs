@@ -60,19 +60,14 @@ impl Cache {
 
     #[allow(clippy::too_many_arguments)]
     fn run(&self, q: &[f32], seqs: &[SeqSpan], window: Option<usize>, sinks: Option<&[f32]>, simd: bool) -> Vec<f32> {
+        let path = if simd { Simd::for_head(self.layout.head_dim) } else { Simd::Scalar };
+        self.run_on(q, seqs, window, sinks, path)
+    }
+
+    fn run_on(&self, q: &[f32], seqs: &[SeqSpan], window: Option<usize>, sinks: Option<&[f32]>, simd: Simd) -> Vec<f32> {
         let l = &self.layout;
         let mut out = vec![0f32; q.len()];
-        let a = Attn {
-            q,
-            k: self.k.view(),
-            v: self.v.view(),
-            layout: *l,
-            scale: 0.3,
-            window,
-            sinks,
-            group: l.n_heads / l.n_kv_heads,
-            simd: simd && simd_ok(l.head_dim),
-        };
+        let a = Attn { q, k: self.k.view(), v: self.v.view(), layout: *l, scale: 0.3, window, sinks, group: l.n_heads / l.n_kv_heads, simd };
         a.run(seqs, &mut out);
         out
     }
@@ -126,6 +121,8 @@ fn a_querys_result_depends_on_nothing_but_its_own_context() {
         for (layout, window) in [
             (KvLayout { block_size: 16, n_heads: 6, n_kv_heads: 2, head_dim: 64 }, None),
             (KvLayout { block_size: 4, n_heads: 3, n_kv_heads: 3, head_dim: 32 }, Some(150)),
+            // Qwen2.5-1.5B's heads: six to a group, the AVX-512 path's full pairs and value pass
+            (KvLayout { block_size: 16, n_heads: 12, n_kv_heads: 2, head_dim: 128 }, None),
         ] {
             let ctx = 2 * SPAN + 77;
             let c = cache(layout, dtype, ctx);
@@ -208,4 +205,38 @@ fn plain_f32_slices_are_an_f32_cache() {
             }
         }
     }
+}
+
+/// The SIMD paths this CPU has give the scalar reference's bits: a prompt chunk's rows at the end
+/// of a context longer than a span, groups of odd and even size (the AVX-512 scores' query pairs
+/// with a lone last vector), every stored type, with a window and sinks.
+#[test]
+fn every_simd_path_gives_the_reference_bits() {
+    let mut ran = std::collections::BTreeSet::new();
+    for (layout, sinks) in [
+        (KvLayout { block_size: 16, n_heads: 10, n_kv_heads: 2, head_dim: 64 }, Some(vec![0.5f32, -2.0, 4.0, 1.0, 0.0, 3.0, 1.5, -1.0, 2.0, 0.25])),
+        (KvLayout { block_size: 16, n_heads: 12, n_kv_heads: 2, head_dim: 128 }, None),
+        (KvLayout { block_size: 8, n_heads: 7, n_kv_heads: 7, head_dim: 96 }, None),
+    ] {
+        let ctx = SPAN + 100;
+        let rows = 9;
+        let q = queries(rows, &layout);
+        for dtype in KvDtype::ALL {
+            let c = cache(layout, dtype, ctx);
+            let seqs = [SeqSpan { q_start: 0, q_len: rows, context_len: ctx, block_table: &c.table }];
+            for window in [None, Some(700)] {
+                let want = bits(&c.run_on(&q, &seqs, window, sinks.as_deref(), Simd::Scalar));
+                let best = Simd::for_head(layout.head_dim);
+                for path in [Simd::Avx2, Simd::Avx512] {
+                    if best == Simd::Scalar || (path == Simd::Avx512 && best != Simd::Avx512) {
+                        continue;
+                    }
+                    ran.insert(if path == Simd::Avx2 { crate::cpu::PATH_AVX2 } else { crate::cpu::PATH_VNNI });
+                    let got = bits(&in_pool(2, || c.run_on(&q, &seqs, window, sinks.as_deref(), path)));
+                    assert_eq!(got, want, "{dtype} {layout:?} window {window:?} on {path:?}");
+                }
+            }
+        }
+    }
+    crate::cpu::assert_expected_paths_ran(&ran);
 }

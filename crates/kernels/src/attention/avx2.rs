@@ -1,0 +1,256 @@
+//! The AVX2 + FMA + F16C kernels: eight f32 lanes, one per dimension of a head chunk.
+
+use super::{KvView, Q8_BLOCK, SCORE_VECTORS, TILE};
+use std::arch::x86_64::*;
+
+/// Prefetches (into L2) the view's `n` values from element `e` on, in the bytes their type
+/// takes (the quantized types: their bytes and their first scale).
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn prefetch(v: &KvView, e: usize, n: usize) {
+    if v.dtype.has_scales() {
+        _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
+    }
+    let (base, bytes) = (v.data.as_ptr().wrapping_add(v.dtype.data_bytes(e)), v.dtype.data_bytes(n));
+    let mut o = 0;
+    while o < bytes {
+        _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(o) as *const i8);
+        o += 64;
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn lane_max(x: &[f32]) -> f32 {
+    crate::exp::lane_max(x)
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
+    crate::exp::exp_shifted_sum(x, m)
+}
+
+/// Eight values from element `e` (a multiple of 8) of a view of type `D` (0 f32, 1 f16,
+/// 2 bf16, 3 q8_0, 4 q4_0) as f32: the exact conversion `KvView::get` makes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
+    let p = v.data.as_ptr();
+    match D {
+        0 => _mm256_loadu_ps(p.add(4 * e) as *const f32),
+        1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * e) as *const __m128i)),
+        2 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(2 * e) as *const __m128i)), 16)),
+        3 => {
+            let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(e) as *const __m128i)));
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
+            _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
+        }
+        _ => {
+            // values j and j + 16 of a block share byte j (low and high nibble)
+            let (blk, r) = (e / Q8_BLOCK, e % Q8_BLOCK);
+            let b = _mm_loadl_epi64(p.add(blk * (Q8_BLOCK / 2) + r % (Q8_BLOCK / 2)) as *const __m128i);
+            let b = if r >= Q8_BLOCK / 2 { _mm_srli_epi16(b, 4) } else { b };
+            let levels = _mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
+            let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(levels, _mm256_set1_epi32(8)));
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
+            _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
+        }
+    }
+}
+
+/// The lanes summed: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), `dot_ref`'s order.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// An accumulator's two halves added (`hsum`'s first step).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fold(v: __m256) -> __m128 {
+    _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+}
+
+/// Four accumulators' horizontal sums, each in `hsum`'s order: (l0 + l4) + (l2 + l6) and
+/// (l1 + l5) + (l3 + l7), then their sum.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn hsum4(v: [__m256; 4]) -> __m128 {
+    let (x0, x1, x2, x3) = (fold(v[0]), fold(v[1]), fold(v[2]), fold(v[3]));
+    let (t0, t1) = (_mm_unpacklo_ps(x0, x1), _mm_unpacklo_ps(x2, x3));
+    let (t2, t3) = (_mm_unpackhi_ps(x0, x1), _mm_unpackhi_ps(x2, x3));
+    // r_l: lane l of each of the four
+    let (r0, r1) = (_mm_movelh_ps(t0, t1), _mm_movehl_ps(t1, t0));
+    let (r2, r3) = (_mm_movelh_ps(t2, t3), _mm_movehl_ps(t3, t2));
+    _mm_add_ps(_mm_add_ps(r0, r2), _mm_add_ps(r1, r3))
+}
+
+/// `NB` queries against `NK` keys: one accumulator per (query, key) over the head, so each
+/// score has the same bits whatever the blocking.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_block<const D: u8, const NB: usize, const NK: usize>(
+    s: *mut f32,
+    q: [*const f32; SCORE_VECTORS],
+    k: KvView,
+    offs: &[usize],
+    j: usize,
+    hd: usize,
+    scale: f32,
+) {
+    let mut acc = [[_mm256_setzero_ps(); NK]; NB];
+    let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
+    for c in (0..hd).step_by(8) {
+        let mut kv = [_mm256_setzero_ps(); NK];
+        for n in 0..NK {
+            kv[n] = load8::<D>(k, ko[n] + c);
+        }
+        for i in 0..NB {
+            let qv = _mm256_loadu_ps(q[i].add(c));
+            for n in 0..NK {
+                acc[i][n] = _mm256_fmadd_ps(qv, kv[n], acc[i][n]);
+            }
+        }
+    }
+    // four horizontal sums at a time share one transpose (hsum4: the same bits as hsum)
+    let mut k = 0;
+    while k + 4 <= NB * NK {
+        let a: [__m256; 4] = std::array::from_fn(|x| acc[(k + x) / NK][(k + x) % NK]);
+        let mut sums = [0f32; 4];
+        _mm_storeu_ps(sums.as_mut_ptr(), _mm_mul_ps(hsum4(a), _mm_set1_ps(scale)));
+        for (x, v) in sums.into_iter().enumerate() {
+            *s.add((k + x) / NK * TILE + j + (k + x) % NK) = v;
+        }
+        k += 4;
+    }
+    while k < NB * NK {
+        *s.add(k / NK * TILE + j + k % NK) = hsum(acc[k / NK][k % NK]) * scale;
+        k += 1;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_nb<const D: u8, const NB: usize, const NK: usize>(
+    s: &mut [f32],
+    q: [*const f32; SCORE_VECTORS],
+    k: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+    scale: f32,
+) {
+    let sp = s.as_mut_ptr();
+    let mut j = x;
+    while j + NK <= y {
+        score_block::<D, NB, NK>(sp, q, k, offs, j, hd, scale);
+        j += NK;
+    }
+    while j < y {
+        score_block::<D, NB, 1>(sp, q, k, offs, j, hd, scale);
+        j += 1;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn scores<const D: u8>(
+    s: &mut [f32],
+    nb: usize,
+    q: [*const f32; SCORE_VECTORS],
+    k: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+    scale: f32,
+) {
+    // at most 12 accumulators (NB x NK) beside NK keys and a query in the 16 registers
+    match nb {
+        1 => scores_nb::<D, 1, 6>(s, q, k, offs, x, y, hd, scale),
+        2 => scores_nb::<D, 2, 4>(s, q, k, offs, x, y, hd, scale),
+        3 => scores_nb::<D, 3, 3>(s, q, k, offs, x, y, hd, scale),
+        4 => scores_nb::<D, 4, 3>(s, q, k, offs, x, y, hd, scale),
+        5 => scores_nb::<D, 5, 2>(s, q, k, offs, x, y, hd, scale),
+        _ => scores_nb::<D, 6, 2>(s, q, k, offs, x, y, hd, scale),
+    }
+}
+
+/// `NB` vectors' outputs, `NC` chunks of eight from dimension `d`: rescaled, then one fused
+/// multiply-add per key in order (each output lane's chain is the same whatever the blocking).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
+    acc: *mut f32,
+    alpha: &[f32],
+    w: *const f32,
+    v: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    d: usize,
+    hd: usize,
+) {
+    let mut r = [[_mm256_setzero_ps(); NC]; NB];
+    for i in 0..NB {
+        let a = _mm256_set1_ps(alpha[i]);
+        for c in 0..NC {
+            r[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc.add(i * hd + d + 8 * c)), a);
+        }
+    }
+    for j in x..y {
+        let o = *offs.get_unchecked(j) + d;
+        let wj: [__m256; NB] = std::array::from_fn(|i| _mm256_broadcast_ss(&*w.add(i * TILE + j)));
+        for c in 0..NC {
+            let vv = load8::<D>(v, o + 8 * c);
+            for i in 0..NB {
+                r[i][c] = _mm256_fmadd_ps(wj[i], vv, r[i][c]);
+            }
+        }
+    }
+    for i in 0..NB {
+        for c in 0..NC {
+            _mm256_storeu_ps(acc.add(i * hd + d + 8 * c), r[i][c]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn values_nb<const D: u8, const NB: usize>(acc: &mut [f32], alpha: &[f32], w: &[f32], v: KvView, offs: &[usize], x: usize, y: usize, hd: usize) {
+    let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+    let mut d = 0;
+    while d + 32 <= hd {
+        value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd);
+        d += 32;
+    }
+    while d < hd {
+        value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd);
+        d += 8;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn weighted_values<const D: u8>(
+    acc: &mut [f32],
+    nb: usize,
+    alpha: &[f32],
+    w: &[f32],
+    v: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+) {
+    match nb {
+        1 => values_nb::<D, 1>(acc, alpha, w, v, offs, x, y, hd),
+        2 => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd),
+        _ => values_nb::<D, 3>(acc, alpha, w, v, offs, x, y, hd),
+    }
+}

@@ -1,0 +1,251 @@
+//! The AVX-512 kernels: the AVX2 kernels' arithmetic in registers twice as wide, lane for lane.
+//!
+//! Scores: a 512-bit accumulator holds two query vectors' eight lanes (the low half vector `2p`,
+//! the high half `2p + 1`, from [`pack_queries`]) against one key whose eight values fill both
+//! halves, so each lane is the same chain of fused multiply-adds as the AVX2 kernel's and the
+//! horizontal sums are `avx2::hsum`'s: the scores have the AVX2 path's bits with half the
+//! instructions. Weighted values: each output lane is its own chain of fused multiply-adds over
+//! the keys in order, so sixteen lanes give the eight-lane kernel's bits.
+
+use super::avx2::{hsum, hsum4, load8};
+use super::{KvView, Q8_BLOCK, TILE};
+use std::arch::x86_64::*;
+
+/// Query vectors `v0..v0 + n` (each `hd` floats at `q[offset(v)]`) laid out for [`scores`]: pair
+/// `p` as `hd / 8` chunks of sixteen floats, vector `2p`'s eight then vector `2p + 1`'s (the last
+/// vector repeated when `n` is odd).
+pub(super) fn pack_queries(packed: &mut Vec<f32>, q: &[f32], n: usize, hd: usize, offset: impl Fn(usize) -> usize) {
+    packed.clear();
+    for p in 0..n.div_ceil(2) {
+        let (a, b) = (offset(2 * p), offset((2 * p + 1).min(n - 1)));
+        for c in (0..hd).step_by(8) {
+            packed.extend_from_slice(&q[a + c..a + c + 8]);
+            packed.extend_from_slice(&q[b + c..b + c + 8]);
+        }
+    }
+}
+
+/// Eight values from element `e` (a multiple of 8) in both halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn load8x2<const D: u8>(v: KvView, e: usize) -> __m512 {
+    _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8::<D>(v, e))))
+}
+
+/// Sixteen values from element `e` (a multiple of 16, so inside one 32-value block of the
+/// quantized types) as f32: `load8`'s conversion, lane for lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn load16<const D: u8>(v: KvView, e: usize) -> __m512 {
+    let p = v.data.as_ptr();
+    match D {
+        0 => _mm512_loadu_ps(p.add(4 * e) as *const f32),
+        1 => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * e) as *const __m256i)),
+        2 => _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.add(2 * e) as *const __m256i)), 16)),
+        3 => {
+            let q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(e) as *const __m128i)));
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
+            _mm512_mul_ps(q, _mm512_broadcastss_ps(d))
+        }
+        _ => {
+            // values j and j + 16 of a block share byte j (low and high nibble)
+            let (blk, r) = (e / Q8_BLOCK, e % Q8_BLOCK);
+            let b = _mm_loadu_si128(p.add(blk * (Q8_BLOCK / 2)) as *const __m128i);
+            let b = if r >= Q8_BLOCK / 2 { _mm_srli_epi16(b, 4) } else { b };
+            let levels = _mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
+            let q = _mm512_cvtepi32_ps(_mm512_sub_epi32(levels, _mm512_set1_epi32(8)));
+            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
+            _mm512_mul_ps(q, _mm512_broadcastss_ps(d))
+        }
+    }
+}
+
+/// `NP` query pairs (the first `nb` vectors valid) against `NK` keys from `offs[j]`: one
+/// accumulator per (pair, key) over the head.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn score_block<const D: u8, const NP: usize, const NK: usize>(
+    s: *mut f32,
+    q: *const f32,
+    nb: usize,
+    k: KvView,
+    offs: &[usize],
+    j: usize,
+    hd: usize,
+    scale: f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); NK]; NP];
+    let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
+    for c in (0..hd).step_by(8) {
+        let kv: [__m512; NK] = std::array::from_fn(|n| load8x2::<D>(k, ko[n] + c));
+        for (p, row) in acc.iter_mut().enumerate() {
+            let qv = _mm512_loadu_ps(q.add(p * 2 * hd + 2 * c));
+            for n in 0..NK {
+                row[n] = _mm512_fmadd_ps(qv, kv[n], row[n]);
+            }
+        }
+    }
+    // the halves of the valid vectors, four horizontal sums at a time (hsum4: hsum's bits)
+    let mut halves = [[_mm256_setzero_ps(); NK]; 2]; // reused per pair
+    let mut pending: [(__m256, usize); 4] = [(_mm256_setzero_ps(), 0); 4];
+    let mut np = 0;
+    for (p, row) in acc.iter().enumerate() {
+        for n in 0..NK {
+            halves[0][n] = _mm512_castps512_ps256(row[n]);
+            halves[1][n] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(row[n])));
+        }
+        for (h, half) in halves.iter().enumerate() {
+            let v = 2 * p + h;
+            if v >= nb {
+                continue;
+            }
+            for (n, &a) in half.iter().enumerate() {
+                pending[np] = (a, v * TILE + j + n);
+                np += 1;
+                if np == 4 {
+                    store_sums(s, &pending, np, scale);
+                    np = 0;
+                }
+            }
+        }
+    }
+    store_sums(s, &pending, np, scale);
+}
+
+/// The horizontal sums of the first `np` accumulators, times `scale`, each at its own index of
+/// `s`: four at once through `hsum4`, fewer one by one (the same bits).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn store_sums(s: *mut f32, pending: &[(__m256, usize); 4], np: usize, scale: f32) {
+    if np == 4 {
+        let mut sums = [0f32; 4];
+        _mm_storeu_ps(sums.as_mut_ptr(), _mm_mul_ps(hsum4(pending.map(|(a, _)| a)), _mm_set1_ps(scale)));
+        for (x, v) in sums.into_iter().enumerate() {
+            *s.add(pending[x].1) = v;
+        }
+    } else {
+        for &(a, at) in &pending[..np] {
+            *s.add(at) = hsum(a) * scale;
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_np<const D: u8, const NP: usize, const NK: usize>(
+    s: &mut [f32],
+    q: *const f32,
+    nb: usize,
+    k: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+    scale: f32,
+) {
+    let sp = s.as_mut_ptr();
+    let mut j = x;
+    while j + NK <= y {
+        score_block::<D, NP, NK>(sp, q, nb, k, offs, j, hd, scale);
+        j += NK;
+    }
+    while j < y {
+        score_block::<D, NP, 1>(sp, q, nb, k, offs, j, hd, scale);
+        j += 1;
+    }
+}
+
+/// `s[i * TILE + j] = dot(q_i, k_j) * scale` for vectors `i < nb` (at most six, packed in pairs
+/// from `q` by [`pack_queries`]) and keys `x..y` of the tile.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn scores<const D: u8>(s: &mut [f32], nb: usize, q: *const f32, k: KvView, offs: &[usize], x: usize, y: usize, hd: usize, scale: f32) {
+    // NP x NK accumulators beside NK keys and a query pair in the 32 registers
+    match nb.div_ceil(2) {
+        1 => scores_np::<D, 1, 8>(s, q, nb, k, offs, x, y, hd, scale),
+        2 => scores_np::<D, 2, 8>(s, q, nb, k, offs, x, y, hd, scale),
+        _ => scores_np::<D, 3, 6>(s, q, nb, k, offs, x, y, hd, scale),
+    }
+}
+
+/// `NB` vectors' outputs, `NC` chunks of sixteen from dimension `d`: rescaled, then one fused
+/// multiply-add per key in order.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
+    acc: *mut f32,
+    alpha: &[f32],
+    w: *const f32,
+    v: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    d: usize,
+    hd: usize,
+) {
+    let mut r = [[_mm512_setzero_ps(); NC]; NB];
+    for i in 0..NB {
+        let a = _mm512_set1_ps(alpha[i]);
+        for c in 0..NC {
+            r[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc.add(i * hd + d + 16 * c)), a);
+        }
+    }
+    for j in x..y {
+        let o = *offs.get_unchecked(j) + d;
+        let wj: [__m512; NB] = std::array::from_fn(|i| _mm512_set1_ps(*w.add(i * TILE + j)));
+        for c in 0..NC {
+            let vv = load16::<D>(v, o + 16 * c);
+            for i in 0..NB {
+                r[i][c] = _mm512_fmadd_ps(wj[i], vv, r[i][c]);
+            }
+        }
+    }
+    for i in 0..NB {
+        for c in 0..NC {
+            _mm512_storeu_ps(acc.add(i * hd + d + 16 * c), r[i][c]);
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn values_nb<const D: u8, const NB: usize>(acc: &mut [f32], alpha: &[f32], w: &[f32], v: KvView, offs: &[usize], x: usize, y: usize, hd: usize) {
+    let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+    let mut d = 0;
+    while d + 64 <= hd {
+        value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd);
+        d += 64;
+    }
+    while d < hd {
+        value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd);
+        d += 16;
+    }
+}
+
+/// `acc_i = acc_i * alpha_i + sum_j w[i * TILE + j] v_j` over keys `x..y` for `nb` (at most
+/// [`super::VALUE_VECTORS_512`]) vectors; `hd` a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn weighted_values<const D: u8>(
+    acc: &mut [f32],
+    nb: usize,
+    alpha: &[f32],
+    w: &[f32],
+    v: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+) {
+    // NB x 4 accumulators beside NB weights and a value chunk in the 32 registers
+    match nb {
+        1 => values_nb::<D, 1>(acc, alpha, w, v, offs, x, y, hd),
+        2 => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd),
+        3 => values_nb::<D, 3>(acc, alpha, w, v, offs, x, y, hd),
+        4 => values_nb::<D, 4>(acc, alpha, w, v, offs, x, y, hd),
+        5 => values_nb::<D, 5>(acc, alpha, w, v, offs, x, y, hd),
+        _ => values_nb::<D, 6>(acc, alpha, w, v, offs, x, y, hd),
+    }
+}
