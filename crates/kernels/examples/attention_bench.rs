@@ -2,7 +2,10 @@
 //!
 //! `cargo run --release -p specula-kernels --example attention_bench -- [depth] [threads,..] [heads,kv_heads,head_dim]`
 //!
-//! Decode: one query row at `depth` (the cache read once per step: GB/s of KV). Prefill: a chunk of
+//! Decode: one query row at `depth` in each of `BENCH_LAYERS` (default 28, the 1.5B's count)
+//! layers' caches in turn, as a decode step reads them (the cache read once per step: GB/s of KV;
+//! with one layer a 16k cache of f16 fits a large L3 and the figure is the cache's, not memory's),
+//! time per layer. Prefill: a chunk of
 //! 512 rows at the end of a `depth`-token prompt (GFLOP/s, counting 2 x 2 x head_dim flops per
 //! query-key pair: the scores and the weighted values). Default shape: Qwen2.5-Coder-1.5B (12
 //! heads, 2 KV heads of 128). Median of several rounds.
@@ -29,14 +32,22 @@ fn main() {
     let chunk = 512.min(depth);
     println!("attention at depth {depth}, {} heads / {} KV heads of {}", layout.n_heads, layout.n_kv_heads, layout.head_dim);
     println!("{:<6} {:>7} {:>12} {:>10} {:>14} {:>12}", "type", "threads", "decode ms", "KV GB/s", "prefill ms", "GFLOP/s");
+    let layers: usize = std::env::var("BENCH_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(28).max(1);
+    println!("decode over {layers} layers' caches in turn (BENCH_LAYERS)");
     for dtype in KvDtype::ALL {
-        let mut k = KvPlane::new(KvRole::Keys, dtype, layout, blocks).expect("memory");
-        let mut v = KvPlane::new(KvRole::Values, dtype, layout, blocks).expect("memory");
         let row: Vec<f32> = (0..kvw).map(|i| (i as f32 * 0.37).sin()).collect();
-        for s in 0..blocks * 16 {
-            k.write(s, &row);
-            v.write(s, &row);
-        }
+        let planes: Vec<(KvPlane, KvPlane)> = (0..layers)
+            .map(|_| {
+                let mut k = KvPlane::new(KvRole::Keys, dtype, layout, blocks).expect("memory");
+                let mut v = KvPlane::new(KvRole::Values, dtype, layout, blocks).expect("memory");
+                for s in 0..blocks * 16 {
+                    k.write(s, &row);
+                    v.write(s, &row);
+                }
+                (k, v)
+            })
+            .collect();
+        let (k, v) = &planes[0];
         let kv_bytes = (k.bytes() + v.bytes()) as f64 * depth as f64 / (blocks * 16) as f64;
         for &t in &threads {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool");
@@ -47,8 +58,10 @@ fn main() {
                 (0..std::env::var("BENCH_DECODE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(15))
                     .map(|_| {
                         let s = Instant::now();
-                        pool.install(|| paged_attention_windowed(&q1, &mut o1, k.view(), v.view(), &layout, &seq1, 0.1, None, None));
-                        s.elapsed().as_secs_f64()
+                        for (k, v) in &planes {
+                            pool.install(|| paged_attention_windowed(&q1, &mut o1, k.view(), v.view(), &layout, &seq1, 0.1, None, None));
+                        }
+                        s.elapsed().as_secs_f64() / layers as f64
                     })
                     .collect(),
             );
