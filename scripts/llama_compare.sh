@@ -9,6 +9,8 @@
 #   bash scripts/llama_compare.sh --real             # and the cached real models
 #   bash scripts/llama_compare.sh --model F.gguf     # any GGUF (repeatable)
 #   SPECULA_BIN=target/release/specula bash scripts/llama_compare.sh --arch-filter qwen3
+# The tiny files come from the binary's `debug write-tiny`: a binary built with `--features testing`
+# (scripts/test.sh's target/ci/specula is; `cargo build --release -p specula --features testing`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="$(bash "$ROOT/scripts/build_llama_cpp.sh" | tail -n 1)"

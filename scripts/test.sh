@@ -17,9 +17,12 @@ python3 -m pip install -q --disable-pip-version-check -r python/requirements.txt
 # bindings (.ci/run installs both). Where they are, everything below is built once with the
 # `mpi` feature: it only adds the `--data-parallel-backend mpi` path (MPI starts only there), so
 # the same binary serves the plain tests and the MPI ones, and nothing is compiled twice.
-features=()
+# `specula/testing`: the binary's tiny GGUF writer (`specula debug write-tiny`, candle's GGUF
+# writer), which the Python oracles use; the crates' own tests turn on the same feature of
+# specula-model, so the build and the tests share one compilation of it
+features=(--features specula/testing)
 if command -v mpirun >/dev/null && ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then
-  features=(--features specula/mpi)
+  features+=(--features specula/mpi)
 elif [ -n "${CI:-}" ]; then
   echo "error: mpirun or libclang is missing, so the MPI tests cannot run (.ci/run installs openmpi-bin, libopenmpi-dev, libclang-dev)" >&2
   exit 1
@@ -66,7 +69,7 @@ fi
 SPECULA_NO_VNNI=1 cargo test --profile $profile -p specula-kernels
 
 # python/tests/test_server_mpi.py runs the same binary under mpirun
-if [ ${#features[@]} -gt 0 ]; then
+if [[ " ${features[*]} " == *" specula/mpi "* ]]; then
   export SPECULA_MPI_BIN="$SPECULA_BIN"
 fi
 

@@ -49,7 +49,7 @@ def model_path() -> str:
 def specula_bin() -> str:
     p = os.environ.get("SPECULA_BIN") or str(REPO / "target" / "release" / "specula")
     if not os.path.isfile(p) or not os.access(p, os.X_OK):
-        missing(f"specula binary not found at {p} (build with `cargo build --release` or set SPECULA_BIN)")
+        missing(f"specula binary not found at {p} (build with `cargo build --release -p specula --features testing` or set SPECULA_BIN)")
     return p
 
 

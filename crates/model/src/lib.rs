@@ -14,6 +14,7 @@ pub mod loaded;
 pub mod loader;
 pub mod moe;
 pub mod safetensors_folder;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod tokenizer;
 

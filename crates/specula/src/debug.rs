@@ -254,6 +254,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             }
             f.flush()?;
         }
+        #[cfg(feature = "testing")]
         DebugCmd::WriteTiny(a) => {
             use specula_model::testing::{write_tiny_llama, TinySpec};
             let spec = TinySpec {
@@ -271,6 +272,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
             };
             write_tiny_llama(&a.output, &spec)?;
         }
+        #[cfg(feature = "testing")]
         DebugCmd::WriteTinyMoe(a) => {
             use specula_model::testing::{write_tiny_moe, TinyMoe, TinySpec};
             let format = tiny_format(&a.format)?;
@@ -287,6 +289,10 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
                 ..Default::default()
             };
             write_tiny_moe(&a.output, &spec)?;
+        }
+        #[cfg(not(feature = "testing"))]
+        DebugCmd::WriteTiny(_) | DebugCmd::WriteTinyMoe(_) => {
+            anyhow::bail!("this binary was built without the tiny GGUF writer: build it with `cargo build --release -p specula --features testing`")
         }
         DebugCmd::KvFidelity(a) => crate::kv_fidelity::run(a)?,
         DebugCmd::WriteRandomHead(a) => {
@@ -348,6 +354,7 @@ pub fn run(cmd: DebugCmd) -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "testing")]
 fn tiny_format(name: &str) -> Result<specula_model::testing::GgmlDType> {
     use specula_model::testing::GgmlDType;
     Ok(match name {
