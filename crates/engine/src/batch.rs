@@ -1,29 +1,33 @@
 //! Building one step's flat batch, in two parts so that the first can run ahead of the step
 //! before it (async scheduling):
 //! - [`prepare`] captures what the scheduler decided, from the host state: each sequence's block
-//!   table (KV reserved for the worst case), the input tokens already known, and each sampled
-//!   sequence's sampling state;
+//!   table (KV reserved for the worst case), the input tokens already known, and, the first time a
+//!   sequence is scheduled, its compute-side record (`crate::record`);
 //! - [`finalize`] completes what only the step before can tell — for a decode scheduled ahead, the
 //!   token that step sampled, how many of its drafts were accepted (so where this step starts) and
 //!   the drafts proposed for it — drops the sequences that ended, and assembles the flat token ids,
-//!   slot mapping, spans and logits rows. It reads only the prepared step and the step before's
-//!   output, so the engine thread runs it between two forward passes in microseconds.
+//!   slot mapping, spans, logits rows and the sampled rows of each sequence. It reads only the
+//!   prepared step and the step before's output, so the engine thread runs it between two forward
+//!   passes in microseconds; what a sequence samples with (history, settings, random stream,
+//!   grammar, draft distributions) is its record's, never copied here.
 //!
 //! Synchronously the two run back to back with nothing to complete.
 
 use crate::error::StepFailure;
 use crate::kv_cache::KvCacheManager;
+use crate::record::SeqRecord;
 use crate::sequence::Sequence;
 use crate::step::{BatchInputs, Computed, PreparedSeq, PreparedStep, PromptRows, RowRange, SampleItem, SeqResult, StepJob, StepPlan};
-use crate::types::{Draft, SeqId, TokenId};
+use crate::types::SeqId;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// Captures `plan`'s inputs from the host state (see the module docs).
-pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<Vec<PreparedSeq>, StepFailure> {
+/// Captures `plan`'s inputs from the host state (see the module docs); a sequence scheduled for
+/// the first time hands its compute-side part over into its record.
+pub(crate) fn prepare(plan: &StepPlan, seqs: &mut BTreeMap<SeqId, Sequence>, kv: &KvCacheManager) -> Result<Vec<PreparedSeq>, StepFailure> {
     let bs = kv.block_size();
     let mut out = Vec::with_capacity(plan.seqs.len());
     for sch in &plan.seqs {
-        let s = seqs.get(&sch.seq).ok_or_else(|| StepFailure::Invariant(format!("sequence {} vanished before its step", sch.seq)))?;
+        let s = seqs.get_mut(&sch.seq).ok_or_else(|| StepFailure::Invariant(format!("sequence {} vanished before its step", sch.seq)))?;
         let block_table: Vec<u32> = kv.block_table(sch.seq)?.iter().map(|b| b.0).collect();
         let end = sch.start + sch.num_tokens;
         if end > block_table.len() * bs {
@@ -34,24 +38,11 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
         } else {
             let known = s.tokens.len();
             (sch.start..end)
-                .map(|pos| if pos < known { s.tokens.get(pos) } else { s.draft.tokens.get(pos - known) }.copied())
+                .map(|pos| if pos < known { s.tokens.get(pos) } else { s.draft.get(pos - known) }.copied())
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| StepFailure::Invariant(format!("sequence {}: step tokens {}..{end} are not known", sch.seq, sch.start)))?
         };
-        let item = sch.sample.then(|| SampleItem {
-            seq: sch.seq,
-            first_row: 0,
-            rows: 0,
-            start: sch.start,
-            num_tokens: sch.num_tokens,
-            params: s.params.clone(),
-            tokens: history_with_room(&s.tokens),
-            prompt_len: s.prompt_len,
-            rng: s.rng.clone(),
-            // a decode scheduled ahead takes its grammar from the step before's result (finalize)
-            grammar: if sch.is_ahead() { None } else { s.grammar.clone() },
-            draft: if sch.is_ahead() { Draft::default() } else { s.draft.clone() },
-        });
+        let admitted = s.handoff.take().map(|h| SeqRecord::new(s.tokens.clone(), s.prompt_len, s.params.clone(), h.rng, h.grammar));
         // position p's logits give prompt token p + 1: rows start..min(end, prompt_len - 1)
         let prompt_rows = match s.params.prompt_logprobs {
             Some(k) if s.wants_prompt_logprobs() && !sch.is_ahead() && sch.start + 1 < s.prompt_len => {
@@ -66,37 +57,23 @@ pub(crate) fn prepare(plan: &StepPlan, seqs: &BTreeMap<SeqId, Sequence>, kv: &Kv
             }
             _ => None,
         };
-        out.push(PreparedSeq { block_table, state_slot: kv.state_slot(sch.seq)?, tokens, item, prompt_rows });
+        out.push(PreparedSeq { block_table, state_slot: kv.state_slot(sch.seq)?, tokens, admitted, prompt_rows });
     }
     Ok(out)
 }
 
-/// A copy of a sequence's tokens with room for two steps' worth more (this step's tokens and the
-/// ones the step before adds in `finalize`): growing the copy there would copy the whole history
-/// between two forward passes, from another core's cache.
-fn history_with_room(tokens: &[TokenId]) -> Vec<TokenId> {
-    let mut v = Vec::with_capacity(tokens.len() + HISTORY_ROOM);
-    v.extend_from_slice(tokens);
-    v
-}
-
-const HISTORY_ROOM: usize = 64;
-
 /// Settles a prepared step from the output of the step before it (`before`, if it has not been
 /// applied to the host state yet) and assembles its batch. `alive` says whether a sequence still
 /// runs (not finished, aborted or failed since the step was prepared). Returns the plan as it will
-/// run (every entry final) and its compute job; the plan may be empty. A sequence's grammar
-/// (structured outputs) moves from `before`'s result into this step's item, so it is not copied
-/// between two forward passes; applying `before` then leaves the sequence without one until this
-/// step is applied.
-pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: impl Fn(SeqId) -> bool, block_size: usize) -> (StepPlan, StepJob) {
+/// run (every entry final) and its compute job; the plan may be empty.
+pub(crate) fn finalize(p: PreparedStep, before: Option<&Computed>, alive: impl Fn(SeqId) -> bool, block_size: usize) -> (StepPlan, StepJob) {
     // a failed step's sequences are failed when it is applied: nothing of theirs runs
-    let failed: BTreeSet<SeqId> = match before.as_deref() {
+    let failed: BTreeSet<SeqId> = match before {
         Some(c) if c.outcome.is_err() => c.plan.seqs.iter().map(|s| s.seq).collect(),
         _ => BTreeSet::new(),
     };
-    let mut results: BTreeMap<SeqId, &mut SeqResult> = match before.map(|c| &mut c.outcome) {
-        Some(Ok(out)) => out.results.iter_mut().map(|(id, r)| (*id, r)).collect(),
+    let results: BTreeMap<SeqId, &SeqResult> = match before.map(|c| &c.outcome) {
+        Some(Ok(out)) => out.results.iter().map(|(id, r)| (*id, r)).collect(),
         _ => BTreeMap::new(),
     };
     let PreparedStep { step, plan, seqs, transfers } = p;
@@ -115,6 +92,7 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
         state_slots: Vec::new(),
     };
     let mut items = Vec::with_capacity(n_seqs);
+    let mut admitted = Vec::new();
     let mut prompt_rows = Vec::new();
     for (mut sch, mut ps) in plan.seqs.into_iter().zip(seqs) {
         if !alive(sch.seq) || failed.contains(&sch.seq) {
@@ -122,28 +100,23 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
         }
         if sch.is_ahead() {
             // the step before sampled this sequence: no result means it did not run it after all
-            let Some(r) = results.get_mut(&sch.seq) else { continue };
+            let Some(r) = results.get(&sch.seq) else { continue };
             if r.finished {
                 continue;
             }
             let Some(&last) = r.tokens.last() else { continue };
             // `start` assumed every draft of the step before accepted
             let rejected = r.num_rejected();
-            let draft = if r.next_draft.tokens.len() < sch.num_tokens { r.next_draft.clone() } else { Draft::default() };
+            let draft: &[_] = if r.next_draft.len() < sch.num_tokens { &r.next_draft } else { &[] };
             sch.start -= rejected;
-            sch.num_drafts = draft.tokens.len();
+            sch.num_drafts = draft.len();
             sch.num_tokens = 1 + sch.num_drafts;
             ps.tokens.clear();
             ps.tokens.push(last);
-            ps.tokens.extend_from_slice(&draft.tokens);
-            if let Some(it) = ps.item.as_mut() {
-                it.tokens.extend_from_slice(&r.tokens);
-                it.rng = r.rng.clone();
-                it.grammar = r.grammar.take();
-                it.start = sch.start;
-                it.num_tokens = sch.num_tokens;
-                it.draft = draft;
-            }
+            ps.tokens.extend_from_slice(draft);
+        }
+        if let Some(rec) = ps.admitted.take() {
+            admitted.push((sch.seq, rec));
         }
         let q_start = inputs.tokens.len();
         let n = sch.num_tokens;
@@ -161,67 +134,38 @@ pub(crate) fn finalize(p: PreparedStep, before: Option<&mut Computed>, alive: im
             inputs.logits_rows.extend(first..first + pr.targets.len());
             prompt_rows.push(pr);
         }
-        if let (true, Some(mut it)) = (sch.sample, ps.item) {
+        if sch.sample {
             let rows = 1 + sch.num_drafts;
             let first = q_start + n - rows;
-            it.first_row = inputs.logits_rows.len();
-            it.rows = rows;
+            items.push(SampleItem { seq: sch.seq, first_row: inputs.logits_rows.len(), rows, start: sch.start, num_tokens: n });
             inputs.sample_rows.push((sch.seq, inputs.logits_rows.len(), rows));
             inputs.logits_rows.extend(first..first + rows);
-            items.push(it);
         }
         kept.total_tokens += n;
         kept.seqs.push(sch);
     }
-    (kept, StepJob { step, inputs, items, prompt_rows, pending_prefill, transfers })
+    (kept, StepJob { step, inputs, admitted, items, prompt_rows, pending_prefill, transfers })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::SamplingParams;
     use crate::error::StepError;
-    use crate::sampling::SeqRng;
     use crate::step::{JobOutput, JobTimings, ScheduledSeq};
+    use crate::types::TokenId;
     use std::time::{Duration, Instant};
 
     const BS: usize = 4;
 
-    fn item(seq: SeqId, start: usize, num_tokens: usize, history: &[TokenId]) -> SampleItem {
-        SampleItem {
-            seq,
-            first_row: 0,
-            rows: 0,
-            start,
-            num_tokens,
-            params: SamplingParams::greedy(100),
-            tokens: history.to_vec(),
-            prompt_len: 2,
-            rng: SeqRng::new(Some(1), 0),
-            grammar: None,
-            draft: Draft::default(),
-        }
-    }
-
     /// A decode of `1 + k` tokens scheduled ahead: `start` assumes the step before accepted all.
-    fn ahead(seq: u64, start: usize, k: usize, table: Vec<u32>, history: &[TokenId]) -> (ScheduledSeq, PreparedSeq) {
+    fn ahead(seq: u64, start: usize, k: usize, table: Vec<u32>) -> (ScheduledSeq, PreparedSeq) {
         let id = SeqId(seq);
         let sch = ScheduledSeq { seq: id, start, num_tokens: 1 + k, num_drafts: k, sample: true, placeholders: 1 + k };
-        (sch, PreparedSeq { block_table: table, state_slot: None, tokens: Vec::new(), item: Some(item(id, start, 1 + k, history)), prompt_rows: None })
+        (sch, PreparedSeq { block_table: table, state_slot: None, tokens: Vec::new(), admitted: None, prompt_rows: None })
     }
 
-    fn result(tokens: Vec<TokenId>, num_drafts: usize, next_draft: Vec<TokenId>, finished: bool, seed: u64) -> SeqResult {
-        SeqResult {
-            tokens,
-            num_drafts,
-            lp_first: None,
-            rng: SeqRng::new(Some(seed), 0),
-            grammar: None,
-            grammar_finished: false,
-            next_draft: Draft { tokens: next_draft, probs: None },
-            finished,
-            failed: None,
-        }
+    fn result(tokens: Vec<TokenId>, num_drafts: usize, next_draft: Vec<TokenId>, finished: bool) -> SeqResult {
+        SeqResult { tokens, num_drafts, lp_first: None, grammar_finished: false, next_draft, finished, failed: None }
     }
 
     fn computed(plan_seqs: &[u64], results: Vec<(u64, SeqResult)>) -> Computed {
@@ -250,22 +194,23 @@ mod tests {
     fn finalize_completes_decodes_scheduled_ahead_and_drops_what_ended() {
         // seq 1: 6 tokens computed, the step before verified 3 drafts (positions 6..10 → start 10
         // assumed), accepted 1 and sampled 1: tokens 50, 51 → it starts at 8 with draft [60, 61].
-        let (s1, p1) = ahead(1, 10, 3, vec![7, 3, 9, 4], &[1, 2, 3, 4, 5, 6, 40]);
+        let (s1, p1) = ahead(1, 10, 3, vec![7, 3, 9, 4]);
         // seq 2 finished in the step before (length), seq 3 was aborted since, seq 4 has no result
-        let (s2, p2) = ahead(2, 5, 3, vec![11, 12], &[1, 2, 3, 4, 5]);
-        let (s3, p3) = ahead(3, 5, 3, vec![13, 14], &[1, 2, 3, 4, 5]);
-        let (s4, p4) = ahead(4, 5, 3, vec![15, 16], &[1, 2, 3, 4, 5]);
-        // seq 5: a prefill chunk of 3 known tokens, not sampled
+        let (s2, p2) = ahead(2, 5, 3, vec![11, 12]);
+        let (s3, p3) = ahead(3, 5, 3, vec![13, 14]);
+        let (s4, p4) = ahead(4, 5, 3, vec![15, 16]);
+        // seq 5: a first prefill chunk of 3 known tokens, not sampled, handing its record over
         let s5 = ScheduledSeq { seq: SeqId(5), start: 4, num_tokens: 3, num_drafts: 0, sample: false, placeholders: 0 };
-        let p5 = PreparedSeq { block_table: vec![20, 21], state_slot: None, tokens: vec![90, 91, 92], item: None, prompt_rows: None };
+        let rec = SeqRecord::new(vec![1, 2, 3, 4, 90, 91, 92], 7, crate::api::SamplingParams::greedy(8), crate::sampling::SeqRng::new(Some(1), 0), None);
+        let p5 = PreparedSeq { block_table: vec![20, 21], state_slot: None, tokens: vec![90, 91, 92], admitted: Some(rec), prompt_rows: None };
         let plan = StepPlan { seqs: vec![s1, s2, s3, s4, s5], total_tokens: 4 * 4 + 3, ..Default::default() };
         let prepared = PreparedStep { step: 7, plan, seqs: vec![p1, p2, p3, p4, p5], transfers: Default::default() };
-        let mut before = computed(
+        let before = computed(
             &[1, 2, 3],
-            vec![(1, result(vec![50, 51], 3, vec![60, 61], false, 9)), (2, result(vec![70], 0, vec![], true, 9)), (3, result(vec![71], 0, vec![], false, 9))],
+            vec![(1, result(vec![50, 51], 3, vec![60, 61], false)), (2, result(vec![70], 0, vec![], true)), (3, result(vec![71], 0, vec![], false))],
         );
 
-        let (plan, job) = finalize(prepared, Some(&mut before), |id| id != SeqId(3), BS);
+        let (plan, job) = finalize(prepared, Some(&before), |id| id != SeqId(3), BS);
 
         assert_eq!(job.step, 7);
         let ids: Vec<u64> = plan.seqs.iter().map(|s| s.seq.0).collect();
@@ -283,32 +228,30 @@ mod tests {
         assert_eq!(b.sample_rows, vec![(SeqId(1), 0, 3)]);
         assert_eq!(b.block_tables, vec![vec![7, 3, 9, 4], vec![20, 21]]);
         let it = &job.items[0];
-        assert_eq!((it.first_row, it.rows, it.start, it.num_tokens), (0, 3, 8, 3));
-        assert_eq!(it.tokens, vec![1, 2, 3, 4, 5, 6, 40, 50, 51]);
-        assert_eq!(it.draft.tokens, vec![60, 61]);
-        // the random stream continues from the step before's
-        let (mut a, mut b) = (it.rng.clone(), SeqRng::new(Some(9), 0));
-        assert_eq!(a.uniform(), b.uniform());
+        assert_eq!(job.items, vec![SampleItem { seq: SeqId(1), first_row: 0, rows: 3, start: 8, num_tokens: 3 }]);
+        // its record holds the 7 tokens before the step before and that step's 2
+        assert_eq!((it.known(), it.num_drafts()), (9, 2));
+        assert_eq!(job.admitted.iter().map(|(id, r)| (*id, r.tokens.len())).collect::<Vec<_>>(), vec![(SeqId(5), 7)]);
     }
 
     /// Drafts that do not fit the reservation are dropped (a plain decode), and a failed step
     /// before takes its sequences out of this one.
     #[test]
     fn finalize_drops_oversized_drafts_and_the_sequences_of_a_failed_step() {
-        let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
+        let (s1, p1) = ahead(1, 4, 1, vec![1, 2]);
         let prepared =
             PreparedStep { step: 1, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1], transfers: Default::default() };
-        let mut before = computed(&[1], vec![(1, result(vec![8], 0, vec![60, 61, 62], false, 3))]);
-        let (plan, job) = finalize(prepared, Some(&mut before), |_| true, BS);
+        let before = computed(&[1], vec![(1, result(vec![8], 0, vec![60, 61, 62], false))]);
+        let (plan, job) = finalize(prepared, Some(&before), |_| true, BS);
         assert_eq!((plan.seqs[0].start, plan.seqs[0].num_tokens, plan.seqs[0].num_drafts), (4, 1, 0));
         assert_eq!(job.inputs.tokens, vec![8]);
-        assert!(job.items[0].draft.tokens.is_empty());
+        assert_eq!((job.items[0].rows, job.items[0].known()), (1, 5));
 
-        let (s1, p1) = ahead(1, 4, 1, vec![1, 2], &[1, 2, 3, 4]);
+        let (s1, p1) = ahead(1, 4, 1, vec![1, 2]);
         let prepared =
             PreparedStep { step: 2, plan: StepPlan { seqs: vec![s1], total_tokens: 2, ..Default::default() }, seqs: vec![p1], transfers: Default::default() };
-        let mut failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, failure: StepFailure::Injected }) };
-        let (plan, job) = finalize(prepared, Some(&mut failed), |_| true, BS);
+        let failed = Computed { step: 1, plan: before.plan.clone(), outcome: Err(StepError::Failed { step: 1, failure: StepFailure::Injected }) };
+        let (plan, job) = finalize(prepared, Some(&failed), |_| true, BS);
         assert!(plan.is_empty() && job.inputs.tokens.is_empty() && job.items.is_empty());
     }
 }

@@ -137,7 +137,7 @@ impl Engine {
         Ok(Self {
             cfg,
             ctx,
-            compute: ComputeState { kv_store, sampler: Sampler::new(), spec: None },
+            compute: ComputeState { kv_store, sampler: Sampler::new(), spec: None, records: Default::default() },
             counters,
             host: Some(host),
             runner,
@@ -189,6 +189,12 @@ impl Engine {
         self.compute.spec.as_ref().map(|s| &s.metrics)
     }
 
+    /// Sequences the compute side keeps a record of (`crate::record`): the live ones, for leak
+    /// checks (0 once idle).
+    pub fn num_seq_records(&self) -> usize {
+        self.compute.records.len()
+    }
+
     /// (free, total) blocks of the proposer's own KV cache, if it has one.
     pub fn draft_kv_blocks(&self) -> Option<(usize, usize)> {
         self.compute.spec.as_ref().and_then(|s| s.proposer.kv_blocks())
@@ -231,10 +237,10 @@ impl Engine {
         self.host.as_ref().expect("the host state is home between engine calls")
     }
 
-    /// The host, borrowed for a change; when the borrow ends, the proposer forgets the sequences
-    /// the change removed ([`HostMut`]).
+    /// The host, borrowed for a change; when the borrow ends, the compute side forgets the
+    /// sequences the change removed ([`HostMut`]).
     pub(crate) fn host_mut(&mut self) -> HostMut<'_> {
-        HostMut { host: self.host.as_mut().expect("the host state is home between engine calls"), spec: &mut self.compute.spec }
+        HostMut { host: self.host.as_mut().expect("the host state is home between engine calls"), compute: &mut self.compute }
     }
 
     /// Takes the host out of its slot (to move it into the async host job).
@@ -242,9 +248,9 @@ impl Engine {
         self.host.take().expect("the host state is home between engine calls")
     }
 
-    /// Puts the host back in its slot; the proposer forgets what the host removed while away.
+    /// Puts the host back in its slot; the compute side forgets what the host removed while away.
     fn put_host(&mut self, mut host: Host) {
-        sync_speculation(&mut host, &mut self.compute.spec);
+        sync_compute(&mut host, &mut self.compute);
         self.host = Some(host);
     }
 
@@ -431,7 +437,7 @@ impl Engine {
     fn finalize(&mut self, p: PreparedStep, stats: &mut StepStats) -> (StepPlan, StepJob) {
         let t = Instant::now();
         let host = self.host.as_ref().expect("the host state is home between engine calls");
-        let finalized = finalize(p, self.computed.as_mut(), |id| host.seqs.contains_key(&id), self.cfg.block_size);
+        let finalized = finalize(p, self.computed.as_ref(), |id| host.seqs.contains_key(&id), self.cfg.block_size);
         stats.timings.finalize += t.elapsed();
         finalized
     }
@@ -481,6 +487,8 @@ impl Engine {
         self.computed = None;
         self.last_job = None;
         self.compute.spec = None;
+        // the new host numbers its sequences from 1 again
+        self.compute.records.clear();
         // the lost host's waiting requests are gone: give their slots back, or the queue would
         // stay that much fuller for ever (requests still in the channel keep theirs)
         let lost = self.counters.waiting_in_host.swap(0, Ordering::AcqRel);
@@ -601,14 +609,14 @@ pub fn spawn_engine(
     Ok((handle, join))
 }
 
-/// The host borrowed for a change. The one sync point between the host and the speculation
-/// state: when the borrow ends (and when the host comes back from the async worker,
-/// `Engine::put_host`), the proposer forgets the sequences the host removed and speculation learns
-/// the finished ones' outputs, so no change to the host can leave the proposer holding
-/// state (draft-model KV) for a sequence that is gone.
+/// The host borrowed for a change. The one sync point between the host and the compute state:
+/// when the borrow ends (and when the host comes back from the async worker, `Engine::put_host`),
+/// the compute side forgets the sequences the host removed (their records and the proposer's
+/// state) and speculation learns the finished ones' outputs, so no change to the host can leave
+/// the compute side holding state (a record, draft-model KV) for a sequence that is gone.
 pub(crate) struct HostMut<'a> {
     host: &'a mut Host,
-    spec: &'a mut Option<Speculation>,
+    compute: &'a mut ComputeState,
 }
 
 impl std::ops::Deref for HostMut<'_> {
@@ -626,7 +634,7 @@ impl std::ops::DerefMut for HostMut<'_> {
 
 impl Drop for HostMut<'_> {
     fn drop(&mut self) {
-        sync_speculation(self.host, self.spec);
+        sync_compute(self.host, self.compute);
     }
 }
 
@@ -635,13 +643,12 @@ fn host_runner() -> Result<AsyncRunner<HostDone>, EngineError> {
     AsyncRunner::new("specula-host").map_err(|e| EngineError::ThreadPool(e.to_string()))
 }
 
-fn sync_speculation(host: &mut Host, spec: &mut Option<Speculation>) {
-    let removed = host.take_removed();
+fn sync_compute(host: &mut Host, compute: &mut ComputeState) {
+    for id in host.take_removed() {
+        compute.forget(id);
+    }
     let finished = host.take_finished();
-    if let Some(sp) = spec.as_mut() {
-        for id in removed {
-            sp.remove(id);
-        }
+    if let Some(sp) = compute.spec.as_mut() {
         for (tenant, output) in finished {
             sp.record_finished(tenant, &output);
         }

@@ -51,6 +51,9 @@ pub enum StepFailure {
     /// (a bug: the text says which).
     #[error("{0}")]
     Invariant(String),
+    /// A step's view of a sequence disagrees with the compute side's record of it (a bug).
+    #[error("{0}")]
+    Record(#[from] crate::record::RecordError),
     /// A collective of the data-parallel group (the expert exchange) failed.
     #[error("{0}")]
     Collective(String),
@@ -70,7 +73,7 @@ impl StepFailure {
             StepFailure::Grammar(_) => "grammar",
             StepFailure::Proposer(_) => "proposer",
             StepFailure::Kv(_) => "kv",
-            StepFailure::Invariant(_) => "invariant",
+            StepFailure::Invariant(_) | StepFailure::Record(_) => "invariant",
             StepFailure::Collective(_) => "collective",
             StepFailure::Injected => "injected",
         }

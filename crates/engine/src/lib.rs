@@ -14,6 +14,7 @@ pub mod fault;
 pub mod handle;
 pub mod host;
 pub mod kv_cache;
+pub mod record;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;

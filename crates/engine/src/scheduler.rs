@@ -90,11 +90,11 @@ impl Scheduler {
                     1
                 }
             } else {
-                if s.pending_tokens() > budget && !s.draft.tokens.is_empty() {
+                if s.pending_tokens() > budget && !s.draft.is_empty() {
                     s.draft = Default::default(); // not enough room to verify: plain decode this step
                 }
                 // a hybrid's prefill chunk stops where its state is checkpointed
-                kv.chunk_len(id, base, (s.tokens.len() + s.draft.tokens.len()).saturating_sub(base).min(budget))
+                kv.chunk_len(id, base, (s.tokens.len() + s.draft.len()).saturating_sub(base).min(budget))
             };
             if n == 0 {
                 i += 1;
@@ -124,7 +124,7 @@ impl Scheduler {
                 s.add_placeholders(n);
                 ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts: n - 1, sample: true, placeholders: n }
             } else {
-                let num_drafts = if base + n == s.tokens.len() + s.draft.tokens.len() { s.draft.tokens.len() } else { 0 };
+                let num_drafts = if base + n == s.tokens.len() + s.draft.len() { s.draft.len() } else { 0 };
                 ScheduledSeq { seq: id, start: base, num_tokens: n, num_drafts, sample: base + n >= s.tokens.len(), placeholders: 0 }
             };
             s.num_scheduled = base + n;

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::api::SamplingParams;
-use crate::types::{Draft, RequestId};
+use crate::types::RequestId;
 
 const BS: usize = 8;
 
@@ -45,7 +45,7 @@ impl Rig {
             let s = self.seqs.get_mut(&sch.seq).unwrap();
             s.num_computed = sch.start + sch.num_tokens - sch.num_drafts;
             s.num_scheduled = s.num_computed;
-            s.draft = Draft::default();
+            s.draft = Vec::new();
             if sch.sample {
                 s.tokens.push(7);
             }
@@ -121,7 +121,7 @@ fn a_full_pool_preempts_the_last_admitted_sequence_and_admits_nobody_that_step()
     assert_eq!(r.sched.waiting().copied().collect::<Vec<_>>(), vec![SeqId(2), SeqId(3)]);
     for id in [2, 3] {
         let s = &r.seqs[&SeqId(id)];
-        assert_eq!((s.num_computed, s.num_preemptions, s.draft.tokens.len()), (0, 1, 0));
+        assert_eq!((s.num_computed, s.num_preemptions, s.draft.len()), (0, 1, 0));
     }
     // seq 1 holds two blocks, seq 2's block is free again
     assert_eq!(r.kv.num_free_blocks(), 1);
@@ -140,7 +140,7 @@ fn drafts_are_verified_when_they_fit_and_dropped_when_they_do_not() {
     let p = r.schedule();
     r.land(&p);
     // 4 known tokens, 3 computed: a decode of 1 + 3 drafts fills the budget of 4 exactly
-    r.seqs.get_mut(&SeqId(1)).unwrap().draft = Draft { tokens: vec![9, 9, 9], probs: None };
+    r.seqs.get_mut(&SeqId(1)).unwrap().draft = vec![9, 9, 9];
     let p = r.schedule();
     assert_eq!(shape(&p), vec![(1, 3, 4, 3, true)]);
     assert_eq!(r.kv.capacity(SeqId(1)).unwrap(), BS);
@@ -150,10 +150,10 @@ fn drafts_are_verified_when_they_fit_and_dropped_when_they_do_not() {
     r.add(1, 3);
     let p = r.schedule();
     r.land(&p);
-    r.seqs.get_mut(&SeqId(1)).unwrap().draft = Draft { tokens: vec![9, 9, 9, 9], probs: None };
+    r.seqs.get_mut(&SeqId(1)).unwrap().draft = vec![9, 9, 9, 9];
     let p = r.schedule();
     assert_eq!(shape(&p), vec![(1, 3, 1, 0, true)]);
-    assert!(r.seqs[&SeqId(1)].draft.tokens.is_empty());
+    assert!(r.seqs[&SeqId(1)].draft.is_empty());
 }
 
 #[test]

@@ -6,10 +6,17 @@
 use crate::api::{FinishReason, RequestEvent, SamplingParams, TokenLogprob};
 use crate::constraint::Grammar;
 use crate::sampling::{SeqRng, StopStrings};
-use crate::types::{Draft, RequestId, SeqId, TokenId};
+use crate::types::{RequestId, SeqId, TokenId};
 use specula_model::{DecodeStream, Tokenizer};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
+
+/// The compute side's part of a new sequence (see `Sequence::handoff`).
+pub struct Handoff {
+    pub rng: SeqRng,
+    /// Its constraint's compiled grammar (structured outputs; `None`: free text).
+    pub grammar: Option<Grammar>,
+}
 
 pub struct Sequence {
     pub id: SeqId,
@@ -25,15 +32,14 @@ pub struct Sequence {
     /// bring it back to what was kept. Equal to `num_computed` whenever nothing is in flight
     /// (always, synchronously).
     pub num_scheduled: usize,
-    /// Draft tokens (and their draft distributions) proposed for verification in the next step.
-    pub draft: Draft,
+    /// Draft tokens proposed for verification in the next step (their draft distributions stay
+    /// in the compute side's record).
+    pub draft: Vec<TokenId>,
     pub params: SamplingParams,
     pub stops: StopStrings,
-    pub rng: SeqRng,
-    /// Where the output stands in its constraint's language (structured outputs): advanced over
-    /// every accepted token by the compute job and handed back with the step's result, like
-    /// `rng`.
-    pub grammar: Option<Grammar>,
+    /// What only the compute side uses of the sequence (its random stream and constraint state),
+    /// held until the first step that schedules it hands it over (`crate::record`); `None` after.
+    pub handoff: Option<Handoff>,
     pub decode: DecodeStream,
     /// Text generated so far (sent, plus any held back while a stop string may be forming).
     pub text: String,
@@ -66,7 +72,7 @@ pub struct Sequence {
 impl Sequence {
     pub fn new(id: SeqId, request: RequestId, prompt: Vec<TokenId>, params: SamplingParams, events: UnboundedSender<RequestEvent>) -> Self {
         let prompt_len = prompt.len();
-        let rng = SeqRng::new(params.seed, 0);
+        let handoff = Some(Handoff { rng: SeqRng::new(params.seed, 0), grammar: None });
         let decode = DecodeStream::with_context(&prompt);
         Self {
             id,
@@ -75,11 +81,10 @@ impl Sequence {
             prompt_len,
             num_computed: 0,
             num_scheduled: 0,
-            draft: Draft::default(),
+            draft: Vec::new(),
             stops: StopStrings::new(&params.stop),
             params,
-            rng,
-            grammar: None,
+            handoff,
             decode,
             text: String::new(),
             text_sent: 0,
@@ -133,7 +138,7 @@ impl Sequence {
 
     /// Tokens this sequence still needs computed, drafts included.
     pub fn pending_tokens(&self) -> usize {
-        self.tokens.len() + self.draft.tokens.len() - self.num_computed
+        self.tokens.len() + self.draft.len() - self.num_computed
     }
 
     /// Sends an event; a closed channel means the client went away (the engine aborts on its own

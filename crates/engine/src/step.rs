@@ -1,16 +1,15 @@
 //! The data of one engine step, as it moves through the phases (docs/architecture.md, "One
 //! step"): schedule -> prepare -> finalize -> compute (forward, sample, propose) -> apply ->
 //! stream. Each phase imports its inputs and outputs from here and never another phase's module,
-//! so this module imports no phase: only leaf types (api, types, sampling, spec's `Draft`).
+//! so this module imports no phase: only leaf types (types, sampling, the sequence record).
 //!
 //! Each type says which phase writes it and which phase reads it.
 
-use crate::api::SamplingParams;
-use crate::constraint::Grammar;
 use crate::error::StepError;
 use crate::kv_cache::transfer::{KvTransfers, TransfersDone};
-use crate::sampling::{PackedLogprobs, SeqRng};
-use crate::types::{Draft, SeqId, TokenId};
+use crate::record::SeqRecord;
+use crate::sampling::PackedLogprobs;
+use crate::types::{SeqId, TokenId};
 use std::time::{Duration, Instant};
 
 // ---------------------------------------------------------------------------------------------
@@ -129,9 +128,9 @@ pub(crate) struct PreparedSeq {
     pub state_slot: Option<u32>,
     /// Its input tokens; empty for a decode scheduled ahead (the step before samples them).
     pub tokens: Vec<TokenId>,
-    /// Its sampling state, when the step samples it (history and random stream as the host knows
-    /// them: a decode scheduled ahead is missing the step before's tokens until `finalize`).
-    pub item: Option<SampleItem>,
+    /// Its compute-side record, when this is the first step to schedule it (the host hands the
+    /// sequence over once: `crate::record`).
+    pub admitted: Option<SeqRecord>,
     /// Prompt logprobs this step computes for it, when it asks for them and the step covers prompt
     /// rows (`first_row` set by finalize).
     pub prompt_rows: Option<PromptRows>,
@@ -175,24 +174,17 @@ pub(crate) struct PreparedStep {
 // ---------------------------------------------------------------------------------------------
 // compute
 
-/// A sequence whose logits are sampled this step, with the state sampling and drafting need.
-/// Written by prepare and completed by finalize; read (and its history extended) by the compute job.
+/// A sequence whose logits are sampled this step: which rows, and where they are in its history.
+/// Its sampling state is its record's (`crate::record`). Written by finalize; read by the compute job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SampleItem {
     pub seq: SeqId,
-    /// Its rows among the step's logits rows (`1 + draft.tokens.len()`).
+    /// Its rows among the step's logits rows (`1 +` the drafts it verifies).
     pub first_row: usize,
     pub rows: usize,
     /// Position of its first token in this step and how many it computes (for proposer rollback).
     pub start: usize,
     pub num_tokens: usize,
-    pub params: SamplingParams,
-    /// Prompt followed by the accepted output, before this step's tokens.
-    pub tokens: Vec<TokenId>,
-    pub prompt_len: usize,
-    pub rng: SeqRng,
-    /// Its constraint's state before this step's tokens (structured outputs; `None`: free text).
-    pub grammar: Option<Grammar>,
-    pub draft: Draft,
 }
 
 impl SampleItem {
@@ -200,12 +192,25 @@ impl SampleItem {
     pub fn kept_end(&self, rejected: usize) -> usize {
         kept_end(self.start, self.num_tokens, rejected)
     }
+
+    /// Draft tokens it verifies.
+    pub fn num_drafts(&self) -> usize {
+        self.rows - 1
+    }
+
+    /// Tokens of the sequence known before this step's emitted ones: its inputs end with the
+    /// last known token, then its drafts.
+    pub fn known(&self) -> usize {
+        self.start + self.num_tokens - self.num_drafts()
+    }
 }
 
 /// One step's compute job. Written by finalize; read by `runner::job::run_job`.
 pub(crate) struct StepJob {
     pub step: u64,
     pub inputs: BatchInputs,
+    /// Records of the sequences this step is the first to schedule (taken in before anything runs).
+    pub admitted: Vec<(SeqId, SeqRecord)>,
     pub items: Vec<SampleItem>,
     /// Prompt rows whose logprobs are computed (their logits rows come before the sequence's
     /// sampled rows).
@@ -224,14 +229,11 @@ pub(crate) struct SeqResult {
     pub num_drafts: usize,
     /// Rows `lp_first..lp_first + tokens.len()` of the step's packed logprobs, when asked for.
     pub lp_first: Option<usize>,
-    pub rng: SeqRng,
-    /// Its constraint's state after `tokens`.
-    pub grammar: Option<Grammar>,
     /// The constraint's language allows nothing more after `tokens`: the output is complete
     /// (finish reason "stop", as if EOS had been sampled).
     pub grammar_finished: bool,
-    /// Drafts for the next step (empty if none).
-    pub next_draft: Draft,
+    /// Draft tokens for the next step (empty if none); their distributions stay in the record.
+    pub next_draft: Vec<TokenId>,
     /// A token-level finish (stop token, length, finished grammar) among `tokens`: the sequence
     /// does not go on.
     pub finished: bool,
@@ -243,18 +245,8 @@ pub(crate) struct SeqResult {
 
 impl SeqResult {
     /// A result for a sequence that failed in the step on its own (see `failed`).
-    pub fn failed(rng: SeqRng, message: String) -> Self {
-        SeqResult {
-            tokens: Vec::new(),
-            num_drafts: 0,
-            lp_first: None,
-            rng,
-            grammar: None,
-            grammar_finished: false,
-            next_draft: Draft::default(),
-            finished: true,
-            failed: Some(message),
-        }
+    pub fn failed(message: String) -> Self {
+        SeqResult { tokens: Vec::new(), num_drafts: 0, lp_first: None, grammar_finished: false, next_draft: Vec::new(), finished: true, failed: Some(message) }
     }
 
     pub fn num_accepted(&self) -> usize {

@@ -20,7 +20,7 @@ use crate::sampling::{unpack, RankedLogprob, StopCheck};
 use crate::scheduler::Scheduler;
 use crate::sequence::{is_stop_token, token_finish, Sequence};
 use crate::step::{Computed, HostWork, JobOutput, PreparedStep, StepPlan, StepTimings};
-use crate::types::{Draft, RequestId, SeqId, Tenant, TokenId};
+use crate::types::{RequestId, SeqId, Tenant, TokenId};
 use specula_model::Tokenizer;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -132,7 +132,9 @@ impl Host {
         self.next_seq += 1;
         self.by_request.insert(request_id, id);
         let mut seq = Sequence::new(id, request_id, prompt, params, events);
-        seq.grammar = grammar;
+        if let Some(h) = seq.handoff.as_mut() {
+            h.grammar = grammar;
+        }
         self.seqs.insert(id, seq);
         self.scheduler.add(id);
         self.counters.waiting_in_host.fetch_add(1, Ordering::Relaxed);
@@ -234,7 +236,7 @@ impl Host {
         let transfers = self.kv.take_transfers();
         let result = catch_unwind(AssertUnwindSafe(|| {
             FaultInjection::trip(fault, step, FaultPhase::Prepare)?;
-            prepare(&plan, &self.seqs, &self.kv)
+            prepare(&plan, &mut self.seqs, &self.kv)
         }));
         let err = match result {
             Ok(Ok(seqs)) => return Some(PreparedStep { step, plan, seqs, transfers }),
@@ -265,7 +267,7 @@ impl Host {
         }
         p.transfers.append(self.kv.take_transfers());
         let late = StepPlan { seqs: p.plan.seqs[first..].to_vec(), ..Default::default() };
-        match prepare(&late, &self.seqs, &self.kv) {
+        match prepare(&late, &mut self.seqs, &self.kv) {
             Ok(seqs) => p.seqs.extend(seqs),
             Err(e) => {
                 p.plan.seqs.truncate(first);
@@ -404,8 +406,6 @@ impl Host {
                 }
                 continue;
             };
-            s.rng = r.rng;
-            s.grammar = r.grammar;
             let first = s.tokens.len();
             let mut finish = None;
             for &tok in &r.tokens {
@@ -419,7 +419,7 @@ impl Host {
                 // the constraint's language allows nothing more: done, as if EOS came next
                 finish = Some(FinishReason::Stop);
             }
-            s.draft = if finish.is_none() && kv_live { r.next_draft } else { Draft::default() };
+            s.draft = if finish.is_none() && kv_live { r.next_draft } else { Vec::new() };
             if kv_live {
                 // accepted draft tokens are now known tokens with computed KV
                 expect_kv(self.kv.commit_tokens(sch.seq, &s.tokens[..s.num_computed.min(s.tokens.len())]), "committing accepted tokens", sch.seq);

@@ -2,15 +2,16 @@
 //! the next step's draft proposals. Everything after the forward pass that the next forward pass
 //! depends on is here, and nothing else: detokenizing, stop strings and streaming are host work
 //! (`crate::host`). The job touches only the compute state (the KV tensors, the sampler, the
-//! proposer) and what its items carry (each sampled sequence's random stream, history and
-//! draft), so the engine thread runs it with the same code whether the host work of the
-//! neighbouring steps runs inline or on the async runner, and so produces the same tokens.
+//! proposer, and each sequence's record: history, random stream, grammar, drafts), so the engine
+//! thread runs it with the same code whether the host work of the neighbouring steps runs inline
+//! or on the async runner, and so produces the same tokens.
 
 use super::execute;
 use crate::constraint::{draft_after_forced, forced_prefix, masked_rows, TokenMask, JUMP_FORWARD_MAX_TOKENS};
 use crate::error::{panic_message, StepError, StepFailure};
 use crate::fault::{FaultInjection, FaultPhase};
-use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, SeqRng, TokenHistory};
+use crate::record::{SeqRecord, SeqRecords};
+use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, TokenHistory};
 use crate::sequence::token_finish;
 use crate::speculative::{verify, DraftCandidate, DraftRequest, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
@@ -46,6 +47,18 @@ pub(crate) struct ComputeState {
     pub kv_store: KvStore,
     pub sampler: Sampler,
     pub spec: Option<Speculation>,
+    /// Every live sequence's record (`crate::record`).
+    pub records: SeqRecords,
+}
+
+impl ComputeState {
+    /// Forgets a sequence the host removed: its record and the proposer's state for it.
+    pub fn forget(&mut self, seq: SeqId) {
+        self.records.forget(seq);
+        if let Some(sp) = self.spec.as_mut() {
+            sp.remove(seq);
+        }
+    }
 }
 
 /// Runs `job`, catching a panic anywhere in it; the error names the step. `while_forward` runs on
@@ -68,18 +81,26 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     // the prefix-cache tiers' block copies and state restores, before anything reads or writes
     // the KV (`transfer`); the state saves after the forward pass
     let mut job = job;
+    for (seq, rec) in std::mem::take(&mut job.admitted) {
+        state.records.admit(seq, rec);
+    }
+    // every sampled sequence's record agrees with the step, and keeps the drafts it verifies
+    for it in &job.items {
+        state.records.get_mut(it.seq)?.check(it.seq, it.known(), it.num_drafts())?;
+    }
     let state_saves = std::mem::take(&mut job.transfers.state_saves);
     let mut transfers = super::run_transfers(&mut state.kv_store, job.transfers).map_err(|e| StepFailure::Invariant(e.to_string()))?;
     let mut inputs = job.inputs;
     inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
-    let mut items = job.items;
-    // the grammar masks depend only on what the items carry: computed on this thread while the
-    // forward pass runs on the pool
+    let items = job.items;
+    // the grammar masks depend only on the records: computed on this thread while the forward
+    // pass runs on the pool
     let mut masks = Vec::new();
+    let records = &mut state.records;
     let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, || {
         while_forward();
-        masks = grammar_masks(&mut items, ctx.fault, job.step);
+        masks = grammar_masks(&items, records, ctx.fault, job.step);
     })?;
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
     transfers.states_saved = super::run_state_saves(&mut state.kv_store, state_saves).map_err(|e| StepFailure::Invariant(e.to_string()))?;
@@ -92,9 +113,9 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
         micros = (forward_end - forward_start).as_micros() as u64,
         "forward pass"
     );
-    let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &mut items, &masks, &job.prompt_rows, &out.logits)?;
+    let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &items, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
-    let results = propose(ctx, state, job.step, items, results, &out.hidden, job.pending_prefill);
+    let results = propose(ctx, state, job.step, &items, results, &out.hidden, job.pending_prefill)?;
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
     Ok(JobOutput { results, logprobs, prompt_logprobs, timings, transfers, _spent: (inputs, out) })
 }
@@ -106,25 +127,14 @@ type ItemMasks = Result<Option<(Vec<TokenMask>, usize)>, StepFailure>;
 
 /// The token masks of every constrained item (structured outputs), by item. A matcher that fails
 /// (an error, or a panic inside llguidance) fails its own item only; the others are masked as usual.
-fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: u64) -> Vec<ItemMasks> {
+fn grammar_masks(items: &[SampleItem], records: &mut SeqRecords, fault: Option<FaultInjection>, step: u64) -> Vec<ItemMasks> {
     let start = Instant::now();
     let mut rows = 0;
     let masks: Vec<ItemMasks> = items
-        .iter_mut()
-        .map(|it| match it.grammar.as_mut() {
-            None if it.params.needs_grammar() => Err(StepFailure::Invariant(format!("{}: its constraint's grammar state is missing (an engine bug)", it.seq))),
-            // a reasoning budget past its closing token constrains nothing more: free text
-            Some(g) if g.is_free_text() => Ok(None),
-            Some(g) => {
-                let m = catch_unwind(AssertUnwindSafe(|| {
-                    FaultInjection::trip(fault, step, FaultPhase::Grammar)?;
-                    Ok(g.verification_masks(&it.draft.tokens)?)
-                }))
-                .unwrap_or_else(|p| Err(StepFailure::Grammar(crate::constraint::ConstraintError(format!("the grammar panicked: {}", panic_message(&p))))))?;
-                rows += m.0.len();
-                Ok(Some(m))
-            }
-            None => Ok(None),
+        .iter()
+        .map(|it| {
+            let rec = records.get_mut(it.seq)?;
+            item_masks(it.seq, rec, fault, step, &mut rows)
         })
         .collect();
     if rows > 0 {
@@ -133,12 +143,32 @@ fn grammar_masks(items: &mut [SampleItem], fault: Option<FaultInjection>, step: 
     masks
 }
 
+/// One item's masks (see [`grammar_masks`]); `rows` counts the masks computed.
+fn item_masks(seq: SeqId, rec: &mut SeqRecord, fault: Option<FaultInjection>, step: u64, rows: &mut usize) -> ItemMasks {
+    match rec.grammar.as_mut() {
+        None if rec.params.needs_grammar() => Err(StepFailure::Invariant(format!("{seq}: its constraint's grammar state is missing (an engine bug)"))),
+        // a reasoning budget past its closing token constrains nothing more: free text
+        Some(g) if g.is_free_text() => Ok(None),
+        Some(g) => {
+            let drafts = &rec.draft.tokens;
+            let m = catch_unwind(AssertUnwindSafe(|| {
+                FaultInjection::trip(fault, step, FaultPhase::Grammar)?;
+                Ok(g.verification_masks(drafts)?)
+            }))
+            .unwrap_or_else(|p| Err(StepFailure::Grammar(crate::constraint::ConstraintError(format!("the grammar panicked: {}", panic_message(&p))))))?;
+            *rows += m.0.len();
+            Ok(Some(m))
+        }
+        None => Ok(None),
+    }
+}
+
 /// The result of a constrained item whose grammar failed at run time (its masks, or consuming the
 /// sampled tokens): logged, no tokens, and its request alone fails with the error.
-fn grammar_failure(seq: SeqId, step: u64, rng: SeqRng, error: impl std::fmt::Display) -> SeqResult {
+fn grammar_failure(seq: SeqId, step: u64, error: impl std::fmt::Display) -> SeqResult {
     let message = format!("structured output failed: {error}");
     tracing::warn!(seq = %seq, "step {step}: {message}");
-    SeqResult::failed(rng, message)
+    SeqResult::failed(message)
 }
 
 /// What sampling returns: each item's result, the packed logprobs, and where prompt logprobs are
@@ -155,27 +185,32 @@ fn sample(
     ctx: &JobContext,
     state: &mut ComputeState,
     step: u64,
-    items: &mut [SampleItem],
+    items: &[SampleItem],
     masks: &[ItemMasks],
     prompt_rows: &[PromptRows],
     logits: &[f32],
 ) -> Result<Sampled, StepFailure> {
     let vocab = ctx.model.config.vocab_size;
+    let ComputeState { sampler, spec, records, .. } = state;
     // only the largest top-k any sequence of this batch asked for is computed
-    let k_max = items.iter().filter_map(|it| it.params.logprobs).chain(prompt_rows.iter().map(|p| p.k)).max();
+    let mut k_max = prompt_rows.iter().map(|p| p.k).max();
+    for it in items {
+        k_max = k_max.max(records.get(it.seq)?.params.logprobs);
+    }
+    let force_accept = spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     let mut lp_rows: Vec<RankedLogprob> = Vec::new();
     let mut verified = false;
     let mut results = Vec::with_capacity(items.len());
     let mut scratch = Vec::new();
-    for (i, it) in items.iter_mut().enumerate() {
+    for (i, it) in items.iter().enumerate() {
         let block = logits
             .get(it.first_row * vocab..(it.first_row + it.rows) * vocab)
             .ok_or_else(|| StepFailure::Invariant(format!("{}: logits rows {}..{} out of range", it.seq, it.first_row, it.first_row + it.rows)))?;
-        let num_drafts = it.rows - 1;
-        let rng = std::mem::replace(&mut it.rng, SeqRng::new(Some(0), 0));
+        let num_drafts = it.num_drafts();
+        let rec = records.get_mut(it.seq)?;
         let item_masks = match masks.get(i) {
             Some(Err(e)) => {
-                results.push(grammar_failure(it.seq, step, rng, e));
+                results.push(grammar_failure(it.seq, step, e));
                 continue;
             }
             Some(Ok(m)) => m.as_ref(),
@@ -186,48 +221,38 @@ fn sample(
             Some((ms, _)) => masked_rows(block, ms, vocab, &mut scratch),
             None => block,
         };
-        let mut toks = match draw(ctx, state, step, i == 0, it, rows, &rng) {
+        let mut toks = match draw(ctx, sampler, force_accept, step, i == 0, rec, it.rows, rows) {
             Ok(toks) => toks,
             Err(message) => {
                 tracing::error!(seq = %it.seq, "step {step}: {message}");
-                results.push(SeqResult::failed(rng, message));
+                results.push(SeqResult::failed(message));
                 continue;
             }
         };
         verified |= num_drafts > 0;
         // drafts the rejection sampler accepted (for the acceptance counters)
         let accepted = toks.len() - 1;
-        let mut grammar = it.grammar.take();
-        if let (Some(g), Some((_, consumed))) = (grammar.as_mut(), item_masks) {
+        if let (Some(g), Some((_, consumed))) = (rec.grammar.as_mut(), item_masks) {
             if let Err(e) = g.accept(*consumed, &toks) {
-                results.push(grammar_failure(it.seq, step, rng, e));
+                results.push(grammar_failure(it.seq, step, e));
                 continue;
             }
             g.trim_completed(&mut toks);
         }
-        let grammar_finished = grammar.as_ref().is_some_and(|g| g.is_finished());
-        let lp_first = match (it.params.logprobs, k_max) {
+        let grammar_finished = rec.grammar.as_ref().is_some_and(|g| g.is_finished());
+        let lp_first = match (rec.params.logprobs, k_max) {
             (Some(_), Some(k)) => Some(emitted_logprobs(block, &toks, vocab, k, &mut lp_rows)?),
             _ => None,
         };
         let forced = match item_masks {
-            Some((ms, _)) if ctx.jump_forward => forced_prefix(&it.draft.tokens, ms),
+            Some((ms, _)) if ctx.jump_forward => forced_prefix(&rec.draft.tokens, ms),
             _ => 0,
         };
         let kept_end = it.kept_end(num_drafts - (toks.len() - 1));
-        Speculation::record_verification(state.spec.as_mut(), it.seq, num_drafts, forced, accepted, kept_end);
-        it.tokens.extend_from_slice(&toks);
-        results.push(SeqResult {
-            tokens: toks,
-            num_drafts,
-            lp_first,
-            rng,
-            grammar,
-            grammar_finished,
-            next_draft: Draft::default(),
-            finished: false,
-            failed: None,
-        });
+        Speculation::record_verification(spec.as_mut(), it.seq, &mut rec.spec, num_drafts, forced, accepted, kept_end);
+        rec.tokens.extend_from_slice(&toks);
+        rec.draft = Draft::default();
+        results.push(SeqResult { tokens: toks, num_drafts, lp_first, grammar_finished, next_draft: Vec::new(), finished: false, failed: None });
         FaultInjection::trip(ctx.fault, step, FaultPhase::Sample)?;
     }
     let prompt_out = prompt_logprobs(ctx, logits, prompt_rows, k_max, &mut lp_rows)?;
@@ -246,18 +271,27 @@ fn sample(
 /// prefix and one more). A failure or panic here fails this sequence alone, not its neighbours:
 /// the error is the text its request gets. `first`: the step's first sampled item (the test
 /// switch's `SampleSequence` fault).
-fn draw(ctx: &JobContext, state: &mut ComputeState, step: u64, first: bool, it: &SampleItem, rows: &[f32], rng: &SeqRng) -> Result<Vec<TokenId>, String> {
+#[allow(clippy::too_many_arguments)]
+fn draw(
+    ctx: &JobContext,
+    sampler: &mut Sampler,
+    force_accept: bool,
+    step: u64,
+    first: bool,
+    rec: &SeqRecord,
+    n_rows: usize,
+    rows: &[f32],
+) -> Result<Vec<TokenId>, String> {
     let vocab = ctx.model.config.vocab_size;
-    let force_accept = state.spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     let drawn = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<TokenId>, StepFailure> {
         if first {
             FaultInjection::trip(ctx.fault, step, FaultPhase::SampleSequence)?;
         }
-        let (prompt, output) = it.tokens.split_at(it.prompt_len);
-        if it.rows == 1 {
-            Ok(vec![state.sampler.sample(rows, &it.params, TokenHistory { prompt, output }, rng)?])
+        let (prompt, output) = rec.tokens.split_at(rec.prompt_len);
+        if n_rows == 1 {
+            Ok(vec![sampler.sample(rows, &rec.params, TokenHistory { prompt, output }, &rec.rng)?])
         } else {
-            Ok(verify(rows, vocab, &it.draft, &it.params, prompt, output, rng, force_accept)?.tokens)
+            Ok(verify(rows, vocab, &rec.draft, &rec.params, prompt, output, &rec.rng, force_accept)?.tokens)
         }
     }));
     match drawn {
@@ -308,115 +342,130 @@ fn propose(
     ctx: &JobContext,
     state: &mut ComputeState,
     step: u64,
-    items: Vec<SampleItem>,
+    items: &[SampleItem],
     mut results: Vec<SeqResult>,
     hidden: &[f32],
     pending_prefill: usize,
-) -> Vec<(SeqId, SeqResult)> {
-    let continuing = continuing(ctx, &items, &mut results);
+) -> Result<Vec<(SeqId, SeqResult)>, StepFailure> {
+    let ComputeState { spec, records, .. } = state;
+    let continuing = continuing(ctx, items, records, &mut results)?;
     let decoding = continuing.iter().filter(|&&c| c).count();
-    let room: Vec<usize> = items.iter().map(|it| room(ctx, it)).collect();
-    if let Some(sp) = state.spec.as_mut() {
-        let context: usize = items.iter().zip(&continuing).filter(|(_, &c)| c).map(|(it, _)| it.tokens.len()).sum();
+    let room = items.iter().map(|it| Ok(room(ctx, records.get(it.seq)?))).collect::<Result<Vec<usize>, StepFailure>>()?;
+    if let Some(sp) = spec.as_mut() {
+        let mut context = 0;
+        for (it, _) in items.iter().zip(&continuing).filter(|(_, &c)| c) {
+            context += records.get(it.seq)?.tokens.len();
+        }
         sp.set_context(context / decoding.max(1));
     }
-    let forced = jump_forward(ctx, state.spec.as_ref(), &mut results, &continuing, &room, decoding);
-    if let Some(sp) = state.spec.as_mut() {
-        let needs_hidden = sp.proposer.needs_hidden();
-        if decoding > 0 && (sp.batch_k_limit(decoding) > 0 || needs_hidden) {
-            // the proposer drafts after the forced tokens (one that reads the target's hidden
-            // states cannot: it drafts only where nothing is forced)
-            let extended: Vec<Option<Vec<TokenId>>> =
-                items.iter().zip(&forced).map(|(it, f)| (!f.is_empty() && !needs_hidden).then(|| [&it.tokens[..], &f[..]].concat())).collect();
-            // each row's hidden states: one H-wide state per layer the proposer asked for; the
-            // rows that produced the item's emitted tokens
-            let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
-            let which: Vec<usize> = (0..items.len()).filter(|&i| continuing[i]).collect();
-            let cands: Vec<DraftCandidate> = which
-                .iter()
-                .map(|&i| {
-                    let it = &items[i];
-                    DraftCandidate {
-                        seq: it.seq,
-                        tokens: extended[i].as_deref().unwrap_or(&it.tokens),
-                        known: it.tokens.len(),
-                        prompt_len: it.prompt_len,
-                        params: &it.params,
-                        forced: forced[i].len(),
-                        room: room[i],
-                        hidden: hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h),
-                        rng: &results[i].rng,
-                    }
-                })
-                .collect();
-            let arrived = ctx.queue.waiting.load(std::sync::atomic::Ordering::Relaxed);
-            let reqs = sp.plan_drafts(&cands, pending_prefill, arrived, ctx.max_num_seqs);
-            if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) {
-                let drafts = run_proposer(ctx, sp, step, &reqs);
-                let vocab = ctx.model.config.vocab_size;
-                for (i, d) in which.into_iter().zip(drafts.into_iter().flatten()) {
-                    if d.tokens.iter().any(|&t| t as usize >= vocab) {
-                        continue; // a proposer bug must not crash verification
-                    }
-                    if let Some(d) = draft_after_forced(items[i].seq, results[i].grammar.as_mut(), &forced[i], d, vocab) {
-                        results[i].next_draft = d;
-                    }
+    let forced = jump_forward(ctx, spec.as_ref(), items, records, &mut results, &continuing, &room, decoding)?;
+    let Some(sp) = spec.as_mut() else { return Ok(items.iter().map(|it| it.seq).zip(results).collect()) };
+    let needs_hidden = sp.proposer.needs_hidden();
+    if decoding > 0 && (sp.batch_k_limit(decoding) > 0 || needs_hidden) {
+        // the records of the sequences that go on, in the items' order
+        let which: Vec<usize> = (0..items.len()).filter(|&i| continuing[i]).collect();
+        let seqs: Vec<SeqId> = which.iter().map(|&i| items[i].seq).collect();
+        let mut recs = records.get_many_mut(&seqs)?;
+        // the proposer drafts after the forced tokens (one that reads the target's hidden
+        // states cannot: it drafts only where nothing is forced)
+        let extended: Vec<Option<Vec<TokenId>>> =
+            which.iter().zip(&recs).map(|(&i, rec)| (!forced[i].is_empty() && !needs_hidden).then(|| [&rec.tokens[..], &forced[i][..]].concat())).collect();
+        // each row's hidden states: one H-wide state per layer the proposer asked for; the
+        // rows that produced the item's emitted tokens
+        let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
+        let mut cands: Vec<DraftCandidate> = which
+            .iter()
+            .zip(recs.iter_mut())
+            .zip(&extended)
+            .map(|((&i, rec), ext)| {
+                let it = &items[i];
+                let SeqRecord { tokens, prompt_len, params, rng, spec, .. } = &mut **rec;
+                DraftCandidate {
+                    seq: it.seq,
+                    tokens: ext.as_deref().unwrap_or(tokens),
+                    known: tokens.len(),
+                    prompt_len: *prompt_len,
+                    params,
+                    forced: forced[i].len(),
+                    room: room[i],
+                    hidden: hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h),
+                    rng,
+                    spec,
                 }
+            })
+            .collect();
+        let arrived = ctx.queue.waiting.load(std::sync::atomic::Ordering::Relaxed);
+        let reqs = sp.plan_drafts(&mut cands, pending_prefill, arrived, ctx.max_num_seqs);
+        let drafts = if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) { run_proposer(ctx, sp, step, &reqs) } else { None };
+        let vocab = ctx.model.config.vocab_size;
+        for ((&i, rec), d) in which.iter().zip(recs.iter_mut()).zip(drafts.into_iter().flatten()) {
+            if d.tokens.iter().any(|&t| t as usize >= vocab) {
+                continue; // a proposer bug must not crash verification
+            }
+            if let Some(d) = draft_after_forced(items[i].seq, rec.grammar.as_mut(), &forced[i], d, vocab) {
+                results[i].next_draft.clone_from(&d.tokens);
+                rec.draft = d;
             }
         }
     }
-    items.iter().map(|it| it.seq).zip(results).collect()
+    Ok(items.iter().map(|it| it.seq).zip(results).collect())
 }
 
 /// Which items go on decoding: not failed, grammar not finished, no token of this step ending
 /// the sequence (stop token, length, context); the others are marked finished.
-fn continuing(ctx: &JobContext, items: &[SampleItem], results: &mut [SeqResult]) -> Vec<bool> {
-    items
-        .iter()
-        .zip(results.iter_mut())
-        .map(|(it, r)| {
-            let base = it.tokens.len() - r.tokens.len();
-            let ends = r
-                .tokens
-                .iter()
-                .enumerate()
-                .any(|(j, &t)| token_finish(&it.params, &ctx.tokenizer, t, base + j + 1 - it.prompt_len, base + j + 1, ctx.max_model_len).is_some());
-            let goes_on = r.failed.is_none() && !r.grammar_finished && !ends;
-            r.finished = !goes_on;
-            goes_on
-        })
-        .collect()
+fn continuing(ctx: &JobContext, items: &[SampleItem], records: &SeqRecords, results: &mut [SeqResult]) -> Result<Vec<bool>, StepFailure> {
+    let mut out = Vec::with_capacity(items.len());
+    for (it, r) in items.iter().zip(results.iter_mut()) {
+        let rec = records.get(it.seq)?;
+        let base = rec.tokens.len() - r.tokens.len();
+        let ends = r
+            .tokens
+            .iter()
+            .enumerate()
+            .any(|(j, &t)| token_finish(&rec.params, &ctx.tokenizer, t, base + j + 1 - rec.prompt_len, base + j + 1, ctx.max_model_len).is_some());
+        let goes_on = r.failed.is_none() && !r.grammar_finished && !ends;
+        r.finished = !goes_on;
+        out.push(goes_on);
+    }
+    Ok(out)
 }
 
 /// Tokens a sequence may still get after the next one (its length and the context).
-fn room(ctx: &JobContext, it: &SampleItem) -> usize {
-    let output_len = it.tokens.len() - it.prompt_len;
-    it.params.max_tokens.saturating_sub(output_len + 1).min(ctx.max_model_len.saturating_sub(it.tokens.len() + 1))
+fn room(ctx: &JobContext, rec: &SeqRecord) -> usize {
+    rec.params.max_tokens.saturating_sub(rec.output_len() + 1).min(ctx.max_model_len.saturating_sub(rec.tokens.len() + 1))
 }
 
 /// Jump-forward: the tokens each continuing constrained sequence's grammar forces next (within
 /// the step's forced budget and its room), set as its draft; the proposer's draft goes after them.
+#[allow(clippy::too_many_arguments)]
 fn jump_forward(
     ctx: &JobContext,
     spec: Option<&Speculation>,
+    items: &[SampleItem],
+    records: &mut SeqRecords,
     results: &mut [SeqResult],
     continuing: &[bool],
     room: &[usize],
     decoding: usize,
-) -> Vec<Vec<TokenId>> {
+) -> Result<Vec<Vec<TokenId>>, StepFailure> {
     let cap = match spec {
         _ if !ctx.jump_forward || decoding == 0 => 0,
         Some(sp) => sp.forced_limit(decoding),
         None => JUMP_FORWARD_MAX_TOKENS,
     };
     let mut forced: Vec<Vec<TokenId>> = vec![Vec::new(); results.len()];
-    for (i, r) in results.iter_mut().enumerate() {
-        if let (true, true, Some(g)) = (cap > 0, continuing[i], r.grammar.as_mut()) {
+    if cap == 0 {
+        return Ok(forced);
+    }
+    for (i, (it, r)) in items.iter().zip(results.iter_mut()).enumerate() {
+        let rec = records.get_mut(it.seq)?;
+        if let (true, Some(g)) = (continuing[i], rec.grammar.as_mut()) {
             forced[i] = g.forced_tokens(cap.min(room[i]));
-            r.next_draft = Draft { tokens: forced[i].clone(), probs: None };
+            r.next_draft.clone_from(&forced[i]);
+            rec.draft = Draft { tokens: forced[i].clone(), probs: None };
         }
     }
-    forced
+    Ok(forced)
 }
 
 /// Runs the proposer over `reqs`: their drafts, or `None` when it fails or panics. That costs this

@@ -162,13 +162,35 @@ pub fn cost_model(
     Ok(model)
 }
 
-/// Speculative decoding state of an engine: the proposer, the counters and each sequence's
-/// acceptance history (adaptive k). It travels with the step's compute job.
+/// One sequence's speculation state (adaptive k), kept in its compute-side record
+/// (`crate::record::SeqRecord::spec`), so it goes when the sequence does.
+#[derive(Clone, Debug, Default)]
+pub struct SeqSpec {
+    /// Acceptance of its own drafts (started from the engine-wide estimate on first use).
+    tracker: Option<adaptive::AcceptanceTracker>,
+    /// The support band of its draft that awaits verification (credited then).
+    supported: Option<usize>,
+    /// A combined proposer's share of its recent steps that the n-gram drafted (a moving
+    /// average, [`NGRAM_SHARE_WEIGHT`]): how soon a draft model called back is expected to hand
+    /// over again, so what its catch-up is repaid over ([`Speculation::model_horizon`]); `None`:
+    /// no step chose yet (the engine-wide prior stands in).
+    ngram_share: Option<f64>,
+}
+
+impl SeqSpec {
+    /// Its acceptance tracker, started from the engine-wide estimate on first use.
+    fn tracker(&mut self, global: &adaptive::AcceptanceTracker) -> &mut adaptive::AcceptanceTracker {
+        self.tracker.get_or_insert_with(|| adaptive::AcceptanceTracker::from_global(global))
+    }
+}
+
+/// Speculative decoding state of an engine: the proposer, the counters and the engine-wide
+/// acceptance estimates (adaptive k; each sequence's own are in its [`SeqSpec`]). It travels with
+/// the step's compute job.
 pub struct Speculation {
     pub cfg: SpecConfig,
     pub proposer: Box<dyn Proposer>,
     pub metrics: SpecMetrics,
-    pub(crate) trackers: std::collections::BTreeMap<crate::types::SeqId, adaptive::AcceptanceTracker>,
     /// Acceptance over every sequence: where a new sequence's estimate starts.
     pub(crate) global: adaptive::AcceptanceTracker,
     /// What a step with drafts costs on this target and machine (adaptive k).
@@ -180,13 +202,7 @@ pub struct Speculation {
     /// Engine-wide acceptance per band of the proposer's support (`Support::band`), for a
     /// proposer that reports one.
     pub(crate) by_support: Vec<adaptive::AcceptanceTracker>,
-    /// The support band of each sequence's draft that awaits verification (credited then).
-    supported: std::collections::BTreeMap<crate::types::SeqId, usize>,
-    /// A combined proposer's share of each sequence's recent steps that the n-gram drafted (a
-    /// moving average, [`NGRAM_SHARE_WEIGHT`]): how soon a draft model called back is expected
-    /// to hand over again, so what its catch-up is repaid over ([`Self::model_horizon`]).
-    ngram_share: std::collections::BTreeMap<crate::types::SeqId, f64>,
-    /// The same share over every sequence's steps: where a new sequence's starts, so a draft
+    /// The n-gram's share ([`SeqSpec::ngram_share`]) over every sequence's steps: where a new sequence's starts, so a draft
     /// model's catch-up with a fresh prompt is priced by what the workload's sequences have been
     /// doing (on code edits the n-gram drafts most steps: the draft model's prefill of each prompt
     /// was spent for a few steps and delayed every first token).
@@ -206,14 +222,11 @@ impl Speculation {
             cfg,
             proposer,
             metrics,
-            trackers: std::collections::BTreeMap::new(),
             global: adaptive::AcceptanceTracker::global(),
             ngram_cost: cost.without_drafts(),
             cost,
             output_lengths: adaptive::OutputLengths::default(),
             by_support: (0..2 * adaptive::SUPPORT_BANDS).map(|_| adaptive::AcceptanceTracker::global()).collect(),
-            supported: std::collections::BTreeMap::new(),
-            ngram_share: std::collections::BTreeMap::new(),
             ngram_share_prior: 0.0,
         }
     }
@@ -257,12 +270,12 @@ impl Speculation {
     /// Records a verification of `proposed` drafts of which `accepted` were kept: a draft backed
     /// by a support is credited to its band, any other to the sequence's own estimate (so a
     /// combined proposer's model keeps an estimate of its own drafts only).
-    pub(crate) fn record(&mut self, seq: crate::types::SeqId, proposed: usize, accepted: usize) {
+    pub(crate) fn record(&mut self, st: &mut SeqSpec, proposed: usize, accepted: usize) {
         self.metrics.record(proposed, accepted);
         self.global.record(proposed, accepted);
-        match self.supported.remove(&seq) {
+        match st.supported.take() {
             Some(band) => self.by_support[band].record(proposed, accepted),
-            None => tracker(&mut self.trackers, &self.global, seq).record(proposed, accepted),
+            None => st.tracker(&self.global).record(proposed, accepted),
         }
     }
 
@@ -275,11 +288,19 @@ impl Speculation {
     /// whole batch repays itself in it ([`adaptive::catch_up_pays`], [`CatchUp::batch_backlog`]). `support`: how far the
     /// proposer's draft is backed ([`Proposer::support`]); where given, the acceptance of its
     /// band decides instead of the sequence's own, and no more than that many tokens are drafted.
-    pub(crate) fn next_k(&mut self, seq: crate::types::SeqId, k_limit: usize, decoding: usize, catch_up: CatchUp, support: Option<Support>) -> usize {
+    pub(crate) fn next_k(
+        &mut self,
+        seq: crate::types::SeqId,
+        st: &mut SeqSpec,
+        k_limit: usize,
+        decoding: usize,
+        catch_up: CatchUp,
+        support: Option<Support>,
+    ) -> usize {
         if !self.cfg.adaptive {
             return k_limit;
         }
-        self.supported.remove(&seq);
+        st.supported = None;
         let (k, alpha) = match support {
             Some(Support { len: 0, .. }) => return 0,
             Some(support) => {
@@ -287,12 +308,12 @@ impl Speculation {
                 let t = &mut self.by_support[support.band()];
                 let k = t.next_k(k_limit.min(support.len), &self.ngram_cost, decoding);
                 if k > 0 {
-                    self.supported.insert(seq, support.band());
+                    st.supported = Some(support.band());
                 }
                 (k, t.alpha())
             }
             None => {
-                let t = tracker(&mut self.trackers, &self.global, seq);
+                let t = st.tracker(&self.global);
                 (t.next_k(k_limit, &self.cost, decoding), t.alpha())
             }
         };
@@ -312,7 +333,7 @@ impl Speculation {
             return k;
         }
         let remaining = self.output_lengths.expected_remaining(catch_up.generated, catch_up.room);
-        let remaining = self.model_horizon(seq, remaining, adaptive::expected_tokens(alpha, k));
+        let remaining = self.model_horizon(st, remaining, adaptive::expected_tokens(alpha, k));
         let batch_backlog = catch_up.batch_backlog.max(catch_up.backlog);
         if adaptive::catch_up_pays(alpha, k, &self.cost, soon, batch_backlog, remaining) {
             if catch_up.backlog > 1 {
@@ -332,12 +353,9 @@ impl Speculation {
         self.proposer.finished(tenant, output);
     }
 
-    /// Forgets a sequence that ended.
+    /// Forgets a sequence that ended (its own estimates went with its record).
     pub(crate) fn remove(&mut self, seq: crate::types::SeqId) {
         self.proposer.remove(seq);
-        self.trackers.remove(&seq);
-        self.supported.remove(&seq);
-        self.ngram_share.remove(&seq);
     }
 
     /// The tokens a draft model's catch-up for `seq` is repaid over: the sequence's expected
@@ -346,8 +364,8 @@ impl Speculation {
     /// draft before the n-gram takes over again and the model falls behind anew. On the agent
     /// traces' edits the n-gram drafts most steps, and a model called back at each short match
     /// caught up with every copy in between (benchmarks.md, "Agent traces").
-    fn model_horizon(&self, seq: crate::types::SeqId, remaining: usize, per_step: f64) -> usize {
-        match self.ngram_share.get(&seq).copied().unwrap_or(self.ngram_share_prior) {
+    fn model_horizon(&self, st: &SeqSpec, remaining: usize, per_step: f64) -> usize {
+        match st.ngram_share.unwrap_or(self.ngram_share_prior) {
             share if share > 0.0 => remaining.min((per_step.max(1.0) / share).ceil() as usize),
             _ => remaining,
         }
@@ -360,7 +378,7 @@ impl Speculation {
     /// expected soon ([`CatchUp::batch_soon`]).
     pub(crate) fn plan_drafts<'a>(
         &mut self,
-        cands: &[DraftCandidate<'a>],
+        cands: &mut [DraftCandidate<'a>],
         pending_prefill: usize,
         arrived: usize,
         max_num_seqs: usize,
@@ -378,19 +396,19 @@ impl Speculation {
         let backlogs: Vec<usize> = cands.iter().map(|c| if may_draft(c) { self.proposer.backlog(c.seq, c.known) } else { 0 }).collect();
         let batch_backlog = CatchUp::batch_backlog(cands.iter().zip(&backlogs).filter(|(c, _)| !c.first_decode()).map(|(_, &b)| b));
         cands
-            .iter()
+            .iter_mut()
             .zip(&backlogs)
             .map(|(c, &backlog)| {
                 let k = if may_draft(c) {
                     let mut support = self.proposer.support(c.seq, c.tokens, c.prompt_len, c.params.tenant);
                     if self.proposer.combined() {
                         let remaining = self.output_lengths.expected_remaining(c.generated(), c.room);
-                        support = self.choose(c.seq, support, k_limit, decoding, backlog, remaining);
+                        support = self.choose(c.seq, c.spec, support, k_limit, decoding, backlog, remaining);
                     }
                     // an n-gram draft waits for no model to catch up
                     let backlog = if support.is_some() { 0 } else { backlog };
                     let catch_up = CatchUp { backlog, first_decode: c.first_decode(), room: c.room, generated: c.generated(), batch_soon, batch_backlog };
-                    self.next_k(c.seq, k_limit, decoding, catch_up, support)
+                    self.next_k(c.seq, c.spec, k_limit, decoding, catch_up, support)
                 } else {
                     0
                 };
@@ -409,9 +427,11 @@ impl Speculation {
     /// ([`Self::model_horizon`]; a draft model called back after a long copy first feeds all of
     /// it: on the agent traces' edits that cost more than it gained, benchmarks.md). Without
     /// adaptive k the model always.
+    #[allow(clippy::too_many_arguments)]
     fn choose(
         &mut self,
         seq: crate::types::SeqId,
+        st: &mut SeqSpec,
         support: Option<Support>,
         k_limit: usize,
         decoding: usize,
@@ -421,18 +441,18 @@ impl Speculation {
         let ngram = self.cfg.adaptive
             && support.is_some_and(|s| {
                 let by_ngram = adaptive::best_k_gain(self.by_support[s.band()].alpha(), k_limit.min(s.len), &self.ngram_cost, decoding).1;
-                let alpha = tracker(&mut self.trackers, &self.global, seq).alpha();
+                let alpha = st.tracker(&self.global).alpha();
                 let (k, gain) = adaptive::best_k_gain(alpha, k_limit, &self.cost, decoding);
                 // the catch-up, relative to the batch's plain step, per step it is repaid over
                 let per_step = adaptive::expected_tokens(alpha, k);
-                let horizon = self.model_horizon(seq, remaining, per_step);
+                let horizon = self.model_horizon(st, remaining, per_step);
                 let catch_up = self.cost.catch_up(backlog) / self.cost.plain_step(decoding) / (horizon as f64 / per_step).max(1.0);
                 let by_model = if k == 0 { gain } else { per_step / (per_step / gain + catch_up) };
                 s.len > 0 && by_ngram >= by_model
             });
         if self.cfg.adaptive {
             let chose = f64::from(u8::from(ngram));
-            let share = self.ngram_share.entry(seq).or_insert(self.ngram_share_prior);
+            let share = st.ngram_share.get_or_insert(self.ngram_share_prior);
             *share += NGRAM_SHARE_WEIGHT * (chose - *share);
             self.ngram_share_prior += NGRAM_SHARE_PRIOR_WEIGHT * (chose - self.ngram_share_prior);
         }
@@ -448,7 +468,15 @@ impl Speculation {
     /// were forced by its grammar (jump-forward: counted apart from the proposer's), `accepted`
     /// kept; the proposer rolls back to `kept_end`, where the sequence's valid KV ends (the one
     /// rollback rule, `step::kept_end`). Without speculation only the forced counters move.
-    pub(crate) fn record_verification(spec: Option<&mut Self>, seq: crate::types::SeqId, num_drafts: usize, forced: usize, accepted: usize, kept_end: usize) {
+    pub(crate) fn record_verification(
+        spec: Option<&mut Self>,
+        seq: crate::types::SeqId,
+        st: &mut SeqSpec,
+        num_drafts: usize,
+        forced: usize,
+        accepted: usize,
+        kept_end: usize,
+    ) {
         if num_drafts == 0 {
             return;
         }
@@ -459,7 +487,7 @@ impl Speculation {
                     sp.metrics.record_forced(forced, forced_accepted);
                 }
                 if num_drafts > forced {
-                    sp.record(seq, num_drafts - forced, accepted - forced_accepted);
+                    sp.record(st, num_drafts - forced, accepted - forced_accepted);
                 }
                 sp.proposer.rollback(seq, kept_end);
             }
@@ -484,6 +512,8 @@ pub(crate) struct DraftCandidate<'a> {
     /// Its hidden-state rows, for a proposer that reads them.
     pub hidden: Option<&'a [f32]>,
     pub rng: &'a crate::sampling::SeqRng,
+    /// Its speculation state (in its record).
+    pub spec: &'a mut SeqSpec,
 }
 
 impl DraftCandidate<'_> {
@@ -538,15 +568,6 @@ impl CatchUp {
     }
 }
 
-/// `seq`'s acceptance tracker, started from the engine-wide estimate on first use.
-fn tracker<'a>(
-    trackers: &'a mut std::collections::BTreeMap<crate::types::SeqId, adaptive::AcceptanceTracker>,
-    global: &adaptive::AcceptanceTracker,
-    seq: crate::types::SeqId,
-) -> &'a mut adaptive::AcceptanceTracker {
-    trackers.entry(seq).or_insert_with(|| adaptive::AcceptanceTracker::from_global(global))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -561,17 +582,18 @@ mod tests {
         cfg.max_batch_for_speculation = 4;
         let cost = cost::CostModel::linear(0.05, 0.1);
         let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
+        let mut st = vec![SeqSpec::default(); 5];
         let first = |batch_soon| CatchUp { backlog: 500, first_decode: true, room: 256, generated: 1, batch_soon, batch_backlog: 0 };
         let k_limit = sp.batch_k_limit(1);
         assert!(k_limit > 0);
         // alone, or with a batch of 4 to come: drafting goes on, the catch-up is worth it
-        assert!(sp.next_k(SeqId(1), k_limit, 1, first(1), None) > 0);
-        assert!(sp.next_k(SeqId(2), k_limit, 1, first(4), None) > 0);
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, first(1), None) > 0);
+        assert!(sp.next_k(SeqId(2), &mut st[2], k_limit, 1, first(4), None) > 0);
         // 7 prompts still prefilling: a batch of 8 drafts nothing, so no catch-up now
         assert_eq!(sp.batch_k_limit(8), 0);
-        assert_eq!(sp.next_k(SeqId(3), k_limit, 1, first(8), None), 0);
+        assert_eq!(sp.next_k(SeqId(3), &mut st[3], k_limit, 1, first(8), None), 0);
         // nothing to catch up with (an n-gram proposer): the batch to come does not matter
-        assert!(sp.next_k(SeqId(4), k_limit, 1, CatchUp { backlog: 0, ..first(8) }, None) > 0);
+        assert!(sp.next_k(SeqId(4), &mut st[4], k_limit, 1, CatchUp { backlog: 0, ..first(8) }, None) > 0);
     }
 
     /// Draft planning: each sequence drafts at most its room and the engine's k beside its forced
@@ -586,19 +608,24 @@ mod tests {
         let (plain, off) =
             (crate::api::SamplingParams::greedy(64), crate::api::SamplingParams { disable_speculation: true, ..crate::api::SamplingParams::greedy(64) });
         let rng = crate::sampling::SeqRng::new(Some(1), 0);
-        let cand = |seq, params, forced, room| DraftCandidate {
-            seq: SeqId(seq),
-            tokens: &tokens,
-            known: 20,
-            prompt_len: 10,
-            params,
-            forced,
-            room,
-            hidden: None,
-            rng: &rng,
-        };
-        let cands = [cand(1, &plain, 0, 100), cand(2, &plain, 0, 2), cand(3, &plain, 3, 100), cand(4, &off, 0, 100)];
-        let reqs = sp.plan_drafts(&cands, 0, 0, 8);
+        let mut st = vec![SeqSpec::default(); 4];
+        let mut cands: Vec<DraftCandidate> = st
+            .iter_mut()
+            .zip([(1, &plain, 0, 100), (2, &plain, 0, 2), (3, &plain, 3, 100), (4, &off, 0, 100)])
+            .map(|(spec, (seq, params, forced, room))| DraftCandidate {
+                seq: SeqId(seq),
+                tokens: &tokens,
+                known: 20,
+                prompt_len: 10,
+                params,
+                forced,
+                room,
+                hidden: None,
+                rng: &rng,
+                spec,
+            })
+            .collect();
+        let reqs = sp.plan_drafts(&mut cands, 0, 0, 8);
         let max: Vec<usize> = reqs.iter().map(|r| r.max_draft).collect();
         assert_eq!(max, vec![4, 2, 1, 0], "k; room 2; k 4 less 3 forced; speculation disabled");
         assert_eq!(reqs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![SeqId(1), SeqId(2), SeqId(3), SeqId(4)]);
@@ -624,16 +651,17 @@ mod tests {
         // a catch-up over 60 tokens costs about 3 target steps here
         let cost = cost::CostModel::linear(0.5, 0.1);
         let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
+        let mut st = vec![SeqSpec::default(); 5];
         let k_limit = sp.batch_k_limit(1);
         let late = |generated| CatchUp { backlog: 60, first_decode: false, room: 1000 - generated, generated, batch_soon: 1, batch_backlog: 60 };
         // no finished output yet: the horizon, which repays the catch-up
-        assert!(sp.next_k(SeqId(1), k_limit, 1, late(190), None) > 0);
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, late(190), None) > 0);
         for len in [195, 198, 200, 202, 205] {
             sp.record_finished(crate::types::Tenant::default(), &vec![0; len]);
         }
         assert_eq!(sp.output_lengths.expected_remaining(190, 810), 10);
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, late(190), None), 0);
-        assert!(sp.next_k(SeqId(2), k_limit, 1, late(20), None) > 0);
+        assert_eq!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, late(190), None), 0);
+        assert!(sp.next_k(SeqId(2), &mut st[2], k_limit, 1, late(20), None) > 0);
     }
 
     /// With a combined proposer, a draft model called back for a sequence the n-gram drafted most
@@ -646,21 +674,23 @@ mod tests {
         // a catch-up over 60 tokens costs about 3 target steps here
         let cost = cost::CostModel::linear(0.5, 0.1);
         let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
+        let mut st = vec![SeqSpec::default(); 5];
         let k_limit = sp.batch_k_limit(1);
         let late = CatchUp { backlog: 60, first_decode: false, room: 800, generated: 20, batch_soon: 1, batch_backlog: 60 };
-        assert!(sp.next_k(SeqId(1), k_limit, 1, late, None) > 0);
-        sp.ngram_share.insert(SeqId(1), 0.9);
-        sp.ngram_share.insert(SeqId(2), 0.0);
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, late, None), 0);
-        assert!(sp.next_k(SeqId(2), k_limit, 1, late, None) > 0);
-        assert_eq!(sp.model_horizon(SeqId(1), 800, 2.0), 3);
-        assert_eq!(sp.model_horizon(SeqId(3), 800, 2.0), 800);
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, late, None) > 0);
+        st[1].ngram_share = Some(0.9);
+        st[2].ngram_share = Some(0.0);
+        assert_eq!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, late, None), 0);
+        assert!(sp.next_k(SeqId(2), &mut st[2], k_limit, 1, late, None) > 0);
+        assert_eq!(sp.model_horizon(&st[1], 800, 2.0), 3);
+        assert_eq!(sp.model_horizon(&st[3], 800, 2.0), 800);
         // a new sequence starts from the share over every sequence's steps
         sp.ngram_share_prior = 0.5;
-        assert_eq!(sp.model_horizon(SeqId(3), 800, 2.0), 4);
+        assert_eq!(sp.model_horizon(&st[3], 800, 2.0), 4);
         sp.ngram_share_prior = 0.0;
-        sp.remove(SeqId(1));
-        assert!(sp.next_k(SeqId(1), k_limit, 1, late, None) > 0);
+        // a new sequence under the same id (its record was forgotten) starts afresh
+        st[1] = SeqSpec::default();
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, late, None) > 0);
     }
 
     /// A late catch-up is weighed as the whole batch's: one sequence 500 tokens behind, alone,
@@ -675,19 +705,20 @@ mod tests {
         let draft = [(1, 0.21), (2, 0.23), (3, 0.29), (4, 0.37), (6, 0.46), (8, 0.50), (12, 0.70), (16, 0.90), (32, 1.76)];
         let cost = cost::CostModel::from_times(&verify, 0.0).with_draft_times(&draft, 1.0);
         let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(2)), cost);
+        let mut st = vec![SeqSpec::default(); 5];
         // drafts that are kept (as the 0.5B's on code edits, 0.94)
         for _ in 0..50 {
-            sp.record(SeqId(1), 4, 4);
-            sp.record(SeqId(1), 4, 3);
+            sp.record(&mut st[1], 4, 4);
+            sp.record(&mut st[1], 4, 3);
         }
         let late = |batch, batch_backlog| CatchUp { backlog: 500, first_decode: false, room: 600, generated: 100, batch_soon: batch, batch_backlog };
         let k_limit = sp.batch_k_limit(3);
         assert!(k_limit > 0);
-        assert!(sp.next_k(SeqId(1), k_limit, 1, late(1, 500), None) > 0);
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 3, late(3, 1500), None), 0);
-        assert!(sp.next_k(SeqId(1), k_limit, 3, late(3, 502), None) > 0);
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, late(1, 500), None) > 0);
+        assert_eq!(sp.next_k(SeqId(1), &mut st[1], k_limit, 3, late(3, 1500), None), 0);
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 3, late(3, 502), None) > 0);
         // (the sequence's own backlog is never weighed as less than itself)
-        assert!(sp.next_k(SeqId(1), k_limit, 3, late(3, 0), None) > 0);
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 3, late(3, 0), None) > 0);
         assert_eq!(CatchUp::batch_backlog([500, 1, 999]), 1500);
     }
 
@@ -700,33 +731,33 @@ mod tests {
         cfg.max_step_tokens_for_speculation = 17;
         let cost = cost::CostModel::linear(0.05, 0.0);
         let mut sp = Speculation::new(cfg, Box::new(ngram::NgramProposer::new(1)), cost);
+        let mut st = vec![SeqSpec::default(); 5];
         let k_limit = sp.batch_k_limit(1);
         assert_eq!(k_limit, 16);
         let none = CatchUp::default();
         // no match: nothing to draft, not even a probe
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(0))), 0);
+        assert_eq!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, none, Some(Support::own(0))), 0);
         for _ in 0..40 {
-            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(1)));
+            let k = sp.next_k(SeqId(1), &mut st[1], k_limit, 1, none, Some(Support::own(1)));
             if k > 0 {
                 assert_eq!(k, 1, "never past the match");
-                sp.record(SeqId(1), k, 0);
+                sp.record(&mut st[1], k, 0);
             }
-            let k = sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(20)));
+            let k = sp.next_k(SeqId(1), &mut st[1], k_limit, 1, none, Some(Support::own(20)));
             assert!(k > 0 && k <= 16);
-            sp.record(SeqId(1), k, k);
+            sp.record(&mut st[1], k, k);
         }
         let short = sp.by_support[adaptive::support_band(1)].alpha();
         let long = sp.by_support[adaptive::support_band(20)].alpha();
         assert!(short < 0.1 && long > 0.95, "{short} {long}");
         // short matches are now drafted only as a probe, one step in PROBE_EVERY
-        let drafted = (0..2 * adaptive::PROBE_EVERY).filter(|_| sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(1))) > 0).count();
+        let drafted = (0..2 * adaptive::PROBE_EVERY).filter(|_| sp.next_k(SeqId(1), &mut st[1], k_limit, 1, none, Some(Support::own(1))) > 0).count();
         assert_eq!(drafted, 2);
-        assert!(sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(9))) > 0, "an untried band starts from the prior");
-        assert_eq!(sp.next_k(SeqId(1), k_limit, 1, none, Some(Support::own(20))), 16);
-        // once the sequence ended, a late record credits no band
+        assert!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, none, Some(Support::own(9))) > 0, "an untried band starts from the prior");
+        assert_eq!(sp.next_k(SeqId(1), &mut st[1], k_limit, 1, none, Some(Support::own(20))), 16);
+        // a draft no support backed credits the sequence's own estimate, no band
         let before = sp.by_support[adaptive::support_band(1)].alpha();
-        sp.remove(SeqId(1));
-        sp.record(SeqId(1), 1, 1);
+        sp.record(&mut SeqSpec::default(), 1, 1);
         assert_eq!(sp.by_support[adaptive::support_band(1)].alpha(), before);
     }
 
@@ -749,30 +780,31 @@ mod tests {
         let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let combined = combined::CombinedProposer::new(ngram::NgramProposer::new(1), Box::new(Asked(asked.clone())));
         let mut sp = Speculation::new(SpecConfig::new(SpecMethod::Draft, 4), Box::new(combined), cost::CostModel::linear(0.05, 0.1));
+        let mut st = vec![SeqSpec::default(); 5];
         // seq 1 repeats 24 tokens (a long match), seq 2 never repeats
         let copy: Vec<crate::types::TokenId> = (100..124).chain(100..112).collect();
         let fresh: Vec<crate::types::TokenId> = (200..236).collect();
         let params = crate::api::SamplingParams::greedy(64);
         let rng = crate::sampling::SeqRng::new(Some(1), 0);
-        let cand = |seq, tokens: &'static [crate::types::TokenId]| DraftCandidate {
-            seq: SeqId(seq),
-            tokens,
-            known: tokens.len(),
-            prompt_len: 4,
-            params: &params,
-            forced: 0,
-            room: 100,
-            hidden: None,
-            rng: &rng,
-        };
+        fn cand<'a>(
+            seq: u64,
+            tokens: &'a [crate::types::TokenId],
+            params: &'a crate::api::SamplingParams,
+            rng: &'a crate::sampling::SeqRng,
+            spec: &'a mut SeqSpec,
+        ) -> DraftCandidate<'a> {
+            DraftCandidate { seq: SeqId(seq), tokens, known: tokens.len(), prompt_len: 4, params, forced: 0, room: 100, hidden: None, rng, spec }
+        }
         let (copy, fresh): (&'static [_], &'static [_]) = (copy.leak(), fresh.leak());
         // the model's drafts for seq 1 are rarely kept, the long band's always
         for _ in 0..20 {
-            sp.record(SeqId(1), 4, 0);
-            sp.supported.insert(SeqId(3), Support::own(12).band());
-            sp.record(SeqId(3), 4, 4);
+            sp.record(&mut st[1], 4, 0);
+            st[3].supported = Some(Support::own(12).band());
+            sp.record(&mut st[3], 4, 4);
         }
-        let reqs = sp.plan_drafts(&[cand(1, copy), cand(2, fresh)], 0, 0, 8);
+        let [_, s1, s2, ..] = &mut st[..] else { unreachable!() };
+        let mut cands = [cand(1, copy, &params, &rng, s1), cand(2, fresh, &params, &rng, s2)];
+        let reqs = sp.plan_drafts(&mut cands, 0, 0, 8);
         assert!(reqs.iter().all(|r| r.max_draft > 0), "both draft: {:?}", reqs.iter().map(|r| r.max_draft).collect::<Vec<_>>());
         let drafts = sp.proposer.propose(&reqs, &pool).unwrap();
         // seq 1: the n-gram continues the earlier "112 113 ..."; seq 2: the model's 7s
@@ -782,16 +814,16 @@ mod tests {
         // each choice moves the sequence's n-gram share (what a later catch-up is repaid over)
         // (seq 2 started from the prior seq 1's choice moved, then chose the model)
         let seq_2 = NGRAM_SHARE_PRIOR_WEIGHT * (1.0 - NGRAM_SHARE_WEIGHT);
-        assert_eq!((sp.ngram_share[&SeqId(1)], sp.ngram_share[&SeqId(2)]), (NGRAM_SHARE_WEIGHT, seq_2));
+        assert_eq!((cands[0].spec.ngram_share, cands[1].spec.ngram_share), (Some(NGRAM_SHARE_WEIGHT), Some(seq_2)));
         assert!(sp.ngram_share_prior > 0.0 && sp.ngram_share_prior < NGRAM_SHARE_PRIOR_WEIGHT);
         // once the model's drafts for seq 1 are kept better than the band's, the model drafts it
         for _ in 0..40 {
-            sp.record(SeqId(1), 4, 4);
-            sp.supported.insert(SeqId(3), Support::own(12).band());
-            sp.record(SeqId(3), 4, 0);
+            sp.record(&mut st[1], 4, 4);
+            st[3].supported = Some(Support::own(12).band());
+            sp.record(&mut st[3], 4, 0);
         }
         asked.lock().unwrap().clear();
-        let reqs = sp.plan_drafts(&[cand(1, copy)], 0, 0, 8);
+        let reqs = sp.plan_drafts(&mut [cand(1, copy, &params, &rng, &mut st[1])], 0, 0, 8);
         let drafts = sp.proposer.propose(&reqs, &pool).unwrap();
         assert_eq!(drafts[0].tokens, vec![7; reqs[0].max_draft]);
         assert!(reqs[0].max_draft > 0);

@@ -222,6 +222,7 @@ impl Harness {
     pub fn assert_idle_and_leak_free(&self) {
         assert!(!self.engine.has_work(), "engine still has work");
         assert_eq!(self.engine.num_free_blocks(), self.engine.num_total_blocks(), "KV blocks leaked");
+        assert_eq!(self.engine.num_seq_records(), 0, "sequence records leaked");
         if let Some((free, total)) = self.engine.draft_kv_blocks() {
             assert_eq!(free, total, "draft-model KV blocks leaked");
         }

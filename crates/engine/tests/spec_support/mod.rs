@@ -116,6 +116,7 @@ impl Rig {
     pub fn assert_no_leaks(&self) {
         assert!(!self.engine.has_work(), "engine still has work");
         assert_eq!(self.engine.num_free_blocks(), self.engine.num_total_blocks(), "target KV blocks leaked");
+        assert_eq!(self.engine.num_seq_records(), 0, "sequence records leaked");
         if let Some((free, total)) = self.engine.draft_kv_blocks() {
             assert_eq!(free, total, "draft KV blocks leaked");
         }
