@@ -636,10 +636,7 @@ pub(crate) fn draft_after_forced(seq: crate::types::SeqId, grammar: Option<&mut 
             tracing::warn!(seq = %seq, "grammar failed on a draft: {e}");
             0
         });
-        draft.tokens.truncate(n);
-        if let Some(p) = draft.probs.as_mut() {
-            p.truncate(n);
-        }
+        draft.truncate(n);
     }
     if draft.tokens.is_empty() {
         return None;

@@ -8,8 +8,9 @@
 //! it (the emitted tokens appended, the random stream and grammar advanced, the next drafts kept),
 //! and forgotten in one place when the host removes the sequence (`ComputeState::forget`, from
 //! `Engine`'s sync after every host change; the proposer's own state for it goes there too: a
-//! draft model's KV blocks and n-gram index are the proposer's, keyed by the sequence's id). A step's item names the record and the rows it
-//! samples; the history a step reads grows by the tokens it emits, never copied whole.
+//! draft model's KV blocks and n-gram index are the proposer's, keyed by the sequence's id). A
+//! step's item names the record and the rows it samples; the history a step reads grows by the
+//! tokens it emits, never copied whole.
 //!
 //! The host keeps its own copy of the tokens (scheduling, the prefix cache, streaming) and of the
 //! draft tokens (the next step's inputs); both sides append the same emitted tokens, and a job
@@ -64,10 +65,7 @@ impl SeqRecord {
         if drafts > self.draft.tokens.len() {
             return Err(RecordError::Drafts { seq, scheduled: drafts, held: self.draft.tokens.len() });
         }
-        self.draft.tokens.truncate(drafts);
-        if let Some(p) = self.draft.probs.as_mut() {
-            p.truncate(drafts);
-        }
+        self.draft.truncate(drafts);
         Ok(())
     }
 
@@ -90,15 +88,7 @@ impl SeqRecords {
         self.records.entry(seq).or_insert(record);
     }
 
-    pub fn get(&self, seq: SeqId) -> Result<&SeqRecord, RecordError> {
-        self.records.get(&seq).ok_or(RecordError::Missing(seq))
-    }
-
-    pub fn get_mut(&mut self, seq: SeqId) -> Result<&mut SeqRecord, RecordError> {
-        self.records.get_mut(&seq).ok_or(RecordError::Missing(seq))
-    }
-
-    /// The records of `seqs` (distinct), in that order, to change together.
+    /// The records of `seqs` (distinct: a step samples a sequence once), in that order.
     pub fn get_many_mut(&mut self, seqs: &[SeqId]) -> Result<Vec<&mut SeqRecord>, RecordError> {
         let want: std::collections::BTreeSet<SeqId> = seqs.iter().copied().collect();
         let mut found: BTreeMap<SeqId, &mut SeqRecord> = self.records.iter_mut().filter(|(id, _)| want.contains(id)).map(|(id, r)| (*id, r)).collect();
@@ -160,12 +150,19 @@ mod tests {
     fn records_are_admitted_once_and_forgotten_in_one_place() {
         let mut rs = SeqRecords::default();
         rs.admit(SeqId(1), record(vec![1, 2], vec![]));
-        rs.get_mut(SeqId(1)).unwrap().tokens.push(5);
+        rs.get_many_mut(&[SeqId(1)]).unwrap()[0].tokens.push(5);
         rs.admit(SeqId(1), record(vec![1, 2], vec![]));
-        assert_eq!(rs.get(SeqId(1)).unwrap().tokens, vec![1, 2, 5]);
-        assert_eq!(rs.get(SeqId(1)).unwrap().output_len(), 1);
+        rs.admit(SeqId(2), record(vec![3], vec![]));
+        // in the order asked for, not the ids'
+        let both = rs.get_many_mut(&[SeqId(2), SeqId(1)]).unwrap();
+        assert_eq!((both[0].tokens.clone(), both[1].tokens.clone()), (vec![3], vec![1, 2, 5]));
+        assert_eq!(both[1].output_len(), 1);
         rs.forget(SeqId(1));
+        rs.forget(SeqId(2));
         assert!(rs.is_empty());
-        assert_eq!(rs.get(SeqId(1)).err().map(|e| e.to_string()).as_deref(), Some("seq1: the step samples a sequence the compute side has no record of"));
+        assert_eq!(
+            rs.get_many_mut(&[SeqId(1)]).err().map(|e| e.to_string()).as_deref(),
+            Some("seq1: the step samples a sequence the compute side has no record of")
+        );
     }
 }

@@ -33,6 +33,16 @@ pub struct Draft {
     pub probs: Option<Vec<Vec<f32>>>,
 }
 
+impl Draft {
+    /// Keeps the first `n` draft tokens and their distributions.
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        if let Some(p) = self.probs.as_mut() {
+            p.truncate(n);
+        }
+    }
+}
+
 impl std::fmt::Display for SeqId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "seq{}", self.0)

@@ -81,29 +81,31 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
     // the prefix-cache tiers' block copies and state restores, before anything reads or writes
     // the KV (`transfer`); the state saves after the forward pass
     let mut job = job;
+    let ComputeState { kv_store, sampler, spec, records } = state;
     for (seq, rec) in std::mem::take(&mut job.admitted) {
-        state.records.admit(seq, rec);
+        records.admit(seq, rec);
     }
-    // every sampled sequence's record agrees with the step, and keeps the drafts it verifies
-    for it in &job.items {
-        state.records.get_mut(it.seq)?.check(it.seq, it.known(), it.num_drafts())?;
+    // every sampled sequence's record, in the items' order (looked up once per step): each agrees
+    // with the step, and keeps the drafts it verifies
+    let items = job.items;
+    let mut recs = records.get_many_mut(&items.iter().map(|it| it.seq).collect::<Vec<_>>())?;
+    for (it, rec) in items.iter().zip(recs.iter_mut()) {
+        rec.check(it.seq, it.known(), it.num_drafts())?;
     }
     let state_saves = std::mem::take(&mut job.transfers.state_saves);
-    let mut transfers = super::run_transfers(&mut state.kv_store, job.transfers).map_err(|e| StepFailure::Invariant(e.to_string()))?;
+    let mut transfers = super::run_transfers(kv_store, job.transfers).map_err(|e| StepFailure::Invariant(e.to_string()))?;
     let mut inputs = job.inputs;
-    inputs.hidden_layers = state.spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
+    inputs.hidden_layers = spec.as_ref().map(|sp| sp.proposer.hidden_layers().to_vec()).unwrap_or_default();
     let forward_start = Instant::now();
-    let items = job.items;
     // the grammar masks depend only on the records: computed on this thread while the forward
     // pass runs on the pool
     let mut masks = Vec::new();
-    let records = &mut state.records;
-    let out = execute(&ctx.model, &mut state.kv_store, &ctx.pool, &inputs, || {
+    let out = execute(&ctx.model, kv_store, &ctx.pool, &inputs, || {
         while_forward();
-        masks = grammar_masks(&items, records, ctx.fault, job.step);
+        masks = grammar_masks(&items, &mut recs, ctx.fault, job.step);
     })?;
     FaultInjection::trip(ctx.fault, job.step, FaultPhase::Forward)?;
-    transfers.states_saved = super::run_state_saves(&mut state.kv_store, state_saves).map_err(|e| StepFailure::Invariant(e.to_string()))?;
+    transfers.states_saved = super::run_state_saves(kv_store, state_saves).map_err(|e| StepFailure::Invariant(e.to_string()))?;
     let forward_end = Instant::now();
     tracing::trace!(
         step = job.step,
@@ -113,9 +115,9 @@ fn run_job_inner(ctx: &JobContext, state: &mut ComputeState, job: StepJob, while
         micros = (forward_end - forward_start).as_micros() as u64,
         "forward pass"
     );
-    let (results, logprobs, prompt_logprobs) = sample(ctx, state, job.step, &items, &masks, &job.prompt_rows, &out.logits)?;
+    let (results, logprobs, prompt_logprobs) = sample(ctx, sampler, spec, job.step, &items, &mut recs, &masks, &job.prompt_rows, &out.logits)?;
     let sample_end = Instant::now();
-    let results = propose(ctx, state, job.step, &items, results, &out.hidden, job.pending_prefill)?;
+    let results = propose(ctx, spec, job.step, &items, &mut recs, results, &out.hidden, job.pending_prefill);
     let timings = JobTimings { forward_start, forward_end, sample: sample_end - forward_end, propose: sample_end.elapsed() };
     Ok(JobOutput { results, logprobs, prompt_logprobs, timings, transfers, _spent: (inputs, out) })
 }
@@ -127,16 +129,10 @@ type ItemMasks = Result<Option<(Vec<TokenMask>, usize)>, StepFailure>;
 
 /// The token masks of every constrained item (structured outputs), by item. A matcher that fails
 /// (an error, or a panic inside llguidance) fails its own item only; the others are masked as usual.
-fn grammar_masks(items: &[SampleItem], records: &mut SeqRecords, fault: Option<FaultInjection>, step: u64) -> Vec<ItemMasks> {
+fn grammar_masks(items: &[SampleItem], recs: &mut [&mut SeqRecord], fault: Option<FaultInjection>, step: u64) -> Vec<ItemMasks> {
     let start = Instant::now();
     let mut rows = 0;
-    let masks: Vec<ItemMasks> = items
-        .iter()
-        .map(|it| {
-            let rec = records.get_mut(it.seq)?;
-            item_masks(it.seq, rec, fault, step, &mut rows)
-        })
-        .collect();
+    let masks: Vec<ItemMasks> = items.iter().zip(recs.iter_mut()).map(|(it, rec)| item_masks(it.seq, rec, fault, step, &mut rows)).collect();
     if rows > 0 {
         tracing::debug!(rows, micros = start.elapsed().as_micros() as u64, "grammar masks computed");
     }
@@ -181,33 +177,31 @@ type Sampled = (Vec<SeqResult>, Option<PackedLogprobs>, Vec<PromptLogprobsOut>);
 /// -inf (`masks`), then its grammar keeps the emitted tokens.
 /// Appends the emitted tokens to each item's history for drafting. Prompt logprobs of
 /// `prompt_rows` go into the same packed buffer, after the emitted tokens' rows.
+#[allow(clippy::too_many_arguments)]
 fn sample(
     ctx: &JobContext,
-    state: &mut ComputeState,
+    sampler: &mut Sampler,
+    spec: &mut Option<Speculation>,
     step: u64,
     items: &[SampleItem],
+    recs: &mut [&mut SeqRecord],
     masks: &[ItemMasks],
     prompt_rows: &[PromptRows],
     logits: &[f32],
 ) -> Result<Sampled, StepFailure> {
     let vocab = ctx.model.config.vocab_size;
-    let ComputeState { sampler, spec, records, .. } = state;
     // only the largest top-k any sequence of this batch asked for is computed
-    let mut k_max = prompt_rows.iter().map(|p| p.k).max();
-    for it in items {
-        k_max = k_max.max(records.get(it.seq)?.params.logprobs);
-    }
+    let k_max = recs.iter().filter_map(|rec| rec.params.logprobs).chain(prompt_rows.iter().map(|p| p.k)).max();
     let force_accept = spec.as_ref().is_some_and(|sp| sp.cfg.force_accept);
     let mut lp_rows: Vec<RankedLogprob> = Vec::new();
     let mut verified = false;
     let mut results = Vec::with_capacity(items.len());
     let mut scratch = Vec::new();
-    for (i, it) in items.iter().enumerate() {
+    for (i, (it, rec)) in items.iter().zip(recs.iter_mut()).enumerate() {
         let block = logits
             .get(it.first_row * vocab..(it.first_row + it.rows) * vocab)
             .ok_or_else(|| StepFailure::Invariant(format!("{}: logits rows {}..{} out of range", it.seq, it.first_row, it.first_row + it.rows)))?;
         let num_drafts = it.num_drafts();
-        let rec = records.get_mut(it.seq)?;
         let item_masks = match masks.get(i) {
             Some(Err(e)) => {
                 results.push(grammar_failure(it.seq, step, e));
@@ -338,96 +332,94 @@ fn prompt_logprobs(
 /// tokens its grammar forces (jump-forward, structured outputs), then the proposer's draft after
 /// them, cut at the first token the grammar forbids; together within the engine's k (without a
 /// speculative method, [`JUMP_FORWARD_MAX_TOKENS`] forced tokens) and the sequence's room.
+#[allow(clippy::too_many_arguments)]
 fn propose(
     ctx: &JobContext,
-    state: &mut ComputeState,
+    spec: &mut Option<Speculation>,
     step: u64,
     items: &[SampleItem],
+    recs: &mut [&mut SeqRecord],
     mut results: Vec<SeqResult>,
     hidden: &[f32],
     pending_prefill: usize,
-) -> Result<Vec<(SeqId, SeqResult)>, StepFailure> {
-    let ComputeState { spec, records, .. } = state;
-    let continuing = continuing(ctx, items, records, &mut results)?;
+) -> Vec<(SeqId, SeqResult)> {
+    let continuing = continuing(ctx, recs, &mut results);
     let decoding = continuing.iter().filter(|&&c| c).count();
-    let room = items.iter().map(|it| Ok(room(ctx, records.get(it.seq)?))).collect::<Result<Vec<usize>, StepFailure>>()?;
+    let room: Vec<usize> = recs.iter().map(|rec| room(ctx, rec)).collect();
     if let Some(sp) = spec.as_mut() {
-        let mut context = 0;
-        for (it, _) in items.iter().zip(&continuing).filter(|(_, &c)| c) {
-            context += records.get(it.seq)?.tokens.len();
-        }
+        let context: usize = recs.iter().zip(&continuing).filter(|(_, &c)| c).map(|(rec, _)| rec.tokens.len()).sum();
         sp.set_context(context / decoding.max(1));
     }
-    let forced = jump_forward(ctx, spec.as_ref(), items, records, &mut results, &continuing, &room, decoding)?;
-    let Some(sp) = spec.as_mut() else { return Ok(items.iter().map(|it| it.seq).zip(results).collect()) };
-    let needs_hidden = sp.proposer.needs_hidden();
-    if decoding > 0 && (sp.batch_k_limit(decoding) > 0 || needs_hidden) {
-        // the records of the sequences that go on, in the items' order
-        let which: Vec<usize> = (0..items.len()).filter(|&i| continuing[i]).collect();
-        let seqs: Vec<SeqId> = which.iter().map(|&i| items[i].seq).collect();
-        let mut recs = records.get_many_mut(&seqs)?;
-        // the proposer drafts after the forced tokens (one that reads the target's hidden
-        // states cannot: it drafts only where nothing is forced)
-        let extended: Vec<Option<Vec<TokenId>>> =
-            which.iter().zip(&recs).map(|(&i, rec)| (!forced[i].is_empty() && !needs_hidden).then(|| [&rec.tokens[..], &forced[i][..]].concat())).collect();
-        // each row's hidden states: one H-wide state per layer the proposer asked for; the
-        // rows that produced the item's emitted tokens
-        let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
-        let mut cands: Vec<DraftCandidate> = which
-            .iter()
-            .zip(recs.iter_mut())
-            .zip(&extended)
-            .map(|((&i, rec), ext)| {
-                let it = &items[i];
-                let SeqRecord { tokens, prompt_len, params, rng, spec, .. } = &mut **rec;
-                DraftCandidate {
-                    seq: it.seq,
-                    tokens: ext.as_deref().unwrap_or(tokens),
-                    known: tokens.len(),
-                    prompt_len: *prompt_len,
-                    params,
-                    forced: forced[i].len(),
-                    room: room[i],
-                    hidden: hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h),
-                    rng,
-                    spec,
+    let forced = jump_forward(ctx, spec.as_ref(), recs, &mut results, &continuing, &room, decoding);
+    if let Some(sp) = spec.as_mut() {
+        let needs_hidden = sp.proposer.needs_hidden();
+        if decoding > 0 && (sp.batch_k_limit(decoding) > 0 || needs_hidden) {
+            // the proposer drafts after the forced tokens (one that reads the target's hidden
+            // states cannot: it drafts only where nothing is forced)
+            let extended: Vec<Option<Vec<TokenId>>> =
+                recs.iter().zip(&forced).map(|(rec, f)| (!f.is_empty() && !needs_hidden).then(|| [&rec.tokens[..], &f[..]].concat())).collect();
+            // each row's hidden states: one H-wide state per layer the proposer asked for; the
+            // rows that produced the item's emitted tokens
+            let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
+            let which: Vec<usize> = (0..items.len()).filter(|&i| continuing[i]).collect();
+            let mut cands: Vec<DraftCandidate> = recs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| continuing[*i])
+                .map(|(i, rec)| {
+                    let it = &items[i];
+                    let SeqRecord { tokens, prompt_len, params, rng, spec, .. } = &mut **rec;
+                    DraftCandidate {
+                        seq: it.seq,
+                        tokens: extended[i].as_deref().unwrap_or(tokens),
+                        known: tokens.len(),
+                        prompt_len: *prompt_len,
+                        params,
+                        forced: forced[i].len(),
+                        room: room[i],
+                        hidden: hidden.get(it.first_row * h..(it.first_row + results[i].tokens.len()) * h),
+                        rng,
+                        spec,
+                    }
+                })
+                .collect();
+            let arrived = ctx.queue.waiting.load(std::sync::atomic::Ordering::Relaxed);
+            let reqs = sp.plan_drafts(&mut cands, pending_prefill, arrived, ctx.max_num_seqs);
+            if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) {
+                let drafts = run_proposer(ctx, sp, step, &reqs);
+                let vocab = ctx.model.config.vocab_size;
+                for (i, d) in which.into_iter().zip(drafts.into_iter().flatten()) {
+                    if d.tokens.iter().any(|&t| t as usize >= vocab) {
+                        continue; // a proposer bug must not crash verification
+                    }
+                    if let Some(d) = draft_after_forced(items[i].seq, recs[i].grammar.as_mut(), &forced[i], d, vocab) {
+                        results[i].next_draft.clone_from(&d.tokens);
+                        recs[i].draft = d;
+                    }
                 }
-            })
-            .collect();
-        let arrived = ctx.queue.waiting.load(std::sync::atomic::Ordering::Relaxed);
-        let reqs = sp.plan_drafts(&mut cands, pending_prefill, arrived, ctx.max_num_seqs);
-        let drafts = if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) { run_proposer(ctx, sp, step, &reqs) } else { None };
-        let vocab = ctx.model.config.vocab_size;
-        for ((&i, rec), d) in which.iter().zip(recs.iter_mut()).zip(drafts.into_iter().flatten()) {
-            if d.tokens.iter().any(|&t| t as usize >= vocab) {
-                continue; // a proposer bug must not crash verification
-            }
-            if let Some(d) = draft_after_forced(items[i].seq, rec.grammar.as_mut(), &forced[i], d, vocab) {
-                results[i].next_draft.clone_from(&d.tokens);
-                rec.draft = d;
             }
         }
     }
-    Ok(items.iter().map(|it| it.seq).zip(results).collect())
+    items.iter().map(|it| it.seq).zip(results).collect()
 }
 
 /// Which items go on decoding: not failed, grammar not finished, no token of this step ending
 /// the sequence (stop token, length, context); the others are marked finished.
-fn continuing(ctx: &JobContext, items: &[SampleItem], records: &SeqRecords, results: &mut [SeqResult]) -> Result<Vec<bool>, StepFailure> {
-    let mut out = Vec::with_capacity(items.len());
-    for (it, r) in items.iter().zip(results.iter_mut()) {
-        let rec = records.get(it.seq)?;
-        let base = rec.tokens.len() - r.tokens.len();
-        let ends = r
-            .tokens
-            .iter()
-            .enumerate()
-            .any(|(j, &t)| token_finish(&rec.params, &ctx.tokenizer, t, base + j + 1 - rec.prompt_len, base + j + 1, ctx.max_model_len).is_some());
-        let goes_on = r.failed.is_none() && !r.grammar_finished && !ends;
-        r.finished = !goes_on;
-        out.push(goes_on);
-    }
-    Ok(out)
+fn continuing(ctx: &JobContext, recs: &[&mut SeqRecord], results: &mut [SeqResult]) -> Vec<bool> {
+    recs.iter()
+        .zip(results.iter_mut())
+        .map(|(rec, r)| {
+            let base = rec.tokens.len() - r.tokens.len();
+            let ends = r
+                .tokens
+                .iter()
+                .enumerate()
+                .any(|(j, &t)| token_finish(&rec.params, &ctx.tokenizer, t, base + j + 1 - rec.prompt_len, base + j + 1, ctx.max_model_len).is_some());
+            let goes_on = r.failed.is_none() && !r.grammar_finished && !ends;
+            r.finished = !goes_on;
+            goes_on
+        })
+        .collect()
 }
 
 /// Tokens a sequence may still get after the next one (its length and the context).
@@ -437,35 +429,29 @@ fn room(ctx: &JobContext, rec: &SeqRecord) -> usize {
 
 /// Jump-forward: the tokens each continuing constrained sequence's grammar forces next (within
 /// the step's forced budget and its room), set as its draft; the proposer's draft goes after them.
-#[allow(clippy::too_many_arguments)]
 fn jump_forward(
     ctx: &JobContext,
     spec: Option<&Speculation>,
-    items: &[SampleItem],
-    records: &mut SeqRecords,
+    recs: &mut [&mut SeqRecord],
     results: &mut [SeqResult],
     continuing: &[bool],
     room: &[usize],
     decoding: usize,
-) -> Result<Vec<Vec<TokenId>>, StepFailure> {
+) -> Vec<Vec<TokenId>> {
     let cap = match spec {
         _ if !ctx.jump_forward || decoding == 0 => 0,
         Some(sp) => sp.forced_limit(decoding),
         None => JUMP_FORWARD_MAX_TOKENS,
     };
     let mut forced: Vec<Vec<TokenId>> = vec![Vec::new(); results.len()];
-    if cap == 0 {
-        return Ok(forced);
-    }
-    for (i, (it, r)) in items.iter().zip(results.iter_mut()).enumerate() {
-        let rec = records.get_mut(it.seq)?;
-        if let (true, Some(g)) = (continuing[i], rec.grammar.as_mut()) {
+    for (i, (rec, r)) in recs.iter_mut().zip(results.iter_mut()).enumerate() {
+        if let (true, true, Some(g)) = (cap > 0, continuing[i], rec.grammar.as_mut()) {
             forced[i] = g.forced_tokens(cap.min(room[i]));
             r.next_draft.clone_from(&forced[i]);
             rec.draft = Draft { tokens: forced[i].clone(), probs: None };
         }
     }
-    Ok(forced)
+    forced
 }
 
 /// Runs the proposer over `reqs`: their drafts, or `None` when it fails or panics. That costs this
