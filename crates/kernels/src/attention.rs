@@ -221,6 +221,10 @@ struct Scratch {
     span: State,
     /// The unit's queries in pairs for the AVX-512 scores (`avx512::pack_queries`).
     qpack: Vec<f32>,
+    /// Where the next tile's keys start (`next_len` of them; none on the scalar path): the
+    /// kernels prefetch them while they read this tile.
+    next: Vec<usize>,
+    next_len: usize,
 }
 
 impl Scratch {
@@ -234,6 +238,8 @@ impl Scratch {
             range: vec![(0, 0); nv],
             span: State::new(nv, a.layout.head_dim),
             qpack: Vec::new(),
+            next: vec![0; TILE],
+            next_len: 0,
         }
     }
 }
@@ -355,6 +361,27 @@ impl Attn<'_> {
         self.k.order.offset(&self.layout, s.block_table[p / bs] as usize * bs + p % bs, u.kvh)
     }
 
+    /// [`Self::offset`] of positions `a0..a0 + out.len()`, one block's run at a time: the
+    /// divisions by the block size, once per key, cost a decode step at depth more than its
+    /// softmax.
+    fn offsets(&self, s: &SeqSpan, u: &Unit, a0: usize, out: &mut [usize]) {
+        let bs = self.layout.block_size;
+        let step = match self.k.order {
+            KvOrder::HeadMajor => self.layout.head_dim,
+            KvOrder::SlotMajor => self.layout.kv_width(),
+        };
+        let mut j = 0;
+        while j < out.len() {
+            let p = a0 + j;
+            let run = (bs - p % bs).min(out.len() - j);
+            let first = self.offset(s, u, p);
+            for (i, o) in out[j..j + run].iter_mut().enumerate() {
+                *o = first + i * step;
+            }
+            j += run;
+        }
+    }
+
     /// The unit's state over span `span`, from empty, into `sc.span`: its tiles in order.
     fn span_state(&self, seqs: &[SeqSpan], u: &Unit, span: usize, sc: &mut Scratch) {
         let s = &seqs[u.si];
@@ -371,41 +398,19 @@ impl Attn<'_> {
         let mut a0 = p0;
         while a0 < p1 {
             let a1 = ((a0 / TILE + 1) * TILE).min(p1);
-            self.prefetch(s, u, a1, (a1 + TILE).min(p1));
+            // the next tile's rows, which this tile's kernels prefetch as they go
+            sc.next_len = if self.simd.avx2() { (a1 + TILE).min(p1) - a1 } else { 0 };
+            self.offsets(s, u, a1, &mut sc.next[..sc.next_len]);
             self.tile(s, u, a0, a1, sc);
             a0 = a1;
         }
-    }
-
-    /// Asks for the keys and values of positions `a0..a1` (the next tile) to be brought into L2
-    /// while this tile computes: a tile's rows are runs of at most a block, which the hardware
-    /// prefetcher does not follow from one block to the next.
-    fn prefetch(&self, s: &SeqSpan, u: &Unit, a0: usize, a1: usize) {
-        #[cfg(target_arch = "x86_64")]
-        if self.simd.avx2() {
-            let bs = self.layout.block_size;
-            let mut p = a0;
-            while p < a1 {
-                // one contiguous run: the rest of p's block (head-major), or one row
-                let end = if self.k.order == KvOrder::HeadMajor { ((p / bs + 1) * bs).min(a1) } else { p + 1 };
-                let e = self.offset(s, u, p);
-                for view in [&self.k, &self.v] {
-                    // SAFETY: prefetching is a hint and never faults.
-                    unsafe { avx2::prefetch(view, e, (end - p) * self.layout.head_dim) };
-                }
-                p = end;
-            }
-        }
-        let _ = (s, u, a0, a1);
     }
 
     /// One online-softmax step over keys `a0..a1` (inside one tile) for every vector of the unit.
     fn tile(&self, s: &SeqSpan, u: &Unit, a0: usize, a1: usize, sc: &mut Scratch) {
         let hd = self.layout.head_dim;
         let n = a1 - a0;
-        for (j, o) in sc.offs[..n].iter_mut().enumerate() {
-            *o = self.offset(s, u, a0 + j);
-        }
+        self.offsets(s, u, a0, &mut sc.offs[..n]);
         let g = self.group;
         for (i, r) in sc.range.iter_mut().enumerate() {
             let (lo, end) = self.row_keys(s, u.t0 + i / g);
@@ -421,7 +426,9 @@ impl Attn<'_> {
             let (x, y) = union(&sc.range[i..i + nb]);
             if x < y {
                 let qs: [usize; SCORE_VECTORS] = std::array::from_fn(|j| qptr(i + j.min(nb - 1)));
-                self.scores(&mut sc.s[i * TILE..(i + nb) * TILE], nb, qs, &sc.qpack, i, &sc.offs[..n], x, y);
+                // the first vectors' pass over the keys prefetches the next tile's
+                let pf = if i == 0 { &sc.next[..sc.next_len] } else { &[] };
+                self.scores(&mut sc.s[i * TILE..(i + nb) * TILE], nb, qs, &sc.qpack, i, &sc.offs[..n], x, y, pf);
             }
             i += nb;
         }
@@ -451,7 +458,8 @@ impl Attn<'_> {
             let (x, y) = union(&sc.range[i..i + nb]);
             let acc = &mut st.acc[i * hd..(i + nb) * hd];
             let w = &sc.s[i * TILE..(i + nb) * TILE];
-            self.weighted_values(acc, nb, &sc.alpha[i..i + nb], w, &sc.offs[..n], x, y);
+            let pf = if i == 0 { &sc.next[..sc.next_len] } else { &[] };
+            self.weighted_values(acc, nb, &sc.alpha[i..i + nb], w, &sc.offs[..n], x, y, pf);
             i += nb;
         }
     }
@@ -459,8 +467,10 @@ impl Attn<'_> {
     /// Scores of `nb` vectors (queries at `q[qs[i]..]`, or pairs from `v0 / 2` on in `qpack` for
     /// the AVX-512 path) against keys `x..y` of the tile: `s[i * TILE + j] = dot(q_i, k_j) * scale`.
     #[allow(clippy::too_many_arguments)]
-    fn scores(&self, s: &mut [f32], nb: usize, qs: [usize; SCORE_VECTORS], qpack: &[f32], v0: usize, offs: &[usize], x: usize, y: usize) {
+    /// Rows `pf` (the next tile's keys) are prefetched on the way.
+    fn scores(&self, s: &mut [f32], nb: usize, qs: [usize; SCORE_VECTORS], qpack: &[f32], v0: usize, offs: &[usize], x: usize, y: usize, pf: &[usize]) {
         let hd = self.layout.head_dim;
+        self.prefetch_outside(&self.k, pf, x, y);
         #[cfg(target_arch = "x86_64")]
         if self.simd == Simd::Avx512 {
             // SAFETY: AVX-512 F/BW, AVX2, FMA and F16C were detected (`Simd::for_head`); `qpack`
@@ -469,7 +479,7 @@ impl Attn<'_> {
             unsafe {
                 debug_assert!(v0.is_multiple_of(2) && (v0 / 2 + nb.div_ceil(2)) * 2 * hd <= qpack.len());
                 let qp = qpack.as_ptr().add(v0 / 2 * 2 * hd);
-                by_dtype!(self.k.dtype, avx512::scores(s, nb, qp, self.k, offs, x, y, hd, self.scale))
+                by_dtype!(self.k.dtype, avx512::scores(s, nb, qp, self.k, offs, x, y, hd, self.scale, pf))
             }
             return;
         }
@@ -481,7 +491,7 @@ impl Attn<'_> {
             // repeat the last used one.
             unsafe {
                 let qp = qs.map(|o| self.q.as_ptr().add(o));
-                by_dtype!(self.k.dtype, avx2::scores(s, nb, qp, self.k, offs, x, y, hd, self.scale))
+                by_dtype!(self.k.dtype, avx2::scores(s, nb, qp, self.k, offs, x, y, hd, self.scale, pf))
             }
             return;
         }
@@ -493,21 +503,23 @@ impl Attn<'_> {
         }
     }
 
-    /// `acc_i = acc_i * alpha_i + sum_j w[i * TILE + j] v_j` over keys `x..y` in order.
+    /// `acc_i = acc_i * alpha_i + sum_j w[i * TILE + j] v_j` over keys `x..y` in order; rows `pf`
+    /// (the next tile's values) prefetched on the way.
     #[allow(clippy::too_many_arguments)]
-    fn weighted_values(&self, acc: &mut [f32], nb: usize, alpha: &[f32], w: &[f32], offs: &[usize], x: usize, y: usize) {
+    fn weighted_values(&self, acc: &mut [f32], nb: usize, alpha: &[f32], w: &[f32], offs: &[usize], x: usize, y: usize, pf: &[usize]) {
         let hd = self.layout.head_dim;
+        self.prefetch_outside(&self.v, pf, x, y);
         #[cfg(target_arch = "x86_64")]
         if self.simd == Simd::Avx512 {
             // SAFETY: as in `scores`; `acc` holds `nb` (at most VALUE_VECTORS_512) rows of `hd`, a
             // multiple of 16, and `w` `nb` rows of TILE.
-            unsafe { by_dtype!(self.v.dtype, avx512::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd)) }
+            unsafe { by_dtype!(self.v.dtype, avx512::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd, pf)) }
             return;
         }
         #[cfg(target_arch = "x86_64")]
         if self.simd == Simd::Avx2 {
             // SAFETY: as in `scores`; `acc` holds `nb` rows of `hd` and `w` `nb` rows of TILE.
-            unsafe { by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd)) }
+            unsafe { by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd, pf)) }
             return;
         }
         for i in 0..nb {
@@ -520,6 +532,21 @@ impl Attn<'_> {
                 }
             }
         }
+    }
+
+    /// Prefetches rows `pf[..x]` and `pf[y..]`, which the kernels' loop over keys `x..y` does not
+    /// reach (a tile the first vectors see only part of).
+    fn prefetch_outside(&self, view: &KvView, pf: &[usize], x: usize, y: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if self.simd.avx2() && !pf.is_empty() {
+            let hd = self.layout.head_dim;
+            // SAFETY: prefetching is a hint and never faults; AVX2 was detected.
+            unsafe {
+                avx2::prefetch_rows(*view, pf, 0, x, hd);
+                avx2::prefetch_rows(*view, pf, y, pf.len().saturating_sub(y), hd);
+            }
+        }
+        let _ = (view, pf, x, y);
     }
 
     /// Divides the unit's folded state out into its rows of `out` (after the sinks' share).

@@ -7,7 +7,7 @@
 //! instructions. Weighted values: each output lane is its own chain of fused multiply-adds over
 //! the keys in order, so sixteen lanes give the eight-lane kernel's bits.
 
-use super::avx2::{hsum, hsum4, load8};
+use super::avx2::{hsum, hsum4, load8, prefetch_rows};
 use super::{KvView, Q8_BLOCK, TILE};
 use std::arch::x86_64::*;
 
@@ -61,7 +61,8 @@ unsafe fn load16<const D: u8>(v: KvView, e: usize) -> __m512 {
 }
 
 /// `NP` query pairs (the first `nb` vectors valid) against `NK` keys from `offs[j]`: one
-/// accumulator per (pair, key) over the head.
+/// accumulator per (pair, key) over the head. Rows `pf[j..j + NK]` of the next tile are
+/// prefetched on the way.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -74,7 +75,9 @@ unsafe fn score_block<const D: u8, const NP: usize, const NK: usize>(
     j: usize,
     hd: usize,
     scale: f32,
+    pf: &[usize],
 ) {
+    prefetch_rows(k, pf, j, NK, hd);
     let mut acc = [[_mm512_setzero_ps(); NK]; NP];
     let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
     for c in (0..hd).step_by(8) {
@@ -143,15 +146,16 @@ unsafe fn scores_np<const D: u8, const NP: usize, const NK: usize>(
     y: usize,
     hd: usize,
     scale: f32,
+    pf: &[usize],
 ) {
     let sp = s.as_mut_ptr();
     let mut j = x;
     while j + NK <= y {
-        score_block::<D, NP, NK>(sp, q, nb, k, offs, j, hd, scale);
+        score_block::<D, NP, NK>(sp, q, nb, k, offs, j, hd, scale, pf);
         j += NK;
     }
     while j < y {
-        score_block::<D, NP, 1>(sp, q, nb, k, offs, j, hd, scale);
+        score_block::<D, NP, 1>(sp, q, nb, k, offs, j, hd, scale, pf);
         j += 1;
     }
 }
@@ -160,17 +164,29 @@ unsafe fn scores_np<const D: u8, const NP: usize, const NK: usize>(
 /// from `q` by [`pack_queries`]) and keys `x..y` of the tile.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn scores<const D: u8>(s: &mut [f32], nb: usize, q: *const f32, k: KvView, offs: &[usize], x: usize, y: usize, hd: usize, scale: f32) {
+pub(super) unsafe fn scores<const D: u8>(
+    s: &mut [f32],
+    nb: usize,
+    q: *const f32,
+    k: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+    scale: f32,
+    pf: &[usize],
+) {
     // NP x NK accumulators beside NK keys and a query pair in the 32 registers
     match nb.div_ceil(2) {
-        1 => scores_np::<D, 1, 8>(s, q, nb, k, offs, x, y, hd, scale),
-        2 => scores_np::<D, 2, 8>(s, q, nb, k, offs, x, y, hd, scale),
-        _ => scores_np::<D, 3, 6>(s, q, nb, k, offs, x, y, hd, scale),
+        1 => scores_np::<D, 1, 8>(s, q, nb, k, offs, x, y, hd, scale, pf),
+        2 => scores_np::<D, 2, 8>(s, q, nb, k, offs, x, y, hd, scale, pf),
+        _ => scores_np::<D, 3, 6>(s, q, nb, k, offs, x, y, hd, scale, pf),
     }
 }
 
 /// `NB` vectors' outputs, `NC` chunks of sixteen from dimension `d`: rescaled, then one fused
-/// multiply-add per key in order.
+/// multiply-add per key in order. The first chunk's pass prefetches the next tile's rows
+/// `pf[x..y]`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -184,6 +200,7 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
     y: usize,
     d: usize,
     hd: usize,
+    pf: &[usize],
 ) {
     let mut r = [[_mm512_setzero_ps(); NC]; NB];
     for i in 0..NB {
@@ -193,6 +210,9 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
         }
     }
     for j in x..y {
+        if d == 0 {
+            prefetch_rows(v, pf, j, 1, hd);
+        }
         let o = *offs.get_unchecked(j) + d;
         let wj: [__m512; NB] = std::array::from_fn(|i| _mm512_set1_ps(*w.add(i * TILE + j)));
         for c in 0..NC {
@@ -211,15 +231,25 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
 
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn values_nb<const D: u8, const NB: usize>(acc: &mut [f32], alpha: &[f32], w: &[f32], v: KvView, offs: &[usize], x: usize, y: usize, hd: usize) {
+unsafe fn values_nb<const D: u8, const NB: usize>(
+    acc: &mut [f32],
+    alpha: &[f32],
+    w: &[f32],
+    v: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+    pf: &[usize],
+) {
     let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
     let mut d = 0;
     while d + 64 <= hd {
-        value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd);
+        value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         d += 64;
     }
     while d < hd {
-        value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd);
+        value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         d += 16;
     }
 }
@@ -238,14 +268,15 @@ pub(super) unsafe fn weighted_values<const D: u8>(
     x: usize,
     y: usize,
     hd: usize,
+    pf: &[usize],
 ) {
     // NB x 4 accumulators beside NB weights and a value chunk in the 32 registers
     match nb {
-        1 => values_nb::<D, 1>(acc, alpha, w, v, offs, x, y, hd),
-        2 => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd),
-        3 => values_nb::<D, 3>(acc, alpha, w, v, offs, x, y, hd),
-        4 => values_nb::<D, 4>(acc, alpha, w, v, offs, x, y, hd),
-        5 => values_nb::<D, 5>(acc, alpha, w, v, offs, x, y, hd),
-        _ => values_nb::<D, 6>(acc, alpha, w, v, offs, x, y, hd),
+        1 => values_nb::<D, 1>(acc, alpha, w, v, offs, x, y, hd, pf),
+        2 => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd, pf),
+        3 => values_nb::<D, 3>(acc, alpha, w, v, offs, x, y, hd, pf),
+        4 => values_nb::<D, 4>(acc, alpha, w, v, offs, x, y, hd, pf),
+        5 => values_nb::<D, 5>(acc, alpha, w, v, offs, x, y, hd, pf),
+        _ => values_nb::<D, 6>(acc, alpha, w, v, offs, x, y, hd, pf),
     }
 }
