@@ -444,7 +444,7 @@ impl Attn<'_> {
             }
             let m = st.m[i].max(tile_max(&row[x..y], self.simd.avx2()));
             let alpha = exp(st.m[i] - m);
-            let sum = tile_exp_sum(&mut row[x..y], m, self.simd.avx2());
+            let sum = tile_exp_sum(&mut row[x..y], m, self.simd);
             row[..x].fill(0.0);
             row[y..n].fill(0.0);
             st.l[i] = st.l[i] * alpha + sum;
@@ -596,12 +596,16 @@ fn tile_max(x: &[f32], simd: bool) -> f32 {
     lane_max(x)
 }
 
-/// `x = exp(x - m)` and their sum in eight lanes (the same bits on every path).
-fn tile_exp_sum(x: &mut [f32], m: f32, simd: bool) -> f32 {
+/// `x = exp(x - m)` and their sum in eight lanes (the same bits on every path: the one
+/// function compiled for each instruction set, elementwise and in its written order).
+fn tile_exp_sum(x: &mut [f32], m: f32, simd: Simd) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: AVX2 was detected (`simd`).
-        return unsafe { avx2::exp_shifted_sum(x, m) };
+    match simd {
+        // SAFETY: AVX-512 F (with AVX2 and FMA) was detected (`Simd::for_head`).
+        Simd::Avx512 => return unsafe { avx512::exp_shifted_sum(x, m) },
+        // SAFETY: AVX2 and FMA were detected (`Simd::for_head`).
+        Simd::Avx2 => return unsafe { avx2::exp_shifted_sum(x, m) },
+        Simd::Scalar => {}
     }
     let _ = simd;
     exp_shifted_sum(x, m)

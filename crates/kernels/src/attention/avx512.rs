@@ -25,6 +25,13 @@ pub(super) fn pack_queries(packed: &mut Vec<f32>, q: &[f32], n: usize, hd: usize
     }
 }
 
+/// `exp::exp_shifted_sum` compiled for AVX-512: the exponentials sixteen lanes at a time, the
+/// same bits (elementwise, and the sum in its eight written lanes).
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(super) unsafe fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
+    crate::exp::exp_shifted_sum(x, m)
+}
+
 /// Eight values from element `e` (a multiple of 8) in both halves.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
