@@ -221,8 +221,8 @@ struct Scratch {
     span: State,
     /// The unit's queries in pairs for the AVX-512 scores (`avx512::pack_queries`).
     qpack: Vec<f32>,
-    /// Where the next tile's keys start (`next_len` of them; none on the scalar path): the
-    /// kernels prefetch them while they read this tile.
+    /// Where the next tile's keys (and values) start, `next_len` of them (none on the scalar
+    /// path): the kernels prefetch them while they read this tile.
     next: Vec<usize>,
     next_len: usize,
 }
@@ -465,9 +465,9 @@ impl Attn<'_> {
     }
 
     /// Scores of `nb` vectors (queries at `q[qs[i]..]`, or pairs from `v0 / 2` on in `qpack` for
-    /// the AVX-512 path) against keys `x..y` of the tile: `s[i * TILE + j] = dot(q_i, k_j) * scale`.
+    /// the AVX-512 path) against keys `x..y` of the tile: `s[i * TILE + j] = dot(q_i, k_j) * scale`;
+    /// rows `pf` (the next tile's keys) prefetched on the way.
     #[allow(clippy::too_many_arguments)]
-    /// Rows `pf` (the next tile's keys) are prefetched on the way.
     fn scores(&self, s: &mut [f32], nb: usize, qs: [usize; SCORE_VECTORS], qpack: &[f32], v0: usize, offs: &[usize], x: usize, y: usize, pf: &[usize]) {
         let hd = self.layout.head_dim;
         self.prefetch_outside(&self.k, pf, x, y);
