@@ -5,7 +5,7 @@
 //! Decode: one query row at `depth` in each of `BENCH_LAYERS` (default 28, the 1.5B's count)
 //! layers' caches in turn, as a decode step reads them (the cache read once per step: GB/s of KV;
 //! with one layer a 16k cache of f16 fits a large L3 and the figure is the cache's, not memory's),
-//! time per layer. Prefill: a chunk of
+//! time per layer (`BENCH_TYPES=f16,q8_0` for some cache types only). Prefill: a chunk of
 //! 512 rows at the end of a `depth`-token prompt (GFLOP/s, counting 2 x 2 x head_dim flops per
 //! query-key pair: the scores and the weighted values). Default shape: Qwen2.5-Coder-1.5B (12
 //! heads, 2 KV heads of 128). Median of several rounds.
@@ -34,7 +34,9 @@ fn main() {
     println!("{:<6} {:>7} {:>12} {:>10} {:>14} {:>12}", "type", "threads", "decode ms", "KV GB/s", "prefill ms", "GFLOP/s");
     let layers: usize = std::env::var("BENCH_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(28).max(1);
     println!("decode over {layers} layers' caches in turn (BENCH_LAYERS)");
-    for dtype in KvDtype::ALL {
+    // BENCH_TYPES=f16,q8_0: only those cache types
+    let types = std::env::var("BENCH_TYPES").unwrap_or_default();
+    for dtype in KvDtype::ALL.into_iter().filter(|d| types.is_empty() || types.split(',').any(|t| t == d.name())) {
         let row: Vec<f32> = (0..kvw).map(|i| (i as f32 * 0.37).sin()).collect();
         let planes: Vec<(KvPlane, KvPlane)> = (0..layers)
             .map(|_| {

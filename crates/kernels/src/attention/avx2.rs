@@ -64,6 +64,27 @@ pub(super) unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
     }
 }
 
+/// Where the row whose first element is `e0` starts, for [`load8_row`].
+#[inline]
+pub(super) unsafe fn row_ptr(v: KvView, e0: usize) -> *const u8 {
+    v.data.as_ptr().add(v.dtype.data_bytes(e0))
+}
+
+/// [`load8`] of element `e0 + c` given the row's start `r` ([`row_ptr`] of `e0`): the plain types
+/// by pointer, so a block of keys keeps one address register a key with the chunk as an index
+/// (from element offsets the compiler kept the keys' addresses in a vector register and moved
+/// them out one at a time every chunk); the quantized types through their scales as `load8`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn load8_row<const D: u8>(v: KvView, r: *const u8, e0: usize, c: usize) -> __m256 {
+    match D {
+        0 => _mm256_loadu_ps(r.add(4 * c) as *const f32),
+        1 => _mm256_cvtph_ps(_mm_loadu_si128(r.add(2 * c) as *const __m128i)),
+        2 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.add(2 * c) as *const __m128i)), 16)),
+        _ => load8::<D>(v, e0 + c),
+    }
+}
+
 /// The lanes summed: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), `dot_ref`'s order.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -114,11 +135,9 @@ unsafe fn score_block<const D: u8, const NB: usize, const NK: usize>(
     prefetch_rows(k, pf, j, NK, hd);
     let mut acc = [[_mm256_setzero_ps(); NK]; NB];
     let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
+    let kp: [*const u8; NK] = std::array::from_fn(|n| row_ptr(k, ko[n]));
     for c in (0..hd).step_by(8) {
-        let mut kv = [_mm256_setzero_ps(); NK];
-        for n in 0..NK {
-            kv[n] = load8::<D>(k, ko[n] + c);
-        }
+        let kv: [__m256; NK] = std::array::from_fn(|n| load8_row::<D>(k, kp[n], ko[n], c));
         for i in 0..NB {
             let qv = _mm256_loadu_ps(q[i].add(c));
             for n in 0..NK {

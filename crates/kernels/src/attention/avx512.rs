@@ -7,7 +7,7 @@
 //! instructions. Weighted values: each output lane is its own chain of fused multiply-adds over
 //! the keys in order, so sixteen lanes give the eight-lane kernel's bits.
 
-use super::avx2::{hsum, hsum4, load8, prefetch_rows};
+use super::avx2::{hsum, hsum4, load8, prefetch_rows, row_ptr};
 use super::{KvView, Q8_BLOCK, TILE};
 use std::arch::x86_64::*;
 
@@ -32,11 +32,17 @@ pub(super) unsafe fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
     crate::exp::exp_shifted_sum(x, m)
 }
 
-/// Eight values from element `e` (a multiple of 8) in both halves.
+/// Eight values from element `e0 + c` (a multiple of 8; `r` the row's [`row_ptr`]) in both
+/// halves: `load8_row`'s, the plain types loaded twice and converted once.
 #[inline]
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn load8x2<const D: u8>(v: KvView, e: usize) -> __m512 {
-    _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8::<D>(v, e))))
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn load8x2<const D: u8>(v: KvView, r: *const u8, e0: usize, c: usize) -> __m512 {
+    match D {
+        0 => _mm512_broadcast_f32x8(_mm256_loadu_ps(r.add(4 * c) as *const f32)),
+        1 => _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(r.add(2 * c) as *const __m128i))),
+        2 => _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastsi128_si256(_mm_loadu_si128(r.add(2 * c) as *const __m128i))), 16)),
+        _ => _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8::<D>(v, e0 + c)))),
+    }
 }
 
 /// Sixteen values from element `e` (a multiple of 16, so inside one 32-value block of the
@@ -87,8 +93,9 @@ unsafe fn score_block<const D: u8, const NP: usize, const NK: usize>(
     prefetch_rows(k, pf, j, NK, hd);
     let mut acc = [[_mm512_setzero_ps(); NK]; NP];
     let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
+    let kp: [*const u8; NK] = std::array::from_fn(|n| row_ptr(k, ko[n]));
     for c in (0..hd).step_by(8) {
-        let kv: [__m512; NK] = std::array::from_fn(|n| load8x2::<D>(k, ko[n] + c));
+        let kv: [__m512; NK] = std::array::from_fn(|n| load8x2::<D>(k, kp[n], ko[n], c));
         for (p, row) in acc.iter_mut().enumerate() {
             let qv = _mm512_loadu_ps(q.add(p * 2 * hd + 2 * c));
             for n in 0..NK {
