@@ -11,7 +11,6 @@ use crate::packed::{PackedInt8, GROUP_ROWS, MAX_ACTS};
 use crate::pool::DisjointOut;
 use crate::q8::{quantize_rows, quantize_rows_super, ActSpan, QuantizedActivations};
 use crate::weights::{Packed, QMatrix};
-use rayon::prelude::*;
 
 /// Activations prepared once for every matrix that reads them.
 pub struct MatmulInput<'a> {
@@ -53,16 +52,18 @@ fn quantize_parallel(x: &[f32], cols: usize, quantize: fn(&[f32], usize) -> Quan
     if rows < 2 {
         return quantize(x, cols);
     }
-    if rows < 32 {
-        // a verify step's rows, one per task on the spinning pool (a rayon wake-up costs more
-        // than a row: 6 us at 8960 wide); each row's bytes do not depend on who quantizes it
-        let parts: Vec<std::sync::OnceLock<QuantizedActivations>> = (0..rows).map(|_| std::sync::OnceLock::new()).collect();
-        crate::pool::parallel_for(rows, &|r| {
-            let _ = parts[r].set(quantize(&x[r * cols..(r + 1) * cols], cols));
-        });
-        return QuantizedActivations::concat(parts.into_iter().map(|p| p.into_inner().expect("every row quantized")).collect());
-    }
-    QuantizedActivations::concat(x.par_chunks(16 * cols).map(|c| quantize(c, cols)).collect())
+    // on the spinning pool (a rayon wake-up costs more than a row: 6 us at 8960 wide, and a
+    // mixture of experts' prefill quantizes each expert's few dozen rows twice a layer): a
+    // verify step's rows one per task, more rows 16 a task; each row's bytes do not depend on
+    // who quantizes it
+    let per_task = if rows < 32 { 1 } else { 16 };
+    let tasks = rows.div_ceil(per_task);
+    let parts: Vec<std::sync::OnceLock<QuantizedActivations>> = (0..tasks).map(|_| std::sync::OnceLock::new()).collect();
+    crate::pool::parallel_for(tasks, &|t| {
+        let r1 = ((t + 1) * per_task).min(rows);
+        let _ = parts[t].set(quantize(&x[t * per_task * cols..r1 * cols], cols));
+    });
+    QuantizedActivations::concat(parts.into_iter().map(|p| p.into_inner().expect("every row quantized")).collect())
 }
 
 const BATCH_TILE: usize = 64;
