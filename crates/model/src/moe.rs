@@ -210,6 +210,20 @@ struct Routes {
     weights: Vec<f32>,
 }
 
+/// `o += w * y`, element by element: the one form of a routed expert's share in its row, so the
+/// prefill's running sum and the batch's weighted sum give the same bits.
+fn add_weighted(o: &mut [f32], w: f32, y: &[f32]) {
+    for (a, &b) in o.iter_mut().zip(y) {
+        *a += w * b;
+    }
+}
+
+/// `xs` = the rows of `x` (`hidden` wide) that slots `picks` (`row * k + j`) belong to, in order.
+fn gather_rows(x: &[f32], h: usize, k: usize, picks: &[usize], xs: &mut Vec<f32>) {
+    xs.clear();
+    picks.iter().for_each(|&i| xs.extend_from_slice(&x[(i / k) * h..(i / k + 1) * h]));
+}
+
 /// Where the expert outputs of one rank's rows are computed: all here (no exchange) or spread
 /// over the group.
 enum Placement<'a> {
@@ -285,27 +299,17 @@ impl MoeFfn {
         let k = routes.k;
         if exchange.is_none() && t > GROUPED_MAX_ROWS {
             self.run_experts_summed(xn, &routes, out)?;
-            if let Some(s) = &self.shared {
-                self.add_shared(s, xn, active, out);
+        } else {
+            let mut y = vec![0f32; t * k * h];
+            match exchange.map_or(Placement::Local, Placement::Parallel) {
+                Placement::Local => self.run_experts(0..self.n_experts(), xn, &routes.ids, k, &mut y)?,
+                Placement::Parallel(ex) => self.exchange_experts(xn, &routes, ex, &mut y)?,
             }
-            return Ok(());
-        }
-        let mut y = vec![0f32; t * k * h];
-        match exchange.map_or(Placement::Local, Placement::Parallel) {
-            Placement::Local => self.run_experts(0..self.n_experts(), xn, &routes.ids, k, &mut y)?,
-            Placement::Parallel(ex) => self.exchange_experts(xn, &routes, ex, &mut y)?,
-        }
-        // weighted sum in ascending expert index (the slot order)
-        out.fill(0.0);
-        for r in 0..t {
-            let o = &mut out[r * h..(r + 1) * h];
-            for j in 0..k {
-                if routes.ids[r * k + j] < 0 {
-                    continue;
-                }
-                let w = routes.weights[r * k + j];
-                for (a, &b) in o.iter_mut().zip(&y[(r * k + j) * h..(r * k + j + 1) * h]) {
-                    *a += w * b;
+            // weighted sum in ascending expert index (the slot order)
+            out.fill(0.0);
+            for r in 0..t {
+                for j in (0..k).filter(|&j| routes.ids[r * k + j] >= 0) {
+                    add_weighted(&mut out[r * h..(r + 1) * h], routes.weights[r * k + j], &y[(r * k + j) * h..(r * k + j + 1) * h]);
                 }
             }
         }
@@ -357,30 +361,39 @@ impl MoeFfn {
     fn run_experts_summed(&self, x: &[f32], routes: &Routes, out: &mut [f32]) -> Result<(), ModelError> {
         let (h, k) = (self.router.cols, routes.k);
         out.fill(0.0);
-        let mut picks: Vec<Vec<usize>> = vec![Vec::new(); self.n_experts()];
-        for (i, &id) in routes.ids.iter().enumerate() {
-            if id >= 0 {
-                picks[id as usize].push(i);
-            }
-        }
+        // one input and one output buffer for every expert (fresh ones of this size would be
+        // mapped and zeroed by the kernel each time)
         let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        for (e, picks) in picks.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-            let Some(expert) = &self.experts[e] else {
-                return Err(ModelError::Exchange(format!("tokens were routed to expert {e}, which this rank does not hold")));
-            };
-            xs.clear();
-            picks.iter().for_each(|&i| xs.extend_from_slice(&x[(i / k) * h..(i / k + 1) * h]));
+        for (expert, picks) in self.pick_experts(0..self.n_experts(), &routes.ids)? {
+            gather_rows(x, h, k, &picks, &mut xs);
             ys.clear();
             ys.resize(picks.len() * h, 0f32);
             expert.forward(&xs, self.activation, &mut ys);
             for (n, &i) in picks.iter().enumerate() {
-                let w = routes.weights[i];
-                for (a, &b) in out[(i / k) * h..(i / k + 1) * h].iter_mut().zip(&ys[n * h..(n + 1) * h]) {
-                    *a += w * b;
-                }
+                add_weighted(&mut out[(i / k) * h..(i / k + 1) * h], routes.weights[i], &ys[n * h..(n + 1) * h]);
             }
         }
         Ok(())
+    }
+
+    /// The experts in `range` that rows were routed to, in index order, each with the slots
+    /// (`row * k + j` into `ids`) routed to it, ascending; an error if one is not held here.
+    fn pick_experts(&self, range: std::ops::Range<usize>, ids: &[i32]) -> Result<Vec<(&DenseFfn, Vec<usize>)>, ModelError> {
+        // one pass over the slots (a prefill's 512 rows route 4096 of them among 128 experts)
+        let mut buckets: Vec<Vec<usize>> = vec![Vec::new(); range.len()];
+        for (i, &id) in ids.iter().enumerate() {
+            if id >= 0 && range.contains(&(id as usize)) {
+                buckets[id as usize - range.start].push(i);
+            }
+        }
+        let mut picked = Vec::new();
+        for (e, picks) in range.zip(buckets).filter(|(_, p)| !p.is_empty()) {
+            let Some(expert) = &self.experts[e] else {
+                return Err(ModelError::Exchange(format!("tokens were routed to expert {e}, which this rank does not hold")));
+            };
+            picked.push((expert, picks));
+        }
+        Ok(picked)
     }
 
     /// Runs experts `range` (in index order) over the rows routed to them: `x` is `rows x hidden`,
@@ -388,19 +401,12 @@ impl MoeFfn {
     /// `y[(r * k + j) * hidden..]`. Rows routed to experts outside `range` are left alone.
     fn run_experts(&self, range: std::ops::Range<usize>, x: &[f32], ids: &[i32], k: usize, y: &mut [f32]) -> Result<(), ModelError> {
         let h = self.router.cols;
-        // the experts that rows were routed to, in index order, with those rows' slots
-        let mut picked: Vec<(&DenseFfn, Vec<usize>)> = Vec::new();
-        for e in range {
-            let picks: Vec<usize> = ids.iter().enumerate().filter(|&(_, &id)| id == e as i32).map(|(i, _)| i).collect();
-            if picks.is_empty() {
-                continue;
-            }
-            let Some(expert) = &self.experts[e] else {
-                return Err(ModelError::Exchange(format!("tokens were routed to expert {e}, which this rank does not hold")));
-            };
-            picked.push((expert, picks));
-        }
-        let gather = |picks: &[usize]| -> Vec<f32> { picks.iter().flat_map(|&i| &x[(i / k) * h..(i / k + 1) * h]).copied().collect() };
+        let picked = self.pick_experts(range, ids)?;
+        let gather = |picks: &[usize]| -> Vec<f32> {
+            let mut xs = Vec::new();
+            gather_rows(x, h, k, picks, &mut xs);
+            xs
+        };
         let mut scatter = |picks: &[usize], ys: &[f32]| {
             for (n, &i) in picks.iter().enumerate() {
                 y[i * h..(i + 1) * h].copy_from_slice(&ys[n * h..(n + 1) * h]);
