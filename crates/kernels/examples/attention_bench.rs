@@ -35,8 +35,19 @@ fn main() {
     let layers: usize = std::env::var("BENCH_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(28).max(1);
     println!("decode over {layers} layers' caches in turn (BENCH_LAYERS)");
     // BENCH_TYPES=f16,q8_0: only those cache types
-    let types = std::env::var("BENCH_TYPES").unwrap_or_default();
-    for dtype in KvDtype::ALL.into_iter().filter(|d| types.is_empty() || types.split(',').any(|t| t == d.name())) {
+    let types: Vec<KvDtype> = match std::env::var("BENCH_TYPES") {
+        Ok(t) => t
+            .split(',')
+            .map(|t| {
+                t.parse().unwrap_or_else(|e| {
+                    eprintln!("BENCH_TYPES: {e}");
+                    std::process::exit(2)
+                })
+            })
+            .collect(),
+        Err(_) => KvDtype::ALL.to_vec(),
+    };
+    for dtype in KvDtype::ALL.into_iter().filter(|d| types.contains(d)) {
         let row: Vec<f32> = (0..kvw).map(|i| (i as f32 * 0.37).sin()).collect();
         let planes: Vec<(KvPlane, KvPlane)> = (0..layers)
             .map(|_| {

@@ -43,9 +43,8 @@ pub(super) unsafe fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
 pub(super) unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
     let p = v.data.as_ptr();
     match D {
-        0 => _mm256_loadu_ps(p.add(4 * e) as *const f32),
-        1 => _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * e) as *const __m128i)),
-        2 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(2 * e) as *const __m128i)), 16)),
+        // the plain types' conversions are written once, in `load8_row`
+        0..=2 => load8_row::<D>(v, row_ptr(v, e), e, 0),
         3 => {
             let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(e) as *const __m128i)));
             let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
