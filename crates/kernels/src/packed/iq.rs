@@ -4,13 +4,15 @@
 //! interleaved four bytes per 32-bit lane (byte `t` of lane `r` of vector `u` is byte `4u + t` of
 //! that array in row `r`'s ggml block), scales moved to per-lane arrays, the same int8 activation
 //! blocks of 32, integer sums exact on every path and the float steps the same operations in the
-//! same order, so AVX2, AVX-512 VNNI (256-bit `vpdpbusd`) and the scalar reference give the same
-//! bits and a row's result never depends on the batch or the thread split.
+//! same order, so AVX2, AVX-512 VNNI (256-bit `vpdpbusd`, and for the table formats two groups
+//! per 512-bit pass, `x86::pair_table`) and the scalar reference give the same bits and a row's
+//! result never depends on the batch or the thread split.
 //!
 //! The table formats store 4-bit codes of int8 values (IQ4: `KVALUES_IQ4NL`; MXFP4: the e2m1
 //! values doubled, `KVALUES_MXFP4`, with the E8M0 scale halved): the kernels map the codes to
-//! int8 through the table (`pshufb`) and take signed int8 dot products (`|w|` against the
-//! activations with `w`'s sign, the products exact).
+//! int8 through the table (`pshufb`) and take exact int8 dot products: on AVX2 `|w|` against the
+//! activations with `w`'s sign; with VNNI the table offset by 128 to unsigned bytes against the
+//! activations, less `128` times the block's activation sum (`BlockQ8::h`).
 //!
 //! Layout of one group block (offsets in bytes; `d[8]` etc. are the eight rows' values):
 //! - Q2_K (672, as the ggml blocks): `d[8]` f16, `dmin[8]` f16, `sc[16][8]` ggml's scale bytes

@@ -403,6 +403,9 @@ impl PackedInt8 {
     ///   Q4_K from five rows (1.3-1.4x at 8-64); Q6_K from eight (its lm_head at five 8% slower,
     ///   at 9-17 1.15x), and only on rows under 4096 columns (a 1.5B model's ffn_down, 8960
     ///   columns, two streams 58 KB apart, was 1.1-1.4x slower at 5-9 rows).
+    /// - The table formats in `iq::x86::pair_table`, where 512-bit instructions run whole: MXFP4
+    ///   from two rows (1.2-1.4x at two, 2.2-2.7x at 4-64), IQ4_NL / IQ4_XS from three (at two the
+    ///   pair was 10-15% slower, at 3-64 2-2.3x faster) (matmul_bench gate/up, 2 threads, Zen 5).
     pub fn pair_min_rows(&self, span: ActSpan) -> Option<usize> {
         let f = crate::cpu::features();
         if !(cfg!(target_arch = "x86_64") && f.avx512_vnni) {
@@ -412,6 +415,8 @@ impl PackedInt8 {
             (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => (!f.split_512).then_some(1),
             (ActSpan::Block, WeightFormat::Q6K) if !f.split_512 && self.act_blocks * QK < 4096 => Some(8),
             (ActSpan::Super, WeightFormat::Q4K) if !f.split_512 => Some(5),
+            (ActSpan::Block, WeightFormat::MXFP4) if !f.split_512 => Some(2),
+            (ActSpan::Block, WeightFormat::IQ4NL | WeightFormat::IQ4XS) if !f.split_512 => Some(3),
             _ => None,
         }
     }
@@ -448,6 +453,10 @@ impl PackedInt8 {
                 // activation row the matching `act_blocks` blocks; dst as promised.
                 return self.with_groups::<2, _>(g, |[g0, g1]| k::x86::pair_k::<N>(self.format, g0, g1, self.blocks, acts, dst));
             }
+            if iq::handles(self.format) {
+                // SAFETY: as above (pairs_in_one_pass admits only the table formats of packed_iq).
+                return self.with_groups::<2, _>(g, |[g0, g1]| iq::x86::pair_table::<N>(self.format, g0, g1, self.blocks, acts, dst));
+            }
             // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time; both
             // groups hold `blocks` group blocks, every activation row `blocks` blocks; dst as promised.
             return self.with_groups::<2, _>(g, |[g0, g1]| x86::pair_vnni512::<N>(self.format, g0, g1, self.blocks, acts, dst));
@@ -459,14 +468,23 @@ impl PackedInt8 {
 
 #[cfg(all(test, target_arch = "x86_64"))]
 impl PackedInt8 {
-    /// `dot_group_pair_to` through the 512-bit two-group kernel of Q4_0 / Q4_1 / Q8_0 whatever
-    /// `pair_min_rows` says, so the kernel is checked on CPUs whose matmuls do not take it.
+    /// `dot_group_pair_to` through the 512-bit two-group kernel of Q4_0 / Q4_1 / Q8_0 or of the
+    /// table formats (IQ4_NL, IQ4_XS, MXFP4) whatever `pair_min_rows` says, so the kernel is
+    /// checked on CPUs and at row counts whose matmuls do not take it.
     ///
     /// # Safety
     /// As `dot_group_pair_to`; AVX-512 VNNI present.
     pub(crate) unsafe fn dot_group_pair_512_for_tests<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
-        assert!(crate::cpu::features().avx512_vnni && !k::handles(self.format));
+        assert!(crate::cpu::features().avx512_vnni && Self::has_512_pair_for_tests(self.format));
+        if iq::handles(self.format) {
+            return self.with_groups::<2, _>(g, |[g0, g1]| iq::x86::pair_table::<N>(self.format, g0, g1, self.blocks, acts, dst));
+        }
         self.with_groups::<2, _>(g, |[g0, g1]| x86::pair_vnni512::<N>(self.format, g0, g1, self.blocks, acts, dst));
+    }
+
+    /// Whether `dot_group_pair_512_for_tests` takes `format`.
+    pub(crate) fn has_512_pair_for_tests(format: WeightFormat) -> bool {
+        matches!(format, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0 | WeightFormat::IQ4NL | WeightFormat::IQ4XS | WeightFormat::MXFP4)
     }
 }
 

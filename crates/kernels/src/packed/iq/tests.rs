@@ -83,6 +83,80 @@ fn simd_equals_the_scalar_reference_bitwise() {
     crate::cpu::assert_expected_paths_ran(&ran);
 }
 
+/// The table formats' two-group pass (dispatched, and the 512-bit kernel forced where the CPU
+/// has it, whatever the matmul's row threshold) gives each group the scalar reference's bits:
+/// random blocks and every code at one extreme, random and +-127 activations, 1..8 rows, a
+/// partial last group.
+#[test]
+fn table_pairs_equal_the_scalar_reference_bitwise() {
+    fn check<const N: usize>(p: &PackedInt8, f: WeightFormat, cols: usize, acts: &[QuantizedActivations]) {
+        let rows: [&[BlockQ8]; N] = std::array::from_fn(|i| acts[(i * 3 + N) % acts.len()].row(0));
+        for g in 0..p.groups() - 1 {
+            let mut outs = Vec::new();
+            let mut run = |forced: bool| {
+                let mut out = [[[0f32; GROUP_ROWS]; N]; 2];
+                let [o0, o1] = &mut out;
+                let dst = [o0.each_mut().map(|r| r.as_mut_ptr()), o1.each_mut().map(|r| r.as_mut_ptr())];
+                // SAFETY: each pointer addresses one row of `out`; the forced kernel only where
+                // AVX-512 VNNI was detected.
+                unsafe {
+                    if forced {
+                        #[cfg(target_arch = "x86_64")]
+                        p.dot_group_pair_512_for_tests::<N>(g, rows, dst);
+                    } else {
+                        p.dot_group_pair_to::<N>(g, rows, dst);
+                    }
+                }
+                outs.push((forced, out));
+            };
+            run(false);
+            if cfg!(target_arch = "x86_64") && crate::cpu::features().avx512_vnni {
+                run(true);
+            }
+            for (forced, out) in outs {
+                for (j, group_out) in out.iter().enumerate() {
+                    let (group, blocks) = group_bytes(p, g + j, f, cols);
+                    for (n, a) in rows.iter().enumerate() {
+                        let reference = dot_group_scalar(f, group, blocks, a);
+                        assert_eq!(group_out[n].map(f32::to_bits), reference.map(f32::to_bits), "{f:?} forced {forced} group {} activation {n} of {N}", g + j);
+                    }
+                }
+            }
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(43);
+    for f in [WeightFormat::IQ4NL, WeightFormat::IQ4XS, WeightFormat::MXFP4] {
+        for (rows, cols) in [(16, f.block_len()), (29, 3 * f.block_len()), (21, if f.block_len() == QK { 576 } else { 1536 })] {
+            let mut raws = vec![random_raw(&mut rng, f, rows, cols)];
+            for fill in [0x00u8, 0xFF, 0x88] {
+                // every code at one extreme (IQ4: -127 or 113; MXFP4: -12 or 12), scales kept
+                let mut raw = random_raw(&mut rng, f, rows, cols);
+                for blk in raw.chunks_exact_mut(f.block_bytes()) {
+                    let at = match f {
+                        WeightFormat::IQ4NL => 2,
+                        WeightFormat::IQ4XS => 8,
+                        _ => 1,
+                    };
+                    blk[at..].fill(fill);
+                }
+                raws.push(raw);
+            }
+            for raw in raws {
+                let p = PackedInt8::pack(f, rows, cols, &raw).unwrap();
+                let acts = activations(&mut rng, cols);
+                check::<1>(&p, f, cols, &acts);
+                check::<2>(&p, f, cols, &acts);
+                check::<3>(&p, f, cols, &acts);
+                check::<4>(&p, f, cols, &acts);
+                check::<5>(&p, f, cols, &acts);
+                check::<6>(&p, f, cols, &acts);
+                check::<7>(&p, f, cols, &acts);
+                check::<8>(&p, f, cols, &acts);
+            }
+        }
+    }
+}
+
 /// Independent oracle: the float dot of the dequantized ggml row (`dequantize_row`, itself
 /// checked against gguf-py by python/tests/test_kquant_oracle.py) with the f32 activations,
 /// within what the 8-bit activations allow (each activation off by at most `amax / 254` of

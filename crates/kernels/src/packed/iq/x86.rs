@@ -2,16 +2,25 @@
 //! CPU has it), on `packed::k`'s lane helpers.
 
 use super::*;
-use crate::packed::k::x86::{bcast4, f16x8, vec, Avx2, Dot, Vnni, L1_ACT_BYTES, L2_AHEAD, LONG_ROW};
+use crate::packed::k::x86::{
+    bcast4, bcast4_512, bytes512, f16x8, halves512, join512, pair_prefetch, prefetch_pair, store_pairs, vec, Avx2, Dot, Vnni, L1_ACT_BYTES, L2_AHEAD, LONG_ROW,
+};
 use std::arch::x86_64::*;
 
 /// Signed int8 weights against int8 activations, on top of `Dot`.
 trait DotSigned: Dot {
+    /// Whether the table formats' values go in offset to unsigned (`w + 128` against `a`, less
+    /// `128 sum(a)`: one `vpdpbusd` per weight vector and row, the broadcast folded in) instead of
+    /// as `|w|` against `a` with `w`'s sign (a `vpsignb` more per vector and row, an abs per
+    /// vector). The same exact sums (each lane at most 8 x 4 x 255 x 127 before the
+    /// subtraction); `maddubs` would saturate its i16 pairs at `241 x 127 x 2`, so only VNNI does.
+    const OFFSET_TABLE: bool;
     /// `acc` plus each 32-bit lane's four products `w * a` (`w_abs = |w|`, `|w| <= 127`),
     /// exact, as `|w| * (a with w's sign)`.
     unsafe fn dot_s8(acc: __m256i, w_abs: __m256i, w: __m256i, a: __m256i) -> __m256i;
 }
 impl DotSigned for Avx2 {
+    const OFFSET_TABLE: bool = false;
     #[inline(always)]
     unsafe fn dot_s8(acc: __m256i, w_abs: __m256i, w: __m256i, a: __m256i) -> __m256i {
         // one pair is at most 2 x 127 x 127 = 32258: widened at once
@@ -20,6 +29,7 @@ impl DotSigned for Avx2 {
     }
 }
 impl DotSigned for Vnni {
+    const OFFSET_TABLE: bool = true;
     #[inline(always)]
     unsafe fn dot_s8(acc: __m256i, w_abs: __m256i, w: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, w_abs, _mm256_sign_epi8(a, w))
@@ -69,26 +79,53 @@ unsafe fn e8m0_half8(p: *const u8) -> __m256 {
     _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, below2))
 }
 
-/// The 16 int8 table values in both 128-bit halves (for `pshufb`).
+/// The 16 table values in every 128-bit lane (for `pshufb`), offset by 128 to unsigned bytes
+/// when `offset` (`DotSigned::OFFSET_TABLE`).
 #[inline(always)]
-unsafe fn table(t: &[i8; 16]) -> __m256i {
+fn table_bytes(t: &[i8; 16], offset: bool) -> [u8; 16] {
+    t.map(|v| if offset { (v as i32 + 128) as u8 } else { v as u8 })
+}
+
+#[inline(always)]
+unsafe fn table(t: &[i8; 16], offset: bool) -> __m256i {
+    let t = table_bytes(t, offset);
     _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i))
 }
 
-/// `s[n]` plus the exact sums of one table-format block of 32 (code vectors `q..q + 4`)
-/// against activation block `ab[n]` of each row.
+/// `128 sum(a)` of an activation block: what the offset table adds to its exact sum.
 #[inline(always)]
-unsafe fn table_block<D: DotSigned, const N: usize>(tab: __m256i, q: *const u8, ab: [*const i8; N]) -> [__m256i; N] {
+fn offset_share(ab: &BlockQ8) -> i32 {
+    128 * (ab.h[0] as i32 + ab.h[1] as i32)
+}
+
+/// The exact sums of one table-format block of 32 (code vectors `q..q + 4`) against activation
+/// block `ab[n]` of each row.
+#[inline(always)]
+unsafe fn table_block<D: DotSigned, const N: usize>(tab: __m256i, q: *const u8, ab: [&BlockQ8; N]) -> [__m256i; N] {
     let m4 = _mm256_set1_epi8(0x0F);
     let mut s = [_mm256_setzero_si256(); N];
     for v in 0..4 {
         let raw = vec(q, v);
         let lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(raw, m4));
         let hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4));
-        let (lo_abs, hi_abs) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+        if D::OFFSET_TABLE {
+            for n in 0..N {
+                let a = ab[n].qs.as_ptr();
+                s[n] = _mm256_dpbusd_epi32(s[n], lo, bcast4(a.add(4 * v)));
+                s[n] = _mm256_dpbusd_epi32(s[n], hi, bcast4(a.add(16 + 4 * v)));
+            }
+        } else {
+            let (lo_abs, hi_abs) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
+            for n in 0..N {
+                let a = ab[n].qs.as_ptr();
+                s[n] = D::dot_s8(s[n], lo_abs, lo, bcast4(a.add(4 * v)));
+                s[n] = D::dot_s8(s[n], hi_abs, hi, bcast4(a.add(16 + 4 * v)));
+            }
+        }
+    }
+    if D::OFFSET_TABLE {
         for n in 0..N {
-            s[n] = D::dot_s8(s[n], lo_abs, lo, bcast4(ab[n].add(4 * v)));
-            s[n] = D::dot_s8(s[n], hi_abs, hi, bcast4(ab[n].add(16 + 4 * v)));
+            s[n] = _mm256_sub_epi32(s[n], _mm256_set1_epi32(offset_share(ab[n])));
         }
     }
     s
@@ -115,7 +152,7 @@ unsafe fn group_impl<D: DotSigned, const F: u8, const N: usize>(group: &[u8], bl
     let m3 = _mm256_set1_epi8(3);
     let bit2 = _mm256_set1_epi8(4);
     let sign = _mm256_set1_ps(-0.0);
-    let tab = table(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL });
+    let tab = table(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL }, D::OFFSET_TABLE);
     let mut acc = [_mm256_setzero_ps(); N];
     for b in 0..blocks {
         // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
@@ -191,7 +228,7 @@ unsafe fn group_impl<D: DotSigned, const F: u8, const N: usize>(group: &[u8], bl
             }
             IQ4NL | MXFP4 => {
                 let (d, q) = if F == IQ4NL { (f16x8(blk), blk.add(off::IQ4NL_QS)) } else { (e8m0_half8(blk), blk.add(off::MXFP4_QS)) };
-                let s = table_block::<D, N>(tab, q, std::array::from_fn(|n| acts[n].get_unchecked(b).qs.as_ptr()));
+                let s = table_block::<D, N>(tab, q, std::array::from_fn(|n| acts[n].get_unchecked(b)));
                 for n in 0..N {
                     let da = _mm256_set1_ps(acts[n].get_unchecked(b).d);
                     acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(s[n]), acc[n]);
@@ -201,8 +238,7 @@ unsafe fn group_impl<D: DotSigned, const F: u8, const N: usize>(group: &[u8], bl
                 let d = f16x8(blk);
                 for ib in 0..8 {
                     let dl = _mm256_mul_ps(d, _mm256_cvtepi32_ps(bytes8::<true>(blk.add(off::IQ4XS_SC + 8 * ib))));
-                    let s =
-                        table_block::<D, N>(tab, blk.add(off::IQ4XS_QS + 128 * ib), std::array::from_fn(|n| acts[n].get_unchecked(per * b + ib).qs.as_ptr()));
+                    let s = table_block::<D, N>(tab, blk.add(off::IQ4XS_QS + 128 * ib), std::array::from_fn(|n| acts[n].get_unchecked(per * b + ib)));
                     for n in 0..N {
                         let da = _mm256_set1_ps(acts[n].get_unchecked(per * b + ib).d);
                         acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(dl, da), _mm256_cvtepi32_ps(s[n]), acc[n]);
@@ -235,3 +271,107 @@ macro_rules! group_fn {
 }
 group_fn!(group_avx2, "avx2,fma,f16c", Avx2);
 group_fn!(group_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", Vnni);
+
+/// Two groups at once (`PackedInt8::dot_group_pair_to`) for the table formats (IQ4_NL,
+/// IQ4_XS, MXFP4): one 512-bit vector holds a code vector of both groups (group `g`'s in the
+/// low half), mapped through the offset table, so each unpack, broadcast and `vpdpbusd`
+/// serves sixteen rows where `group_vnni` serves eight. Each lane's exact integer sums and
+/// float steps are `group_impl::<Vnni, _, _>`'s in the same order: the same bits. Ours (no
+/// crate has it).
+///
+/// # Safety
+/// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C present; `format` is IQ4_NL, IQ4_XS or MXFP4; `g0`
+/// and `g1` hold `blocks` group blocks of it, every activation row the matching blocks of 32;
+/// every `dst[j][n]` is valid for eight writes no other thread makes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn pair_table<const N: usize>(format: WeightFormat, g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+    match format {
+        WeightFormat::IQ4NL => pair_impl::<IQ4NL, N>(g0, g1, blocks, acts, dst),
+        WeightFormat::IQ4XS => pair_impl::<IQ4XS, N>(g0, g1, blocks, acts, dst),
+        WeightFormat::MXFP4 => pair_impl::<MXFP4, N>(g0, g1, blocks, acts, dst),
+        _ => unreachable!("{format:?} has no two-group table kernel"),
+    }
+}
+
+/// Both groups' E8M0 bytes as f32 halves (`e8m0_half8`'s steps on sixteen lanes).
+#[inline(always)]
+unsafe fn e8m0_half16(a: *const u8, b: *const u8) -> __m512 {
+    let e = bytes512(a, b);
+    let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+    let tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+    let below2 = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(2), e);
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(below2, normal, tiny))
+}
+
+/// Both groups' eight signed scale bytes as sixteen f32.
+#[inline(always)]
+unsafe fn scales16(a: *const u8, b: *const u8) -> __m512 {
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(a as *const __m128i), _mm_loadl_epi64(b as *const __m128i))))
+}
+
+/// `table_block`'s offset sums for both groups' code vectors `q0..q0 + 4`, `q1..q1 + 4`.
+#[inline(always)]
+unsafe fn table_block512<const N: usize>(tab: __m512i, q0: *const u8, q1: *const u8, ab: [&BlockQ8; N]) -> [__m512i; N] {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut s = [_mm512_setzero_si512(); N];
+    for v in 0..4 {
+        let raw = join512(q0.add(32 * v), q1.add(32 * v));
+        let lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(raw, m4));
+        let hi = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
+        for n in 0..N {
+            let a = ab[n].qs.as_ptr();
+            s[n] = _mm512_dpbusd_epi32(s[n], lo, bcast4_512(a.add(4 * v)));
+            s[n] = _mm512_dpbusd_epi32(s[n], hi, bcast4_512(a.add(16 + 4 * v)));
+        }
+    }
+    for n in 0..N {
+        s[n] = _mm512_sub_epi32(s[n], _mm512_set1_epi32(offset_share(ab[n])));
+    }
+    s
+}
+
+#[inline(always)]
+unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+    let format = format_of(F);
+    let gbb = group_block_bytes(format);
+    let per = format.block_len() / QK;
+    assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
+    let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
+    let dist = pair_prefetch(gbb);
+    let t = table_bytes(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL }, true);
+    let tab = _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr() as *const __m128i));
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..blocks {
+        // SAFETY (whole loop): b < blocks, both groups hold `blocks` group blocks of gbb bytes
+        // and every activation row the matching blocks of 32 (checked by the caller). A
+        // prefetch past the end of the matrix is a hint and never faults.
+        let (b0, b1) = (p0.add(b * gbb), p1.add(b * gbb));
+        prefetch_pair(b0, b1, gbb, dist);
+        match F {
+            IQ4NL | MXFP4 => {
+                let (d, qo) = if F == IQ4NL { (halves512(b0, b1), off::IQ4NL_QS) } else { (e8m0_half16(b0, b1), off::MXFP4_QS) };
+                let s = table_block512::<N>(tab, b0.add(qo), b1.add(qo), std::array::from_fn(|n| acts[n].get_unchecked(b)));
+                for n in 0..N {
+                    let da = _mm512_set1_ps(acts[n].get_unchecked(b).d);
+                    acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(s[n]), acc[n]);
+                }
+            }
+            _ => {
+                let d = halves512(b0, b1);
+                for ib in 0..8 {
+                    let so = off::IQ4XS_SC + 8 * ib;
+                    let dl = _mm512_mul_ps(d, scales16(b0.add(so), b1.add(so)));
+                    let qo = off::IQ4XS_QS + 128 * ib;
+                    let ab: [&BlockQ8; N] = std::array::from_fn(|n| acts[n].get_unchecked(per * b + ib));
+                    let s = table_block512::<N>(tab, b0.add(qo), b1.add(qo), ab);
+                    for n in 0..N {
+                        let da = _mm512_set1_ps(ab[n].d);
+                        acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(dl, da), _mm512_cvtepi32_ps(s[n]), acc[n]);
+                    }
+                }
+            }
+        }
+    }
+    // SAFETY: the caller gives 2 x N pointers to eight writable floats each.
+    store_pairs(&acc, dst);
+}

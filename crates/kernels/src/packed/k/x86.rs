@@ -789,14 +789,14 @@ pub(crate) unsafe fn pair_k<const N: usize>(format: WeightFormat, g0: &[u8], g1:
 /// does: on Zen 5 one block ahead left the pair slower than the one-group kernel at one to
 /// four rows, 12 blocks (14 KiB) made it 1.2x faster at eight. None elsewhere.
 #[inline(always)]
-fn pair_prefetch(gbb: usize) -> Option<usize> {
+pub(crate) fn pair_prefetch(gbb: usize) -> Option<usize> {
     let f = crate::cpu::features();
     f.sw_prefetch.then_some(f.prefetch_ahead.unwrap_or(gbb))
 }
 
 /// Both groups' block `b` prefetched `dist` bytes ahead.
 #[inline(always)]
-unsafe fn prefetch_pair(blk0: *const u8, blk1: *const u8, gbb: usize, dist: Option<usize>) {
+pub(crate) unsafe fn prefetch_pair(blk0: *const u8, blk1: *const u8, gbb: usize, dist: Option<usize>) {
     let Some(dist) = dist else { return };
     let mut line = 0;
     while line < gbb {
@@ -988,7 +988,7 @@ pub(crate) unsafe fn join512(a: *const u8, b: *const u8) -> __m512i {
 
 /// Eight unsigned bytes of each group as sixteen i32 lanes, group 0's in the low half.
 #[inline(always)]
-unsafe fn bytes512(a: *const u8, b: *const u8) -> __m512i {
+pub(crate) unsafe fn bytes512(a: *const u8, b: *const u8) -> __m512i {
     _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(a as *const __m128i), _mm_loadl_epi64(b as *const __m128i)))
 }
 
