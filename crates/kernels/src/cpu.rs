@@ -22,6 +22,11 @@ pub struct CpuFeatures {
     /// weights from memory, 2 threads; Q6_K's lm_head at four rows 1.5x faster)
     /// (`SPECULA_PREFETCH_AHEAD=<bytes>` overrides, for benchmarks; 0: the kernels' defaults).
     pub prefetch_ahead: Option<usize>,
+    /// Whether Q4_0 / Q4_1 / Q8_0 matmuls take two groups per 512-bit pass at one or two
+    /// activation rows (decode). Yes on Intel (Sapphire Rapids: +10% decode, K15); not on AMD
+    /// Zen 5, where the one-group kernel streamed the weights 1.15-1.3x faster at one and two
+    /// rows (Q8_0 up to four) and the pair pays from three rows (Q8_0: eight) (K18).
+    pub pairs_at_few_rows: bool,
 }
 
 /// The features this process uses. `SPECULA_NO_SIMD=1` forces the portable paths and
@@ -32,7 +37,7 @@ pub fn features() -> CpuFeatures {
     static F: OnceLock<CpuFeatures> = OnceLock::new();
     *F.get_or_init(|| {
         if std::env::var_os("SPECULA_NO_SIMD").is_some_and(|v| v == "1") {
-            return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: None };
+            return CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: None, pairs_at_few_rows: false };
         }
         let mut f = detect();
         if avx512_switched_off() {
@@ -129,6 +134,7 @@ fn detect() -> CpuFeatures {
         split_512: amd_family() == Some(0x19),
         sw_prefetch: amd_family() != Some(0x19),
         prefetch_ahead: (amd_family() == Some(0x1A)).then_some(16 * 1024),
+        pairs_at_few_rows: amd_family() != Some(0x1A),
     }
 }
 
@@ -148,7 +154,7 @@ fn amd_family() -> Option<u32> {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> CpuFeatures {
-    CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: None }
+    CpuFeatures { avx2_fma: false, avx512_vnni: false, split_512: false, sw_prefetch: false, prefetch_ahead: None, pairs_at_few_rows: false }
 }
 
 /// A one-line description for start-up logs.

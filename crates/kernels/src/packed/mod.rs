@@ -397,6 +397,9 @@ impl PackedInt8 {
     ///   1.4x at 3 rows, 1.35x at 4, 1.1x at 8 and 16, 1.0-1.05x at 64; Q4_1 1.4-1.65x at 3, 1.3-1.45x
     ///   at 4, 1.0-1.1x at 8-64; Q8_0, with its weights offset to unsigned, 1.15-1.25x at 4, equal
     ///   at 8, 1.1x at 16, 1.3x at 64 and 512). Before, Zen 4 took the pair from three rows.
+    ///   On Zen 5 (`CpuFeatures::pairs_at_few_rows` false) Q4_0 / Q4_1 from three rows and
+    ///   Q8_0 from eight: below, one group streamed 1.15-1.3x faster (matmul_bench, weights
+    ///   streamed, 2 threads; Q8_0 at 16-64 rows the pair 1.4x).
     /// - Q4_K (super-scaled rows) and Q6_K (block-scaled) in `k::x86::pair_k`, only where
     ///   512-bit instructions run whole (on Zen 4 Q4_K's pair was 15-25% slower), and only from a
     ///   few rows on: below, the one-group kernel streamed the weights as fast or faster (Zen 5).
@@ -412,7 +415,8 @@ impl PackedInt8 {
             return None;
         }
         match (span, self.format) {
-            (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1 | WeightFormat::Q8_0) => (!f.split_512).then_some(1),
+            (ActSpan::Block, WeightFormat::Q4_0 | WeightFormat::Q4_1) => (!f.split_512).then_some(if f.pairs_at_few_rows { 1 } else { 3 }),
+            (ActSpan::Block, WeightFormat::Q8_0) => (!f.split_512).then_some(if f.pairs_at_few_rows { 1 } else { 8 }),
             (ActSpan::Block, WeightFormat::Q6K) if !f.split_512 && self.act_blocks * QK < 4096 => Some(8),
             (ActSpan::Super, WeightFormat::Q4K) if !f.split_512 => Some(5),
             (ActSpan::Block, WeightFormat::MXFP4) if !f.split_512 => Some(2),
