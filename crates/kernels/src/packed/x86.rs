@@ -230,7 +230,7 @@ unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(group: &[u8], block
 
 /// Two groups at once in 512-bit vectors (lanes 0-7: group 0, 8-15: group 1), each lane's
 /// arithmetic exactly `group_impl`'s: the same exact integer block sums (`vpdpbusd`; for Q8_0
-/// from activations offset to unsigned, minus the offset's share), then the same
+/// from weights offset to unsigned, minus the offset's share), then the same
 /// two fmas per block in the same order, so the results are `group_impl`'s bits.
 #[inline(always)]
 unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
@@ -241,7 +241,6 @@ unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: u
     let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
     let ahead = prefetch_bytes();
     let m4 = _mm512_set1_epi8(0x0F);
-    let zero = _mm512_setzero_si512();
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..blocks {
         // SAFETY (whole loop): b < blocks, both groups hold `blocks` group blocks of gbb bytes
@@ -270,27 +269,22 @@ unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: u
                 }
             }
             _ => {
-                // vpdpbusd multiplies u8 by i8: the activations go in offset by 128 (`a ^ 0x80`
-                // is `a + 128` as a u8, made once per block and row) against the signed
-                // weights, and `128 * sum(w)`, one more vpdpbusd shared by every activation
-                // row, is taken off. The same exact sums as |w| x sign(a, w) (each term at most
-                // 255 x 128), in one instruction per weight vector and row instead of two,
-                // plus none of the per-vector abs and sign mask.
-                let mut offset = [[0u8; QK]; N];
-                for (n, o) in offset.iter_mut().enumerate() {
-                    let a = _mm256_loadu_si256(acts[n].get_unchecked(b).qs.as_ptr() as *const __m256i);
-                    _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, _mm256_xor_si256(a, _mm256_set1_epi8(i8::MIN)));
-                }
-                let mut w_sum = zero;
+                // vpdpbusd multiplies u8 by i8: the weights go in offset by 128 (`w ^ 0x80` is
+                // `w + 128` as a u8, made once per weight vector and shared by every row)
+                // against the activations, and `128 * sum(a)` (the block's half sums) comes
+                // off each row's sum: the same exact sums as |w| x sign(a, w) (each lane at
+                // most 8 x 4 x 255 x 127), one instruction per weight vector and row, the
+                // broadcast folded in.
+                let offset = _mm512_set1_epi8(i8::MIN);
                 for g in 0..8 {
-                    let w = join512(q0.add(32 * g), q1.add(32 * g));
-                    w_sum = _mm512_dpbusd_epi32(w_sum, _mm512_set1_epi8(i8::MIN), w);
+                    let u = _mm512_xor_si512(join512(q0.add(32 * g), q1.add(32 * g)), offset);
                     for n in 0..N {
-                        isum[n] = _mm512_dpbusd_epi32(isum[n], bcast4_512(offset[n].as_ptr().add(4 * g) as *const i8), w);
+                        isum[n] = _mm512_dpbusd_epi32(isum[n], u, bcast4_512(acts[n].get_unchecked(b).qs.as_ptr().add(4 * g)));
                     }
                 }
-                for s in isum.iter_mut() {
-                    *s = _mm512_sub_epi32(*s, w_sum);
+                for n in 0..N {
+                    let h = acts[n].get_unchecked(b).h;
+                    isum[n] = _mm512_sub_epi32(isum[n], _mm512_set1_epi32(128 * (h[0] as i32 + h[1] as i32)));
                 }
             }
         }
