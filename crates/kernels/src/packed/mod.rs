@@ -457,16 +457,28 @@ impl PackedInt8 {
                 // activation row the matching `act_blocks` blocks; dst as promised.
                 return self.with_groups::<2, _>(g, |[g0, g1]| k::x86::pair_k::<N>(self.format, g0, g1, self.blocks, acts, dst));
             }
-            if iq::handles(self.format) {
-                // SAFETY: as above (pairs_in_one_pass admits only the table formats of packed_iq).
-                return self.with_groups::<2, _>(g, |[g0, g1]| iq::x86::pair_table::<N>(self.format, g0, g1, self.blocks, acts, dst));
-            }
-            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time; both
-            // groups hold `blocks` group blocks, every activation row `blocks` blocks; dst as promised.
-            return self.with_groups::<2, _>(g, |[g0, g1]| x86::pair_vnni512::<N>(self.format, g0, g1, self.blocks, acts, dst));
+            // SAFETY: AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were detected at run time
+            // (pairs_in_one_pass, which admits the other families only for block-scaled rows of
+            // Q4_0 / Q4_1 / Q8_0 and the table formats); row lengths checked above; dst as promised.
+            return self.pair_512::<N>(g, acts, dst);
         }
         self.dot_group_span_to::<N>(g, span, acts, dst[0]);
         self.dot_group_span_to::<N>(g + 1, span, acts, dst[1]);
+    }
+
+    /// Groups `g` and `g + 1` through the 512-bit two-group kernel of Q4_0 / Q4_1 / Q8_0
+    /// (`x86::pair_vnni512`) or of the table formats (`iq::x86::pair_table`).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C present; the format one of those; every
+    /// activation row `act_blocks` blocks; dst as `dot_group_pair_to`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    unsafe fn pair_512<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
+        if iq::handles(self.format) {
+            return self.with_groups::<2, _>(g, |[g0, g1]| iq::x86::pair_table::<N>(self.format, g0, g1, self.blocks, acts, dst));
+        }
+        self.with_groups::<2, _>(g, |[g0, g1]| x86::pair_vnni512::<N>(self.format, g0, g1, self.blocks, acts, dst));
     }
 }
 
@@ -480,10 +492,7 @@ impl PackedInt8 {
     /// As `dot_group_pair_to`; AVX-512 VNNI present.
     pub(crate) unsafe fn dot_group_pair_512_for_tests<const N: usize>(&self, g: usize, acts: [&[BlockQ8]; N], dst: [[*mut f32; N]; 2]) {
         assert!(crate::cpu::features().avx512_vnni && Self::has_512_pair_for_tests(self.format));
-        if iq::handles(self.format) {
-            return self.with_groups::<2, _>(g, |[g0, g1]| iq::x86::pair_table::<N>(self.format, g0, g1, self.blocks, acts, dst));
-        }
-        self.with_groups::<2, _>(g, |[g0, g1]| x86::pair_vnni512::<N>(self.format, g0, g1, self.blocks, acts, dst));
+        self.pair_512::<N>(g, acts, dst)
     }
 
     /// Whether `dot_group_pair_512_for_tests` takes `format`.

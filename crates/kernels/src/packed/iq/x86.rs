@@ -7,32 +7,54 @@ use crate::packed::k::x86::{
 };
 use std::arch::x86_64::*;
 
-/// Signed int8 weights against int8 activations, on top of `Dot`.
-trait DotSigned: Dot {
-    /// Whether the table formats' values go in offset to unsigned (`w + 128` against `a`, less
-    /// `128 sum(a)`: one `vpdpbusd` per weight vector and row, the broadcast folded in) instead of
-    /// as `|w|` against `a` with `w`'s sign (a `vpsignb` more per vector and row, an abs per
-    /// vector). The same exact sums (each lane at most 8 x 4 x 255 x 127 before the
-    /// subtraction); `maddubs` would saturate its i16 pairs at `241 x 127 x 2`, so only VNNI does.
+/// The table formats' exact dot products, on top of `Dot`: each path's form of a table's values
+/// and of a weight vector against one row's activations.
+trait DotTable: Dot {
+    /// Whether the path takes the table offset by 128 to unsigned bytes (`table_bytes`).
     const OFFSET_TABLE: bool;
-    /// `acc` plus each 32-bit lane's four products `w * a` (`w_abs = |w|`, `|w| <= 127`),
-    /// exact, as `|w| * (a with w's sign)`.
-    unsafe fn dot_s8(acc: __m256i, w_abs: __m256i, w: __m256i, a: __m256i) -> __m256i;
+    /// A weight vector (the table's values, as `OFFSET_TABLE` says), prepared once for every
+    /// activation row.
+    unsafe fn weights(w: __m256i) -> [__m256i; 2];
+    /// `acc` plus each 32-bit lane's four products of the prepared weights `w` and `a`.
+    unsafe fn dot(acc: __m256i, w: [__m256i; 2], a: __m256i) -> __m256i;
+    /// A block's sum of `dot`s made exact: the offset's share (`offset_share`) taken off.
+    unsafe fn finish(s: __m256i, ab: &BlockQ8) -> __m256i;
 }
-impl DotSigned for Avx2 {
+impl DotTable for Avx2 {
     const OFFSET_TABLE: bool = false;
     #[inline(always)]
-    unsafe fn dot_s8(acc: __m256i, w_abs: __m256i, w: __m256i, a: __m256i) -> __m256i {
-        // one pair is at most 2 x 127 x 127 = 32258: widened at once
+    unsafe fn weights(w: __m256i) -> [__m256i; 2] {
+        [_mm256_abs_epi8(w), w]
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, [w_abs, w]: [__m256i; 2], a: __m256i) -> __m256i {
+        // `|w|` against `a` with `w`'s sign; one pair is at most 2 x 127 x 127 = 32258:
+        // widened at once (`maddubs` would saturate on the offset table's `241 x 127 x 2`)
         let p = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(a, w));
         _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
     }
+    #[inline(always)]
+    unsafe fn finish(s: __m256i, _: &BlockQ8) -> __m256i {
+        s
+    }
 }
-impl DotSigned for Vnni {
+impl DotTable for Vnni {
+    // `w + 128` against `a`, less `128 sum(a)`: one `vpdpbusd` per weight vector and row, the
+    // broadcast folded in, where `|w|` and `w`'s sign took a `vpsignb` more per vector and row
+    // and an abs per vector. The same exact sums (each lane at most 8 x 4 x 255 x 127 before
+    // the subtraction).
     const OFFSET_TABLE: bool = true;
     #[inline(always)]
-    unsafe fn dot_s8(acc: __m256i, w_abs: __m256i, w: __m256i, a: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(acc, w_abs, _mm256_sign_epi8(a, w))
+    unsafe fn weights(w: __m256i) -> [__m256i; 2] {
+        [w, w]
+    }
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, [w, _]: [__m256i; 2], a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, w, a)
+    }
+    #[inline(always)]
+    unsafe fn finish(s: __m256i, ab: &BlockQ8) -> __m256i {
+        _mm256_sub_epi32(s, _mm256_set1_epi32(offset_share(ab)))
     }
 }
 
@@ -80,7 +102,7 @@ unsafe fn e8m0_half8(p: *const u8) -> __m256 {
 }
 
 /// The 16 table values in every 128-bit lane (for `pshufb`), offset by 128 to unsigned bytes
-/// when `offset` (`DotSigned::OFFSET_TABLE`).
+/// when `offset` (`DotTable::OFFSET_TABLE`).
 #[inline(always)]
 fn table_bytes(t: &[i8; 16], offset: bool) -> [u8; 16] {
     t.map(|v| if offset { (v as i32 + 128) as u8 } else { v as u8 })
@@ -101,39 +123,28 @@ fn offset_share(ab: &BlockQ8) -> i32 {
 /// The exact sums of one table-format block of 32 (code vectors `q..q + 4`) against activation
 /// block `ab[n]` of each row.
 #[inline(always)]
-unsafe fn table_block<D: DotSigned, const N: usize>(tab: __m256i, q: *const u8, ab: [&BlockQ8; N]) -> [__m256i; N] {
+unsafe fn table_block<D: DotTable, const N: usize>(tab: __m256i, q: *const u8, ab: [&BlockQ8; N]) -> [__m256i; N] {
     let m4 = _mm256_set1_epi8(0x0F);
     let mut s = [_mm256_setzero_si256(); N];
     for v in 0..4 {
         let raw = vec(q, v);
-        let lo = _mm256_shuffle_epi8(tab, _mm256_and_si256(raw, m4));
-        let hi = _mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4));
-        if D::OFFSET_TABLE {
-            for n in 0..N {
-                let a = ab[n].qs.as_ptr();
-                s[n] = _mm256_dpbusd_epi32(s[n], lo, bcast4(a.add(4 * v)));
-                s[n] = _mm256_dpbusd_epi32(s[n], hi, bcast4(a.add(16 + 4 * v)));
-            }
-        } else {
-            let (lo_abs, hi_abs) = (_mm256_abs_epi8(lo), _mm256_abs_epi8(hi));
-            for n in 0..N {
-                let a = ab[n].qs.as_ptr();
-                s[n] = D::dot_s8(s[n], lo_abs, lo, bcast4(a.add(4 * v)));
-                s[n] = D::dot_s8(s[n], hi_abs, hi, bcast4(a.add(16 + 4 * v)));
-            }
+        let lo = D::weights(_mm256_shuffle_epi8(tab, _mm256_and_si256(raw, m4)));
+        let hi = D::weights(_mm256_shuffle_epi8(tab, _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4)));
+        for n in 0..N {
+            let a = ab[n].qs.as_ptr();
+            s[n] = D::dot(s[n], lo, bcast4(a.add(4 * v)));
+            s[n] = D::dot(s[n], hi, bcast4(a.add(16 + 4 * v)));
         }
     }
-    if D::OFFSET_TABLE {
-        for n in 0..N {
-            s[n] = _mm256_sub_epi32(s[n], _mm256_set1_epi32(offset_share(ab[n])));
-        }
+    for n in 0..N {
+        s[n] = D::finish(s[n], ab[n]);
     }
     s
 }
 
 /// The kernel of one format (a const parameter: no format test inside the loop).
 #[inline(always)]
-unsafe fn group_impl<D: DotSigned, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
+unsafe fn group_impl<D: DotTable, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
     let format = format_of(F);
     let gbb = group_block_bytes(format);
     let per = format.block_len() / QK;
@@ -350,9 +361,10 @@ unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: u
         match F {
             IQ4NL | MXFP4 => {
                 let (d, qo) = if F == IQ4NL { (halves512(b0, b1), off::IQ4NL_QS) } else { (e8m0_half16(b0, b1), off::MXFP4_QS) };
-                let s = table_block512::<N>(tab, b0.add(qo), b1.add(qo), std::array::from_fn(|n| acts[n].get_unchecked(b)));
+                let ab: [&BlockQ8; N] = std::array::from_fn(|n| acts[n].get_unchecked(b));
+                let s = table_block512::<N>(tab, b0.add(qo), b1.add(qo), ab);
                 for n in 0..N {
-                    let da = _mm512_set1_ps(acts[n].get_unchecked(b).d);
+                    let da = _mm512_set1_ps(ab[n].d);
                     acc[n] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(s[n]), acc[n]);
                 }
             }
