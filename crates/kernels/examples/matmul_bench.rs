@@ -84,6 +84,8 @@ fn main() {
         ("gate/up IQ4NL", WeightFormat::IQ4NL, 8960, 1536),
         ("gate/up MXFP4", WeightFormat::MXFP4, 8960, 1536),
         ("30B-A3B expert gate Q4K", WeightFormat::Q4K, 768, 2048),
+        ("gpt-oss q Q8_0", WeightFormat::Q8_0, 4096, 2880),
+        ("gpt-oss expert MXFP4", WeightFormat::MXFP4, 2880, 2880),
         ("30B-A3B expert down Q6K", WeightFormat::Q6K, 2048, 768),
     ];
     // BENCH_IN_PLACE=1: the matrices read in place (each group repacked as it is read)
