@@ -2,7 +2,7 @@
 //! at run time by `PackedInt8`): one group, and two groups per 512-bit instruction.
 
 use super::*;
-use crate::packed::k::x86::{bcast4_512, halves512, join512, store_pairs};
+use crate::packed::k::x86::{bcast4_512, halves512, join512, minus_offset_share, minus_offset_share512, store_pairs};
 use std::arch::x86_64::*;
 
 /// How far ahead of the current group block to prefetch (unless `CpuFeatures::prefetch_ahead`
@@ -190,8 +190,11 @@ unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(group: &[u8], block
                 }
             }
             _ if D::Q8_OFFSET => {
-                // sum((w + 128) a) - 128 sum(a): the same exact integer sum (each lane at most
-                // 32 x 255 x 127 before the subtraction)
+                // sum((w + 128) a) - 128 sum(a), started at the second term: the same exact
+                // integer sum (each lane at most 32 x 255 x 127 besides it)
+                for n in 0..N {
+                    isum[n] = minus_offset_share(acts[n].get_unchecked(b));
+                }
                 let offset = _mm256_set1_epi8(i8::MIN);
                 for g in 0..8 {
                     let u = _mm256_xor_si256(_mm256_loadu_si256(q.add(32 * g) as *const __m256i), offset);
@@ -199,10 +202,6 @@ unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(group: &[u8], block
                         let ap = acts[n].get_unchecked(b).qs.as_ptr();
                         isum[n] = _mm256_dpbusd_epi32(isum[n], u, bcast4(ap.add(4 * g)));
                     }
-                }
-                for n in 0..N {
-                    let h = acts[n].get_unchecked(b).h;
-                    isum[n] = _mm256_sub_epi32(isum[n], _mm256_set1_epi32(128 * (h[0] as i32 + h[1] as i32)));
                 }
             }
             _ => {
@@ -271,20 +270,19 @@ unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: u
             _ => {
                 // vpdpbusd multiplies u8 by i8: the weights go in offset by 128 (`w ^ 0x80` is
                 // `w + 128` as a u8, made once per weight vector and shared by every row)
-                // against the activations, and `128 * sum(a)` (the block's half sums) comes
-                // off each row's sum: the same exact sums as |w| x sign(a, w) (each lane at
-                // most 8 x 4 x 255 x 127), one instruction per weight vector and row, the
+                // against the activations, each row's sum started at `-128 sum(a)` (the block's
+                // half sums): the same exact sums as |w| x sign(a, w) (each lane at most
+                // 8 x 4 x 255 x 127 besides it), one instruction per weight vector and row, the
                 // broadcast folded in.
+                for n in 0..N {
+                    isum[n] = minus_offset_share512(acts[n].get_unchecked(b));
+                }
                 let offset = _mm512_set1_epi8(i8::MIN);
                 for g in 0..8 {
                     let u = _mm512_xor_si512(join512(q0.add(32 * g), q1.add(32 * g)), offset);
                     for n in 0..N {
                         isum[n] = _mm512_dpbusd_epi32(isum[n], u, bcast4_512(acts[n].get_unchecked(b).qs.as_ptr().add(4 * g)));
                     }
-                }
-                for n in 0..N {
-                    let h = acts[n].get_unchecked(b).h;
-                    isum[n] = _mm512_sub_epi32(isum[n], _mm512_set1_epi32(128 * (h[0] as i32 + h[1] as i32)));
                 }
             }
         }

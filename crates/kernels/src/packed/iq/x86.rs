@@ -3,7 +3,8 @@
 
 use super::*;
 use crate::packed::k::x86::{
-    bcast4, bcast4_512, bytes512, f16x8, halves512, join512, pair_prefetch, prefetch_pair, store_pairs, vec, Avx2, Dot, Vnni, L1_ACT_BYTES, L2_AHEAD, LONG_ROW,
+    bcast4, bcast4_512, bytes512, f16x8, halves512, join512, minus_offset_share, minus_offset_share512, pair_prefetch, prefetch_pair, store_pairs, vec, Avx2,
+    Dot, Vnni, L1_ACT_BYTES, L2_AHEAD, LONG_ROW,
 };
 use std::arch::x86_64::*;
 
@@ -17,8 +18,9 @@ trait DotTable: Dot {
     unsafe fn weights(w: __m256i) -> [__m256i; 2];
     /// `acc` plus each 32-bit lane's four products of the prepared weights `w` and `a`.
     unsafe fn dot(acc: __m256i, w: [__m256i; 2], a: __m256i) -> __m256i;
-    /// A block's sum of `dot`s made exact: the offset's share (`offset_share`) taken off.
-    unsafe fn finish(s: __m256i, ab: &BlockQ8) -> __m256i;
+    /// Where a block's sum of `dot`s against activation block `ab` starts, so it ends exact
+    /// (with the offset table: minus the offset's share, `minus_offset_share`).
+    unsafe fn start(ab: &BlockQ8) -> __m256i;
 }
 impl DotTable for Avx2 {
     const OFFSET_TABLE: bool = false;
@@ -34,15 +36,15 @@ impl DotTable for Avx2 {
         _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
     }
     #[inline(always)]
-    unsafe fn finish(s: __m256i, _: &BlockQ8) -> __m256i {
-        s
+    unsafe fn start(_: &BlockQ8) -> __m256i {
+        _mm256_setzero_si256()
     }
 }
 impl DotTable for Vnni {
     // `w + 128` against `a`, less `128 sum(a)`: one `vpdpbusd` per weight vector and row, the
     // broadcast folded in, where `|w|` and `w`'s sign took a `vpsignb` more per vector and row
-    // and an abs per vector. The same exact sums (each lane at most 8 x 4 x 255 x 127 before
-    // the subtraction).
+    // and an abs per vector. The same exact sums (each lane at most 8 x 4 x 255 x 127 besides
+    // the offset's share).
     const OFFSET_TABLE: bool = true;
     #[inline(always)]
     unsafe fn weights(w: __m256i) -> [__m256i; 2] {
@@ -53,8 +55,8 @@ impl DotTable for Vnni {
         _mm256_dpbusd_epi32(acc, w, a)
     }
     #[inline(always)]
-    unsafe fn finish(s: __m256i, ab: &BlockQ8) -> __m256i {
-        _mm256_sub_epi32(s, _mm256_set1_epi32(offset_share(ab)))
+    unsafe fn start(ab: &BlockQ8) -> __m256i {
+        minus_offset_share(ab)
     }
 }
 
@@ -114,18 +116,12 @@ unsafe fn table(t: &[i8; 16], offset: bool) -> __m256i {
     _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i))
 }
 
-/// `128 sum(a)` of an activation block: what the offset table adds to its exact sum.
-#[inline(always)]
-fn offset_share(ab: &BlockQ8) -> i32 {
-    128 * (ab.h[0] as i32 + ab.h[1] as i32)
-}
-
 /// The exact sums of one table-format block of 32 (code vectors `q..q + 4`) against activation
 /// block `ab[n]` of each row.
 #[inline(always)]
 unsafe fn table_block<D: DotTable, const N: usize>(tab: __m256i, q: *const u8, ab: [&BlockQ8; N]) -> [__m256i; N] {
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut s = [_mm256_setzero_si256(); N];
+    let mut s: [__m256i; N] = std::array::from_fn(|n| D::start(ab[n]));
     for v in 0..4 {
         let raw = vec(q, v);
         let lo = D::weights(_mm256_shuffle_epi8(tab, _mm256_and_si256(raw, m4)));
@@ -135,9 +131,6 @@ unsafe fn table_block<D: DotTable, const N: usize>(tab: __m256i, q: *const u8, a
             s[n] = D::dot(s[n], lo, bcast4(a.add(4 * v)));
             s[n] = D::dot(s[n], hi, bcast4(a.add(16 + 4 * v)));
         }
-    }
-    for n in 0..N {
-        s[n] = D::finish(s[n], ab[n]);
     }
     s
 }
@@ -324,7 +317,7 @@ unsafe fn scales16(a: *const u8, b: *const u8) -> __m512 {
 #[inline(always)]
 unsafe fn table_block512<const N: usize>(tab: __m512i, q0: *const u8, q1: *const u8, ab: [&BlockQ8; N]) -> [__m512i; N] {
     let m4 = _mm512_set1_epi8(0x0F);
-    let mut s = [_mm512_setzero_si512(); N];
+    let mut s: [__m512i; N] = std::array::from_fn(|n| minus_offset_share512(ab[n]));
     for v in 0..4 {
         let raw = join512(q0.add(32 * v), q1.add(32 * v));
         let lo = _mm512_shuffle_epi8(tab, _mm512_and_si512(raw, m4));
@@ -334,9 +327,6 @@ unsafe fn table_block512<const N: usize>(tab: __m512i, q0: *const u8, q1: *const
             s[n] = _mm512_dpbusd_epi32(s[n], lo, bcast4_512(a.add(4 * v)));
             s[n] = _mm512_dpbusd_epi32(s[n], hi, bcast4_512(a.add(16 + 4 * v)));
         }
-    }
-    for n in 0..N {
-        s[n] = _mm512_sub_epi32(s[n], _mm512_set1_epi32(offset_share(ab[n])));
     }
     s
 }

@@ -974,6 +974,22 @@ pub(crate) unsafe fn store_pairs<const N: usize>(acc: &[__m512; N], dst: [[*mut 
     }
 }
 
+/// `-128 (h_0 + h_1)` of an activation block in every 32-bit lane: where a VNNI kernel's exact
+/// sum starts when it multiplies weights offset by 128 to unsigned bytes (`w + 128` against
+/// `a`), so the offset's share is gone without a subtraction at the end. One `vpmaddwd` of the
+/// block's two i16 half sums (`BlockQ8::h`) broadcast as a pair, instead of their sum made in
+/// scalar registers and broadcast.
+#[inline(always)]
+pub(crate) unsafe fn minus_offset_share(ab: &BlockQ8) -> __m256i {
+    _mm256_madd_epi16(_mm256_set1_epi32((ab.h.as_ptr() as *const i32).read_unaligned()), _mm256_set1_epi16(-128))
+}
+
+/// `minus_offset_share` in sixteen lanes.
+#[inline(always)]
+pub(crate) unsafe fn minus_offset_share512(ab: &BlockQ8) -> __m512i {
+    _mm512_madd_epi16(_mm512_set1_epi32((ab.h.as_ptr() as *const i32).read_unaligned()), _mm512_set1_epi16(-128))
+}
+
 /// Four activation bytes broadcast to every 32-bit lane of a 512-bit vector.
 #[inline(always)]
 pub(crate) unsafe fn bcast4_512(p: *const i8) -> __m512i {
