@@ -7,8 +7,10 @@
 //! job carries it: [`crate::step::StepJob::admitted`]), updated in place by the jobs that sample
 //! it (the emitted tokens appended, the random stream and grammar advanced, the next drafts kept),
 //! and forgotten in one place when the host removes the sequence (`ComputeState::forget`, from
-//! `Engine`'s sync after every host change; the proposer's own state for it goes there too: a
-//! draft model's KV blocks and n-gram index are the proposer's, keyed by the sequence's id). A
+//! `Engine`'s sync after every host change). What a proposer keeps of the sequence between steps
+//! is here too (`spec.drafting`, lent with its draft requests); what it keeps as a cache (a draft
+//! model's KV blocks, the n-gram index other sequences read, an mtp head's context rows) is the
+//! proposer's, keyed by the sequence's id and released there as well (`Proposer::remove`). A
 //! step's item names the record and the rows it samples; the history a step reads grows by the
 //! tokens it emits, never copied whole.
 //!
@@ -35,7 +37,7 @@ pub(crate) struct SeqRecord {
     /// The drafts (with their draft distributions) proposed for the next step; that step
     /// verifies a prefix of them (the host may schedule none).
     pub draft: Draft,
-    /// Its acceptance estimates for adaptive k.
+    /// Its acceptance estimates for adaptive k and what the proposer keeps of it.
     pub spec: SeqSpec,
 }
 

@@ -48,8 +48,10 @@ fn hidden(h: usize, seed: u64) -> Vec<f32> {
     (0..h).map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0).collect()
 }
 
+/// A request of a sequence the proposer has not drafted for before (its drafting state a fresh
+/// one, leaked: a test's few bytes).
 fn request<'a>(seq: u64, tokens: &'a [u32], max_draft: usize, params: &'a SamplingParams, hidden: Option<&'a [f32]>) -> DraftRequest<'a> {
-    DraftRequest { seq: SeqId(seq), tokens, prompt_len: tokens.len().min(2), max_draft, params, hidden, rng: None }
+    DraftRequest { seq: SeqId(seq), tokens, prompt_len: tokens.len().min(2), max_draft, params, hidden, rng: None, drafting: Box::leak(Box::default()) }
 }
 
 fn load_err(path: &Path, target: &LlamaModel) -> String {
@@ -135,9 +137,9 @@ fn tokens_outside_the_pruned_vocabulary_are_never_proposed() {
         // last tokens mostly outside the pruned vocabulary: the head still reads their embedding
         let toks: Vec<Vec<u32>> = (0..4).map(|i| vec![10, 20, (round * 13 + i * 61) as u32 % TINY_VOCAB as u32]).collect();
         let hs: Vec<Vec<f32>> = (0..4).map(|i| hidden(h, round * 4 + i)).collect();
-        let reqs: Vec<DraftRequest> =
+        let mut reqs: Vec<DraftRequest> =
             (0..4).map(|i| request(i as u64, &toks[i], 1 + (i + round as usize) % 4, if i % 2 == 0 { &greedy } else { &sampled }, Some(&hs[i]))).collect();
-        let drafts = p.propose(&reqs, &pool()).unwrap();
+        let drafts = p.propose(&mut reqs, &pool()).unwrap();
         for (r, d) in reqs.iter().zip(&drafts) {
             assert_eq!(d.tokens.len(), r.max_draft, "a head always has a token to propose");
             proposed += d.tokens.len();
@@ -167,8 +169,8 @@ fn no_hidden_state_or_no_room_means_no_proposal() {
     let params = SamplingParams::greedy(16);
     let toks = [1u32, 2, 3];
     let h = hidden(t.config.hidden_size, 9);
-    let reqs = [request(1, &toks, 3, &params, None), request(2, &toks, 0, &params, Some(&h)), request(3, &toks, 3, &params, Some(&h))];
-    let drafts = p.propose(&reqs, &pool()).unwrap();
+    let mut reqs = [request(1, &toks, 3, &params, None), request(2, &toks, 0, &params, Some(&h)), request(3, &toks, 3, &params, Some(&h))];
+    let drafts = p.propose(&mut reqs, &pool()).unwrap();
     assert_eq!(drafts[0], Draft::default());
     assert_eq!(drafts[1], Draft::default());
     assert_eq!(drafts[2].tokens.len(), 3);
@@ -191,10 +193,10 @@ fn greedy_drafts_end_where_the_head_is_unsure_and_sampled_ones_do_not() {
         (0..toks.len()).map(|i| request(i as u64, &toks[i], 4, params, Some(&h[i]))).collect()
     }
     let (greedy, sampled) = (&greedy, &sampled);
-    let full = MtpProposer::load(&path, &t).unwrap().propose(&reqs(&toks, &h, greedy), &pool()).unwrap();
+    let full = MtpProposer::load(&path, &t).unwrap().propose(&mut reqs(&toks, &h, greedy), &pool()).unwrap();
     let mut shorter = 0;
     for gate in [0.02f32, 0.05, 0.2] {
-        let gated = MtpProposer::load(&path, &t).unwrap().with_min_confidence(gate).propose(&reqs(&toks, &h, greedy), &pool()).unwrap();
+        let gated = MtpProposer::load(&path, &t).unwrap().with_min_confidence(gate).propose(&mut reqs(&toks, &h, greedy), &pool()).unwrap();
         for (f, g) in full.iter().zip(&gated) {
             assert_eq!(f.tokens.len(), 4);
             assert!(f.tokens.starts_with(&g.tokens), "the gate only ends a chain early: {:?} vs {:?}", g.tokens, f.tokens);
@@ -203,9 +205,9 @@ fn greedy_drafts_end_where_the_head_is_unsure_and_sampled_ones_do_not() {
     }
     assert!(shorter > 0, "a random head should be unsure somewhere");
     // never confident enough: no greedy drafts at all; sampled drafts keep their length
-    let none = MtpProposer::load(&path, &t).unwrap().with_min_confidence(1.01).propose(&reqs(&toks, &h, greedy), &pool()).unwrap();
+    let none = MtpProposer::load(&path, &t).unwrap().with_min_confidence(1.01).propose(&mut reqs(&toks, &h, greedy), &pool()).unwrap();
     assert!(none.iter().all(|d| d.tokens.is_empty()));
-    let s = MtpProposer::load(&path, &t).unwrap().with_min_confidence(1.01).propose(&reqs(&toks, &h, sampled), &pool()).unwrap();
+    let s = MtpProposer::load(&path, &t).unwrap().with_min_confidence(1.01).propose(&mut reqs(&toks, &h, sampled), &pool()).unwrap();
     assert!(s.iter().all(|d| d.tokens.len() == 4));
 }
 
@@ -220,9 +222,9 @@ fn a_sequences_drafts_do_not_depend_on_the_batch() {
     let params = SamplingParams::greedy(16);
     let h: Vec<Vec<f32>> = (0..6).map(|i| hidden(t.config.hidden_size, 100 + i)).collect();
     let toks: Vec<Vec<u32>> = (0..6).map(|i| vec![40 + i as u32, 7 * i as u32]).collect();
-    let alone = p.propose(&[request(0, &toks[0], 5, &params, Some(&h[0]))], &pool()).unwrap();
-    let reqs: Vec<DraftRequest> = (0..6).map(|i| request(i as u64, &toks[i], 5 - i % 3, &params, Some(&h[i]))).collect();
-    let batched = p.propose(&reqs, &pool()).unwrap();
+    let alone = p.propose(&mut [request(0, &toks[0], 5, &params, Some(&h[0]))], &pool()).unwrap();
+    let mut reqs: Vec<DraftRequest> = (0..6).map(|i| request(i as u64, &toks[i], 5 - i % 3, &params, Some(&h[i]))).collect();
+    let batched = p.propose(&mut reqs, &pool()).unwrap();
     assert_eq!(alone[0], batched[0]);
 }
 
@@ -300,8 +302,8 @@ fn greedy_drafts_match_a_naive_reference_forward_of_the_head() {
     let k = 6;
     let hs: Vec<Vec<f32>> = (0..5).map(|i| hidden(cfg.target_hidden, 300 + i)).collect();
     let toks: Vec<Vec<u32>> = (0..5).map(|i| vec![3, 90 + 31 * i as u32]).collect();
-    let reqs: Vec<DraftRequest> = (0..5).map(|i| request(i as u64, &toks[i], k, &params, Some(&hs[i]))).collect();
-    let drafts = p.propose(&reqs, &pool()).unwrap();
+    let mut reqs: Vec<DraftRequest> = (0..5).map(|i| request(i as u64, &toks[i], k, &params, Some(&hs[i]))).collect();
+    let drafts = p.propose(&mut reqs, &pool()).unwrap();
     let mut distinct = HashSet::new();
     for (i, d) in drafts.iter().enumerate() {
         let want = reference_greedy_chain(&t, &cfg, &w, toks[i][1], &hs[i], k);
@@ -319,17 +321,17 @@ fn f16_bf16_and_q8_0_heads_load_and_draft_like_the_f32_head() {
     let params = SamplingParams::greedy(16);
     let hs: Vec<Vec<f32>> = (0..8).map(|i| hidden(cfg.target_hidden, 500 + i)).collect();
     let toks: Vec<Vec<u32>> = (0..8).map(|i| vec![5, 17 * i as u32]).collect();
-    let reqs: Vec<DraftRequest> = (0..8).map(|i| request(i as u64, &toks[i], 1, &params, Some(&hs[i]))).collect();
+    let mut reqs: Vec<DraftRequest> = (0..8).map(|i| request(i as u64, &toks[i], 1, &params, Some(&hs[i]))).collect();
     let mut first = Vec::new();
     for (dtype, name) in [(StoredDtype::F32, "f32"), (StoredDtype::F16, "f16"), (StoredDtype::BF16, "bf16")] {
         let path = dir.path().join(format!("head-{name}.safetensors"));
         save_head(&path, &w, &cfg, dtype).unwrap();
-        let drafts = MtpProposer::load_with(&path, &t, HeadWeights::AsStored).unwrap().propose(&reqs, &pool()).unwrap();
+        let drafts = MtpProposer::load_with(&path, &t, HeadWeights::AsStored).unwrap().propose(&mut reqs, &pool()).unwrap();
         first.push(drafts.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>());
     }
     // the default: the F32 head requantized to Q8_0 at load
     let path = dir.path().join("head-f32.safetensors");
-    let drafts = MtpProposer::load(&path, &t).unwrap().propose(&reqs, &pool()).unwrap();
+    let drafts = MtpProposer::load(&path, &t).unwrap().propose(&mut reqs, &pool()).unwrap();
     first.push(drafts.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>());
     // a head stored as Q8_0 holds exactly the blocks serving computes from the F32 file (the same
     // drafts, served as stored or through the default load), in about 34/64 of F16's bytes
@@ -338,7 +340,7 @@ fn f16_bf16_and_q8_0_heads_load_and_draft_like_the_f32_head() {
     let size = |p: &Path| std::fs::metadata(p).unwrap().len();
     assert!(size(&q8_path) * 10 < size(&f16_path) * 7, "q8_0 {} bytes, f16 {}", size(&q8_path), size(&f16_path));
     for weights in [HeadWeights::AsStored, HeadWeights::Q8_0] {
-        let stored = MtpProposer::load_with(&q8_path, &t, weights).unwrap().propose(&reqs, &pool()).unwrap();
+        let stored = MtpProposer::load_with(&q8_path, &t, weights).unwrap().propose(&mut reqs, &pool()).unwrap();
         assert_eq!(stored.iter().map(|d| d.tokens[0]).collect::<Vec<u32>>(), first[3], "{weights:?}");
     }
     // rounding may flip a near tie, not most first drafts
@@ -372,9 +374,9 @@ impl Recording {
 }
 
 impl Proposer for Recording {
-    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+    fn propose(&mut self, reqs: &mut [DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let mut rows = self.rows.lock().unwrap();
-        for r in reqs {
+        for r in reqs.iter() {
             let Some(hidden) = r.hidden else { continue };
             let n = hidden.len() / self.hidden_size;
             let e = rows.entry(r.seq).or_insert((r.prompt_len, Vec::new()));

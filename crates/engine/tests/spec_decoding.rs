@@ -112,7 +112,7 @@ struct PerturbLog {
 }
 
 impl Proposer for Perturbed {
-    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+    fn propose(&mut self, reqs: &mut [DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let mut drafts = self.inner.propose(reqs, pool)?;
         let mut log = self.log.lock().unwrap();
         for (i, d) in drafts.iter_mut().enumerate() {
@@ -330,7 +330,7 @@ struct Scripted {
 }
 
 impl Proposer for Scripted {
-    fn propose(&mut self, reqs: &[DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+    fn propose(&mut self, reqs: &mut [DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         Ok(reqs
             .iter()
             .map(|r| {

@@ -1055,7 +1055,7 @@ mod tests {
     #[test]
     fn the_training_graph_computes_what_the_mtp_proposer_runs() {
         use specula_engine::speculative::mtp::MtpProposer;
-        use specula_engine::speculative::{DraftRequest, Proposer};
+        use specula_engine::speculative::{DraftRequest, Proposer, SeqDrafting};
         use specula_engine::types::SeqId;
         use specula_engine::SamplingParams;
 
@@ -1083,7 +1083,7 @@ mod tests {
             let tokens = [1u32, 5, w.d2t[3], 7, w.d2t[1], 2, w.d2t[0], 9];
             let sampling = SamplingParams { temperature: 1.0, seed: Some(3), max_tokens: 100, ..Default::default() };
             let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-            let mut draft = None;
+            let (mut draft, mut drafting) = (None, SeqDrafting::default());
             for (known, first_row, max_draft) in [(3, 0, 0), (5, 1, 0), (8, 3, 3)] {
                 let req = DraftRequest {
                     seq: SeqId(1),
@@ -1093,8 +1093,9 @@ mod tests {
                     params: &sampling,
                     hidden: Some(&hidden[first_row * fw..(known - 2) * fw]),
                     rng: None,
+                    drafting: &mut drafting,
                 };
-                draft = Some(proposer.propose(&[req], &pool).unwrap().remove(0));
+                draft = Some(proposer.propose(&mut [req], &pool).unwrap().remove(0));
             }
             let draft = draft.unwrap();
             assert_eq!(draft.tokens.len(), 3);

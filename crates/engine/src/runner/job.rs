@@ -13,7 +13,7 @@ use crate::fault::{FaultInjection, FaultPhase};
 use crate::record::{SeqRecord, SeqRecords};
 use crate::sampling::{pack, ranked_logprob, ranked_logprobs, PackedLogprobs, RankedLogprob, Sampler, TokenHistory};
 use crate::sequence::token_finish;
-use crate::speculative::{verify, DraftCandidate, DraftRequest, Speculation};
+use crate::speculative::{verify, DraftCandidate, DraftRequest, SeqDrafting, Speculation};
 use crate::step::{JobOutput, JobTimings, PromptLogprobsOut, PromptRows, SampleItem, SeqResult, StepJob};
 use crate::types::{Draft, SeqId, TokenId};
 use specula_model::{KvStore, LlamaModel, Tokenizer};
@@ -362,7 +362,7 @@ fn propose(
             // rows that produced the item's emitted tokens
             let h = ctx.model.config.hidden_size * sp.proposer.hidden_layers().len();
             let which: Vec<usize> = (0..items.len()).filter(|&i| continuing[i]).collect();
-            let mut cands: Vec<DraftCandidate> = recs
+            let cands: Vec<DraftCandidate> = recs
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| continuing[*i])
@@ -384,9 +384,9 @@ fn propose(
                 })
                 .collect();
             let arrived = ctx.queue.waiting.load(std::sync::atomic::Ordering::Relaxed);
-            let reqs = sp.plan_drafts(&mut cands, pending_prefill, arrived, ctx.max_num_seqs);
+            let mut reqs = sp.plan_drafts(cands, pending_prefill, arrived, ctx.max_num_seqs);
             if needs_hidden || reqs.iter().any(|r| r.max_draft > 0) {
-                let drafts = run_proposer(ctx, sp, step, &reqs);
+                let drafts = run_proposer(ctx, sp, step, &mut reqs);
                 let vocab = ctx.model.config.vocab_size;
                 for (i, d) in which.into_iter().zip(drafts.into_iter().flatten()) {
                     if d.tokens.iter().any(|&t| t as usize >= vocab) {
@@ -456,8 +456,9 @@ fn jump_forward(
 
 /// Runs the proposer over `reqs`: their drafts, or `None` when it fails or panics. That costs this
 /// step's drafts, never the step: the sequences decode without drafts next step and the proposer
-/// forgets them (its state for them may be half-updated), so they catch up from their history.
-fn run_proposer(ctx: &JobContext, sp: &mut Speculation, step: u64, reqs: &[DraftRequest]) -> Option<Vec<Draft>> {
+/// forgets them, what it keeps and what their records keep for it (either may be half-updated),
+/// so they catch up from their history.
+fn run_proposer(ctx: &JobContext, sp: &mut Speculation, step: u64, reqs: &mut [DraftRequest]) -> Option<Vec<Draft>> {
     let proposed = catch_unwind(AssertUnwindSafe(|| {
         let drafts = sp.proposer.propose(reqs, &ctx.pool)?;
         FaultInjection::trip(ctx.fault, step, FaultPhase::Propose)?;
@@ -469,6 +470,7 @@ fn run_proposer(ctx: &JobContext, sp: &mut Speculation, step: u64, reqs: &[Draft
         Err(e) => {
             tracing::error!(step, sequences = reqs.len(), "speculative proposer failed; decoding without drafts next step: {e}");
             for r in reqs {
+                *r.drafting = SeqDrafting::default();
                 if catch_unwind(AssertUnwindSafe(|| sp.proposer.remove(r.seq))).is_err() {
                     tracing::error!(seq = %r.seq, "the proposer panicked again while forgetting the sequence");
                 }

@@ -5,8 +5,8 @@
 //! The choice is made by adaptive k ([`super::Speculation::plan_drafts`]), which holds the
 //! acceptance estimates: the n-gram match's band ([`super::Support::band`]) against the
 //! sequence's estimate for the model's drafts; the n-gram draft wins ties (it costs no model
-//! call). This proposer reports the n-gram's support, is told the choice
-//! ([`Proposer::choose_ngram`]) and routes each request: the model runs only for the sequences
+//! call). This proposer reports the n-gram's support, reads the choice in the sequence's state
+//! ([`super::SeqDrafting::ngram_next`]) and routes each request: the model runs only for the sequences
 //! that chose it (the others are passed to it with no draft asked, so a head that keeps
 //! per-sequence state still sees every row), the n-gram proposer drafts the rest. Without adaptive
 //! k there is no choice: the model drafts for every sequence.
@@ -19,34 +19,34 @@
 //! the token it drew), and the model's state past the first rewritten token is rolled back.
 
 use super::ngram::NgramProposer;
-use super::proposer::{Draft, DraftRequest, Proposer, Support};
+use super::proposer::{Draft, DraftRequest, Proposer, SeqDrafting, Support};
 use super::SpecError;
 use crate::types::{SeqId, Tenant, TokenId};
-use std::collections::HashSet;
 
 pub struct CombinedProposer {
     ngram: NgramProposer,
     model: Box<dyn Proposer>,
-    /// The sequences whose next draft is the n-gram's.
-    ngram_seqs: HashSet<SeqId>,
 }
 
 impl CombinedProposer {
     pub fn new(ngram: NgramProposer, model: Box<dyn Proposer>) -> Self {
-        Self { ngram, model, ngram_seqs: HashSet::new() }
+        Self { ngram, model }
     }
 }
 
 impl Proposer for CombinedProposer {
-    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
-        let takes_ngram = |r: &DraftRequest| r.max_draft > 0 && self.ngram_seqs.contains(&r.seq);
+    fn propose(&mut self, reqs: &mut [DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+        let takes_ngram: Vec<bool> = reqs.iter().map(|r| r.max_draft > 0 && r.drafting.ngram_next).collect();
+        let mut for_ngram: Vec<DraftRequest> = reqs.iter_mut().zip(&takes_ngram).filter(|(_, &t)| t).map(|(r, _)| r.reborrow()).collect();
+        let mut from_ngram = self.ngram.propose(&mut for_ngram, pool)?.into_iter();
+        drop(for_ngram);
         // the model sees every request, with no draft asked where the n-gram drafts
-        let for_model: Vec<DraftRequest> = reqs.iter().map(|r| DraftRequest { max_draft: if takes_ngram(r) { 0 } else { r.max_draft }, ..*r }).collect();
-        let for_ngram: Vec<DraftRequest> = reqs.iter().filter(|r| takes_ngram(r)).copied().collect();
-        let mut from_model = self.model.propose(&for_model, pool)?;
-        let mut from_ngram = self.ngram.propose(&for_ngram, pool)?.into_iter();
-        for (r, d) in reqs.iter().zip(from_model.iter_mut()) {
-            if takes_ngram(r) {
+        let mut for_model: Vec<DraftRequest> =
+            reqs.iter_mut().zip(&takes_ngram).map(|(r, &t)| DraftRequest { max_draft: if t { 0 } else { r.max_draft }, ..r.reborrow() }).collect();
+        let mut from_model = self.model.propose(&mut for_model, pool)?;
+        drop(for_model);
+        for ((r, d), &t) in reqs.iter().zip(from_model.iter_mut()).zip(&takes_ngram) {
+            if t {
                 *d = from_ngram.next().unwrap_or_default();
                 continue;
             }
@@ -68,7 +68,6 @@ impl Proposer for CombinedProposer {
     }
 
     fn remove(&mut self, seq: SeqId) {
-        self.ngram_seqs.remove(&seq);
         self.ngram.remove(seq);
         self.model.remove(seq);
     }
@@ -77,16 +76,8 @@ impl Proposer for CombinedProposer {
         self.model.backlog(seq, known)
     }
 
-    fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant) -> Option<Support> {
-        self.ngram.support(seq, tokens, prompt_len, tenant)
-    }
-
-    fn choose_ngram(&mut self, seq: SeqId, ngram: bool) {
-        if ngram {
-            self.ngram_seqs.insert(seq);
-        } else {
-            self.ngram_seqs.remove(&seq);
-        }
+    fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant, drafting: &mut SeqDrafting) -> Option<Support> {
+        self.ngram.support(seq, tokens, prompt_len, tenant, drafting)
     }
 
     fn combined(&self) -> bool {
@@ -128,7 +119,7 @@ mod tests {
     }
 
     impl Proposer for Fixed {
-        fn propose(&mut self, reqs: &[DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+        fn propose(&mut self, reqs: &mut [DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
             Ok(reqs
                 .iter()
                 .map(|r| {
@@ -158,14 +149,25 @@ mod tests {
             let (seq, params) = (SeqId(7), SamplingParams::greedy(64));
             // the engine asks for the support of every sequence at every step: the n-gram learns
             let mut tokens = prompt.clone();
+            let mut drafting = SeqDrafting::default();
             for &t in &output {
                 tokens.push(t);
-                p.support(seq, &tokens, prompt.len(), Tenant::default());
+                p.support(seq, &tokens, prompt.len(), Tenant::default(), &mut drafting);
             }
             assert_eq!(p.ngram.edits(seq).unwrap().edits(), &[crate::speculative::edits::Edit { from: vec![50], to: vec![60] }]);
-            p.choose_ngram(seq, false);
-            let req = DraftRequest { seq, tokens: &tokens, prompt_len: prompt.len(), max_draft: 6, params: &params, hidden: None, rng: None };
-            let draft = p.propose(&[req], &pool).unwrap().remove(0);
+            // adaptive k chose the model
+            drafting.ngram_next = false;
+            let req = DraftRequest {
+                seq,
+                tokens: &tokens,
+                prompt_len: prompt.len(),
+                max_draft: 6,
+                params: &params,
+                hidden: None,
+                rng: None,
+                drafting: &mut drafting,
+            };
+            let draft = p.propose(&mut [req], &pool).unwrap().remove(0);
             assert_eq!(draft.tokens, expect, "probs carried: {probs}");
             let rolled = rollbacks.lock().unwrap().clone();
             assert_eq!(rolled, if probs { vec![] } else { vec![(seq, tokens.len() + 4)] });

@@ -29,8 +29,9 @@ pub struct DraftModelProposer {
     model: LlamaModel,
     kv_store: KvStore,
     kv: KvCacheManager,
-    /// Per sequence: tokens whose draft KV is computed, and the draft's own random stream.
-    state: HashMap<SeqId, (usize, SeqRng)>,
+    /// Per sequence: tokens whose draft KV is computed (the draft's own random stream is in the
+    /// sequence's [`super::SeqDrafting`]).
+    computed: HashMap<SeqId, usize>,
     /// The tokens the draft may propose when its output is restricted (column j of its logits is
     /// token `d2t(j)`); None: the whole vocabulary.
     vocab: Option<VocabMap>,
@@ -60,7 +61,7 @@ impl DraftModelProposer {
         if c.arch_options.recurrent.is_some() {
             kv.set_state_slots(max_seqs, 0);
         }
-        Ok(Self { model, kv_store, kv, state: HashMap::new(), vocab: None })
+        Ok(Self { model, kv_store, kv, computed: HashMap::new(), vocab: None })
     }
 
     /// Restricts the draft to the first `n` token ids and `always` (end-of-sequence tokens):
@@ -114,9 +115,9 @@ impl DraftModelProposer {
     /// its draft computed to there (its next proposal feeds the accepted tokens again).
     fn back_to_chain_starts(&mut self, starts: Vec<ChainStart>) -> Result<(), SpecError> {
         for (seq, slot, at) in starts {
-            if let (Some(store), Some(st)) = (self.kv_store.recurrent.as_mut(), self.state.get_mut(&seq)) {
+            if let (Some(store), Some(computed)) = (self.kv_store.recurrent.as_mut(), self.computed.get_mut(&seq)) {
                 store.restore_checkpoint(slot as usize, slot as usize, at)?;
-                st.0 = st.0.min(at);
+                *computed = (*computed).min(at);
             }
         }
         Ok(())
@@ -186,7 +187,7 @@ impl Proposer for DraftModelProposer {
         Ok(Some(super::cost::measure_steps(&self.model, batches, pool)?))
     }
 
-    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+    fn propose(&mut self, reqs: &mut [DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let vocab = self.model.config.vocab_size;
         let width = self.model.logits_width();
         // Greedy drafts are one-hot. A sampled draft is one-hot too when the engine gave the
@@ -203,12 +204,12 @@ impl Proposer for DraftModelProposer {
             if r.max_draft == 0 {
                 continue;
             }
-            if !self.state.contains_key(&r.seq) {
+            if !self.computed.contains_key(&r.seq) {
                 // the draft's KV of a prefix an earlier sequence computed is reused
                 let cached = self.kv.allocate_prompt(r.seq, r.tokens)?;
-                self.state.insert(r.seq, (cached, SeqRng::new(r.params.seed, 1)));
+                self.computed.insert(r.seq, cached);
             }
-            let computed = self.state[&r.seq].0.min(r.tokens.len() - 1);
+            let computed = self.computed[&r.seq].min(r.tokens.len() - 1);
             // the draft KV of the sequence's known tokens is valid up to `computed` (drafts past
             // it were rolled back): its full blocks join the prefix cache
             self.kv.commit_tokens(r.seq, &r.tokens[..computed])?;
@@ -234,10 +235,9 @@ impl Proposer for DraftModelProposer {
             let mut next_items = Vec::new();
             let mut next_active = Vec::new();
             for (j, ((seq, feed, start), &i)) in items.iter().zip(&active).enumerate() {
-                let r = &reqs[i];
+                let r = &mut reqs[i];
                 let row = &logits[j * width..(j + 1) * width];
-                let st = self.state.get_mut(seq).expect("state created above");
-                st.0 = start + feed.len();
+                *self.computed.get_mut(seq).expect("created above") = start + feed.len();
                 let tok = if r.params.is_plain_greedy() {
                     let d = greedy_argmax(row).unwrap_or(0);
                     self.vocab.as_ref().map_or(Some(d), |m| m.d2t(d)).unwrap_or(0)
@@ -255,7 +255,7 @@ impl Proposer for DraftModelProposer {
                     probabilities(row, r.params, TokenHistory { prompt: &r.tokens[..r.prompt_len], output: &output }, &mut p)?;
                     let u = match r.rng {
                         Some(rng) => rng.uniform_at(r.tokens.len() + drafts[i].tokens.len(), false),
-                        None => st.1.uniform(),
+                        None => r.drafting.rng.get_or_insert_with(|| SeqRng::new(r.params.seed, 1)).uniform(),
                     };
                     let tok = sample_from_probs(&p, u).unwrap_or(0);
                     if let Some(q) = drafts[i].probs.as_mut() {
@@ -281,26 +281,22 @@ impl Proposer for DraftModelProposer {
 
     fn rollback(&mut self, seq: SeqId, kept: usize) {
         let hybrid = self.kv_store.recurrent.is_some();
-        if let Some(st) = self.state.get_mut(&seq) {
-            if st.0 > kept {
+        if let Some(computed) = self.computed.get_mut(&seq) {
+            if *computed > kept {
                 // a hybrid's state is where its chain started, and cannot go further back: it
                 // starts over (drafting never asks for this; a sequence rolled back further does)
-                st.0 = if hybrid { 0 } else { kept };
+                *computed = if hybrid { 0 } else { kept };
             }
-            let keep = st.0;
-            match self.kv.truncate(seq, keep) {
-                Ok(k) => st.0 = k,
-                Err(_) => st.0 = 0,
-            }
+            *computed = self.kv.truncate(seq, *computed).unwrap_or(0);
         }
     }
 
     fn backlog(&self, seq: SeqId, known: usize) -> usize {
-        known.saturating_sub(1 + self.state.get(&seq).map_or(0, |s| s.0))
+        known.saturating_sub(1 + self.computed.get(&seq).copied().unwrap_or(0))
     }
 
     fn remove(&mut self, seq: SeqId) {
-        self.state.remove(&seq);
+        self.computed.remove(&seq);
         self.kv.release(seq);
     }
 
@@ -313,6 +309,7 @@ impl Proposer for DraftModelProposer {
 mod tests {
     use super::*;
     use crate::api::SamplingParams;
+    use crate::speculative::SeqDrafting;
     use specula_model::testing::{write_tiny_llama, TinySpec};
 
     fn proposer(dir: &std::path::Path) -> DraftModelProposer {
@@ -325,8 +322,17 @@ mod tests {
 
     fn draft(p: &mut DraftModelProposer, seq: u64, tokens: &[TokenId], pool: &rayon::ThreadPool) -> Vec<TokenId> {
         let params = SamplingParams::greedy(64);
-        let req = DraftRequest { seq: SeqId(seq), tokens, prompt_len: tokens.len(), max_draft: 4, params: &params, hidden: None, rng: None };
-        p.propose(&[req], pool).unwrap().remove(0).tokens
+        let req = DraftRequest {
+            seq: SeqId(seq),
+            tokens,
+            prompt_len: tokens.len(),
+            max_draft: 4,
+            params: &params,
+            hidden: None,
+            rng: None,
+            drafting: &mut SeqDrafting::default(),
+        };
+        p.propose(&mut [req], pool).unwrap().remove(0).tokens
     }
 
     /// A conversation's next turn resends its history: the draft computes only what its prefix

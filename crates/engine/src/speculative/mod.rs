@@ -21,7 +21,7 @@ pub mod vocab_map;
 
 pub use config::{DraftWeights, MethodChoice, SpecConfig, SpecMethod};
 pub use metrics::SpecMetrics;
-pub use proposer::{Draft, DraftRequest, Proposer, Support};
+pub use proposer::{Draft, DraftRequest, Proposer, SeqDrafting, Support};
 pub use rejection::{verify, Verdict};
 
 /// Why speculation could not be set up or run.
@@ -175,6 +175,8 @@ pub struct SeqSpec {
     /// over again, so what its catch-up is repaid over ([`Speculation::model_horizon`]); `None`:
     /// no step chose yet (the engine-wide prior stands in).
     ngram_share: Option<f64>,
+    /// What the proposer keeps of the sequence between steps (lent with its requests).
+    pub(crate) drafting: SeqDrafting,
 }
 
 impl SeqSpec {
@@ -378,7 +380,7 @@ impl Speculation {
     /// expected soon ([`CatchUp::batch_soon`]).
     pub(crate) fn plan_drafts<'a>(
         &mut self,
-        cands: &mut [DraftCandidate<'a>],
+        cands: Vec<DraftCandidate<'a>>,
         pending_prefill: usize,
         arrived: usize,
         max_num_seqs: usize,
@@ -396,14 +398,14 @@ impl Speculation {
         let backlogs: Vec<usize> = cands.iter().map(|c| if may_draft(c) { self.proposer.backlog(c.seq, c.known) } else { 0 }).collect();
         let batch_backlog = CatchUp::batch_backlog(cands.iter().zip(&backlogs).filter(|(c, _)| !c.first_decode()).map(|(_, &b)| b));
         cands
-            .iter_mut()
+            .into_iter()
             .zip(&backlogs)
             .map(|(c, &backlog)| {
-                let k = if may_draft(c) {
-                    let mut support = self.proposer.support(c.seq, c.tokens, c.prompt_len, c.params.tenant);
+                let k = if may_draft(&c) {
+                    let mut support = self.proposer.support(c.seq, c.tokens, c.prompt_len, c.params.tenant, &mut c.spec.drafting);
                     if self.proposer.combined() {
                         let remaining = self.output_lengths.expected_remaining(c.generated(), c.room);
-                        support = self.choose(c.seq, c.spec, support, k_limit, decoding, backlog, remaining);
+                        support = self.choose(c.spec, support, k_limit, decoding, backlog, remaining);
                     }
                     // an n-gram draft waits for no model to catch up
                     let backlog = if support.is_some() { 0 } else { backlog };
@@ -413,7 +415,16 @@ impl Speculation {
                     0
                 };
                 let max_draft = if c.forced > 0 && needs_hidden { 0 } else { k.min(c.room.saturating_sub(c.forced)).min(k_engine.saturating_sub(c.forced)) };
-                DraftRequest { seq: c.seq, tokens: c.tokens, prompt_len: c.prompt_len, max_draft, params: c.params, hidden: c.hidden, rng: Some(c.rng) }
+                DraftRequest {
+                    seq: c.seq,
+                    tokens: c.tokens,
+                    prompt_len: c.prompt_len,
+                    max_draft,
+                    params: c.params,
+                    hidden: c.hidden,
+                    rng: Some(c.rng),
+                    drafting: &mut c.spec.drafting,
+                }
             })
             .collect()
     }
@@ -428,16 +439,7 @@ impl Speculation {
     /// it: on the agent traces' edits that cost more than it gained, benchmarks.md). Without
     /// adaptive k the model always.
     #[allow(clippy::too_many_arguments)]
-    fn choose(
-        &mut self,
-        seq: crate::types::SeqId,
-        st: &mut SeqSpec,
-        support: Option<Support>,
-        k_limit: usize,
-        decoding: usize,
-        backlog: usize,
-        remaining: usize,
-    ) -> Option<Support> {
+    fn choose(&mut self, st: &mut SeqSpec, support: Option<Support>, k_limit: usize, decoding: usize, backlog: usize, remaining: usize) -> Option<Support> {
         let ngram = self.cfg.adaptive
             && support.is_some_and(|s| {
                 let by_ngram = adaptive::best_k_gain(self.by_support[s.band()].alpha(), k_limit.min(s.len), &self.ngram_cost, decoding).1;
@@ -456,7 +458,7 @@ impl Speculation {
             *share += NGRAM_SHARE_WEIGHT * (chose - *share);
             self.ngram_share_prior += NGRAM_SHARE_PRIOR_WEIGHT * (chose - self.ngram_share_prior);
         }
-        self.proposer.choose_ngram(seq, ngram);
+        st.drafting.ngram_next = ngram;
         if ngram {
             support
         } else {
@@ -609,7 +611,7 @@ mod tests {
             (crate::api::SamplingParams::greedy(64), crate::api::SamplingParams { disable_speculation: true, ..crate::api::SamplingParams::greedy(64) });
         let rng = crate::sampling::SeqRng::new(Some(1), 0);
         let mut st = vec![SeqSpec::default(); 4];
-        let mut cands: Vec<DraftCandidate> = st
+        let cands: Vec<DraftCandidate> = st
             .iter_mut()
             .zip([(1, &plain, 0, 100), (2, &plain, 0, 2), (3, &plain, 3, 100), (4, &off, 0, 100)])
             .map(|(spec, (seq, params, forced, room))| DraftCandidate {
@@ -625,7 +627,7 @@ mod tests {
                 spec,
             })
             .collect();
-        let reqs = sp.plan_drafts(&mut cands, 0, 0, 8);
+        let reqs = sp.plan_drafts(cands, 0, 0, 8);
         let max: Vec<usize> = reqs.iter().map(|r| r.max_draft).collect();
         assert_eq!(max, vec![4, 2, 1, 0], "k; room 2; k 4 less 3 forced; speculation disabled");
         assert_eq!(reqs.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![SeqId(1), SeqId(2), SeqId(3), SeqId(4)]);
@@ -765,7 +767,7 @@ mod tests {
     struct Asked(std::sync::Arc<std::sync::Mutex<Vec<(SeqId, usize)>>>);
 
     impl Proposer for Asked {
-        fn propose(&mut self, reqs: &[DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+        fn propose(&mut self, reqs: &mut [DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
             self.0.lock().unwrap().extend(reqs.iter().map(|r| (r.seq, r.max_draft)));
             Ok(reqs.iter().map(|r| Draft { tokens: vec![7; r.max_draft], probs: None }).collect())
         }
@@ -803,10 +805,11 @@ mod tests {
             sp.record(&mut st[3], 4, 4);
         }
         let [_, s1, s2, ..] = &mut st[..] else { unreachable!() };
-        let mut cands = [cand(1, copy, &params, &rng, s1), cand(2, fresh, &params, &rng, s2)];
-        let reqs = sp.plan_drafts(&mut cands, 0, 0, 8);
+        let mut reqs = sp.plan_drafts(vec![cand(1, copy, &params, &rng, s1), cand(2, fresh, &params, &rng, s2)], 0, 0, 8);
         assert!(reqs.iter().all(|r| r.max_draft > 0), "both draft: {:?}", reqs.iter().map(|r| r.max_draft).collect::<Vec<_>>());
-        let drafts = sp.proposer.propose(&reqs, &pool).unwrap();
+        // the choice is kept in each sequence's drafting state
+        assert_eq!(reqs.iter().map(|r| r.drafting.ngram_next).collect::<Vec<_>>(), vec![true, false]);
+        let drafts = sp.proposer.propose(&mut reqs, &pool).unwrap();
         // seq 1: the n-gram continues the earlier "112 113 ..."; seq 2: the model's 7s
         assert_eq!(drafts[0].tokens, (112..112 + reqs[0].max_draft as u32).collect::<Vec<_>>());
         assert_eq!(drafts[1].tokens, vec![7; reqs[1].max_draft]);
@@ -814,7 +817,8 @@ mod tests {
         // each choice moves the sequence's n-gram share (what a later catch-up is repaid over)
         // (seq 2 started from the prior seq 1's choice moved, then chose the model)
         let seq_2 = NGRAM_SHARE_PRIOR_WEIGHT * (1.0 - NGRAM_SHARE_WEIGHT);
-        assert_eq!((cands[0].spec.ngram_share, cands[1].spec.ngram_share), (Some(NGRAM_SHARE_WEIGHT), Some(seq_2)));
+        drop(reqs);
+        assert_eq!((st[1].ngram_share, st[2].ngram_share), (Some(NGRAM_SHARE_WEIGHT), Some(seq_2)));
         assert!(sp.ngram_share_prior > 0.0 && sp.ngram_share_prior < NGRAM_SHARE_PRIOR_WEIGHT);
         // once the model's drafts for seq 1 are kept better than the band's, the model drafts it
         for _ in 0..40 {
@@ -823,8 +827,8 @@ mod tests {
             sp.record(&mut st[3], 4, 0);
         }
         asked.lock().unwrap().clear();
-        let reqs = sp.plan_drafts(&mut [cand(1, copy, &params, &rng, &mut st[1])], 0, 0, 8);
-        let drafts = sp.proposer.propose(&reqs, &pool).unwrap();
+        let mut reqs = sp.plan_drafts(vec![cand(1, copy, &params, &rng, &mut st[1])], 0, 0, 8);
+        let drafts = sp.proposer.propose(&mut reqs, &pool).unwrap();
         assert_eq!(drafts[0].tokens, vec![7; reqs[0].max_draft]);
         assert!(reqs[0].max_draft > 0);
     }

@@ -480,9 +480,8 @@ pub struct MtpProposer {
     weight_share: Option<f64>,
     /// The target's token embedding (a clone sharing its bytes): the head file carries none.
     embed: QMatrix,
-    /// Per sampling sequence, the head's own random stream (greedy sequences draw nothing).
-    rngs: HashMap<SeqId, SeqRng>,
-    /// Per sequence, what its drafts attend to.
+    /// Per sequence, what its drafts attend to: the head's context rows (its own KV, as a draft
+    /// model's blocks are; the head's random stream is in the sequence's [`super::SeqDrafting`]).
     contexts: HashMap<SeqId, SeqContext>,
 }
 
@@ -496,7 +495,7 @@ impl MtpProposer {
             _ => None,
         };
         let embed = head.nextn.as_ref().and_then(|n| n.embed.clone()).unwrap_or_else(|| target.embed.clone());
-        Self { head, min_confidence: 0.0, weight_share, embed, rngs: HashMap::new(), contexts: HashMap::new() }
+        Self { head, min_confidence: 0.0, weight_share, embed, contexts: HashMap::new() }
     }
 
     /// The target file's own prediction layer as the drafter (see [`MtpHead::from_nextn`]).
@@ -553,7 +552,7 @@ impl Proposer for MtpProposer {
         (2.0 * h * h + layer + self.head.vocab.draft_vocab() as f64 * h) / matmul_cost(target)
     }
 
-    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+    fn propose(&mut self, reqs: &mut [DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let _span = tracing::trace_span!("mtp_propose", seqs = reqs.len()).entered();
         // one entry into the pool for the whole proposal, not one per chain step: each entry may
         // land on another worker, whose kernel helpers then spin beside the last one's
@@ -561,7 +560,6 @@ impl Proposer for MtpProposer {
     }
 
     fn remove(&mut self, seq: SeqId) {
-        self.rngs.remove(&seq);
         self.contexts.remove(&seq);
     }
 
@@ -572,14 +570,14 @@ impl Proposer for MtpProposer {
 
 impl MtpProposer {
     /// `propose`, on the current thread (inside the compute pool).
-    fn propose_here(&mut self, reqs: &[DraftRequest]) -> Result<Vec<Draft>, SpecError> {
+    fn propose_here(&mut self, reqs: &mut [DraftRequest]) -> Result<Vec<Draft>, SpecError> {
         let c = self.head.config.clone();
         let (h, kvw, qw, hw) = (c.target_hidden, c.kv_width(), c.q_width(), c.feature_width());
         let window = self.head.window;
         let kd = self.head.vocab.draft_vocab();
         let mut drafts: Vec<Draft> = reqs.iter().map(|r| Draft { tokens: Vec::new(), probs: (!r.params.is_greedy()).then(Vec::new) }).collect();
         // every request's rows join its context, drafting or not
-        for r in reqs {
+        for r in reqs.iter() {
             let Some(hidden) = r.hidden else { continue };
             if hidden.is_empty() || !hidden.len().is_multiple_of(hw) {
                 return Err(SpecError::Config(format!("the engine passed {} hidden values to an mtp head of {hw} per row", hidden.len())));
@@ -594,9 +592,6 @@ impl MtpProposer {
             let Some(last_pos) = r.tokens.len().checked_sub(2) else { continue };
             if r.max_draft == 0 || r.hidden.is_none() || ctx.last_pos != Some(last_pos) || ctx.pending.back().is_none_or(|p| p.pos != last_pos) {
                 continue;
-            }
-            if !r.params.is_greedy() {
-                self.rngs.entry(r.seq).or_insert_with(|| SeqRng::new(r.params.seed, MTP_RNG_STREAM));
             }
             chains.push(Chain { req: i, token: 0, hidden: Vec::new(), pos: last_pos });
         }
@@ -642,12 +637,15 @@ impl MtpProposer {
         for step in 0..chain_len {
             let mut next_chains = Vec::new();
             for (j, mut ch) in chains.into_iter().enumerate() {
-                let r = &reqs[ch.req];
+                let r = &mut reqs[ch.req];
                 let row = &logits[j * kd..(j + 1) * kd];
                 let (prompt, output) = self.draft_history(r, &drafts[ch.req].tokens);
                 let d = match probabilities(row, r.params, TokenHistory { prompt: &prompt, output: &output }, &mut p) {
                     Ok(()) if r.params.is_greedy() => argmax(&p),
-                    Ok(()) => sample_from_probs(&p, self.rngs.get_mut(&r.seq).expect("rng created above").uniform()),
+                    Ok(()) => {
+                        let (seed, drafting) = (r.params.seed, &mut *r.drafting);
+                        sample_from_probs(&p, drafting.rng.get_or_insert_with(|| SeqRng::new(seed, MTP_RNG_STREAM)).uniform())
+                    }
                     Err(e) => {
                         tracing::debug!("mtp head gave an unusable row for {}: {e}", r.seq);
                         None

@@ -21,7 +21,7 @@
 
 use super::corpus::{Corpus, CorpusMatch, QUERY_TOKENS};
 use super::edits::EditLearner;
-use super::proposer::{Draft, DraftRequest, Proposer, Support};
+use super::proposer::{Draft, DraftRequest, Proposer, SeqDrafting, Support};
 use super::suffix::SuffixAutomaton;
 use super::SpecError;
 use crate::types::{SeqId, Tenant, TokenId};
@@ -42,18 +42,20 @@ const MEMO_DRAFT: usize = 64;
 pub struct NgramProposer {
     /// Shortest match that is worth a draft.
     pub min_match: usize,
+    /// Each running sequence's index: its own drafts continue it, and the lookups of the other
+    /// sequences of its tenant read it ([`Self::live_lookup`]), so it is the proposer's.
     index: HashMap<SeqId, SeqIndex>,
     /// The outputs of recent finished requests (a budget of 0 keeps none).
     corpus: Corpus,
-    /// Each sequence's last support lookup ([`Proposer::support`], asked for every sequence that
-    /// may draft before its draft length is chosen) with up to [`MEMO_DRAFT`] tokens of its
-    /// draft: the draft asked next for the same text is cut from it instead of running the
-    /// cross-request lookups again, and continues the very match whose support chose its length.
-    memo: HashMap<SeqId, Memo>,
 }
 
-/// A support lookup's result for a text of `text_len` tokens.
-struct Memo {
+/// A sequence's last support lookup ([`Proposer::support`], asked for every sequence that may
+/// draft before its draft length is chosen) with up to [`MEMO_DRAFT`] tokens of its draft, kept
+/// in the sequence's [`SeqDrafting`]: the draft asked next for the same text is cut from it
+/// instead of running the cross-request lookups again, and continues the very match whose
+/// support chose its length.
+#[derive(Clone, Debug)]
+pub struct Memo {
     text_len: usize,
     support: Support,
     draft: Vec<TokenId>,
@@ -165,7 +167,7 @@ impl NgramProposer {
 
     /// With a cross-request index of at most `corpus_tokens` tokens ([`Corpus`]).
     pub fn with_corpus(min_match: usize, corpus_tokens: usize) -> Self {
-        Self { min_match: min_match.max(1), index: HashMap::new(), corpus: Corpus::new(corpus_tokens), memo: HashMap::new() }
+        Self { min_match: min_match.max(1), index: HashMap::new(), corpus: Corpus::new(corpus_tokens) }
     }
 
     /// The draft of up to `k` tokens for `r`'s sequence and how far it is backed: from the
@@ -246,14 +248,14 @@ impl NgramProposer {
 }
 
 impl Proposer for NgramProposer {
-    fn propose(&mut self, reqs: &[DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
+    fn propose(&mut self, reqs: &mut [DraftRequest], _pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError> {
         let mut drafts = Vec::with_capacity(reqs.len());
-        for r in reqs {
+        for r in reqs.iter_mut() {
             if r.max_draft == 0 {
                 drafts.push(Draft::default());
                 continue;
             }
-            let (support, tokens) = match self.memo.remove(&r.seq) {
+            let (support, tokens) = match r.drafting.ngram_memo.take() {
                 // the support lookup of this step, for this text, kept enough of the draft
                 Some(m) if m.text_len == r.tokens.len() && (r.max_draft <= MEMO_DRAFT || m.draft.len() < MEMO_DRAFT) => {
                     (m.support, m.draft.into_iter().take(r.max_draft).collect())
@@ -268,15 +270,14 @@ impl Proposer for NgramProposer {
         Ok(drafts)
     }
 
-    fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant) -> Option<Support> {
+    fn support(&mut self, seq: SeqId, tokens: &[TokenId], prompt_len: usize, tenant: Tenant, drafting: &mut SeqDrafting) -> Option<Support> {
         let (support, draft) = self.draft(seq, tokens, prompt_len, tenant, MEMO_DRAFT);
-        self.memo.insert(seq, Memo { text_len: tokens.len(), support, draft });
+        drafting.ngram_memo = Some(Memo { text_len: tokens.len(), support, draft });
         Some(support)
     }
 
     fn remove(&mut self, seq: SeqId) {
         self.index.remove(&seq);
-        self.memo.remove(&seq);
     }
 
     fn finished(&mut self, tenant: Tenant, output: &[TokenId]) {
@@ -324,14 +325,23 @@ mod tests {
         let text: Vec<TokenId> = vec![1, 2, 3, 4, 5, 7, 1, 2, 3, 9, 8, 1, 2, 3];
         let mut p = NgramProposer::new(2);
         // "1 2 3" occurred before: a 3-token match, and the draft is at most that long
-        assert_eq!(p.support(SeqId(1), &text, 2, Tenant(0)), Some(Support::own(3)));
-        let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: 8, params: &params, hidden: None, rng: None };
-        assert_eq!(p.propose(&[req], &pool).unwrap()[0].tokens, vec![4, 5, 7]);
+        assert_eq!(p.support(SeqId(1), &text, 2, Tenant(0), &mut SeqDrafting::default()), Some(Support::own(3)));
+        let req = DraftRequest {
+            seq: SeqId(1),
+            tokens: &text,
+            prompt_len: 2,
+            max_draft: 8,
+            params: &params,
+            hidden: None,
+            rng: None,
+            drafting: &mut SeqDrafting::default(),
+        };
+        assert_eq!(p.propose(&mut [req], &pool).unwrap()[0].tokens, vec![4, 5, 7]);
         // one more token: "6" never occurred before, nothing matches
         let longer: Vec<TokenId> = [&text[..], &[6]].concat();
-        assert_eq!(p.support(SeqId(1), &longer, 2, Tenant(0)), Some(Support::own(0)));
-        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6], 4, Tenant(0)), Some(Support::own(1)));
-        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3], 3, Tenant(0)), Some(Support::own(0)));
+        assert_eq!(p.support(SeqId(1), &longer, 2, Tenant(0), &mut SeqDrafting::default()), Some(Support::own(0)));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[5, 6, 7, 6], 4, Tenant(0), &mut SeqDrafting::default()), Some(Support::own(1)));
+        assert_eq!(NgramProposer::new(1).support(SeqId(1), &[1, 2, 3], 3, Tenant(0), &mut SeqDrafting::default()), Some(Support::own(0)));
     }
 
     #[test]
@@ -343,23 +353,35 @@ mod tests {
         let mut text: Vec<TokenId> = pattern.iter().chain(&pattern).copied().collect();
         text.extend(&pattern[..20]);
         let fresh = |text: &[TokenId], k: usize| {
-            let req = DraftRequest { seq: SeqId(1), tokens: text, prompt_len: 2, max_draft: k, params: &params, hidden: None, rng: None };
-            NgramProposer::new(2).propose(&[req], &pool).unwrap().remove(0).tokens
+            let req = DraftRequest {
+                seq: SeqId(1),
+                tokens: text,
+                prompt_len: 2,
+                max_draft: k,
+                params: &params,
+                hidden: None,
+                rng: None,
+                drafting: &mut SeqDrafting::default(),
+            };
+            NgramProposer::new(2).propose(&mut [req], &pool).unwrap().remove(0).tokens
         };
         for k in [1, 5, MEMO_DRAFT, MEMO_DRAFT + 30] {
-            let mut p = NgramProposer::new(2);
-            assert!(p.support(SeqId(1), &text, 2, Tenant(0)).is_some_and(|s| s.len > MEMO_DRAFT));
-            let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: k, params: &params, hidden: None, rng: None };
-            let got = p.propose(&[req], &pool).unwrap().remove(0).tokens;
+            let (mut p, mut drafting) = (NgramProposer::new(2), SeqDrafting::default());
+            assert!(p.support(SeqId(1), &text, 2, Tenant(0), &mut drafting).is_some_and(|s| s.len > MEMO_DRAFT));
+            assert!(drafting.ngram_memo.is_some(), "the lookup is kept in the sequence's state");
+            let req =
+                DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: k, params: &params, hidden: None, rng: None, drafting: &mut drafting };
+            let got = p.propose(&mut [req], &pool).unwrap().remove(0).tokens;
             assert_eq!(got.len(), k, "a draft longer than the kept one is looked up again");
             assert_eq!(got, fresh(&text, k));
+            assert!(drafting.ngram_memo.is_none(), "a draft uses its lookup once");
         }
         // a text that moved on since the support lookup is looked up afresh
-        let mut p = NgramProposer::new(2);
-        p.support(SeqId(1), &text, 2, Tenant(0));
+        let (mut p, mut drafting) = (NgramProposer::new(2), SeqDrafting::default());
+        p.support(SeqId(1), &text, 2, Tenant(0), &mut drafting);
         text.push(pattern[20]);
-        let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: 8, params: &params, hidden: None, rng: None };
-        assert_eq!(p.propose(&[req], &pool).unwrap().remove(0).tokens, fresh(&text, 8));
+        let req = DraftRequest { seq: SeqId(1), tokens: &text, prompt_len: 2, max_draft: 8, params: &params, hidden: None, rng: None, drafting: &mut drafting };
+        assert_eq!(p.propose(&mut [req], &pool).unwrap().remove(0).tokens, fresh(&text, 8));
         assert_eq!(fresh(&text, 8)[0], pattern[21]);
     }
 
@@ -374,8 +396,17 @@ mod tests {
         let mut drafts = Vec::new();
         for end in 0..output.len() {
             let text = [&prompt[..], &output[..end]].concat();
-            let req = DraftRequest { seq: SeqId(3), tokens: &text, prompt_len: prompt.len(), max_draft: 1, params: &params, hidden: None, rng: None };
-            drafts.push(p.propose(&[req], &pool).unwrap()[0].tokens.clone());
+            let req = DraftRequest {
+                seq: SeqId(3),
+                tokens: &text,
+                prompt_len: prompt.len(),
+                max_draft: 1,
+                params: &params,
+                hidden: None,
+                rng: None,
+                drafting: &mut SeqDrafting::default(),
+            };
+            drafts.push(p.propose(&mut [req], &pool).unwrap()[0].tokens.clone());
         }
         // the rename is learned once the output copies the prompt again after the second use
         // (positions 7..10); the third use (output position 15) is drafted renamed, the plain
@@ -398,21 +429,39 @@ mod tests {
         // a new sequence whose prompt has nothing to copy writes "41 42 43"
         let text: Vec<TokenId> = vec![1, 2, 3, 41, 42, 43];
         let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| {
-            let req = DraftRequest { seq: SeqId(9), tokens: &text, prompt_len: 3, max_draft: 4, params, hidden: None, rng: None };
-            p.propose(&[req], &pool).unwrap()[0].tokens.clone()
+            let req = DraftRequest {
+                seq: SeqId(9),
+                tokens: &text,
+                prompt_len: 3,
+                max_draft: 4,
+                params,
+                hidden: None,
+                rng: None,
+                drafting: &mut SeqDrafting::default(),
+            };
+            p.propose(&mut [req], &pool).unwrap()[0].tokens.clone()
         };
-        assert_eq!(p.support(SeqId(9), &text, 3, Tenant(1)), Some(Support { len: 3, from_corpus: true }));
+        assert_eq!(p.support(SeqId(9), &text, 3, Tenant(1), &mut SeqDrafting::default()), Some(Support { len: 3, from_corpus: true }));
         assert_eq!(draft(&mut p, &a), vec![44, 45, 46, 47]);
         // another tenant never sees it
-        assert_eq!(p.support(SeqId(9), &text, 3, Tenant(2)), Some(Support::own(0)));
+        assert_eq!(p.support(SeqId(9), &text, 3, Tenant(2), &mut SeqDrafting::default()), Some(Support::own(0)));
         assert_eq!(draft(&mut p, &b), Vec::<TokenId>::new());
         // a match in the sequence's own text as long as the corpus's wins
         let own: Vec<TokenId> = vec![41, 42, 43, 7, 1, 2, 3, 41, 42, 43];
-        let req = DraftRequest { seq: SeqId(10), tokens: &own, prompt_len: 3, max_draft: 4, params: &a, hidden: None, rng: None };
-        assert_eq!(p.propose(&[req], &pool).unwrap()[0].tokens, vec![7, 1, 2]);
+        let req = DraftRequest {
+            seq: SeqId(10),
+            tokens: &own,
+            prompt_len: 3,
+            max_draft: 4,
+            params: &a,
+            hidden: None,
+            rng: None,
+            drafting: &mut SeqDrafting::default(),
+        };
+        assert_eq!(p.propose(&mut [req], &pool).unwrap()[0].tokens, vec![7, 1, 2]);
         // under the corpus's minimum match, nothing from it
         let short: Vec<TokenId> = vec![1, 2, 3, 42, 43];
-        assert_eq!(p.support(SeqId(11), &short, 3, Tenant(1)), Some(Support::own(0)));
+        assert_eq!(p.support(SeqId(11), &short, 3, Tenant(1), &mut SeqDrafting::default()), Some(Support::own(0)));
     }
 
     #[test]
@@ -423,18 +472,36 @@ mod tests {
         let mut p = NgramProposer::new(1);
         // a running sequence of tenant 1 whose prompt holds a file
         let file: Vec<TokenId> = vec![1, 2, 40, 41, 42, 43, 44, 45, 46, 47];
-        let req = DraftRequest { seq: SeqId(1), tokens: &file, prompt_len: file.len(), max_draft: 4, params: &a, hidden: None, rng: None };
-        p.propose(&[req], &pool).unwrap();
+        let req = DraftRequest {
+            seq: SeqId(1),
+            tokens: &file,
+            prompt_len: file.len(),
+            max_draft: 4,
+            params: &a,
+            hidden: None,
+            rng: None,
+            drafting: &mut SeqDrafting::default(),
+        };
+        p.propose(&mut [req], &pool).unwrap();
         // another sequence, with nothing to copy in its own text, writes "41 42 43"
         let text: Vec<TokenId> = vec![7, 8, 9, 41, 42, 43];
         let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| {
-            let req = DraftRequest { seq: SeqId(2), tokens: &text, prompt_len: 3, max_draft: 3, params, hidden: None, rng: None };
-            p.propose(&[req], &pool).unwrap()[0].tokens.clone()
+            let req = DraftRequest {
+                seq: SeqId(2),
+                tokens: &text,
+                prompt_len: 3,
+                max_draft: 3,
+                params,
+                hidden: None,
+                rng: None,
+                drafting: &mut SeqDrafting::default(),
+            };
+            p.propose(&mut [req], &pool).unwrap()[0].tokens.clone()
         };
-        assert_eq!(p.support(SeqId(2), &text, 3, Tenant(1)), Some(Support { len: 3, from_corpus: true }));
+        assert_eq!(p.support(SeqId(2), &text, 3, Tenant(1), &mut SeqDrafting::default()), Some(Support { len: 3, from_corpus: true }));
         assert_eq!(draft(&mut p, &a), vec![44, 45, 46]);
         // never across tenants
-        assert_eq!(p.support(SeqId(2), &text, 3, Tenant(2)), Some(Support::own(0)));
+        assert_eq!(p.support(SeqId(2), &text, 3, Tenant(2), &mut SeqDrafting::default()), Some(Support::own(0)));
         assert_eq!(draft(&mut p, &b), Vec::<TokenId>::new());
         // a longer finished output wins over the running text; an as long one does not
         p.corpus = Corpus::new(1000);
@@ -457,18 +524,27 @@ mod tests {
         // the oldest running sequence holds "41 42 43 44"; LIVE_PEERS newer ones hold nothing of it
         let holder: Vec<TokenId> = vec![40, 41, 42, 43, 44, 45];
         let feed = |p: &mut NgramProposer, seq: u64, text: &[TokenId]| {
-            let req = DraftRequest { seq: SeqId(seq), tokens: text, prompt_len: text.len(), max_draft: 2, params: &params, hidden: None, rng: None };
-            p.propose(&[req], &pool).unwrap();
+            let req = DraftRequest {
+                seq: SeqId(seq),
+                tokens: text,
+                prompt_len: text.len(),
+                max_draft: 2,
+                params: &params,
+                hidden: None,
+                rng: None,
+                drafting: &mut SeqDrafting::default(),
+            };
+            p.propose(&mut [req], &pool).unwrap();
         };
         feed(&mut p, 1, &holder);
         let text: Vec<TokenId> = vec![7, 8, 9, 41, 42, 43];
-        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0)), Some(Support { len: 3, from_corpus: true }));
+        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0), &mut SeqDrafting::default()), Some(Support { len: 3, from_corpus: true }));
         for seq in 2..2 + LIVE_PEERS as u64 {
             feed(&mut p, seq, &[seq as TokenId + 1000, 1, 2, 3]);
         }
-        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0)), Some(Support::own(0)));
+        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0), &mut SeqDrafting::default()), Some(Support::own(0)));
         p.remove(SeqId(2));
-        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0)), Some(Support { len: 3, from_corpus: true }));
+        assert_eq!(p.support(SeqId(100), &text, 3, Tenant(0), &mut SeqDrafting::default()), Some(Support { len: 3, from_corpus: true }));
     }
 
     #[test]
@@ -478,8 +554,17 @@ mod tests {
         let mut p = NgramProposer::new(2);
         let text: Vec<TokenId> = [10, 11, 12, 13, 14, 10, 11, 12, 20, 10, 11, 12, 13].to_vec();
         for end in 3..=text.len() {
-            let req = DraftRequest { seq: SeqId(7), tokens: &text[..end], prompt_len: 3, max_draft: 4, params: &params, hidden: None, rng: None };
-            let d = p.propose(&[req], &pool).unwrap();
+            let req = DraftRequest {
+                seq: SeqId(7),
+                tokens: &text[..end],
+                prompt_len: 3,
+                max_draft: 4,
+                params: &params,
+                hidden: None,
+                rng: None,
+                drafting: &mut SeqDrafting::default(),
+            };
+            let d = p.propose(&mut [req], &pool).unwrap();
             assert_eq!(d[0].tokens, NgramProposer::new(2).lookup(&text[..end], 4), "at {end}");
         }
         p.remove(SeqId(7));

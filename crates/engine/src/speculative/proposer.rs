@@ -5,8 +5,26 @@ use crate::api::SamplingParams;
 pub use crate::types::Draft;
 use crate::types::{SeqId, Tenant, TokenId};
 
+/// What a proposer keeps of one sequence between its calls, held in the sequence's compute-side
+/// record (`crate::record::SeqRecord::spec`) and lent to the proposer with each request: it goes
+/// when the sequence does, and a proposer keeps no map of its own for it. (What a proposer keeps
+/// of a sequence as a cache, which other sequences read or which holds memory of its own, stays
+/// the proposer's, keyed by the sequence's id and released by [`Proposer::remove`]: the n-gram
+/// index other sequences' lookups read, a draft model's KV blocks, an mtp head's context rows.)
+#[derive(Clone, Debug, Default)]
+pub struct SeqDrafting {
+    /// The proposer's own random stream for the sequence (a draft model or mtp head sampling a
+    /// draft it proposes with its distribution), created at its first such draw.
+    pub rng: Option<crate::sampling::SeqRng>,
+    /// A combined proposer ([`super::combined`]): whether the next draft is the n-gram's (else
+    /// the model's), as adaptive k chose this step.
+    pub ngram_next: bool,
+    /// The n-gram proposer's support lookup of this step with the start of its draft
+    /// ([`super::ngram::Memo`]): the draft asked next is cut from it.
+    pub ngram_memo: Option<super::ngram::Memo>,
+}
+
 /// One sequence asking for drafts this step.
-#[derive(Clone, Copy)]
 pub struct DraftRequest<'a> {
     pub seq: SeqId,
     /// The sequence's known tokens (prompt + accepted output); the draft continues them.
@@ -25,6 +43,24 @@ pub struct DraftRequest<'a> {
     /// token for position `pos` with `rng.uniform_at(pos, false)` (the draw the target samples
     /// that position with) and proposes it one-hot keeps seeded outputs those of plain decoding.
     pub rng: Option<&'a crate::sampling::SeqRng>,
+    /// What the proposer keeps of the sequence (in its record).
+    pub drafting: &'a mut SeqDrafting,
+}
+
+impl DraftRequest<'_> {
+    /// The same request, its drafting state reborrowed (to pass on to another proposer).
+    pub fn reborrow(&mut self) -> DraftRequest<'_> {
+        DraftRequest {
+            seq: self.seq,
+            tokens: self.tokens,
+            prompt_len: self.prompt_len,
+            max_draft: self.max_draft,
+            params: self.params,
+            hidden: self.hidden,
+            rng: self.rng,
+            drafting: self.drafting,
+        }
+    }
 }
 
 /// How far a draft is backed ([`Proposer::support`]): the length of the match it continues, and
@@ -51,7 +87,7 @@ impl Support {
 
 pub trait Proposer: Send {
     /// Drafts for each request, in order (`max_draft` tokens at most each).
-    fn propose(&mut self, reqs: &[DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError>;
+    fn propose(&mut self, reqs: &mut [DraftRequest], pool: &rayon::ThreadPool) -> Result<Vec<Draft>, SpecError>;
     /// The sequence now has `kept` tokens whose target KV is valid: drop any draft state past it.
     fn rollback(&mut self, _seq: SeqId, _kept: usize) {}
     /// The sequence ended: release its state.
@@ -69,8 +105,8 @@ pub trait Proposer: Send {
     /// acceptance estimate per band of it ([`Support::band`]) instead of the sequence's own: a
     /// match of 1 token is a guess, one of 40 a copy, and a single estimate over both drafts too
     /// much after the one and too little after the other. `None`: no such figure (the
-    /// sequence's own estimate decides).
-    fn support(&mut self, _seq: SeqId, _tokens: &[TokenId], _prompt_len: usize, _tenant: Tenant) -> Option<Support> {
+    /// sequence's own estimate decides). `drafting` is the sequence's state, as in its requests.
+    fn support(&mut self, _seq: SeqId, _tokens: &[TokenId], _prompt_len: usize, _tenant: Tenant, _drafting: &mut SeqDrafting) -> Option<Support> {
         None
     }
     /// A sequence of `tenant` finished with `output` (the cross-request index keeps it).
@@ -80,8 +116,6 @@ pub trait Proposer: Send {
     fn combined(&self) -> bool {
         false
     }
-    /// For a combined proposer: whether `seq`'s next draft is the n-gram's (else the model's).
-    fn choose_ngram(&mut self, _seq: SeqId, _ngram: bool) {}
     /// The target layers whose hidden states `DraftRequest::hidden` carries, in order
     /// (`n_layers - 1`: the final hidden state before the output norm); empty: none.
     fn hidden_layers(&self) -> &[usize] {
