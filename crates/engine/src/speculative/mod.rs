@@ -438,7 +438,6 @@ impl Speculation {
     /// ([`Self::model_horizon`]; a draft model called back after a long copy first feeds all of
     /// it: on the agent traces' edits that cost more than it gained, benchmarks.md). Without
     /// adaptive k the model always.
-    #[allow(clippy::too_many_arguments)]
     fn choose(&mut self, st: &mut SeqSpec, support: Option<Support>, k_limit: usize, decoding: usize, backlog: usize, remaining: usize) -> Option<Support> {
         let ngram = self.cfg.adaptive
             && support.is_some_and(|s| {

@@ -642,10 +642,7 @@ impl MtpProposer {
                 let (prompt, output) = self.draft_history(r, &drafts[ch.req].tokens);
                 let d = match probabilities(row, r.params, TokenHistory { prompt: &prompt, output: &output }, &mut p) {
                     Ok(()) if r.params.is_greedy() => argmax(&p),
-                    Ok(()) => {
-                        let (seed, drafting) = (r.params.seed, &mut *r.drafting);
-                        sample_from_probs(&p, drafting.rng.get_or_insert_with(|| SeqRng::new(seed, MTP_RNG_STREAM)).uniform())
-                    }
+                    Ok(()) => sample_from_probs(&p, r.drafting.rng.get_or_insert_with(|| SeqRng::new(r.params.seed, MTP_RNG_STREAM)).uniform()),
                     Err(e) => {
                         tracing::debug!("mtp head gave an unusable row for {}: {e}", r.seq);
                         None

@@ -289,6 +289,21 @@ impl Proposer for NgramProposer {
 mod tests {
     use super::*;
 
+    /// The draft of up to `k` tokens for sequence `seq` (`tokens`, the first `prompt_len` its
+    /// prompt), asked with no drafting state kept for it from an earlier step.
+    fn draft_once(
+        p: &mut NgramProposer,
+        seq: u64,
+        tokens: &[TokenId],
+        prompt_len: usize,
+        k: usize,
+        params: &crate::api::SamplingParams,
+        pool: &rayon::ThreadPool,
+    ) -> Vec<TokenId> {
+        let req = DraftRequest { seq: SeqId(seq), tokens, prompt_len, max_draft: k, params, hidden: None, rng: None, drafting: &mut SeqDrafting::default() };
+        p.propose(&mut [req], pool).unwrap().remove(0).tokens
+    }
+
     #[test]
     fn proposes_what_followed_the_longest_earlier_match() {
         let p = NgramProposer::new(1);
@@ -326,17 +341,7 @@ mod tests {
         let mut p = NgramProposer::new(2);
         // "1 2 3" occurred before: a 3-token match, and the draft is at most that long
         assert_eq!(p.support(SeqId(1), &text, 2, Tenant(0), &mut SeqDrafting::default()), Some(Support::own(3)));
-        let req = DraftRequest {
-            seq: SeqId(1),
-            tokens: &text,
-            prompt_len: 2,
-            max_draft: 8,
-            params: &params,
-            hidden: None,
-            rng: None,
-            drafting: &mut SeqDrafting::default(),
-        };
-        assert_eq!(p.propose(&mut [req], &pool).unwrap()[0].tokens, vec![4, 5, 7]);
+        assert_eq!(draft_once(&mut p, 1, &text, 2, 8, &params, &pool), vec![4, 5, 7]);
         // one more token: "6" never occurred before, nothing matches
         let longer: Vec<TokenId> = [&text[..], &[6]].concat();
         assert_eq!(p.support(SeqId(1), &longer, 2, Tenant(0), &mut SeqDrafting::default()), Some(Support::own(0)));
@@ -352,19 +357,7 @@ mod tests {
         let pattern: Vec<TokenId> = (0..90).map(|i| 100 + (i * 7) % 53).collect();
         let mut text: Vec<TokenId> = pattern.iter().chain(&pattern).copied().collect();
         text.extend(&pattern[..20]);
-        let fresh = |text: &[TokenId], k: usize| {
-            let req = DraftRequest {
-                seq: SeqId(1),
-                tokens: text,
-                prompt_len: 2,
-                max_draft: k,
-                params: &params,
-                hidden: None,
-                rng: None,
-                drafting: &mut SeqDrafting::default(),
-            };
-            NgramProposer::new(2).propose(&mut [req], &pool).unwrap().remove(0).tokens
-        };
+        let fresh = |text: &[TokenId], k: usize| draft_once(&mut NgramProposer::new(2), 1, text, 2, k, &params, &pool);
         for k in [1, 5, MEMO_DRAFT, MEMO_DRAFT + 30] {
             let (mut p, mut drafting) = (NgramProposer::new(2), SeqDrafting::default());
             assert!(p.support(SeqId(1), &text, 2, Tenant(0), &mut drafting).is_some_and(|s| s.len > MEMO_DRAFT));
@@ -396,17 +389,7 @@ mod tests {
         let mut drafts = Vec::new();
         for end in 0..output.len() {
             let text = [&prompt[..], &output[..end]].concat();
-            let req = DraftRequest {
-                seq: SeqId(3),
-                tokens: &text,
-                prompt_len: prompt.len(),
-                max_draft: 1,
-                params: &params,
-                hidden: None,
-                rng: None,
-                drafting: &mut SeqDrafting::default(),
-            };
-            drafts.push(p.propose(&mut [req], &pool).unwrap()[0].tokens.clone());
+            drafts.push(draft_once(&mut p, 3, &text, prompt.len(), 1, &params, &pool));
         }
         // the rename is learned once the output copies the prompt again after the second use
         // (positions 7..10); the third use (output position 15) is drafted renamed, the plain
@@ -428,19 +411,7 @@ mod tests {
         p.finished(Tenant(1), &[40, 41, 42, 43, 44, 45, 46, 47]);
         // a new sequence whose prompt has nothing to copy writes "41 42 43"
         let text: Vec<TokenId> = vec![1, 2, 3, 41, 42, 43];
-        let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| {
-            let req = DraftRequest {
-                seq: SeqId(9),
-                tokens: &text,
-                prompt_len: 3,
-                max_draft: 4,
-                params,
-                hidden: None,
-                rng: None,
-                drafting: &mut SeqDrafting::default(),
-            };
-            p.propose(&mut [req], &pool).unwrap()[0].tokens.clone()
-        };
+        let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| draft_once(p, 9, &text, 3, 4, params, &pool);
         assert_eq!(p.support(SeqId(9), &text, 3, Tenant(1), &mut SeqDrafting::default()), Some(Support { len: 3, from_corpus: true }));
         assert_eq!(draft(&mut p, &a), vec![44, 45, 46, 47]);
         // another tenant never sees it
@@ -448,17 +419,7 @@ mod tests {
         assert_eq!(draft(&mut p, &b), Vec::<TokenId>::new());
         // a match in the sequence's own text as long as the corpus's wins
         let own: Vec<TokenId> = vec![41, 42, 43, 7, 1, 2, 3, 41, 42, 43];
-        let req = DraftRequest {
-            seq: SeqId(10),
-            tokens: &own,
-            prompt_len: 3,
-            max_draft: 4,
-            params: &a,
-            hidden: None,
-            rng: None,
-            drafting: &mut SeqDrafting::default(),
-        };
-        assert_eq!(p.propose(&mut [req], &pool).unwrap()[0].tokens, vec![7, 1, 2]);
+        assert_eq!(draft_once(&mut p, 10, &own, 3, 4, &a, &pool), vec![7, 1, 2]);
         // under the corpus's minimum match, nothing from it
         let short: Vec<TokenId> = vec![1, 2, 3, 42, 43];
         assert_eq!(p.support(SeqId(11), &short, 3, Tenant(1), &mut SeqDrafting::default()), Some(Support::own(0)));
@@ -472,32 +433,10 @@ mod tests {
         let mut p = NgramProposer::new(1);
         // a running sequence of tenant 1 whose prompt holds a file
         let file: Vec<TokenId> = vec![1, 2, 40, 41, 42, 43, 44, 45, 46, 47];
-        let req = DraftRequest {
-            seq: SeqId(1),
-            tokens: &file,
-            prompt_len: file.len(),
-            max_draft: 4,
-            params: &a,
-            hidden: None,
-            rng: None,
-            drafting: &mut SeqDrafting::default(),
-        };
-        p.propose(&mut [req], &pool).unwrap();
+        draft_once(&mut p, 1, &file, file.len(), 4, &a, &pool);
         // another sequence, with nothing to copy in its own text, writes "41 42 43"
         let text: Vec<TokenId> = vec![7, 8, 9, 41, 42, 43];
-        let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| {
-            let req = DraftRequest {
-                seq: SeqId(2),
-                tokens: &text,
-                prompt_len: 3,
-                max_draft: 3,
-                params,
-                hidden: None,
-                rng: None,
-                drafting: &mut SeqDrafting::default(),
-            };
-            p.propose(&mut [req], &pool).unwrap()[0].tokens.clone()
-        };
+        let draft = |p: &mut NgramProposer, params: &crate::api::SamplingParams| draft_once(p, 2, &text, 3, 3, params, &pool);
         assert_eq!(p.support(SeqId(2), &text, 3, Tenant(1), &mut SeqDrafting::default()), Some(Support { len: 3, from_corpus: true }));
         assert_eq!(draft(&mut p, &a), vec![44, 45, 46]);
         // never across tenants
@@ -524,17 +463,7 @@ mod tests {
         // the oldest running sequence holds "41 42 43 44"; LIVE_PEERS newer ones hold nothing of it
         let holder: Vec<TokenId> = vec![40, 41, 42, 43, 44, 45];
         let feed = |p: &mut NgramProposer, seq: u64, text: &[TokenId]| {
-            let req = DraftRequest {
-                seq: SeqId(seq),
-                tokens: text,
-                prompt_len: text.len(),
-                max_draft: 2,
-                params: &params,
-                hidden: None,
-                rng: None,
-                drafting: &mut SeqDrafting::default(),
-            };
-            p.propose(&mut [req], &pool).unwrap();
+            draft_once(p, seq, text, text.len(), 2, &params, &pool);
         };
         feed(&mut p, 1, &holder);
         let text: Vec<TokenId> = vec![7, 8, 9, 41, 42, 43];
@@ -554,18 +483,7 @@ mod tests {
         let mut p = NgramProposer::new(2);
         let text: Vec<TokenId> = [10, 11, 12, 13, 14, 10, 11, 12, 20, 10, 11, 12, 13].to_vec();
         for end in 3..=text.len() {
-            let req = DraftRequest {
-                seq: SeqId(7),
-                tokens: &text[..end],
-                prompt_len: 3,
-                max_draft: 4,
-                params: &params,
-                hidden: None,
-                rng: None,
-                drafting: &mut SeqDrafting::default(),
-            };
-            let d = p.propose(&mut [req], &pool).unwrap();
-            assert_eq!(d[0].tokens, NgramProposer::new(2).lookup(&text[..end], 4), "at {end}");
+            assert_eq!(draft_once(&mut p, 7, &text[..end], 3, 4, &params, &pool), NgramProposer::new(2).lookup(&text[..end], 4), "at {end}");
         }
         p.remove(SeqId(7));
         assert!(p.index.is_empty());
