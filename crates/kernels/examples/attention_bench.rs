@@ -8,7 +8,8 @@
 //! time per layer (`BENCH_TYPES=f16,q8_0` for some cache types only). Prefill: a chunk of
 //! 512 rows at the end of a `depth`-token prompt (GFLOP/s, counting 2 x 2 x head_dim flops per
 //! query-key pair: the scores and the weighted values). Default shape: Qwen2.5-Coder-1.5B (12
-//! heads, 2 KV heads of 128). Median of several rounds.
+//! heads, 2 KV heads of 128). Median of several rounds. `BENCH_BS`: slots per KV block (16, the
+//! engine's default `--block-size`).
 
 use specula_kernels::attention::{paged_attention_windowed, KvLayout, SeqSpan};
 use specula_kernels::kv::{KvDtype, KvPlane, KvRole};
@@ -24,10 +25,12 @@ fn main() {
     let depth: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(16384);
     let threads: Vec<usize> = args.get(1).map_or(vec![1, 2], |s| s.split(',').filter_map(|t| t.parse().ok()).collect());
     let shape: Vec<usize> = args.get(2).map_or(vec![12, 2, 128], |s| s.split(',').filter_map(|t| t.parse().ok()).collect());
-    let layout = KvLayout { block_size: 16, n_heads: shape[0], n_kv_heads: shape[1], head_dim: shape[2] };
+    // BENCH_BS: slots per KV block (the engine's --block-size; 16 by default)
+    let bs: usize = std::env::var("BENCH_BS").ok().and_then(|v| v.parse().ok()).unwrap_or(16).max(1);
+    let layout = KvLayout { block_size: bs, n_heads: shape[0], n_kv_heads: shape[1], head_dim: shape[2] };
     let kvw = layout.kv_width();
     let qw = layout.n_heads * layout.head_dim;
-    let blocks = depth.div_ceil(16);
+    let blocks = depth.div_ceil(bs);
     let table: Vec<u32> = (0..blocks as u32).rev().collect();
     let chunk = 512.min(depth);
     println!("attention at depth {depth}, {} heads / {} KV heads of {}", layout.n_heads, layout.n_kv_heads, layout.head_dim);
@@ -53,7 +56,7 @@ fn main() {
             .map(|_| {
                 let mut k = KvPlane::new(KvRole::Keys, dtype, layout, blocks).expect("memory");
                 let mut v = KvPlane::new(KvRole::Values, dtype, layout, blocks).expect("memory");
-                for s in 0..blocks * 16 {
+                for s in 0..blocks * bs {
                     k.write(s, &row);
                     v.write(s, &row);
                 }
@@ -61,7 +64,7 @@ fn main() {
             })
             .collect();
         let (k, v) = &planes[0];
-        let kv_bytes = (k.bytes() + v.bytes()) as f64 * depth as f64 / (blocks * 16) as f64;
+        let kv_bytes = (k.bytes() + v.bytes()) as f64 * depth as f64 / (blocks * bs) as f64;
         for &t in &threads {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build().expect("pool");
             let q1: Vec<f32> = (0..qw).map(|i| (i as f32 * 0.013).cos()).collect();
