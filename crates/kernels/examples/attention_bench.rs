@@ -20,13 +20,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The count in environment variable `name`, or `default` when it is unset or not a number.
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let depth: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(16384);
     let threads: Vec<usize> = args.get(1).map_or(vec![1, 2], |s| s.split(',').filter_map(|t| t.parse().ok()).collect());
     let shape: Vec<usize> = args.get(2).map_or(vec![12, 2, 128], |s| s.split(',').filter_map(|t| t.parse().ok()).collect());
-    // BENCH_BS: slots per KV block (the engine's --block-size; 16 by default)
-    let bs: usize = std::env::var("BENCH_BS").ok().and_then(|v| v.parse().ok()).unwrap_or(16).max(1);
+    let bs = env_or("BENCH_BS", 16).max(1);
     let layout = KvLayout { block_size: bs, n_heads: shape[0], n_kv_heads: shape[1], head_dim: shape[2] };
     let kvw = layout.kv_width();
     let qw = layout.n_heads * layout.head_dim;
@@ -35,7 +39,7 @@ fn main() {
     let chunk = 512.min(depth);
     println!("attention at depth {depth}, {} heads / {} KV heads of {}", layout.n_heads, layout.n_kv_heads, layout.head_dim);
     println!("{:<6} {:>7} {:>12} {:>10} {:>14} {:>12}", "type", "threads", "decode ms", "KV GB/s", "prefill ms", "GFLOP/s");
-    let layers: usize = std::env::var("BENCH_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(28).max(1);
+    let layers: usize = env_or("BENCH_LAYERS", 28).max(1);
     println!("decode over {layers} layers' caches in turn (BENCH_LAYERS)");
     // BENCH_TYPES=f16,q8_0: only those cache types
     let types: Vec<KvDtype> = match std::env::var("BENCH_TYPES") {
@@ -71,7 +75,7 @@ fn main() {
             let mut o1 = vec![0f32; qw];
             let seq1 = [SeqSpan { q_start: 0, q_len: 1, context_len: depth, block_table: &table }];
             let decode = median(
-                (0..std::env::var("BENCH_DECODE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(15))
+                (0..env_or("BENCH_DECODE_ROUNDS", 15))
                     .map(|_| {
                         let s = Instant::now();
                         for (k, v) in &planes {
