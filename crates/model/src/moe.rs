@@ -210,6 +210,36 @@ struct Routes {
     weights: Vec<f32>,
 }
 
+/// Whether expert `a` ranks before expert `b` in a row's router logits `l`: the larger logit
+/// first, a tie (-0 and +0 included) to the lower index, a NaN after every number (a corrupt
+/// router must not make the order inconsistent: the standard library's sorts and selections may
+/// panic on one). A strict total order, so the top k are one set whatever algorithm picks them.
+fn ranks_before(l: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
+    let key = |x: usize| (!l[x].is_nan(), if l[x].is_nan() { 0.0 } else { l[x] });
+    let ((na, va), (nb, vb)) = (key(a), key(b));
+    nb.cmp(&na).then(vb.partial_cmp(&va).unwrap_or(std::cmp::Ordering::Equal)).then(a.cmp(&b))
+}
+
+/// The router's buffers, kept per thread between layers and steps (a decode step routes every
+/// MoE layer's one row: three allocations a layer before).
+#[derive(Default)]
+struct RouterScratch {
+    logits: Vec<f32>,
+    order: Vec<usize>,
+    p: Vec<f32>,
+}
+
+/// The largest slot-output buffer (in floats) a thread keeps between layers: a 16-row step of
+/// the largest routed models here (4 MB).
+const SLOT_OUTPUTS_KEPT: usize = 1 << 20;
+
+thread_local! {
+    static ROUTER_SCRATCH: std::cell::RefCell<RouterScratch> = std::cell::RefCell::default();
+    /// Every slot's expert output (`rows x k x hidden`) of [`MoeFfn::forward`]'s batch path,
+    /// reused: 64 KB a layer for a decode row of a 30B-A3B, 1 MB for a 16-row verify step.
+    static SLOT_OUTPUTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// `o += w * y`, element by element: the one form of a routed expert's share in its row, so the
 /// prefill's running sum and the batch's weighted sum give the same bits.
 fn add_weighted(o: &mut [f32], w: f32, y: &[f32]) {
@@ -300,18 +330,29 @@ impl MoeFfn {
         if exchange.is_none() && t > GROUPED_MAX_ROWS {
             self.run_experts_summed(xn, &routes, out)?;
         } else {
-            let mut y = vec![0f32; t * k * h];
-            match exchange.map_or(Placement::Local, Placement::Parallel) {
-                Placement::Local => self.run_experts(0..self.n_experts(), xn, &routes.ids, k, &mut y)?,
-                Placement::Parallel(ex) => self.exchange_experts(xn, &routes, ex, &mut y)?,
-            }
-            // weighted sum in ascending expert index (the slot order)
-            out.fill(0.0);
-            for r in 0..t {
-                for j in (0..k).filter(|&j| routes.ids[r * k + j] >= 0) {
-                    add_weighted(&mut out[r * h..(r + 1) * h], routes.weights[r * k + j], &y[(r * k + j) * h..(r * k + j + 1) * h]);
+            // taken out of the thread's slot while in use (a forward nested on this thread, through
+            // a parallel loop's work stealing, gets a fresh buffer instead of a borrow panic)
+            let mut y = SLOT_OUTPUTS.take();
+            y.clear();
+            y.resize(t * k * h, 0.0);
+            let ran = match exchange.map_or(Placement::Local, Placement::Parallel) {
+                Placement::Local => self.run_experts(0..self.n_experts(), xn, &routes.ids, k, &mut y),
+                Placement::Parallel(ex) => self.exchange_experts(xn, &routes, ex, &mut y),
+            };
+            if ran.is_ok() {
+                // weighted sum in ascending expert index (the slot order)
+                out.fill(0.0);
+                for r in 0..t {
+                    for j in (0..k).filter(|&j| routes.ids[r * k + j] >= 0) {
+                        add_weighted(&mut out[r * h..(r + 1) * h], routes.weights[r * k + j], &y[(r * k + j) * h..(r * k + j + 1) * h]);
+                    }
                 }
             }
+            // kept for the next layer unless an expert-parallel prefill made it large
+            if y.capacity() <= SLOT_OUTPUTS_KEPT {
+                SLOT_OUTPUTS.set(y);
+            }
+            ran?;
         }
         if let Some(s) = &self.shared {
             self.add_shared(s, xn, active, out);
@@ -323,33 +364,44 @@ impl MoeFfn {
     fn route(&self, xn: &[f32], active: &[bool]) -> Routes {
         let (h, e, k) = (self.router.cols, self.router.rows, self.n_used);
         let t = active.len();
-        let mut logits = vec![0f32; t * e];
-        if t > 0 {
-            matmul(&MatmulInput::new(xn, h, &[&self.router]), &self.router, &mut logits);
-            if let Some(b) = &self.router_bias {
-                add_bias(&mut logits, b);
-            }
-        }
         let mut ids = vec![-1i32; t * k];
         let mut weights = vec![0f32; t * k];
-        let mut order: Vec<usize> = Vec::with_capacity(e);
-        for r in (0..t).filter(|&r| active[r]) {
-            let l = &logits[r * e..(r + 1) * e];
-            let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-            let p: Vec<f32> = l.iter().map(|&x| (x - max).exp()).collect();
-            let sum: f32 = p.iter().sum();
-            order.clear();
-            order.extend(0..e);
-            // descending logit, ties to the lower index (a stable sort keeps index order)
-            order.sort_by(|&a, &b| l[b].partial_cmp(&l[a]).unwrap_or(std::cmp::Ordering::Equal));
-            let chosen = &mut order[..k];
-            chosen.sort_unstable();
-            let norm = if self.norm_topk { chosen.iter().map(|&x| p[x]).sum::<f32>() } else { sum };
-            for (j, &x) in chosen.iter().enumerate() {
-                ids[r * k + j] = x as i32;
-                weights[r * k + j] = p[x] / norm;
+        // taken out while in use, as the slot outputs below (the router's matmul runs a parallel
+        // loop; a thread that picked up another rank's layer meanwhile gets fresh buffers)
+        let mut sc = ROUTER_SCRATCH.take();
+        {
+            let RouterScratch { logits, order, p } = &mut sc;
+            logits.clear();
+            logits.resize(t * e, 0.0);
+            if t > 0 {
+                matmul(&MatmulInput::new(xn, h, &[&self.router]), &self.router, logits);
+                if let Some(b) = &self.router_bias {
+                    add_bias(logits, b);
+                }
+            }
+            for r in (0..t).filter(|&r| active[r]) {
+                let l = &logits[r * e..(r + 1) * e];
+                let max = l.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                p.clear();
+                p.extend(l.iter().map(|&x| (x - max).exp()));
+                let sum: f32 = p.iter().sum();
+                order.clear();
+                order.extend(0..e);
+                // the k first in `ranks_before`'s strict order (descending logit, ties to the
+                // lower index): one selection over the experts, then the k in index order
+                if k < e {
+                    order.select_nth_unstable_by(k, |&a, &b| ranks_before(l, a, b));
+                }
+                let chosen = &mut order[..k];
+                chosen.sort_unstable();
+                let norm = if self.norm_topk { chosen.iter().map(|&x| p[x]).sum::<f32>() } else { sum };
+                for (j, &x) in chosen.iter().enumerate() {
+                    ids[r * k + j] = x as i32;
+                    weights[r * k + j] = p[x] / norm;
+                }
             }
         }
+        ROUTER_SCRATCH.set(sc);
         Routes { k, ids, weights }
     }
 
@@ -525,6 +577,58 @@ impl MoeFfn {
             for (a, &b) in out[r * h..(r + 1) * h].iter_mut().zip(&ys[i * h..(i + 1) * h]) {
                 *a += scale[i] * b;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use specula_kernels::{WeightBytes, WeightFormat};
+
+    /// A router over `e` experts whose rows are `rows(expert)`, with no experts loaded (routing
+    /// only).
+    fn router_only(e: usize, h: usize, k: usize, row: impl Fn(usize, usize) -> f32) -> MoeFfn {
+        let bytes: Vec<u8> = (0..e * h).flat_map(|i| row(i / h, i % h).to_le_bytes()).collect();
+        let router = QMatrix::new(WeightFormat::F32, e, h, WeightBytes::owned(bytes), "router").expect("an f32 router");
+        MoeFfn {
+            router,
+            router_bias: None,
+            activation: Activation::SiluGate,
+            experts: (0..e).map(|_| None).collect(),
+            n_used: k,
+            norm_topk: true,
+            shared: None,
+        }
+    }
+
+    #[test]
+    fn routing_picks_the_top_k_ties_to_the_lower_index() {
+        let (e, h, k) = (128, 16, 8);
+        // expert x's logit is (x % 10) times the row sum: ties among experts with equal x % 10
+        let m = router_only(e, h, k, |x, _| (x % 10) as f32);
+        let xn = vec![0.25f32; h];
+        let r = m.route(&xn, &[true]);
+        // the eight largest: the experts with x % 10 == 9 in index order (9, 19, ..., 79)
+        assert_eq!(r.ids, (0..8).map(|i| 10 * i + 9).collect::<Vec<i32>>());
+        assert!((r.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn nan_router_logits_route_without_panicking() {
+        // a hostile or corrupt file: NaN and infinite router rows among finite ones
+        let (e, h, k) = (128, 16, 8);
+        let m = router_only(e, h, k, |x, d| match x % 7 {
+            0 => f32::NAN,
+            3 if d == 0 => f32::INFINITY,
+            5 if d == 0 => f32::NEG_INFINITY,
+            _ => (x * 31 % 17) as f32 * 0.01,
+        });
+        let xn: Vec<f32> = (0..2 * h).map(|i| (i as f32 * 0.3).sin()).collect();
+        let r = m.route(&xn, &[true, true]);
+        for row in r.ids.chunks(k) {
+            assert!(row.windows(2).all(|w| w[0] < w[1]), "k distinct experts in ascending order: {row:?}");
+            assert!(row.iter().all(|&x| (0..e as i32).contains(&x)));
         }
     }
 }
