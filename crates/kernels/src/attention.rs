@@ -70,7 +70,8 @@ pub fn paged_attention_windowed(
     assert!(window != Some(0), "a sliding window must hold at least the query's own position");
     assert!(sinks.is_none_or(|s| s.len() == layout.n_heads), "one attention sink per query head");
     assert!(layout.n_kv_heads > 0 && layout.n_heads.is_multiple_of(layout.n_kv_heads), "query heads in whole groups");
-    assert!(k.dtype == v.dtype && k.order == v.order, "keys and values of one type and order");
+    assert!(k.dtype == v.dtype, "keys and values of one type");
+    assert!(k.order == v.order || (k.order == KvOrder::DimMajor && v.order == KvOrder::HeadMajor), "keys and values in one order, or the model cache's pair");
     assert!(k.dtype.supports_head_dim(layout.head_dim), "quantized heads are whole blocks");
     let qw = layout.n_heads * layout.head_dim;
     assert!(out.len() >= q.len());
@@ -100,6 +101,30 @@ macro_rules! by_dtype {
             KvDtype::Bf16 => $($f)::+::<2>($($arg),*),
             KvDtype::Q8_0 => $($f)::+::<3>($($arg),*),
             KvDtype::Q4_0 => $($f)::+::<4>($($arg),*),
+        }
+    };
+}
+
+/// Calls `$m::score_groups` (one pass of the dimension-major scores) monomorphised for a plain
+/// type and `$nb` vectors (at most [`SCORE_VECTORS`]).
+#[cfg(target_arch = "x86_64")]
+macro_rules! dim_major_pass {
+    ($m:ident, $dtype:expr, $nb:expr, $args:tt) => {
+        match $dtype {
+            KvDtype::F32 => dim_major_pass!(@nb $m, 0, $nb, $args),
+            KvDtype::F16 => dim_major_pass!(@nb $m, 1, $nb, $args),
+            KvDtype::Bf16 => dim_major_pass!(@nb $m, 2, $nb, $args),
+            _ => unreachable!("quantized keys are stored head-major"),
+        }
+    };
+    (@nb $m:ident, $d:literal, $nb:expr, ($($arg:expr),*)) => {
+        match $nb {
+            1 => $m::score_groups::<$d, 1>($($arg),*),
+            2 => $m::score_groups::<$d, 2>($($arg),*),
+            3 => $m::score_groups::<$d, 3>($($arg),*),
+            4 => $m::score_groups::<$d, 4>($($arg),*),
+            5 => $m::score_groups::<$d, 5>($($arg),*),
+            _ => $m::score_groups::<$d, 6>($($arg),*),
         }
     };
 }
@@ -209,7 +234,8 @@ impl State {
 /// One task's working memory.
 struct Scratch {
     nv: usize,
-    /// Where key `a0 + j` of the current tile starts for this KV head (element index).
+    /// Where key `a0 + j` of the current tile starts for this KV head (element index; in the
+    /// values' order: dimension-major keys are found a group at a time).
     offs: Vec<usize>,
     /// Scores, then weights, of the current tile: `nv` rows of `TILE`.
     s: Vec<f32>,
@@ -219,7 +245,8 @@ struct Scratch {
     range: Vec<(usize, usize)>,
     /// The current span's state.
     span: State,
-    /// The unit's queries in pairs for the AVX-512 scores (`avx512::pack_queries`).
+    /// The unit's queries in pairs for the AVX-512 scores (`avx512::pack_queries`), or by
+    /// dimension for the dimension-major keys' (`pack_queries_dim`).
     qpack: Vec<f32>,
     /// Where the next tile's keys (and values) start, `next_len` of them (none on the scalar
     /// path): the kernels prefetch them while they read this tile.
@@ -355,26 +382,27 @@ impl Attn<'_> {
         lo / SPAN..end.div_ceil(SPAN)
     }
 
-    /// Element index of position `p`'s keys (and values) of the unit's KV head.
-    fn offset(&self, s: &SeqSpan, u: &Unit, p: usize) -> usize {
+    /// Element index of position `p`'s first value of the unit's KV head in a plane of `order`.
+    fn offset(&self, order: KvOrder, s: &SeqSpan, u: &Unit, p: usize) -> usize {
         let bs = self.layout.block_size;
-        self.k.order.offset(&self.layout, s.block_table[p / bs] as usize * bs + p % bs, u.kvh)
+        order.offset(&self.layout, s.block_table[p / bs] as usize * bs + p % bs, u.kvh)
     }
 
     /// [`Self::offset`] of positions `a0..a0 + out.len()`, one block's run at a time: the
     /// divisions by the block size, once per key, cost a decode step at depth more than its
     /// softmax.
-    fn offsets(&self, s: &SeqSpan, u: &Unit, a0: usize, out: &mut [usize]) {
+    fn offsets(&self, order: KvOrder, s: &SeqSpan, u: &Unit, a0: usize, out: &mut [usize]) {
         let bs = self.layout.block_size;
-        let step = match self.k.order {
+        let step = match order {
             KvOrder::HeadMajor => self.layout.head_dim,
             KvOrder::SlotMajor => self.layout.kv_width(),
+            KvOrder::DimMajor => 1,
         };
         let mut j = 0;
         while j < out.len() {
             let p = a0 + j;
             let run = (bs - p % bs).min(out.len() - j);
-            let first = self.offset(s, u, p);
+            let first = self.offset(order, s, u, p);
             for (i, o) in out[j..j + run].iter_mut().enumerate() {
                 *o = first + i * step;
             }
@@ -389,18 +417,24 @@ impl Attn<'_> {
         let (_, end) = self.row_keys(s, u.t1 - 1);
         let (p0, p1) = ((span * SPAN).max(lo), ((span + 1) * SPAN).min(end));
         sc.span.reset();
-        #[cfg(target_arch = "x86_64")]
-        if self.simd == Simd::Avx512 {
-            let (g, hd) = (self.group, self.layout.head_dim);
-            let qw = self.layout.n_heads * hd;
-            avx512::pack_queries(&mut sc.qpack, self.q, sc.nv, hd, |i| (s.q_start + u.t0 + i / g) * qw + (u.kvh * g + i % g) * hd);
+        let (g, hd) = (self.group, self.layout.head_dim);
+        let qw = self.layout.n_heads * hd;
+        let at = |i: usize| (s.q_start + u.t0 + i / g) * qw + (u.kvh * g + i % g) * hd;
+        if self.k.order == KvOrder::DimMajor && self.simd.avx2() {
+            pack_queries_dim(&mut sc.qpack, self.q, sc.nv, hd, at);
+        } else {
+            #[cfg(target_arch = "x86_64")]
+            if self.simd == Simd::Avx512 {
+                avx512::pack_queries(&mut sc.qpack, self.q, sc.nv, hd, at);
+            }
         }
         let mut a0 = p0;
         while a0 < p1 {
             let a1 = ((a0 / TILE + 1) * TILE).min(p1);
-            // the next tile's rows, which this tile's kernels prefetch as they go
+            // the next tile's rows, which this tile's kernels prefetch as they go (in the values'
+            // order: a dimension-major block's keys are the same run as its values' rows)
             sc.next_len = if self.simd.avx2() { (a1 + TILE).min(p1) - a1 } else { 0 };
-            self.offsets(s, u, a1, &mut sc.next[..sc.next_len]);
+            self.offsets(self.v.order, s, u, a1, &mut sc.next[..sc.next_len]);
             self.tile(s, u, a0, a1, sc);
             a0 = a1;
         }
@@ -410,7 +444,7 @@ impl Attn<'_> {
     fn tile(&self, s: &SeqSpan, u: &Unit, a0: usize, a1: usize, sc: &mut Scratch) {
         let hd = self.layout.head_dim;
         let n = a1 - a0;
-        self.offsets(s, u, a0, &mut sc.offs[..n]);
+        self.offsets(self.v.order, s, u, a0, &mut sc.offs[..n]);
         let g = self.group;
         for (i, r) in sc.range.iter_mut().enumerate() {
             let (lo, end) = self.row_keys(s, u.t0 + i / g);
@@ -428,7 +462,14 @@ impl Attn<'_> {
                 let qs: [usize; SCORE_VECTORS] = std::array::from_fn(|j| qptr(i + j.min(nb - 1)));
                 // the first vectors' pass over the keys prefetches the next tile's
                 let pf = if i == 0 { &sc.next[..sc.next_len] } else { &[] };
-                self.scores(&mut sc.s[i * TILE..(i + nb) * TILE], nb, qs, &sc.qpack, i, &sc.offs[..n], x, y, pf);
+                let scores = &mut sc.s[i * TILE..(i + nb) * TILE];
+                if self.k.order == KvOrder::DimMajor {
+                    // a group's keys are one block's consecutive slots: one offset a group
+                    let key_at = |j: usize| self.offset(KvOrder::DimMajor, s, u, a0 + j);
+                    self.scores_dim_major(scores, nb, qs, &sc.qpack, i, &key_at, a0, x, y, pf);
+                } else {
+                    self.scores(scores, nb, qs, &sc.qpack, i, &sc.offs[..n], x, y, pf);
+                }
             }
             i += nb;
         }
@@ -499,6 +540,66 @@ impl Attn<'_> {
             let q = &self.q[qs[i]..qs[i] + hd];
             for j in x..y {
                 s[i * TILE + j] = dot_ref(q, &self.k, offs[j]) * self.scale;
+            }
+        }
+    }
+
+    /// [`Self::scores`] over dimension-major keys of the tile starting at position `a0` (key `j`'s
+    /// first element at `key_at(j)`): each score one chain of fused multiply-adds over the head's
+    /// dimensions in order ([`dot_dim_ref`]), on the SIMD paths eight or sixteen keys of a block a
+    /// vector, so every path gives its bits.
+    #[allow(clippy::too_many_arguments)]
+    fn scores_dim_major(
+        &self,
+        s: &mut [f32],
+        nb: usize,
+        qs: [usize; SCORE_VECTORS],
+        qpack: &[f32],
+        v0: usize,
+        key_at: &dyn Fn(usize) -> usize,
+        a0: usize,
+        x: usize,
+        y: usize,
+        pf: &[usize],
+    ) {
+        let (hd, stride) = (self.layout.head_dim, self.layout.block_size);
+        self.prefetch_outside(&self.k, pf, x, y);
+        #[cfg(target_arch = "x86_64")]
+        if self.simd.avx2() {
+            let lanes = if self.simd == Simd::Avx512 { 16 } else { 8 };
+            let mut groups = [KeyGroup::default(); TILE / 8];
+            let n = key_groups(lanes, a0, x, y, key_at, &mut groups);
+            let rows = (x.min(pf.len()), y.min(pf.len()));
+            // SAFETY: the SIMD path's features were detected (`Simd::for_head`); every group's
+            // lanes lie in one block of the plane (block sizes a multiple of 16,
+            // `KvOrder::for_plane`), its stores masked to the tile's keys `x..y` of `s`'s rows;
+            // `qpack` holds the unit's vectors in passes of SCORE_VECTORS (`pack_queries_dim`, in
+            // `span_state`) and `v0` starts one.
+            unsafe {
+                debug_assert!(v0.is_multiple_of(SCORE_VECTORS) && (v0 / SCORE_VECTORS + 1) * SCORE_VECTORS * hd <= qpack.len());
+                let (qt, sp, k, scale) = (qpack.as_ptr().add(v0 * hd), s.as_mut_ptr(), self.k, self.scale);
+                // a pass's missing groups repeat its last one, masked off
+                let pad = |pass: &[KeyGroup], g: usize| pass.get(g).copied().unwrap_or(KeyGroup { mask: 0, ..pass[pass.len() - 1] });
+                if self.simd == Simd::Avx512 {
+                    // the whole tile in one pass of four groups of sixteen
+                    let mut pf = avx2::Spread::new(pf, rows, hd.div_ceil(DIMS_PER_PREFETCH));
+                    let g: [KeyGroup; 4] = std::array::from_fn(|i| pad(&groups[..n], i));
+                    dim_major_pass!(avx512, k.dtype, nb, (sp, qt, k, g, hd, stride, scale, &mut pf));
+                } else {
+                    let mut pf = avx2::Spread::new(pf, rows, n.div_ceil(2) * hd.div_ceil(DIMS_PER_PREFETCH));
+                    for pass in groups[..n].chunks(2) {
+                        let g: [KeyGroup; 2] = std::array::from_fn(|i| pad(pass, i));
+                        dim_major_pass!(avx2, k.dtype, nb, (sp, qt, k, g, hd, stride, scale, &mut pf));
+                    }
+                }
+            }
+            return;
+        }
+        let _ = (a0, pf, qpack, v0);
+        for i in 0..nb {
+            let q = &self.q[qs[i]..qs[i] + hd];
+            for j in x..y {
+                s[i * TILE + j] = dot_dim_ref(q, &self.k, key_at(j), stride) * self.scale;
             }
         }
     }
@@ -622,6 +723,55 @@ fn dot_ref(q: &[f32], k: &KvView, off: usize) -> f32 {
     }
     let s: [f32; 4] = std::array::from_fn(|l| lanes[l] + lanes[l + 4]);
     (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// Dimensions the dimension-major scores read between two prefetches of the next tile's rows.
+const DIMS_PER_PREFETCH: usize = 16;
+
+/// Query vectors `0..n` (each `hd` floats at `q[offset(v)]`) laid out for the dimension-major
+/// scores: passes of [`SCORE_VECTORS`] vectors, each pass `hd` rows of its vectors' values of one
+/// dimension (the last vector repeated to fill a pass), so a kernel reads one pointer.
+fn pack_queries_dim(packed: &mut Vec<f32>, q: &[f32], n: usize, hd: usize, offset: impl Fn(usize) -> usize) {
+    packed.clear();
+    for p in 0..n.div_ceil(SCORE_VECTORS) {
+        let at: [usize; SCORE_VECTORS] = std::array::from_fn(|i| offset((p * SCORE_VECTORS + i).min(n - 1)));
+        for d in 0..hd {
+            packed.extend(at.iter().map(|&a| q[a + d]));
+        }
+    }
+}
+
+/// The reference score of dimension-major keys: one chain of fused multiply-adds over the
+/// dimensions in order (`stride` elements apart), as each lane of the SIMD kernels computes it.
+fn dot_dim_ref(q: &[f32], k: &KvView, off: usize, stride: usize) -> f32 {
+    q.iter().enumerate().fold(0f32, |a, (d, &qv)| qv.mul_add(k.get(off + d * stride), a))
+}
+
+/// `lanes` consecutive slots of one dimension-major block: what one vector load of a dimension
+/// holds, aligned to absolute positions (a multiple of `lanes`).
+#[derive(Clone, Copy, Default)]
+struct KeyGroup {
+    /// Tile index of lane 0 (negative when the tile starts after it).
+    at: isize,
+    /// Element index of lane 0's first dimension.
+    base: usize,
+    /// The lanes that are keys `x..y` of the tile.
+    mask: u32,
+}
+
+/// The groups covering keys `x..y` of the tile starting at position `a0` (key `j`'s first element
+/// at `key_at(j)`), into `out`; how many. A tile lies in one aligned run of [`TILE`] positions,
+/// so at most `TILE / lanes` groups.
+fn key_groups(lanes: usize, a0: usize, x: usize, y: usize, key_at: &dyn Fn(usize) -> usize, out: &mut [KeyGroup]) -> usize {
+    let (mut j, mut n) = (x, 0);
+    while j < y {
+        let lane = (a0 + j) % lanes;
+        let end = (j + lanes - lane).min(y);
+        out[n] = KeyGroup { at: j as isize - lane as isize, base: key_at(j) - lane, mask: ((1u32 << (end - j)) - 1) << lane };
+        n += 1;
+        j = end;
+    }
+    n
 }
 
 #[cfg(target_arch = "x86_64")]

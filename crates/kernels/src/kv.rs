@@ -3,11 +3,12 @@
 //! A plane holds, per slot (block * block_size + offset), `n_kv_heads * head_dim` values: f32,
 //! f16 or bf16 as they are, q8_0 (blocks of 32 values: an f16 scale and 32 signed bytes, ggml's
 //! `block_q8_0` arithmetic, the scales kept apart from the bytes) or q4_0 (an f16 scale and 32
-//! 4-bit values, ggml's `block_q4_0`, of each head rotated first: see [`rotate`]). Within a block the
-//! values are head-major (`[kv head][offset][head_dim]`): one KV head's keys of a block are one
-//! contiguous run, which is what attention streams (a task reads one KV head). Attention
-//! ([`crate::attention`]) reads every type in place, converting eight values at a time in
-//! registers; nothing here knows which slots a sequence owns.
+//! 4-bit values, ggml's `block_q4_0`, of each head rotated first: see [`rotate`]). Within a block
+//! one KV head's values are one contiguous run, which is what attention streams (a task reads one
+//! KV head): head-major (`[kv head][offset][head_dim]`) for values and quantized keys, and for
+//! the plain types' keys in blocks of a multiple of 16 slots dimension-major
+//! (`[kv head][head_dim][offset]`, [`KvOrder::DimMajor`]). Attention ([`crate::attention`]) reads
+//! every type in place, converting in registers; nothing here knows which slots a sequence owns.
 
 use std::fmt;
 use std::str::FromStr;
@@ -27,16 +28,26 @@ impl KvLayout {
     }
 }
 
-/// Where a plane's values sit: slot-major (`[slot][kv head][head_dim]`, plain f32 slices) or
-/// head-major within each block (the model's cache).
+/// Where a plane's values sit: slot-major (`[slot][kv head][head_dim]`, plain f32 slices),
+/// head-major within each block (`[kv head][offset][head_dim]`: the model's values, and its keys
+/// in the quantized types, whose 32-value blocks run along a head) or dimension-major within
+/// each block's KV head (`[kv head][head_dim][offset]`: the model's keys in the plain types, so
+/// that one vector load holds one dimension of sixteen keys and the scores need no horizontal
+/// sums). A block's KV head is the same run of `block_size * head_dim` values in the last two.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvOrder {
     SlotMajor,
     HeadMajor,
+    DimMajor,
 }
 
+/// Slots a block must hold (a multiple of) for its keys to be stored dimension-major: the
+/// widest kernel's lanes (sixteen f32), so a vector of keys never straddles two blocks.
+pub const DIM_MAJOR_SLOTS: usize = 16;
+
 impl KvOrder {
-    /// Element index of `slot`'s first value of KV head `kvh`.
+    /// Element index of `slot`'s first value of KV head `kvh` (dimension `d` is
+    /// [`Self::stride`]` * d` further on).
     #[inline(always)]
     pub fn offset(self, l: &KvLayout, slot: usize, kvh: usize) -> usize {
         match self {
@@ -45,6 +56,28 @@ impl KvOrder {
                 let (b, o) = (slot / l.block_size, slot % l.block_size);
                 ((b * l.n_kv_heads + kvh) * l.block_size + o) * l.head_dim
             }
+            KvOrder::DimMajor => {
+                let (b, o) = (slot / l.block_size, slot % l.block_size);
+                (b * l.n_kv_heads + kvh) * l.block_size * l.head_dim + o
+            }
+        }
+    }
+
+    /// Elements between a slot's consecutive dimensions.
+    #[inline(always)]
+    pub fn stride(self, l: &KvLayout) -> usize {
+        match self {
+            KvOrder::SlotMajor | KvOrder::HeadMajor => 1,
+            KvOrder::DimMajor => l.block_size,
+        }
+    }
+
+    /// The order of the model cache's plane of `role` in `dtype` with `layout`.
+    pub fn for_plane(role: KvRole, dtype: KvDtype, layout: &KvLayout) -> Self {
+        if role == KvRole::Keys && !dtype.has_scales() && layout.block_size.is_multiple_of(DIM_MAJOR_SLOTS) {
+            KvOrder::DimMajor
+        } else {
+            KvOrder::HeadMajor
         }
     }
 }
@@ -202,9 +235,11 @@ impl FromStr for KvDtype {
     }
 }
 
-/// One layer's keys (or values): `slots * width` values of one type, head-major per block.
+/// One layer's keys (or values): `slots * width` values of one type, in [`KvOrder::for_plane`]'s
+/// order within each block.
 pub struct KvPlane {
     dtype: KvDtype,
+    order: KvOrder,
     /// The Hadamard block each head is stored rotated in (0: not rotated).
     rot: usize,
     layout: KvLayout,
@@ -240,11 +275,15 @@ impl KvPlane {
         let data = zeroed(dtype.data_bytes(n))?;
         let scales = if dtype.has_scales() { zeroed(n / Q8_BLOCK)? } else { Vec::new() };
         let rot = if dtype.rotated() { role.rotation_size(layout.head_dim) } else { 0 };
-        Ok(Self { dtype, rot, layout, width, data, scales })
+        Ok(Self { dtype, order: KvOrder::for_plane(role, dtype, &layout), rot, layout, width, data, scales })
     }
 
     pub fn dtype(&self) -> KvDtype {
         self.dtype
+    }
+
+    pub fn order(&self) -> KvOrder {
+        self.order
     }
 
     pub fn width(&self) -> usize {
@@ -268,38 +307,40 @@ impl KvPlane {
         assert_eq!(values.len(), self.width, "one slot's values");
         let hd = self.layout.head_dim;
         let mut rotated = Vec::new();
+        let stride = self.order.stride(&self.layout);
         for (kvh, head) in values.chunks_exact(hd).enumerate() {
-            let at = KvOrder::HeadMajor.offset(&self.layout, slot, kvh);
+            let at = self.order.offset(&self.layout, slot, kvh);
             if self.rot > 0 {
                 rotated.clear();
                 rotated.extend_from_slice(head);
                 rotate(&mut rotated, self.rot);
-                self.write_head(at, &rotated);
+                self.write_head(at, stride, &rotated);
             } else {
-                self.write_head(at, head);
+                self.write_head(at, stride, head);
             }
         }
     }
 
-    /// One head's values at element `e`.
-    fn write_head(&mut self, e: usize, values: &[f32]) {
+    /// One head's values from element `e`, `stride` elements apart (1 for the quantized types).
+    fn write_head(&mut self, e: usize, stride: usize, values: &[f32]) {
         let w = values.len();
+        debug_assert!(stride == 1 || !self.dtype.has_scales(), "quantized heads are contiguous");
+        let plain = |data: &mut [u8], size: usize, bytes: &dyn Fn(f32) -> [u8; 4]| {
+            for (d, &v) in values.iter().enumerate() {
+                let at = (e + d * stride) * size;
+                data[at..at + size].copy_from_slice(&bytes(v)[..size]);
+            }
+        };
         match self.dtype {
-            KvDtype::F32 => {
-                for (d, v) in self.data[e * 4..(e + w) * 4].chunks_exact_mut(4).zip(values) {
-                    d.copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            KvDtype::F16 => {
-                for (d, &v) in self.data[e * 2..(e + w) * 2].chunks_exact_mut(2).zip(values) {
-                    d.copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
-                }
-            }
-            KvDtype::Bf16 => {
-                for (d, &v) in self.data[e * 2..(e + w) * 2].chunks_exact_mut(2).zip(values) {
-                    d.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
-                }
-            }
+            KvDtype::F32 => plain(&mut self.data, 4, &|v| v.to_le_bytes()),
+            KvDtype::F16 => plain(&mut self.data, 2, &|v| {
+                let [a, b] = half::f16::from_f32(v).to_bits().to_le_bytes();
+                [a, b, 0, 0]
+            }),
+            KvDtype::Bf16 => plain(&mut self.data, 2, &|v| {
+                let [a, b] = half::bf16::from_f32(v).to_bits().to_le_bytes();
+                [a, b, 0, 0]
+            }),
             KvDtype::Q8_0 => {
                 let q = &mut self.data[e..e + w];
                 let s = &mut self.scales[e / Q8_BLOCK..(e + w) / Q8_BLOCK];
@@ -335,9 +376,10 @@ impl KvPlane {
     pub fn read(&self, slot: usize) -> Vec<f32> {
         let v = self.view();
         let hd = self.layout.head_dim;
+        let stride = self.order.stride(&self.layout);
         let mut out: Vec<f32> = (0..self.layout.n_kv_heads)
             .flat_map(|h| (0..hd).map(move |d| (h, d)))
-            .map(|(h, d)| v.get(KvOrder::HeadMajor.offset(&self.layout, slot, h) + d))
+            .map(|(h, d)| v.get(self.order.offset(&self.layout, slot, h) + d * stride))
             .collect();
         if self.rot > 0 {
             out.chunks_exact_mut(hd).for_each(|h| unrotate(h, self.rot));
@@ -346,7 +388,7 @@ impl KvPlane {
     }
 
     pub fn view(&self) -> KvView<'_> {
-        KvView { dtype: self.dtype, order: KvOrder::HeadMajor, rot: self.rot, data: &self.data, scales: &self.scales }
+        KvView { dtype: self.dtype, order: self.order, rot: self.rot, data: &self.data, scales: &self.scales }
     }
 
     /// Bytes one block of the plane takes in [`Self::copy_block_out`]'s form.
@@ -355,8 +397,8 @@ impl KvPlane {
     }
 
     /// Appends block `block`'s stored bytes to `out` as they are (the values, then the quantized
-    /// types' scales little-endian): a block is one run of the plane (head-major within it), so
-    /// this is a copy.
+    /// types' scales little-endian): a block is one run of the plane (whatever its order within),
+    /// so this is a copy.
     pub fn copy_block_out(&self, block: usize, out: &mut Vec<u8>) {
         let n = self.layout.block_size * self.width;
         let vb = self.dtype.data_bytes(n);
@@ -524,6 +566,32 @@ mod tests {
         assert_eq!((o.offset(&l, 0, 0), o.offset(&l, 1, 0), o.offset(&l, 3, 0), o.offset(&l, 0, 1)), (0, 8, 24, 32));
         assert_eq!(o.offset(&l, 5, 2), ((3 + 2) * 4 + 1) * 8, "block 1, head 2, offset 1");
         assert_eq!(KvOrder::SlotMajor.offset(&l, 5, 2), 5 * 24 + 16);
+    }
+
+    /// Dimension-major within a block: a block's keys of one head are the same run as head-major
+    /// ones, each dimension's `block_size` slots side by side.
+    #[test]
+    fn a_blocks_dimension_major_keys_are_the_same_run_transposed() {
+        let l = KvLayout { block_size: 16, n_heads: 6, n_kv_heads: 3, head_dim: 8 };
+        let o = KvOrder::DimMajor;
+        assert_eq!((o.offset(&l, 0, 0), o.offset(&l, 1, 0), o.offset(&l, 0, 1)), (0, 1, 128));
+        assert_eq!(o.offset(&l, 16 + 5, 2), (3 + 2) * 128 + 5, "block 1, head 2, offset 5");
+        assert_eq!((o.stride(&l), KvOrder::HeadMajor.stride(&l)), (16, 1));
+        for (dtype, bs, want) in [(KvDtype::F16, 16, o), (KvDtype::F32, 32, o), (KvDtype::Bf16, 8, KvOrder::HeadMajor), (KvDtype::Q8_0, 16, KvOrder::HeadMajor)]
+        {
+            let l = KvLayout { block_size: bs, ..l };
+            assert_eq!(KvOrder::for_plane(KvRole::Keys, dtype, &l), want, "{dtype} keys, blocks of {bs}");
+            assert_eq!(KvOrder::for_plane(KvRole::Values, dtype, &l), KvOrder::HeadMajor);
+        }
+        // a slot written dimension-major reads back, and lands where the order says
+        let l = KvLayout { block_size: 16, n_heads: 2, n_kv_heads: 2, head_dim: 8 };
+        let mut p = KvPlane::new(KvRole::Keys, KvDtype::F32, l, 2).unwrap();
+        let vals: Vec<f32> = (0..16).map(|i| i as f32 + 0.5).collect();
+        p.write(19, &vals);
+        assert_eq!(p.read(19), vals);
+        let v = p.view();
+        assert_eq!(v.get(o.offset(&l, 19, 1) + 3 * 16), 11.5, "head 1, dimension 3");
+        assert!(p.read(18).iter().all(|&x| x == 0.0) && p.read(20).iter().all(|&x| x == 0.0));
     }
 
     #[test]

@@ -27,8 +27,9 @@ use std::time::SystemTime;
 
 const MAGIC: &[u8; 8] = b"SPKVBLK\0";
 /// 2: q8_0 blocks hold rotated heads (`specula_kernels::kv::rotate`), so a version-1 q8_0 file
-/// would read as other keys.
-const VERSION: u32 = 2;
+/// would read as other keys. 3: the plain types' keys are stored dimension-major within a block
+/// (`specula_kernels::kv::KvOrder::DimMajor`), so a version-2 f16 block would read transposed.
+const VERSION: u32 = 3;
 const EXTENSION: &str = "kvb";
 /// Writes waiting for the writer thread before new ones are dropped.
 const WRITE_QUEUE: usize = 1024;

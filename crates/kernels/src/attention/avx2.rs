@@ -1,6 +1,6 @@
 //! The AVX2 + FMA + F16C kernels: eight f32 lanes, one per dimension of a head chunk.
 
-use super::{KvView, Q8_BLOCK, SCORE_VECTORS, TILE};
+use super::{KeyGroup, KvView, DIMS_PER_PREFETCH, Q8_BLOCK, SCORE_VECTORS, TILE};
 use std::arch::x86_64::*;
 
 /// Asks for rows `pf[j..j + n]` (where `pf` has them: element indices of the next tile's keys or
@@ -22,6 +22,83 @@ pub(super) unsafe fn prefetch_rows(v: KvView, pf: &[usize], j: usize, n: usize, 
         }
         if v.dtype.has_scales() {
             _mm_prefetch::<_MM_HINT_T1>(v.scales.as_ptr().wrapping_add(e / Q8_BLOCK) as *const i8);
+        }
+    }
+}
+
+/// Prefetches rows `pf[r0..r1]` spread evenly over `steps` calls of [`Self::step`]: the
+/// dimension-major scores read a whole tile's keys dimension by dimension, so there is no "key at
+/// a time" to pace the next tile's rows by; asked for all at once they would fill the miss
+/// buffers. The kernels call it every [`DIMS_PER_PREFETCH`] dimensions.
+pub(super) struct Spread<'a> {
+    pf: &'a [usize],
+    next: usize,
+    end: usize,
+    rows: usize,
+    acc: usize,
+    steps: usize,
+}
+
+impl<'a> Spread<'a> {
+    pub(super) fn new(pf: &'a [usize], (r0, r1): (usize, usize), steps: usize) -> Self {
+        let end = r1.max(r0);
+        Self { pf, next: r0, end, rows: end - r0, acc: 0, steps: steps.max(1) }
+    }
+
+    /// One of the `steps` calls: the rows due by now.
+    #[inline(always)]
+    pub(super) unsafe fn step(&mut self, k: KvView, hd: usize) {
+        self.acc += self.rows;
+        while self.acc >= self.steps && self.next < self.end {
+            prefetch_rows(k, self.pf, self.next, 1, hd);
+            self.next += 1;
+            self.acc -= self.steps;
+        }
+    }
+}
+
+/// `NB` vectors (`qt`, `pack_queries_dim`) against two groups of eight dimension-major keys: one
+/// accumulator per (vector, group), a fused multiply-add per dimension in order
+/// (`dot_dim_ref`'s chain in each lane); the scores stored masked to the groups' keys.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn score_groups<const D: u8, const NB: usize>(
+    s: *mut f32,
+    qt: *const f32,
+    k: KvView,
+    g: [KeyGroup; 2],
+    hd: usize,
+    stride: usize,
+    scale: f32,
+    pf: &mut Spread,
+) {
+    let kp = [row_ptr(k, g[0].base), row_ptr(k, g[1].base)];
+    let step = k.dtype.data_bytes(stride);
+    let mut acc = [[_mm256_setzero_ps(); 2]; NB];
+    let (mut d, mut off) = (0, 0);
+    while d < hd {
+        pf.step(k, hd);
+        let end = (d + DIMS_PER_PREFETCH).min(hd);
+        while d < end {
+            let kv = [load8_row::<D>(k, kp[0].add(off), 0, 0), load8_row::<D>(k, kp[1].add(off), 0, 0)];
+            let qd = qt.add(d * SCORE_VECTORS);
+            for (i, a) in acc.iter_mut().enumerate() {
+                let qv = _mm256_broadcast_ss(&*qd.add(i));
+                a[0] = _mm256_fmadd_ps(qv, kv[0], a[0]);
+                a[1] = _mm256_fmadd_ps(qv, kv[1], a[1]);
+            }
+            d += 1;
+            off += step;
+        }
+    }
+    let sc = _mm256_set1_ps(scale);
+    let lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (n, g) in g.iter().enumerate().filter(|(_, g)| g.mask != 0) {
+        // lane l stored where bit l of the mask is set
+        let m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(g.mask as i32), lane), lane);
+        for (i, a) in acc.iter().enumerate() {
+            _mm256_maskstore_ps(s.wrapping_offset((i * TILE) as isize + g.at), m, _mm256_mul_ps(a[n], sc));
         }
     }
 }

@@ -7,8 +7,8 @@
 //! instructions. Weighted values: each output lane is its own chain of fused multiply-adds over
 //! the keys in order, so sixteen lanes give the eight-lane kernel's bits.
 
-use super::avx2::{hsum, hsum4, load8, prefetch_rows, row_ptr};
-use super::{KvView, Q8_BLOCK, TILE};
+use super::avx2::{hsum, hsum4, load8, prefetch_rows, row_ptr, Spread};
+use super::{KeyGroup, KvView, DIMS_PER_PREFETCH, Q8_BLOCK, SCORE_VECTORS, TILE};
 use std::arch::x86_64::*;
 
 /// Query vectors `v0..v0 + n` (each `hd` floats at `q[offset(v)]`) laid out for [`scores`]: pair
@@ -344,5 +344,49 @@ pub(super) unsafe fn weighted_values<const D: u8>(
         4 => values_nb::<D, 4>(acc, alpha, w, v, offs, x, y, hd, pf),
         5 => values_nb::<D, 5>(acc, alpha, w, v, offs, x, y, hd, pf),
         _ => values_nb::<D, 6>(acc, alpha, w, v, offs, x, y, hd, pf),
+    }
+}
+
+/// `NB` vectors (`qt`: their values dimension by dimension, [`super::pack_queries_dim`]) against
+/// four groups of sixteen dimension-major keys (a whole tile): one accumulator per (vector,
+/// group), a fused multiply-add per dimension in order (the AVX2 kernel's chain in each lane, so
+/// its bits); the scores stored masked to the groups' keys. The next tile's rows `pf` are
+/// prefetched sixteen dimensions at a time.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn score_groups<const D: u8, const NB: usize>(
+    s: *mut f32,
+    qt: *const f32,
+    k: KvView,
+    g: [KeyGroup; 4],
+    hd: usize,
+    stride: usize,
+    scale: f32,
+    pf: &mut Spread,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; NB];
+    let (mut d, mut off) = (0, 0);
+    while d < hd {
+        pf.step(k, hd);
+        let end = (d + DIMS_PER_PREFETCH).min(hd);
+        while d < end {
+            let kv: [__m512; 4] = std::array::from_fn(|n| load16::<D>(k, g[n].base + off));
+            let qd = qt.add(d * SCORE_VECTORS);
+            for (i, a) in acc.iter_mut().enumerate() {
+                let qv = _mm512_set1_ps(*qd.add(i));
+                for n in 0..4 {
+                    a[n] = _mm512_fmadd_ps(qv, kv[n], a[n]);
+                }
+            }
+            d += 1;
+            off += stride;
+        }
+    }
+    let sc = _mm512_set1_ps(scale);
+    for (n, g) in g.iter().enumerate().filter(|(_, g)| g.mask != 0) {
+        for (i, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(s.wrapping_offset((i * TILE) as isize + g.at), g.mask as u16, _mm512_mul_ps(a[n], sc));
+        }
     }
 }
