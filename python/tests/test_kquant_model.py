@@ -23,7 +23,16 @@ the engine amounts to) reaches KL max 0.115-0.171 on chat and 0.017-0.174 on eng
 engine builds that differ only that way measured 0.092 and 0.183 at one position of chat. So the
 KL max limit here is 0.25 instead of 0.15 (the rope-theta bug of test_logits_oracle gives
 0.29-1.6 and fails its mean|d| and KL-mean limits, which stay); every other limit is
-test_logits_oracle's.
+test_logits_oracle's but one.
+
+The mean|d| of chat moves the same way. Scored with keys stored by dimension (one fused
+multiply-add chain per score instead of eight lanes summed: a summation order), the engine
+measured chat's mean|d| 0.341 / 0.358 / 0.312 with f32 / f16 / bf16 KV where the build before
+measured 0.318 / 0.296 / 0.237 (q8_0, whose path did not change: 0.287 in both; the other five
+prompts 0.176-0.296 in both builds), and the two builds' logits differ by a mean of 0.16 with f32
+KV, as much as one build's f32 and f16 KV do (0.17): this re-encoded model's 8-bit activations
+turn any rounding change into that much logit noise. So its mean|d| limit is 0.40, above that
+envelope (0.24-0.36) and below the rope-theta bug's 0.47.
 """
 
 import numpy as np
@@ -184,6 +193,6 @@ def test_requantized_model_logits_match_reference(kq_model, specula_bin, tmp_pat
     for name, p, got in zip(names, ids, got_all):
         ref = lo.reference_logits(kq_model, tuple(p))
         # the Q4_1 model's limits, with the top-1 floor this re-encoding measured (0.889 on one prompt;
-        # the reference with simulated 8-bit activations agrees only 0.900 here) and the KL max of
-        # its rounding envelope (see the module docstring)
-        lo.compare(name, got, ref, {**lo.LIMITS, "top1_min": 0.85, "kl_max": 0.25})
+        # the reference with simulated 8-bit activations agrees only 0.900 here) and the KL max and
+        # mean|d| of its rounding envelope (see the module docstring)
+        lo.compare(name, got, ref, {**lo.LIMITS, "top1_min": 0.85, "kl_max": 0.25, "mean_abs": 0.40})
