@@ -4,6 +4,7 @@
 //! (`matmul_bench` measures whole matmuls).
 //!
 //! `cargo run --release -p specula-kernels --example group_kernel_bench -- [cols]`
+//! (`BENCH_FORMATS=Q6K,Q4K`: only those formats, by their `WeightFormat` names)
 
 use rand::{Rng, SeedableRng};
 use specula_kernels::packed::PackedInt8;
@@ -16,7 +17,11 @@ fn main() {
     let peak = specula_kernels::peak::int8_macs_per_second(0.3);
     println!("int8 dot peak, one thread: {:.1} GMAC/s; {cols} columns, data in L1", peak / 1e9);
     println!("{:<6} {:>6} {:>4} {:>10} {:>8}", "format", "span", "acts", "GMAC/s", "of peak");
+    let only = std::env::var("BENCH_FORMATS").ok();
     for format in [WeightFormat::Q4K, WeightFormat::Q6K, WeightFormat::Q8_0, WeightFormat::Q5_0] {
+        if only.as_ref().is_some_and(|o| !o.split(',').any(|f| f == format!("{format:?}"))) {
+            continue;
+        }
         let bb = format.block_bytes();
         let mut raw: Vec<u8> = (0..8 * format.row_bytes(cols)).map(|_| rng.gen()).collect();
         // sane f16 scales (d, and dmin for Q4_K) in every block

@@ -140,6 +140,18 @@ pub(super) unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
     }
 }
 
+/// Where element `e` of a view of type `D` starts: the plain types by constant arithmetic, so
+/// the kernels' loops over keys compute no type-dependent (and overflow-checked) byte offset per
+/// load; the quantized types as [`row_ptr`].
+#[inline(always)]
+unsafe fn elem_ptr<const D: u8>(v: KvView, e: usize) -> *const u8 {
+    match D {
+        0 => v.data.as_ptr().add(4 * e),
+        1 | 2 => v.data.as_ptr().add(2 * e),
+        _ => row_ptr(v, e),
+    }
+}
+
 /// Where the row whose first element is `e0` starts, for [`load8_row`].
 #[inline]
 pub(super) unsafe fn row_ptr(v: KvView, e0: usize) -> *const u8 {
@@ -318,9 +330,10 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
             prefetch_rows(v, pf, j, 1, hd);
         }
         let o = *offs.get_unchecked(j) + d;
+        let rp = elem_ptr::<D>(v, o);
         let wj: [__m256; NB] = std::array::from_fn(|i| _mm256_broadcast_ss(&*w.add(i * TILE + j)));
         for c in 0..NC {
-            let vv = load8::<D>(v, o + 8 * c);
+            let vv = if D <= 2 { load8_row::<D>(v, rp, o, 8 * c) } else { load8::<D>(v, o + 8 * c) };
             for i in 0..NB {
                 r[i][c] = _mm256_fmadd_ps(wj[i], vv, r[i][c]);
             }
@@ -347,10 +360,21 @@ unsafe fn values_nb<const D: u8, const NB: usize>(
     pf: &[usize],
 ) {
     let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+    // six chunks (48 dimensions) a pass where the head has them: 12 accumulators, NB = 2
+    // broadcast weights and one value vector fill the 16 registers without a spill (three vectors
+    // by four chunks spilled an accumulator every key: its chain waited on a store and a reload)
     let mut d = 0;
+    while d + 48 <= hd {
+        value_block::<D, NB, 6>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+        d += 48;
+    }
     while d + 32 <= hd {
         value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         d += 32;
+    }
+    while d + 16 <= hd {
+        value_block::<D, NB, 2>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+        d += 16;
     }
     while d < hd {
         value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
@@ -374,7 +398,6 @@ pub(super) unsafe fn weighted_values<const D: u8>(
 ) {
     match nb {
         1 => values_nb::<D, 1>(acc, alpha, w, v, offs, x, y, hd, pf),
-        2 => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd, pf),
-        _ => values_nb::<D, 3>(acc, alpha, w, v, offs, x, y, hd, pf),
+        _ => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd, pf),
     }
 }
