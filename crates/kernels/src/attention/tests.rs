@@ -209,7 +209,8 @@ fn plain_f32_slices_are_an_f32_cache() {
 
 /// The SIMD paths this CPU has give the scalar reference's bits: a prompt chunk's rows at the end
 /// of a context longer than a span, groups of odd and even size (the AVX-512 scores' query pairs
-/// with a lone last vector), every stored type, with a window and sinks.
+/// with a lone last vector), heads whose value passes take every chunk count, every stored type,
+/// with a window and sinks.
 #[test]
 fn every_simd_path_gives_the_reference_bits() {
     let mut ran = std::collections::BTreeSet::new();
@@ -217,11 +218,14 @@ fn every_simd_path_gives_the_reference_bits() {
         (KvLayout { block_size: 16, n_heads: 10, n_kv_heads: 2, head_dim: 64 }, Some(vec![0.5f32, -2.0, 4.0, 1.0, 0.0, 3.0, 1.5, -1.0, 2.0, 0.25])),
         (KvLayout { block_size: 16, n_heads: 12, n_kv_heads: 2, head_dim: 128 }, None),
         (KvLayout { block_size: 8, n_heads: 7, n_kv_heads: 7, head_dim: 96 }, None),
+        // 40 dimensions: the AVX2 values' passes of four chunks and of one (plain types only: the
+        // quantized ones take heads of a multiple of 32)
+        (KvLayout { block_size: 16, n_heads: 4, n_kv_heads: 2, head_dim: 40 }, None),
     ] {
         let ctx = SPAN + 100;
         let rows = 9;
         let q = queries(rows, &layout);
-        for dtype in KvDtype::ALL {
+        for dtype in KvDtype::ALL.into_iter().filter(|d| !d.has_scales() || layout.head_dim.is_multiple_of(32)) {
             let c = cache(layout, dtype, ctx);
             let seqs = [SeqSpan { q_start: 0, q_len: rows, context_len: ctx, block_table: &c.table }];
             for window in [None, Some(700)] {
