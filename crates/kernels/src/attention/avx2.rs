@@ -73,7 +73,7 @@ pub(super) unsafe fn score_groups<const D: u8, const NB: usize>(
     scale: f32,
     pf: &mut Spread,
 ) {
-    let kp = [row_ptr(k, g[0].base), row_ptr(k, g[1].base)];
+    let kp = [row_ptr::<D>(k, g[0].base), row_ptr::<D>(k, g[1].base)];
     let step = k.dtype.data_bytes(stride);
     let mut acc = [[_mm256_setzero_ps(); 2]; NB];
     let (mut d, mut off) = (0, 0);
@@ -121,7 +121,7 @@ pub(super) unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
     let p = v.data.as_ptr();
     match D {
         // the plain types' conversions are written once, in `load8_row`
-        0..=2 => load8_row::<D>(v, row_ptr(v, e), e, 0),
+        0..=2 => load8_row::<D>(v, row_ptr::<D>(v, e), e, 0),
         3 => {
             let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(e) as *const __m128i)));
             let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
@@ -140,22 +140,16 @@ pub(super) unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
     }
 }
 
-/// Where element `e` of a view of type `D` starts: the plain types by constant arithmetic, so
-/// the kernels' loops over keys compute no type-dependent (and overflow-checked) byte offset per
-/// load; the quantized types as [`row_ptr`].
+/// Where the row whose first element is `e0` starts in a view of type `D`, for [`load8_row`]: the
+/// plain types by constant arithmetic, so the kernels' loops over keys compute no type-dependent
+/// (and overflow-checked) byte offset per load.
 #[inline(always)]
-unsafe fn elem_ptr<const D: u8>(v: KvView, e: usize) -> *const u8 {
+pub(super) unsafe fn row_ptr<const D: u8>(v: KvView, e0: usize) -> *const u8 {
     match D {
-        0 => v.data.as_ptr().add(4 * e),
-        1 | 2 => v.data.as_ptr().add(2 * e),
-        _ => row_ptr(v, e),
+        0 => v.data.as_ptr().add(4 * e0),
+        1 | 2 => v.data.as_ptr().add(2 * e0),
+        _ => v.data.as_ptr().add(v.dtype.data_bytes(e0)),
     }
-}
-
-/// Where the row whose first element is `e0` starts, for [`load8_row`].
-#[inline]
-pub(super) unsafe fn row_ptr(v: KvView, e0: usize) -> *const u8 {
-    v.data.as_ptr().add(v.dtype.data_bytes(e0))
 }
 
 /// [`load8`] of element `e0 + c` given the row's start `r` ([`row_ptr`] of `e0`): the plain types
@@ -223,7 +217,7 @@ unsafe fn score_block<const D: u8, const NB: usize, const NK: usize>(
     prefetch_rows(k, pf, j, NK, hd);
     let mut acc = [[_mm256_setzero_ps(); NK]; NB];
     let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
-    let kp: [*const u8; NK] = std::array::from_fn(|n| row_ptr(k, ko[n]));
+    let kp: [*const u8; NK] = std::array::from_fn(|n| row_ptr::<D>(k, ko[n]));
     for c in (0..hd).step_by(8) {
         let kv: [__m256; NK] = std::array::from_fn(|n| load8_row::<D>(k, kp[n], ko[n], c));
         for i in 0..NB {
@@ -330,10 +324,9 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
             prefetch_rows(v, pf, j, 1, hd);
         }
         let o = *offs.get_unchecked(j) + d;
-        let rp = elem_ptr::<D>(v, o);
         let wj: [__m256; NB] = std::array::from_fn(|i| _mm256_broadcast_ss(&*w.add(i * TILE + j)));
         for c in 0..NC {
-            let vv = if D <= 2 { load8_row::<D>(v, rp, o, 8 * c) } else { load8::<D>(v, o + 8 * c) };
+            let vv = load8::<D>(v, o + 8 * c);
             for i in 0..NB {
                 r[i][c] = _mm256_fmadd_ps(wj[i], vv, r[i][c]);
             }

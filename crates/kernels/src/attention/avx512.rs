@@ -93,7 +93,7 @@ unsafe fn score_block<const D: u8, const NP: usize, const NK: usize>(
     prefetch_rows(k, pf, j, NK, hd);
     let mut acc = [[_mm512_setzero_ps(); NK]; NP];
     let ko: [usize; NK] = std::array::from_fn(|n| *offs.get_unchecked(j + n));
-    let kp: [*const u8; NK] = std::array::from_fn(|n| row_ptr(k, ko[n]));
+    let kp: [*const u8; NK] = std::array::from_fn(|n| row_ptr::<D>(k, ko[n]));
     for c in (0..hd).step_by(8) {
         let kv: [__m512; NK] = std::array::from_fn(|n| load8x2::<D>(k, kp[n], ko[n], c));
         for (p, row) in acc.iter_mut().enumerate() {
