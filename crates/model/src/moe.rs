@@ -18,8 +18,10 @@ use crate::config::Activation;
 use crate::ModelError;
 use specula_kernels::matmul::{matmul, matmul_grouped, MatmulInput};
 use specula_kernels::ops::{add_bias, gelu_tanh_mul, silu_mul, swiglu_oai_mul};
+use specula_kernels::pool::parallel_for;
 use specula_kernels::QMatrix;
 use std::borrow::Cow;
+use std::sync::{Mutex, PoisonError};
 
 /// The collectives an expert-parallel MoE layer makes, implemented by whoever owns the rank
 /// group (the engine's lockstep data parallelism). Every rank calls every method in the same
@@ -50,10 +52,13 @@ pub trait ExpertExchange: Send + Sync {
 }
 
 /// Up to this many rows in a step (decode, a verify of a few drafts), a mixture of experts runs all
-/// its routed experts in two grouped regions (`DenseFfn::forward_grouped`); above, one expert at a
-/// time. On the 12-layer Qwen3-30B-A3B shape (2 threads, AMD EPYC Zen 3, old and new alternating)
-/// grouping gave decode 1.01-1.09x, and prefill 512 0.90-0.98x (every expert's buffers at once
-/// leave the cache), hence the split.
+/// its routed experts in two grouped regions (`DenseFfn::forward_grouped`); above, each expert
+/// whole on one thread, the experts spread over the threads (`MoeFfn::run_spread`). On the
+/// 12-layer Qwen3-30B-A3B shape (2 threads, AMD EPYC Zen 3, old and new alternating) grouping gave
+/// decode 1.01-1.09x, and prefill 512 0.90-0.98x (every expert's buffers at once leave the
+/// cache), hence the split; spreading the experts instead of one at a time with its rows split
+/// (two parallel regions an expert) gave the layer 1.09-1.16x at 512 rows and 1.11-1.19x at 128
+/// (`moe_bench`, alternated in one process, same Zen 3).
 const GROUPED_MAX_ROWS: usize = 16;
 
 /// One gated feed-forward: `down(act(gate x) * up x)`. A dense layer's FFN and each expert.
@@ -229,14 +234,15 @@ struct RouterScratch {
     p: Vec<f32>,
 }
 
-/// The largest slot-output buffer (in floats) a thread keeps between layers: a 16-row step of
-/// the largest routed models here (4 MB).
-const SLOT_OUTPUTS_KEPT: usize = 1 << 20;
+/// The largest expert-output buffer (in floats) a thread keeps between layers: a 512-row prefill
+/// chunk of a 30B-A3B (33.5 MB), so a prefill does not map, fault in and zero it every layer.
+const SLOT_OUTPUTS_KEPT: usize = 1 << 24;
 
 thread_local! {
     static ROUTER_SCRATCH: std::cell::RefCell<RouterScratch> = std::cell::RefCell::default();
-    /// Every slot's expert output (`rows x k x hidden`) of [`MoeFfn::forward`]'s batch path,
-    /// reused: 64 KB a layer for a decode row of a 30B-A3B, 1 MB for a 16-row verify step.
+    /// The expert outputs of [`MoeFfn::forward`], reused: by slot (`rows x k x hidden`) for a
+    /// decode or verify step (64 KB a layer for a decode row of a 30B-A3B), packed by expert for a
+    /// prefill.
     static SLOT_OUTPUTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -246,6 +252,35 @@ fn add_weighted(o: &mut [f32], w: f32, y: &[f32]) {
     for (a, &b) in o.iter_mut().zip(y) {
         *a += w * b;
     }
+}
+
+/// An expert with more than `1 / (HOT_EXPERT_SHARE * threads)` of a prefill's routed rows splits
+/// them over the threads; the others run whole, one a thread (`MoeFfn::run_spread`).
+const HOT_EXPERT_SHARE: usize = 4;
+
+/// Rows of the weighted sum a parallel task adds up.
+const SUM_ROWS_PER_TASK: usize = 16;
+
+/// `out` = every row's routed expert outputs (`slot_out(row * k + j)`) times their weights, summed
+/// in ascending expert index (the slot order) with [`add_weighted`]; a large batch's rows spread
+/// over the threads (a row's sum is the same either way).
+fn weighted_sum<'y>(out: &mut [f32], routes: &Routes, h: usize, slot_out: impl Fn(usize) -> &'y [f32] + Sync) {
+    let k = routes.k;
+    let sum_rows = |r0: usize, rows: &mut [f32]| {
+        rows.fill(0.0);
+        for (i, o) in rows.chunks_exact_mut(h).enumerate() {
+            let r = r0 + i;
+            for j in (0..k).filter(|&j| routes.ids[r * k + j] >= 0) {
+                add_weighted(o, routes.weights[r * k + j], slot_out(r * k + j));
+            }
+        }
+    };
+    let t = out.len() / h;
+    if t <= SUM_ROWS_PER_TASK {
+        return sum_rows(0, out);
+    }
+    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(SUM_ROWS_PER_TASK * h).map(Mutex::new).collect();
+    parallel_for(chunks.len(), &|c| sum_rows(c * SUM_ROWS_PER_TASK, &mut chunks[c].lock().unwrap_or_else(PoisonError::into_inner)));
 }
 
 /// `xs` = the rows of `x` (`hidden` wide) that slots `picks` (`row * k + j`) belong to, in order.
@@ -327,33 +362,41 @@ impl MoeFfn {
         debug_assert_eq!(out.len(), t * h);
         let routes = self.route(xn, active);
         let k = routes.k;
-        if exchange.is_none() && t > GROUPED_MAX_ROWS {
-            self.run_experts_summed(xn, &routes, out)?;
+        // taken out of the thread's slot while in use (a forward nested on this thread, through
+        // a parallel loop's work stealing, gets a fresh buffer instead of a borrow panic)
+        let mut y = SLOT_OUTPUTS.take();
+        let ran = if exchange.is_none() && t > GROUPED_MAX_ROWS {
+            // a prefill's experts spread over the threads, their outputs packed by expert
+            self.pick_experts(0..self.n_experts(), &routes.ids).map(|picked| {
+                let n = picked.iter().map(|(_, p)| p.len()).sum::<usize>() * h;
+                // every element is written before it is read: grown, never cleared
+                if y.len() < n {
+                    y.resize(n, 0.0);
+                }
+                let offsets = self.run_spread(&picked, xn, k, &mut y[..n]);
+                let mut packed_at = vec![0usize; t * k];
+                for ((_, picks), at) in picked.iter().zip(offsets) {
+                    for (j, &slot) in picks.iter().enumerate() {
+                        packed_at[slot] = at + j;
+                    }
+                }
+                weighted_sum(out, &routes, h, |slot| &y[packed_at[slot] * h..(packed_at[slot] + 1) * h]);
+            })
         } else {
-            // taken out of the thread's slot while in use (a forward nested on this thread, through
-            // a parallel loop's work stealing, gets a fresh buffer instead of a borrow panic)
-            let mut y = SLOT_OUTPUTS.take();
             y.clear();
             y.resize(t * k * h, 0.0);
             let ran = match exchange.map_or(Placement::Local, Placement::Parallel) {
                 Placement::Local => self.run_experts(0..self.n_experts(), xn, &routes.ids, k, &mut y),
                 Placement::Parallel(ex) => self.exchange_experts(xn, &routes, ex, &mut y),
             };
-            if ran.is_ok() {
-                // weighted sum in ascending expert index (the slot order)
-                out.fill(0.0);
-                for r in 0..t {
-                    for j in (0..k).filter(|&j| routes.ids[r * k + j] >= 0) {
-                        add_weighted(&mut out[r * h..(r + 1) * h], routes.weights[r * k + j], &y[(r * k + j) * h..(r * k + j + 1) * h]);
-                    }
-                }
-            }
-            // kept for the next layer unless an expert-parallel prefill made it large
-            if y.capacity() <= SLOT_OUTPUTS_KEPT {
-                SLOT_OUTPUTS.set(y);
-            }
-            ran?;
+            ran.map(|()| weighted_sum(out, &routes, h, |slot| &y[slot * h..(slot + 1) * h]))
+        };
+        // kept for the next layer unless it outgrew a prefill chunk's (or an expert-parallel
+        // prefill made it large)
+        if y.capacity() <= SLOT_OUTPUTS_KEPT {
+            SLOT_OUTPUTS.set(y);
         }
+        ran?;
         if let Some(s) = &self.shared {
             self.add_shared(s, xn, active, out);
         }
@@ -405,27 +448,39 @@ impl MoeFfn {
         Routes { k, ids, weights }
     }
 
-    /// A prefill's experts one at a time in index order, each output added into `out` with its
-    /// weight as it comes: a row's slots hold ascending expert indices, so every row sums its
-    /// experts in the order (and with the operations) of `forward`'s weighted sum, without the
-    /// `rows x k x hidden` buffer of every slot's output (33 MB a layer for 512 rows of a 30B-A3B,
-    /// allocated, zeroed and copied twice on one thread).
-    fn run_experts_summed(&self, x: &[f32], routes: &Routes, out: &mut [f32]) -> Result<(), ModelError> {
-        let (h, k) = (self.router.cols, routes.k);
-        out.fill(0.0);
-        // one input and one output buffer for every expert (fresh ones of this size would be
-        // mapped and zeroed by the kernel each time)
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        for (expert, picks) in self.pick_experts(0..self.n_experts(), &routes.ids)? {
-            gather_rows(x, h, k, &picks, &mut xs);
-            ys.clear();
-            ys.resize(picks.len() * h, 0f32);
-            expert.forward(&xs, self.activation, &mut ys);
-            for (n, &i) in picks.iter().enumerate() {
-                add_weighted(&mut out[(i / k) * h..(i / k + 1) * h], routes.weights[i], &ys[n * h..(n + 1) * h]);
-            }
+    /// Every expert in `picked` on its rows, the experts spread over the threads, each run whole
+    /// by one (largest first, so the last to finish are small): no barrier per expert, and each
+    /// expert's gathering, quantizing and gating run beside the other threads' work instead of
+    /// between two parallel regions. Expert `i`'s outputs (`picks.len() x hidden`) land at
+    /// `ys[offsets[i] * hidden..]`, `offsets` the running sum of the picks; each is the bits of
+    /// that expert's own [`DenseFfn::forward`] (a row's arithmetic never depends on the thread).
+    fn run_spread(&self, picked: &[(&DenseFfn, Vec<usize>)], x: &[f32], k: usize, ys: &mut [f32]) -> Vec<usize> {
+        let h = self.router.cols;
+        let mut offsets = Vec::with_capacity(picked.len());
+        let mut regions = Vec::with_capacity(picked.len());
+        let (mut rest, mut at) = (ys, 0);
+        for (_, picks) in picked {
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(picks.len() * h);
+            offsets.push(at);
+            regions.push(Mutex::new(mine));
+            (rest, at) = (tail, at + picks.len());
         }
-        Ok(())
+        let run = |i: usize| {
+            let (expert, picks) = &picked[i];
+            let mut xs = Vec::with_capacity(picks.len() * h);
+            gather_rows(x, h, k, picks, &mut xs);
+            let mut out = regions[i].lock().unwrap_or_else(PoisonError::into_inner);
+            expert.forward(&xs, self.activation, &mut out);
+        };
+        // an expert holding a large share of the rows (a hot expert) would leave the other
+        // threads idle at the end: it splits its rows over the threads itself, first
+        let hot = at / (HOT_EXPERT_SHARE * rayon::current_num_threads().max(1));
+        let mut order: Vec<usize> = (0..picked.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(picked[i].1.len()));
+        let split = order.partition_point(|&i| picked[i].1.len() > hot.max(GROUPED_MAX_ROWS));
+        order[..split].iter().for_each(|&i| run(i));
+        parallel_for(order.len() - split, &|n| run(order[split + n]));
+        offsets
     }
 
     /// The experts in `range` that rows were routed to, in index order, each with the slots
@@ -465,13 +520,11 @@ impl MoeFfn {
             }
         };
         if x.len() / h > GROUPED_MAX_ROWS {
-            // a prefill's experts (of an expert-parallel group; alone: `run_experts_summed`) each
-            // have rows enough for a region of their own, and one at a time their buffers stay
-            // in cache
-            for (expert, picks) in &picked {
-                let mut ys = vec![0f32; picks.len() * h];
-                expert.forward(&gather(picks), self.activation, &mut ys);
-                scatter(picks, &ys);
+            // a prefill's experts (of an expert-parallel group) spread over the threads
+            let mut ys = vec![0f32; picked.iter().map(|(_, p)| p.len()).sum::<usize>() * h];
+            let offsets = self.run_spread(&picked, x, k, &mut ys);
+            for ((_, picks), at) in picked.iter().zip(offsets) {
+                scatter(picks, &ys[at * h..(at + picks.len()) * h]);
             }
             return Ok(());
         }
@@ -629,6 +682,43 @@ mod tests {
         for row in r.ids.chunks(k) {
             assert!(row.windows(2).all(|w| w[0] < w[1]), "k distinct experts in ascending order: {row:?}");
             assert!(row.iter().all(|&x| (0..e as i32).contains(&x)));
+        }
+    }
+
+    fn random_f32(rng: &mut impl rand::Rng, rows: usize, cols: usize) -> QMatrix {
+        let bytes: Vec<u8> = (0..rows * cols).flat_map(|_| rng.gen_range(-0.5f32..0.5).to_le_bytes()).collect();
+        QMatrix::new(WeightFormat::F32, rows, cols, WeightBytes::owned(bytes), "w").expect("an f32 matrix")
+    }
+
+    #[test]
+    fn a_prefill_spread_over_threads_gives_every_row_its_own_bits() {
+        // 48 rows, 6 experts, top 2; the router's bias sends every row to expert 2 (a hot expert:
+        // its rows split over the threads) and the rest spread, one expert a thread, with rows
+        // left inactive. Each row's output must be the bits of that row run alone (the grouped
+        // path of a decode step), whatever the thread count.
+        use rand::{Rng, SeedableRng};
+        let (e, h, ff, k, t) = (6, 32, 24, 2, 48);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut m = router_only(e, h, k, |x, d| ((x * 7 + d * 3) % 11) as f32 * 0.1 - 0.5);
+        m.router_bias = Some(vec![0.0, 0.0, 4.0, 0.0, 0.0, 0.0]);
+        m.experts = (0..e).map(|_| Some(DenseFfn::new(random_f32(&mut rng, ff, h), random_f32(&mut rng, ff, h), random_f32(&mut rng, h, ff)))).collect();
+        let xn: Vec<f32> = (0..t * h).map(|_| rng.gen_range(-1f32..1.0)).collect();
+        let active: Vec<bool> = (0..t).map(|r| r % 13 != 5).collect();
+        let routes = m.route(&xn, &active);
+        assert!(routes.ids.chunks(k).zip(&active).all(|(r, &a)| !a || r.contains(&2)), "expert 2 is every active row's");
+        let alone: Vec<f32> = (0..t)
+            .flat_map(|r| {
+                let mut o = vec![0f32; h];
+                m.forward(&xn[r * h..(r + 1) * h], &active[r..r + 1], None, &mut o).expect("one row");
+                o
+            })
+            .collect();
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
+            let mut out = vec![f32::NAN; t * h];
+            pool.install(|| m.forward(&xn, &active, None, &mut out)).expect("the batch");
+            assert!(out.iter().zip(&alone).all(|(a, b)| a.to_bits() == b.to_bits()), "{threads} threads: a row's output changed in the batch");
+            assert!(out.chunks(h).zip(&active).all(|(o, &a)| a || o.iter().all(|&v| v == 0.0)), "inactive rows are zero");
         }
     }
 }
