@@ -9,6 +9,10 @@ pub(crate) trait Dot {
     /// Activation rows up to which Q6_K unpacks each weight vector once for four activation
     /// blocks (more accumulators live: worth it only with 32 vector registers).
     const Q6K_SHARED_UNPACK: usize;
+    /// Whether Q6_K multiplies each half's pair sums by its scale in the widening `madd`
+    /// (`q6k_half_scaled`) instead of the i32 sums after (two `vpmulld` a block and row, and
+    /// both halves' sums live at once: with 16 registers the accumulators spilled).
+    const Q6K_SCALE_IN_MADD: bool;
     unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i;
     /// As `dot2` for 4-bit quants (<= 15), in a partial form (AVX2: i16 lanes, which eight
     /// vectors' products fit: 16 x 15 x 127 = 30480) that `finish4` or `scaled_q4` turns into
@@ -25,6 +29,7 @@ pub(crate) struct Avx2;
 pub(crate) struct Vnni;
 impl Dot for Avx2 {
     const Q6K_SHARED_UNPACK: usize = 0;
+    const Q6K_SCALE_IN_MADD: bool = true;
     #[inline(always)]
     unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
         // each maddubs pair is at most 2 x 63 x 127 = 16002: two of them fit i16
@@ -51,6 +56,7 @@ impl Dot for Avx2 {
 }
 impl Dot for Vnni {
     const Q6K_SHARED_UNPACK: usize = 2;
+    const Q6K_SCALE_IN_MADD: bool = false;
     #[inline(always)]
     unsafe fn dot2(acc: __m256i, w0: __m256i, a0: __m256i, w1: __m256i, a1: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, w0, a0), w1, a1)
@@ -350,6 +356,23 @@ impl Q6kScales {
         // -32 sc fits i16 (|sc| <= 128)
         let neg32 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16::<5>(pair));
         Self { sc0, sc1, neg32 }
+    }
+
+    /// Each lane's scale of half 0 and of half 1 in both of its i16 halves (`madd`'s operand).
+    #[inline(always)]
+    unsafe fn pairs16(&self) -> (__m256i, __m256i) {
+        let low = _mm256_set1_epi32(0xFFFF);
+        let p0 = _mm256_or_si256(_mm256_and_si256(self.sc0, low), _mm256_slli_epi32::<16>(self.sc0));
+        (p0, _mm256_or_si256(_mm256_and_si256(self.sc1, low), _mm256_slli_epi32::<16>(self.sc1)))
+    }
+
+    /// `add_block` from the halves' sums already scaled and added (`t = sc_0 s_0 + sc_1 s_1`,
+    /// exact): the same integer total, the same float steps.
+    #[inline(always)]
+    unsafe fn add_scaled_block<D: Dot>(&self, acc: __m256, d: __m256, t: __m256i, a: &BlockQ8) -> __m256 {
+        let hs = _mm256_set1_epi32((a.h.as_ptr() as *const i32).read_unaligned());
+        let tot = D::madd_add(t, self.neg32, hs);
+        _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(tot), acc)
     }
 
     /// `acc` plus the block: `fma(d * d_a, tot, acc)` with the exact integer total
@@ -722,6 +745,26 @@ unsafe fn q6k_half<D: Dot, const N: usize, const I: usize>(blk: *const u8, h: us
     s
 }
 
+/// As `q6k_half` on AVX2, added to `t`, with each lane's half scale `sc16` (in both i16 halves)
+/// as the widening `madd`'s operand: the sums come out times the scale, exact (two `maddubs`
+/// pairs <= 32004 in i16, times |sc| <= 128, four such products a lane and half, under 2^24).
+#[inline(always)]
+unsafe fn q6k_half_scaled<const N: usize, const I: usize>(t: &mut [__m256i; N], blk: *const u8, h: usize, v0: usize, a: &[*const i8; N], sc16: __m256i) {
+    let w = [q6k_unpack::<I>(blk, h, v0), q6k_unpack::<I>(blk, h, v0 + 1), q6k_unpack::<I>(blk, h, v0 + 2), q6k_unpack::<I>(blk, h, v0 + 3)];
+    for n in 0..N {
+        let p = a[n].add(4 * v0);
+        t[n] = _mm256_add_epi32(t[n], q6k_pair_scaled(w[0], p, w[1], p.add(4), sc16));
+        t[n] = _mm256_add_epi32(t[n], q6k_pair_scaled(w[2], p.add(8), w[3], p.add(12), sc16));
+    }
+}
+
+/// Two weight vectors' `maddubs` against their activation bytes, added in i16 and widened by
+/// `madd` with the scale pairs `sc16`.
+#[inline(always)]
+unsafe fn q6k_pair_scaled(w0: __m256i, a0: *const i8, w1: __m256i, a1: *const i8, sc16: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(a0)), _mm256_maddubs_epi16(w1, bcast4(a1))), sc16)
+}
+
 /// Q6_K with many activation rows: activation block `4h + I` of super-block `b` (each weight
 /// vector unpacked once for all N rows) added to `acc`. `I` is a constant so that the nibble
 /// and bit selection are fixed shifts and every accumulator stays in a register (a loop over
@@ -734,9 +777,19 @@ unsafe fn q6k_act_block<D: Dot, const N: usize, const I: usize>(blk: *const u8, 
     // the compiler keeps the vectors two or four blocks share live across them, spills them
     // and streams the weights from memory at half the speed (lm_head, 3 rows)
     let blk = std::hint::black_box(blk);
+    let scales = Q6kScales::load(blk.add(off::Q6K_SC), 8 * h + 2 * I);
+    if D::Q6K_SCALE_IN_MADD {
+        let (sc16_0, sc16_1) = scales.pairs16();
+        let mut t = [_mm256_setzero_si256(); N];
+        q6k_half_scaled::<N, I>(&mut t, blk, h, 0, &a, sc16_0);
+        q6k_half_scaled::<N, I>(&mut t, blk, h, 4, &a, sc16_1);
+        for n in 0..N {
+            acc[n] = scales.add_scaled_block::<D>(acc[n], d, t[n], acts[n].get_unchecked(k));
+        }
+        return;
+    }
     let s0 = q6k_half::<D, N, I>(blk, h, 0, &a);
     let s1 = q6k_half::<D, N, I>(blk, h, 4, &a);
-    let scales = Q6kScales::load(blk.add(off::Q6K_SC), 8 * h + 2 * I);
     for n in 0..N {
         acc[n] = scales.add_block::<D>(acc[n], d, s0[n], s1[n], acts[n].get_unchecked(k));
     }
