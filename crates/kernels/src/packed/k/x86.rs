@@ -747,7 +747,8 @@ unsafe fn q6k_half<D: Dot, const N: usize, const I: usize>(blk: *const u8, h: us
 
 /// As `q6k_half` on AVX2, added to `t`, with each lane's half scale `sc16` (in both i16 halves)
 /// as the widening `madd`'s operand: the sums come out times the scale, exact (two `maddubs`
-/// pairs <= 32004 in i16, times |sc| <= 128, four such products a lane and half, under 2^24).
+/// pairs <= 32004 in i16, times |sc| <= 128: a lane sums eight such products over both halves,
+/// under 2^25).
 #[inline(always)]
 unsafe fn q6k_half_scaled<const N: usize, const I: usize>(t: &mut [__m256i; N], blk: *const u8, h: usize, v0: usize, a: &[*const i8; N], sc16: __m256i) {
     let w = [q6k_unpack::<I>(blk, h, v0), q6k_unpack::<I>(blk, h, v0 + 1), q6k_unpack::<I>(blk, h, v0 + 2), q6k_unpack::<I>(blk, h, v0 + 3)];
