@@ -57,7 +57,7 @@ pub trait ExpertExchange: Send + Sync {
 /// 12-layer Qwen3-30B-A3B shape (2 threads, AMD EPYC Zen 3, old and new alternating) grouping gave
 /// decode 1.01-1.09x, and prefill 512 0.90-0.98x (every expert's buffers at once leave the
 /// cache), hence the split; spreading the experts instead of one at a time with its rows split
-/// (two parallel regions an expert) gave the layer 1.09-1.16x at 512 rows and 1.11-1.19x at 128
+/// (two parallel regions an expert) gave the layer 1.08-1.17x at 512 rows and 1.12-1.20x at 128
 /// (`moe_bench`, alternated in one process, same Zen 3).
 const GROUPED_MAX_ROWS: usize = 16;
 
