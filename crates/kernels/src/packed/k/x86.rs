@@ -381,10 +381,8 @@ impl Q6kScales {
     /// computed as `sc_0 s_0 + sc_1 s_1 + (-32 sc_0) A_0 + (-32 sc_1) A_1`.
     #[inline(always)]
     unsafe fn add_block<D: Dot>(&self, acc: __m256, d: __m256, s0: __m256i, s1: __m256i, a: &BlockQ8) -> __m256 {
-        let hs = _mm256_set1_epi32((a.h.as_ptr() as *const i32).read_unaligned());
         let t = _mm256_add_epi32(_mm256_mullo_epi32(self.sc0, s0), _mm256_mullo_epi32(self.sc1, s1));
-        let tot = D::madd_add(t, self.neg32, hs);
-        _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a.d)), _mm256_cvtepi32_ps(tot), acc)
+        self.add_scaled_block::<D>(acc, d, t, a)
     }
 }
 
