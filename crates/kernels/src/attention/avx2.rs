@@ -118,26 +118,36 @@ pub(super) unsafe fn exp_shifted_sum(x: &mut [f32], m: f32) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn load8<const D: u8>(v: KvView, e: usize) -> __m256 {
-    let p = v.data.as_ptr();
     match D {
         // the plain types' conversions are written once, in `load8_row`
         0..=2 => load8_row::<D>(v, row_ptr::<D>(v, e), e, 0),
-        3 => {
-            let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(e) as *const __m128i)));
-            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
-            _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
-        }
-        _ => {
-            // values j and j + 16 of a block share byte j (low and high nibble)
-            let (blk, r) = (e / Q8_BLOCK, e % Q8_BLOCK);
-            let b = _mm_loadl_epi64(p.add(blk * (Q8_BLOCK / 2) + r % (Q8_BLOCK / 2)) as *const __m128i);
-            let b = if r >= Q8_BLOCK / 2 { _mm_srli_epi16(b, 4) } else { b };
-            let levels = _mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
-            let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(levels, _mm256_set1_epi32(8)));
-            let d = _mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32));
-            _mm256_mul_ps(q, _mm256_broadcastss_ps(d))
-        }
+        _ => load8_scaled::<D>(v, e, block_scale(v, e)),
     }
+}
+
+/// The scale of the quantized block holding element `e`, in every lane.
+#[inline(always)]
+unsafe fn block_scale(v: KvView, e: usize) -> __m256 {
+    _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*v.scales.get_unchecked(e / Q8_BLOCK) as i32)))
+}
+
+/// [`load8`] of a quantized type (3 q8_0, 4 q4_0) given its block's scale ([`block_scale`]):
+/// the levels as floats times the scale. A kernel that reads a block's four chunks in a row
+/// converts the scale once for them (the same product, so the same bits).
+#[inline(always)]
+unsafe fn load8_scaled<const D: u8>(v: KvView, e: usize, d: __m256) -> __m256 {
+    let p = v.data.as_ptr();
+    let q = if D == 3 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(e) as *const __m128i)))
+    } else {
+        // values j and j + 16 of a block share byte j (low and high nibble)
+        let (blk, r) = (e / Q8_BLOCK, e % Q8_BLOCK);
+        let b = _mm_loadl_epi64(p.add(blk * (Q8_BLOCK / 2) + r % (Q8_BLOCK / 2)) as *const __m128i);
+        let b = if r >= Q8_BLOCK / 2 { _mm_srli_epi16(b, 4) } else { b };
+        let levels = _mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F)));
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(levels, _mm256_set1_epi32(8)))
+    };
+    _mm256_mul_ps(q, d)
 }
 
 /// Where the row whose first element is `e0` starts in a view of type `D`, for [`load8_row`]: the
@@ -324,6 +334,20 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
             prefetch_rows(v, pf, j, 1, hd);
         }
         let o = *offs.get_unchecked(j) + d;
+        if D >= 3 {
+            // a quantized block's four chunks (`values_nb` passes over whole blocks) with its
+            // scale converted once, then one broadcast weight at a time
+            debug_assert!(NC * 8 <= Q8_BLOCK && o.is_multiple_of(Q8_BLOCK), "a pass within one quantized block");
+            let sc = block_scale(v, o);
+            let vv: [__m256; NC] = std::array::from_fn(|c| load8_scaled::<D>(v, o + 8 * c, sc));
+            for i in 0..NB {
+                let wi = _mm256_broadcast_ss(&*w.add(i * TILE + j));
+                for c in 0..NC {
+                    r[i][c] = _mm256_fmadd_ps(wi, vv[c], r[i][c]);
+                }
+            }
+            continue;
+        }
         let wj: [__m256; NB] = std::array::from_fn(|i| _mm256_broadcast_ss(&*w.add(i * TILE + j)));
         for c in 0..NC {
             let vv = load8::<D>(v, o + 8 * c);
@@ -353,6 +377,13 @@ unsafe fn values_nb<const D: u8, const NB: usize>(
     pf: &[usize],
 ) {
     let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+    if D >= 3 {
+        // a quantized head is whole blocks: a pass a block (eight accumulators, four chunks)
+        for d in (0..hd).step_by(Q8_BLOCK) {
+            value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+        }
+        return;
+    }
     // six chunks (48 dimensions) a pass where the head has them: 12 accumulators, NB = 2
     // broadcast weights and one value vector fill the 16 registers without a spill (three vectors
     // by four chunks spilled an accumulator every key: its chain waited on a store and a reload)
