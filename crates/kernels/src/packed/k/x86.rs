@@ -733,7 +733,7 @@ unsafe fn q6k_shared_pair<D: Dot, const N: usize>(blk: *const u8, h: usize, v: u
 /// block `4h + I` against each activation row's `a[n]` (that block's quants).
 #[inline(always)]
 unsafe fn q6k_half<D: Dot, const N: usize, const I: usize>(blk: *const u8, h: usize, v0: usize, a: &[*const i8; N]) -> [__m256i; N] {
-    let w = [q6k_unpack::<I>(blk, h, v0), q6k_unpack::<I>(blk, h, v0 + 1), q6k_unpack::<I>(blk, h, v0 + 2), q6k_unpack::<I>(blk, h, v0 + 3)];
+    let w = q6k_quad::<I>(blk, h, v0);
     let mut s = [_mm256_setzero_si256(); N];
     for n in 0..N {
         let p = a[n].add(4 * v0);
@@ -743,13 +743,19 @@ unsafe fn q6k_half<D: Dot, const N: usize, const I: usize>(blk: *const u8, h: us
     s
 }
 
+/// The four weight vectors `v0..v0 + 4` of half `h` of a Q6_K group block, unpacked.
+#[inline(always)]
+unsafe fn q6k_quad<const I: usize>(blk: *const u8, h: usize, v0: usize) -> [__m256i; 4] {
+    [q6k_unpack::<I>(blk, h, v0), q6k_unpack::<I>(blk, h, v0 + 1), q6k_unpack::<I>(blk, h, v0 + 2), q6k_unpack::<I>(blk, h, v0 + 3)]
+}
+
 /// As `q6k_half` on AVX2, added to `t`, with each lane's half scale `sc16` (in both i16 halves)
 /// as the widening `madd`'s operand: the sums come out times the scale, exact (two `maddubs`
 /// pairs <= 32004 in i16, times |sc| <= 128: a lane sums eight such products over both halves,
 /// under 2^25).
 #[inline(always)]
 unsafe fn q6k_half_scaled<const N: usize, const I: usize>(t: &mut [__m256i; N], blk: *const u8, h: usize, v0: usize, a: &[*const i8; N], sc16: __m256i) {
-    let w = [q6k_unpack::<I>(blk, h, v0), q6k_unpack::<I>(blk, h, v0 + 1), q6k_unpack::<I>(blk, h, v0 + 2), q6k_unpack::<I>(blk, h, v0 + 3)];
+    let w = q6k_quad::<I>(blk, h, v0);
     for n in 0..N {
         let p = a[n].add(4 * v0);
         t[n] = _mm256_add_epi32(t[n], q6k_pair_scaled(w[0], p, w[1], p.add(4), sc16));
