@@ -14,7 +14,10 @@ pub struct CpuFeatures {
     /// Whether the int8 kernels prefetch the weights one block ahead into L1 at every activation
     /// row count. Off on AMD Zen 4, where those prefetches made a stream from memory at few rows
     /// slower; there the k-quant kernels prefetch into L2 further ahead instead, by their own
-    /// rules (`packed::k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks).
+    /// rules (`packed::k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks). On on Zen 3
+    /// (the same CPU family, without AVX-512), where the Zen 4 rules left a one-row decode's
+    /// weights without a prefetch and decode ran 1.2-1.3x slower (Qwen3-30B-A3B shape) and
+    /// 1.1-1.15x (1.5B) at one and two threads, prefill unchanged (alternated runs, Zen 3 Milan).
     pub sw_prefetch: bool,
     /// Bytes ahead of the group block being read that those L1 prefetches reach; None: the
     /// kernel's own default (about one group block). AMD Zen 5: 16 KiB, where one block ahead left
@@ -131,11 +134,17 @@ fn detect() -> CpuFeatures {
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni"),
-        split_512: amd_family() == Some(0x19),
-        sw_prefetch: amd_family() != Some(0x19),
+        split_512: amd_zen4(),
+        sw_prefetch: !amd_zen4(),
         prefetch_ahead: (amd_family() == Some(0x1A)).then_some(16 * 1024),
         pairs_at_few_rows: amd_family() != Some(0x1A),
     }
+}
+
+/// AMD Zen 4: family 0x19 with AVX-512 (Zen 3, the same family, has none).
+#[cfg(target_arch = "x86_64")]
+fn amd_zen4() -> bool {
+    amd_family() == Some(0x19) && is_x86_feature_detected!("avx512f")
 }
 
 /// The CPU family of an AMD processor (0x19: Zen 3 / Zen 4, 0x1A: Zen 5), `None` on other vendors.
