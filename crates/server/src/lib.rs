@@ -47,8 +47,12 @@ pub use error::ApiError;
 /// flags and checked once by [`ServerConfig::validate`] (which [`serve`] calls).
 #[derive(Clone)]
 pub struct ServerConfig {
-    /// The only accepted `model` value; requests naming another get 404 `model_not_found`.
+    /// The served model's name: what responses and `/v1/models` report, and an accepted
+    /// `model` value; requests naming neither it nor an alias get 404 `model_not_found`.
     pub model_name: String,
+    /// Other accepted `model` values (`specula serve --model NAME` with a known model's name:
+    /// the name the client was started with, where `model_name` is the file's).
+    pub model_aliases: Vec<String>,
     /// Prompt + generated tokens per sequence (`--max-model-len`).
     pub max_model_len: usize,
     /// Largest `logprobs` / `top_logprobs` a request may ask for (`--max-logprobs`).
@@ -107,10 +111,16 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// Whether a request naming `model` is for this server's model.
+    pub fn serves(&self, model: &str) -> bool {
+        model == self.model_name || self.model_aliases.iter().any(|a| a == model)
+    }
+
     /// Defaults for everything but the model's name.
     pub fn new(model_name: impl Into<String>) -> Self {
         Self {
             model_name: model_name.into(),
+            model_aliases: Vec::new(),
             max_model_len: 2048,
             max_logprobs: 20,
             api_keys: Vec::new(),

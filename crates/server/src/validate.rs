@@ -81,10 +81,11 @@ pub struct SamplingPlan {
     pub constraint_param: &'static str,
 }
 
-/// 404 unless the request names the served model; a missing `model` means the served one.
+/// 404 unless the request names the served model (or an alias); a missing `model` means the
+/// served one.
 pub fn check_model(requested: Option<&str>, config: &ServerConfig) -> Result<(), ApiError> {
     match requested {
-        Some(m) if m != config.model_name => Err(ApiError::model_not_found(m, &config.model_name)),
+        Some(m) if !config.serves(m) => Err(ApiError::model_not_found(m, &config.model_name)),
         _ => Ok(()),
     }
 }
@@ -394,6 +395,19 @@ mod tests {
 
     fn plan(f: SamplingFields) -> Result<SamplingPlan, ApiError> {
         sampling_plan(f, &config(), 300)
+    }
+
+    #[test]
+    fn the_served_name_and_its_aliases_are_accepted_and_nothing_else() {
+        let c = ServerConfig { model_aliases: vec!["short-name".into()], ..config() };
+        for ok in [None, Some("m"), Some("short-name")] {
+            assert!(check_model(ok, &c).is_ok(), "{ok:?}");
+        }
+        for bad in ["other", "short", "M", ""] {
+            let e = check_model(Some(bad), &c).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::NOT_FOUND, "{bad}");
+        }
+        assert!(check_model(Some("short-name"), &config()).is_err(), "no alias unless configured");
     }
 
     #[test]

@@ -119,6 +119,16 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("specula")
 }
 
+/// The known model's name `--model` resolves to (the default model's without one), or None for
+/// a path: the name a client started with `serve --model NAME` may send as `model`.
+pub fn known_name(arg: &Option<PathBuf>) -> Option<&'static str> {
+    match arg {
+        Some(p) if p.exists() => None,
+        Some(p) => p.to_str().and_then(known).map(|m| m.name),
+        None => Some(default_model().name),
+    }
+}
+
 /// The known model called `name` (case-insensitive), if any.
 pub fn known(name: &str) -> Option<&'static KnownModel> {
     KNOWN_MODELS.iter().find(|m| m.name.eq_ignore_ascii_case(name))
@@ -346,6 +356,19 @@ mod tests {
         }
         assert_eq!(default_model().name, DEFAULT_MODEL);
         assert!(known("llama-7b").is_none());
+    }
+
+    #[test]
+    fn the_name_serve_was_given_is_known_only_for_names() {
+        let a = KNOWN_MODELS[KNOWN_MODELS.len() - 1].name;
+        assert_eq!(known_name(&Some(PathBuf::from(a.to_uppercase()))), Some(a));
+        assert_eq!(known_name(&None), Some(DEFAULT_MODEL));
+        assert_eq!(known_name(&Some(PathBuf::from("llama-7b"))), None);
+        // an existing path is a file, whatever it is called
+        let dir = std::env::temp_dir().join(format!("specula-known-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join(a)).unwrap();
+        assert_eq!(known_name(&Some(dir.join(a))), None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

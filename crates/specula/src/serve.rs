@@ -222,6 +222,11 @@ fn run_mpi(_args: ServeArgs) -> Result<()> {
 
 fn server_config(args: &ServeArgs, cfg: &specula_engine::EngineConfig, model_name: &str) -> ServerConfig {
     let mut server_cfg = ServerConfig::new(args.served_model_name.clone().unwrap_or_else(|| model_name.to_string()));
+    if args.served_model_name.is_none() {
+        // `serve --model qwen2.5-coder-1.5b-instruct` serves the file `...-q4_k_m`; the name the
+        // user typed is accepted as well
+        server_cfg.model_aliases = crate::fetch::known_name(&args.engine.model).filter(|n| *n != model_name).map(String::from).into_iter().collect();
+    }
     server_cfg.max_model_len = cfg.max_model_len;
     server_cfg.max_logprobs = args.max_logprobs;
     server_cfg.max_stop_strings = args.max_stop_strings;

@@ -17,7 +17,7 @@ pub async fn list(State(state): State<AppState>) -> Json<ModelList> {
 
 pub async fn retrieve(State(state): State<AppState>, model: Result<Path<String>, PathRejection>) -> Result<Json<ModelCard>, ApiError> {
     let Path(model) = model.map_err(|e| ApiError::invalid_param("model", e.body_text()))?;
-    if model != state.config.model_name {
+    if !state.config.serves(&model) {
         return Err(ApiError::model_not_found(&model, &state.config.model_name));
     }
     Ok(Json(card(&state)))
