@@ -14,7 +14,7 @@ pub struct CpuFeatures {
     /// Whether the int8 kernels prefetch the weights one block ahead into L1 at every activation
     /// row count. Off on AMD Zen 4, where those prefetches made a stream from memory at few rows
     /// slower; there the k-quant kernels prefetch into L2 further ahead instead, by their own
-    /// rules (`packed::k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks). On on Zen 3
+    /// rules (`packed::k`) (`SPECULA_SW_PREFETCH=0` / `=1` overrides, for benchmarks). On, on Zen 3
     /// (the same CPU family, without AVX-512), where the Zen 4 rules left a one-row decode's
     /// weights without a prefetch and decode ran 1.2-1.3x slower (Qwen3-30B-A3B shape) and
     /// 1.1-1.15x (1.5B) at one and two threads, prefill unchanged (alternated runs, Zen 3 Milan).

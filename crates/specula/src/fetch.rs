@@ -119,14 +119,20 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache").join("specula")
 }
 
-/// The known model's name `--model` resolves to (the default model's without one), or None for
-/// a path: the name a client started with `serve --model NAME` may send as `model`.
-pub fn known_name(arg: &Option<PathBuf>) -> Option<&'static str> {
+/// The known model `--model` names (the default model without one); None for an existing path,
+/// which is a file or folder whatever it is called, and for an unknown name.
+fn named_model(arg: &Option<PathBuf>) -> Option<&'static KnownModel> {
     match arg {
         Some(p) if p.exists() => None,
-        Some(p) => p.to_str().and_then(known).map(|m| m.name),
-        None => Some(default_model().name),
+        Some(p) => p.to_str().and_then(known),
+        None => Some(default_model()),
     }
+}
+
+/// The known model's name `--model` resolves to: the name a client started with
+/// `serve --model NAME` may send as `model`.
+pub fn known_name(arg: &Option<PathBuf>) -> Option<&'static str> {
+    named_model(arg).map(|m| m.name)
 }
 
 /// The known model called `name` (case-insensitive), if any.
@@ -285,25 +291,17 @@ fn sha256_file(p: &Path) -> Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
-/// Returns the cached default model, fetching it first if needed.
-pub fn ensure_default_model() -> Result<PathBuf> {
-    default_model().ensure()
-}
-
 /// The model to use: `--model` if given (an existing path, else a known model's name, fetched
 /// on first use), else the default model.
 pub fn resolve_model(arg: &Option<PathBuf>) -> Result<PathBuf> {
-    match arg {
-        Some(p) if p.exists() => Ok(p.clone()),
-        Some(p) => match p.to_str().and_then(known) {
-            Some(m) => m.ensure(),
-            None => bail!(
-                "model '{}' is neither an existing file or folder nor a known model name ({}); `specula fetch-model --list` shows them",
-                p.display(),
-                KNOWN_MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
-            ),
-        },
-        None => ensure_default_model(),
+    match (arg, named_model(arg)) {
+        (_, Some(m)) => m.ensure(),
+        (Some(p), None) if p.exists() => Ok(p.clone()),
+        (p, None) => bail!(
+            "model '{}' is neither an existing file or folder nor a known model name ({}); `specula fetch-model --list` shows them",
+            p.as_deref().unwrap_or(Path::new("")).display(),
+            KNOWN_MODELS.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+        ),
     }
 }
 
