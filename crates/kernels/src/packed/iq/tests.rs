@@ -128,7 +128,7 @@ fn table_pairs_equal_the_scalar_reference_bitwise() {
     for f in [WeightFormat::IQ4NL, WeightFormat::IQ4XS, WeightFormat::MXFP4] {
         for (rows, cols) in [(16, f.block_len()), (29, 3 * f.block_len()), (21, if f.block_len() == QK { 576 } else { 1536 })] {
             let mut raws = vec![random_raw(&mut rng, f, rows, cols)];
-            for fill in [0x00u8, 0xFF, 0x88] {
+            for fill in [0x00u8, 0xFF, 0x88, 0x77] {
                 // every code at one extreme (IQ4: -127 or 113; MXFP4: -12 or 12), scales kept
                 let mut raw = random_raw(&mut rng, f, rows, cols);
                 for blk in raw.chunks_exact_mut(f.block_bytes()) {
@@ -203,7 +203,8 @@ fn packed_dot_approximates_the_float_dot_of_dequantized_weights() {
     }
 }
 
-/// Every quant byte at one extreme (all bits set, or all clear: IQ4's -127, Q3_K's -4), the
+/// Every quant byte at one extreme (all bits set, or all clear: IQ4's -127, Q3_K's -4; 0x77:
+/// MXFP4's +12, the largest unsigned byte of its AVX2 offset table), the
 /// 6-bit scales at both ends, against activations all at +-127: the largest integer sums, on
 /// every path, against the reference and the dequantized float dot.
 #[test]

@@ -135,6 +135,48 @@ unsafe fn table_block<D: DotTable, const N: usize>(tab: __m256i, q: *const u8, a
     s
 }
 
+/// MXFP4's table offset by 12 to unsigned bytes (0..=24) in every 128-bit lane.
+#[inline(always)]
+unsafe fn mxfp4_table12() -> __m256i {
+    let t = KVALUES_MXFP4.map(|v| (v + MXFP4_OFFSET) as u8);
+    _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i))
+}
+
+/// What `mxfp4_table12` adds to every MXFP4 value (its largest magnitude).
+const MXFP4_OFFSET: i8 = 12;
+
+/// `table_block` for MXFP4 on AVX2, the same exact sums by fewer instructions. MXFP4's values
+/// are at most 12 in magnitude: offset to `0..=24` they go into `maddubs` unsigned, as they are,
+/// where the signed table takes a `sign` per vector and row (for `|w|`'s operand) and a widening
+/// `madd` after every `maddubs`. A `maddubs` pair is at most 2 x 24 x 127 = 6096, so a row's four
+/// low-nibble (and four high-nibble) products add up in i16 (at most 24 384) before one `madd`
+/// widens them; each block's sum starts at `-12 sum(a)` (from `BlockQ8::h`, as
+/// `minus_offset_share`), so it ends at `sum(w a)` exactly. Ours (no crate has it).
+#[inline(always)]
+unsafe fn mxfp4_block_avx2<const N: usize>(tab12: __m256i, q: *const u8, ab: [&BlockQ8; N]) -> [__m256i; N] {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut lo16 = [_mm256_setzero_si256(); N];
+    let mut hi16 = [_mm256_setzero_si256(); N];
+    for v in 0..4 {
+        let raw = vec(q, v);
+        let lo = _mm256_shuffle_epi8(tab12, _mm256_and_si256(raw, m4));
+        let hi = _mm256_shuffle_epi8(tab12, _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4));
+        for n in 0..N {
+            let a = ab[n].qs.as_ptr();
+            lo16[n] = _mm256_add_epi16(lo16[n], _mm256_maddubs_epi16(lo, bcast4(a.add(4 * v))));
+            hi16[n] = _mm256_add_epi16(hi16[n], _mm256_maddubs_epi16(hi, bcast4(a.add(16 + 4 * v))));
+        }
+    }
+    let ones = _mm256_set1_epi16(1);
+    let mut s = [_mm256_setzero_si256(); N];
+    for n in 0..N {
+        let h = _mm256_set1_epi32((ab[n].h.as_ptr() as *const i32).read_unaligned());
+        let start = _mm256_madd_epi16(h, _mm256_set1_epi16(-(MXFP4_OFFSET as i16)));
+        s[n] = _mm256_add_epi32(start, _mm256_add_epi32(_mm256_madd_epi16(lo16[n], ones), _mm256_madd_epi16(hi16[n], ones)));
+    }
+    s
+}
+
 /// The kernel of one format (a const parameter: no format test inside the loop).
 #[inline(always)]
 unsafe fn group_impl<D: DotTable, const F: u8, const N: usize>(group: &[u8], blocks: usize, acts: [&[BlockQ8]; N], dst: [*mut f32; N]) {
@@ -157,6 +199,7 @@ unsafe fn group_impl<D: DotTable, const F: u8, const N: usize>(group: &[u8], blo
     let bit2 = _mm256_set1_epi8(4);
     let sign = _mm256_set1_ps(-0.0);
     let tab = table(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL }, D::OFFSET_TABLE);
+    let tab12 = mxfp4_table12();
     let mut acc = [_mm256_setzero_ps(); N];
     for b in 0..blocks {
         // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
@@ -232,7 +275,8 @@ unsafe fn group_impl<D: DotTable, const F: u8, const N: usize>(group: &[u8], blo
             }
             IQ4NL | MXFP4 => {
                 let (d, q) = if F == IQ4NL { (f16x8(blk), blk.add(off::IQ4NL_QS)) } else { (e8m0_half8(blk), blk.add(off::MXFP4_QS)) };
-                let s = table_block::<D, N>(tab, q, std::array::from_fn(|n| acts[n].get_unchecked(b)));
+                let ab = std::array::from_fn(|n| acts[n].get_unchecked(b));
+                let s = if F == MXFP4 && !D::OFFSET_TABLE { mxfp4_block_avx2::<N>(tab12, q, ab) } else { table_block::<D, N>(tab, q, ab) };
                 for n in 0..N {
                     let da = _mm256_set1_ps(acts[n].get_unchecked(b).d);
                     acc[n] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(s[n]), acc[n]);
