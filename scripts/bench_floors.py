@@ -6,6 +6,8 @@ Each round runs `specula bench offline` once per model (llama.cpp's and ik_llama
 alternating, so a drift of the shared host hits every engine of a round alike. Prints each
 round's figures, then the medians over the rounds and the floors with their verdicts: a floor is
 met when the median of the per-round ratios meets it, and the table says in how many rounds it did.
+Each round's own bounds (the best read kernel's GB/s, the int8 peak, every engine's share of
+them) go to stderr as `bench offline` prints them: what a miss is explained against.
 
   python3 scripts/bench_floors.py --rounds 3 --llama-bench PATH/llama-bench \\
       --ik-bench "$(bash scripts/build_ik_llama.sh)" \\
@@ -52,8 +54,12 @@ def one_run(args, model: str) -> dict:
         if args.ik_bench:
             cmd += ["--ik-bench", args.ik_bench]
         print("$", " ".join(cmd), file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        shown = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.splitlines()
         rows = json.loads(Path(out.name).read_text())
+    # the run's own bounds (read GB/s of the best read kernel, the int8 peak, each engine's share
+    # of them): what a floor's miss is explained against, measured beside the figures
+    at = next((i for i, line in enumerate(shown) if line.startswith("memory bound")), len(shown))
+    print("\n".join(shown[at:]), file=sys.stderr, flush=True)
     got = {}
     for r in rows:
         m = r["measurement"]
