@@ -193,7 +193,7 @@ unsafe fn group_impl<D: IntDot, const F: u8, const N: usize>(group: &[u8], block
                 // sum((w + 128) a) - 128 sum(a), started at the second term: the same exact
                 // integer sum (each lane at most 32 x 255 x 127 besides it)
                 for n in 0..N {
-                    isum[n] = minus_offset_share(acts[n].get_unchecked(b));
+                    isum[n] = minus_offset_share(acts[n].get_unchecked(b), 128);
                 }
                 let offset = _mm256_set1_epi8(i8::MIN);
                 for g in 0..8 {

@@ -56,7 +56,7 @@ impl DotTable for Vnni {
     }
     #[inline(always)]
     unsafe fn start(ab: &BlockQ8) -> __m256i {
-        minus_offset_share(ab)
+        minus_offset_share(ab, 128)
     }
 }
 
@@ -103,15 +103,16 @@ unsafe fn e8m0_half8(p: *const u8) -> __m256 {
     _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, below2))
 }
 
-/// The 16 table values in every 128-bit lane (for `pshufb`), offset by 128 to unsigned bytes
-/// when `offset` (`DotTable::OFFSET_TABLE`).
+/// The 16 table values plus `offset`, as bytes: unsigned for an offset of 128
+/// (`DotTable::OFFSET_TABLE`) or MXFP4's 12, the values' own bytes for 0.
 #[inline(always)]
-fn table_bytes(t: &[i8; 16], offset: bool) -> [u8; 16] {
-    t.map(|v| if offset { (v as i32 + 128) as u8 } else { v as u8 })
+fn table_bytes(t: &[i8; 16], offset: i32) -> [u8; 16] {
+    t.map(|v| (v as i32 + offset) as u8)
 }
 
+/// `table_bytes` in every 128-bit lane (for `pshufb`).
 #[inline(always)]
-unsafe fn table(t: &[i8; 16], offset: bool) -> __m256i {
+unsafe fn table(t: &[i8; 16], offset: i32) -> __m256i {
     let t = table_bytes(t, offset);
     _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i))
 }
@@ -135,23 +136,16 @@ unsafe fn table_block<D: DotTable, const N: usize>(tab: __m256i, q: *const u8, a
     s
 }
 
-/// MXFP4's table offset by 12 to unsigned bytes (0..=24) in every 128-bit lane.
-#[inline(always)]
-unsafe fn mxfp4_table12() -> __m256i {
-    let t = KVALUES_MXFP4.map(|v| (v + MXFP4_OFFSET) as u8);
-    _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i))
-}
+/// What MXFP4's AVX2 table adds to every value (their largest magnitude): `0..=24`.
+const MXFP4_OFFSET: i16 = 12;
 
-/// What `mxfp4_table12` adds to every MXFP4 value (its largest magnitude).
-const MXFP4_OFFSET: i8 = 12;
-
-/// `table_block` for MXFP4 on AVX2, the same exact sums by fewer instructions. MXFP4's values
+/// `table_block` for MXFP4 on AVX2 (the table `tab12`: offset by `MXFP4_OFFSET`), the same
+/// exact sums by fewer instructions. MXFP4's values
 /// are at most 12 in magnitude: offset to `0..=24` they go into `maddubs` unsigned, as they are,
 /// where the signed table takes a `sign` per vector and row (for `|w|`'s operand) and a widening
 /// `madd` after every `maddubs`. A `maddubs` pair is at most 2 x 24 x 127 = 6096, so a row's four
 /// low-nibble (and four high-nibble) products add up in i16 (at most 24 384) before one `madd`
-/// widens them; each block's sum starts at `-12 sum(a)` (from `BlockQ8::h`, as
-/// `minus_offset_share`), so it ends at `sum(w a)` exactly. Ours (no crate has it).
+/// widens them; each block's sum starts at `-12 sum(a)` (`minus_offset_share`), so it ends at `sum(w a)` exactly. Ours (no crate has it).
 #[inline(always)]
 unsafe fn mxfp4_block_avx2<const N: usize>(tab12: __m256i, q: *const u8, ab: [&BlockQ8; N]) -> [__m256i; N] {
     let m4 = _mm256_set1_epi8(0x0F);
@@ -170,9 +164,7 @@ unsafe fn mxfp4_block_avx2<const N: usize>(tab12: __m256i, q: *const u8, ab: [&B
     let ones = _mm256_set1_epi16(1);
     let mut s = [_mm256_setzero_si256(); N];
     for n in 0..N {
-        let h = _mm256_set1_epi32((ab[n].h.as_ptr() as *const i32).read_unaligned());
-        let start = _mm256_madd_epi16(h, _mm256_set1_epi16(-(MXFP4_OFFSET as i16)));
-        s[n] = _mm256_add_epi32(start, _mm256_add_epi32(_mm256_madd_epi16(lo16[n], ones), _mm256_madd_epi16(hi16[n], ones)));
+        s[n] = _mm256_add_epi32(minus_offset_share(ab[n], MXFP4_OFFSET), _mm256_add_epi32(_mm256_madd_epi16(lo16[n], ones), _mm256_madd_epi16(hi16[n], ones)));
     }
     s
 }
@@ -198,8 +190,8 @@ unsafe fn group_impl<D: DotTable, const F: u8, const N: usize>(group: &[u8], blo
     let m3 = _mm256_set1_epi8(3);
     let bit2 = _mm256_set1_epi8(4);
     let sign = _mm256_set1_ps(-0.0);
-    let tab = table(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL }, D::OFFSET_TABLE);
-    let tab12 = mxfp4_table12();
+    let tab = table(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL }, if D::OFFSET_TABLE { 128 } else { 0 });
+    let tab12 = table(&KVALUES_MXFP4, MXFP4_OFFSET.into());
     let mut acc = [_mm256_setzero_ps(); N];
     for b in 0..blocks {
         // SAFETY (whole loop): b < blocks, the group holds `blocks` group blocks of gbb bytes and
@@ -383,7 +375,7 @@ unsafe fn pair_impl<const F: u8, const N: usize>(g0: &[u8], g1: &[u8], blocks: u
     assert!(g0.len() >= blocks * gbb && g1.len() >= blocks * gbb);
     let (p0, p1) = (g0.as_ptr(), g1.as_ptr());
     let dist = pair_prefetch(gbb);
-    let t = table_bytes(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL }, true);
+    let t = table_bytes(if F == MXFP4 { &KVALUES_MXFP4 } else { &KVALUES_IQ4NL }, 128);
     let tab = _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr() as *const __m128i));
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..blocks {

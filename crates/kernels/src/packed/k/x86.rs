@@ -1032,14 +1032,14 @@ pub(crate) unsafe fn store_pairs<const N: usize>(acc: &[__m512; N], dst: [[*mut 
     }
 }
 
-/// `-128 (h_0 + h_1)` of an activation block in every 32-bit lane: where a VNNI kernel's exact
-/// sum starts when it multiplies weights offset by 128 to unsigned bytes (`w + 128` against
-/// `a`), so the offset's share is gone without a subtraction at the end. One `vpmaddwd` of the
-/// block's two i16 half sums (`BlockQ8::h`) broadcast as a pair, instead of their sum made in
-/// scalar registers and broadcast.
+/// `-offset (h_0 + h_1)` of an activation block in every 32-bit lane: where a kernel's exact sum
+/// starts when it multiplies weights offset to unsigned bytes (`w + offset` against `a`: 128 for
+/// the VNNI kernels, 12 for MXFP4 on AVX2), so the offset's share is gone without a subtraction
+/// at the end. One `vpmaddwd` of the block's two i16 half sums (`BlockQ8::h`) broadcast as a
+/// pair, instead of their sum made in scalar registers and broadcast.
 #[inline(always)]
-pub(crate) unsafe fn minus_offset_share(ab: &BlockQ8) -> __m256i {
-    _mm256_madd_epi16(_mm256_set1_epi32((ab.h.as_ptr() as *const i32).read_unaligned()), _mm256_set1_epi16(-128))
+pub(crate) unsafe fn minus_offset_share(ab: &BlockQ8, offset: i16) -> __m256i {
+    _mm256_madd_epi16(_mm256_set1_epi32((ab.h.as_ptr() as *const i32).read_unaligned()), _mm256_set1_epi16(-offset))
 }
 
 /// `minus_offset_share` in sixteen lanes.
