@@ -27,9 +27,10 @@ pub(super) unsafe fn prefetch_rows(v: KvView, pf: &[usize], j: usize, n: usize, 
 }
 
 /// Prefetches rows `pf[r0..r1]` spread evenly over `steps` calls of [`Self::step`]: the
-/// dimension-major scores read a whole tile's keys dimension by dimension, so there is no "key at
-/// a time" to pace the next tile's rows by; asked for all at once they would fill the miss
-/// buffers. The kernels call it every [`DIMS_PER_PREFETCH`] dimensions.
+/// dimension-major scores read a whole tile's keys dimension by dimension, and one row's values
+/// ([`row_values`]) pass over a tile's keys eight times, so there is no "key at a time" to pace
+/// the next tile's rows by; asked for all at once they would fill the miss buffers. The scores
+/// call it every [`DIMS_PER_PREFETCH`] dimensions, the row's values every key of every pass.
 pub(super) struct Spread<'a> {
     pf: &'a [usize],
     next: usize,
@@ -406,6 +407,83 @@ unsafe fn values_nb<const D: u8, const NB: usize>(
     }
 }
 
+/// One query row's `NB` vectors (a GQA group of three to six) over plain values, `NC` chunks of
+/// eight from dimension `d`: [`value_block`]'s chains, with the chunks of a key converted first
+/// and one broadcast weight at a time (12 accumulators at NB = 6, NC = 2, two value chunks and a
+/// weight: 15 registers), and the next tile's rows asked of `pf` a key at a time.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn row_value_block<const D: u8, const NB: usize, const NC: usize>(
+    acc: *mut f32,
+    alpha: &[f32],
+    w: *const f32,
+    v: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    d: usize,
+    hd: usize,
+    pf: &mut Spread,
+) {
+    let mut r = [[_mm256_setzero_ps(); NC]; NB];
+    for i in 0..NB {
+        let a = _mm256_set1_ps(alpha[i]);
+        for c in 0..NC {
+            r[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc.add(i * hd + d + 8 * c)), a);
+        }
+    }
+    for j in x..y {
+        pf.step(v, hd);
+        let o = *offs.get_unchecked(j) + d;
+        let vv: [__m256; NC] = std::array::from_fn(|c| load8::<D>(v, o + 8 * c));
+        for i in 0..NB {
+            let wi = _mm256_broadcast_ss(&*w.add(i * TILE + j));
+            for c in 0..NC {
+                r[i][c] = _mm256_fmadd_ps(wi, vv[c], r[i][c]);
+            }
+        }
+    }
+    for i in 0..NB {
+        for c in 0..NC {
+            _mm256_storeu_ps(acc.add(i * hd + d + 8 * c), r[i][c]);
+        }
+    }
+}
+
+/// [`weighted_values`] of one query row's group (three to six vectors) over plain values
+/// (`D` <= 2), a decode step's: passes of two chunks with every vector, so each value is
+/// converted once a tile (in passes of two vectors, three times for a group of six), and the next
+/// tile's rows `pf` spread over every pass's keys (asked for in the first pass alone, four lines
+/// a key, they filled the miss buffers and stalled it: see [`prefetch_rows`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn row_values<const D: u8, const NB: usize>(
+    acc: &mut [f32],
+    alpha: &[f32],
+    w: &[f32],
+    v: KvView,
+    offs: &[usize],
+    x: usize,
+    y: usize,
+    hd: usize,
+    pf: &[usize],
+) {
+    let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+    let mut pf = Spread::new(pf, (0, pf.len()), hd.div_ceil(16) * (y - x));
+    let mut d = 0;
+    while d + 16 <= hd {
+        row_value_block::<D, NB, 2>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);
+        d += 16;
+    }
+    if d < hd {
+        row_value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);
+    }
+}
+
+/// `acc_i = acc_i * alpha_i + sum_j w[i * TILE + j] v_j` for `nb` vectors: one query row's group
+/// through [`row_values`] (`row`: plain values, three to six vectors, every row of `pf`
+/// prefetched), else [`values_nb`] (at most two vectors; rows `pf[x..y]` prefetched).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn weighted_values<const D: u8>(
@@ -422,6 +500,10 @@ pub(super) unsafe fn weighted_values<const D: u8>(
 ) {
     match nb {
         1 => values_nb::<D, 1>(acc, alpha, w, v, offs, x, y, hd, pf),
-        _ => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd, pf),
+        2 => values_nb::<D, 2>(acc, alpha, w, v, offs, x, y, hd, pf),
+        3 => row_values::<D, 3>(acc, alpha, w, v, offs, x, y, hd, pf),
+        4 => row_values::<D, 4>(acc, alpha, w, v, offs, x, y, hd, pf),
+        5 => row_values::<D, 5>(acc, alpha, w, v, offs, x, y, hd, pf),
+        _ => row_values::<D, 6>(acc, alpha, w, v, offs, x, y, hd, pf),
     }
 }

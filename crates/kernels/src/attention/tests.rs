@@ -221,14 +221,16 @@ fn every_simd_path_gives_the_reference_bits() {
         // 40 dimensions: the AVX2 values' passes of four chunks and of one (plain types only: the
         // quantized ones take heads of a multiple of 32)
         (KvLayout { block_size: 16, n_heads: 4, n_kv_heads: 2, head_dim: 40 }, None),
+        // groups of three to six take passes of two chunks, a head of 40 a last one of one
+        (KvLayout { block_size: 16, n_heads: 6, n_kv_heads: 2, head_dim: 40 }, None),
     ] {
         let ctx = SPAN + 100;
-        let rows = 9;
-        let q = queries(rows, &layout);
         for dtype in KvDtype::ALL.into_iter().filter(|d| !d.has_scales() || layout.head_dim.is_multiple_of(32)) {
             let c = cache(layout, dtype, ctx);
-            let seqs = [SeqSpan { q_start: 0, q_len: rows, context_len: ctx, block_table: &c.table }];
-            for window in [None, Some(700)] {
+            // a prompt chunk's rows, and a decode step's one row (its own value kernel on AVX2)
+            for (rows, window) in [9, 1].into_iter().flat_map(|r| [(r, None), (r, Some(700))]) {
+                let q = queries(rows, &layout);
+                let seqs = [SeqSpan { q_start: 0, q_len: rows, context_len: ctx, block_table: &c.table }];
                 let want = bits(&c.run_on(&q, &seqs, window, sinks.as_deref(), Simd::Scalar));
                 let best = Simd::for_head(layout.head_dim);
                 for path in [Simd::Avx2, Simd::Avx512] {
@@ -237,7 +239,7 @@ fn every_simd_path_gives_the_reference_bits() {
                     }
                     ran.insert(if path == Simd::Avx2 { crate::cpu::PATH_AVX2 } else { crate::cpu::PATH_VNNI });
                     let got = bits(&in_pool(2, || c.run_on(&q, &seqs, window, sinks.as_deref(), path)));
-                    assert_eq!(got, want, "{dtype} {layout:?} window {window:?} on {path:?}");
+                    assert_eq!(got, want, "{dtype} {layout:?} {rows} rows, window {window:?} on {path:?}");
                 }
             }
         }
