@@ -9,15 +9,17 @@
 //! 512 rows at the end of a `depth`-token prompt (GFLOP/s, counting 2 x 2 x head_dim flops per
 //! query-key pair: the scores and the weighted values). Default shape: Qwen2.5-Coder-1.5B (12
 //! heads, 2 KV heads of 128). Median of several rounds. `BENCH_BS`: slots per KV block (16, the
-//! engine's default `--block-size`).
+//! engine's default `--block-size`). `BENCH_DECODE_ONLY=1`: no prefill chunk (a profile of the
+//! decode alone).
 
 use specula_kernels::attention::{paged_attention_windowed, KvLayout, SeqSpan};
 use specula_kernels::kv::{KvDtype, KvPlane, KvRole};
 use std::time::Instant;
 
+/// The median; NaN (printed as such) for no rounds.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The count in environment variable `name`, or `default` when it is unset or not a number.
@@ -88,7 +90,8 @@ fn main() {
             let qn: Vec<f32> = (0..chunk * qw).map(|i| (i as f32 * 0.013).cos()).collect();
             let mut on = vec![0f32; chunk * qw];
             let seqn = [SeqSpan { q_start: 0, q_len: chunk, context_len: depth, block_table: &table }];
-            let prefill_rounds = if std::env::var_os("BENCH_DECODE_ONLY").is_some() { 1 } else { 3 };
+            // BENCH_DECODE_ONLY: no prefill chunk at all (a profile of the decode alone)
+            let prefill_rounds = if std::env::var_os("BENCH_DECODE_ONLY").is_some() { 0 } else { 3 };
             let prefill = median(
                 (0..prefill_rounds)
                     .map(|_| {
