@@ -610,22 +610,18 @@ impl Attn<'_> {
     #[allow(clippy::too_many_arguments)]
     fn weighted_values(&self, acc: &mut [f32], nb: usize, alpha: &[f32], w: &[f32], offs: &[usize], x: usize, y: usize, pf: &[usize]) {
         let hd = self.layout.head_dim;
-        #[cfg(target_arch = "x86_64")]
-        if self.simd == Simd::Avx2 {
-            if nb <= VALUE_VECTORS {
-                // the one-row kernel (more vectors) prefetches every row of `pf` itself
-                self.prefetch_outside(&self.v, pf, x, y);
-            }
-            // SAFETY: as in `scores`; `acc` holds `nb` rows of `hd` and `w` `nb` rows of TILE.
-            unsafe { by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd, pf)) }
-            return;
-        }
         self.prefetch_outside(&self.v, pf, x, y);
         #[cfg(target_arch = "x86_64")]
         if self.simd == Simd::Avx512 {
             // SAFETY: as in `scores`; `acc` holds `nb` (at most VALUE_VECTORS_512) rows of `hd`, a
             // multiple of 16, and `w` `nb` rows of TILE.
             unsafe { by_dtype!(self.v.dtype, avx512::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd, pf)) }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.simd == Simd::Avx2 {
+            // SAFETY: as in `scores`; `acc` holds `nb` rows of `hd` and `w` `nb` rows of TILE.
+            unsafe { by_dtype!(self.v.dtype, avx2::weighted_values(acc, nb, alpha, w, self.v, offs, x, y, hd, pf)) }
             return;
         }
         for i in 0..nb {

@@ -58,6 +58,34 @@ impl<'a> Spread<'a> {
     }
 }
 
+/// How a values pass asks for the next tile's rows as it reads key `j` of a pass from dimension
+/// `d`: [`FirstPass`], or a [`Spread`] that lives across the passes. Passed by value, so the
+/// first (a slice) stays in registers as a plain slice argument did.
+pub(super) trait Pace {
+    unsafe fn key(&mut self, v: KvView, j: usize, d: usize, hd: usize);
+}
+
+/// Row `j` of the next tile beside key `j` of the first pass (`d == 0`), the rows `pf[x..y]`
+/// of a pass over keys `x..y`.
+#[derive(Clone, Copy)]
+pub(super) struct FirstPass<'a>(pub(super) &'a [usize]);
+
+impl Pace for FirstPass<'_> {
+    #[inline(always)]
+    unsafe fn key(&mut self, v: KvView, j: usize, d: usize, hd: usize) {
+        if d == 0 {
+            prefetch_rows(v, self.0, j, 1, hd);
+        }
+    }
+}
+
+impl Pace for &mut Spread<'_> {
+    #[inline(always)]
+    unsafe fn key(&mut self, v: KvView, _j: usize, _d: usize, hd: usize) {
+        self.step(v, hd)
+    }
+}
+
 /// `NB` vectors (`qt`, `pack_queries_dim`) against two groups of eight dimension-major keys: one
 /// accumulator per (vector, group), a fused multiply-add per dimension in order
 /// (`dot_dim_ref`'s chain in each lane); the scores stored masked to the groups' keys.
@@ -307,11 +335,11 @@ pub(super) unsafe fn scores<const D: u8>(
 
 /// `NB` vectors' outputs, `NC` chunks of eight from dimension `d`: rescaled, then one fused
 /// multiply-add per key in order (each output lane's chain is the same whatever the blocking).
-/// The first chunk's pass prefetches the next tile's rows `pf[x..y]`.
+/// `pf` asks for the next tile's rows as the keys go ([`Pace`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
+unsafe fn value_block<const D: u8, const NB: usize, const NC: usize, P: Pace>(
     acc: *mut f32,
     alpha: &[f32],
     w: *const f32,
@@ -321,7 +349,7 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
     y: usize,
     d: usize,
     hd: usize,
-    pf: &[usize],
+    mut pf: P,
 ) {
     let mut r = [[_mm256_setzero_ps(); NC]; NB];
     for i in 0..NB {
@@ -331,16 +359,20 @@ unsafe fn value_block<const D: u8, const NB: usize, const NC: usize>(
         }
     }
     for j in x..y {
-        if d == 0 {
-            prefetch_rows(v, pf, j, 1, hd);
-        }
+        pf.key(v, j, d, hd);
         let o = *offs.get_unchecked(j) + d;
-        if D >= 3 {
-            // a quantized block's four chunks (`values_nb` passes over whole blocks) with its
-            // scale converted once, then one broadcast weight at a time
-            debug_assert!(NC * 8 <= Q8_BLOCK && o.is_multiple_of(Q8_BLOCK), "a pass within one quantized block");
-            let sc = block_scale(v, o);
-            let vv: [__m256; NC] = std::array::from_fn(|c| load8_scaled::<D>(v, o + 8 * c, sc));
+        if D >= 3 || NB > NC {
+            // the key's chunks converted first, then one broadcast weight at a time: a quantized
+            // block's four chunks (`values_nb` passes over whole blocks) with its scale converted
+            // once, or more vectors than chunks (`row_values`: NC + 1 registers beside the
+            // accumulators, 15 at NB = 6, NC = 2)
+            let vv: [__m256; NC] = if D >= 3 {
+                debug_assert!(NC * 8 <= Q8_BLOCK && o.is_multiple_of(Q8_BLOCK), "a pass within one quantized block");
+                let sc = block_scale(v, o);
+                std::array::from_fn(|c| load8_scaled::<D>(v, o + 8 * c, sc))
+            } else {
+                std::array::from_fn(|c| load8::<D>(v, o + 8 * c))
+            };
             for i in 0..NB {
                 let wi = _mm256_broadcast_ss(&*w.add(i * TILE + j));
                 for c in 0..NC {
@@ -378,10 +410,11 @@ unsafe fn values_nb<const D: u8, const NB: usize>(
     pf: &[usize],
 ) {
     let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
+    let pf = FirstPass(pf);
     if D >= 3 {
         // a quantized head is whole blocks: a pass a block (eight accumulators, four chunks)
         for d in (0..hd).step_by(Q8_BLOCK) {
-            value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+            value_block::<D, NB, 4, _>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         }
         return;
     }
@@ -390,72 +423,28 @@ unsafe fn values_nb<const D: u8, const NB: usize>(
     // by four chunks spilled an accumulator every key: its chain waited on a store and a reload)
     let mut d = 0;
     while d + 48 <= hd {
-        value_block::<D, NB, 6>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+        value_block::<D, NB, 6, _>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         d += 48;
     }
     while d + 32 <= hd {
-        value_block::<D, NB, 4>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+        value_block::<D, NB, 4, _>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         d += 32;
     }
     while d + 16 <= hd {
-        value_block::<D, NB, 2>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+        value_block::<D, NB, 2, _>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         d += 16;
     }
     while d < hd {
-        value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
+        value_block::<D, NB, 1, _>(ap, alpha, wp, v, offs, x, y, d, hd, pf);
         d += 8;
-    }
-}
-
-/// One query row's `NB` vectors (a GQA group of three to six) over plain values, `NC` chunks of
-/// eight from dimension `d`: [`value_block`]'s chains, with the chunks of a key converted first
-/// and one broadcast weight at a time (12 accumulators at NB = 6, NC = 2, two value chunks and a
-/// weight: 15 registers), and the next tile's rows asked of `pf` a key at a time.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn row_value_block<const D: u8, const NB: usize, const NC: usize>(
-    acc: *mut f32,
-    alpha: &[f32],
-    w: *const f32,
-    v: KvView,
-    offs: &[usize],
-    x: usize,
-    y: usize,
-    d: usize,
-    hd: usize,
-    pf: &mut Spread,
-) {
-    let mut r = [[_mm256_setzero_ps(); NC]; NB];
-    for i in 0..NB {
-        let a = _mm256_set1_ps(alpha[i]);
-        for c in 0..NC {
-            r[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc.add(i * hd + d + 8 * c)), a);
-        }
-    }
-    for j in x..y {
-        pf.step(v, hd);
-        let o = *offs.get_unchecked(j) + d;
-        let vv: [__m256; NC] = std::array::from_fn(|c| load8::<D>(v, o + 8 * c));
-        for i in 0..NB {
-            let wi = _mm256_broadcast_ss(&*w.add(i * TILE + j));
-            for c in 0..NC {
-                r[i][c] = _mm256_fmadd_ps(wi, vv[c], r[i][c]);
-            }
-        }
-    }
-    for i in 0..NB {
-        for c in 0..NC {
-            _mm256_storeu_ps(acc.add(i * hd + d + 8 * c), r[i][c]);
-        }
     }
 }
 
 /// [`weighted_values`] of one query row's group (three to six vectors) over plain values
 /// (`D` <= 2), a decode step's: passes of two chunks with every vector, so each value is
 /// converted once a tile (in passes of two vectors, three times for a group of six), and the next
-/// tile's rows `pf` spread over every pass's keys (asked for in the first pass alone, four lines
-/// a key, they filled the miss buffers and stalled it: see [`prefetch_rows`]).
+/// tile's rows spread over every pass's keys (asked for in the first pass alone, four lines a key,
+/// they filled the miss buffers and stalled it: see [`prefetch_rows`]).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn row_values<const D: u8, const NB: usize>(
@@ -470,20 +459,22 @@ unsafe fn row_values<const D: u8, const NB: usize>(
     pf: &[usize],
 ) {
     let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
-    let mut pf = Spread::new(pf, (0, pf.len()), hd.div_ceil(16) * (y - x));
+    // rows `pf[x..y]` (the caller asks for the others at once, as for the scores)
+    let rows = (x.min(pf.len()), y.min(pf.len()));
+    let mut pf = Spread::new(pf, rows, hd.div_ceil(16) * (y - x));
     let mut d = 0;
     while d + 16 <= hd {
-        row_value_block::<D, NB, 2>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);
+        value_block::<D, NB, 2, _>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);
         d += 16;
     }
     if d < hd {
-        row_value_block::<D, NB, 1>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);
+        value_block::<D, NB, 1, _>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);
     }
 }
 
 /// `acc_i = acc_i * alpha_i + sum_j w[i * TILE + j] v_j` for `nb` vectors: one query row's group
-/// through [`row_values`] (`row`: plain values, three to six vectors, every row of `pf`
-/// prefetched), else [`values_nb`] (at most two vectors; rows `pf[x..y]` prefetched).
+/// through [`row_values`] (plain values, three to six vectors), else [`values_nb`] (at most two
+/// vectors); either asks for the next tile's rows `pf[x..y]`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn weighted_values<const D: u8>(
