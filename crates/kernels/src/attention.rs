@@ -249,8 +249,8 @@ struct Scratch {
     /// The unit's queries in pairs for the AVX-512 scores (`avx512::pack_queries`), or by
     /// dimension for the dimension-major keys' (`pack_queries_dim`).
     qpack: Vec<f32>,
-    /// Where the next tile's keys (and values) start, `next_len` of them (none on the scalar
-    /// path): the kernels prefetch them while they read this tile.
+    /// Where the next tile's keys (and values) start, `next_len` of them: the SIMD kernels
+    /// prefetch them while they read this tile, and they are the next tile's `offs`.
     next: Vec<usize>,
     next_len: usize,
 }
@@ -430,13 +430,17 @@ impl Attn<'_> {
             }
         }
         let mut a0 = p0;
+        let a1 = ((a0 / TILE + 1) * TILE).min(p1);
+        self.offsets(self.v.order, s, u, a0, &mut sc.offs[..a1.saturating_sub(a0)]);
         while a0 < p1 {
             let a1 = ((a0 / TILE + 1) * TILE).min(p1);
             // the next tile's rows, which this tile's kernels prefetch as they go (in the values'
-            // order: a dimension-major block's keys are the same run as its values' rows)
-            sc.next_len = if self.simd.avx2() { (a1 + TILE).min(p1) - a1 } else { 0 };
+            // order: a dimension-major block's keys are the same run as its values' rows), then
+            // are that tile's offsets: each tile's computed once
+            sc.next_len = (a1 + TILE).min(p1) - a1;
             self.offsets(self.v.order, s, u, a1, &mut sc.next[..sc.next_len]);
             self.tile(s, u, a0, a1, sc);
+            std::mem::swap(&mut sc.offs, &mut sc.next);
             a0 = a1;
         }
     }
@@ -445,7 +449,8 @@ impl Attn<'_> {
     fn tile(&self, s: &SeqSpan, u: &Unit, a0: usize, a1: usize, sc: &mut Scratch) {
         let hd = self.layout.head_dim;
         let n = a1 - a0;
-        self.offsets(self.v.order, s, u, a0, &mut sc.offs[..n]);
+        // the rows the kernels prefetch: the next tile's (none on the scalar path)
+        let next: &[usize] = if self.simd.avx2() { &sc.next[..sc.next_len] } else { &[] };
         let g = self.group;
         for (i, r) in sc.range.iter_mut().enumerate() {
             let (lo, end) = self.row_keys(s, u.t0 + i / g);
@@ -462,7 +467,7 @@ impl Attn<'_> {
             if x < y {
                 let qs: [usize; SCORE_VECTORS] = std::array::from_fn(|j| qptr(i + j.min(nb - 1)));
                 // the first vectors' pass over the keys prefetches the next tile's
-                let pf = if i == 0 { &sc.next[..sc.next_len] } else { &[] };
+                let pf = if i == 0 { next } else { &[] };
                 let scores = &mut sc.s[i * TILE..(i + nb) * TILE];
                 if self.k.order == KvOrder::DimMajor {
                     // a group's keys are one block's consecutive slots: one offset a group
@@ -500,7 +505,7 @@ impl Attn<'_> {
             let (x, y) = union(&sc.range[i..i + nb]);
             let acc = &mut st.acc[i * hd..(i + nb) * hd];
             let w = &sc.s[i * TILE..(i + nb) * TILE];
-            let pf = if i == 0 { &sc.next[..sc.next_len] } else { &[] };
+            let pf = if i == 0 { next } else { &[] };
             self.weighted_values(acc, nb, &sc.alpha[i..i + nb], w, &sc.offs[..n], x, y, pf);
             i += nb;
         }
