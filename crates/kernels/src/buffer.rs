@@ -75,6 +75,30 @@ impl Buffer {
         }
         Self::Heap(vec![0u8; len])
     }
+
+    /// `len` zero bytes with every page resident (touched now, so a step never faults one in),
+    /// or `None` if the memory cannot be had. Large ones are mapped on huge pages as
+    /// [`Self::zeroed`]'s: a KV cache read at depth crosses a 4 KB page every block of a head.
+    pub fn try_zeroed_resident(len: usize) -> Option<Self> {
+        if len >= MAP_FROM && huge_pages_wanted() {
+            if let Ok(mut m) = memmap2::MmapOptions::new().len(len).map_anon() {
+                #[cfg(target_os = "linux")]
+                {
+                    let _ = m.advise(memmap2::Advice::HugePage);
+                }
+                // SAFETY: the mapping is ours and `len` bytes long; volatile, so the writes of
+                // the zeros already there are kept (they are what makes the pages resident).
+                for i in (0..len).step_by(4096) {
+                    unsafe { std::ptr::write_volatile(m.as_mut_ptr().add(i), 0) };
+                }
+                return Some(Self::Mapped(m));
+            }
+        }
+        let mut v = Vec::new();
+        v.try_reserve_exact(len).ok()?;
+        v.resize(len, 0);
+        Some(Self::Heap(v))
+    }
 }
 
 /// `SPECULA_HUGE_PAGES=0` turns the advice off (to measure what it gives).

@@ -247,7 +247,7 @@ pub struct KvPlane {
     /// f32 / f16 / bf16 values little-endian, q8_0's signed bytes (one per value) or q4_0's
     /// nibbles (16 bytes per 32 values: value `j` of a block in byte `j % 16`, low nibble for the
     /// first 16, high for the rest, as ggml packs them).
-    data: Vec<u8>,
+    data: crate::buffer::Buffer,
     /// q8_0 and q4_0: one f16 scale per 32 values, `slot * width / 32 + block`.
     scales: Vec<u16>,
 }
@@ -272,7 +272,8 @@ impl KvPlane {
         assert!(dtype.supports_head_dim(layout.head_dim), "a quantized head is whole blocks");
         let width = layout.kv_width();
         let n = blocks.saturating_mul(layout.block_size).saturating_mul(width);
-        let data = zeroed(dtype.data_bytes(n))?;
+        let bytes = dtype.data_bytes(n);
+        let data = crate::buffer::Buffer::try_zeroed_resident(bytes).ok_or(PlaneAllocError { bytes })?;
         let scales = if dtype.has_scales() { zeroed(n / Q8_BLOCK)? } else { Vec::new() };
         let rot = if dtype.rotated() { role.rotation_size(layout.head_dim) } else { 0 };
         Ok(Self { dtype, order: KvOrder::for_plane(role, dtype, &layout), rot, layout, width, data, scales })
