@@ -130,7 +130,7 @@ fn a_querys_result_depends_on_nothing_but_its_own_context() {
             let q = queries(ctx, &layout);
             let all_seqs = [SeqSpan { q_start: 0, q_len: ctx, context_len: ctx, block_table: &c.table }];
             let all = in_pool(2, || c.run(&q, &all_seqs, window, None, true));
-            for t in [0, 15, 16, 63, 64, SPAN - 1, SPAN, SPAN + 1, ctx - 1] {
+            for t in [0, 15, 16, TILE - 1, TILE, TILE + 1, SPAN - 1, SPAN, SPAN + 1, ctx - 1] {
                 let one_seqs = [SeqSpan { q_start: 0, q_len: 1, context_len: t + 1, block_table: &c.table }];
                 let row = &q[t * qw..(t + 1) * qw];
                 let want = bits(&all[t * qw..(t + 1) * qw]);
