@@ -76,14 +76,22 @@ fn main() {
             let q1: Vec<f32> = (0..qw).map(|i| (i as f32 * 0.013).cos()).collect();
             let mut o1 = vec![0f32; qw];
             let seq1 = [SeqSpan { q_start: 0, q_len: 1, context_len: depth, block_table: &table }];
+            // BENCH_FLUSH_MB=35: that many MB read between two layers' attention (untimed), as a
+            // decode step streams a layer's weights between them (a 1.5B Q4_K_M's 35 MB)
+            let flush = vec![1u8; env_or("BENCH_FLUSH_MB", 0) << 20];
             let decode = median(
                 (0..env_or("BENCH_DECODE_ROUNDS", 15))
                     .map(|_| {
-                        let s = Instant::now();
+                        let mut t = 0.0;
                         for (k, v) in &planes {
+                            if !flush.is_empty() {
+                                pool.install(|| std::hint::black_box(flush.chunks(64).fold(0u8, |a, c| a ^ c[0])));
+                            }
+                            let s = Instant::now();
                             pool.install(|| paged_attention_windowed(&q1, &mut o1, k.view(), v.view(), &layout, &seq1, 0.1, None, None));
+                            t += s.elapsed().as_secs_f64();
                         }
-                        s.elapsed().as_secs_f64() / layers as f64
+                        t / layers as f64
                     })
                     .collect(),
             );
