@@ -37,7 +37,9 @@ pub struct SeqSpan<'a> {
 
 /// Keys per online-softmax step. 128, not 64: a tile's fixed costs (the rescale, the passes'
 /// loads and stores of the outputs, the bookkeeping) over twice the keys made a decode layer at
-/// 16k 4-7% faster from memory (Zen 3, two threads), a 512-row prompt chunk 1-2% slower.
+/// 16k 5% faster in L3 on one thread and 6% (q8_0) or 5% (q4_0) faster from memory on two; f16
+/// from memory on two threads moved 0-5%, within the host's noise (Zen 3); a 512-row prompt
+/// chunk did not change.
 pub const TILE: usize = 128;
 /// Keys per partial result; the fold unit that a decode step at depth splits over the threads.
 pub const SPAN: usize = 16 * TILE;
@@ -431,11 +433,12 @@ impl Attn<'_> {
                 avx512::pack_queries(&mut sc.qpack, self.q, sc.nv, hd, at);
             }
         }
+        // the end of the tile starting at `a`
+        let tile_end = |a: usize| ((a / TILE + 1) * TILE).min(p1);
         let mut a0 = p0;
-        let a1 = ((a0 / TILE + 1) * TILE).min(p1);
-        self.offsets(self.v.order, s, u, a0, &mut sc.offs[..a1.saturating_sub(a0)]);
+        self.offsets(self.v.order, s, u, a0, &mut sc.offs[..tile_end(a0).saturating_sub(a0)]);
         while a0 < p1 {
-            let a1 = ((a0 / TILE + 1) * TILE).min(p1);
+            let a1 = tile_end(a0);
             // the next tile's rows, which this tile's kernels prefetch as they go (in the values'
             // order: a dimension-major block's keys are the same run as its values' rows), then
             // are that tile's offsets: each tile's computed once

@@ -63,42 +63,44 @@ pub enum Buffer {
 impl Buffer {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        if len >= MAP_FROM && huge_pages_wanted() {
-            if let Ok(m) = memmap2::MmapOptions::new().len(len).map_anon() {
-                #[cfg(target_os = "linux")]
-                {
-                    // advisory: without THP the pages are plain 4 KB ones
-                    let _ = m.advise(memmap2::Advice::HugePage);
-                }
-                return Self::Mapped(m);
-            }
+        match map_huge(len) {
+            Some(m) => Self::Mapped(m),
+            None => Self::Heap(vec![0u8; len]),
         }
-        Self::Heap(vec![0u8; len])
     }
 
     /// `len` zero bytes with every page resident (touched now, so a step never faults one in),
     /// or `None` if the memory cannot be had. Large ones are mapped on huge pages as
     /// [`Self::zeroed`]'s: a KV cache read at depth crosses a 4 KB page every block of a head.
     pub fn try_zeroed_resident(len: usize) -> Option<Self> {
-        if len >= MAP_FROM && huge_pages_wanted() {
-            if let Ok(mut m) = memmap2::MmapOptions::new().len(len).map_anon() {
-                #[cfg(target_os = "linux")]
-                {
-                    let _ = m.advise(memmap2::Advice::HugePage);
-                }
-                // SAFETY: the mapping is ours and `len` bytes long; volatile, so the writes of
-                // the zeros already there are kept (they are what makes the pages resident).
-                for i in (0..len).step_by(4096) {
-                    unsafe { std::ptr::write_volatile(m.as_mut_ptr().add(i), 0) };
-                }
-                return Some(Self::Mapped(m));
+        if let Some(mut m) = map_huge(len) {
+            // SAFETY: the mapping is ours and `len` bytes long; volatile, so the writes of the
+            // zeros already there are kept (they are what makes the pages resident).
+            for i in (0..len).step_by(4096) {
+                unsafe { std::ptr::write_volatile(m.as_mut_ptr().add(i), 0) };
             }
+            return Some(Self::Mapped(m));
         }
         let mut v = Vec::new();
         v.try_reserve_exact(len).ok()?;
         v.resize(len, 0);
         Some(Self::Heap(v))
     }
+}
+
+/// A zeroed anonymous mapping of `len` bytes advised onto transparent huge pages, for `len` from
+/// [`MAP_FROM`] on (`None` below it, with the advice turned off, or if the map fails).
+fn map_huge(len: usize) -> Option<memmap2::MmapMut> {
+    if len < MAP_FROM || !huge_pages_wanted() {
+        return None;
+    }
+    let m = memmap2::MmapOptions::new().len(len).map_anon().ok()?;
+    #[cfg(target_os = "linux")]
+    {
+        // advisory: without THP the pages are plain 4 KB ones
+        let _ = m.advise(memmap2::Advice::HugePage);
+    }
+    Some(m)
 }
 
 /// `SPECULA_HUGE_PAGES=0` turns the advice off (to measure what it gives).
