@@ -580,7 +580,6 @@ impl Attn<'_> {
             let lanes = if self.simd == Simd::Avx512 { 16 } else { 8 };
             let mut groups = [KeyGroup::default(); TILE / 8];
             let n = key_groups(lanes, a0, x, y, key_at, &mut groups);
-            let rows = (x.min(pf.len()), y.min(pf.len()));
             // SAFETY: the SIMD path's features were detected (`Simd::for_head`); every group's
             // lanes lie in one block of the plane (block sizes a multiple of 16,
             // `KvOrder::for_plane`), its stores masked to the tile's keys `x..y` of `s`'s rows;
@@ -593,13 +592,13 @@ impl Attn<'_> {
                 let pad = |pass: &[KeyGroup], g: usize| pass.get(g).copied().unwrap_or(KeyGroup { mask: 0, ..pass[pass.len() - 1] });
                 if self.simd == Simd::Avx512 {
                     // passes of four groups of sixteen
-                    let mut pf = avx2::Spread::new(pf, rows, n.div_ceil(4) * hd.div_ceil(DIMS_PER_PREFETCH));
+                    let mut pf = avx2::Spread::new(pf, (x, y), n.div_ceil(4) * hd.div_ceil(DIMS_PER_PREFETCH));
                     for pass in groups[..n].chunks(4) {
                         let g: [KeyGroup; 4] = std::array::from_fn(|i| pad(pass, i));
                         dim_major_pass!(avx512, k.dtype, nb, (sp, qt, k, g, hd, stride, scale, &mut pf));
                     }
                 } else {
-                    let mut pf = avx2::Spread::new(pf, rows, n.div_ceil(2) * hd.div_ceil(DIMS_PER_PREFETCH));
+                    let mut pf = avx2::Spread::new(pf, (x, y), n.div_ceil(2) * hd.div_ceil(DIMS_PER_PREFETCH));
                     for pass in groups[..n].chunks(2) {
                         let g: [KeyGroup; 2] = std::array::from_fn(|i| pad(pass, i));
                         dim_major_pass!(avx2, k.dtype, nb, (sp, qt, k, g, hd, stride, scale, &mut pf));

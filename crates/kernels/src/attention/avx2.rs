@@ -26,7 +26,8 @@ pub(super) unsafe fn prefetch_rows(v: KvView, pf: &[usize], j: usize, n: usize, 
     }
 }
 
-/// Prefetches rows `pf[r0..r1]` spread evenly over `steps` calls of [`Self::step`]: the
+/// Prefetches rows `pf[x..y]` (those `pf` has: the next tile may be shorter) spread evenly over
+/// `steps` calls of [`Self::step`]: the
 /// dimension-major scores read a whole tile's keys dimension by dimension, and one row's values
 /// ([`row_values`]) pass over a tile's keys eight times, so there is no "key at a time" to pace
 /// the next tile's rows by; asked for all at once they would fill the miss buffers. The scores
@@ -41,7 +42,8 @@ pub(super) struct Spread<'a> {
 }
 
 impl<'a> Spread<'a> {
-    pub(super) fn new(pf: &'a [usize], (r0, r1): (usize, usize), steps: usize) -> Self {
+    pub(super) fn new(pf: &'a [usize], (x, y): (usize, usize), steps: usize) -> Self {
+        let (r0, r1) = (x.min(pf.len()), y.min(pf.len()));
         let end = r1.max(r0);
         Self { pf, next: r0, end, rows: end - r0, acc: 0, steps: steps.max(1) }
     }
@@ -468,8 +470,7 @@ unsafe fn row_values<const D: u8, const NB: usize>(
 ) {
     let (ap, wp) = (acc.as_mut_ptr(), w.as_ptr());
     // rows `pf[x..y]` (the caller asks for the others at once, as for the scores)
-    let rows = (x.min(pf.len()), y.min(pf.len()));
-    let mut pf = Spread::new(pf, rows, hd.div_ceil(16) * (y - x));
+    let mut pf = Spread::new(pf, (x, y), hd.div_ceil(16) * (y - x));
     let mut d = 0;
     while d + 16 <= hd {
         value_block::<D, NB, 2, _>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);

@@ -311,8 +311,7 @@ unsafe fn values_nb<const D: u8, const NB: usize>(
     // of the first pass: asked for in half the time they stalled the pass's own loads (`perf`:
     // the samples on the value loads' conversions); f16 at 16k from memory, Zen 5, two
     // threads: 0.63 -> 0.52 ms a layer
-    let rows = (x.min(pf.len()), y.min(pf.len()));
-    let mut pf = Spread::new(pf, rows, (hd / 64 + hd % 64 / 16) * (y - x));
+    let mut pf = Spread::new(pf, (x, y), (hd / 64 + hd % 64 / 16) * (y - x));
     let mut d = 0;
     while d + 64 <= hd {
         value_block::<D, NB, 4, _>(ap, alpha, wp, v, offs, x, y, d, hd, &mut pf);
