@@ -190,6 +190,7 @@ struct Unit {
 }
 
 /// A softmax reduction's running state for `nv` vectors: max, sum and the unnormalised output.
+#[derive(Clone)]
 struct State {
     m: Vec<f32>,
     l: Vec<f32>,
@@ -234,6 +235,11 @@ impl State {
         self.acc[self.hd * i..self.hd * (i + 1)].iter_mut().for_each(|a| *a *= alpha);
         self.m[i] = m;
     }
+}
+
+thread_local! {
+    /// A thread's scratch for the split decode's tasks, kept from one task to the next.
+    static SCRATCH: std::cell::RefCell<Option<Scratch>> = const { std::cell::RefCell::new(None) };
 }
 
 /// One task's working memory.
@@ -329,8 +335,10 @@ impl Attn<'_> {
             let run = |u: &Unit| {
                 let mut sc = Scratch::new(self, u);
                 let mut total = State::new(sc.nv, layout.head_dim);
-                for span in self.spans(seqs, u) {
-                    self.span_state(seqs, u, span, &mut sc);
+                let spans = self.spans(seqs, u);
+                for span in spans.clone() {
+                    // the next span's first tile is prefetched while this span's last is read
+                    self.span_state(seqs, u, span, Some(span + 1).filter(|n| spans.contains(n)), &mut sc);
                     total.fold(&sc.span);
                 }
                 self.finish(seqs, u, &mut total, &optr);
@@ -351,13 +359,31 @@ impl Attn<'_> {
             firsts.push(tasks.len());
         }
         let partials: Vec<std::sync::Mutex<Option<State>>> = (0..tasks.len()).map(|_| std::sync::Mutex::new(None)).collect();
+        // the pool hands tasks out in order, so a thread most likely runs task i + threads after
+        // task i (i + 1 when they run here in turn): it prefetches that span's first tile as it
+        // reads its own last one, and keeps its scratch from one task to the next (a layer at
+        // 16k from memory, f16, Zen 5, two threads: 0.52 -> 0.49 ms)
+        let sequential = work < 2 * 1024;
+        let stride = if sequential { 1 } else { threads };
         let run = |i: usize| {
             let (ui, span) = tasks[i];
-            let mut sc = Scratch::new(self, &units[ui]);
-            self.span_state(seqs, &units[ui], span, &mut sc);
-            *partials[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(sc.span);
+            let u = &units[ui];
+            let then = tasks.get(i + stride).filter(|&&(uj, _)| uj == ui).map(|&(_, sj)| sj);
+            let part = SCRATCH.with(|cell| {
+                let nv = (u.t1 - u.t0) * self.group;
+                let mut fresh = None;
+                let mut kept = cell.try_borrow_mut().ok();
+                let sc = match kept.as_deref_mut() {
+                    Some(Some(sc)) if sc.nv == nv && sc.span.hd == layout.head_dim => sc,
+                    Some(slot) => slot.insert(Scratch::new(self, u)),
+                    None => fresh.insert(Scratch::new(self, u)),
+                };
+                self.span_state(seqs, u, span, then, sc);
+                sc.span.clone()
+            });
+            *partials[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(part);
         };
-        if work < 2 * 1024 {
+        if sequential {
             (0..tasks.len()).for_each(run);
         } else {
             crate::pool::parallel_for(tasks.len(), &run);
@@ -416,11 +442,9 @@ impl Attn<'_> {
     }
 
     /// The unit's state over span `span`, from empty, into `sc.span`: its tiles in order.
-    fn span_state(&self, seqs: &[SeqSpan], u: &Unit, span: usize, sc: &mut Scratch) {
+    fn span_state(&self, seqs: &[SeqSpan], u: &Unit, span: usize, then: Option<usize>, sc: &mut Scratch) {
         let s = &seqs[u.si];
-        let (lo, _) = self.row_keys(s, u.t0);
-        let (_, end) = self.row_keys(s, u.t1 - 1);
-        let (p0, p1) = ((span * SPAN).max(lo), ((span + 1) * SPAN).min(end));
+        let (p0, p1) = self.span_keys(s, u, span);
         sc.span.reset();
         let (g, hd) = (self.group, self.layout.head_dim);
         let qw = self.layout.n_heads * hd;
@@ -442,12 +466,26 @@ impl Attn<'_> {
             // the next tile's rows, which this tile's kernels prefetch as they go (in the values'
             // order: a dimension-major block's keys are the same run as its values' rows), then
             // are that tile's offsets: each tile's computed once
-            sc.next_len = (a1 + TILE).min(p1) - a1;
-            self.offsets(self.v.order, s, u, a1, &mut sc.next[..sc.next_len]);
+            let (n0, n1) = match then {
+                Some(t) if a1 == p1 => {
+                    let (t0, t1) = self.span_keys(s, u, t);
+                    (t0, ((t0 / TILE + 1) * TILE).min(t1))
+                }
+                _ => (a1, (a1 + TILE).min(p1)),
+            };
+            sc.next_len = n1 - n0;
+            self.offsets(self.v.order, s, u, n0, &mut sc.next[..sc.next_len]);
             self.tile(s, u, a0, a1, sc);
             std::mem::swap(&mut sc.offs, &mut sc.next);
             a0 = a1;
         }
+    }
+
+    /// The keys `p0..p1` of span `span` that some row of the unit sees.
+    fn span_keys(&self, s: &SeqSpan, u: &Unit, span: usize) -> (usize, usize) {
+        let (lo, _) = self.row_keys(s, u.t0);
+        let (_, end) = self.row_keys(s, u.t1 - 1);
+        ((span * SPAN).max(lo), ((span + 1) * SPAN).min(end))
     }
 
     /// One online-softmax step over keys `a0..a1` (inside one tile) for every vector of the unit.
