@@ -522,8 +522,15 @@ impl Attn<'_> {
             }
             i += nb;
         }
-        // the softmax step per vector
+        // the softmax step per vector: every vector's new maximum first (in `alpha` until its
+        // rescale replaces it), so no vector's exponentials wait on its own reduction
         let st = &mut sc.span;
+        for i in 0..sc.nv {
+            let (x, y) = sc.range[i];
+            if x < y {
+                sc.alpha[i] = st.m[i].max(tile_max(&sc.s[i * TILE + x..i * TILE + y], self.simd.avx2()));
+            }
+        }
         for i in 0..sc.nv {
             let row = &mut sc.s[i * TILE..(i + 1) * TILE];
             let (x, y) = sc.range[i];
@@ -532,7 +539,7 @@ impl Attn<'_> {
                 row[..n].fill(0.0);
                 continue;
             }
-            let m = st.m[i].max(tile_max(&row[x..y], self.simd.avx2()));
+            let m = sc.alpha[i];
             let alpha = exp(st.m[i] - m);
             let sum = tile_exp_sum(&mut row[x..y], m, self.simd);
             row[..x].fill(0.0);
